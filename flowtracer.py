@@ -1,0 +1,240 @@
+"""FlowTracer: answer-targeted information flow on the attention DAG, and the credit it gives.
+
+Paper: "FlowTracer" (../shared/papers/flowtracer.txt), §3.1-3.3 and App. C.2.
+
+    attention_graph   one no-grad forward pass -> head/layer-mean attention (§3.3, App. C.2)
+    trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
+    flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
+    find_answer_span / build_regions   which tokens are the question, the response and the answer
+
+The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
+
+    W_ik  = attn[k, i]                        eq. 1   how much token k reads from token i
+    h(a)  = 1 for answer tokens a             eq. 2   answer tokens are absorbing (the sink)
+    h(i)  = sum_k W_ik h(k) otherwise                 so (I - M) h = 1_A, M = W without the answer rows
+    W'_ik = W_ik h(k) / h(i)                  eq. 3   Theorem 3.1: sum_k W'_ik = 1 wherever h(i) > 0
+    f(k)  = s(k) + sum_i f(i) W'_ik           eq. 4   s = 1/|Q| on the question tokens with h > 0
+    tau(k)= f(k) + sum_j f(k) W'_kj                   = 2 f(k) off the answer (Theorem 3.1), f(k) on it
+
+Substituting g = f / h into eq. 4 gives g(k) = s(k)/h(k) + sum_i M_ik g(i), i.e. (I - M^T) g = s / h.
+So h is ONE backward triangular solve, g is ONE forward triangular solve, and f = h * g; W' is never
+materialised. (I - M) is unit upper-triangular (M is strictly upper-triangular), so both solves are exact
+and need no pivoting; no Python loop runs over tokens.
+
+Departures from the paper (numbered):
+ 1. Numerics: h decays geometrically along chains of local attention and underflows fp32 within a few
+    hundred tokens, so both solves run in fp64. Nodes with h < H_FLOOR (1e-250) are treated as unreachable
+    (h = 0), which keeps g = f/h below 1e250 and rules out inf/NaN. With softmax attention every answer token
+    attends every earlier token directly, so h(i) >= W_ia is far above the floor in practice (tested at 8K).
+ 2. The paper leaves ties and the region boundaries implicit. Here: ties in the top-k ranking go to the
+    earlier token; the question is the prompt minus special tokens (BOS, chat markers; see build_regions);
+    the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
+ 3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
+    (plain GRPO) and a fallback flag, instead of undefined flow.
+
+Run the tests: python -m pytest -q tests/test_flowtracer.py
+Time it:       python benchmarks/flow_speed.py
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from typing import NamedTuple
+
+import torch
+
+H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
+
+
+# ----------------------------------------------------------------------------- eq. 1-4: the flow
+class Flow(NamedTuple):
+    h: torch.Tensor           # (B, T) answer reachability, eq. 2 (1 on the answer, 0 where unreachable)
+    flow: torch.Tensor        # (B, T) f, eq. 4: share of the question->answer flow through each token
+    throughput: torch.Tensor  # (B, T) tau = f + outflow = 2f off the answer, f on it (Theorem 3.1)
+
+
+def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
+    """M_ik = attn[k, i] for i < k (eq. 1) in fp64, with the answer rows and invalid nodes cut out."""
+    W = attn.transpose(-1, -2).to(torch.float64).triu(diagonal=1)  # (B, T, T) W[i, k] = attn[k, i], i < k
+    keep = valid_mask & ~answer_mask                                  # (B, T) answer nodes pass nothing on
+    return W * keep.unsqueeze(-1) * valid_mask.unsqueeze(-2)         # (B, T, T)
+
+
+def reachability(M: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor:
+    """h from eq. 2 in one triangular solve: (I - M) h = 1_A. Returns (B, T) fp64."""
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    rhs = answer_mask.to(M.dtype).unsqueeze(-1)                                  # (B, T, 1)
+    h = torch.linalg.solve_triangular(eye - M, rhs, upper=True, unitriangular=True).squeeze(-1)  # (B, T)
+    return torch.where(h > H_FLOOR, h, torch.zeros_like(h))
+
+
+def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """W'_ik = W_ik h(k) / h(i) where h(i) > 0, else 0 (eq. 3). For inspection; trace_flow never builds it."""
+    inv = torch.where(h > 0, 1.0 / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T)
+    return M * inv.unsqueeze(-1) * h.unsqueeze(-2)                             # (B, T, T)
+
+
+def _check(attn, question_mask, answer_mask, valid_mask):
+    if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
+    for name, m in (("question_mask", question_mask), ("answer_mask", answer_mask), ("valid_mask", valid_mask)):
+        if m is not None and tuple(m.shape) != tuple(attn.shape[:-1]):
+            raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
+    if torch.isnan(attn).any():
+        raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
+    if (attn < 0).any():
+        raise ValueError(f"attn must be non-negative (attention probabilities), min is {attn.min().item():.3g}")
+
+
+def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
+               valid_mask: torch.Tensor | None = None) -> Flow:
+    """Answer-targeted flow on the attention DAG (eq. 1-4). Vectorised, fp64, no loop over tokens.
+
+    attn:          (T, T) or (B, T, T) head-averaged attention as transformers returns it:
+                   attn[..., k, i] is the weight of query k on key i. W_ik = attn[k, i] for i < k only;
+                   the diagonal and everything above it are ignored (eq. 1).
+    question_mask: (T,) or (B, T) bool, the source region Q. Unit flow enters uniformly at the question
+                   tokens that can reach the answer (h > 0), 1/|Q'| each.
+    answer_mask:   (T,) or (B, T) bool, the answer region A. Absorbing: h = 1 there (eq. 2), and answer
+                   tokens pass no flow on, so the flow reaching the answer is exactly the flow injected (1).
+    valid_mask:    optional (T,) or (B, T) bool; False (padding) nodes are cut from the graph.
+
+    Returns Flow(h, flow, throughput), fp64, shaped like the masks, where
+      h     solves h(i) = sum_{k>i} W_ik h(k) off the answer (eq. 2);
+      flow  solves f(k) = s(k) + sum_{i<k} f(i) W'_ik with W'_ik = W_ik h(k)/h(i) (eq. 3-4);
+      throughput tau(k) = f(k) + sum_j f(k) W'_kj. By Theorem 3.1 (sum_j W'_kj = 1 wherever h(k) > 0),
+            tau = 2f at every non-answer node with h > 0; on the absorbing answer nodes tau = f.
+    Padding, tokens after the answer and nodes that cannot reach the answer get h = 0 and flow = 0.
+    If no question token reaches the answer (no answer, answer before the question, T = 1), all flow is 0;
+    flow_credit then falls back to uniform credit.
+    """
+    single = attn.dim() == 2
+    if valid_mask is None:
+        valid_mask = torch.ones_like(question_mask, dtype=torch.bool)
+    _check(attn, question_mask, answer_mask, valid_mask)
+    if single:
+        attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in (attn, question_mask, answer_mask, valid_mask))
+    q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
+
+    M = dag_weights(attn, a, v)                                     # (B, T, T) eq. 1, answer rows cut
+    h = reachability(M, a)                                          # (B, T)    eq. 2
+    M = M * (h > 0).unsqueeze(-1) * (h > 0).unsqueeze(-2)           # drop unreachable nodes (departure 1)
+
+    src = (q & v & (h > 0)).to(M.dtype)                             # (B, T) question tokens that reach A
+    s = src / src.sum(-1, keepdim=True).clamp_min(1.0)              # (B, T) unit injection, 1/|Q'| each
+    rhs = torch.where(h > 0, s / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T) s / h
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    g = torch.linalg.solve_triangular(eye - M.transpose(-1, -2), rhs.unsqueeze(-1),
+                                      upper=False, unitriangular=True).squeeze(-1)  # (B, T) (I - M^T) g = s/h
+    f = h * g                                                       # (B, T) eq. 4
+    tau = torch.where(a, f, 2.0 * f)                                # (B, T) Theorem 3.1
+    out = Flow(h, f, tau)
+    return Flow(*(x.squeeze(0) for x in out)) if single else out
+
+
+# ----------------------------------------------------------------------------- eq. 5-6: the credit
+class Credit(NamedTuple):
+    weights: torch.Tensor   # (B, T) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
+    fallback: torch.Tensor  # (B,) bool: no answer / no path -> all-1 weights (plain GRPO)
+
+
+def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac: float = 0.4,
+                gamma: float = 1.5, largest: bool = True) -> Credit:
+    """Per-token GRPO weights from flow throughput (eq. 6; top_frac 0.4 and gamma 1.5 as in Table 5/7).
+
+    In each sequence with n response tokens, the ceil(top_frac * n) tokens with the highest throughput
+    (lowest with largest=False: the Bottom-k ablation of Table 5) get `gamma`, the other response tokens 1,
+    tokens off the response 0. Ties go to the earlier token. A sequence whose response carries no flow
+    (no answer region, or no path from the question to the answer) gets all-1 weights and fallback=True.
+    """
+    if not 0.0 <= top_frac <= 1.0:
+        raise ValueError(f"top_frac must be in [0, 1], got {top_frac}")
+    single = throughput.dim() == 1
+    tau, resp = (throughput.unsqueeze(0), response_mask.unsqueeze(0)) if single else (throughput, response_mask)
+    resp = resp.bool()
+    if torch.isnan(tau).any():
+        raise ValueError("throughput contains NaN")
+    n = resp.sum(-1)                                                    # (B,)
+    k = torch.ceil(top_frac * n.double() - 1e-9).long()                 # (B,) ceil without float fuzz
+    key = tau.double() if largest else -tau.double()
+    key = torch.where(resp, key, torch.full_like(key, -math.inf))       # (B, T) off-response ranks last
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # (B, T) stable: earlier wins ties
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    chosen = (rank < k.unsqueeze(-1)) & resp                            # (B, T)
+    fallback = ~((tau > 0) & resp).any(-1)                              # (B,) no flow reaches the response
+    chosen &= ~fallback.unsqueeze(-1)
+    w = resp.to(torch.float32) + (gamma - 1.0) * chosen.to(torch.float32)  # (B, T)
+    return Credit(w.squeeze(0), fallback.squeeze(0)) if single else Credit(w, fallback)
+
+
+# ----------------------------------------------------------------------------- regions
+_BOXED = re.compile(r"\\boxed\s*\{")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def find_answer_span(text: str) -> tuple[int, int] | None:
+    """Character span (start, end) of the final answer: the content of the last closed \\boxed{...}
+    (nested braces allowed), else of the last <answer>...</answer>, else None. Empty content is None."""
+    for m in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, m.end()
+        for j in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                if text[start:j].strip():
+                    return start, j
+                break
+    tags = [m for m in _ANSWER_TAG.finditer(text) if m.group(1).strip()]
+    return (tags[-1].start(1), tags[-1].end(1)) if tags else None
+
+
+def answer_token_range(tokenizer, ids: list[int]) -> tuple[int, int] | None:
+    """Token positions [k0, k1) of the answer in a response, or None.
+
+    Token k spans characters [c_k, c_{k+1}) of the decoded text, with c_k = len(decode(ids[:k])); this
+    follows the generated ids exactly (re-tokenising the text could split it differently). c_k is
+    monotone, so the two boundary tokens are found by bisection: O(log T) decodes, not T.
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    span = find_answer_span(text)
+    if span is None:
+        return None
+    c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
+    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1     # token holding the first char
+    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)          # first token at/after the end
+    return (max(k0, 0), k1) if k1 > max(k0, 0) else None
+
+
+class Regions(NamedTuple):
+    input_ids: torch.Tensor       # (B, T) long: [left-padded prompt | right-padded response]
+    attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
+    question_mask: torch.Tensor   # (B, T) bool: prompt tokens (special tokens excluded unless asked)
+    response_mask: torch.Tensor   # (B, T) bool: generated tokens, EOS included
+    answer_mask: torch.Tensor     # (B, T) bool: tokens of the final answer span inside the response
+    prompt_width: int             # P: response token j of row b sits at column P + j
+
+
+def build_regions(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                  question_special: bool = False) -> Regions:
+    """Lay out prompts + responses as HF generate does and mark the three regions.
+
+    question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
+    attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    special = set(tokenizer.all_special_ids)
+    B, P, R = len(prompt_ids), max(map(len, prompt_ids)), max([len(r) for r in response_ids] + [0])
+    ids = torch.full((B, P + R), pad, dtype=torch.long)
+    attn_mask = torch.zeros(B, P + R, dtype=torch.long)
+    q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[b, P - len(p):P], ids[b, P:P + len(r)] = torch.tensor(p, dtype=torch.long), torch.tensor(r, dtype=torch.long)
+        attn_mask[b, P - len(p):P + len(r)] = 1
+        q[b, P - len(p):P] = torch.tensor([question_special or t not in special for t in p], dtype=torch.bool)
+        resp[b, P:P + len(r)] = True
+        rng = answer_token_range(tokenizer, list(r)) if r else None
+        if rng is not None:
+            ans[b, P + rng[0]:P + rng[1]] = True
+    return Regions(ids, attn_mask, q, resp, ans, P)
