@@ -55,17 +55,30 @@ class Flow(NamedTuple):
 
 
 def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
-    """M_ik = attn[k, i] for i < k (eq. 1) in fp64, with the answer rows and invalid nodes cut out."""
-    W = attn.transpose(-1, -2).to(torch.float64).triu(diagonal=1)  # (B, T, T) W[i, k] = attn[k, i], i < k
-    keep = valid_mask & ~answer_mask                                  # (B, T) answer nodes pass nothing on
-    return W * keep.unsqueeze(-1) * valid_mask.unsqueeze(-2)         # (B, T, T)
+    """M_ik = attn[k, i] for i < k (eq. 1) in fp64, answer rows and padding cut out. (B, T, T) view."""
+    return -_neg_dag(attn, answer_mask, valid_mask).tril_(diagonal=-1).mT
+
+
+def _neg_dag(attn, answer_mask, valid_mask):
+    """-M in query-major layout, in one fp64 copy: A[b, k, i] = -W_ik below the diagonal. The diagonal and
+    the upper triangle are left as they are: the unitriangular solves never read them. This is
+    memory-bound, so each full pass over the T x T matrix counts: one copy, one sign + answer cut."""
+    A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; never aliases attn
+    A.mul_(-(valid_mask & ~answer_mask).to(A.dtype).unsqueeze(-2))  # key i: answers pass nothing on; sign
+    if not bool(valid_mask.all()):
+        A.mul_(valid_mask.to(A.dtype).unsqueeze(-1))                # query k: padding reads nothing
+    return A
 
 
 def reachability(M: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor:
     """h from eq. 2 in one triangular solve: (I - M) h = 1_A. Returns (B, T) fp64."""
-    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-    rhs = answer_mask.to(M.dtype).unsqueeze(-1)                                  # (B, T, 1)
-    h = torch.linalg.solve_triangular(eye - M, rhs, upper=True, unitriangular=True).squeeze(-1)  # (B, T)
+    return _solve_h(-M, answer_mask)
+
+
+def _solve_h(negM, answer_mask):
+    rhs = answer_mask.to(negM.dtype).unsqueeze(-1)                                # (B, T, 1)
+    # unitriangular=True reads only the strict upper part of -M and takes the diagonal as 1: that is I - M.
+    h = torch.linalg.solve_triangular(negM, rhs, upper=True, unitriangular=True).squeeze(-1)  # (B, T)
     return torch.where(h > H_FLOOR, h, torch.zeros_like(h))
 
 
@@ -81,9 +94,9 @@ def _check(attn, question_mask, answer_mask, valid_mask):
     for name, m in (("question_mask", question_mask), ("answer_mask", answer_mask), ("valid_mask", valid_mask)):
         if m is not None and tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
-    if torch.isnan(attn).any():
-        raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
-    if (attn < 0).any():
+    if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
+        if torch.isnan(attn).any():
+            raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
         raise ValueError(f"attn must be non-negative (attention probabilities), min is {attn.min().item():.3g}")
 
 
@@ -117,17 +130,20 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
         attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in (attn, question_mask, answer_mask, valid_mask))
     q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
 
-    M = dag_weights(attn, a, v)                                     # (B, T, T) eq. 1, answer rows cut
-    h = reachability(M, a)                                          # (B, T)    eq. 2
-    M = M * (h > 0).unsqueeze(-1) * (h > 0).unsqueeze(-2)           # drop unreachable nodes (departure 1)
+    A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
+    h = _solve_h(A.mT, a)                                           # (B, T) eq. 2: (I - M) h = 1_A
+    live = h > 0                                                    # (B, T)
 
-    src = (q & v & (h > 0)).to(M.dtype)                             # (B, T) question tokens that reach A
+    src = (q & v & live).to(h.dtype)                                # (B, T) question tokens that reach A
     s = src / src.sum(-1, keepdim=True).clamp_min(1.0)              # (B, T) unit injection, 1/|Q'| each
     rhs = torch.where(h > 0, s / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T) s / h
-    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
-    g = torch.linalg.solve_triangular(eye - M.transpose(-1, -2), rhs.unsqueeze(-1),
+    g = torch.linalg.solve_triangular(A, rhs.unsqueeze(-1),                  # A = -M^T, lower
                                       upper=False, unitriangular=True).squeeze(-1)  # (B, T) (I - M^T) g = s/h
     f = h * g                                                       # (B, T) eq. 4
+    # g(k) = s(k)/h(k) + sum_i attn[k, i] g(i) and attention rows sum to <= 1, so g <= max(s/h) < 1/H_FLOOR:
+    # no overflow, and unreachable nodes (h = 0) get f = 0 without being cut from the matrix.
+    if not bool(torch.isfinite(f).all()):
+        raise FloatingPointError("flow is not finite: are the attention rows probabilities (sum <= 1)?")
     tau = torch.where(a, f, 2.0 * f)                                # (B, T) Theorem 3.1
     out = Flow(h, f, tau)
     return Flow(*(x.squeeze(0) for x in out)) if single else out

@@ -259,3 +259,11 @@ def test_build_regions_layout_and_answer_tokens():
     assert r.response_mask[1].sum() == 4 and r.attention_mask[1].sum() == 3 + 4
     ans = r.input_ids[0][r.answer_mask[0]].tolist()
     assert tok.decode(ans) == "5" and not r.answer_mask[1].any()
+
+
+def test_inputs_are_not_modified():
+    attn, q, a, v = random_batch(3, 2, 16)
+    before = attn.clone()
+    trace_flow(attn, q, a, valid_mask=v)
+    dag_weights(attn, a, v)
+    assert torch.equal(attn, before)
