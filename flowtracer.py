@@ -31,6 +31,11 @@ Departures from the paper (numbered):
     the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
  3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
     (plain GRPO) and a fallback flag, instead of undefined flow.
+ 4. "Middle layers (L/3 ~ 2L/3)" is read as range(L // 3, 2L // 3): layers 10..19 of the 30-layer SmolLM2,
+    12..23 of the 36-layer Qwen3-4B; 2L/3 is excluded so that early, middle and late partition the layers.
+ 5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
+    layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below).
+    Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
 Time it:       python benchmarks/flow_speed.py
@@ -43,8 +48,137 @@ import re
 from typing import NamedTuple
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
+
+
+# ----------------------------------------------------------------------------- eq. 1: the graph from a model
+# How, without the L*H*T*T tensor that output_attentions=True (eager attention) materialises: an attention
+# function "flowtracer" is registered with transformers' AttentionInterface (and sdpa's mask builder under the
+# same name). It always returns sdpa's output, so outside a capture it is an exact pass-through and a policy may
+# keep attn_implementation="flowtracer" permanently. Inside attention_graph, for the chosen layers only, it also
+# recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, sums over heads as it goes
+# into one (B, T, T) buffer, and raises after the last chosen layer: later layers and lm_head never run.
+# Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
+IMPL = "flowtracer"
+LAYER_SPECS = "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', or 'A:B'"
+
+
+def select_layers(spec, num_layers):
+    """Layer indices for a spec; see LAYER_SPECS. 'A:B' uses Python slice semantics (negatives, open ends)."""
+    L = num_layers
+    named = {None: (L // 3, 2 * L // 3), "middle": (L // 3, 2 * L // 3), "early": (0, L // 3),
+             "late": (2 * L // 3, L), "all": (0, L)}
+    if spec is None or (isinstance(spec, str) and spec in named):
+        layers = list(range(*named[spec]))
+    elif isinstance(spec, str) and spec.count(":") == 1:
+        try:
+            a, b = (int(s) if s.strip() else None for s in spec.split(":"))
+        except ValueError:
+            raise ValueError(f"bad layer spec {spec!r}; expected {LAYER_SPECS}") from None
+        layers = list(range(L))[a:b]
+    else:
+        raise ValueError(f"bad layer spec {spec!r}; expected {LAYER_SPECS}")
+    if not layers:
+        raise ValueError(f"layer spec {spec!r} selects no layer of a {L}-layer model; expected {LAYER_SPECS}")
+    return layers
+
+
+class _Capture:
+    """State of one attention_graph call, read by the attention function."""
+    def __init__(self, layers, buf, chunk):
+        self.layers, self.last, self.buf, self.chunk = set(layers), max(layers), buf, chunk
+
+
+class _Stop(Exception):
+    """Raised after the last chosen layer to end the forward pass early."""
+
+
+_capture = None  # the active _Capture, or None: then the attention function is plain sdpa
+
+
+def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
+    """buf (B,T,T) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32."""
+    B, H, T, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
+    kT = key.float().transpose(-1, -2)[:, :, None]  # (B, Hkv, 1, D, S)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
+        if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
+            allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+            score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
+        elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
+            score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
+        else:  # additive float mask (0 / large negative)
+            score = score + attention_mask[:, :, None, s:e].float()
+        p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows come out uniform, zeroed later
+        buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
+
+
+def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """AttentionInterface function: sdpa's output; while capturing, also the chosen layers' head-mean maps."""
+    cap = _capture
+    if cap is not None and getattr(module, "layer_idx", None) in cap.layers:
+        if query.shape[2] != key.shape[2]:
+            raise RuntimeError("attention_graph needs a full forward pass without a KV cache (q_len == kv_len)")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        add_head_mean(cap.buf, query, key, attention_mask, scale, cap.chunk)
+        if module.layer_idx == cap.last:
+            raise _Stop
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(IMPL, flowtracer_attention)
+AttentionMaskInterface.register(IMPL, sdpa_mask)  # the model builds sdpa's masks for "flowtracer"
+
+
+def auto_chunk(B, H, T, budget=2 ** 25):
+    """Query rows per chunk so that one (B, H, chunk, T) fp32 score block stays under `budget` floats."""
+    return max(1, min(T, budget // max(1, B * H * T)))
+
+
+@torch.no_grad()
+def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
+    """(B, T, T) float32: attention probabilities averaged over all heads of the chosen layers (Eq. 1).
+
+    out[b, k, i] = weight of query k on key i; zero for i > k, for padding keys and for padding query rows.
+    `layers`: a spec for select_layers (default: middle layers). `chunk`: query rows per softmax block.
+    """
+    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
+        raise ValueError("attention_graph needs input_ids and attention_mask, both (B, T)")
+    cfg = model.config
+    idx = select_layers(layers, cfg.num_hidden_layers)
+    B, T = input_ids.shape
+    mask = attention_mask.to(input_ids.device).long()  # (B, T)
+    if (mask.sum(-1) == 0).any():
+        raise ValueError("attention_graph got a row with no valid token (attention_mask all zero)")
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
+    buf = torch.zeros(B, T, T, dtype=torch.float32, device=input_ids.device)
+    global _capture
+    old_impl, was_training = cfg._attn_implementation, model.training
+    _capture = _Capture(idx, buf, chunk or auto_chunk(B, cfg.num_attention_heads, T))
+    try:
+        if old_impl != IMPL:
+            model.set_attn_implementation(IMPL)
+        if cfg._attn_implementation != IMPL:
+            raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
+        model.eval()
+        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        raise RuntimeError("the forward pass ended without reaching the last chosen layer")
+    except _Stop:
+        pass
+    finally:
+        _capture = None
+        if old_impl != IMPL:
+            model.set_attn_implementation(old_impl)
+        model.train(was_training)
+    buf /= len(idx)  # layer mean
+    return buf * (mask[:, :, None] * mask[:, None, :]).float()  # zero padding query rows and key columns
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow

