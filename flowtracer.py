@@ -190,7 +190,7 @@ class Flow(NamedTuple):
 
 def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
     """M_ik = attn[k, i] for i < k (eq. 1) in fp64, answer rows and padding cut out. (B, T, T) view."""
-    return -_neg_dag(attn, answer_mask, valid_mask).tril_(diagonal=-1).mT
+    return _neg_dag(attn, answer_mask, valid_mask).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
 
 
 def _neg_dag(attn, answer_mask, valid_mask):
