@@ -1,0 +1,513 @@
+"""The tasks: datasets, prompts and verified rewards for everything the paper trains and evaluates on.
+
+  load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
+  make_prompt(record, tokenizer, style)      -> the text the model continues
+  score(record, completion)                  -> a float reward: a pure function of (completion, answer)
+
+Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
+  math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
+  math eval       gsm8k (test), math500, aime24, aime25, amc23, olympiadbench, minerva
+  choice          crossthinkqa (train / validation; "test" reads validation, App. C.3)
+  countdown       countdown (generated, TinyZero's protocol: countdown.py), countdown-3to4 (TinyZero's hub data)
+  math, offline   arithmetic: generated 1-3 step word problems, the default task of the embedded
+                  SmolLM2-135M-Instruct (it is sometimes right and sometimes wrong: GRPO has signal).
+Rows come from `path=` (a JSONL or parquet file) if given; else the generator; else
+$FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to this repo); else the hub via
+`datasets.load_dataset` (offline, that raises an error saying how to pass a path). Quirks fixed on load:
+AIME24's "025", AMC23's floats, OlympiadBench's lists, Minerva's answer inside the solution's \\boxed{},
+AIME25's control characters (a JSON escaping bug: \\x0c -> \\f and TAB -> \\t, as in "\\frac", "\\triangle").
+
+Prompt styles, and the model families that use them:
+  chat       instruct / thinking models (Qwen3, the paper's main runs): one user turn that ends with
+             "Please reason step by step, and put your final answer within \\boxed{}." (App. E.1)
+  plain      base models: App. E.1's template as plain text (instruction, "Question: ...", "Answer:")
+  fewshot    Llama-3.x (App. C.3) and the embedded SmolLM2-135M-Instruct: the exemplars in FEWSHOT as
+             earlier user/assistant turns, then the question (zero-shot, SmolLM2 never writes a \\boxed{})
+  countdown  base models on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
+  Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...".
+
+Rewards (math_reward, countdown_reward, choice_reward) never raise on any string and never hang.
+
+Departures (numbered):
+  1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (the issue's choice,
+     the Qwen math convention and the shape of the App. C.3 exemplars).
+  2. App. C.3's second exemplar lost its line breaks in the PDF; it is laid out like the first.
+  3. FEWSHOT's third exemplar is ours, in the arithmetic task's style; its name and item never occur there.
+  4. Hub names: the paper links HPDL/OlympiadBench and UCLA-AGI/Minerva_Math; we use the copies of the
+     Qwen2.5-Math eval suite. CrossThinkQA's fields are not documented offline: `choice_row` accepts the
+     common multiple-choice layouts.
+  5. math-verify's timeout uses signal.alarm (main thread only). In other threads the check runs in a daemon
+     thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects values such as
+     9^{9^{9}} or (10^{10})! whose evaluation no timeout can interrupt (they score 0 even if equal).
+
+Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
+"""
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import re
+import threading
+import zlib
+from decimal import Decimal
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import countdown
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
+MAX_ANSWER_CHARS = 512  # a longer \boxed{} content is compared as a string only, never parsed
+TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
+MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
+logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read: the message names the file, the line (or row) and the field."""
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+def read_rows(path):
+    """Yield (where, row) for a JSONL or parquet file; `where` is "file, line N" (or "row N")."""
+    path = Path(path)
+    if not path.is_file() or path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"{path}: " + ("unsupported format (use .jsonl or .parquet)" if path.is_file() else
+                                       "no such file"))
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        yield from ((f"{path}, row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1))
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                row = json.loads(line) if line.strip() else None  # blank lines are skipped
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {i}: invalid JSON ({e.msg})") from None
+            if row is not None and not isinstance(row, dict):
+                raise DataError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
+            if row is not None:
+                yield f"{path}, line {i}", row
+
+
+def get(row, keys, types=(str,)):
+    """The first present field among keys, type-checked; DataError naming the field otherwise."""
+    for k in keys:
+        if row.get(k) is not None:
+            if not isinstance(row[k], types) or isinstance(row[k], bool):
+                want = "/".join(t.__name__ for t in types)
+                raise DataError(f"field {k!r} is {type(row[k]).__name__}, expected {want}")
+            return row[k]
+    raise DataError(f"missing field {' or '.join(repr(k) for k in keys)}")
+
+
+def answer_text(a):
+    """A ground truth as a string: 27.0 -> "27", ["$1$", "$2$"] -> "1, 2", " $x$ " -> "x"."""
+    if isinstance(a, float) and a.is_integer():
+        return str(int(a))
+    if isinstance(a, (list, tuple)):
+        return ", ".join(answer_text(x) for x in a)
+    return str(a).replace("$", "").strip()
+
+
+# ----------------------------------------------------------------------------- one normaliser per layout
+
+QUESTION = ("problem", "question", "Problem", "Question")
+ANSWER = ("answer", "Answer")
+NUMBER = (str, int, float)
+
+
+def math_row(row):
+    return get(row, QUESTION), answer_text(get(row, ANSWER, NUMBER))
+
+
+def gsm8k_row(row):  # the worked solution ends in "#### <number>"
+    *_, final = get(row, ("answer",)).split("####")
+    if len(_) == 0:
+        raise DataError("field 'answer' has no '#### <number>' final answer")
+    return get(row, ("question",)), final.strip().replace(",", "")
+
+
+def aime25_row(row):  # the source JSON lost two backslashes: "\f"rac became a form feed, "\t"riangle a TAB
+    q, a = math_row(row)
+    return q.replace("\x0c", "\\f").replace("\t", "\\t"), a
+
+
+def olympiad_row(row):
+    return get(row, ("question",)), answer_text(get(row, ("final_answer",), (list, str)))
+
+
+def minerva_row(row):  # the answer is the \boxed{} of the solution
+    boxed = get(row, ANSWER, NUMBER) if row.get("answer") is not None else last_boxed(get(row, ("solution",)))
+    if boxed is None:
+        raise DataError("field 'solution' has no \\boxed{} answer")
+    return get(row, QUESTION), answer_text(boxed)
+
+
+DAPO_WRAPPER = re.compile(r"^Solve the following math problem.*?\n\n(.*)\n\nRemember to put your answer.*$", re.S)
+
+
+def dapo_row(row):
+    prompt = get(row, ("prompt",), (list, str))  # the hub's chat list [{"role": "user", "content": ...}]
+    if isinstance(prompt, list):
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if not users or not isinstance(users[-1], str):
+            raise DataError("field 'prompt' has no user message with text content")
+        prompt = users[-1]
+    m = DAPO_WRAPPER.match(prompt)  # drop DAPO's own "Answer: $Answer" instructions; ours ask for \boxed{}
+    reward = get(row, ("reward_model",), (dict,))
+    return (m.group(1) if m else prompt).strip(), answer_text(get(reward, ("ground_truth",), NUMBER))
+
+
+LETTERS = "ABCDEFGHIJKLMNOP"
+
+
+def choice_row(row):
+    """A multiple-choice row in any common layout (assumed for CrossThinkQA, whose fields are not known here):
+    options as "options"/"choices" (a list, a {"A": ...} dict or ARC's {"label": [...], "text": [...]}),
+    as fields "A", "B", ..., or already inside the question text; the answer as a letter ("B", "(B)"),
+    a 0-based index, or the text of an option."""
+    opts = next((row[k] for k in ("options", "choices") if row.get(k) is not None), None)
+    if opts is None and "A" in row and "B" in row:
+        opts = {L: row[L] for L in LETTERS if row.get(L) is not None}
+    opts = dict(zip(opts.get("label", LETTERS), opts["text"]) if isinstance(opts, dict) and "text" in opts
+                else zip(LETTERS, opts) if isinstance(opts, list) else opts or {})
+    if not isinstance(opts, dict):
+        raise DataError(f"field 'options' is {type(opts).__name__}, expected list or dict")
+    a = get(row, ("answer", "label", "answer_key", "answerKey", "correct"), (str, int))
+    if isinstance(a, int):
+        if not 0 <= a < len(opts):
+            raise DataError(f"field 'answer' is index {a} but the row has {len(opts)} options")
+        a = list(opts)[a]
+    letter = {str(v).strip(): k for k, v in opts.items()}.get(a.strip()) or re.sub(r"[\s().:]", "", a).upper()
+    if len(letter) != 1 or letter not in LETTERS or (opts and letter not in opts):
+        raise DataError(f"field 'answer' is {a!r}, not one of the option letters")
+    q = "\n".join([get(row, QUESTION).rstrip()] + [f"{k}. {v}" for k, v in opts.items()])
+    return q + "\nAnswer with the letter of the correct option.", letter
+
+
+def countdown_row(row):
+    nums, target = get(row, ("nums",), (list,)), get(row, ("target",), (int,))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in nums) or not nums:
+        raise DataError("field 'nums' must be a non-empty list of integers")
+    return countdown.question(nums, target), {"nums": list(nums), "target": target}
+
+
+# ----------------------------------------------------------------------------- the arithmetic task
+
+NAMES = [("Tom", "he"), ("Anna", "she"), ("Ben", "he"), ("Lily", "she"), ("Sam", "he"), ("Emma", "she"),
+         ("Jack", "he"), ("Zoe", "she"), ("Leo", "he"), ("Nora", "she"), ("Max", "he"), ("Ella", "she")]
+ITEMS = ["apples", "marbles", "pencils", "cookies", "books", "shells", "cards", "balloons", "coins", "eggs"]
+ARITHMETIC_SIZES = {"train": 10_000, "test": 1_000}
+STEP_WEIGHTS = (0.6, 0.25, 0.15)  # P(1, 2, 3 steps): SmolLM2 solves ~30% of 1-step and few longer problems
+
+
+def arithmetic_problem(rng):
+    """One word problem: a start count in 2..9, then 1-3 steps that each add 2..6 or take away 2 or more.
+    Returns (question, answer, steps)."""
+    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
+    steps, v = rng.choices((1, 2, 3), STEP_WEIGHTS)[0], rng.randint(2, 9)
+    text = [f"{name} has {v} {item}."]
+    for s in range(steps):
+        who = he.capitalize() if s == 0 else f"Then {he}"
+        if v > 2 and rng.random() < 0.5:
+            n = rng.randint(2, v - 1)  # 2 or more, so that the item's plural is right
+            v -= n
+            text.append(f"{who} {rng.choice(['gives', 'sells'])} {n} {item} to a friend.")
+        else:
+            n = rng.randint(2, 6)
+            v += n
+            text.append(f"{who} {rng.choice(['buys', 'finds', 'gets'])} {n} more {item}.")
+    text.append(f"How many {item} does {name} have now?")
+    return " ".join(text), str(v), steps
+
+
+def generate_arithmetic(split, seed, limit):
+    """Deterministic for a seed; train and test are disjoint (a question's split is a hash of its text)."""
+    n, rng, seen, out = limit or ARITHMETIC_SIZES[split], random.Random(f"arithmetic-{seed}"), set(), []
+    while len(out) < n:
+        q, a, steps = arithmetic_problem(rng)
+        if q in seen or ("test" if zlib.crc32(q.encode()) % 10 == 0 else "train") != split:
+            continue
+        seen.add(q)
+        out.append({"question": q, "answer": a, "steps": steps})
+    return out
+
+
+# ----------------------------------------------------------------------------- the task table
+
+class Task(NamedTuple):
+    task: str                  # "math" | "countdown" | "choice": which reward `score` uses
+    local: str                 # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
+    hub: tuple                 # (hub name, config, {our split: hub split}); () for generated tasks
+    normalise: Callable        # row -> (question, answer); raises DataError naming the field
+    generate: Callable = None  # (split, seed, limit) -> rows, for the generated tasks
+
+
+TASKS = {
+    "gsm8k": Task("math", "gsm8k", ("openai/gsm8k", "main", {"train": "train", "test": "test"}), gsm8k_row),
+    "math500": Task("math", "math500", ("HuggingFaceH4/MATH-500", None, {"test": "test"}), math_row),
+    "aime24": Task("math", "aime24", ("HuggingFaceH4/aime_2024", None, {"test": "train"}), math_row),
+    "aime25": Task("math", "aime25", ("math-ai/aime25", None, {"test": "test"}), aime25_row),
+    "amc23": Task("math", "amc23", ("math-ai/amc23", None, {"test": "test"}), math_row),
+    "olympiadbench": Task("math", "olympiadbench",
+                          ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", {"test": "train"}), olympiad_row),
+    "minerva": Task("math", "minerva_math", ("math-ai/minervamath", None, {"test": "test"}), minerva_row),
+    "dapo-math-17k": Task("math", "dapo-math-17k",
+                          ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row),
+    "crossthinkqa": Task("choice", "crossthinkqa",  # Table 9's link; "test" is the validation split (App. C.3)
+                         ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}), choice_row),
+    "countdown": Task("countdown", "countdown", (), countdown_row,
+                      lambda split, seed, limit: countdown.generate(limit or countdown.SIZES[split], split, seed)),
+    "countdown-3to4": Task("countdown", "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
+                           ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
+                           countdown_row),
+    "arithmetic": Task("math", "arithmetic", (), math_row, generate_arithmetic),
+}
+SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
+
+
+def hub_rows(name, t, split):
+    hub, config, splits = t.hub
+    try:
+        import datasets
+        ds = datasets.load_dataset(hub, config, split=splits[split])
+    except Exception as e:
+        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+                        f"The hub may be unreachable: download the data and pass load_task({name!r}, "
+                        f"path='file.jsonl' or 'file.parquet'), or put it at $FLOWTRACER_DATA/{t.local}/"
+                        f"{split}.jsonl") from e
+    return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
+
+
+def load_task(name, split="test", path=None, limit=None, seed=0):
+    """The records of one task split. `seed` only matters for the generated tasks (countdown, arithmetic)."""
+    key = str(name).lower()
+    if key not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    t = TASKS[key]
+    if split not in SPLITS[key]:
+        raise ValueError(f"task {key!r} has splits {SPLITS[key]}, not {split!r}")
+    local = [Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
+             for ext in (".jsonl", ".parquet")]
+    if path is not None:
+        rows, source = read_rows(path), str(path)
+    elif t.generate is not None:
+        rows, source = ((f"generated row {i}", r) for i, r in enumerate(t.generate(split, seed, limit), 1)), key
+    elif any(p.is_file() for p in local):
+        source = str(next(p for p in local if p.is_file()))
+        rows = read_rows(source)
+    else:
+        rows, source = hub_rows(key, t, split), t.hub[0]
+    n, m = countdown.SIZES["train"], countdown.SIZES["test"]  # countdown-3to4 (TinyZero): train = the first n
+    stop = (n if split == "train" else n + m) if key == "countdown-3to4" else limit  # rows, test = the next m
+    records, seen = [], set()
+    for where, row in rows:
+        if stop and len(records) >= stop:
+            break
+        try:
+            q, a = t.normalise(row)
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+        if key == "dapo-math-17k" and q in seen:  # the hub file repeats every problem ~100 times
+            continue
+        seen.add(q)
+        extra = {k: row[k] for k in ("steps", "nums", "target") if k in row}
+        records.append({"id": f"{key}/{split}/{len(records)}", "source": key, "question": q, "answer": a,
+                        "task": t.task, **extra})
+    if key == "countdown-3to4" and split == "test":
+        records = records[n:]
+    if not records:
+        raise DataError(f"task {key!r} split {split!r} from {source}: no rows")
+    return records[:limit] if limit else records
+
+
+# ----------------------------------------------------------------------------- prompts
+
+FEWSHOT = [  # App. C.3's two exemplars (departure 2), then ours in the arithmetic style (departure 3)
+    ("Calculate $12 + 8 * 2$.",
+     "According to the order of operations, we first perform multiplication, then addition.\n"
+     "Step 1. $8 * 2 = 16$.\nStep 2. $12 + 16 = 28$.\nThe final answer is \\boxed{28}."),
+    ("Solve the equation: $2x - 5 = 5$.",
+     "To find the value of x, we need to isolate the variable.\n"
+     "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
+     "The final answer is \\boxed{5}."),
+    ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
+     "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}."),
+]
+STYLES = ("chat", "plain", "fewshot", "countdown")
+
+
+def render(messages, tokenizer):
+    """Chat turns through the tokenizer's chat template, or as "User: ..." text when it has none."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+
+
+def make_prompt(record, tokenizer=None, style="chat"):
+    """The prompt text for one record (see the module docstring for which style fits which model)."""
+    if style not in STYLES:
+        raise ValueError(f"unknown prompt style {style!r}; styles: {', '.join(STYLES)}")
+    q, is_countdown = record["question"], record["task"] == "countdown"
+    if style == "countdown" or (style == "plain" and is_countdown):
+        if not is_countdown:
+            raise ValueError("style 'countdown' is for countdown records; use chat, plain or fewshot")
+        return countdown.frame(q)
+    if style == "plain":
+        return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
+    if style == "chat":
+        return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer)
+    if is_countdown:
+        raise ValueError("style 'fewshot' has math exemplars; use countdown or chat for countdown records")
+    turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
+             for u, a in FEWSHOT]
+    return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer)
+
+
+# ----------------------------------------------------------------------------- rewards
+
+BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
+
+
+def last_boxed(text):
+    """The content of the last closed, non-empty \\boxed{...} (the one opening last; nested braces balanced),
+    or None: the same span as flowtracer.find_answer_span."""
+    stack, best = [], None
+    for m in BRACES.finditer(text):
+        if m.group() == "}":
+            if stack:
+                start, is_box = stack.pop()
+                if is_box and (best is None or start > best[0]) and text[start:m.start()].strip():
+                    best = (start, m.start())
+        else:
+            stack.append((m.end(), m.group() != "{"))
+    return None if best is None else text[best[0]:best[1]]
+
+
+THOUSANDS, DECIMAL = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
+
+
+def number(s):
+    """(Decimal, is an integer) for a plain number ("025", "2,125", "25.0", "\\$5", "4.5e33", "12\\%"), else None."""
+    s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}|\s", "", s).rstrip(".").lower()
+    if THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    return (Decimal(s), s.lstrip("+-").isdigit()) if DECIMAL.fullmatch(s) else None
+
+
+def size(e):
+    """An upper bound on log10|e| for a parsed sympy expression; math.inf for towers like 9^{9^{9}}."""
+    import sympy
+    if isinstance(e, sympy.MatrixBase):
+        return max((size(x) for x in e), default=0.0)
+    if isinstance(e, sympy.Rational):
+        return math.log10(abs(e.p) + 1)
+    if isinstance(e, sympy.Float):
+        return math.log10(abs(float(e)) + 1)
+    if isinstance(e, sympy.Pow):
+        x = size(e.exp)
+        return math.inf if x > 6 else max(size(e.base), 1.0) * 10 ** x
+    if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.subfactorial, sympy.gamma)):
+        x = max(size(a) for a in e.args)
+        return math.inf if x > 6 else 10 ** x * (x + 1)
+    if isinstance(e, (sympy.Sum, sympy.Product)):  # \prod_{n=1}^{10^9} n would be multiplied out
+        x = max((size(b) for lim in e.limits for b in lim[1:]), default=0.0)
+        return math.inf if x > 3 else size(e.function) * 10 ** x
+    if not getattr(e, "args", ()):
+        return 1.0  # symbols, constants, booleans
+    sizes = [size(a) for a in e.args]
+    return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
+
+
+@lru_cache(maxsize=8192)
+def parse_boxed(text, timeout):
+    from math_verify import LatexExtractionConfig, parse
+    return parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
+
+
+def math_verify_equal(gold, pred, timeout):
+    import sympy
+    from math_verify import verify
+    g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
+    if any(size(x) > MAX_DIGITS for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))):
+        return False
+    return verify(g, p, timeout_seconds=timeout)
+
+
+def equivalent(gold, pred):
+    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout."""
+    g, p = number(gold), number(pred)
+    if g is not None and p is not None:  # two integers exactly ("025" == 25); else to a relative 1e-6
+        (g, g_int), (p, p_int) = g, p
+        return g == p if g_int and p_int else abs(g - p) <= Decimal("1e-6") * max(1, abs(g))
+    gold, pred = (format(n[0], "f") if n and abs(n[0].adjusted()) <= 100 else s  # "4.5e33": e is not Euler's
+                  for s, n in ((gold, g), (pred, p)))
+    if re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold) or len(pred) > MAX_ANSWER_CHARS:
+        return re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold)  # the same string, or too long to parse
+    if threading.current_thread() is threading.main_thread():
+        return math_verify_equal(gold, pred, TIMEOUT_S)  # math-verify's own signal.alarm timeouts
+    box = []  # departure 5: no signals in this thread, so run in a daemon thread; stop waiting at the timeout
+
+    def work():
+        try:
+            box.append(math_verify_equal(gold, pred, None))
+        except Exception:  # leaves box empty: not equal
+            pass
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(4 * TIMEOUT_S)  # one parse each for gold and pred, the comparison, and slack
+    return bool(box and box[0])
+
+
+def math_reward(completion, answer):
+    """1.0 when the last \\boxed{} of the completion equals the ground truth, else 0.0. Never raises."""
+    try:
+        pred = last_boxed(completion) if isinstance(completion, str) else None
+        return 0.0 if pred is None or not pred.strip() else float(equivalent(answer_text(answer), pred.strip()))
+    except Exception:  # Decimal overflow, a math-verify or sympy error, RecursionError ...
+        return 0.0
+
+
+def choice_reward(completion, answer):
+    """1.0 when the last \\boxed{} holds the answer's letter ("B", "(B)", "\\text{B}", "B. text"), else 0.0."""
+    try:
+        pred = last_boxed(completion) if isinstance(completion, str) else None
+        if pred is None:
+            return 0.0
+        pred = re.sub(r"\\text(?:bf)?\{([^{}]*)\}", r"\1", pred).strip()
+        m = re.match(r"\(?([A-Za-z])\)?(?:$|[.:)\s])", pred)
+        return float(m is not None and m.group(1).upper() == str(answer).strip().strip("()").upper())
+    except Exception:
+        return 0.0
+
+
+countdown_reward = countdown.reward  # TinyZero's 1.0 / 0.1 / 0.0 rule, see countdown.py
+REWARDS = {"math": math_reward, "countdown": countdown_reward, "choice": choice_reward}
+
+
+def score(record, completion):
+    """The reward for one completion of one record. Never raises on any completion; an unknown
+    record["task"] is a programming error and raises ValueError."""
+    reward = REWARDS.get(record.get("task"))
+    if reward is None:
+        raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; known: {list(REWARDS)}")
+    return reward(completion, record["answer"])
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Print a few records, their prompts and a self-check.")
+    ap.add_argument("--task", default="arithmetic", choices=list(TASKS))  # which task
+    ap.add_argument("--split", default="test")                            # train | test
+    ap.add_argument("--path", default=None)                               # a local JSONL/parquet file
+    ap.add_argument("--limit", type=int, default=3)                       # how many records
+    ap.add_argument("--style", default="plain", choices=STYLES)           # prompt style (no tokenizer here)
+    args = ap.parse_args()
+    for r in load_task(args.task, args.split, args.path, args.limit):
+        good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
+                else f"\\boxed{{{r['answer']}}}")
+        print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good), "\n")

@@ -1,0 +1,416 @@
+"""Evaluation and the paper's experiments, one subcommand each; every one writes <out>/<cmd>.json and <cmd>.md.
+
+  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy, per benchmark
+  intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
+             or at random, regenerate, count answer changes and correctness reversals   (probes.py)
+  recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
+  overhead   Table 6: GRPO step time vs. credit time, from grpo.train on the model and context given
+  plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
+             Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
+
+Formulas:
+  pass@k  = mean over problems of 1 - C(n - c, k) / C(n, k)   (n samples, c correct; Chen et al. 2021),
+            computed as the product 1 - prod_{i = n-c+1}^{n} (1 - k / i): no huge binomials.
+  EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
+
+Departures (numbered; probes.py lists those of intervene and recall):
+ 1. The paper does not give alpha for its EMA: default 0.2. It does not say how EMA_0 is set: EMA_0 = x_0.
+ 2. bench samples with the training settings of App. C.3 (T = 0.99, top-p 1.0, top-k 100); greedy is argmax.
+    A response counts as correct when its reward is 1 (Countdown's 0.1 format reward is not a pass); a
+    response with no final answer (no \\boxed{} / <answer>) is wrong, and how many there were is reported.
+ 3. plot colours throughput on a log scale over three decades (the paper's Fig. 2 scale is not given); the
+    token charts (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput of each response,
+    among the tokens before the answer ends.
+
+Bad input: exit 2 and a message for a missing checkpoint, an unknown benchmark or bad flags; exit 1 when there
+is nothing to report (e.g. no response has an answer), after writing the counts.
+
+Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
+     python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
+     python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
+     python eval.py overhead [any grpo.py flag]    |    python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+"""
+import argparse
+import html
+import json
+import math
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import data
+import probes
+from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, trace_flow
+from models import generate, load_model
+
+BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown", "crossthinkqa"]
+
+
+def fail(msg, code=2):
+    print(f"eval.py: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+# ----------------------------------------------------------------------------- metrics
+def pass_at_k(n, c, k):
+    """Unbiased pass@k for one problem: 1 - C(n - c, k) / C(n, k), in product form."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def peak_ema(xs, alpha=0.2):
+    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1}; EMA_0 = x_0."""
+    out = []
+    for x in xs:
+        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
+    return out
+
+
+# ----------------------------------------------------------------------------- model, prompts, output
+def resolve_model(name):
+    """A model name for load_model. Paths must exist (exit 2); a grpo run directory means its ckpt/."""
+    looks_local = name.endswith(".gguf") or name.startswith((".", "/", "~")) or name.count("/") > 1 or \
+        (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
+    path = Path(name).expanduser()
+    if looks_local and not path.exists():
+        fail(f"checkpoint {name!r} not found (a run directory, its ckpt/, a save_pretrained dir or a .gguf)")
+    if (path / "ckpt" / "config.json").is_file():
+        return str(path / "ckpt")
+    if path.is_dir() and not (path / "config.json").is_file():
+        fail(f"{name!r} is a directory without config.json: not a checkpoint")
+    return str(path) if looks_local else name
+
+
+def auto_style(model_name, task, style):
+    """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
+    if style != "auto":
+        return "countdown" if task == "countdown" and style == "fewshot" else style
+    state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
+    if state.is_file():
+        model_name = torch.load(state, weights_only=False, mmap=True)["config"]["model"]
+    name = model_name.lower()
+    return "countdown" if task == "countdown" else "fewshot" if "smollm2" in name or name.endswith(".gguf") \
+        else "plain" if "base" in name else "chat"
+
+
+def save(args, result, table, rows=None):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": args.cmd, "args": {k: v for k, v in vars(args).items() if k != "func"}, **result}
+    (out / f"{args.cmd}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.cmd}.md").write_text(table)
+    if rows is not None:
+        with open(out / f"{args.cmd}_rows.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table + f"\nwrote {out}/{args.cmd}.json, {args.cmd}.md")
+
+
+def setup(args, task):
+    model_name = resolve_model(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
+    try:
+        model, tok = load_model(model_name, device=args.device, dtype=dtype)
+    except (RuntimeError, OSError, ValueError) as e:                         # offline hub, missing wheel, bad dir
+        fail(f"cannot load model {args.model!r}: {e}")
+    return model, tok, auto_style(model_name, data.TASKS[task].task if task in data.TASKS else task, args.style)
+
+
+def records_for(args, task):
+    try:
+        return data.load_task(task, split="test", limit=args.n_problems, seed=args.seed)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
+def inputs(args, tok, style):
+    """--responses rows (fixed responses), else the task's records (the probes sample the responses)."""
+    try:
+        return probes.load_responses(args.responses, tok, style) if args.responses else records_for(args, args.task)
+    except data.DataError as e:
+        fail(str(e))
+
+
+# ----------------------------------------------------------------------------- bench (Tables 2-4)
+def bench(args):
+    unknown = [b for b in args.benchmarks if b not in data.TASKS]
+    if unknown:
+        fail(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS} (and any data.TASKS name)")
+    model, tok, _ = setup(args, args.benchmarks[0])
+    ks, n, no_ans = [k for k in args.ks if k <= args.n], args.n, lambda t: find_answer_span(t) is None
+    results, rows = {}, []
+    for name in tqdm(args.benchmarks, desc="bench", unit="benchmark"):
+        recs = records_for(args, name)
+        style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
+        prompts = [data.make_prompt(r, tok, style) for r in recs]
+        smp = generate(model, tok, prompts, n=n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, chunk_size=args.batch_size)
+        grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True, chunk_size=args.batch_size)
+        mine = [dict(benchmark=name, id=r["id"], correct=[data.score(r, t) >= 1.0 for t in smp.texts[i * n:(i + 1) * n]],
+                     greedy=data.score(r, grd.texts[i]) >= 1.0, no_answer=sum(map(no_ans, smp.texts[i * n:(i + 1) * n])),
+                     greedy_no_answer=no_ans(grd.texts[i]), texts=smp.texts[i * n:(i + 1) * n], greedy_text=grd.texts[i])
+                for i, r in enumerate(recs)]                                  # correct: reward 1 (departure 2)
+        rows += mine
+        results[name] = {"n_problems": len(recs), "n": n, "style": style,
+                         **{f"pass@{k}": sum(pass_at_k(n, sum(x["correct"]), k) for x in mine) / len(mine) for k in ks},
+                         "greedy": sum(x["greedy"] for x in mine) / len(mine),
+                         "no_answer_samples": sum(x["no_answer"] for x in mine),
+                         "no_answer_greedy": sum(x["greedy_no_answer"] for x in mine),
+                         "truncated_samples": sum(smp.truncated), "truncated_greedy": sum(grd.truncated)}
+    header = ["benchmark", "problems", "n", *(f"pass@{k}" for k in ks), "greedy", "no answer (samples)", "no answer (greedy)"]
+    table = probes.markdown(header, [[b, r["n_problems"], n, *(r[f"pass@{k}"] for k in ks), r["greedy"],
+                               f"{r['no_answer_samples']}/{r['n_problems'] * n}", f"{r['no_answer_greedy']}/{r['n_problems']}"]
+                              for b, r in results.items()])
+    save(args, {"model": args.model, "benchmarks": results}, table, rows)
+
+
+# ----------------------------------------------------------------------------- intervene and recall (probes.py)
+def intervene(args):
+    model, tok, style = setup(args, args.task)
+    out, s = probes.intervene(model, tok, inputs(args, tok, style), args, style)
+    save(args, {"model": args.model, "summary": s}, probes.intervene_table(s, args), out)
+    if s["n"] == 0:
+        fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
+
+
+def recall(args):
+    model, tok, style = setup(args, args.task)
+    try:
+        out, s = probes.recall(model, tok, inputs(args, tok, style), args, style)
+    except ValueError as e:
+        fail(str(e), 1)
+    save(args, {"model": args.model, "summary": s}, probes.recall_table(s), out)
+    if not s["n_causal"]:
+        fail("empty result set: the Oracle found no causal token, so recall is undefined", 1)
+    probes.recall_figure(s, Path(args.out) / "recall.png")
+
+
+# ----------------------------------------------------------------------------- overhead (Table 6)
+def overhead(args, grpo_argv):
+    import grpo
+    runs = []
+    for ctx in args.contexts or [None]:
+        argv = grpo_argv + (["--max-new-tokens", str(ctx)] if ctx else []) + \
+            ["--steps", str(args.steps), "--out-dir", str(Path(args.out) / f"grpo_{ctx or 'default'}")]
+        cfg = grpo.parse_args(argv)
+        m = grpo.train(cfg)
+        timed = m[1:] if len(m) > 1 else m                                   # step 1 is warm-up
+        if not timed:
+            fail("empty result set: grpo.train returned no step", 1)
+        mean = {k: sum(x[k] for x in timed) / len(timed) for k in timed[0] if k.startswith(("time/", "len/"))}
+        runs.append(dict(model=cfg.model, context=cfg.max_new_tokens, rollouts=cfg.prompts_per_step * cfg.group_size,
+                         credit=cfg.credit, steps_timed=len(timed), **mean, overhead=mean["time/credit"] / mean["time/step"]))
+    keys = [k for k in runs[0] if k.startswith("time/")]
+    table = probes.markdown(["model", "context", "rollouts", *keys, "overhead"],
+                     [[r["model"], r["context"], r["rollouts"], *[r[k] for k in keys], f"{r['overhead']:.1%}"] for r in runs])
+    save(args, {"grpo_argv": grpo_argv, "runs": runs}, table)
+
+
+# ----------------------------------------------------------------------------- plot (Figs. 2, 3, 7, curves)
+def token_figure(path, tokens, colors, title, width=100):
+    """Tokens as text on coloured boxes, wrapped at `width` characters; saves PNG and HTML."""
+    plt, lines, col = probes.pyplot(), [[]], 0
+    for t, c in zip(tokens, colors):
+        for n, piece in enumerate(t.split("\n")):
+            if n or (col + len(piece) > width and col):                      # a newline, or the line is full
+                lines.append([])
+                col = 0
+            if piece:
+                lines[-1].append((col, piece, c))
+                col += len(piece)
+    fig = plt.figure(figsize=(width * 0.602 * 8 / 72, 0.22 * len(lines) + 0.5))  # DejaVu Sans Mono: 0.602 em
+    ax = fig.add_axes([0, 0, 1, 1 - 0.3 / (0.22 * len(lines) + 0.5)])
+    ax.set(xlim=(0, width), ylim=(len(lines), 0), title=title)
+    ax.axis("off")
+    for y, line in enumerate(lines):
+        for x, piece, c in line:
+            ax.add_patch(plt.Rectangle((x, y + 0.05), len(piece), 0.9, color=c, lw=0))
+            ax.text(x, y + 0.5, piece, family="monospace", fontsize=8, va="center", parse_math=False)
+    fig.savefig(str(path) + ".png", dpi=110)
+    plt.close(fig)
+    span = lambda t, c: (f'<span style="background:rgba({int(255 * c[0])},{int(255 * c[1])},{int(255 * c[2])},'  # noqa: E731
+                         f'{c[3]:.2f})">{html.escape(t).replace(chr(10), "<br>")}</span>')
+    Path(str(path) + ".html").write_text(f"<html><body><h3>{html.escape(title)}</h3><pre style='white-space:pre-wrap'>"
+                                         + "".join(span(t, c) for t, c in zip(tokens, colors)) + "</pre></body></html>")
+
+
+def log_scale(x):
+    """x >= 0 -> [0, 1]: log10 of x / max(x) over three decades (departure 3)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    top = x.max().clamp_min(1e-300)
+    return (1 + torch.log10((x / top).clamp_min(1e-3)) / 3).where(x > 0, torch.zeros_like(x)).tolist()
+
+
+def plot(args):
+    figs = args.figures or (["curves"] if args.metrics else ["heatmap", "inout", "tokens"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result, plt = {"figures": figs}, probes.pyplot()
+    if "curves" in figs:
+        if not args.metrics:
+            fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
+        result["curves"] = plot_curves(args, out, plt)
+    if set(figs) & {"heatmap", "inout", "tokens"}:
+        result.update(plot_flow(args, out, plt, figs))
+    save(args, result, probes.markdown(["figure", "files"], [[f, f"{f}.png"] for f in figs]))
+
+
+def plot_curves(args, out, plt):
+    runs, smooth = {}, {}
+    for p in args.metrics:
+        if not Path(p).is_file():
+            fail(f"metrics file {p!r} not found")
+        runs[Path(p).parent.name or p] = [json.loads(line) for line in open(p) if line.strip()]
+        if not runs[Path(p).parent.name or p]:
+            fail(f"empty result set: {p} has no metrics rows", 1)
+    fig, axes = plt.subplots(1, len(args.keys), figsize=(4.5 * len(args.keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], args.keys):
+        for name, rows in runs.items():
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ema = peak_ema(ys, args.alpha)
+            line, = ax.plot(xs, ema, label=name)
+            ax.plot(xs, ys, color=line.get_color(), alpha=0.25, lw=0.8)
+            smooth[f"{name}/{key}"] = ema[-1]
+        ax.set(title=f"{key} (peak EMA, alpha={args.alpha})", xlabel="step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    return {"final_peak_ema": smooth}
+
+
+def plot_flow(args, out, plt, figs):
+    model, tok, style = setup(args, args.task)
+    rows = inputs(args, tok, style)
+    if "response" not in rows[0]:
+        rows = probes.sample_responses(model, tok, rows, args, style, args.temperature, args.seed, "plot: sample")
+    batch = probes.regions(tok, rows)
+    dev, P = model.device, batch.prompt_width
+    attn = attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), args.layers)  # (B, T, T)
+    valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
+    fl = trace_flow(attn, batch.question_mask.to(dev), ans, valid_mask=valid)
+    has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
+    res = {"n_responses": len(rows), "n_no_answer": len(rows) - len(has)}
+    if not has:
+        fail(f"empty result set: none of the {len(rows)} responses has an answer, so there is no flow", 1)
+    b = has[min(args.index, len(has) - 1)]
+    lo, end = P - min(args.context, int(batch.attention_mask[b, :P].sum())), P + len(rows[b]["response"])
+    toks = [tok.decode([t]) for t in batch.input_ids[b, lo:end].tolist()]
+    tau = fl.throughput[b, lo:end]
+    if "heatmap" in figs:                                                    # Fig. 2
+        cm = plt.get_cmap("Reds")
+        token_figure(out / "heatmap", toks, [cm(0.85 * v) for v in log_scale(tau)], f"flow throughput, {rows[b]['record']['id']}")
+    if "inout" in figs:                                                      # Fig. 7
+        resp_tau = torch.where(batch.answer_mask[b, P:end].to(dev), 0, fl.throughput[b, P:end])
+        if args.token is not None and not 0 <= args.token < end - P:
+            fail(f"--token {args.token}: the response has {end - P} tokens")
+        k = P + (args.token if args.token is not None else int(resp_tau.argmax()))
+        Wp = reweight(dag_weights(attn[b:b + 1], ans[b:b + 1], valid[b:b + 1]), fl.h[b:b + 1])[0]  # (T, T) W'_ik
+        inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]      # phi(i -> k), phi(k -> j)
+        vin, vout = log_scale(inflow[lo:end]), log_scale(outflow[lo:end])
+        blue, orange = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+        colors = [(1, 0.2, 0.2, 1) if lo + j == k else blue(0.8 * a) if lo + j < k else orange(0.8 * c)
+                  for j, (a, c) in enumerate(zip(vin, vout))]
+        token_figure(out / "inout", toks, colors, f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)")
+        res["inout"] = {"token": toks[k - lo], "position": k - P, "inflow_total": float(inflow.sum()),
+                        "outflow_total": float(outflow.sum()), "inflow_from_prompt": float(inflow[:P].sum())}
+    if "tokens" in figs:                                                     # Fig. 3
+        high, low = Counter(), Counter()
+        for i in has:
+            a_end = int(batch.answer_mask[i].nonzero().max()) + 1
+            ids, t = batch.input_ids[i, P:a_end].tolist(), fl.throughput[i, P:a_end].tolist()
+            order = sorted(range(len(t)), key=lambda j: (-t[j], j))
+            n = max(1, math.ceil(args.frac * len(t)))
+            high.update(tok.decode([ids[j]]) for j in order[:n])
+            low.update(tok.decode([ids[j]]) for j in order[-n:])
+        fig, axes = plt.subplots(1, 2, figsize=(10, 5))
+        for ax, (name, cnt, color) in zip(axes, (("high-flow (top", high, "tab:red"), ("low-flow (bottom", low, "tab:gray"))):
+            top = cnt.most_common(args.top)[::-1]                            # spaces as ␣, newlines as \n
+            ax.barh([repr(w)[1:-1].replace(" ", "␣") for w, _ in top], [c for _, c in top], color=color)
+            ax.set_title(f"{name} {args.frac:.0%} of each response)")
+        fig.tight_layout()
+        fig.savefig(out / "tokens.png", dpi=110)
+        res["tokens"] = {"high": high.most_common(args.top), "low": low.most_common(args.top)}
+    return res
+
+
+# ----------------------------------------------------------------------------- command line
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):
+        p = sub.add_parser(name, allow_abbrev=False)
+        p.set_defaults(func=fn)
+        p.add_argument("--out", default=f"results/{name}", help="output directory")
+        p.add_argument("--seed", type=int, default=0, help="seed for sampling, truncation points, selections")
+        if model:
+            p.add_argument("--model", default="smollm2-135m", help="any name grpo.py accepts, or a checkpoint directory")
+            p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: models.py's")
+            p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+            p.add_argument("--style", default="auto", choices=["auto", *data.STYLES], help="prompt style (auto: as grpo.py)")
+            if task:
+                p.add_argument("--task", default=task, help="a data.py task name")
+            p.add_argument("--n-problems", type=int, default=problems, help="first N problems of the test split (None: all)")
+            p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
+            p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate call")
+        if model and task:
+            p.add_argument("--layers", default="middle", help="attention layers for the flow graph (select_layers)")
+            p.add_argument("--responses", default=None, help="JSONL of fixed responses {question, answer, response} "
+                           "instead of sampling (probes.load_responses)")
+        return p
+
+    p = cmd("bench", bench, task=None, max_new=1024)
+    p.add_argument("--benchmarks", nargs="+", default=BENCHMARKS, help="benchmark names")
+    p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="k values for pass@k (k <= n)")
+    for flag, v in (("--temperature", 0.99), ("--top-p", 1.0), ("--top-k", 100)):
+        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3")
+    p = cmd("intervene", intervene, problems=200)
+    p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses and regeneration at T = 0.7")
+    p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 that are masked (Table 1)")
+    p = cmd("recall", recall, task="arithmetic", problems=100)
+    p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
+    p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
+    p.add_argument("--signals", nargs="+", default=["flow", "attention", "attention-max", "entropy", "random", "oar-p", "oar-g"],
+                   help="credit.SIGNALS names to rank tokens by")
+    p = cmd("overhead", None, model=False)
+    p.add_argument("--steps", type=int, default=2, help="GRPO steps; the first is warm-up and not timed")
+    p.add_argument("--contexts", type=int, nargs="*", default=None, help="max_new_tokens values to time (default: grpo's)")
+    p = cmd("plot", plot, problems=8)
+    p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
+                   help="default: curves with --metrics, else heatmap inout tokens")
+    p.add_argument("--metrics", nargs="*", default=None, help="metrics.jsonl files of runs to compare")
+    p.add_argument("--keys", nargs="+", default=["acc", "reward/mean"], help="metrics to plot")
+    p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
+    p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
+    p.add_argument("--token", type=int, default=None, help="response position for inout (default: highest throughput)")
+    p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
+    p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
+    p.add_argument("--top", type=int, default=20, help="bars per token chart")
+    args, extra = ap.parse_known_args(argv)
+    if extra and args.cmd != "overhead":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args, extra
+
+
+def main(argv=None):
+    args, extra = parse(argv)
+    overhead(args, extra) if args.cmd == "overhead" else args.func(args)
+
+
+if __name__ == "__main__":
+    main()

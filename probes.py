@@ -1,0 +1,388 @@
+"""Causal probes of token importance: the masking intervention (FlowTracer Table 1) and the Oracle recall (OAR Fig. 5a).
+
+Both experiments take a finished response, change something at or before a position, regenerate the rest,
+and ask whether the final answer moved. Both use the same decoder, `decode`: a plain loop with a KV cache,
+explicit position ids and a 4D additive attention mask, so that masking a token never shifts the RoPE
+positions of the tokens after it (zeroing HF's 2D mask would: HF derives position ids from its cumsum).
+
+intervene  (FlowTracer §3.2, Table 1, App. E.1). For each response with an answer:
+    t0 ~ U{1..k0}, k0 = the first answer token; n = ceil(0.2 t0) of the response tokens [0, t0) are selected
+    by flow throughput tau (top n: "high", bottom n: "low") or uniformly ("random"); no later token may attend
+    to them (prefix tokens after them included, since the prefix is re-encoded under the mask); the response is
+    regenerated from t0. Four rows per problem: none (no mask: the noise floor), high, low, random.
+    answer change       = the regenerated final answer differs from the original one (math-equivalence)
+    correctness reverse = the reward flipped (either way; both directions are also reported)
+    ... "vs none"       = the same two rates against the unmasked regeneration with the same noise (departure 1):
+                          the effect of the mask alone, without the resampling noise of the paper's definition.
+recall     (OAR §5.1, eq. 19). For a correct greedy response y: O_t = 1 if replacing y_t by the most probable
+    token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of the
+    causal tokens that rank in the top K% by a credit signal (pooled over responses).
+
+Departures (numbered):
+ 1. Regeneration samples with the Gumbel-max trick, temperature only (App. E.1: T = 0.7; no top-k / top-p),
+    and all four rows of a problem read the same noise at every step (common random numbers). So high, low and
+    random are paired, and an empty selection reproduces the "none" row exactly.
+ 2. t0 is drawn before the answer starts (the paper: "randomly truncated"), so the regeneration always
+    re-derives the answer; a later t0 could not change it. Responses with no answer have no flow: they are
+    counted and reported ("no_answer") and left out of the table.
+ 3. The regeneration gets the budget the original had left: max_new_tokens - t0.
+ 4. Oracle responses are greedy, so decoding the suffix greedily without a replacement gives them back (up to
+    float near-ties) and a flip is due to the replacement. "Second most probable" is read as the best token
+    other than y_t (the same for greedy y). Positions are a seeded sample of at most max_positions among the
+    tokens before the answer ends; tokens are ranked among those same tokens. recall = hits / causal, pooled.
+ 5. Both accept fixed responses instead (--responses, load_responses), e.g. a trained policy's rollouts; those
+    need not be greedy or sampled at T.
+
+Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
+     python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
+"""
+import math
+import os
+import random
+from types import SimpleNamespace
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+import credit
+import data
+from flowtracer import build_regions
+
+CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
+KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)
+
+
+def markdown(header, rows):
+    """A markdown table; floats with 3 decimals, None as "-"."""
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]) + "\n"
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ----------------------------------------------------------------------------- the decoder
+def additive(allowed, dtype):
+    """Bool "may attend" -> the additive mask attention adds to its scores: 0, or the dtype's minimum."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def prefill_mask(keys, q_start):
+    """(B, 1, S - q_start, S) bool for the queries at columns q_start..S-1: query q may read key i iff i <= q
+    and keys[b, i] (a real, unblocked token), or i == q. So a blocked token still reads itself and what came
+    before it, and no later token reads it."""
+    S = keys.shape[-1]
+    q = torch.arange(q_start, S, device=keys.device)[:, None]              # (S - q_start, 1)
+    i = torch.arange(S, device=keys.device)[None, :]                       # (1, S)
+    return (((i <= q) & keys[:, None, :]) | (i == q))[:, None]             # (B, 1, S - q_start, S)
+
+
+def extend(model, cache, keys, pos, segs, blocked=None):
+    """Append one token segment per cache row, left-padded to a common width W, to the KV cache.
+
+    keys: (b, K) bool, the cached columns later tokens may read; pos: (b,) the next true position of each row.
+    blocked[r]: offsets in segs[r] that no later token may read. Padding columns are never read and take no
+    position, so a row's positions stay 0, 1, 2, ... whatever the padding. Returns (last logits (b, V) or
+    None when every segment is empty, keys (b, K + W), pos (b,)).
+    """
+    b, W, dev = len(segs), max(map(len, segs)), keys.device
+    if W == 0:
+        return None, keys, pos
+    ids = torch.zeros(b, W, dtype=torch.long)
+    new, blk = torch.zeros(b, W, dtype=torch.bool), torch.zeros(b, W, dtype=torch.bool)
+    for r, s in enumerate(segs):
+        if s:
+            ids[r, W - len(s):], new[r, W - len(s):] = torch.tensor(s, dtype=torch.long), True
+            blk[r, [W - len(s) + j for j in (blocked[r] if blocked else [])]] = True
+    ids, new, blk = ids.to(dev), new.to(dev), blk.to(dev)
+    cols = torch.cat([keys, new & ~blk], -1)                               # (b, K + W)
+    p = pos[:, None] + (new.long().cumsum(-1) - 1).clamp(min=0)            # (b, W) true positions
+    out = model(input_ids=ids, attention_mask=additive(prefill_mask(cols, keys.shape[-1]), model.dtype),
+                position_ids=p, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float(), cols, pos + new.sum(-1)
+
+
+def eos_ids(model, tok):
+    ids = model.generation_config.eos_token_id
+    return set(ids if isinstance(ids, (list, tuple)) else [ids]) | {tok.eos_token_id}
+
+
+@torch.no_grad()
+def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
+    """Continue each prefix (list of token ids) for up to budgets[b] tokens; stop after an EOS (kept).
+
+    blocked[b]: prefix positions that no later token may attend to. temperature 0: greedy; else Gumbel-max
+    sampling with noise from torch.Generator(seeds[b]): rows with the same seed read the same noise (dep. 1).
+    Returns the new token ids per row. The prefixes are encoded in three levels that share the KV cache: the
+    prefix common to all rows once, then each group's (groups[b]) common rest once per group, then each row's
+    own rest; sharing stops before the first blocked token and the last token of each row. Finished rows
+    leave the batch.
+    """
+    B, dev = len(prefixes), model.device
+    blocked, groups = blocked or [[] for _ in prefixes], groups or [0] * B
+    cut = [min([len(p) - 1] + list(x)) for p, x in zip(prefixes, blocked)]  # shareable length of each row
+    members = {}
+    for b, g in enumerate(groups):
+        members.setdefault(g, []).append(b)
+    order = [b for rows in members.values() for b in rows]                  # batch rows, grouped
+    L1 = min(len(os.path.commonprefix(prefixes)), min(cut))
+    L2 = {g: max(L1, min(len(os.path.commonprefix([prefixes[b] for b in rows])), min(cut[b] for b in rows)))
+          for g, rows in members.items()}
+    cache = DynamicCache(config=model.config)
+    keys, pos = torch.zeros(1, 0, dtype=torch.bool, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+    _, keys, pos = extend(model, cache, keys, pos, [prefixes[0][:L1]])     # level 1: all rows
+    idx = torch.zeros(len(members), dtype=torch.long, device=dev)
+    cache.batch_select_indices(idx)
+    _, keys, pos = extend(model, cache, keys[idx], pos[idx],                # level 2: each group
+                          [prefixes[rows[0]][L1:L2[g]] for g, rows in members.items()])
+    idx = torch.tensor([i for i, rows in enumerate(members.values()) for _ in rows], device=dev)
+    cache.batch_select_indices(idx)
+    logits, keys, pos = extend(model, cache, keys[idx], pos[idx],           # level 3: each row
+                               [prefixes[b][L2[groups[b]]:] for b in order],
+                               [[j - L2[groups[b]] for j in blocked[b]] for b in order])
+    gens = {s: torch.Generator().manual_seed(s) for s in set(seeds or [])} if temperature > 0 else {}
+    eos, new, alive = eos_ids(model, tok), [[] for _ in prefixes], list(order)
+    keep = [i for i, b in enumerate(alive) if budgets[b] > 0]
+    while keep:
+        if len(keep) < len(alive):                                          # finished rows leave the batch
+            idx = torch.tensor(keep, device=dev)
+            cache.batch_select_indices(idx)
+            logits, keys, pos, alive = logits[idx], keys[idx], pos[idx], [alive[i] for i in keep]
+        if temperature > 0:                                                 # Gumbel-max = softmax(logits / T) sampling
+            u = {s: torch.rand(logits.shape[-1], generator=g).clamp_(1e-20, 1.0) for s, g in gens.items()}  # lockstep
+            logits = logits / temperature - torch.stack([u[seeds[b]] for b in alive]).to(dev).log().neg().log()
+        step = logits.argmax(-1).tolist()                                   # (b,)
+        for b, t in zip(alive, step):
+            new[b].append(t)
+        keep = [i for i, (b, t) in enumerate(zip(alive, step)) if t not in eos and len(new[b]) < budgets[b]]
+        if keep:
+            logits, keys, pos = extend(model, cache, keys, pos, [[t] for t in step])
+    return new
+
+
+# ----------------------------------------------------------------------------- shared steps
+def sample_responses(model, tok, records, args, style, temperature, seed, desc):
+    """One response per record (prompt ids, response ids, text, reward), decoded in batches."""
+    rows = []
+    for i in tqdm(range(0, len(records), args.batch_size), desc=desc, unit="batch"):
+        recs = records[i:i + args.batch_size]
+        prompts = [tok(data.make_prompt(r, tok, style)).input_ids for r in recs]
+        seeds = [seed * 1_000_003 + i + j for j in range(len(recs))]
+        resp = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature, seeds=seeds)
+        for r, p, y in zip(recs, prompts, resp):
+            text = tok.decode(y, skip_special_tokens=True)
+            rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.score(r, text)))
+    return rows
+
+
+def load_responses(path, tok, style):
+    """Fixed responses instead of sampled ones: JSONL rows {"question", "answer", "response"} (+ optional "id",
+    "task"), e.g. a trained policy's rollouts. The response text is tokenised as it stands."""
+    rows = []
+    for where, row in data.read_rows(path):
+        if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
+            raise data.DataError(f"{where}: needs the fields question, answer and response")
+        rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses", question=row["question"],
+                   answer=data.answer_text(row["answer"]), task=row.get("task", "math"))
+        y = tok(str(row["response"]), add_special_tokens=False).input_ids
+        if not y:
+            raise data.DataError(f"{where}: empty response")
+        text = tok.decode(y, skip_special_tokens=True)
+        rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y, text=text,
+                         reward=data.score(rec, text)))
+    if not rows:
+        raise data.DataError(f"{path}: no rows")
+    return rows
+
+
+def regions(tok, rows):
+    return build_regions(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])
+
+
+def changed(old_text, new_text):
+    """The final answer moved: one of the two has no \\boxed{} answer and the other has, or they differ as math."""
+    old, new = data.last_boxed(old_text), data.last_boxed(new_text)
+    if old is None or new is None:
+        return (old is None) != (new is None)
+    return data.math_reward(new_text, old) == 0.0
+
+
+# ----------------------------------------------------------------------------- intervene (Table 1)
+def select(tau, t0, frac, rng):
+    """Response positions [0, t0): the ceil(frac t0) highest / lowest by tau (ties: the earlier), and random."""
+    n = max(1, math.ceil(frac * t0 - 1e-9))
+    order = sorted(range(t0), key=lambda j: (-tau[j], j))
+    low = sorted(range(t0), key=lambda j: (tau[j], j))[:n]
+    return {"none": [], "high": sorted(order[:n]), "low": sorted(low), "random": sorted(rng.sample(range(t0), n))}
+
+
+def intervene(model, tok, records, args, style):
+    """Returns (per-response rows, summary). records: task records, or rows from load_responses."""
+    rng, cfg = random.Random(args.seed), SimpleNamespace(layers=args.layers, seed=args.seed)
+    rows = records if "response" in records[0] else \
+        sample_responses(model, tok, records, args, style, args.temperature, args.seed, "intervene: sample")
+    out = []
+    for i in tqdm(range(0, len(rows), args.batch_size), desc="intervene: regenerate", unit="batch"):
+        chunk = rows[i:i + args.batch_size]
+        batch = regions(tok, chunk)
+        tau = credit.SIGNALS["flow"](model, batch, cfg)                     # (B, T) throughput on the response
+        jobs = []
+        for b, r in enumerate(chunk):
+            seed = 10 ** 9 + args.seed * 1_000_003 + i + b                  # one noise stream per problem
+            ans = batch.answer_mask[b, batch.prompt_width:].nonzero().flatten()
+            if len(ans) == 0:                                               # departure 2: no answer, no flow
+                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"]))
+                continue
+            k0 = int(ans[0])                                                # first answer token
+            t0 = rng.randint(1, max(1, k0))
+            tau_r = tau[b, batch.prompt_width:batch.prompt_width + t0].tolist()
+            jobs.append((r, t0, select(tau_r, t0, args.frac, rng), seed))
+        prefixes, blocked, budgets, seeds, groups = [], [], [], [], []
+        for r, t0, sel, seed in jobs:
+            P = len(r["prompt"])
+            for c in CONDITIONS:                                            # four rows, one noise stream
+                prefixes.append(r["prompt"] + r["response"][:t0])
+                blocked.append([P + k for k in sel[c]])
+                budgets.append(args.max_new_tokens - t0)
+                seeds.append(seed)
+                groups.append(seed)                                         # the four rows share their prefix
+        new = decode(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups) if jobs else []
+        for j, (r, t0, sel, _) in enumerate(jobs):
+            row = dict(id=r["record"]["id"], no_answer=False, t0=t0, n_selected=len(sel["high"]),
+                       reward=r["reward"], text=r["text"])
+            for c_i, c in enumerate(CONDITIONS):
+                text = tok.decode(r["response"][:t0] + new[4 * j + c_i], skip_special_tokens=True)
+                rew, base = data.score(r["record"], text), row["none"] if c != "none" else None
+                row[c] = dict(selected=sel[c], text=text, reward=rew, changed=changed(r["text"], text),
+                              no_answer=data.last_boxed(text) is None,     # vs the unmasked row, same noise:
+                              changed_vs_none=changed(base["text"], text) if base else False,
+                              reversed_vs_none=base is not None and rew != base["reward"])
+            out.append(row)
+    return out, summarize_intervene(out)
+
+
+def intervene_table(s, args):
+    names = {"none": "None (no mask: noise floor)", "random": f"Random ({args.frac:.0%})",
+             "low": f"Low-flow (Bottom {args.frac:.0%})", "high": f"High-flow (Top {args.frac:.0%})"}
+    keys = ("answer_change", "correctness_reverse", "correct_to_wrong", "wrong_to_correct", "no_answer_after",
+            "answer_change_vs_none", "correctness_reverse_vs_none")
+    return markdown(["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong", "wrong->correct",
+                     "no answer after", "Answer change vs none", "Correctness reverse vs none"],
+                    [[names[c], *(s[c][k] for k in keys)] for c in CONDITIONS]) + (
+        f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and are left out); "
+        f"original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. \"vs none\": against the unmasked "
+        f"regeneration with the same noise (departure 1).\n")
+
+
+def summarize_intervene(out):
+    done = [r for r in out if not r["no_answer"]]
+    s = dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done),
+             original_accuracy=sum(r["reward"] for r in out) / max(1, len(out)))
+    for c in CONDITIONS:
+        flips = [(r["reward"] > 0.5, r[c]["reward"] > 0.5) for r in done]
+        s[c] = dict(answer_change=sum(r[c]["changed"] for r in done) / max(1, len(done)),
+                    correctness_reverse=sum(a != b for a, b in flips) / max(1, len(done)),
+                    correct_to_wrong=sum(a and not b for a, b in flips), wrong_to_correct=sum(b and not a for a, b in flips),
+                    no_answer_after=sum(r[c]["no_answer"] for r in done),
+                    answer_change_vs_none=sum(r[c]["changed_vs_none"] for r in done) / max(1, len(done)),
+                    correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done) / max(1, len(done)))
+    return s
+
+
+# ----------------------------------------------------------------------------- recall (OAR §5.1)
+@torch.no_grad()
+def alternatives(model, r):
+    """(n,) the best token other than y_t at every response position t, under pi(. | x, y_<t) (departure 4)."""
+    ids = torch.tensor([r["prompt"] + r["response"]], device=model.device)
+    logits = model(input_ids=ids).logits[0, len(r["prompt"]) - 1:-1].float()  # (n, V): column t predicts y_t
+    top2 = logits.topk(2, dim=-1).indices.cpu()                               # (n, 2)
+    y = torch.tensor(r["response"])
+    return torch.where(top2[:, 0] == y, top2[:, 1], top2[:, 0]).tolist()
+
+
+def recall(model, tok, records, args, style):
+    """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
+    rng, cfg = random.Random(args.seed), SimpleNamespace(layers=args.layers, seed=args.seed)
+    unknown = [s for s in args.signals if s not in credit.SIGNALS]
+    if unknown:
+        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(credit.SIGNALS)}")
+    pool = records if "response" in records[0] else []
+    for i in range(0, len(records) if not pool else 0, args.batch_size):   # greedy, until enough are correct
+        pool += sample_responses(model, tok, records[i:i + args.batch_size], args, style, 0.0, args.seed + i,
+                                 f"recall: greedy {i // args.batch_size + 1}/{math.ceil(len(records) / args.batch_size)}")
+        if sum(r["reward"] == 1.0 for r in pool) >= args.n_responses:
+            break
+    rows = [r for r in pool if r["reward"] == 1.0][:args.n_responses]
+    if not rows:
+        raise ValueError(f"recall: none of the {len(pool)} greedy responses is correct (no_answer: "
+                         f"{sum(data.last_boxed(r['text']) is None for r in pool)}); nothing to probe. "
+                         f"Use more problems or an easier task (--task arithmetic).")
+    out = []
+    for i in tqdm(range(0, len(rows), args.batch_size), desc="recall: signals", unit="batch"):
+        chunk = rows[i:i + args.batch_size]
+        batch = regions(tok, chunk)
+        P = batch.prompt_width
+        scores = {s: credit.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}  # (B, R)
+        for b, r in enumerate(chunk):
+            end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1  # answer end: the candidate tokens
+            out.append(dict(id=r["record"]["id"], record=r, end=end,
+                            scores={s: v[b, :end].tolist() for s, v in scores.items()}))
+    for o in tqdm(out, desc="recall: oracle", unit="response"):
+        r = o.pop("record")
+        alt = alternatives(model, r)
+        pos = sorted(rng.sample(range(o["end"]), min(args.max_positions, o["end"])))
+        causal = []
+        for c in range(0, len(pos), args.batch_size * 4):
+            ts = pos[c:c + args.batch_size * 4]
+            new = decode(model, tok, [r["prompt"] + r["response"][:t] + [alt[t]] for t in ts],
+                         [args.max_new_tokens - t - 1 for t in ts])
+            for t, y in zip(ts, new):
+                text = tok.decode(r["response"][:t] + [alt[t]] + y, skip_special_tokens=True)
+                causal.append(data.score(r["record"], text) != r["reward"])         # eq. 19
+        o.update(positions=pos, causal=[t for t, c in zip(pos, causal) if c], text=r["text"])
+    s = summarize_recall(out, args.signals)
+    s.update(n_pool=len(pool), pool_correct=sum(r["reward"] == 1.0 for r in pool),  # the responses searched
+             pool_no_answer=sum(data.last_boxed(r["text"]) is None for r in pool))
+    return out, s
+
+
+def summarize_recall(out, signals):
+    """recall@K% = sum over responses |causal in top ceil(K% n)| / sum |causal| (departure 4)."""
+    n_causal = sum(len(o["causal"]) for o in out)
+    s = dict(n_responses=len(out), n_positions=sum(len(o["positions"]) for o in out), n_causal=n_causal,
+             causal_rate=n_causal / max(1, sum(len(o["positions"]) for o in out)), ks=KS, recall={})
+    for sig in signals:
+        hits = [0] * len(KS)
+        for o in out:
+            sc = o["scores"][sig]
+            order = sorted(range(len(sc)), key=lambda j: (-sc[j], j))        # ties: the earlier token
+            for i, K in enumerate(KS):
+                top = set(order[:math.ceil(K / 100 * len(sc) - 1e-9)])
+                hits[i] += sum(t in top for t in o["causal"])
+        s["recall"][sig] = [h / n_causal if n_causal else None for h in hits]
+    return s
+
+
+def recall_table(s):
+    return markdown(["signal"] + [f"@{k}%" for k in s["ks"]], [[sig] + v for sig, v in s["recall"].items()]) + (
+        f"\n{s['n_responses']} correct responses (of {s.get('n_pool', '?')} searched, {s.get('pool_correct', '?')} correct, "
+        f"{s.get('pool_no_answer', '?')} without an answer), {s['n_positions']} oracle positions, {s['n_causal']} "
+        f"causal ({s['causal_rate']:.3f}).\n")
+
+
+def recall_figure(s, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for sig, v in s["recall"].items():
+        ax.plot(s["ks"], v, marker="o", label=sig)
+    ax.plot([0, 100], [0, 1], "k:", lw=0.8, label="chance")
+    ax.set(xlabel="top K% tokens", ylabel="causal-token recall", title="Oracle recall (OAR Fig. 5a)")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
