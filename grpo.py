@@ -266,8 +266,9 @@ def train(cfg: Config) -> list:
         prompts = [data.make_prompt(r, tok, style) for r in batch_recs]
         keep = [len(tok(p).input_ids) <= cfg.max_prompt_tokens for p in prompts]
         m["prompts/skipped_long"] = keep.count(False)
+        if not all(keep):
+            tqdm.write(f"step {step + 1}: {keep.count(False)} prompt(s) longer than --max-prompt-tokens {cfg.max_prompt_tokens} skipped")
         if not any(keep):
-            tqdm.write(f"step {step + 1}: every prompt is longer than --max-prompt-tokens {cfg.max_prompt_tokens}; skipped")
             continue
         batch_recs, prompts = [r for r, k in zip(batch_recs, keep) if k], [p for p, k in zip(prompts, keep) if k]
         model.eval()

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import answers  # noqa: E402
 import countdown  # noqa: E402
 import data  # noqa: E402
 
@@ -46,7 +47,7 @@ def reasoning():
 
 def rewrite(gold):
     """The same value in another notation where one is easy to write; else the ground truth itself."""
-    n = data.number(gold)
+    n = answers.number(gold)
     if n is not None:
         return f"{n[0]}.0" if n[1] else f"{n[0]}0"
     if gold.startswith("\\frac{") and gold.count("{") == 2:
@@ -75,7 +76,7 @@ ch_cases = [({"task": "choice", "answer": "B"}, reasoning() + f"\\boxed{{{rng.ch
             for _ in range(args.n)]
 
 data.math_reward("\\boxed{\\frac{1}{3}}", "x^2")  # import math-verify and sympy before the clock starts
-data.parse_boxed.cache_clear()
+answers.parse_boxed.cache_clear()
 results = {}
 for name, cases in (("math", math_cases), ("countdown", cd_cases), ("choice", ch_cases)):
     t = time.perf_counter()

@@ -7,13 +7,13 @@ import json
 import re
 import threading
 import time
-from decimal import Decimal
 from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import answers
 import countdown
 import data
 from data import DataError, choice_reward, countdown_reward, load_task, make_prompt, math_reward, score
@@ -38,7 +38,7 @@ def test_fixture_counts_and_record_shape(shared_data, monkeypatch, name, split):
 
 def wrong_answer(gold):
     """A clearly different answer: a number moved up by 1 or 10% (the larger), or an odd fraction."""
-    n = data.number(gold)
+    n = answers.number(gold)
     return str(n[0] + max(1, abs(n[0]) / 10)) if n is not None else "\\frac{7919}{104729}"
 
 
@@ -52,12 +52,12 @@ def test_every_ground_truth_grades_itself_and_a_wrong_answer_is_wrong(shared_dat
     for r in load_task(name, split):
         assert score(r, f"Some reasoning. The answer is \\boxed{{{r['answer']}}}.") == 1.0, r["answer"]
         assert score(r, "no boxed answer here " + r["answer"]) == 0.0
-        is_number = data.number(r["answer"]) is not None
+        is_number = answers.number(r["answer"]) is not None
         symbolic += not is_number
         if is_number or symbolic % 5 == 1:
             assert score(r, f"\\boxed{{{wrong_answer(r['answer'])}}}") == 0.0, r["answer"]
         if not is_number and symbolic % 5 == 1:
-            assert data.math_verify_equal(r["answer"], r["answer"], data.TIMEOUT_S), r["answer"]
+            assert answers.math_verify_equal(r["answer"], r["answer"], answers.TIMEOUT_S), r["answer"]
 
 
 def test_fixture_quirks(shared_data, monkeypatch):
@@ -254,7 +254,7 @@ def test_hostile_answers_are_wrong_and_fast_in_any_thread(in_thread):
     else:
         run()
     assert [r for r, _ in out] == [0.0] * len(HOSTILE) + [1.0]
-    assert max(s for _, s in out) < 4 * data.TIMEOUT_S + 1
+    assert max(s for _, s in out) < 4 * answers.TIMEOUT_S + 1
 
 
 FRAGMENTS = ["\\boxed{", "}", "{", "\\frac{", "^{", "9**9**9", "9^{9^{9}}", "__import__('os')", "<answer>",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flowtracer import (Flow, build_regions, dag_weights, find_answer_span, flow_credit, reachability,
+from flowtracer import (build_regions, dag_weights, find_answer_span, flow_credit,
                         reweight, trace_flow)
 
 

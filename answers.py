@@ -1,0 +1,96 @@
+"""Are two math answers equal? The checker behind data.math_reward: exact decimals for plain numbers,
+math-verify for everything else, under a timeout and a size guard, never raising and never hanging.
+
+  equivalent(gold, pred) -> bool   "025" == 25 == 25.0 (integers compare exactly, decimals to a relative 1e-6);
+                                   "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
+Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
+thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
+timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
+rejects those first (they score 0 even if equal).
+
+Run the tests: python -m pytest -q tests/test_data.py
+"""
+import math
+import re
+import threading
+from decimal import Decimal
+from functools import lru_cache
+
+MAX_ANSWER_CHARS = 512  # a longer \boxed{} content is compared as a string only, never parsed
+TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
+MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
+
+
+THOUSANDS, DECIMAL = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
+
+
+def number(s):
+    """(Decimal, is an integer) for a plain number ("025", "2,125", "25.0", "\\$5", "4.5e33", "12\\%"), else None."""
+    s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}|\s", "", s).rstrip(".").lower()
+    if THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    return (Decimal(s), s.lstrip("+-").isdigit()) if DECIMAL.fullmatch(s) else None
+
+
+def size(e):
+    """An upper bound on log10|e| for a parsed sympy expression; math.inf for towers like 9^{9^{9}}."""
+    import sympy
+    if isinstance(e, sympy.MatrixBase):
+        return max((size(x) for x in e), default=0.0)
+    if isinstance(e, sympy.Rational):
+        return math.log10(abs(e.p) + 1)
+    if isinstance(e, sympy.Float):
+        return math.log10(abs(float(e)) + 1)
+    if isinstance(e, sympy.Pow):
+        x = size(e.exp)
+        return math.inf if x > 6 else max(size(e.base), 1.0) * 10 ** x
+    if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.subfactorial, sympy.gamma)):
+        x = max(size(a) for a in e.args)
+        return math.inf if x > 6 else 10 ** x * (x + 1)
+    if isinstance(e, (sympy.Sum, sympy.Product)):  # \prod_{n=1}^{10^9} n would be multiplied out
+        x = max((size(b) for lim in e.limits for b in lim[1:]), default=0.0)
+        return math.inf if x > 3 else size(e.function) * 10 ** x
+    if not getattr(e, "args", ()):
+        return 1.0  # symbols, constants, booleans
+    sizes = [size(a) for a in e.args]
+    return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
+
+
+@lru_cache(maxsize=8192)
+def parse_boxed(text, timeout):
+    from math_verify import LatexExtractionConfig, parse
+    return parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
+
+
+def math_verify_equal(gold, pred, timeout):
+    import sympy
+    from math_verify import verify
+    g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
+    if any(size(x) > MAX_DIGITS for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))):
+        return False
+    return verify(g, p, timeout_seconds=timeout)
+
+
+def equivalent(gold, pred):
+    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout."""
+    g, p = number(gold), number(pred)
+    if g is not None and p is not None:  # two integers exactly ("025" == 25); else to a relative 1e-6
+        (g, g_int), (p, p_int) = g, p
+        return g == p if g_int and p_int else abs(g - p) <= Decimal("1e-6") * max(1, abs(g))
+    gold, pred = (format(n[0], "f") if n and abs(n[0].adjusted()) <= 100 else s  # "4.5e33": e is not Euler's
+                  for s, n in ((gold, g), (pred, p)))
+    if re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold) or len(pred) > MAX_ANSWER_CHARS:
+        return re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold)  # the same string, or too long to parse
+    if threading.current_thread() is threading.main_thread():
+        return math_verify_equal(gold, pred, TIMEOUT_S)  # math-verify's own signal.alarm timeouts
+    box = []  # departure 5: no signals in this thread, so run in a daemon thread; stop waiting at the timeout
+
+    def work():
+        try:
+            box.append(math_verify_equal(gold, pred, None))
+        except Exception:  # leaves box empty: not equal
+            pass
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(4 * TIMEOUT_S)  # one parse each for gold and pred, the comparison, and slack
+    return bool(box and box[0])
