@@ -9,15 +9,6 @@ import flowtracer
 from flowtracer import attention_graph, select_layers
 from models import load_model
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: 2 intra-op threads on a shared 2-core box spin-wait (measured ~100x slower); use 1."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TEXTS = ["hello world, this is a test", "hi", "abc def"]
 
 

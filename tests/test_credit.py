@@ -17,15 +17,6 @@ SHAPINGS_ALL = sorted(credit.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The test machine's 2 cores are shared: a second intra-op thread makes tiny forwards 100x slower there."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg(**kw):
     return SimpleNamespace(**kw)
 

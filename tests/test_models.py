@@ -8,15 +8,6 @@ from hypothesis import given, settings, strategies as st
 import models
 from models import generate, load_model
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: 2 intra-op threads on a shared 2-core box spin-wait (measured ~100x slower); use 1."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 PROMPTS = ["hello there", "2+2=", "a somewhat longer prompt, to force left padding"]
 
 
