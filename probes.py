@@ -48,6 +48,7 @@ from transformers import DynamicCache
 import credit
 import data
 from flowtracer import build_regions
+from models import eos_ids
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)
@@ -108,11 +109,6 @@ def extend(model, cache, keys, pos, segs, blocked=None):
     return out.logits[:, -1].float(), cols, pos + new.sum(-1)
 
 
-def eos_ids(model, tok):
-    ids = model.generation_config.eos_token_id
-    return set(ids if isinstance(ids, (list, tuple)) else [ids]) | {tok.eos_token_id}
-
-
 @torch.no_grad()
 def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
     """Continue each prefix (list of token ids) for up to budgets[b] tokens; stop after an EOS (kept).
@@ -147,7 +143,7 @@ def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=N
                                [prefixes[b][L2[groups[b]]:] for b in order],
                                [[j - L2[groups[b]] for j in blocked[b]] for b in order])
     gens = {s: torch.Generator().manual_seed(s) for s in set(seeds or [])} if temperature > 0 else {}
-    eos, new, alive = eos_ids(model, tok), [[] for _ in prefixes], list(order)
+    eos, new, alive = set(eos_ids(model, tok)), [[] for _ in prefixes], list(order)
     keep = [i for i, b in enumerate(alive) if budgets[b] > 0]
     while keep:
         if len(keep) < len(alive):                                          # finished rows leave the batch
