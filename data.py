@@ -347,6 +347,14 @@ def render(messages, tokenizer):
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
+def default_style(model_name, task):
+    """The prompt style a model family uses (see the module docstring): the Countdown frame for Countdown,
+    few-shot for SmolLM2 and GGUF files, plain for base models, chat otherwise."""
+    name = str(model_name).lower()
+    return ("countdown" if task == "countdown" else "fewshot" if "smollm2" in name or name.endswith(".gguf")
+            else "plain" if "base" in name else "chat")
+
+
 def make_prompt(record, tokenizer=None, style="chat"):
     """The prompt text for one record (see the module docstring for which style fits which model)."""
     if style not in STYLES:

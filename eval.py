@@ -95,9 +95,7 @@ def auto_style(model_name, task, style):
     state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
     if state.is_file():
         model_name = torch.load(state, weights_only=False, mmap=True)["config"]["model"]
-    name = model_name.lower()
-    return "countdown" if task == "countdown" else "fewshot" if "smollm2" in name or name.endswith(".gguf") \
-        else "plain" if "base" in name else "chat"
+    return data.default_style(model_name, task)
 
 
 def save(args, result, table, rows=None):

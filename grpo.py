@@ -241,9 +241,7 @@ def train(cfg: Config) -> list:
     start, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
     records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    style = cfg.prompt_style if cfg.prompt_style != "auto" else (
-        "countdown" if records[0]["task"] == "countdown" else "fewshot" if "smollm2" in cfg.model.lower()
-        or cfg.model.endswith(".gguf") else "plain" if "base" in cfg.model.lower() else "chat")
+    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, records[0]["task"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     stop = {"now": False}
 
