@@ -7,6 +7,7 @@ function of (seed, step), so only the RNG states and the step need saving for th
 Writes are atomic: a crash while saving leaves the previous checkpoint in place.
 """
 import dataclasses
+import json
 import random
 import shutil
 import sys
@@ -37,6 +38,34 @@ def load_checkpoint(path, opt, sched):
     if state["rng"]["cuda"]:
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state["step"], state["bad_steps"]
+
+
+def check_out_dir(out, resume, overwrite):
+    """A new run never silently replaces an old one (placeholder; see the reliability branch)."""
+    out = Path(out)
+    if not resume and ((out / "metrics.jsonl").exists() or (out / "ckpt").exists()):
+        if not overwrite:
+            raise ValueError(f"{out} already holds a run: continue it with --resume {out}, or pass --overwrite")
+        shutil.rmtree(out)
+
+
+def open_metrics(out, resume_step):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.jsonl"
+    if resume_step is not None and path.exists():
+        keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(keep))
+    return open(path, "a" if resume_step is not None else "w")
+
+
+def write_metrics(fh, record):
+    fh.write(json.dumps(record) + "\n")
+    fh.flush()
+
+
+def saved_config(ckpt):
+    return torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)["config"]
 
 
 def find_checkpoint(resume):

@@ -1,45 +1,42 @@
-"""Token credit for GRPO: every signal and shaping rule the FlowTracer and OAR papers compare.
+"""Token credit for GRPO: the knobs, the shaping rules, and the credit step as one call.
 
 FlowTracer's claims are comparative (Tables 2, 3, 5, 7, 10, 11b, Fig. 6): only the credit criterion changes
 between runs, everything else stays fixed (§4.1). So credit is two swappable steps, each a plain function:
 
-    scores = SIGNALS[name](model, batch, cfg)    -> (B, T) float32, 0 off the response      (--credit)
-    credit = SHAPINGS[name](scores, batch, cfg)  -> flowtracer.Credit(weights (B, T), fallback (B,))  (--shaping)
+    scores = signals.SIGNALS[cfg.credit](model, batch, cfg)    -> (B, T) float32, 0 off the response
+    c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> flowtracer.Credit(gamma (B, T), fallback (B,))
 
-and GRPO multiplies each token's advantage by weights (eq. 5: gamma_{i,t} * A_i). `batch` is a
-flowtracer.Regions; `cfg` is anything with the attributes below (read with getattr, defaults in brackets).
+and GRPO multiplies each token's surrogate term by gamma (eq. 5: gamma_{i,t} * A_i). `assign` runs both, plus
+the token-class mask and the response-column slice: it is the one credit call of grpo.py and flowtracer_trl.py.
+`batch` is a flowtracer.Batch; `cfg` is a CreditConfig (grpo.Config inherits it, so the flags stay flat).
 
-Signals                                                             cfg attributes read
-  none         1 on every response token (plain GRPO)               -
-  flow         FlowTracer throughput tau (eq. 1-4, §3.3)            layers [None = middle]
-  random       uniform [0, 1), seeded by (seed, batch content)      seed [0]
-  entropy      policy entropy H_t (OAR eq. 5; Wang et al. 2025b)    entropy_rows [2^25 / V]
-  attention    FAI, global-anchor score of Li et al. 2025d          attn_window [(10, 100)], attn_global_frac [0.3]
-  attention-max  max attention a token receives (the cheap proxy)   layers
-  oar-p, oar-g OAR's outcome-grounded scores (in oar.py: one idea,  oar_outcome, oar_chunk, oar_sigma,
-               and the forward helpers entropy shares)              oar_prefix_cache, pad_id
-Shaping rules (weights are 1 off the selection, 0 off the response)
-  topk / bottomk   eq. 6: gamma on the top (bottom) ceil(top_frac*n) tokens   top_frac [0.4], gamma [1.5]
+Shaping rules (gamma is 1 off the selection, 0 off the response)
+  topk / bottomk   eq. 6: gamma on the top (bottom) ceil(top_frac*n) tokens
   raw, log1p, sigmoid, tanh-z, mad   Table 7 continuous weights, sum-preserving (departure 3)
   soft             Table 7 soft thresholding: gamma on the fewest tokens holding soft_mass of the score mass
-  80-20            Wang et al. 2025b: weight 1 on the top entropy_frac [0.2] tokens of the whole batch, 0 else
+  80-20            Wang et al. 2025b: weight 1 on the top entropy_frac tokens of the whole batch, 0 else
   bilevel          OAR eq. 14-17 (log1p, min-max, percentile tau, beta, sum-preserving)
-                   bilevel_tau [0.4], bilevel_beta [2.0] (OAR §4.1)
-  entropy-adv      all-1 weights here; the additive bonus of Cheng et al. (OAR eq. 6) is entropy_bonus(), which
-                   grpo applies to the advantage itself (it is not a multiplicative weight)
-Every rule: token_class ["structural" | "semantic" | None] restricts selection to one token class (Table 11b);
-tokens outside it keep weight 1. Pass the class mask as `eligible` (token_class_mask) or use assign().
+  entropy-adv      Cheng et al. (OAR eq. 6): A_t = A + min(alpha H_t, |A| / kappa), handed to GRPO as
+                   gamma_t = A_t / A (assign does it: it is additive, not a multiplicative weight)
+Every rule: token_class ("structural" | "semantic" | "") restricts selection to one token class (Table 11b);
+tokens outside it keep gamma 1.
+
+Which credit is fused into the training forward (grpo.py --credit-pass fused, the default):
+  fused     signals none, random, flow, attention-max, entropy (signals.FUSED) with a per-row rule: the
+            micro-batch's training forward captures the attention maps / entropy, then flow -> gamma -> loss.
+  separate  signals attention (FAI), oar-p, oar-g (their own forwards), and the batch-wide rule 80-20 (its
+            threshold needs every row's scores before any loss): one credit pass over the rows with A != 0
+            before the update, as with --credit-pass separate for any signal (the teaching reference).
 
 Padding and sequences without an answer, for every rule (tested):
-  * weights are 0 off the response (prompt, padding); scores there are ignored.
+  * gamma is 0 off the response (prompt, padding); scores there are ignored.
   * a sequence with no answer region, no eligible token, or fewer than two distinct scores among its eligible
-    tokens carries no ranking: all-1 weights on its response (plain GRPO) and fallback=True. This holds for
+    tokens carries no ranking: all-1 gamma on its response (plain GRPO) and fallback=True. This holds for
     every signal, so the runs differ only in the credit criterion (§4.1); flow_credit does the same for flow.
 
 Departures (numbered):
- 1. "random" is seeded by hashing (cfg.seed, input_ids): deterministic for a seed and a batch, but a new draw
-    each step, so the same positions are not boosted every step.
- 2. Fallback as above also for "none": its constant scores give all-1 weights under every rule, fallback=True.
+ 1. Rows with A = 0 add nothing to the loss (beta = 0), so grpo.py runs no credit for them in either pass.
+ 2. Fallback as above also for "none": its constant scores give all-1 gamma under every rule, fallback=True.
  3. Table 7 does not give formulas for its continuous forms. Here each maps the eligible scores s to a
     non-negative phi(s) and rescales it to mean 1 over those tokens (sum-preserving, as OAR eq. 17), so the
     update scale matches GRPO's: raw phi = s; log1p phi = log1p(s / mean s); sigmoid phi = sigmoid(z);
@@ -47,7 +44,8 @@ Departures (numbered):
     z-score (s - median) / (1.4826 MAD). Raw scaling thus lets outliers take huge weights, as §5.1 reports.
  4. bilevel's tau is a within-sequence percentile of the normalised scores (OAR §4.1: "tau = 0.4 (meaning the
     top 60% of tokens are boosted)"), linear interpolation; eps = 1e-6 in eq. 14, 16.
- 5. "80-20" takes its threshold over the eligible tokens of the non-fallback sequences of the batch.
+ 5. "80-20" takes its threshold over the eligible tokens of the non-fallback sequences of the batch (the rows
+    with A != 0, departure 1).
 
 Run the tests: python -m pytest -q tests/test_credit.py
 Time them:     python benchmarks/credit_overhead.py
@@ -56,135 +54,46 @@ from __future__ import annotations
 
 import math
 import unicodedata
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from flowtracer import Credit, attention_graph, flow_credit, select_layers, trace_flow
-from oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
+from flowtracer import Credit, flow_credit, select_layers
+from signals import FUSED, SIGNALS
 
 EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 
 
-def opt(cfg, name, default):
-    """cfg.name, or the documented default when cfg lacks it (cfg may be a grpo.Config or a SimpleNamespace)."""
-    v = getattr(cfg, name, default) if cfg is not None else default
-    return default if v is None and default is not None else v
+@dataclass
+class CreditConfig:
+    """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
+    credit: str = "flow"               # signal: none | flow | random | entropy | attention | ... (signals.py)
+    shaping: str = "topk"              # rule: topk | bottomk | raw | ... | bilevel | entropy-adv (SHAPINGS)
+    credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
+    top_frac: float = 0.4              # fraction of response tokens boosted (eq. 6, Table 5)
+    gamma: float = 1.5                 # gamma_flow (eq. 6, Table 7)
+    layers: str = "middle"             # attention layers of the graph: early|middle|late|all|A:B (Fig. 6)
+    token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
+    seed: int = 0                      # the run's seed; also seeds --credit random and OAR-G's noise
+    soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)
+    entropy_frac: float = 0.2          # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
+    entropy_alpha: float = 0.4         # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
+    entropy_kappa: float = 2.0         # --shaping entropy-adv (OAR eq. 6)
+    attn_window: str = "10:100"        # --credit attention: FAI reads queries t with s+10 <= t <= s+100
+    attn_global_frac: float = 0.3      # --credit attention: top 30% heads by mean attention distance
+    oar_outcome: str = "lt-logits"     # OAR outcome distribution: lt-logits | as-mean (OAR §6.2)
+    oar_sigma: float = 1e-3            # OAR-G embedding noise (OAR §3.2)
+    oar_chunk: int = 64                # OAR-P masked copies per forward pass
+    oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
+    pad_id: int = -1                   # OAR-P replacement token; -1: the batch's padding id (oar.py dep. 2)
+    bilevel_tau: float = 0.4           # --shaping bilevel: percentile threshold (OAR §4.1)
+    bilevel_beta: float = 2.0          # --shaping bilevel: boost coefficient (OAR §4.1)
 
 
-# ----------------------------------------------------------------------------- signals: (B, T), 0 off response
-def signal_none(model, batch, cfg=None):
-    """All-1 on the response: no token is preferred, so every shaping rule gives plain GRPO (departure 2)."""
-    return batch.response_mask.float()
 
 
-def signal_random(model, batch, cfg=None):
-    """Uniform [0, 1) scores on the response, the neutral lower bound of Table 2 ("Random")."""
-    g = torch.Generator().manual_seed(batch_seed(batch.input_ids, opt(cfg, "seed", 0)))
-    u = torch.rand(batch.input_ids.shape, generator=g)                       # (B, T) drawn on the CPU
-    return u.to(batch.response_mask.device) * batch.response_mask.float()
-
-
-def signal_flow(model, batch, cfg=None):
-    """FlowTracer: throughput tau of the answer-targeted flow on the middle-layer attention DAG (§3.1, §3.3)."""
-    dev = model.device
-    attn = attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), opt(cfg, "layers", None))
-    valid = batch.attention_mask.to(dev).bool()
-    tau = trace_flow(attn, batch.question_mask.to(dev), batch.answer_mask.to(dev), valid_mask=valid).throughput
-    resp = batch.response_mask
-    return (tau.float() * resp.to(dev)).to(resp.device)                     # (B, T)
-
-
-@torch.no_grad()
-def signal_entropy(model, batch, cfg=None):
-    """H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t) (OAR eq. 5) for each response token t, from one
-    no-grad forward. The logits of the response positions only, entropy_rows of them at a time, so the
-    (B, T, V) fp32 logits never exist (default: about 2^25 floats per block). Temperature 1."""
-    dev = model.device
-    mask = batch.attention_mask.to(dev)
-    resp = batch.response_mask.to(dev).bool()
-    with eval_mode(model):
-        h = hidden(model, mask, batch.input_ids.to(dev))                       # (B, T, D)
-        pred = torch.zeros_like(resp)
-        pred[:, :-1] = resp[:, 1:]                                             # column t - 1 predicts token t
-        rows, cols = pred.nonzero(as_tuple=True)                               # (N,)
-        V = model.get_output_embeddings().weight.shape[0]
-        step = int(opt(cfg, "entropy_rows", max(1, 2 ** 25 // V)))
-        H = torch.zeros(len(rows), dtype=torch.float32, device=dev)
-        for i in range(0, len(rows), step):
-            logp = torch.log_softmax(lm_logits(model, h[rows[i:i + step], cols[i:i + step]]), -1)  # (n, V)
-            H[i:i + step] = -(logp.exp() * logp).sum(-1)
-    out = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
-    out[rows, cols + 1] = H.clamp_min(0.0)
-    return out.to(batch.response_mask.device)
-
-
-def signal_attention_max(model, batch, cfg=None):
-    """The "maximum attention received" proxy: max over later queries t > s of the head- and layer-mean
-    attention a(t, s) (attention_graph, cfg.layers). This is the cheap reading of FlowTracer's "Attention"
-    baseline ("maximum attention scores as a proxy", §4.1); signal_attention is Li et al.'s own score."""
-    dev = model.device
-    A = attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), opt(cfg, "layers", None))
-    received = A.tril(-1).amax(-2)                                             # (B, T) max over queries t > s
-    return (received * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
-
-
-class _Done(Exception):
-    """Raised after the last chosen layer: the rest of the forward pass is skipped."""
-
-
-@torch.no_grad()
-def signal_attention(model, batch, cfg=None):
-    """Li et al. 2025d (arXiv 2510.13554) global-anchor score FAI_s: the mean attention token s receives from
-    the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the "global" heads: the
-    top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default middle) by mean attention
-    distance sum_{t,s} a(t,s)(t - s) per query, over the batch. Needs the per-head maps, so the model runs
-    with eager attention; one layer's (B, H, T, T) maps exist at a time. Tokens with no t in the window get 0."""
-    win = opt(cfg, "attn_window", (10, 100))
-    w0, w1 = (int(x) for x in (win.split(":") if isinstance(win, str) else win))   # (10, 100) or "10:100"
-    frac = opt(cfg, "attn_global_frac", 0.3)
-    if not (0 <= w0 <= w1 and 0.0 < frac <= 1.0):
-        raise ValueError("need 0 <= attn_window[0] <= attn_window[1] and 0 < attn_global_frac <= 1")
-    dev = model.device
-    ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
-    valid = mask.bool().float()                                                # (B, T)
-    T = ids.shape[-1]
-    ar = torch.arange(T, device=dev)
-    lag = (ar[:, None] - ar[None, :]).float()                                  # (T, T) t - s, query t, key s
-    band = ((lag >= w0) & (lag <= w1)).float()                                 # (T, T) the FAI window
-    count = torch.einsum("bt,ts->bs", valid, band).clamp_min(1.0)              # (B, T) queries in the window
-    layers = select_layers(opt(cfg, "layers", None), model.config.num_hidden_layers)
-    dist, fai = [], []                                                         # per layer: (H,), (B, H, T)
-
-    def keep(module, args, out):
-        A = out[1].float() * valid[:, None, :, None] * valid[:, None, None, :]  # (B, H, T, T) query t, key s
-        d = (A * lag.clamp_min(0)).sum((-1, -2)) / valid.sum(-1, keepdim=True)  # (B, H) mean distance
-        dist.append(d.mean(0))
-        fai.append(torch.einsum("bhts,ts->bhs", A, band) / count[:, None])       # (B, H, T)
-        if module.layer_idx == layers[-1]:
-            raise _Done                                                        # later layers are not needed
-
-    attn_modules = [m for m in model.modules() if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")]
-    old = model.config._attn_implementation
-    hooks = [m.register_forward_hook(keep) for m in attn_modules]
-    try:
-        model.set_attn_implementation("eager")
-        with eval_mode(model):
-            hidden(model, mask, ids)
-    except _Done:
-        pass
-    finally:
-        for h in hooks:
-            h.remove()
-        model.set_attn_implementation(old)
-    if len(dist) != len(layers):
-        raise RuntimeError(f"captured {len(dist)} of {len(layers)} attention layers; is this a decoder LM?")
-    D, F = torch.cat(dist), torch.cat(fai, dim=1)                              # (L*H,), (B, L*H, T)
-    k = max(1, math.ceil(frac * len(D) - 1e-9))
-    top = torch.topk(D, k).indices                                             # the global heads
-    return (F[:, top].mean(1) * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
-
-
-# ----------------------------------------------------------------------------- shaping: scores -> Credit
+# ----------------------------------------------------------------------------- shaping: scores -> gamma
 def prepare(scores, batch, eligible=None):
     """Checks and the common fallback. Returns (s, sel, fallback):
     s (B, T) float32 scores, 0 off the selectable tokens; sel (B, T) bool, the response tokens that may be
@@ -218,23 +127,25 @@ def nonnegative(s, sel, rule):
 
 
 def check_eligible(cfg, eligible):
-    if opt(cfg, "token_class", None) not in (None, "", "none") and eligible is None:
+    if cfg.token_class not in (None, "", "none") and eligible is None:
         raise ValueError("cfg.token_class is set: pass eligible=token_class_mask(tokenizer, input_ids, "
                          "cfg.token_class) to the shaping rule, or call credit.assign()")
 
 
-def shape_topk(scores, batch, cfg=None, eligible=None, largest=True):
+def shape_topk(scores, batch, cfg, eligible=None, largest=True):
     """eq. 6: gamma on the ceil(top_frac * n) selectable tokens with the highest (largest=False: lowest, the
     Bottom-k ablation of Table 5) scores, ties to the earlier token; 1 on the rest (flowtracer.flow_credit)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
-    c = flow_credit(s, sel, opt(cfg, "top_frac", 0.4), opt(cfg, "gamma", 1.5), largest=largest)
-    return finish(c.weights, sel, fallback | c.fallback, batch)
+    c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)
+    return finish(c.gamma, sel, fallback | c.fallback, batch)
 
 
-def shape_bottomk(scores, batch, cfg=None, eligible=None):
+def shape_bottomk(scores, batch, cfg, eligible=None):
     """Table 5 ablation: gamma on the lowest-scored ceil(top_frac * n) tokens."""
     return shape_topk(scores, batch, cfg, eligible, largest=False)
+
+
 def masked_quantile(x, m, q):
     """(B,) the q-quantile of x over the tokens in m, per row, linear interpolation (as torch.quantile);
     0 for a row without tokens."""
@@ -250,7 +161,7 @@ def masked_quantile(x, m, q):
 
 def shape_continuous(kind):
     """Table 7 continuous reweighting (departure 3): w = phi(s) / mean(phi(s)) over the selectable tokens."""
-    def rule(scores, batch, cfg=None, eligible=None):
+    def rule(scores, batch, cfg, eligible=None):
         check_eligible(cfg, eligible)
         s, sel, fallback = prepare(scores, batch, eligible)
         m = sel.float()
@@ -288,11 +199,11 @@ def rank_desc(key, m):
     return torch.empty_like(order).scatter_(-1, order, ar), order
 
 
-def shape_soft(scores, batch, cfg=None, eligible=None):
+def shape_soft(scores, batch, cfg, eligible=None):
     """Table 7 "soft dynamic thresholding": gamma on the fewest top-scored tokens whose scores hold at least
     soft_mass (0.2/0.4/0.6/0.8) of the sequence's score mass, 1 on the rest. Ties to the earlier token."""
     check_eligible(cfg, eligible)
-    p, gamma = opt(cfg, "soft_mass", 0.4), opt(cfg, "gamma", 1.5)
+    p, gamma = cfg.soft_mass, cfg.gamma
     if not 0.0 < p <= 1.0:
         raise ValueError(f"soft_mass must be in (0, 1], got {p}")
     s, sel, fallback = prepare(scores, batch, eligible)
@@ -305,12 +216,12 @@ def shape_soft(scores, batch, cfg=None, eligible=None):
     return finish(1.0 + (gamma - 1.0) * chosen.float(), sel, fallback, batch)
 
 
-def shape_8020(scores, batch, cfg=None, eligible=None):
+def shape_8020(scores, batch, cfg, eligible=None):
     """Wang et al. 2025b ("80/20"): weight 1 on the top entropy_frac of the selectable tokens of the whole
     batch (one threshold for the batch, departure 5), 0 on the other selectable tokens: only the
     high-entropy "forking" tokens get a policy gradient. Ties to the earlier (row, token)."""
     check_eligible(cfg, eligible)
-    frac = opt(cfg, "entropy_frac", 0.2)
+    frac = cfg.entropy_frac
     if not 0.0 <= frac <= 1.0:
         raise ValueError(f"entropy_frac must be in [0, 1], got {frac}")
     s, sel, fallback = prepare(scores, batch, eligible)
@@ -321,12 +232,12 @@ def shape_8020(scores, batch, cfg=None, eligible=None):
     return finish(kept.float(), sel, fallback, batch)
 
 
-def shape_bilevel(scores, batch, cfg=None, eligible=None):
+def shape_bilevel(scores, batch, cfg, eligible=None):
     """OAR's bi-level reshaping (eq. 14-17): I_hat = min-max(log1p(I)) over the sequence; t = the
     bilevel_tau percentile of I_hat (departure 4); w = I_hat / (t + eps) below t (noise suppression),
     1 + beta (I_hat - t) / (1 - t + eps) from t on (signal boosting); then w * n / sum(w), so sum = n."""
     check_eligible(cfg, eligible)
-    tau, beta = opt(cfg, "bilevel_tau", 0.4), opt(cfg, "bilevel_beta", 2.0)
+    tau, beta = cfg.bilevel_tau, cfg.bilevel_beta
     if not (0.0 <= tau <= 1.0 and beta >= 0.0):
         raise ValueError(f"need 0 <= bilevel_tau <= 1 and bilevel_beta >= 0, got {tau}, {beta}")
     s, sel, fallback = prepare(scores, batch, eligible)
@@ -343,7 +254,7 @@ def shape_bilevel(scores, batch, cfg=None, eligible=None):
     return finish(w, sel, fallback, batch)
 
 
-def shape_entropy_adv(scores, batch, cfg=None, eligible=None):
+def shape_entropy_adv(scores, batch, cfg, eligible=None):
     """"Entropy Adv" (OAR Table 1): multiplicative weights stay 1 (plain GRPO); grpo adds the additive
     bonus entropy_bonus(adv, scores, response_mask & ~fallback, entropy_alpha, entropy_kappa)."""
     check_eligible(cfg, eligible)
@@ -398,18 +309,72 @@ def token_class_mask(tokenizer, input_ids, token_class):
     return m if token_class == "structural" else ~m
 
 
-def assign(model, tokenizer, batch, cfg):
-    """The whole credit phase in one call: scores = SIGNALS[cfg.credit], the token-class mask, then
-    SHAPINGS[cfg.shaping]. Returns (scores (B, T), Credit)."""
-    scores = SIGNALS[opt(cfg, "credit", "flow")](model, batch, cfg)
-    eligible = token_class_mask(tokenizer, batch.input_ids, opt(cfg, "token_class", None))
-    return scores, SHAPINGS[opt(cfg, "shaping", "topk")](scores, batch, cfg, eligible)
+# ----------------------------------------------------------------------------- the credit step, one call
+class Assignment(NamedTuple):
+    gamma: torch.Tensor     # (B, R) weight on each response token's surrogate term (eq. 5); 0 on padding
+    scores: torch.Tensor    # (B, R) the signal's scores on the response columns
+    fallback: torch.Tensor  # (B,) bool: no ranking, so all-1 gamma (plain GRPO)
 
 
-# ----------------------------------------------------------------------------- registries (--credit, --shaping)
-SIGNALS = {"none": signal_none, "flow": signal_flow, "random": signal_random, "entropy": signal_entropy,
-           "attention": signal_attention, "attention-max": signal_attention_max,
-           "oar-p": signal_oar_p, "oar-g": signal_oar_g}
+def assign(model, tok, batch, adv, cfg, captured=None):
+    """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
+    additive entropy bonus (entropy-adv), and the response columns [:, P:]. batch: flowtracer.Batch of B rows;
+    adv: (B,) sequence advantages; captured: what the training forward computed (fused pass) or None."""
+    scores = SIGNALS[cfg.credit](model, batch, cfg, captured)                      # (B, T)
+    eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
+    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)                         # gamma (B, T), fallback (B,)
+    P, resp = batch.prompt_width, batch.response_mask
+    gamma = c.gamma[:, P:]                                                          # (B, R)
+    if cfg.shaping == "entropy-adv":   # Cheng et al.: A_t = A + bonus_t, written as gamma_t = A_t / A
+        A_t = entropy_bonus(adv, scores, resp & ~c.fallback[:, None], cfg.entropy_alpha, cfg.entropy_kappa)
+        ratio = A_t[:, P:] / torch.where(adv != 0, adv, 1.0)[:, None]               # (B, R)
+        gamma = torch.where(adv[:, None] != 0, ratio, gamma) * resp[:, P:].float()
+    return Assignment(gamma, scores[:, P:], c.fallback)
+
+
+def separate_pass(cfg):
+    """True when credit needs its own pass before the update: asked for (--credit-pass separate), a signal
+    that runs its own forwards (attention, OAR), or a rule that needs every row's scores first (80-20)."""
+    return cfg.credit_pass == "separate" or cfg.credit not in FUSED or cfg.shaping in BATCH_RULES
+
+
+# ----------------------------------------------------------------------------- registries (--shaping)
 SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
             **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
             "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel, "entropy-adv": shape_entropy_adv}
+BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
+
+
+def check(cfg):
+    """The first bad credit flag as one sentence naming it, or None (grpo.py turns it into its one-line error)."""
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+    rules = [("--credit", cfg.credit in SIGNALS, f"must be one of {', '.join(SIGNALS)}"),
+             ("--shaping", cfg.shaping in SHAPINGS, f"must be one of {', '.join(SHAPINGS)}"),
+             ("--credit-pass", cfg.credit_pass in ("fused", "separate"), "must be fused or separate"),
+             ("--top-frac", finite(cfg.top_frac) and 0 < cfg.top_frac <= 1, "must be in (0, 1]"),
+             ("--gamma", finite(cfg.gamma) and cfg.gamma > 0, "must be a finite number > 0 (eq. 6)"),
+             ("--token-class", cfg.token_class in ("", "none", "structural", "semantic"),
+              "must be structural or semantic (or empty)"),
+             ("--soft-mass", finite(cfg.soft_mass) and 0 < cfg.soft_mass <= 1, "must be in (0, 1]"),
+             ("--entropy-frac", finite(cfg.entropy_frac) and 0 <= cfg.entropy_frac <= 1, "must be in [0, 1]"),
+             ("--entropy-alpha", finite(cfg.entropy_alpha) and cfg.entropy_alpha >= 0, "must be >= 0"),
+             ("--entropy-kappa", finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1, "must be > 1 (keeps A's sign)"),
+             ("--attn-global-frac", finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1, "must be in (0, 1]"),
+             ("--oar-outcome", cfg.oar_outcome in ("lt-logits", "as-mean"), "must be lt-logits or as-mean"),
+             ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
+             ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
+             ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),
+             ("--bilevel-beta", finite(cfg.bilevel_beta) and cfg.bilevel_beta >= 0, "must be >= 0"),
+             ("--shaping entropy-adv", cfg.shaping != "entropy-adv" or cfg.credit == "entropy",
+              "adds an entropy bonus to the advantage: use it with --credit entropy")]
+    for flag, ok, why in rules:
+        if not ok:
+            return f"{flag} {why}"
+    w = str(cfg.attn_window).split(":")
+    if len(w) != 2 or not all(x.strip().isdigit() for x in w) or int(w[0]) > int(w[1]):
+        return f"--attn-window must be A:B with 0 <= A <= B, got {cfg.attn_window!r}"
+    try:
+        select_layers(cfg.layers, 10 ** 6)     # syntax only; the model's own depth is checked when it loads
+    except ValueError as e:
+        return f"--layers: {e}"
+    return None

@@ -383,7 +383,7 @@ def parse(argv=None):
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "attention-max", "entropy", "random", "oar-p", "oar-g"],
-                   help="credit.SIGNALS names to rank tokens by")
+                   help="signals.SIGNALS names to rank tokens by")
     p = cmd("overhead", None, model=False)
     p.add_argument("--steps", type=int, default=2, help="GRPO steps; the first is warm-up and not timed")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="max_new_tokens values to time (default: grpo's)")

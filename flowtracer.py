@@ -3,9 +3,10 @@
 Paper: "FlowTracer" (../shared/papers/flowtracer.txt), §3.1-3.3 and App. C.2.
 
     attention_graph   one no-grad forward pass -> head/layer-mean attention (§3.3, App. C.2)
+    capture           the same maps, taken inside a forward that runs anyway (grpo.py's fused credit pass)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
-    find_answer_span / build_regions   which tokens are the question, the response and the answer
+    find_answer_span / build_batch / take   the batch: question, response and answer tokens
 
 The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
 
@@ -27,7 +28,7 @@ Departures from the paper (numbered):
     (h = 0), which keeps g = f/h below 1e250 and rules out inf/NaN. With softmax attention every answer token
     attends every earlier token directly, so h(i) >= W_ia is far above the floor in practice (tested at 8K).
  2. The paper leaves ties and the region boundaries implicit. Here: ties in the top-k ranking go to the
-    earlier token; the question is the prompt minus special tokens (BOS, chat markers; see build_regions);
+    earlier token; the question is the prompt minus special tokens (BOS, chat markers; see build_batch);
     the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
  3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
     (plain GRPO) and a fallback flag, instead of undefined flow.
@@ -59,9 +60,10 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # How, without the L*H*T*T tensor that output_attentions=True (eager attention) materialises: an attention
 # function "flowtracer" is registered with transformers' AttentionInterface (and sdpa's mask builder under the
 # same name). It always returns sdpa's output, so outside a capture it is an exact pass-through and a policy may
-# keep attn_implementation="flowtracer" permanently. Inside attention_graph, for the chosen layers only, it also
-# recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, sums over heads as it goes
-# into one (B, T, T) buffer, and raises after the last chosen layer: later layers and lm_head never run.
+# keep attn_implementation="flowtracer" permanently. Inside attention_graph or capture, for the chosen layers only, it
+# also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and sums over heads as it
+# goes into one (B, T, T) buffer. attention_graph then raises after the last chosen layer (later layers and lm_head
+# never run); capture lets the forward run on, and takes each layer once (a backward recomputation adds nothing).
 # Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
 IMPL = "flowtracer"
 LAYER_SPECS = "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', or 'A:B'"
@@ -88,9 +90,11 @@ def select_layers(spec, num_layers):
 
 
 class _Capture:
-    """State of one attention_graph call, read by the attention function."""
-    def __init__(self, layers, buf, chunk):
-        self.layers, self.last, self.buf, self.chunk = set(layers), max(layers), buf, chunk
+    """State of one capture, read by the attention function. `stop`: raise after the last chosen layer
+    (attention_graph's own pass); otherwise the forward runs on (the fused training forward)."""
+    def __init__(self, layers, chunk, stop):
+        self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop
+        self.buf, self.seen, self.calls = None, set(), 0   # (B, T, T) sum of head means; layers done; count
 
 
 class _Stop(Exception):
@@ -121,14 +125,21 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
 
 
 def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """AttentionInterface function: sdpa's output; while capturing, also the chosen layers' head-mean maps."""
-    cap = _capture
-    if cap is not None and getattr(module, "layer_idx", None) in cap.layers:
+    """AttentionInterface function: sdpa's output; while capturing, also the chosen layers' head-mean maps,
+    once per layer: gradient checkpointing's recomputation in backward adds nothing."""
+    cap, layer = _capture, getattr(module, "layer_idx", None)
+    if cap is not None and layer in cap.layers and layer not in cap.seen:
         if query.shape[2] != key.shape[2]:
-            raise RuntimeError("attention_graph needs a full forward pass without a KV cache (q_len == kv_len)")
+            raise RuntimeError("attention capture needs a full forward pass without a KV cache (q_len == kv_len)")
+        B, H, T, _ = query.shape
+        if cap.buf is None:
+            cap.buf = torch.zeros(B, T, T, dtype=torch.float32, device=query.device)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        add_head_mean(cap.buf, query, key, attention_mask, scale, cap.chunk)
-        if module.layer_idx == cap.last:
+        add_head_mean(cap.buf, query.detach(), key.detach(), attention_mask, scale,
+                      cap.chunk or auto_chunk(B, H, T))
+        cap.seen.add(layer)
+        cap.calls += 1
+        if cap.stop and layer == cap.last:
             raise _Stop
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
@@ -142,26 +153,76 @@ def auto_chunk(B, H, T, budget=2 ** 25):
     return max(1, min(T, budget // max(1, B * H * T)))
 
 
+def _check_inputs(input_ids, attention_mask, chunk):
+    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
+        raise ValueError("attention capture needs input_ids and attention_mask, both (B, T)")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if (attention_mask.sum(-1) == 0).any():
+        raise ValueError("attention capture got a row with no valid token (attention_mask all zero)")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive number of query rows (or None), got {chunk!r}")
+
+
+class capture:
+    """Context manager: every chosen layer's head-mean attention of the next forward pass of `model`, captured
+    on the way (detached) while the forward runs on; the fused credit pass of grpo.py. After the block,
+    `.attn` is the (B, T, T) layer mean, zero on padding, exactly as attention_graph returns it.
+
+        with capture(model, mask, "middle") as cap:
+            out = model(input_ids, attention_mask=mask, ...)   # the training forward, with grad
+        cap.attn  # (B, T, T), cap.calls == number of chosen layers
+    """
+    def __init__(self, model, attention_mask, layers=None, chunk=None):
+        self.model, self.mask, self.chunk = model, attention_mask.long(), chunk
+        self.idx = select_layers(layers, model.config.num_hidden_layers)
+        self.attn, self.calls = None, 0
+
+    def __enter__(self):
+        global _capture
+        if _capture is not None:
+            raise RuntimeError("attention captures cannot nest")
+        self.old = self.model.config._attn_implementation
+        if self.old != IMPL:
+            self.model.set_attn_implementation(IMPL)
+        if self.model.config._attn_implementation != IMPL:
+            raise ValueError(f"{type(self.model).__name__} cannot switch to a custom AttentionInterface function")
+        self.state = _capture = _Capture(self.idx, self.chunk, stop=False)
+        return self
+
+    def __exit__(self, *exc):
+        global _capture
+        _capture = None
+        if self.old != IMPL:
+            self.model.set_attn_implementation(self.old)
+        self.calls = self.state.calls
+        if exc[0] is None:
+            if self.calls != len(self.idx):
+                raise RuntimeError(f"captured {self.calls} of {len(self.idx)} chosen layers in one forward")
+            m = self.mask.to(self.state.buf.device)
+            self.attn = self.state.buf / len(self.idx) * (m[:, :, None] * m[:, None, :]).float()  # layer mean
+        return False
+
+
 @torch.no_grad()
 def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
     """(B, T, T) float32: attention probabilities averaged over all heads of the chosen layers (Eq. 1).
 
     out[b, k, i] = weight of query k on key i; zero for i > k, for padding keys and for padding query rows.
     `layers`: a spec for select_layers (default: middle layers). `chunk`: query rows per softmax block.
+    Its own no-grad forward, which stops after the last chosen layer; `capture` does the same inside a
+    forward that runs anyway.
     """
-    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
-        raise ValueError("attention_graph needs input_ids and attention_mask, both (B, T)")
+    _check_inputs(input_ids, attention_mask, chunk)
     cfg = model.config
     idx = select_layers(layers, cfg.num_hidden_layers)
-    B, T = input_ids.shape
     mask = attention_mask.to(input_ids.device).long()  # (B, T)
-    if (mask.sum(-1) == 0).any():
-        raise ValueError("attention_graph got a row with no valid token (attention_mask all zero)")
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
-    buf = torch.zeros(B, T, T, dtype=torch.float32, device=input_ids.device)
     global _capture
     old_impl, was_training = cfg._attn_implementation, model.training
-    _capture = _Capture(idx, buf, chunk or auto_chunk(B, cfg.num_attention_heads, T))
+    if _capture is not None:
+        raise RuntimeError("attention captures cannot nest")
+    state = _capture = _Capture(idx, chunk, stop=True)
     try:
         if old_impl != IMPL:
             model.set_attn_implementation(IMPL)
@@ -177,7 +238,7 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
         if old_impl != IMPL:
             model.set_attn_implementation(old_impl)
         model.train(was_training)
-    buf /= len(idx)  # layer mean
+    buf = state.buf / len(idx)  # layer mean
     return buf * (mask[:, :, None] * mask[:, None, :]).float()  # zero padding query rows and key columns
 
 
@@ -266,9 +327,8 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
 
     A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
     h = _solve_h(A.mT, a)                                           # (B, T) eq. 2: (I - M) h = 1_A
-    live = h > 0                                                    # (B, T)
 
-    src = (q & v & live).to(h.dtype)                                # (B, T) question tokens that reach A
+    src = (q & v & (h > 0)).to(h.dtype)                                # (B, T) question tokens that reach A
     s = src / src.sum(-1, keepdim=True).clamp_min(1.0)              # (B, T) unit injection, 1/|Q'| each
     rhs = torch.where(h > 0, s / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T) s / h
     g = torch.linalg.solve_triangular(A, rhs.unsqueeze(-1),                  # A = -M^T, lower
@@ -285,7 +345,7 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
 
 # ----------------------------------------------------------------------------- eq. 5-6: the credit
 class Credit(NamedTuple):
-    weights: torch.Tensor   # (B, T) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
+    gamma: torch.Tensor     # (B, T) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
     fallback: torch.Tensor  # (B,) bool: no answer / no path -> all-1 weights (plain GRPO)
 
 
@@ -355,7 +415,7 @@ def answer_token_range(tokenizer, ids: list[int]) -> tuple[int, int] | None:
     return (max(k0, 0), k1) if k1 > max(k0, 0) else None
 
 
-class Regions(NamedTuple):
+class Batch(NamedTuple):
     input_ids: torch.Tensor       # (B, T) long: [left-padded prompt | right-padded response]
     attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
     question_mask: torch.Tensor   # (B, T) bool: prompt tokens (special tokens excluded unless asked)
@@ -363,9 +423,12 @@ class Regions(NamedTuple):
     answer_mask: torch.Tensor     # (B, T) bool: tokens of the final answer span inside the response
     prompt_width: int             # P: response token j of row b sits at column P + j
 
+    def to(self, device):
+        return Batch(*(x.to(device) for x in self[:-1]), self.prompt_width)
 
-def build_regions(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                  question_special: bool = False) -> Regions:
+
+def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                  question_special: bool = False) -> Batch:
     """Lay out prompts + responses as HF generate does and mark the three regions.
 
     question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
@@ -387,4 +450,10 @@ def build_regions(tokenizer, prompt_ids: list[list[int]], response_ids: list[lis
         rng = answer_token_range(tokenizer, list(r)) if r else None
         if rng is not None:
             ans[b, P + rng[0]:P + rng[1]] = True
-    return Regions(ids, attn_mask, q, resp, ans, P)
+    return Batch(ids, attn_mask, q, resp, ans, P)
+
+
+def take(batch: Batch, rows) -> Batch:
+    """The rows `rows` (a list or index tensor) of a batch, same width and prompt_width."""
+    idx = torch.as_tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+    return Batch(*(x[idx] for x in batch[:-1]), batch.prompt_width)

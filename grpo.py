@@ -3,12 +3,22 @@
 Implements the training loop of the paper (flowtracer.txt §3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3), left-padded, in chunks
   reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
-  credit    a signal (batch -> scores (B, T)) and a shaping rule (scores -> gamma (B, T)) from credit.py;
-            the default is FlowTracer: top 40% response tokens by flow throughput get gamma = 1.5 (eq. 6)
+  credit    credit.assign: a signal (signals.py) and a shaping rule (credit.py) give gamma (B, R); the
+            default is FlowTracer: top 40% response tokens by flow throughput get gamma = 1.5 (eq. 6)
   update    PPO clipped surrogate with gamma_{i,t} on every token term, for both signs of A (eq. 5):
               J = 1/G sum_i 1/N_i sum_t gamma_it * min(ratio_it A_i, clip(ratio_it, 1-eps_lo, 1+eps_hi) A_i)
             plus dual-clip (c = 3) for A < 0 and an optional k3 KL term (beta = 0 by default: no reference model)
   log       one JSONL line of metrics per step, rollouts with their per-token credit, a PNG of the curves
+
+One forward per micro-batch does it all (--credit-pass fused, the default): the training forward returns the
+log-probs, captures the middle layers' attention on the way (flowtracer.capture; detached, once per forward),
+and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations 1)
+the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
+forward of their own (attention, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
+
+The loss divisor: seq-mean divides by the number of rows B in the update batch (with --dynamic-filter, the
+rows kept: groups with accuracy in [0.1, 0.95] and responses that ended with EOS; without it, every row,
+so all-equal groups, with A = 0, stay in B); token-mean divides by the response tokens of those rows.
 
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
@@ -20,12 +30,19 @@ Departures from the paper (numbered):
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. Running `python grpo.py` with no model named trains the embedded SmolLM2-135M-Instruct on the offline
     arithmetic task with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU.
+ 6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
+    rule. --dynamic-filter reads it as DAPO's overlong filter: a response cut at max_new_tokens (no EOS) is
+    dropped from the update, as are groups whose accuracy is outside [0.1, 0.95]. Off by default for the
+    embedded run (its tiny batch would often be empty); on by default for the paper's models (PAPER below).
+ 7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
+    credit. The logged entropy is therefore over the rows that were trained.
 
 Run:  python grpo.py                                                    # embedded default, CPU, < 10 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,21 +54,23 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import checkpoint as ckpt_io
 import credit
 import data
-from checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from flowtracer import build_regions
+import signals
+from flowtracer import build_batch, capture, select_layers, take
 from models import generate, load_model
 
 
 @dataclass
-class Config:
+class Config(credit.CreditConfig):   # the credit knobs (--credit, --shaping, --top-frac, --gamma, ...) live there
     # model and task
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file, or alias (models.py)
     dataset: str = "arithmetic"        # a data.py task name (dapo-math-17k for the paper's math runs)
@@ -69,33 +88,14 @@ class Config:
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # advantage clip (App. C.3)
-    dynamic_filter: bool = False       # drop groups whose accuracy is outside [filter_low, filter_high] (App. C.3)
+    dynamic_filter: bool = False       # App. C.3: keep groups with accuracy in [low, high], drop cut-off responses
     filter_low: float = 0.1            # App. C.3
     filter_high: float = 0.95          # App. C.3
-    # credit (credit.py)
-    credit: str = "flow"               # signal: none | flow | random | ... (credit.SIGNALS)
-    shaping: str = "topk"              # rule: topk | bottomk | ... (credit.SHAPINGS)
-    top_frac: float = 0.4              # fraction of response tokens boosted (eq. 6, Table 5)
-    gamma: float = 1.5                 # gamma_flow (eq. 6, Table 7)
-    layers: str = "middle"             # attention layers for the graph: early|middle|late|all|A:B (Fig. 6)
-    token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
-    soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)
-    entropy_frac: float = 0.2          # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
-    entropy_alpha: float = 0.4         # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
-    entropy_kappa: float = 2.0         # --shaping entropy-adv (OAR eq. 6)
-    attn_window: str = "10:100"        # --credit attention: FAI reads queries t with s+10 <= t <= s+100
-    attn_global_frac: float = 0.3      # --credit attention: top 30% heads by mean attention distance
-    oar_outcome: str = "lt-logits"     # OAR outcome distribution: lt-logits | as-mean (OAR §6.2)
-    oar_sigma: float = 1e-3            # OAR-G embedding noise (OAR §3.2)
-    oar_chunk: int = 64                # OAR-P masked copies per forward pass
-    oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
-    bilevel_tau: float = 0.4           # --shaping bilevel: percentile threshold (OAR §4.1)
-    bilevel_beta: float = 2.0          # --shaping bilevel: boost coefficient (OAR §4.1)
     # update
     lr: float = 1e-6                   # App. C.3
     warmup_steps: int = 20             # linear warmup (App. C.3)
     weight_decay: float = 0.0          # not given in the paper
-    num_iterations: int = 1            # updates per batch (old log-probs come from the pre-update policy)
+    num_iterations: int = 1            # updates per batch; > 1 runs an old-log-prob pass first
     micro_batch: int = 8               # rows per forward/backward (gradient accumulation)
     eps_low: float = 0.2               # PPO clip 1 - eps_low (eq. 5)
     eps_high: float = 0.2              # clip-higher: 1 + eps_high (DAPO uses 0.28)
@@ -107,10 +107,10 @@ class Config:
     logprob_chunk: int = 128           # positions per selective log-softmax chunk
     # run
     steps: int = 500                   # 4B models: 500 steps (App. C.3)
-    seed: int = 0                      # python / torch seeds and the data order
     device: str = "auto"               # auto | cpu | cuda
     out_dir: str = "runs/grpo"         # metrics.jsonl, rollouts/, ckpt/, curves.png
-    save_every: int = 50               # checkpoint every N steps (and at the end, and on Ctrl-C)
+    overwrite: bool = False            # start afresh in an out_dir that holds a run (else: an error)
+    save_every: int = 50               # checkpoint every N steps (and at the end, on Ctrl-C / SIGTERM)
     rollouts_every: int = 10           # save rollouts with per-token credit every N steps
     max_bad_steps: int = 3             # stop after this many consecutive NaN/inf steps
     resume: str = ""                   # a run directory (or its ckpt/) to continue from
@@ -121,31 +121,89 @@ class Config:
 EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, lr=1e-5, warmup_steps=2,
                 micro_batch=4, gen_chunk=8, save_every=3, rollouts_every=2, max_prompt_tokens=768,
                 grad_checkpointing=False, out_dir="runs/embedded")
+PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
 
 
-def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description="GRPO with FlowTracer credit", allow_abbrev=False)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            p.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS)
-    given = vars(p.parse_args(argv))                     # unknown flags are errors
-    if given.get("resume"):                              # the saved run's config, then the flags given now
-        return Config(**{**torch.load(find_checkpoint(given["resume"]) / "trainer_state.pt",
-                                      weights_only=False)["config"], **given})
-    base = EMBEDDED if given.get("model", Config.model) == Config.model else {}
-    return Config(**{**base, **given})
+# ----------------------------------------------------------------------------- the loop
+def train(cfg: Config, run=None) -> list:
+    run = run or setup(cfg)           # data, model, optimizer, run directory, Ctrl-C / SIGTERM (helpers below)
+    model, tok, opt, G, P = run.model, run.tok, run.opt, cfg.group_size, None
+    for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
+        t, m = [time.perf_counter()], {"step": step + 1}
+        # ---------------------------------------------------------- rollout
+        recs, prompts = step_prompts(run, step, m)                    # drops prompts over max_prompt_tokens
+        if not recs:
+            bookkeep(run, step, m, skipped="every prompt is longer than --max-prompt-tokens")
+            continue
+        model.eval()
+        with torch.no_grad(), run.autocast:
+            gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                           top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk)
+        t.append(time.perf_counter())
+        # ---------------------------------------------------------- reward
+        rewards = torch.tensor([data.score(recs[j // G], txt) for j, txt in enumerate(gen.texts)])    # (B,)
+        adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)                  # (B,)
+        rows = kept_rows(rewards, gen.truncated, cfg, m)                                             # filter
+        if not rows:
+            bookkeep(run, step, m, skipped="the dynamic filter dropped every group")
+            continue
+        batch = build_batch(tok, [gen.prompt_ids[j] for j in rows], [gen.response_ids[j] for j in rows])
+        batch = batch.to(run.device)
+        adv, P, B = adv[rows].to(run.device), batch.prompt_width, len(rows)
+        resp = batch.response_mask[:, P:]                                                            # (B, R)
+        trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(B))  # departure 7
+        gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)                    # (B, R)
+        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "time/fused": 0.0,
+                 "credit/fallback": 0}
+        t.append(time.perf_counter())
+        # ---------------------------------------------------------- credit (separate pass, when one is needed)
+        if credit.separate_pass(cfg) and trained:
+            with torch.no_grad(), run.autocast:
+                c = credit.assign(model, tok, take(batch, trained), adv[trained], cfg)                # (b, R)
+            gamma[trained], scores[trained], stats["credit/fallback"] = c.gamma, c.scores, int(c.fallback.sum())
+        t.append(time.perf_counter())
+        # ---------------------------------------------------------- update (fused credit inside, eq. 1-6)
+        old_logp = old_logprobs(run, batch, trained)        # (B, R); None on-policy: logp.detach() below
+        model.train()
+        for it in range(cfg.num_iterations):
+            opt.zero_grad(set_to_none=True)
+            for s in range(0, len(trained), cfg.micro_batch):
+                mb = trained[s:s + cfg.micro_batch]
+                sub = take(batch, mb)
+                with run.autocast, capturing(run, sub, it) as cap:             # the one forward of this micro-batch
+                    logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk)
+                if it == 0 and not credit.separate_pass(cfg):                  # fused: flow -> gamma (eq. 1-6)
+                    t_f = time.perf_counter()
+                    with torch.no_grad():
+                        c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
+                    gamma[mb], scores[mb] = c.gamma, c.scores
+                    stats["credit/fallback"] += int(c.fallback.sum())
+                    stats["time/fused"] += time.perf_counter() - t_f
+                old = logp.detach() if old_logp is None else old_logp[mb]              # on-policy: ratio = 1
+                ref = ref_logprobs(run, sub)
+                loss, st = grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, denominator(cfg, resp), ref)
+                loss.backward()
+                stats["loss"] += loss.item()
+                stats["entropy"].append(ent[resp[mb]])
+                stats.update({k: stats[k] + v for k, v in st.items()})
+            if not optimizer_step(run, stats):                 # clip; a non-finite step is skipped
+                break
+        if run.bad == 0:
+            run.sched.step()
+        t.append(time.perf_counter())
+        # ---------------------------------------------------------- log
+        m.update(step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t))
+        bookkeep(run, step, m, (batch, gen, rows, rewards, adv, scores, gamma))
+        if run.stop:
+            break
+    return finish(run)
 
 
 # ----------------------------------------------------------------------------- policy math
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, with_entropy=False):
-    """log pi(y_t | x, y_<t) for the response columns P..T-1: (B, T-P). Optionally the entropy too.
-
-    Hidden states come from the decoder; the LM head and log-softmax run on `chunk` positions at a time and
-    are recomputed in backward (departure 2), so at most (B, chunk, V) logits exist at once.
-    """
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
+    """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
+    both (B, T-P). Hidden states come from the decoder; the LM head and log-softmax run on `chunk` positions
+    at a time and are recomputed in backward (departure 2), so at most (B, chunk, V) logits exist at once."""
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
     hid = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                               use_cache=False).last_hidden_state          # (B, T, D)
@@ -155,14 +213,15 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, wi
     def piece(h, y):
         logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
         lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
-        ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
+        with torch.no_grad():
+            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy, for credit and logs
         return lp, ent
 
     outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
             if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
             for s in range(0, tgt.shape[1], chunk)]
     lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
-    return (lp, ent) if with_entropy else lp
+    return lp, ent.detach()
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -199,18 +258,191 @@ def grpo_loss(logp, old_logp, adv, gamma, mask, cfg, denom, ref_logp=None):
     return loss, stats
 
 
-def credit_stats(w, adv, resp):
-    """OAR App. A.3 on the response tokens: mean ESS ratio of the weights, and the top-10% mass of |A_t|."""
+def denominator(cfg, resp):
+    """The loss divisor of the whole batch: B rows (seq-mean) or its response tokens (token-mean)."""
+    return resp.shape[0] if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()
+
+
+def kept_rows(rewards, truncated, cfg, m):
+    """Row indices for the update. --dynamic-filter (App. C.3, departure 6): groups with accuracy in
+    [filter_low, filter_high], and within them the responses that ended before max_new_tokens."""
+    if not cfg.dynamic_filter:
+        return list(range(len(rewards)))
+    acc = (rewards.view(-1, cfg.group_size) >= 1).float().mean(-1)        # (B/G,)
+    ok = (acc >= cfg.filter_low) & (acc <= cfg.filter_high)
+    m["groups/filtered"], m["rows/truncated_dropped"] = int((~ok).sum()), int(sum(truncated))
+    return [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
+
+
+def old_logprobs(run, batch, trained):
+    """(B, R) log-probs of the pre-update policy for num_iterations > 1; None on-policy (they would equal
+    the detached current log-probs, so the training forward provides them)."""
+    if run.cfg.num_iterations == 1 or not trained:
+        return None
+    out = torch.zeros(batch.response_mask[:, batch.prompt_width:].shape, device=run.device)
+    run.model.eval()
+    with torch.no_grad(), run.autocast:
+        for s in range(0, len(trained), run.cfg.micro_batch):
+            mb, sub = trained[s:s + run.cfg.micro_batch], take(batch, trained[s:s + run.cfg.micro_batch])
+            out[mb] = token_logprobs(run.model, sub.input_ids, sub.attention_mask, sub.prompt_width,
+                                     run.cfg.logprob_chunk)[0].float()
+    return out
+
+
+def ref_logprobs(run, sub):
+    """(b, R) reference-model log-probs for the k3 KL term (its own no-grad pass), or None when beta = 0."""
+    if run.ref is None:
+        return None
+    with torch.no_grad(), run.autocast:
+        return token_logprobs(run.ref, sub.input_ids, sub.attention_mask, sub.prompt_width,
+                              run.cfg.logprob_chunk)[0]
+
+
+def capturing(run, sub, it):
+    """The fused pass's attention capture around the micro-batch forward, when the signal reads the maps."""
+    if it == 0 and not credit.separate_pass(run.cfg) and signals.NEEDS.get(run.cfg.credit) == "attn":
+        return capture(run.model, sub.attention_mask, run.cfg.layers)
+    return contextlib.nullcontext(SimpleNamespace(attn=None))
+
+
+def optimizer_step(run, stats):
+    """Clip, then step; a non-finite loss or gradient skips the update. Returns True when it stepped."""
+    for p in run.model.parameters():                     # AdamW still steps on a zero gradient, as GRPO would
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm).item()
+    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+        run.bad += 1
+        run.opt.zero_grad(set_to_none=True)
+        tqdm.write(f"non-finite loss {stats['loss']} / grad norm {stats['grad_norm']}: update skipped "
+                   f"({run.bad} in a row)")
+        return False
+    run.bad = 0
+    run.opt.step()
+    return True
+
+
+# ----------------------------------------------------------------------------- setup and bookkeeping
+def setup(cfg):
+    """Everything before the first step, cheapest checks first: the run directory and the data are read
+    before the model loads, so a bad --data-path fails in a second, not after loading 4B weights."""
+    ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
+    out = Path(cfg.out_dir)
+    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)
+    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
+    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, records[0]["task"])
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=torch.float32)
+    select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
+    ref = load_model(cfg.model, device=device, dtype=torch.float32)[0].eval() if cfg.beta > 0 else None
+    if cfg.grad_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
+    (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, sched=sched, device=device,
+                          autocast=torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"),
+                          records=records, style=style, out=out, start=start, bad=bad, stop=False, history=[],
+                          order=torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist(),
+                          metrics=ckpt_io.open_metrics(out, start if ckpt else None))
+
+    def on_signal(signum, _frame):  # first Ctrl-C / SIGTERM: finish this step, save, exit; a second one: now
+        run.stop = True
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
+    print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping} "
+          f"({'separate' if credit.separate_pass(cfg) else 'fused'} pass), {cfg.prompts_per_step}x{cfg.group_size} "
+          f"rollouts/step, device={device}, out={out}")
+    return run
+
+
+def step_prompts(run, step, m):
+    """This step's records and prompts: a function of (seed, step) alone, so --resume lines up; prompts over
+    --max-prompt-tokens are skipped and counted."""
+    cfg, n = run.cfg, run.cfg.prompts_per_step
+    recs = [run.records[run.order[(step * n + j) % len(run.records)]] for j in range(n)]
+    prompts = [data.make_prompt(r, run.tok, run.style) for r in recs]
+    keep = [len(run.tok(p).input_ids) <= cfg.max_prompt_tokens for p in prompts]
+    m["prompts/skipped_long"] = keep.count(False)
+    if not all(keep):
+        tqdm.write(f"step {step + 1}: {keep.count(False)} prompt(s) longer than --max-prompt-tokens "
+                   f"{cfg.max_prompt_tokens} skipped")
+    return [r for r, k in zip(recs, keep) if k], [p for p, k in zip(prompts, keep) if k]
+
+
+def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
+    """One step's metrics. time/credit = the separate pass + the fused flow/shaping (the capture itself runs
+    inside the update's forward and is counted in time/update)."""
+    trained = (adv != 0) if run.cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)   # (B,)
+    n_tok = resp.sum().clamp_min(1).item() * run.cfg.num_iterations
+    ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
+    on = resp & trained[:, None]                                                             # (B, R)
+    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
+            "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
+            "len/mean": resp.sum(-1).float().mean().item(),
+            "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
+            "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
+            "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": run.bad,
+            "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
+            **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
+            "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
+            **credit_stats(gamma, adv, on),
+            "time/generate": t[1] - t[0], "time/reward": t[2] - t[1],
+            "time/credit": t[3] - t[2] + stats["time/fused"], "time/update": t[4] - t[3] - stats["time/fused"],
+            "time/step": t[4] - t[0], "mem/peak_gb": peak_memory_gb(run.device)}
+
+
+def bookkeep(run, step, m, rollout=None, skipped=None):
+    """The end of every step, skipped or not: the metrics line, rollouts, the checkpoint when due."""
+    cfg = run.cfg
+    if skipped:
+        m["skipped"] = skipped
+        tqdm.write(f"step {step + 1}: {skipped}; no update")
+    else:
+        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} len {m['len/mean']:.0f} "
+                   f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']} {m['time/step']:.1f}s")
+    ckpt_io.write_metrics(run.metrics, m)
+    run.history.append(m)
+    if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
+        save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
+    if run.bad >= cfg.max_bad_steps:
+        ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg, run.bad)
+        sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
+    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop:
+        ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg, run.bad)
+    if run.stop:
+        print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
+
+
+def finish(run):
+    run.metrics.close()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\nrollouts: {run.out / 'rollouts'}")
+    if (run.out / "ckpt").is_dir():
+        print(f"checkpoint: {run.out / 'ckpt'}")
+    return run.history
+
+
+def credit_stats(gamma, adv, on):
+    """OAR App. A.3 on the trained response tokens: mean ESS ratio of gamma, and the top-10% mass of |A_t|."""
     ess, mass = [], []
-    for b in range(w.shape[0]):
-        wt, n = w[b][resp[b]].double(), int(resp[b].sum())
+    for b in range(gamma.shape[0]):
+        g, n = gamma[b][on[b]].double(), int(on[b].sum())
         if n == 0:
             continue
-        ess.append((wt.sum() ** 2 / (n * (wt ** 2).sum())).item())
-        At = (wt * adv[b].abs()).sort(descending=True).values
+        ess.append((g.sum() ** 2 / (n * (g ** 2).sum())).item())
+        At = (g * adv[b].abs()).sort(descending=True).values
         if At.sum() > 0:
             mass.append((At[:max(1, n // 10)].sum() / At.sum()).item())
-    mean = lambda x: sum(x) / len(x) if x else float("nan")  # noqa: E731
+    mean = lambda x: sum(x) / len(x) if x else None  # noqa: E731
     return {"credit/ess_ratio": mean(ess), "credit/top10_adv_mass": mean(mass)}
 
 
@@ -218,161 +450,6 @@ def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB -> GiB (process peak RSS)
-
-
-# ----------------------------------------------------------------------------- the loop
-def train(cfg: Config) -> list:
-    ckpt = find_checkpoint(cfg.resume) if cfg.resume else None
-    if cfg.credit not in credit.SIGNALS or cfg.shaping not in credit.SHAPINGS:
-        raise ValueError(f"--credit must be one of {sorted(credit.SIGNALS)}; --shaping one of {sorted(credit.SHAPINGS)}")
-    if cfg.shaping == "entropy-adv" and cfg.credit != "entropy":
-        raise ValueError("--shaping entropy-adv adds an entropy bonus to the advantage: use it with --credit entropy")
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    out = Path(cfg.out_dir)
-    (out / "rollouts").mkdir(parents=True, exist_ok=True)
-    model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=torch.float32)
-    ref = load_model(cfg.model, device=device, dtype=torch.float32)[0].eval() if cfg.beta > 0 else None
-    if cfg.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    start, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
-    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, records[0]["task"])
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    stop = {"now": False}
-
-    def on_ctrl_c(*_):  # first Ctrl-C: finish this step, save, exit; a second one interrupts at once
-        stop["now"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_ctrl_c)
-    metrics_file = open(out / "metrics.jsonl", "a" if ckpt else "w")
-    history = []
-    print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}, "
-          f"{cfg.prompts_per_step}x{cfg.group_size} rollouts/step, device={device}, out={out}")
-
-    for step in tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps):
-        t0, m = time.perf_counter(), {"step": step + 1}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        # ---------------------------------------------------------- rollout
-        batch_recs = [records[order[(step * cfg.prompts_per_step + j) % len(records)]] for j in range(cfg.prompts_per_step)]
-        prompts = [data.make_prompt(r, tok, style) for r in batch_recs]
-        keep = [len(tok(p).input_ids) <= cfg.max_prompt_tokens for p in prompts]
-        m["prompts/skipped_long"] = keep.count(False)
-        if not all(keep):
-            tqdm.write(f"step {step + 1}: {keep.count(False)} prompt(s) longer than --max-prompt-tokens {cfg.max_prompt_tokens} skipped")
-        if not any(keep):
-            continue
-        batch_recs, prompts = [r for r, k in zip(batch_recs, keep) if k], [p for p, k in zip(prompts, keep) if k]
-        model.eval()
-        with torch.no_grad(), autocast:
-            gen = generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk)
-        t1 = time.perf_counter()
-        # ---------------------------------------------------------- reward
-        G = cfg.group_size
-        rewards = torch.tensor([data.score(batch_recs[j // G], txt) for j, txt in enumerate(gen.texts)])  # (B,)
-        adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)                     # (B,)
-        rows = list(range(len(gen.texts)))
-        if cfg.dynamic_filter:
-            acc = (rewards.view(-1, G) >= 1).float().mean(-1)
-            rows = [j for j in rows if cfg.filter_low <= acc[j // G] <= cfg.filter_high]
-            m["groups/filtered"] = int(((acc < cfg.filter_low) | (acc > cfg.filter_high)).sum())
-            if not rows:
-                tqdm.write(f"step {step + 1}: the dynamic filter dropped every group; no update")
-                continue
-        batch = build_regions(tok, [gen.prompt_ids[j] for j in rows], [gen.response_ids[j] for j in rows])
-        batch = type(batch)(*(x.to(device) if torch.is_tensor(x) else x for x in batch))
-        adv = adv[rows].to(device)
-        t2 = time.perf_counter()
-        # ---------------------------------------------------------- credit
-        with torch.no_grad(), autocast:
-            scores = credit.SIGNALS[cfg.credit](model, batch, cfg)                                    # (B, T)
-            only = credit.token_class_mask(tok, batch.input_ids, cfg.token_class) if cfg.token_class else None
-            w, fallback = credit.SHAPINGS[cfg.shaping](scores, batch, cfg, only)                        # (B, T)
-        P = batch.prompt_width
-        gamma, resp = w[:, P:].float(), batch.response_mask[:, P:]                                     # (B, R)
-        if cfg.shaping == "entropy-adv":   # Cheng et al.: additive bonus; gamma_t = A_t / A (scores = entropy)
-            A_t = credit.entropy_bonus(adv, scores, batch.response_mask & ~fallback[:, None],
-                                       cfg.entropy_alpha, cfg.entropy_kappa)[:, P:]                    # (B, R)
-            gamma = torch.where(adv[:, None] != 0, A_t / adv[:, None], gamma)                          # (B, R)
-        t3 = time.perf_counter()
-        # ---------------------------------------------------------- update
-        with torch.no_grad(), autocast:
-            old_logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, P, cfg.logprob_chunk, True)
-            ref_logp = token_logprobs(ref, batch.input_ids, batch.attention_mask, P, cfg.logprob_chunk) if ref else None
-        B = len(rows)
-        denom = B if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()
-        # With beta = 0 a row with A = 0 adds exactly 0 to the loss and its gradient: skip its forward/backward.
-        live = (adv != 0).nonzero().squeeze(-1).tolist() if cfg.beta == 0 else list(range(B))
-        model.train()
-        clip = {"clip/low": 0, "clip/high": 0, "clip/dual": 0}
-        for _ in range(cfg.num_iterations):
-            opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for s in range(0, len(live), cfg.micro_batch):
-                mb = live[s:s + cfg.micro_batch]
-                with autocast:
-                    logp = token_logprobs(model, batch.input_ids[mb], batch.attention_mask[mb], P, cfg.logprob_chunk)
-                loss, st = grpo_loss(logp, old_logp[mb], adv[mb], gamma[mb], resp[mb], cfg, denom,
-                                     ref_logp[mb] if ref_logp is not None else None)
-                loss.backward()
-                loss_sum += loss.item()
-                clip = {k: clip[k] + st[k] for k in clip}
-            for p in model.parameters():                     # AdamW still steps on a zero gradient, as GRPO would
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                bad += 1
-                opt.zero_grad(set_to_none=True)
-                tqdm.write(f"step {step + 1}: non-finite loss {loss_sum} / grad norm {grad_norm}: update skipped ({bad} in a row)")
-                break
-            bad = 0
-            opt.step()
-        if bad == 0:
-            sched.step()
-        t4 = time.perf_counter()
-        # ---------------------------------------------------------- log
-        n_tok = resp.sum().clamp_min(1).item() * cfg.num_iterations
-        lens = resp.sum(-1).float()
-        m.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
-                  "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
-                  "len/mean": lens.mean().item(), "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
-                  "entropy": (ent[resp].mean().item() if resp.any() else 0.0), "loss": loss_sum,
-                  "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "bad_steps": bad,
-                  **{k: v / n_tok for k, v in clip.items()},
-                  "credit/boosted_frac": ((gamma != 1) & resp).sum().item() / resp.sum().clamp_min(1).item(),
-                  "credit/fallback": int(fallback.sum()), **credit_stats(gamma, adv, resp),
-                  "time/generate": t1 - t0, "time/reward": t2 - t1, "time/credit": t3 - t2,
-                  "time/update": t4 - t3, "time/step": time.perf_counter() - t0, "mem/peak_gb": peak_memory_gb(device)})
-        metrics_file.write(json.dumps(m) + "\n")
-        metrics_file.flush()
-        history.append(m)
-        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} len {m['len/mean']:.0f} "
-                   f"boosted {m['credit/boosted_frac']:.2f} fallback {m['credit/fallback']} {m['time/step']:.1f}s")
-        if (step + 1) % cfg.rollouts_every == 0:
-            save_rollouts(out / "rollouts" / f"step_{step + 1:05d}.jsonl", tok, batch, gen, rows, rewards, adv, scores, gamma)
-        last = step + 1 == cfg.steps
-        if bad >= cfg.max_bad_steps:
-            save_checkpoint(out / "ckpt", model, tok, opt, sched, step + 1, cfg, bad)
-            sys.exit(f"stopping: {bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
-        if (step + 1) % cfg.save_every == 0 or last or stop["now"]:
-            save_checkpoint(out / "ckpt", model, tok, opt, sched, step + 1, cfg, bad)
-        if stop["now"]:
-            print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {out}")
-            break
-    metrics_file.close()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    plot_curves(out / "metrics.jsonl", out / "curves.png")
-    print(f"metrics: {out / 'metrics.jsonl'}\nplots:   {out / 'curves.png'}\nrollouts: {out / 'rollouts'}\ncheckpoint: {out / 'ckpt'}")
-    return history
 
 
 def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
@@ -386,7 +463,7 @@ def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
                                  "reward": rewards[j].item(), "adv": adv[b].item(),
                                  "tokens": [tok.decode([t]) for t in ids],
                                  "answer": batch.answer_mask[b, P:P + n].tolist(),
-                                 "score": scores[b, P:P + n].float().tolist(), "gamma": gamma[b, :n].tolist()}) + "\n")
+                                 "score": scores[b, :n].float().tolist(), "gamma": gamma[b, :n].tolist()}) + "\n")
 
 
 def plot_curves(metrics_path, png_path):
@@ -394,12 +471,13 @@ def plot_curves(metrics_path, png_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in open(metrics_path)]
-    if not rows:
-        return
     keys = ["reward/mean", "acc", "entropy", "len/mean"]
+    if not any(r.get(k) is not None for r in rows for k in keys):
+        return
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
     for ax, k in zip(axes, keys):
-        ax.plot([r["step"] for r in rows], [r[k] for r in rows], marker="o")
+        pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o")
         ax.set_title(k)
         ax.set_xlabel("step")
     fig.tight_layout()
@@ -407,5 +485,72 @@ def plot_curves(metrics_path, png_path):
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- command line
+def check(cfg):
+    """The first bad flag as one sentence naming it, or None. Runs before anything loads."""
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+    rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
+             *[(f"--{k.replace('_', '-')}", getattr(cfg, k) >= 1, "must be >= 1")
+               for k in ("prompts_per_step", "max_new_tokens", "gen_chunk", "micro_batch", "num_iterations",
+                         "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
+                         "max_prompt_tokens", "top_k")],
+             *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
+               for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
+                         "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
+             ("--temperature", cfg.temperature > 0, "must be > 0"), ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+             ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
+             ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"), ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
+             ("--dual-clip", cfg.dual_clip > 1, "must be > 1"), ("--beta", cfg.beta >= 0, "must be >= 0"),
+             ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"), ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
+             ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "need 0 <= --filter-low <= --filter-high <= 1"),
+             ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
+             ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
+             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), f"must be auto or one of {', '.join(data.STYLES)}"),
+             ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+             ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda was asked for, but no GPU is visible")]
+    for flag, ok, why in rules:
+        if not ok:
+            return f"{flag} {why}"
+    return credit.check(cfg)
+
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(prog="grpo.py", description="GRPO with FlowTracer credit", allow_abbrev=False)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS)
+    given = vars(p.parse_args(argv))                     # unknown flags are errors
+    try:
+        if given.get("resume"):                          # the saved run's config, then the flags given now
+            saved = ckpt_io.saved_config(ckpt_io.find_checkpoint(given["resume"]))
+            cfg = Config(**{**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__}, **given})
+        else:
+            name = str(given.get("model", Config.model)).lower()
+            base = EMBEDDED if name == Config.model else PAPER if any(k in name for k in PAPER_MODELS) else {}
+            cfg = Config(**{**base, **given})
+    except ValueError as e:
+        p.error(str(e))
+    problem = check(cfg)
+    if problem:
+        p.error(problem)
+    return cfg
+
+
+PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        run = setup(cfg)
+    except (ValueError, OSError) as e:     # the user's files (data, model, checkpoint, out_dir): one line, exit 2
+        print(f"grpo.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return train(cfg, run)
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    main()

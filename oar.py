@@ -12,12 +12,11 @@ The bi-level reshaping of OAR (eq. 14-17) is a shaping rule, credit.shape_bileve
 This file also holds the two forward helpers the other model-based signals share: `hidden` (the decoder
 trunk, no lm_head) and `lm_logits` (lm_head on chosen rows only), so that (B, T, V) logits are never built.
 
-cfg attributes (getattr, defaults in brackets): oar_outcome ["lt-logits" | "as-mean"], oar_chunk [64]
-(masked copies per forward, OAR-P), oar_prefix_cache [True] (both), oar_sigma [1e-3] (OAR-G), pad_id [None],
-seed [0].
+cfg is a credit.CreditConfig: oar_outcome, oar_chunk (masked copies per forward, OAR-P), oar_prefix_cache
+(both), oar_sigma (OAR-G), pad_id, seed.
 
 Departures (numbered):
- 1. AS-Mean uses the answer span of flowtracer.build_regions (last \\boxed{...}, else <answer>...</answer>).
+ 1. AS-Mean uses the answer span of flowtracer.build_batch (last \\boxed{...}, else <answer>...</answer>).
     A sequence without one uses LT-Logits, as OAR's warm-up does (§6.2); credit's shaping rules give such
     sequences plain GRPO anyway.
  2. The pad id: cfg.pad_id if >= 0, else the id found at the batch's padding positions, else the model's
@@ -50,11 +49,6 @@ import hashlib
 
 import torch
 from transformers import DynamicCache
-
-
-def opt(cfg, name, default):
-    v = getattr(cfg, name, default) if cfg is not None else default
-    return default if v is None else v
 
 
 def batch_seed(input_ids, seed):
@@ -128,7 +122,7 @@ def kl(logp, logq):
 
 def pad_id(model, batch, cfg):
     """The replacement token of OAR-P (departure 2)."""
-    p = opt(cfg, "pad_id", None)
+    p = cfg.pad_id
     if p is not None and int(p) >= 0:                                          # -1 (or None): find it
         return int(p)
     padded = batch.input_ids[~batch.attention_mask.bool()]
@@ -167,21 +161,21 @@ def masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores)
 
 
 @torch.no_grad()
-def signal_oar_p(model, batch, cfg=None):
+def signal_oar_p(model, batch, cfg, captured=None):
     """I_t = KL(P_final || P_final^(t)) for every response token t (eq. 8); (B, T) float32, 0 off the response.
     Cost: sum_b n_b masked copies, oar_chunk of them per forward (departure 3)."""
-    chunk = int(opt(cfg, "oar_chunk", 64))
+    chunk = int(cfg.oar_chunk)
     if chunk < 1:
         raise ValueError(f"oar_chunk must be >= 1, got {chunk}")
     dev = model.device
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     resp = batch.response_mask.to(dev).bool()
-    pm = outcome_mask(mask, batch.answer_mask.to(dev), opt(cfg, "oar_outcome", "lt-logits"))  # (B, T)
+    pm = outcome_mask(mask, batch.answer_mask.to(dev), cfg.oar_outcome)  # (B, T)
     T = ids.shape[-1]
     end = (pm.long() * torch.arange(T, device=dev)).amax(-1) + 1              # (B,) columns the outcome sees
     cand = resp & (torch.arange(T, device=dev) < end.unsqueeze(-1))           # departure 3: later ones get 0
     pad = pad_id(model, batch, cfg)
-    share = bool(opt(cfg, "oar_prefix_cache", True))
+    share = bool(cfg.oar_prefix_cache)
     scores = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
     with eval_mode(model):
         if share:
@@ -201,21 +195,21 @@ def signal_oar_p(model, batch, cfg=None):
 
 
 # ----------------------------------------------------------------------------- OAR-G (eq. 9-13)
-def signal_oar_g(model, batch, cfg=None):
+def signal_oar_g(model, batch, cfg, captured=None):
     """I_t = |<grad_{e_t} KL(P_0 || P_eps), e_t>| (eq. 13) with one backward pass; (B, T) float32."""
-    sigma = float(opt(cfg, "oar_sigma", 1e-3))
+    sigma = float(cfg.oar_sigma)
     if not sigma > 0:
         raise ValueError(f"oar_sigma must be > 0 (at sigma = 0 the KL gradient is exactly 0), got {sigma}")
     dev = model.device
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     resp = batch.response_mask.to(dev).bool()
-    pm = outcome_mask(mask, batch.answer_mask.to(dev), opt(cfg, "oar_outcome", "lt-logits"))
-    P = batch.prompt_width if bool(opt(cfg, "oar_prefix_cache", True)) else 0     # departure 7
+    pm = outcome_mask(mask, batch.answer_mask.to(dev), cfg.oar_outcome)
+    P = batch.prompt_width if bool(cfg.oar_prefix_cache) else 0     # departure 7
     if resp[:, :P].any() or pm[:, :P].any(-1).logical_and(resp.any(-1)).any():
-        P = 0                                                                  # not the Regions layout
+        P = 0                                                                  # not the Batch layout
     pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
     dec = model.get_decoder()
-    gen = torch.Generator().manual_seed(batch_seed(batch.input_ids, opt(cfg, "seed", 0)))
+    gen = torch.Generator().manual_seed(batch_seed(batch.input_ids, cfg.seed))
     with eval_mode(model), torch.autocast(dev.type, enabled=False):             # departure 6: full precision
         with torch.no_grad():
             e = model.get_input_embeddings()(ids)                              # (B, T, D) E, clean

@@ -39,15 +39,16 @@ Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
 import math
 import os
 import random
-from types import SimpleNamespace
+
 
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-import credit
+import signals
+from credit import CreditConfig
 import data
-from flowtracer import build_regions
+from flowtracer import build_batch
 from models import eos_ids
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
@@ -198,7 +199,7 @@ def load_responses(path, tok, style):
 
 
 def regions(tok, rows):
-    return build_regions(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])
+    return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])
 
 
 def changed(old_text, new_text):
@@ -220,14 +221,14 @@ def select(tau, t0, frac, rng):
 
 def intervene(model, tok, records, args, style):
     """Returns (per-response rows, summary). records: task records, or rows from load_responses."""
-    rng, cfg = random.Random(args.seed), SimpleNamespace(layers=args.layers, seed=args.seed)
+    rng, cfg = random.Random(args.seed), CreditConfig(layers=args.layers, seed=args.seed)
     rows = records if "response" in records[0] else \
         sample_responses(model, tok, records, args, style, args.temperature, args.seed, "intervene: sample")
     out = []
     for i in tqdm(range(0, len(rows), args.batch_size), desc="intervene: regenerate", unit="batch"):
         chunk = rows[i:i + args.batch_size]
         batch = regions(tok, chunk)
-        tau = credit.SIGNALS["flow"](model, batch, cfg)                     # (B, T) throughput on the response
+        tau = signals.SIGNALS["flow"](model, batch, cfg)                     # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
             seed = 10 ** 9 + args.seed * 1_000_003 + i + b                  # one noise stream per problem
@@ -304,10 +305,10 @@ def alternatives(model, r):
 
 def recall(model, tok, records, args, style):
     """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
-    rng, cfg = random.Random(args.seed), SimpleNamespace(layers=args.layers, seed=args.seed)
-    unknown = [s for s in args.signals if s not in credit.SIGNALS]
+    rng, cfg = random.Random(args.seed), CreditConfig(layers=args.layers, seed=args.seed)
+    unknown = [s for s in args.signals if s not in signals.SIGNALS]
     if unknown:
-        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(credit.SIGNALS)}")
+        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
     pool = records if "response" in records[0] else []
     for i in range(0, len(records) if not pool else 0, args.batch_size):   # greedy, until enough are correct
         pool += sample_responses(model, tok, records[i:i + args.batch_size], args, style, 0.0, args.seed + i,
@@ -324,7 +325,7 @@ def recall(model, tok, records, args, style):
         chunk = rows[i:i + args.batch_size]
         batch = regions(tok, chunk)
         P = batch.prompt_width
-        scores = {s: credit.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}  # (B, R)
+        scores = {s: signals.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}  # (B, R)
         for b, r in enumerate(chunk):
             end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1  # answer end: the candidate tokens
             out.append(dict(id=r["record"]["id"], record=r, end=end,

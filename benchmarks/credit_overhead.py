@@ -4,7 +4,7 @@ FlowTracer Table 6 reports its credit at 2.1-4.5% of a step; OAR Fig. 7 reports 
 1.4x a GRPO step and with OAR-P at 4.2x. This script measures both ratios here, on one rollout batch:
 
   1. grpo.train runs `--bench-steps` (default 2) plain GRPO steps with a capturing signal: it records the
-     step's rollout batch (flowtracer.Regions), the policy and the config, and returns all-1 scores (plain
+     step's rollout batch (flowtracer.Batch), the policy and the config, and returns all-1 scores (plain
      GRPO). The step time is "time/step" of the last step (the first one is a warm-up).
   2. Each signal then runs on that same policy and batch under grpo's own context (no_grad, bf16 autocast on
      CUDA), followed by its shaping rule: one warm-up call, then the median of `--repeats` timed calls.

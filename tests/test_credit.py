@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import credit
+import signals
 import oar
-from flowtracer import Regions, build_regions, flow_credit, trace_flow
+from flowtracer import Batch, build_batch, flow_credit, trace_flow
 from models import load_model
 
 SHAPINGS_ALL = sorted(credit.SHAPINGS)
@@ -18,11 +19,11 @@ SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]
 
 
 def cfg(**kw):
-    return SimpleNamespace(**kw)
+    return credit.CreditConfig(**kw)
 
 
 def regions(resp_lens, P=3, answer=None, T=None):
-    """Hand-made Regions: no prompt padding, responses right-padded; answer = the last 2 response tokens
+    """Hand-made Batch: no prompt padding, responses right-padded; answer = the last 2 response tokens
     of the rows with answer[b] True (all rows by default)."""
     B = len(resp_lens)
     T = T or P + max(resp_lens)
@@ -36,7 +37,7 @@ def regions(resp_lens, P=3, answer=None, T=None):
         resp[b, P:P + n] = True
         if answer[b] and n >= 2:
             ans[b, P + n - 2:P + n] = True
-    return Regions(ids, mask, q, resp, ans, P)
+    return Batch(ids, mask, q, resp, ans, P)
 
 
 def put(scores_per_row, P=3, answer=None):
@@ -51,15 +52,15 @@ def put(scores_per_row, P=3, answer=None):
 # ----------------------------------------------------------------------------- shaping: hand-computed
 def test_topk_and_bottomk_hand_case():
     S, batch = put([[5, 1, 4, 2, 3]])
-    w = credit.SHAPINGS["topk"](S, batch, cfg()).weights[0, 3:]
+    w = credit.SHAPINGS["topk"](S, batch, cfg()).gamma[0, 3:]
     assert w.tolist() == [1.5, 1, 1.5, 1, 1]                    # ceil(0.4 * 5) = 2: scores 5 and 4
-    w = credit.SHAPINGS["bottomk"](S, batch, cfg(gamma=2.0, top_frac=0.6)).weights[0, 3:]
+    w = credit.SHAPINGS["bottomk"](S, batch, cfg(gamma=2.0, top_frac=0.6)).gamma[0, 3:]
     assert w.tolist() == [1, 2, 1, 2, 2]                        # ceil(0.6 * 5) = 3 lowest: 1, 2, 3
 
 
 def test_topk_ties_go_to_the_earlier_token():
     S, batch = put([[1, 3, 3, 3, 0]])
-    w = credit.SHAPINGS["topk"](S, batch, cfg()).weights[0, 3:]
+    w = credit.SHAPINGS["topk"](S, batch, cfg()).gamma[0, 3:]
     assert w.tolist() == [1, 1.5, 1.5, 1, 1]
 
 
@@ -70,12 +71,12 @@ def test_topk_on_flow_matches_flow_credit():
     A = A / A.sum(-1, keepdim=True).clamp_min(1e-9)
     tau = trace_flow(A, batch.question_mask, batch.answer_mask, batch.attention_mask.bool()).throughput
     S = (tau * batch.response_mask).float()
-    assert torch.equal(credit.SHAPINGS["topk"](S, batch, cfg()).weights, flow_credit(S, batch.response_mask).weights)
+    assert torch.equal(credit.SHAPINGS["topk"](S, batch, cfg()).gamma, flow_credit(S, batch.response_mask).gamma)
 
 
 def test_continuous_hand_cases():
     S, batch = put([[1, 3]])
-    w = lambda k: credit.SHAPINGS[k](S, batch, cfg()).weights[0, 3:]  # noqa: E731
+    w = lambda k: credit.SHAPINGS[k](S, batch, cfg()).gamma[0, 3:]  # noqa: E731
     assert torch.allclose(w("raw"), torch.tensor([0.5, 1.5]))                            # s / mean s
     l1, l3 = math.log1p(0.5), math.log1p(1.5)                                            # log1p(s / 2)
     assert torch.allclose(w("log1p"), torch.tensor([2 * l1 / (l1 + l3), 2 * l3 / (l1 + l3)]))
@@ -85,20 +86,20 @@ def test_continuous_hand_cases():
     assert torch.allclose(w("tanh-z"), 2 * th / th.sum())
     S, batch = put([[1, 2, 6]])                                  # median 2, |dev| = 1, 0, 4: MAD = 1
     phi = 1 + torch.tanh(torch.tensor([-1.0, 0.0, 4.0]) / 1.4826)
-    assert torch.allclose(credit.SHAPINGS["mad"](S, batch, cfg()).weights[0, 3:], 3 * phi / phi.sum())
+    assert torch.allclose(credit.SHAPINGS["mad"](S, batch, cfg()).gamma[0, 3:], 3 * phi / phi.sum())
 
 
 def test_mad_with_zero_mad_uses_mean_absolute_deviation():
     S, batch = put([[1, 1, 1, 5]])                               # median 1, MAD 0; mean |dev| = 1
     phi = 1 + torch.tanh(torch.tensor([0.0, 0.0, 0.0, 4.0]) / 1.2533)
-    assert torch.allclose(credit.SHAPINGS["mad"](S, batch, cfg()).weights[0, 3:], 4 * phi / phi.sum())
+    assert torch.allclose(credit.SHAPINGS["mad"](S, batch, cfg()).gamma[0, 3:], 4 * phi / phi.sum())
 
 
 @pytest.mark.parametrize("p,expected", [(0.4, [1.5, 1, 1, 1]), (0.5, [1.5, 1.5, 1, 1]), (0.8, [1.5, 1.5, 1.5, 1]),
                                         (1.0, [1.5, 1.5, 1.5, 1.5])])
 def test_soft_thresholding_hand_cases(p, expected):
     S, batch = put([[4, 3, 2, 1]])                               # mass 10: 4 | 7 | 9 | 10
-    assert credit.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).weights[0, 3:].tolist() == expected
+    assert credit.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).gamma[0, 3:].tolist() == expected
 
 
 def test_bilevel_hand_case():
@@ -107,15 +108,15 @@ def test_bilevel_hand_case():
     I = torch.tensor([0, 1, 3, 4.0]) / (4 + credit.EPS)
     t = I[1] + 0.2 * (I[2] - I[1])                               # 0.4 percentile of 4 values: pos 1.2
     omega = torch.where(I < t, I / (t + credit.EPS), 1 + 2.0 * (I - t) / (1 - t + credit.EPS))
-    w = credit.SHAPINGS["bilevel"](S, batch, cfg()).weights[0, 3:]
+    w = credit.SHAPINGS["bilevel"](S, batch, cfg()).gamma[0, 3:]
     assert torch.allclose(w, 4 * omega / omega.sum(), atol=1e-6)
     assert w[0] == 0 and w[1] < w[2] < w[3]                     # suppressed below tau, boosted above
 
 
 def test_bilevel_extremes_suppress_only_and_boost_only():
     S, batch = put([[0.1, 0.5, 2.0, 3.0]])
-    boost = credit.SHAPINGS["bilevel"](S, batch, cfg(bilevel_tau=0.0)).weights[0, 3:]
-    supp = credit.SHAPINGS["bilevel"](S, batch, cfg(bilevel_tau=1.0, bilevel_beta=0.0)).weights[0, 3:]
+    boost = credit.SHAPINGS["bilevel"](S, batch, cfg(bilevel_tau=0.0)).gamma[0, 3:]
+    supp = credit.SHAPINGS["bilevel"](S, batch, cfg(bilevel_tau=1.0, bilevel_beta=0.0)).gamma[0, 3:]
     I = torch.log1p(torch.tensor([0.1, 0.5, 2.0, 3.0]))
     I = (I - I.min()) / (I.max() - I.min() + credit.EPS)
     assert torch.allclose(boost, 4 * (1 + 2 * I) / (1 + 2 * I).sum(), atol=1e-6)       # every token boosted
@@ -124,16 +125,16 @@ def test_bilevel_extremes_suppress_only_and_boost_only():
 
 def test_8020_threshold_is_over_the_whole_batch():
     S, batch = put([[9, 1, 2, 3], [8, 7, 6, 0.5]])
-    w = credit.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.25)).weights[:, 3:]     # k = ceil(0.25 * 8) = 2
+    w = credit.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.25)).gamma[:, 3:]     # k = ceil(0.25 * 8) = 2
     assert w.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0]]                                  # 9 and 8 kept
-    w = credit.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.5)).weights[:, 3:]
+    w = credit.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.5)).gamma[:, 3:]
     assert w.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]                                  # row 0 gets one token
 
 
 def test_entropy_adv_weights_and_bonus():
     S, batch = put([[0.5, 3.0], [1.0, 0.1]])
     c = credit.SHAPINGS["entropy-adv"](S, batch, cfg())
-    assert torch.equal(c.weights, batch.response_mask.float())
+    assert torch.equal(c.gamma, batch.response_mask.float())
     adv = torch.tensor([1.0, -1.0])
     A = credit.entropy_bonus(adv, S, batch.response_mask & ~c.fallback[:, None], alpha=0.4, kappa=2.0)
     assert torch.allclose(A[:, 3:], torch.tensor([[1 + 0.2, 1 + 0.5], [-1 + 0.4, -1 + 0.04]]))
@@ -154,13 +155,13 @@ def test_every_rule_on_padding_and_no_answer(rows, seed, name):
     S[0, 2:2 + lens[0]] = 0.7                                                    # row 0: constant scores
     c = credit.SHAPINGS[name](S, batch, cfg())
     resp = batch.response_mask
-    assert torch.isfinite(c.weights).all() and (c.weights[~resp] == 0).all()
+    assert torch.isfinite(c.gamma).all() and (c.gamma[~resp] == 0).all()
     no_rank = ~batch.answer_mask.any(-1)
     no_rank[0] = True
     assert torch.equal(c.fallback, no_rank)
-    assert torch.equal(c.weights[c.fallback], resp[c.fallback].float())
+    assert torch.equal(c.gamma[c.fallback], resp[c.fallback].float())
     if name in SUM_PRESERVING:
-        assert torch.allclose(c.weights.sum(-1), resp.sum(-1).float(), rtol=1e-5)   # sum gamma = n (eq. 17)
+        assert torch.allclose(c.gamma.sum(-1), resp.sum(-1).float(), rtol=1e-5)   # sum gamma = n (eq. 17)
 
 
 @settings(max_examples=40, deadline=None)
@@ -168,9 +169,9 @@ def test_every_rule_on_padding_and_no_answer(rows, seed, name):
 def test_topk_boosts_exactly_ceil_frac_n(n, seed, frac):
     S, batch = put([torch.rand(n, generator=torch.Generator().manual_seed(seed)).tolist()])
     for name in ("topk", "bottomk"):
-        w = credit.SHAPINGS[name](S, batch, cfg(top_frac=frac)).weights
+        w = credit.SHAPINGS[name](S, batch, cfg(top_frac=frac)).gamma
         assert int((w == 1.5).sum()) == math.ceil(frac * n - 1e-9)
-    w = credit.SHAPINGS["topk"](S, batch, cfg(top_frac=frac)).weights[0, 3:]
+    w = credit.SHAPINGS["topk"](S, batch, cfg(top_frac=frac)).gamma[0, 3:]
     assert S[0, 3:][w == 1.5].min() > S[0, 3:][w == 1].max() if (w == 1).any() else True
 
 
@@ -179,7 +180,7 @@ def test_topk_boosts_exactly_ceil_frac_n(n, seed, frac):
 def test_soft_selects_the_fewest_tokens_reaching_the_mass(n, seed, p):
     s = torch.rand(n, generator=torch.Generator().manual_seed(seed)).double() + 0.01
     S, batch = put([s.tolist()])
-    chosen = credit.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).weights[0, 3:] == 1.5
+    chosen = credit.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).gamma[0, 3:] == 1.5
     x = S[0, 3:].double()
     assert x[chosen].sum() >= p * x.sum() - 1e-6                                 # reaches the mass ...
     assert x[chosen].sum() - x[chosen].min() < p * x.sum() + 1e-6                # ... and no token is spare
@@ -190,9 +191,9 @@ def test_eligible_restricts_selection_to_one_class():
     S, batch = put([[9, 8, 7, 1, 2, 3, 4, 5]])
     elig = torch.zeros_like(batch.response_mask)
     elig[0, 3 + 3:3 + 8] = True                                  # tokens 3..7 (scores 1..5) are the class
-    w = credit.SHAPINGS["topk"](S, batch, cfg(token_class="semantic"), elig).weights[0, 3:]
+    w = credit.SHAPINGS["topk"](S, batch, cfg(token_class="semantic"), elig).gamma[0, 3:]
     assert w.tolist() == [1, 1, 1, 1, 1, 1, 1.5, 1.5]            # ceil(0.4 * 5) = 2 of the class: 4 and 5
-    w = credit.SHAPINGS["bilevel"](S, batch, cfg(), elig).weights[0, 3:]
+    w = credit.SHAPINGS["bilevel"](S, batch, cfg(), elig).gamma[0, 3:]
     assert torch.allclose(w[:3], torch.ones(3)) and torch.isclose(w.sum(), torch.tensor(8.0))
     with pytest.raises(ValueError, match="token_class"):
         credit.SHAPINGS["topk"](S, batch, cfg(token_class="structural"))
@@ -241,14 +242,14 @@ def real_batch(tok):
     responses = ["so it is 4, answer \\boxed{4} ok", "ten minus three is seven: \\boxed{7}", ""]
     p = [tok(x).input_ids for x in prompts]
     r = [tok(responses[0]).input_ids + [tok.eos_token_id], tok(responses[1]).input_ids, []]
-    return build_regions(tok, p, r)
+    return build_batch(tok, p, r)
 
 
-@pytest.mark.parametrize("name", sorted(credit.SIGNALS))
+@pytest.mark.parametrize("name", sorted(signals.SIGNALS))
 def test_signal_shape_finite_deterministic_masked(tiny, name):
     model, tok = tiny
     batch = real_batch(tok)
-    s1, s2 = credit.SIGNALS[name](model, batch, cfg()), credit.SIGNALS[name](model, batch, cfg())
+    s1, s2 = signals.SIGNALS[name](model, batch, cfg()), signals.SIGNALS[name](model, batch, cfg())
     assert s1.shape == batch.input_ids.shape and s1.dtype == torch.float32
     assert torch.isfinite(s1).all() and torch.equal(s1, s2)
     assert (s1[~batch.response_mask] == 0).all() and (s1 >= 0).all()
@@ -257,14 +258,14 @@ def test_signal_shape_finite_deterministic_masked(tiny, name):
     assert not model.training and all(p.grad is None for p in model.parameters())
     for rule in SHAPINGS_ALL:                                   # every pairing runs
         c = credit.SHAPINGS[rule](s1, batch, cfg())
-        assert torch.isfinite(c.weights).all()
+        assert torch.isfinite(c.gamma).all()
 
 
 @pytest.mark.parametrize("name", ["random", "oar-g"])
 def test_seeded_signals_change_with_the_seed(tiny, name):
     model, tok = tiny
     batch = real_batch(tok)
-    s0, s1 = (credit.SIGNALS[name](model, batch, cfg(seed=k)) for k in (0, 1))
+    s0, s1 = (signals.SIGNALS[name](model, batch, cfg(seed=k)) for k in (0, 1))
     assert not torch.equal(s0, s1)
 
 
@@ -278,7 +279,7 @@ def test_entropy_matches_full_logits(tiny):
     ref = torch.zeros_like(H)
     ref[:, 1:] = H[:, :-1]
     ref = ref * b.response_mask
-    got = credit.SIGNALS["entropy"](model, b, cfg(entropy_rows=5))              # several blocks
+    got = signals.signal_entropy(model, b, cfg(), rows_per_block=5)              # several blocks
     assert torch.allclose(got, ref, atol=1e-4)
 
 
@@ -286,7 +287,7 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(layers="all", attn_window=(3, 8), attn_global_frac=0.5)
-    got = credit.SIGNALS["attention"](model, b, c)
+    got = signals.SIGNALS["attention"](model, b, c)
     old = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -319,8 +320,8 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
 def test_attention_max_is_the_max_received(tiny):
     model, tok = tiny
     b = real_batch(tok)
-    A = credit.attention_graph(model, b.input_ids, b.attention_mask, "middle")
-    got = credit.SIGNALS["attention-max"](model, b, cfg())
+    A = signals.attention_graph(model, b.input_ids, b.attention_mask, "middle")
+    got = signals.SIGNALS["attention-max"](model, b, cfg())
     for i, s in b.response_mask.nonzero().tolist():
         assert math.isclose(float(got[i, s]), float(A[i, s + 1:, s].max()) if s + 1 < A.shape[1] else 0.0, abs_tol=1e-6)
 
@@ -337,7 +338,7 @@ def test_oar_p_matches_serial_masking(tiny, outcome, share):
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(oar_outcome=outcome, oar_chunk=7, oar_prefix_cache=share)
-    got = credit.SIGNALS["oar-p"](model, b, c)
+    got = signals.SIGNALS["oar-p"](model, b, c)
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, outcome)
     ref = torch.zeros_like(got)
     with torch.no_grad():
@@ -358,7 +359,7 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(oar_outcome="as-mean", seed=3, oar_prefix_cache=share)
-    got = credit.SIGNALS["oar-g"](model, b, c)
+    got = signals.SIGNALS["oar-g"](model, b, c)
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, "as-mean")
     pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
     e = model.get_input_embeddings()(b.input_ids).detach()
@@ -375,7 +376,7 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
     assert got.argmax() == ref.argmax() and float(ref.max()) > 0
     assert all(p.grad is None for p in model.parameters()) and all(p.requires_grad for p in model.parameters())
     with torch.no_grad():                                      # grpo calls signals under no_grad
-        assert torch.equal(credit.SIGNALS["oar-g"](model, b, c), got)
+        assert torch.equal(signals.SIGNALS["oar-g"](model, b, c), got)
 
 
 class OneTokenModel(nn.Module):
@@ -412,10 +413,10 @@ def test_oar_g_and_oar_p_agree_on_the_deciding_token(outcome):
     resp = mask.bool() & ~q
     ans = torch.zeros_like(q)
     ans[:, 8:10] = True
-    batch = Regions(ids, mask, q, resp, ans, 3)
+    batch = Batch(ids, mask, q, resp, ans, 3)
     model = OneTokenModel(src=4)      # column 4 of row 0, column 6 of row 1 (2 pads)
-    p = credit.SIGNALS["oar-p"](model, batch, cfg(oar_outcome=outcome, oar_chunk=4, oar_prefix_cache=False))
-    g = credit.SIGNALS["oar-g"](model, batch, cfg(oar_outcome=outcome, oar_prefix_cache=False))
+    p = signals.SIGNALS["oar-p"](model, batch, cfg(oar_outcome=outcome, oar_chunk=4, oar_prefix_cache=False))
+    g = signals.SIGNALS["oar-g"](model, batch, cfg(oar_outcome=outcome, oar_prefix_cache=False))
     for s, tol in ((p, 1e-6), (g, 0.0)):
         assert s.argmax(-1).tolist() == [4, 6]                # both rank the deciding token first
         top = s[[0, 1], [4, 6]].clone()
@@ -433,7 +434,7 @@ def test_outcome_mask_and_pad_id():
     with pytest.raises(ValueError, match="oar_outcome"):
         oar.outcome_mask(mask, ans, "as-joint")
     model = SimpleNamespace(config=SimpleNamespace(pad_token_id=7))
-    b = Regions(torch.tensor([[9, 1, 2]]), torch.tensor([[0, 1, 1]]), *(torch.zeros(1, 3, dtype=torch.bool),) * 3, 1)
+    b = Batch(torch.tensor([[9, 1, 2]]), torch.tensor([[0, 1, 1]]), *(torch.zeros(1, 3, dtype=torch.bool),) * 3, 1)
     assert oar.pad_id(model, b, cfg(pad_id=3)) == 3
     assert oar.pad_id(model, b, cfg()) == 9 == oar.pad_id(model, b, cfg(pad_id=-1))   # found in the padding
     assert oar.pad_id(model, b._replace(attention_mask=torch.ones(1, 3, dtype=torch.long)), cfg()) == 7
@@ -442,9 +443,13 @@ def test_outcome_mask_and_pad_id():
 def test_assign_runs_signal_class_and_shaping(tiny):
     model, tok = tiny
     b = real_batch(tok)
-    scores, c = credit.assign(model, tok, b, cfg(credit="random", shaping="topk", token_class="structural"))
-    structural = credit.token_class_mask(tok, b.input_ids, "structural")
-    boosted = c.weights == 1.5
+    adv = torch.ones(b.input_ids.shape[0])
+    c = credit.assign(model, tok, b, adv, cfg(credit="random", shaping="topk", token_class="structural"))
+    P = b.prompt_width
+    structural = credit.token_class_mask(tok, b.input_ids, "structural")[:, P:]     # (B, R)
+    assert c.gamma.shape == c.scores.shape == b.response_mask[:, P:].shape
+    boosted = c.gamma == 1.5
     assert boosted.any() and (structural[boosted]).all()
+    assert (c.gamma[~b.response_mask[:, P:]] == 0).all()                           # 0 on padding
     with pytest.raises(ValueError, match="oar_sigma"):
-        credit.SIGNALS["oar-g"](model, b, cfg(oar_sigma=0.0))
+        signals.SIGNALS["oar-g"](model, b, cfg(oar_sigma=0.0))

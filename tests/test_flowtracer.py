@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flowtracer import (build_regions, dag_weights, find_answer_span, flow_credit,
+from flowtracer import (build_batch, dag_weights, find_answer_span, flow_credit,
                         reweight, trace_flow)
 
 
@@ -188,7 +188,7 @@ def test_degenerate_inputs_fall_back_to_uniform(name, T, q, a):
     out = trace_flow(attn, torch.tensor(q, dtype=torch.bool), torch.tensor(a, dtype=torch.bool))
     resp = ~torch.tensor(q, dtype=torch.bool) if name != "single_token" else torch.tensor([True])
     c = flow_credit(out.throughput if name != "single_token" else torch.zeros(1), resp)
-    assert bool(c.fallback) and torch.equal(c.weights, resp.float())
+    assert bool(c.fallback) and torch.equal(c.gamma, resp.float())
 
 
 # ----------------------------------------------------------------------------- credit
@@ -210,7 +210,7 @@ def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
         sel, rest = tau[b][boosted[b]], tau[b][resp[b] & ~boosted[b]]
         if len(rest):
             assert (sel.min() >= rest.max()) if largest else (sel.max() <= rest.min())
-    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).weights, w)   # deterministic
+    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).gamma, w)   # deterministic
 
 
 def test_credit_ties_go_to_the_earlier_token():
@@ -247,11 +247,11 @@ class CharTokenizer:
         return "".join("" if (skip_special_tokens and i < 3) else ("<s>" if i == 1 else chr(i)) for i in ids)
 
 
-def test_build_regions_layout_and_answer_tokens():
+def test_build_batch_layout_and_answer_tokens():
     tok = CharTokenizer()
     prompts = [[1] + tok.encode("Q: 2+3?"), [1] + tok.encode("Q?")]
     responses = [tok.encode(r"so \boxed{5}"), tok.encode("none")]
-    r = build_regions(tok, prompts, responses)
+    r = build_batch(tok, prompts, responses)
     P = r.prompt_width
     assert P == 8 and r.input_ids.shape == (2, 8 + 12)
     assert r.question_mask[0].sum() == 7 and not r.question_mask[0, 0]       # BOS excluded

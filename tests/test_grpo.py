@@ -29,7 +29,7 @@ def test_token_logprobs_equal_hf_log_softmax(chunk):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
         ref = F.log_softmax(logits[:, P - 1:-1], -1).gather(-1, ids[:, P:, None]).squeeze(-1)
-        lp, ent = token_logprobs(model, ids, mask, P, chunk=chunk, with_entropy=True)
+        lp, ent = token_logprobs(model, ids, mask, P, chunk=chunk)
         ref_ent = -(F.softmax(logits[:, P - 1:-1], -1) * F.log_softmax(logits[:, P - 1:-1], -1)).sum(-1)
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
@@ -39,7 +39,7 @@ def test_token_logprobs_gradient_matches_full_logits():
     model, tok = load_model("tiny-llama")
     ids = tok(["gradient check"], return_tensors="pt").input_ids
     mask = torch.ones_like(ids)
-    lp = token_logprobs(model, ids, mask, 2, chunk=4)                # chunked, recomputed in backward
+    lp, _ = token_logprobs(model, ids, mask, 2, chunk=4)             # chunked, recomputed in backward
     g1 = torch.autograd.grad(lp.sum(), model.lm_head.weight)[0]
     logits = model(input_ids=ids, attention_mask=mask).logits
     ref = F.log_softmax(logits[:, 1:-1], -1).gather(-1, ids[:, 2:, None]).sum()
@@ -215,12 +215,13 @@ def test_one_flow_step_on_smollm2_boosts_40_percent(tmp_path):
                       "--out-dir", str(tmp_path), "--rollouts-every", "1", "--seed", "1"])
     m = grpo.train(cfg)[0]
     rows = [json.loads(x) for x in open(tmp_path / "rollouts" / "step_00001.jsonl")]
-    with_answer = [r for r in rows if any(r["answer"])]
-    assert with_answer, "no rollout wrote a \\boxed{} answer: the 40% check below would be vacuous"
+    trained = [r for r in rows if r["adv"] != 0]                  # rows with A = 0 get no credit (departure 7)
+    with_answer = [r for r in trained if any(r["answer"])]
+    assert with_answer, "no trained rollout wrote a \\boxed{} answer: the 40% check below would be vacuous"
     for r in rows:
         n, boosted = len(r["gamma"]), sum(g == 1.5 for g in r["gamma"])
         if r in with_answer:
             assert boosted == -(-2 * n // 5)                    # ceil(0.4 n)
         else:
             assert boosted == 0
-    assert m["credit/fallback"] == len(rows) - len(with_answer)
+    assert m["credit/fallback"] == len(trained) - len(with_answer)

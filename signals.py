@@ -1,0 +1,177 @@
+"""Credit signals: how much each response token matters, one function per criterion the papers compare.
+
+    scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
+
+`batch` is a flowtracer.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
+rules) and credit.assign runs both; this file only scores.
+
+  none           1 on every response token (plain GRPO)
+  flow           FlowTracer throughput tau (eq. 1-4, §3.3) on the cfg.layers attention DAG
+  random         uniform [0, 1), seeded by (cfg.seed, batch content)
+  entropy        policy entropy H_t (OAR eq. 5; Wang et al. 2025b)
+  attention      FAI, the global-anchor score of Li et al. 2025d (per-head maps, eager attention)
+  attention-max  max attention a token receives (the cheap proxy)
+  oar-p, oar-g   OAR's outcome-grounded scores (oar.py)
+
+The fused credit pass. grpo.py's training forward can hand a signal what it computed anyway, as `captured`:
+the cfg.layers head-mean attention maps (flowtracer.capture) and each response token's entropy from the
+logits of the same forward. The FUSED signals then need no forward of their own: none and random need no
+model at all; flow and attention-max read captured.attn; entropy reads captured.entropy. attention (per-head
+maps under eager attention) and OAR-P / OAR-G (their own perturbed forwards) always run their own passes.
+
+Departures (numbered):
+ 1. "random" is seeded by hashing (cfg.seed, input_ids): deterministic for a seed and a batch, but a new draw
+    each step, so the same positions are not boosted every step.
+ 2. "none" gives constant scores: every shaping rule then gives all-1 weights with fallback=True.
+
+Run the tests: python -m pytest -q tests/test_credit.py
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from flowtracer import attention_graph, select_layers, trace_flow
+from oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
+
+
+class Captured(NamedTuple):
+    """What the training forward already computed, for the fused signals. Either field may be None."""
+    attn: torch.Tensor | None     # (B, T, T) head/layer-mean attention of cfg.layers, detached
+    entropy: torch.Tensor | None  # (B, R) entropy of the distribution that predicts response column P + j
+
+
+def signal_none(model, batch, cfg, captured=None):
+    """All-1 on the response: no token is preferred, so every shaping rule gives plain GRPO (departure 2)."""
+    return batch.response_mask.float()
+
+
+def signal_random(model, batch, cfg, captured=None):
+    """Uniform [0, 1) scores on the response, the neutral lower bound of Table 2 ("Random")."""
+    g = torch.Generator().manual_seed(batch_seed(batch.input_ids, cfg.seed))
+    u = torch.rand(batch.input_ids.shape, generator=g)                       # (B, T) drawn on the CPU
+    return u.to(batch.response_mask.device) * batch.response_mask.float()
+
+
+def graph(model, batch, cfg, captured):
+    """The (B, T, T) attention DAG of cfg.layers: the captured maps if the training forward took them,
+    else one forward of its own (flowtracer.attention_graph)."""
+    if captured is not None and captured.attn is not None:
+        return captured.attn
+    dev = model.device
+    return attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), cfg.layers)
+
+
+def signal_flow(model, batch, cfg, captured=None):
+    """FlowTracer: throughput tau of the answer-targeted flow on the middle-layer attention DAG (§3.1, §3.3)."""
+    attn = graph(model, batch, cfg, captured)                                  # (B, T, T)
+    dev = attn.device
+    valid = batch.attention_mask.to(dev).bool()
+    tau = trace_flow(attn, batch.question_mask.to(dev), batch.answer_mask.to(dev), valid_mask=valid).throughput
+    resp = batch.response_mask
+    return (tau.float() * resp.to(dev)).to(resp.device)                       # (B, T)
+
+
+@torch.no_grad()
+def signal_entropy(model, batch, cfg, captured=None, rows_per_block=None):
+    """H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t) (OAR eq. 5) for each response token t, from one
+    no-grad forward. The logits of the response positions only, entropy_rows of them at a time, so the
+    (B, T, V) fp32 logits never exist (default: about 2^25 floats per block). Temperature 1.
+    With captured.entropy (the training forward's own logits), no forward runs."""
+    if captured is not None and captured.entropy is not None:
+        P, resp = batch.prompt_width, batch.response_mask
+        out = torch.zeros(resp.shape, dtype=torch.float32, device=captured.entropy.device)
+        out[:, P:] = captured.entropy.float().clamp_min(0.0)
+        return out.to(resp.device) * resp.float()
+    dev = model.device
+    mask = batch.attention_mask.to(dev)
+    resp = batch.response_mask.to(dev).bool()
+    with eval_mode(model):
+        h = hidden(model, mask, batch.input_ids.to(dev))                       # (B, T, D)
+        pred = torch.zeros_like(resp)
+        pred[:, :-1] = resp[:, 1:]                                             # column t - 1 predicts token t
+        rows, cols = pred.nonzero(as_tuple=True)                               # (N,)
+        V = model.get_output_embeddings().weight.shape[0]
+        step = rows_per_block or max(1, 2 ** 25 // V)
+        H = torch.zeros(len(rows), dtype=torch.float32, device=dev)
+        for i in range(0, len(rows), step):
+            logp = torch.log_softmax(lm_logits(model, h[rows[i:i + step], cols[i:i + step]]), -1)  # (n, V)
+            H[i:i + step] = -(logp.exp() * logp).sum(-1)
+    out = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
+    out[rows, cols + 1] = H.clamp_min(0.0)
+    return out.to(batch.response_mask.device)
+
+
+def signal_attention_max(model, batch, cfg, captured=None):
+    """The "maximum attention received" proxy: max over later queries t > s of the head- and layer-mean
+    attention a(t, s) (attention_graph, cfg.layers). This is the cheap reading of FlowTracer's "Attention"
+    baseline ("maximum attention scores as a proxy", §4.1); signal_attention is Li et al.'s own score."""
+    A = graph(model, batch, cfg, captured)                                     # (B, T, T)
+    dev = A.device
+    received = A.tril(-1).amax(-2)                                             # (B, T) max over queries t > s
+    return (received * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
+
+
+class _Done(Exception):
+    """Raised after the last chosen layer: the rest of the forward pass is skipped."""
+
+
+@torch.no_grad()
+def signal_attention(model, batch, cfg, captured=None):
+    """Li et al. 2025d (arXiv 2510.13554) global-anchor score FAI_s: the mean attention token s receives from
+    the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the "global" heads: the
+    top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default middle) by mean attention
+    distance sum_{t,s} a(t,s)(t - s) per query, over the batch. Needs the per-head maps, so the model runs
+    with eager attention; one layer's (B, H, T, T) maps exist at a time. Tokens with no t in the window get 0."""
+    win = cfg.attn_window
+    w0, w1 = (int(x) for x in (win.split(":") if isinstance(win, str) else win))   # (10, 100) or "10:100"
+    frac = cfg.attn_global_frac
+    if not (0 <= w0 <= w1 and 0.0 < frac <= 1.0):
+        raise ValueError("need 0 <= attn_window[0] <= attn_window[1] and 0 < attn_global_frac <= 1")
+    dev = model.device
+    ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+    valid = mask.bool().float()                                                # (B, T)
+    T = ids.shape[-1]
+    ar = torch.arange(T, device=dev)
+    lag = (ar[:, None] - ar[None, :]).float()                                  # (T, T) t - s, query t, key s
+    band = ((lag >= w0) & (lag <= w1)).float()                                 # (T, T) the FAI window
+    count = torch.einsum("bt,ts->bs", valid, band).clamp_min(1.0)              # (B, T) queries in the window
+    layers = select_layers(cfg.layers, model.config.num_hidden_layers)
+    dist, fai = [], []                                                         # per layer: (H,), (B, H, T)
+
+    def keep(module, args, out):
+        A = out[1].float() * valid[:, None, :, None] * valid[:, None, None, :]  # (B, H, T, T) query t, key s
+        d = (A * lag.clamp_min(0)).sum((-1, -2)) / valid.sum(-1, keepdim=True)  # (B, H) mean distance
+        dist.append(d.mean(0))
+        fai.append(torch.einsum("bhts,ts->bhs", A, band) / count[:, None])       # (B, H, T)
+        if module.layer_idx == layers[-1]:
+            raise _Done                                                        # later layers are not needed
+
+    attn_modules = [m for m in model.modules() if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")]
+    old = model.config._attn_implementation
+    hooks = [m.register_forward_hook(keep) for m in attn_modules]
+    try:
+        model.set_attn_implementation("eager")
+        with eval_mode(model):
+            hidden(model, mask, ids)
+    except _Done:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(old)
+    if len(dist) != len(layers):
+        raise RuntimeError(f"captured {len(dist)} of {len(layers)} attention layers; is this a decoder LM?")
+    D, F = torch.cat(dist), torch.cat(fai, dim=1)                              # (L*H,), (B, L*H, T)
+    k = max(1, math.ceil(frac * len(D) - 1e-9))
+    top = torch.topk(D, k).indices                                             # the global heads
+    return (F[:, top].mean(1) * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
+
+
+SIGNALS = {"none": signal_none, "flow": signal_flow, "random": signal_random, "entropy": signal_entropy,
+           "attention": signal_attention, "attention-max": signal_attention_max,
+           "oar-p": signal_oar_p, "oar-g": signal_oar_g}
+FUSED = {"none", "random", "flow", "entropy", "attention-max"}   # can read `captured` instead of a forward
+NEEDS = {"flow": "attn", "attention-max": "attn", "entropy": "entropy"}   # what each fused signal reads
