@@ -386,6 +386,7 @@ def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
             "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
             "len/mean": resp.sum(-1).float().mean().item(),
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
+            "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
             "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": run.bad,
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],

@@ -1,118 +1,98 @@
-"""Credit overhead: each signal's credit time (signal + shaping) as a ratio of one GRPO step.
+"""Credit overhead (FlowTracer Table 6, OAR Fig. 7): what each credit signal costs a whole GRPO step.
 
-FlowTracer Table 6 reports its credit at 2.1-4.5% of a step; OAR Fig. 7 reports the whole step with OAR-G at
-1.4x a GRPO step and with OAR-P at 4.2x. This script measures both ratios here, on one rollout batch:
+With the fused pass the credit of flow, attention-max and entropy happens inside the update's own forward, so
+the only honest measure is whole steps: this script runs `grpo.py` once per configuration, in `--rounds`
+alternating rounds (this machine is shared and noisy: alternation spreads the noise over every
+configuration alike), each run a fresh process with the same seed and flags, and reads its metrics.jsonl.
+The first `--warmup` steps of every run are not counted.
 
-  1. grpo.train runs `--bench-steps` (default 2) plain GRPO steps with a capturing signal: it records the
-     step's rollout batch (flowtracer.Batch), the policy and the config, and returns all-1 scores (plain
-     GRPO). The step time is "time/step" of the last step (the first one is a warm-up).
-  2. Each signal then runs on that same policy and batch under grpo's own context (no_grad, bf16 autocast on
-     CUDA), followed by its shaping rule: one warm-up call, then the median of `--repeats` timed calls.
+Printed per configuration (medians over the counted steps of all rounds):
+  s/step, generate, credit, update        grpo.py's own phase timers (time/*)
+  step ratio      s/step / s/step of the first configuration (--credit none by default)     Table 6's view
+  sweep ratio     (credit + update) / (credit + update) of the first configuration          OAR Fig. 7's view:
+                  the update sweep with GRPO = 1x (generation excluded)
+  tok/s           generated tokens per second of generation
 
-Printed per signal: seconds, credit / step, and (step + credit) / step, the normalisation of OAR Fig. 7.
-Targets: flow <= 5% of a step on the CPU (Table 6: 2-4.5% on GPUs); OAR-G (step + credit) / step <= 1.4 and
-OAR-P <= 4.2 (OAR Fig. 7, a stricter reading than credit / step).
+`--grpo PATH` runs another checkout's grpo.py as well (e.g. the commit before the fused pass, from
+`git worktree add /tmp/before <commit>`), labelled "before:<credit>", so that before/after is measured in
+the same session.
 
-Any flag grpo.py accepts is passed on (the default is grpo's embedded SmolLM2-135M setting on the CPU).
-Run:  python benchmarks/credit_overhead.py
-      python benchmarks/credit_overhead.py --signals flow oar-g --max-new-tokens 256 --device cuda
+Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 prompts x 4 x 64 tokens, chat prompts
+      python benchmarks/credit_overhead.py --signals none flow oar-g oar-p --rounds 1 --steps 3
+      python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow
+Any other flag is passed on to grpo.py.
 """
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import credit  # noqa: E402
-import grpo  # noqa: E402
-
-PAIRING = {"none": "topk", "flow": "topk", "random": "topk", "entropy": "topk", "attention": "topk",
-           "attention-max": "topk", "oar-g": "bilevel", "oar-p": "bilevel"}  # each signal's shaping in the papers
-TARGET = {"flow": ("credit/step", 0.05), "oar-g": ("(step+credit)/step", 1.4), "oar-p": ("(step+credit)/step", 4.2)}
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--grad-checkpointing",
+         "--prompt-style", "chat", "--save-every", "1000", "--rollouts-every", "1000"]
+PAIRING = {"oar-g": "bilevel", "oar-p": "bilevel"}      # each signal's shaping in the papers; topk otherwise
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_signal(name, model, batch, cfg, repeats):
-    """Median seconds of SIGNALS[name] + its shaping on the batch, under grpo's credit context."""
-    device = batch.input_ids.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    times = []
-    for i in range(repeats + 1):                      # call 0 is a warm-up (allocator, kernels, caches)
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad(), autocast:
-            scores = credit.SIGNALS[name](model, batch, cfg)
-            w = credit.SHAPINGS[PAIRING.get(name, "topk")](scores, batch, cfg).weights
-        sync(device)
-        if not torch.isfinite(w).all():
-            raise FloatingPointError(f"{name}: non-finite credit weights")
-        times.append(time.perf_counter() - t0)
-        if i == 0 and times[0] > 60:                  # slow signal: the warm-up call is the measurement
-            return times[0]
-    return statistics.median(times[1:])
+def run_once(grpo_py, signal, steps, flags, threads, tmp):
+    out = Path(tmp) / f"{Path(grpo_py).parent.name}-{signal}-{len(list(Path(tmp).iterdir()))}"
+    cmd = [sys.executable, str(grpo_py), *SHAPE, *flags, "--credit", signal, "--shaping", PAIRING.get(signal, "topk"),
+           "--steps", str(steps), "--out-dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(grpo_py).parent)
+    if p.returncode != 0:
+        raise SystemExit(f"credit_overhead.py: error: {' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--signals", nargs="+", default=[s for s in credit.SIGNALS if s != "none"],
-                    choices=sorted(credit.SIGNALS), help="signals to time")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per signal after one warm-up")
-    ap.add_argument("--bench-steps", type=int, default=2, help="GRPO steps; the last one is timed")
-    ap.add_argument("--json", default="", help="also write the results to this JSON file")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default); on a shared "
-                    "machine 1 avoids threads spinning against other processes")
-    args, rest = ap.parse_known_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    captured = {}
-
-    def capture(model, batch, cfg):                   # plain GRPO, remembering what the credit phase saw
-        captured.update(model=model, batch=batch, cfg=cfg)
-        return credit.signal_none(model, batch, cfg)
-
-    credit.SIGNALS["capture"] = capture
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = grpo.parse_args(rest + ["--credit", "capture", "--shaping", "topk", "--steps", str(args.bench_steps),
-                                          "--out-dir", tmp, "--save-every", "1000000", "--rollouts-every", "1000000"])
-            metrics = grpo.train(cfg)
-    finally:
-        del credit.SIGNALS["capture"]
-    if not metrics or "batch" not in captured:
-        raise SystemExit("grpo.train ran no step (every prompt skipped or filtered?); nothing to time")
-    step = metrics[-1]
-    model, batch, cfg = captured["model"], captured["batch"], captured["cfg"]
-    B, T = batch.input_ids.shape
-    n = int(batch.response_mask.sum())
-    dev = batch.input_ids.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\n{cfg.model} on {name}: batch {B} x {T} tokens ({n} response tokens), prompt width {batch.prompt_width}")
-    print(f"GRPO step {step['time/step']:.2f} s = generate {step['time/generate']:.2f}"
-          f" + reward {step['time/reward']:.2f} + credit {step['time/credit']:.2f}"
-          f" + update {step['time/update']:.2f} (step {step['step']})\n")
-    print(f"{'signal':<14}{'shaping':<9}{'credit s':>10}{'credit/step':>13}{'(step+credit)/step':>20}  target")
-    rows = []
-    for s in args.signals:
-        t = time_signal(s, model, batch, cfg, args.repeats)
-        r = {"signal": s, "shaping": PAIRING.get(s, "topk"), "seconds": t, "credit/step": t / step["time/step"],
-             "(step+credit)/step": 1 + t / step["time/step"]}
-        goal = TARGET.get(s)
-        verdict = f"{goal[0]} <= {goal[1]}: {'met' if r[goal[0]] <= goal[1] else 'MISSED'}" if goal else ""
-        print(f"{s:<14}{r['shaping']:<9}{t:>10.3f}{r['credit/step']:>13.3f}{r['(step+credit)/step']:>20.3f}  {verdict}")
-        rows.append(r)
+    ap = argparse.ArgumentParser(prog="credit_overhead.py", description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--signals", nargs="+", default=["none", "flow"], help="--credit values; the first is the 1x")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds over the configurations")
+    ap.add_argument("--steps", type=int, default=5, help="GRPO steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of each run not counted")
+    ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads of each run")
+    ap.add_argument("--grpo", default="", help="another checkout's grpo.py to time too (labelled before:)")
+    ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
+    args, flags = ap.parse_known_args(argv)
+    if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
+        ap.error("need --rounds >= 1, --steps > --warmup >= 0, --threads >= 1")
+    configs = [(ROOT / "grpo.py", s, s) for s in args.signals]
+    if args.grpo:
+        configs += [(Path(args.grpo).resolve(), s, f"before:{s}") for s in args.signals]
+    rows = {label: [] for *_, label in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for grpo_py, signal, label in configs:
+                steps = [m for m in run_once(grpo_py, signal, args.steps, flags, args.threads, tmp)
+                         if "skipped" not in m][args.warmup:]
+                rows[label] += steps
+                print(f"round {r + 1}: {label:<14} " + " ".join(f"{m['time/step']:.1f}" for m in steps), flush=True)
+    med = {label: {k: statistics.median(m[k] for m in ms) for k in ("time/step", "time/generate", "time/credit",
+                                                                   "time/update")}
+           for label, ms in rows.items() if ms}
+    given = dict(zip(SHAPE + flags, (SHAPE + flags)[1:]))
+    B = int(given["--prompts-per-step"]) * int(given["--group-size"])   # rows generated per step (last flag wins)
+    for label, ms in rows.items():
+        if ms:
+            med[label]["tok/s"] = statistics.median(m.get("gen/tokens", m["len/mean"] * B) / m["time/generate"]
+                                                    for m in ms)
+    base = med[configs[0][2]]
+    sweep = lambda d: d["time/credit"] + d["time/update"]  # noqa: E731
+    print(f"\n{'config':<16}{'s/step':>8}{'generate':>10}{'credit':>8}{'update':>8}{'step ratio':>12}"
+          f"{'sweep ratio':>13}{'tok/s':>8}   n")
+    for label, d in med.items():
+        print(f"{label:<16}{d['time/step']:>8.2f}{d['time/generate']:>10.2f}{d['time/credit']:>8.2f}"
+              f"{d['time/update']:>8.2f}{d['time/step'] / base['time/step']:>12.3f}{sweep(d) / sweep(base):>13.3f}"
+              f"{d['tok/s']:>8.1f}   {len(rows[label])}")
+    print(f"(medians of {args.rounds} alternating rounds x {args.steps - args.warmup} steps; shape "
+          f"{' '.join(SHAPE[:6])} {' '.join(flags)}, {args.threads} thread(s); load {os.getloadavg()[0]:.1f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": cfg.model, "device": name, "batch": [B, T],
-                                               "step": step, "signals": rows}, indent=1))
-    return rows
+        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "argv": argv or sys.argv[1:]}, indent=1))
+    return med
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""The fused credit pass and the one-pass on-policy update equal their two-pass references (issue: one forward
+for loss and credit). Tiny random Qwen3 / Llama in fp32 on the CPU, gradient checkpointing on and off."""
+import dataclasses
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import credit
+import flowtracer
+import grpo
+import signals
+from flowtracer import build_batch, capture, select_layers
+from models import load_model
+
+
+def batch_with_answers(tok):
+    """Four rows, each ending in a \\boxed{} answer, so that flow has a target (no fallback)."""
+    prompts = ["Q: 2+2=?", "Q: what is 10-3?", "Q: 1+1?", "Q: 9*9?"]
+    responses = ["so it is 4, answer \\boxed{4} ok", "ten minus three is seven: \\boxed{7}",
+                 "one and one: \\boxed{2}", "nine nines, eighty-one, so \\boxed{81}"]
+    return build_batch(tok, [tok(p).input_ids for p in prompts],
+                       [tok(r).input_ids + [tok.eos_token_id] for r in responses])
+
+
+@pytest.fixture(params=["tiny-qwen3", "tiny-llama"])
+def tiny(request):
+    torch.manual_seed(0)
+    return load_model(request.param, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("name", ["flow", "attention-max", "entropy"])
+def test_fused_scores_equal_separate(tiny, name, ckpt):
+    model, tok = tiny
+    b = batch_with_answers(tok)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = credit.CreditConfig(credit=name, layers="all" if name != "flow" else "middle")
+    sep = credit.assign(model, tok, b, adv, cfg)                                 # its own no-grad pass
+    if ckpt:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    calls = []
+    real = flowtracer.add_head_mean
+    flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
+    try:
+        with capture(model, b.attention_mask, cfg.layers) as cap:               # the training forward, with grad
+            logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width)
+        with torch.no_grad():
+            fused = credit.assign(model, tok, b, adv, cfg, signals.Captured(cap.attn, ent))
+        (logp * b.response_mask[:, b.prompt_width:]).sum().backward()        # recomputation, if checkpointing
+    finally:
+        flowtracer.add_head_mean = real
+    n_layers = len(select_layers(cfg.layers, model.config.num_hidden_layers))
+    assert cap.calls == n_layers and len(calls) == n_layers                    # once per layer, backward adds none
+    assert not sep.fallback.any()
+    torch.testing.assert_close(fused.scores, sep.scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.gamma, sep.gamma) and torch.equal(fused.fallback, sep.fallback)
+    assert (sep.gamma == cfg.gamma).any()                                      # the comparison is not vacuous
+
+
+def test_capture_equals_attention_graph_and_leaves_output_unchanged(tiny):
+    model, tok = tiny
+    b = batch_with_answers(tok)
+    ref = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, "all")
+    pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        plain = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits
+        with capture(model, b.attention_mask, "all") as cap:
+            captured = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits
+    torch.testing.assert_close(cap.attn, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(captured, plain, rtol=0, atol=1e-6)             # sdpa's output, unchanged
+
+
+@pytest.mark.parametrize("bad, match", [(torch.tensor([[0, 2, 1]]), "only 0 and 1"),
+                                        (torch.tensor([[0, 0, 0]]), "no valid token")])
+def test_attention_graph_rejects_bad_masks(bad, match):
+    model, _ = load_model("tiny-qwen3")
+    with pytest.raises(ValueError, match=match):
+        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), bad)
+    with pytest.raises(ValueError, match="chunk"):
+        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), chunk=0)
+
+
+# ----------------------------------------------------------------------------- one pass on-policy == two passes
+SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "10",
+         "--micro-batch", "3", "--lr", "1e-3", "--warmup-steps", "1", "--steps", "1", "--seed", "5"]
+
+
+def one_step(tmp_path, monkeypatch, two_pass, extra=()):
+    """Loss and every gradient of one grpo.train step; two_pass forces the old-log-prob pass of
+    num_iterations > 1 while keeping one iteration (today's reference)."""
+    grads, real_step, real_old = {}, grpo.optimizer_step, grpo.old_logprobs
+
+    def spy(run, stats):
+        grads.update({n: p.grad.detach().clone() for n, p in run.model.named_parameters()})
+        return real_step(run, stats)
+
+    def forced(run, batch, trained):
+        return real_old(SimpleNamespace(**{**vars(run), "cfg": dataclasses.replace(run.cfg, num_iterations=2)}),
+                        batch, trained)
+    monkeypatch.setattr(grpo, "optimizer_step", spy)
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies per text
+    if two_pass:
+        monkeypatch.setattr(grpo, "old_logprobs", forced)
+    out = tmp_path / ("two" if two_pass else "one")
+    m = grpo.train(grpo.parse_args([*SMOKE, *extra, "--out-dir", str(out)]))[0]
+    return m, grads
+
+
+@pytest.mark.parametrize("extra", [("--credit", "none"), ("--credit", "flow", "--grad-checkpointing")])
+def test_on_policy_one_pass_equals_two_pass(tmp_path, monkeypatch, extra):
+    m1, g1 = one_step(tmp_path, monkeypatch, False, extra)
+    m2, g2 = one_step(tmp_path, monkeypatch, True, extra)
+    assert m1["rows/trained"] > 0 and m1["grad_norm"] > 0                     # something was trained
+    assert abs(m1["loss"] - m2["loss"]) <= 1e-6
+    assert g1.keys() == g2.keys()
+    for k in g1:
+        torch.testing.assert_close(g1[k], g2[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_fused_and_separate_pass_train_the_same(tmp_path, monkeypatch):
+    """End to end, with boxed answers forced into the rollouts: --credit-pass fused and separate give the
+    same gamma, loss and gradients."""
+    real_gen = grpo.generate
+
+    def boxed(*a, **k):                                # append an answer so that flow has a target
+        g = real_gen(*a, **k)
+        tok = a[1]
+        extra = tok("\\boxed{7}").input_ids
+        return g._replace(response_ids=[r[:-1] + extra + r[-1:] if r else extra for r in g.response_ids])
+    monkeypatch.setattr(grpo, "generate", boxed)
+    ma, ga = one_step(tmp_path / "a", monkeypatch, False, ("--credit", "flow", "--credit-pass", "fused"))
+    mb, gb = one_step(tmp_path / "b", monkeypatch, False, ("--credit", "flow", "--credit-pass", "separate"))
+    assert ma["credit/boosted_frac"] > 0 and ma["credit/fallback"] < ma["rows/trained"]
+    for k in ("loss", "credit/boosted_frac", "credit/fallback", "grad_norm"):
+        assert ma[k] == pytest.approx(mb[k], abs=1e-6), k
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=0, atol=1e-6, msg=k)
