@@ -73,4 +73,4 @@ def find_checkpoint(resume):
     for ckpt in (Path(resume) / "ckpt", Path(resume)):
         if (ckpt / "trainer_state.pt").exists():
             return ckpt
-    sys.exit(f"--resume {resume}: no checkpoint there (expected {Path(resume) / 'ckpt'}/trainer_state.pt)")
+    raise ValueError(f"--resume {resume}: no checkpoint there (expected {Path(resume) / 'ckpt'}/trainer_state.pt)")

@@ -4,7 +4,6 @@
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
   recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
-  overhead   Table 6: GRPO step time vs. credit time, from grpo.train on the model and context given
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
 
@@ -28,7 +27,8 @@ is nothing to report (e.g. no response has an answer), after writing the counts.
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
-     python eval.py overhead [any grpo.py flag]    |    python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+     python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 import argparse
 import html
@@ -190,27 +190,6 @@ def recall(args):
     if not s["n_causal"]:
         fail("empty result set: the Oracle found no causal token, so recall is undefined", 1)
     probes.recall_figure(s, Path(args.out) / "recall.png")
-
-
-# ----------------------------------------------------------------------------- overhead (Table 6)
-def overhead(args, grpo_argv):
-    import grpo
-    runs = []
-    for ctx in args.contexts or [None]:
-        argv = grpo_argv + (["--max-new-tokens", str(ctx)] if ctx else []) + \
-            ["--steps", str(args.steps), "--out-dir", str(Path(args.out) / f"grpo_{ctx or 'default'}")]
-        cfg = grpo.parse_args(argv)
-        m = grpo.train(cfg)
-        timed = m[1:] if len(m) > 1 else m                                   # step 1 is warm-up
-        if not timed:
-            fail("empty result set: grpo.train returned no step", 1)
-        mean = {k: sum(x[k] for x in timed) / len(timed) for k in timed[0] if k.startswith(("time/", "len/"))}
-        runs.append(dict(model=cfg.model, context=cfg.max_new_tokens, rollouts=cfg.prompts_per_step * cfg.group_size,
-                         credit=cfg.credit, steps_timed=len(timed), **mean, overhead=mean["time/credit"] / mean["time/step"]))
-    keys = [k for k in runs[0] if k.startswith("time/")]
-    table = probes.markdown(["model", "context", "rollouts", *keys, "overhead"],
-                     [[r["model"], r["context"], r["rollouts"], *[r[k] for k in keys], f"{r['overhead']:.1%}"] for r in runs])
-    save(args, {"grpo_argv": grpo_argv, "runs": runs}, table)
 
 
 # ----------------------------------------------------------------------------- plot (Figs. 2, 3, 7, curves)
@@ -384,9 +363,6 @@ def parse(argv=None):
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "attention-max", "entropy", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
-    p = cmd("overhead", None, model=False)
-    p.add_argument("--steps", type=int, default=2, help="GRPO steps; the first is warm-up and not timed")
-    p.add_argument("--contexts", type=int, nargs="*", default=None, help="max_new_tokens values to time (default: grpo's)")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
                    help="default: curves with --metrics, else heatmap inout tokens")
@@ -399,15 +375,12 @@ def parse(argv=None):
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
-    args, extra = ap.parse_known_args(argv)
-    if extra and args.cmd != "overhead":
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args, extra
+    return ap.parse_args(argv)
 
 
 def main(argv=None):
-    args, extra = parse(argv)
-    overhead(args, extra) if args.cmd == "overhead" else args.func(args)
+    args = parse(argv)
+    args.func(args)
 
 
 if __name__ == "__main__":

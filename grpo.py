@@ -44,10 +44,8 @@ Run:  python grpo.py                                                    # embedd
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import random
-import resource
 import signal
 import sys
 import threading
@@ -64,6 +62,7 @@ from tqdm import tqdm
 import checkpoint as ckpt_io
 import credit
 import data
+import runlog
 import signals
 from flowtracer import build_batch, capture, select_layers, take
 from models import generate, load_model
@@ -192,7 +191,7 @@ def train(cfg: Config, run=None) -> list:
             run.sched.step()
         t.append(time.perf_counter())
         # ---------------------------------------------------------- log
-        m.update(step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t))
+        m.update(runlog.step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t))
         bookkeep(run, step, m, (batch, gen, rows, rewards, adv, scores, gamma))
         if run.stop:
             break
@@ -375,29 +374,6 @@ def step_prompts(run, step, m):
     return [r for r, k in zip(recs, keep) if k], [p for p, k in zip(prompts, keep) if k]
 
 
-def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
-    """One step's metrics. time/credit = the separate pass + the fused flow/shaping (the capture itself runs
-    inside the update's forward and is counted in time/update)."""
-    trained = (adv != 0) if run.cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)   # (B,)
-    n_tok = resp.sum().clamp_min(1).item() * run.cfg.num_iterations
-    ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
-    on = resp & trained[:, None]                                                             # (B, R)
-    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
-            "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
-            "len/mean": resp.sum(-1).float().mean().item(),
-            "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
-            "gen/tokens": sum(map(len, gen.response_ids)),
-            "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
-            "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": run.bad,
-            "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
-            **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
-            "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
-            **credit_stats(gamma, adv, on),
-            "time/generate": t[1] - t[0], "time/reward": t[2] - t[1],
-            "time/credit": t[3] - t[2] + stats["time/fused"], "time/update": t[4] - t[3] - stats["time/fused"],
-            "time/step": t[4] - t[0], "mem/peak_gb": peak_memory_gb(run.device)}
-
-
 def bookkeep(run, step, m, rollout=None, skipped=None):
     """The end of every step, skipped or not: the metrics line, rollouts, the checkpoint when due."""
     cfg = run.cfg
@@ -410,7 +386,7 @@ def bookkeep(run, step, m, rollout=None, skipped=None):
     ckpt_io.write_metrics(run.metrics, m)
     run.history.append(m)
     if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
-        save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
+        runlog.save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
     if run.bad >= cfg.max_bad_steps:
         ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg, run.bad)
         sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
@@ -425,65 +401,11 @@ def finish(run):
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    runlog.plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\nrollouts: {run.out / 'rollouts'}")
     if (run.out / "ckpt").is_dir():
         print(f"checkpoint: {run.out / 'ckpt'}")
     return run.history
-
-
-def credit_stats(gamma, adv, on):
-    """OAR App. A.3 on the trained response tokens: mean ESS ratio of gamma, and the top-10% mass of |A_t|."""
-    ess, mass = [], []
-    for b in range(gamma.shape[0]):
-        g, n = gamma[b][on[b]].double(), int(on[b].sum())
-        if n == 0:
-            continue
-        ess.append((g.sum() ** 2 / (n * (g ** 2).sum())).item())
-        At = (g * adv[b].abs()).sort(descending=True).values
-        if At.sum() > 0:
-            mass.append((At[:max(1, n // 10)].sum() / At.sum()).item())
-    mean = lambda x: sum(x) / len(x) if x else None  # noqa: E731
-    return {"credit/ess_ratio": mean(ess), "credit/top10_adv_mass": mean(mass)}
-
-
-def peak_memory_gb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB -> GiB (process peak RSS)
-
-
-def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
-    """One JSON line per rollout: text, reward, advantage, and per response token its text, score and gamma."""
-    P = batch.prompt_width
-    with open(path, "w") as fh:
-        for b, j in enumerate(rows):
-            n = int(batch.response_mask[b].sum())
-            ids = batch.input_ids[b, P:P + n].tolist()
-            fh.write(json.dumps({"prompt": tok.decode(gen.prompt_ids[j]), "response": gen.texts[j],
-                                 "reward": rewards[j].item(), "adv": adv[b].item(),
-                                 "tokens": [tok.decode([t]) for t in ids],
-                                 "answer": batch.answer_mask[b, P:P + n].tolist(),
-                                 "score": scores[b, :n].float().tolist(), "gamma": gamma[b, :n].tolist()}) + "\n")
-
-
-def plot_curves(metrics_path, png_path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(metrics_path)]
-    keys = ["reward/mean", "acc", "entropy", "len/mean"]
-    if not any(r.get(k) is not None for r in rows for k in keys):
-        return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
-    for ax, k in zip(axes, keys):
-        pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o")
-        ax.set_title(k)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=80)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- command line

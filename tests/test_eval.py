@@ -226,8 +226,6 @@ def smoke(tmp_path_factory):
         "intervene": ["intervene", *tiny, "--responses", str(resp), "--max-new-tokens", "80"],
         "recall": ["recall", *tiny, "--responses", str(resp), "--max-new-tokens", "60", "--max-positions", "6",
                    "--signals", "flow", "entropy", "random"],
-        "overhead": ["overhead", "--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "2",
-                     "--max-new-tokens", "8", "--micro-batch", "2", "--save-every", "100"],
         "plot": ["plot", *tiny, "--responses", str(resp), "--metrics", str(metrics),
                  "--figures", "heatmap", "inout", "tokens", "curves"],
     }
@@ -277,13 +275,6 @@ def test_recall_subprocess(smoke):
     assert set(s["recall"]) == {"flow", "entropy", "random"} and s["n_causal"] > 0
     assert all(len(v) == 10 and v[-1] == 1.0 and v == sorted(v) for v in s["recall"].values())
     assert (out / "recall.png").stat().st_size > 0
-
-
-def test_overhead_subprocess(smoke):
-    out = smoke("overhead")
-    r = json.loads((out / "overhead.json").read_text())["runs"][0]
-    assert r["steps_timed"] == 1 and r["overhead"] == pytest.approx(r["time/credit"] / r["time/step"])
-    assert 0 < r["overhead"] < 1 and "%" in (out / "overhead.md").read_text()
 
 
 def test_plot_subprocess(smoke):

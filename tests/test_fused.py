@@ -138,3 +138,18 @@ def test_fused_and_separate_pass_train_the_same(tmp_path, monkeypatch):
         assert ma[k] == pytest.approx(mb[k], abs=1e-6), k
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_credit_overhead_benchmark_runs_alternating(tmp_path, capsys):
+    """The Table 6 tool end to end on the tiny model: every configuration timed, ratios against the first."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("credit_overhead", grpo.Path(grpo.__file__).parent /
+                                                  "benchmarks" / "credit_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    med = bench.main(["--signals", "none", "flow", "--rounds", "2", "--steps", "2", "--model", "tiny-qwen3",
+                      "--max-new-tokens", "8", "--prompts-per-step", "2", "--json", str(tmp_path / "o.json")])
+    out = capsys.readouterr().out
+    assert set(med) == {"none", "flow"} and out.count("round ") == 4 and "step ratio" in out
+    assert all(d["time/step"] > 0 and d["tok/s"] > 0 for d in med.values())
+    assert len(__import__("json").loads((tmp_path / "o.json").read_text())["rows"]["flow"]) == 2   # 2 rounds x 1 step

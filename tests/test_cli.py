@@ -1,0 +1,93 @@
+"""Every user error of grpo.py is one line, `grpo.py: error: ...`, exit status 2, naming the flag or file, and
+comes before any model loads. Table-driven; no model is loaded, so the table runs in seconds."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import grpo
+
+ROOT = grpo.Path(grpo.__file__).resolve().parent
+
+BAD_FLAGS = [  # (argv, a word the one line must contain)
+    (["--adv-clip", "-1"], "--adv-clip"), (["--loss-agg", "bogus"], "--loss-agg"), (["--group-size", "1"], "--group-size"),
+    (["--gamma", "nan"], "--gamma"), (["--gamma", "-5"], "--gamma"), (["--gamma", "inf"], "--gamma"),
+    (["--save-every", "0"], "--save-every"), (["--rollouts-every", "0"], "--rollouts-every"), (["--steps", "0"], "--steps"),
+    (["--max-bad-steps", "0"], "--max-bad-steps"), (["--credit", "nosuch"], "--credit"), (["--shaping", "x"], "--shaping"),
+    (["--dataset", "nosuch"], "--dataset"), (["--prompt-style", "x"], "--prompt-style"), (["--layers", "mid"], "--layers"),
+    (["--layers", "5:2"], "--layers"), (["--top-frac", "2"], "--top-frac"), (["--top-frac", "0"], "--top-frac"),
+    (["--temperature", "0"], "--temperature"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--gen-chunk", "0"], "--gen-chunk"), (["--micro-batch", "0"], "--micro-batch"),
+    (["--num-iterations", "0"], "--num-iterations"), (["--lr", "nan"], "--lr"), (["--eps-low", "1"], "--eps-low"),
+    (["--dual-clip", "0.5"], "--dual-clip"), (["--filter-low", "0.9", "--filter-high", "0.1"], "--filter-low"),
+    (["--credit-pass", "both"], "--credit-pass"), (["--token-class", "digits"], "--token-class"),
+    (["--shaping", "entropy-adv"], "entropy-adv"), (["--attn-window", "9"], "--attn-window"),
+    (["--oar-outcome", "x"], "--oar-outcome"), (["--steps", "two"], "--steps"), (["--no-such-flag"], "no-such-flag"),
+    (["--resume", "/nonexistent/run"], "/nonexistent/run"),
+]
+
+
+@pytest.mark.parametrize("argv, word", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_exit_2(argv, word, capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert err[-1].startswith("grpo.py: error: ") and word in err[-1], err
+
+
+def test_cuda_without_gpu_is_an_error(capsys):
+    if grpo.torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as e:
+        grpo.parse_args(["--device", "cuda"])
+    assert e.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+def test_good_flags_parse():
+    cfg = grpo.parse_args(["--credit", "entropy", "--shaping", "entropy-adv", "--layers", "2:4", "--gamma", "2"])
+    assert (cfg.credit, cfg.shaping, cfg.layers, cfg.gamma) == ("entropy", "entropy-adv", "2:4", 2.0)
+
+
+BAD_FILES = [  # (file name, content, a word the line must contain); each fails before the model loads
+    ("bad.jsonl", '{"question": "1+1", "answer": "2"}\n{not json\n', "line 2"),
+    ("missing.jsonl", '{"question": "1+1"}\n', "answer"),
+    ("wrongtype.jsonl", '{"question": 5, "answer": "2"}\n', "question"),
+    ("empty.jsonl", "", "empty.jsonl"),
+    ("table.csv", "question,answer\n1+1,2\n", "table.csv"),
+    ("latin1.jsonl", b'{"question": "caf\xe9", "answer": "2"}\n', "latin1.jsonl"),
+]
+
+
+@pytest.mark.parametrize("name, content, word", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsys, name, content, word):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--data-path", str(path), "--dataset", "arithmetic", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("grpo.py: error: ") and word in err[-1], err
+
+
+def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--data-path", str(tmp_path / "nosuch.jsonl"), "--out-dir", str(tmp_path / "r")])
+    assert e.value.code == 2 and "nosuch.jsonl" in capsys.readouterr().err
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--out-dir", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--resume" in err and "--overwrite" in err
+    assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n"     # nothing was truncated
+
+
+def test_subprocess_error_is_one_line_without_traceback(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--group-size", "1"], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --group-size")
