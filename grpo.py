@@ -7,13 +7,13 @@ Implements the training loop of the paper (flowtracer.txt §3.3, eq. 5-6, App. A
             default is FlowTracer: top 40% response tokens by flow throughput get gamma = 1.5 (eq. 6)
   update    PPO clipped surrogate with gamma_{i,t} on every token term, for both signs of A (eq. 5):
               J = 1/G sum_i 1/N_i sum_t gamma_it * min(ratio_it A_i, clip(ratio_it, 1-eps_lo, 1+eps_hi) A_i)
-            plus dual-clip (c = 3) for A < 0 and an optional k3 KL term (beta = 0 by default: no reference model)
+            plus dual-clip (c = 3) for A < 0 and an optional k3 KL term (beta = 0 by default: no reference)
   log       one JSONL line of metrics per step, rollouts with their per-token credit, a PNG of the curves
 
 One forward per micro-batch does it all (--credit-pass fused, the default): the training forward returns the
 log-probs, captures the middle layers' attention on the way (flowtracer.capture; detached, once per forward),
-and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations 1)
-the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
+and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations
+1) the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
 forward of their own (attention, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
 
 The loss divisor: seq-mean divides by the number of rows B in the update batch (with --dynamic-filter, the
@@ -69,15 +69,15 @@ from models import generate, load_model
 
 
 @dataclass
-class Config(credit.CreditConfig):   # the credit knobs (--credit, --shaping, --top-frac, --gamma, ...) live there
+class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --shaping, --top-frac, --gamma
     # model and task
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file, or alias (models.py)
     dataset: str = "arithmetic"        # a data.py task name (dapo-math-17k for the paper's math runs)
-    data_path: str = ""                # local JSONL/parquet for the dataset ("" = offline copy / generator / hub)
+    data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
     prompt_style: str = "auto"         # chat | plain | fewshot | countdown; auto picks by model and task
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
-    prompts_per_step: int = 16         # paper: 64 prompts per step on 8 GPUs; 16 x 8 rollouts fit one 80 GB GPU
+    prompts_per_step: int = 16         # paper: 64 prompts per step on 8 GPUs; 16 x 8 fit one 80 GB GPU
     group_size: int = 8                # G samples per prompt (App. C.3)
     max_new_tokens: int = 1024         # response budget: 1K context (8K in the paper's long runs)
     temperature: float = 0.99          # App. C.3
@@ -87,7 +87,7 @@ class Config(credit.CreditConfig):   # the credit knobs (--credit, --shaping, --
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # advantage clip (App. C.3)
-    dynamic_filter: bool = False       # App. C.3: keep groups with accuracy in [low, high], drop cut-off responses
+    dynamic_filter: bool = False       # App. C.3: groups with accuracy in [low, high], no cut-off responses
     filter_low: float = 0.1            # App. C.3
     filter_high: float = 0.95          # App. C.3
     # update
@@ -125,7 +125,7 @@ PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C
 
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: Config, run=None) -> list:
-    run = run or setup(cfg)           # data, model, optimizer, run directory, Ctrl-C / SIGTERM (helpers below)
+    run = run or setup(cfg)           # data, model, optimizer, run directory, Ctrl-C / SIGTERM (below)
     model, tok, opt, G, P = run.model, run.tok, run.opt, cfg.group_size, None
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         t, m = [time.perf_counter()], {"step": step + 1}
@@ -136,8 +136,8 @@ def train(cfg: Config, run=None) -> list:
             continue
         model.eval()
         with torch.no_grad(), run.autocast:
-            gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                           top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk)
+            gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
+                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
         t.append(time.perf_counter())
         # ---------------------------------------------------------- reward
         rewards = torch.tensor([data.score(recs[j // G], txt) for j, txt in enumerate(gen.texts)])    # (B,)
@@ -155,11 +155,12 @@ def train(cfg: Config, run=None) -> list:
         stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "time/fused": 0.0,
                  "credit/fallback": 0}
         t.append(time.perf_counter())
-        # ---------------------------------------------------------- credit (separate pass, when one is needed)
+        # ---------------------------------------------------------- credit (a separate pass, if needed)
         if credit.separate_pass(cfg) and trained:
             with torch.no_grad(), run.autocast:
                 c = credit.assign(model, tok, take(batch, trained), adv[trained], cfg)                # (b, R)
-            gamma[trained], scores[trained], stats["credit/fallback"] = c.gamma, c.scores, int(c.fallback.sum())
+            gamma[trained], scores[trained] = c.gamma, c.scores
+            stats["credit/fallback"] = int(c.fallback.sum())
         t.append(time.perf_counter())
         # ---------------------------------------------------------- update (fused credit inside, eq. 1-6)
         old_logp = old_logprobs(run, batch, trained)        # (B, R); None on-policy: logp.detach() below
@@ -169,9 +170,9 @@ def train(cfg: Config, run=None) -> list:
             for s in range(0, len(trained), cfg.micro_batch):
                 mb = trained[s:s + cfg.micro_batch]
                 sub = take(batch, mb)
-                with run.autocast, capturing(run, sub, it) as cap:             # the one forward of this micro-batch
+                with run.autocast, capturing(run, sub, it) as cap:             # the micro-batch's forward
                     logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk)
-                if it == 0 and not credit.separate_pass(cfg):                  # fused: flow -> gamma (eq. 1-6)
+                if it == 0 and not credit.separate_pass(cfg):                  # fused: flow -> gamma, eq. 1-6
                     t_f = time.perf_counter()
                     with torch.no_grad():
                         c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
@@ -179,8 +180,8 @@ def train(cfg: Config, run=None) -> list:
                     stats["credit/fallback"] += int(c.fallback.sum())
                     stats["time/fused"] += time.perf_counter() - t_f
                 old = logp.detach() if old_logp is None else old_logp[mb]              # on-policy: ratio = 1
-                ref = ref_logprobs(run, sub)
-                loss, st = grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, denominator(cfg, resp), ref)
+                loss, st = grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, denominator(cfg, resp),
+                                     ref_logprobs(run, sub))                  # eq. 5
                 loss.backward()
                 stats["loss"] += loss.item()
                 stats["entropy"].append(ent[resp[mb]])
@@ -213,7 +214,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
         logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
         lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
         with torch.no_grad():
-            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy, for credit and logs
+            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy: credit, logs
         return lp, ent
 
     outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
@@ -241,7 +242,7 @@ def grpo_loss(logp, old_logp, adv, gamma, mask, cfg, denom, ref_logp=None):
     ratio = torch.exp(logp - old_logp)                                    # (b, R)
     obj = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)
     obj = torch.where(A < 0, torch.max(obj, cfg.dual_clip * A), obj)      # dual-clip for A < 0
-    per_tok = -gamma * obj                                                # (b, R) eq. 5-6: gamma on every term
+    per_tok = -gamma * obj                                                # (b, R) eq. 5-6: gamma on each term
     if cfg.beta > 0:                                                      # k3 estimator of KL(pi || ref)
         d = ref_logp - logp
         per_tok = per_tok + cfg.beta * (torch.exp(d) - d - 1)
@@ -329,10 +330,12 @@ def setup(cfg):
     out = Path(cfg.out_dir)
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)
     records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
-    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, records[0]["task"])
+    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
+                                                                                  records[0]["task"])
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if cfg.device == "auto" else cfg.device)
     model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=torch.float32)
     select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
     ref = load_model(cfg.model, device=device, dtype=torch.float32)[0].eval() if cfg.beta > 0 else None
@@ -343,9 +346,9 @@ def setup(cfg):
     start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, sched=sched, device=device,
-                          autocast=torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"),
+                          autocast=torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"),
                           records=records, style=style, out=out, start=start, bad=bad, stop=False, history=[],
-                          order=torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist(),
+                          order=torch.randperm(len(records), generator=seeded(cfg.seed)).tolist(),
                           metrics=ckpt_io.open_metrics(out, start if ckpt else None))
 
     def on_signal(signum, _frame):  # first Ctrl-C / SIGTERM: finish this step, save, exit; a second one: now
@@ -355,9 +358,13 @@ def setup(cfg):
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, on_signal)
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping} "
-          f"({'separate' if credit.separate_pass(cfg) else 'fused'} pass), {cfg.prompts_per_step}x{cfg.group_size} "
-          f"rollouts/step, device={device}, out={out}")
+          f"({'separate' if credit.separate_pass(cfg) else 'fused'} pass), "
+          f"{cfg.prompts_per_step}x{cfg.group_size} rollouts/step, device={device}, out={out}")
     return run
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
 
 
 def step_prompts(run, step, m):
@@ -381,17 +388,20 @@ def bookkeep(run, step, m, rollout=None, skipped=None):
         m["skipped"] = skipped
         tqdm.write(f"step {step + 1}: {skipped}; no update")
     else:
-        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} len {m['len/mean']:.0f} "
-                   f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']} {m['time/step']:.1f}s")
+        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
+                   f"len {m['len/mean']:.0f} boosted {m['credit/boosted_frac']:.2f} "
+                   f"trained {m['rows/trained']} {m['time/step']:.1f}s")
     ckpt_io.write_metrics(run.metrics, m)
     run.history.append(m)
     if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
         runlog.save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
+    save = lambda: ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched,  # noqa
+                                           step + 1, cfg, run.bad)
     if run.bad >= cfg.max_bad_steps:
-        ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg, run.bad)
+        save()
         sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
     if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop:
-        ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg, run.bad)
+        save()
     if run.stop:
         print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
 
@@ -402,7 +412,8 @@ def finish(run):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     runlog.plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
-    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\nrollouts: {run.out / 'rollouts'}")
+    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\n"
+          f"rollouts: {run.out / 'rollouts'}")
     if (run.out / "ckpt").is_dir():
         print(f"checkpoint: {run.out / 'ckpt'}")
     return run.history
@@ -420,17 +431,20 @@ def check(cfg):
              *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
-             ("--temperature", cfg.temperature > 0, "must be > 0"), ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+             ("--temperature", cfg.temperature > 0, "must be > 0"),
+             ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
              ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
-             ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"), ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
+             ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),
+             ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
              ("--dual-clip", cfg.dual_clip > 1, "must be > 1"), ("--beta", cfg.beta >= 0, "must be >= 0"),
-             ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"), ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
-             ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "need 0 <= --filter-low <= --filter-high <= 1"),
+             ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
+             ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
+             ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
              ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
              ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
-             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), f"must be auto or one of {', '.join(data.STYLES)}"),
+             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or a data.STYLES name"),
              ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
-             ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda was asked for, but no GPU is visible")]
+             ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
     for flag, ok, why in rules:
         if not ok:
             return f"{flag} {why}"
@@ -469,7 +483,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     try:
         run = setup(cfg)
-    except (ValueError, OSError) as e:     # the user's files (data, model, checkpoint, out_dir): one line, exit 2
+    except (ValueError, OSError) as e:     # the user's files (data, model, checkpoint, out_dir): one line
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     return train(cfg, run)
