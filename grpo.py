@@ -442,7 +442,7 @@ def check(cfg):
              ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
              ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
              ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
-             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or a data.STYLES name"),
+             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or in data.STYLES"),
              ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
     for flag, ok, why in rules:
