@@ -203,8 +203,50 @@ def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
 
 
 def test_prompts_longer_than_the_limit_are_skipped(tmp_path):
-    out = run([*SMOKE, "--steps", "1", "--max-prompt-tokens", "5", "--out-dir", str(tmp_path / "r")], tmp_path, toy_reward=False)
+    r = tmp_path / "r"
+    out = run([*SMOKE, "--steps", "1", "--max-prompt-tokens", "5", "--out-dir", str(r)], tmp_path, toy_reward=False)
     assert "prompt(s) longer than --max-prompt-tokens 5 skipped" in out.stdout + out.stderr
+    rows = [json.loads(x) for x in open(r / "metrics.jsonl")]           # the skipped last step is logged ...
+    assert [m["step"] for m in rows] == [1] and "skipped" in rows[0]
+    assert (r / "ckpt" / "trainer_state.pt").exists()                      # ... and checkpointed
+
+
+def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeypatch):
+    """A crash after step 3's metrics line but before its checkpoint: --resume redoes step 3 from the step-2
+    checkpoint, and metrics.jsonl holds each step exactly once."""
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
+    real = grpo.ckpt_io.save_checkpoint
+
+    def dies_at_3(path, model, tok, opt, sched, step, *a):
+        if step == 3:
+            raise KeyboardInterrupt("killed while saving")
+        real(path, model, tok, opt, sched, step, *a)
+    monkeypatch.setattr(grpo.ckpt_io, "save_checkpoint", dies_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.train(parse_args([*SMOKE, "--steps", "3", "--save-every", "2", "--out-dir", str(tmp_path)]))
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    monkeypatch.setattr(grpo.ckpt_io, "save_checkpoint", real)
+    grpo.train(parse_args(["--resume", str(tmp_path), "--steps", "4"]))
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_sigterm_finishes_the_step_and_saves(tmp_path):
+    import signal
+    import time
+    cmd = [sys.executable, "-c", DRIVER, *SMOKE, "--steps", "500", "--save-every", "1000", "--out-dir", str(tmp_path)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
+                                          and (tmp_path / "metrics.jsonl").read_text().strip()):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-2000:]
+    assert "interrupted: checkpoint saved" in out
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == steps[-1] < 500 and steps == list(range(1, steps[-1] + 1))
 
 
 @pytest.mark.smollm2
