@@ -77,7 +77,7 @@ def signal_flow(model, batch, cfg, captured=None):
 @torch.no_grad()
 def signal_entropy(model, batch, cfg, captured=None, rows_per_block=None):
     """H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t) (OAR eq. 5) for each response token t, from one
-    no-grad forward. The logits of the response positions only, entropy_rows of them at a time, so the
+    no-grad forward. The logits of the response positions only, rows_per_block of them at a time, so the
     (B, T, V) fp32 logits never exist (default: about 2^25 floats per block). Temperature 1.
     With captured.entropy (the training forward's own logits), no forward runs."""
     if captured is not None and captured.entropy is not None:

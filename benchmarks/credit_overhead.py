@@ -19,7 +19,7 @@ the same session.
 
 Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 prompts x 4 x 64 tokens, chat prompts
       python benchmarks/credit_overhead.py --signals none flow oar-g oar-p --rounds 1 --steps 3
-      python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow
+      python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow --every-row-trained
 Any other flag is passed on to grpo.py.
 """
 import argparse
@@ -34,12 +34,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--grad-checkpointing",
          "--prompt-style", "chat", "--save-every", "1000", "--rollouts-every", "1000"]
+# --every-row-trained: a reward that varies within every group (the fraction of digits in the response), so that
+# every row has A != 0 and gets credit, a forward and a backward: the worst case for the credit's cost. The
+# verifier's reward on a small model is often 0 for a whole group, and such rows skip all of it.
+DRIVER = ("import sys, data, grpo; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
+          "grpo.train(grpo.parse_args(sys.argv[1:]))")
 PAIRING = {"oar-g": "bilevel", "oar-p": "bilevel"}      # each signal's shaping in the papers; topk otherwise
 
 
-def run_once(grpo_py, signal, steps, flags, threads, tmp):
+def run_once(grpo_py, signal, steps, flags, threads, tmp, every_row):
     out = Path(tmp) / f"{Path(grpo_py).parent.name}-{signal}-{len(list(Path(tmp).iterdir()))}"
-    cmd = [sys.executable, str(grpo_py), *SHAPE, *flags, "--credit", signal, "--shaping", PAIRING.get(signal, "topk"),
+    cmd = [sys.executable, *(["-c", DRIVER] if every_row else [str(grpo_py)]), *SHAPE, *flags, "--credit", signal, "--shaping", PAIRING.get(signal, "topk"),
            "--steps", str(steps), "--out-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(grpo_py).parent)
@@ -56,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run not counted")
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads of each run")
     ap.add_argument("--grpo", default="", help="another checkout's grpo.py to time too (labelled before:)")
+    ap.add_argument("--every-row-trained", action="store_true", help="a toy reward that varies in every group, so "
+                    "that every row is trained and credited (DRIVER above)")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args, flags = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
@@ -67,10 +74,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for grpo_py, signal, label in configs:
-                steps = [m for m in run_once(grpo_py, signal, args.steps, flags, args.threads, tmp)
+                steps = [m for m in run_once(grpo_py, signal, args.steps, flags, args.threads, tmp,
+                                                 args.every_row_trained)
                          if "skipped" not in m][args.warmup:]
                 rows[label] += steps
-                print(f"round {r + 1}: {label:<14} " + " ".join(f"{m['time/step']:.1f}" for m in steps), flush=True)
+                print(f"round {r + 1}: {label:<14} " + " ".join(f"{m['time/step']:.1f}" for m in steps)
+                      + f"   rows trained: {[m.get('rows/trained', '?') for m in steps]}", flush=True)
     med = {label: {k: statistics.median(m[k] for m in ms) for k in ("time/step", "time/generate", "time/credit",
                                                                    "time/update")}
            for label, ms in rows.items() if ms}
