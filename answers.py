@@ -1,12 +1,15 @@
 """Are two math answers equal? The checker behind data.math_reward: exact decimals for plain numbers,
 math-verify for everything else, under a timeout and a size guard, never raising and never hanging.
 
-  equivalent(gold, pred) -> bool   "025" == 25 == 25.0 (integers compare exactly, decimals to a relative 1e-6);
+  equivalent(gold, pred) -> bool   "025" == 25 == 25.0 == "2.5e1" (plain numbers compare exactly as decimals:
+                                   2024 != 2024.001, 1000000 != 1000000.9);
                                    "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
 Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
 thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
 timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
-rejects those first (they score 0 even if equal).
+rejects those first (they score 0 even if equal). A parse that comes back empty (math-verify's answer to a
+timeout, as to an unparseable string) is never cached: one slow moment under load must not zero a problem
+for the rest of a run.
 
 Run the tests: python -m pytest -q tests/test_data.py
 """
@@ -14,7 +17,6 @@ import math
 import re
 import threading
 from decimal import Decimal
-from functools import lru_cache
 
 MAX_ANSWER_CHARS = 512  # a longer \boxed{} content is compared as a string only, never parsed
 TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
@@ -56,10 +58,17 @@ def size(e):
     return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
 
 
-@lru_cache(maxsize=8192)
+_PARSED = {}  # text -> math-verify's parse; only non-empty parses are kept (an empty one may be a timeout)
+
+
 def parse_boxed(text, timeout):
+    if text in _PARSED:
+        return _PARSED[text]
     from math_verify import LatexExtractionConfig, parse
-    return parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
+    out = parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
+    if out and len(_PARSED) < 8192:
+        _PARSED[text] = out
+    return out
 
 
 def math_verify_equal(gold, pred, timeout):
@@ -73,10 +82,11 @@ def math_verify_equal(gold, pred, timeout):
 
 def equivalent(gold, pred):
     """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout."""
+    if "nan" in (gold.strip().lower(), pred.strip().lower()):   # not a number equals nothing, itself included
+        return False
     g, p = number(gold), number(pred)
-    if g is not None and p is not None:  # two integers exactly ("025" == 25); else to a relative 1e-6
-        (g, g_int), (p, p_int) = g, p
-        return g == p if g_int and p_int else abs(g - p) <= Decimal("1e-6") * max(1, abs(g))
+    if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
+        return g[0] == p[0]
     gold, pred = (format(n[0], "f") if n and abs(n[0].adjusted()) <= 100 else s  # "4.5e33": e is not Euler's
                   for s, n in ((gold, g), (pred, p)))
     if re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold) or len(pred) > MAX_ANSWER_CHARS:

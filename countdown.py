@@ -30,6 +30,7 @@ import ast
 import hashlib
 import itertools
 import random
+import re
 from fractions import Fraction
 
 SIZES = {"train": 20_000, "test": 5_000}  # App. C.3: 20,000 training and 5,000 held-out problems
@@ -56,6 +57,9 @@ def frame(text):
 
 
 # ----------------------------------------------------------------------------- safe evaluation
+
+LITERALS = re.compile(r"[0-9+\-*/()\s]*")  # decimal integers, + - * /, parentheses: no 0x3, 1_0, # ..., 1e3
+
 
 def evaluate(expr):
     """The exact value of an arithmetic expression, and the integer literals it uses; None if not allowed.
@@ -100,9 +104,9 @@ def reward(completion, answer):
         expr = last_answer(str(completion))
         if expr is None:
             return 0.0
-        nums, target = [int(x) for x in answer["nums"]], int(answer["target"])
+        nums, target = [Fraction(str(x)) for x in answer["nums"]], Fraction(str(answer["target"]))  # exact
         expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-")
-        if len(expr) > MAX_EXPR_CHARS or "**" in expr:
+        if len(expr) > MAX_EXPR_CHARS or "**" in expr or not LITERALS.fullmatch(expr):
             return FORMAT_SCORE
         value, used = evaluate(expr)
         if sorted(used) != sorted(nums) or value is None:  # each given number exactly once

@@ -49,6 +49,7 @@ Test: python -m pytest -q tests/test_data.py      Time the rewards: python bench
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -62,6 +63,9 @@ from answers import equivalent
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
+
+
+NONFINITE = re.compile(r"\s*[-+]?\s*nan\s*", re.I)  # a gold "nan" (JSON NaN / Infinity are floats: rejected too)
 
 
 class DataError(ValueError):
@@ -80,10 +84,13 @@ def read_rows(path):
         import pyarrow.parquet as pq
         yield from ((f"{path}, row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1))
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
                 row = json.loads(line) if line.strip() else None  # blank lines are skipped
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {i}: not UTF-8 ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {i}: invalid JSON ({e.msg})") from None
             if row is not None and not isinstance(row, dict):
@@ -93,13 +100,18 @@ def read_rows(path):
 
 
 def get(row, keys, types=(str,)):
-    """The first present field among keys, type-checked; DataError naming the field otherwise."""
+    """The first present field among keys, type-checked, non-empty and finite; DataError naming the field."""
     for k in keys:
         if row.get(k) is not None:
-            if not isinstance(row[k], types) or isinstance(row[k], bool):
+            v = row[k]
+            if not isinstance(v, types) or isinstance(v, bool):
                 want = "/".join(t.__name__ for t in types)
-                raise DataError(f"field {k!r} is {type(row[k]).__name__}, expected {want}")
-            return row[k]
+                raise DataError(f"field {k!r} is {type(v).__name__}, expected {want}")
+            if isinstance(v, str) and not v.strip():
+                raise DataError(f"field {k!r} is empty")
+            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and NONFINITE.fullmatch(v):
+                raise DataError(f"field {k!r} is {v!r}, not a finite value")
+            return v
     raise DataError(f"missing field {' or '.join(repr(k) for k in keys)}")
 
 

@@ -483,7 +483,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     try:
         run = setup(cfg)
-    except (ValueError, OSError) as e:     # the user's files (data, model, checkpoint, out_dir): one line
+    except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir: one line
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     return train(cfg, run)

