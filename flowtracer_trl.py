@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -73,7 +74,9 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             return out
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
         comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+        t = time.perf_counter()
         gamma = self.token_credit(prompts, comps, out["advantages"])                  # (B, R), R <= C
+        self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
         C = out["completion_ids"].shape[1]
         gamma = F.pad(gamma, (0, C - gamma.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
         out["advantages"] = out["advantages"].unsqueeze(-1) * gamma                   # (B, C) eq. 5
