@@ -98,7 +98,7 @@ def prepare(scores, batch, eligible=None):
     """Checks and the common fallback. Returns (s, sel, fallback):
     s (B, T) float32 scores, 0 off the selectable tokens; sel (B, T) bool, the response tokens that may be
     selected (response & eligible); fallback (B,) bool: no answer region, no selectable token, or fewer than
-    two distinct scores among them (no ranking): such sequences get all-1 weights (module docstring)."""
+    two distinct scores among them (no ranking): such sequences get all-1 gamma (module docstring)."""
     resp = batch.response_mask.bool()
     if tuple(scores.shape) != tuple(resp.shape):
         raise ValueError(f"scores must have the batch's shape {tuple(resp.shape)}, got {tuple(scores.shape)}")
@@ -113,12 +113,12 @@ def prepare(scores, batch, eligible=None):
     return s, sel, fallback
 
 
-def finish(w, sel, fallback, batch):
-    """weights: w on the selectable tokens, 1 on the other response tokens, 0 off the response;
+def finish(gamma, sel, fallback, batch):
+    """gamma (B, T): as given on the selectable tokens, 1 on the other response tokens, 0 off the response;
     all-1 on the response of fallback rows."""
     resp = batch.response_mask.bool()
-    w = torch.where(sel & ~fallback.unsqueeze(-1), w.float(), torch.ones_like(w, dtype=torch.float32))
-    return Credit(w * resp.float(), fallback)
+    gamma = torch.where(sel & ~fallback.unsqueeze(-1), gamma.float(), torch.ones_like(gamma, dtype=torch.float32))
+    return Credit(gamma * resp.float(), fallback)
 
 
 def nonnegative(s, sel, rule):
@@ -160,7 +160,7 @@ def masked_quantile(x, m, q):
 
 
 def shape_continuous(kind):
-    """Table 7 continuous reweighting (departure 3): w = phi(s) / mean(phi(s)) over the selectable tokens."""
+    """Table 7 continuous reweighting (departure 3): gamma = phi(s) / mean(phi(s)) over the selectable tokens."""
     def rule(scores, batch, cfg, eligible=None):
         check_eligible(cfg, eligible)
         s, sel, fallback = prepare(scores, batch, eligible)
@@ -184,8 +184,8 @@ def shape_continuous(kind):
             scale = torch.where(mad > 0, mad, 1.2533 * (dev * m).sum(-1, keepdim=True) / n)
             phi = 1.0 + torch.tanh((s - med) / scale.clamp_min(1e-30))
         phi = phi * m
-        w = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)               # (B, T) mean 1 over sel
-        return finish(w, sel, fallback, batch)
+        gamma = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)           # (B, T) mean 1 over sel
+        return finish(gamma, sel, fallback, batch)
     rule.__name__ = f"shape_{kind.replace('-', '_')}"
     rule.__doc__ = shape_continuous.__doc__
     return rule
@@ -203,7 +203,7 @@ def shape_soft(scores, batch, cfg, eligible=None):
     """Table 7 "soft dynamic thresholding": gamma on the fewest top-scored tokens whose scores hold at least
     soft_mass (0.2/0.4/0.6/0.8) of the sequence's score mass, 1 on the rest. Ties to the earlier token."""
     check_eligible(cfg, eligible)
-    p, gamma = cfg.soft_mass, cfg.gamma
+    p = cfg.soft_mass
     if not 0.0 < p <= 1.0:
         raise ValueError(f"soft_mass must be in (0, 1], got {p}")
     s, sel, fallback = prepare(scores, batch, eligible)
@@ -213,7 +213,7 @@ def shape_soft(scores, batch, cfg, eligible=None):
     before = srt.cumsum(-1) - srt                                              # mass ranked strictly above
     total = srt.sum(-1, keepdim=True)
     chosen = (before < p * total).gather(-1, rank) & sel                       # (B, T) back in token order
-    return finish(1.0 + (gamma - 1.0) * chosen.float(), sel, fallback, batch)
+    return finish(1.0 + (cfg.gamma - 1.0) * chosen.float(), sel, fallback, batch)
 
 
 def shape_8020(scores, batch, cfg, eligible=None):
@@ -234,8 +234,8 @@ def shape_8020(scores, batch, cfg, eligible=None):
 
 def shape_bilevel(scores, batch, cfg, eligible=None):
     """OAR's bi-level reshaping (eq. 14-17): I_hat = min-max(log1p(I)) over the sequence; t = the
-    bilevel_tau percentile of I_hat (departure 4); w = I_hat / (t + eps) below t (noise suppression),
-    1 + beta (I_hat - t) / (1 - t + eps) from t on (signal boosting); then w * n / sum(w), so sum = n."""
+    bilevel_tau percentile of I_hat (departure 4); gamma = I_hat / (t + eps) below t (noise suppression),
+    1 + beta (I_hat - t) / (1 - t + eps) from t on (signal boosting); then gamma n / sum(gamma): sum = n."""
     check_eligible(cfg, eligible)
     tau, beta = cfg.bilevel_tau, cfg.bilevel_beta
     if not (0.0 <= tau <= 1.0 and beta >= 0.0):
@@ -249,13 +249,13 @@ def shape_bilevel(scores, batch, cfg, eligible=None):
     lo, hi = torch.where(sel.any(-1, keepdim=True), lo, 0.0), torch.where(sel.any(-1, keepdim=True), hi, 0.0)
     I = (Ib - lo) / (hi - lo + EPS) * m                                        # (B, T) eq. 14, min-max
     t = masked_quantile(I, sel, tau).unsqueeze(-1)                             # (B, 1) percentile threshold
-    w = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m   # eq. 16
-    w = w * m.sum(-1, keepdim=True) / w.sum(-1, keepdim=True).clamp_min(1e-30)          # eq. 17
-    return finish(w, sel, fallback, batch)
+    gamma = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m   # eq. 16
+    gamma = gamma * m.sum(-1, keepdim=True) / gamma.sum(-1, keepdim=True).clamp_min(1e-30)  # eq. 17
+    return finish(gamma, sel, fallback, batch)
 
 
 def shape_entropy_adv(scores, batch, cfg, eligible=None):
-    """"Entropy Adv" (OAR Table 1): multiplicative weights stay 1 (plain GRPO); grpo adds the additive
+    """"Entropy Adv" (OAR Table 1): the multiplicative gamma stays 1 (plain GRPO); assign adds the additive
     bonus entropy_bonus(adv, scores, response_mask & ~fallback, entropy_alpha, entropy_kappa)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)

@@ -37,7 +37,8 @@ def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
             "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
             **credit_stats(gamma, adv, on),
             "time/generate": t[1] - t[0], "time/reward": t[2] - t[1],
-            "time/credit": t[3] - t[2] + stats["time/fused"], "time/update": t[4] - t[3] - stats["time/fused"],
+            "time/credit": t[3] - t[2] + stats["time/fused"],
+            "time/update": t[4] - t[3] - stats["time/fused"],
             "time/step": t[4] - t[0], "mem/peak_gb": peak_memory_gb(run.device)}
 
 
@@ -59,11 +60,11 @@ def credit_stats(gamma, adv, on):
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB -> GiB (process peak RSS)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB -> GiB, peak RSS
 
 
 def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
-    """One JSON line per rollout: text, reward, advantage, and per response token its text, score and gamma."""
+    """One JSON line per rollout: text, reward, advantage, and per response token: text, score, gamma."""
     P = batch.prompt_width
     with open(path, "w") as fh:
         for b, j in enumerate(rows):
@@ -73,7 +74,8 @@ def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
                                  "reward": rewards[j].item(), "adv": adv[b].item(),
                                  "tokens": [tok.decode([t]) for t in ids],
                                  "answer": batch.answer_mask[b, P:P + n].tolist(),
-                                 "score": scores[b, :n].float().tolist(), "gamma": gamma[b, :n].tolist()}) + "\n")
+                                 "score": scores[b, :n].float().tolist(),
+                                 "gamma": gamma[b, :n].tolist()}) + "\n")
 
 
 def plot_curves(metrics_path, png_path):

@@ -17,7 +17,7 @@ Printed per configuration (medians over the counted steps of all rounds):
 `git worktree add /tmp/before <commit>`), labelled "before:<credit>", so that before/after is measured in
 the same session.
 
-Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 prompts x 4 x 64 tokens, chat prompts
+Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 prompts x 4 x 64 tokens, chat
       python benchmarks/credit_overhead.py --signals none flow oar-g oar-p --rounds 1 --steps 3
       python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow --every-row-trained
 Any other flag is passed on to grpo.py.
@@ -34,18 +34,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--grad-checkpointing",
          "--prompt-style", "chat", "--save-every", "1000", "--rollouts-every", "1000"]
-# --every-row-trained: a reward that varies within every group (the fraction of digits in the response), so that
-# every row has A != 0 and gets credit, a forward and a backward: the worst case for the credit's cost. The
-# verifier's reward on a small model is often 0 for a whole group, and such rows skip all of it.
-DRIVER = ("import sys, data, grpo; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
+# --every-row-trained: a reward that varies within every group (the fraction of digits in the response), so
+# that every row has A != 0 and gets credit, a forward and a backward: the worst case for the credit's
+# cost. The verifier's reward on a small model is often 0 for a whole group, and such rows skip all of it.
+DRIVER = ("import sys, data, grpo; "
+          "data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
           "grpo.train(grpo.parse_args(sys.argv[1:]))")
 PAIRING = {"oar-g": "bilevel", "oar-p": "bilevel"}      # each signal's shaping in the papers; topk otherwise
 
 
 def run_once(grpo_py, signal, steps, flags, threads, tmp, every_row):
     out = Path(tmp) / f"{Path(grpo_py).parent.name}-{signal}-{len(list(Path(tmp).iterdir()))}"
-    cmd = [sys.executable, *(["-c", DRIVER] if every_row else [str(grpo_py)]), *SHAPE, *flags, "--credit", signal, "--shaping", PAIRING.get(signal, "topk"),
-           "--steps", str(steps), "--out-dir", str(out)]
+    cmd = [sys.executable, *(["-c", DRIVER] if every_row else [str(grpo_py)]), *SHAPE, *flags,
+           "--credit", signal, "--shaping", PAIRING.get(signal, "topk"), "--steps", str(steps),
+           "--out-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(grpo_py).parent)
     if p.returncode != 0:
@@ -54,15 +56,16 @@ def run_once(grpo_py, signal, steps, flags, threads, tmp, every_row):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="credit_overhead.py", description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--signals", nargs="+", default=["none", "flow"], help="--credit values; the first is the 1x")
+    ap = argparse.ArgumentParser(prog="credit_overhead.py", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
+    ap.add_argument("--signals", nargs="+", default=["none", "flow"], help="--credit values; the first is 1x")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds over the configurations")
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run not counted")
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads of each run")
     ap.add_argument("--grpo", default="", help="another checkout's grpo.py to time too (labelled before:)")
-    ap.add_argument("--every-row-trained", action="store_true", help="a toy reward that varies in every group, so "
-                    "that every row is trained and credited (DRIVER above)")
+    ap.add_argument("--every-row-trained", action="store_true",
+                    help="a toy reward that varies in every group: every row trained and credited (DRIVER)")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args, flags = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
@@ -80,27 +83,29 @@ def main(argv=None):
                 rows[label] += steps
                 print(f"round {r + 1}: {label:<14} " + " ".join(f"{m['time/step']:.1f}" for m in steps)
                       + f"   rows trained: {[m.get('rows/trained', '?') for m in steps]}", flush=True)
-    med = {label: {k: statistics.median(m[k] for m in ms) for k in ("time/step", "time/generate", "time/credit",
-                                                                   "time/update")}
-           for label, ms in rows.items() if ms}
+    keys = ("time/step", "time/generate", "time/credit", "time/update")
+    med = {label: {k: statistics.median(m[k] for m in ms) for k in keys} for label, ms in rows.items() if ms}
     given = dict(zip(SHAPE + flags, (SHAPE + flags)[1:]))
-    B = int(given["--prompts-per-step"]) * int(given["--group-size"])   # rows generated per step (last flag wins)
+    B = int(given["--prompts-per-step"]) * int(given["--group-size"])   # rows generated per step (last wins)
     for label, ms in rows.items():
         if ms:
-            med[label]["tok/s"] = statistics.median(m.get("gen/tokens", m["len/mean"] * B) / m["time/generate"]
-                                                    for m in ms)
+            tokens = [m.get("gen/tokens", m["len/mean"] * B) for m in ms]
+            med[label]["tok/s"] = statistics.median(n / m["time/generate"] for n, m in zip(tokens, ms))
     base = med[configs[0][2]]
     sweep = lambda d: d["time/credit"] + d["time/update"]  # noqa: E731
     print(f"\n{'config':<16}{'s/step':>8}{'generate':>10}{'credit':>8}{'update':>8}{'step ratio':>12}"
           f"{'sweep ratio':>13}{'tok/s':>8}   n")
     for label, d in med.items():
+        ratio, sweep_ratio = d["time/step"] / base["time/step"], sweep(d) / sweep(base)
         print(f"{label:<16}{d['time/step']:>8.2f}{d['time/generate']:>10.2f}{d['time/credit']:>8.2f}"
-              f"{d['time/update']:>8.2f}{d['time/step'] / base['time/step']:>12.3f}{sweep(d) / sweep(base):>13.3f}"
-              f"{d['tok/s']:>8.1f}   {len(rows[label])}")
+              f"{d['time/update']:>8.2f}{ratio:>12.3f}{sweep_ratio:>13.3f}{d['tok/s']:>8.1f}"
+              f"   {len(rows[label])}")
     print(f"(medians of {args.rounds} alternating rounds x {args.steps - args.warmup} steps; shape "
-          f"{' '.join(SHAPE[:6])} {' '.join(flags)}, {args.threads} thread(s); load {os.getloadavg()[0]:.1f})")
+          f"{' '.join(SHAPE[:6])} {' '.join(flags)}, {args.threads} thread(s); "
+          f"load {os.getloadavg()[0]:.1f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "argv": argv or sys.argv[1:]}, indent=1))
+        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "argv": argv or sys.argv[1:]},
+                                              indent=1))
     return med
 
 

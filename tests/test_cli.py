@@ -11,19 +11,24 @@ import grpo
 ROOT = grpo.Path(grpo.__file__).resolve().parent
 
 BAD_FLAGS = [  # (argv, a word the one line must contain)
-    (["--adv-clip", "-1"], "--adv-clip"), (["--loss-agg", "bogus"], "--loss-agg"), (["--group-size", "1"], "--group-size"),
+    (["--adv-clip", "-1"], "--adv-clip"), (["--loss-agg", "bogus"], "--loss-agg"),
+    (["--group-size", "1"], "--group-size"),
     (["--gamma", "nan"], "--gamma"), (["--gamma", "-5"], "--gamma"), (["--gamma", "inf"], "--gamma"),
-    (["--save-every", "0"], "--save-every"), (["--rollouts-every", "0"], "--rollouts-every"), (["--steps", "0"], "--steps"),
-    (["--max-bad-steps", "0"], "--max-bad-steps"), (["--credit", "nosuch"], "--credit"), (["--shaping", "x"], "--shaping"),
-    (["--dataset", "nosuch"], "--dataset"), (["--prompt-style", "x"], "--prompt-style"), (["--layers", "mid"], "--layers"),
-    (["--layers", "5:2"], "--layers"), (["--top-frac", "2"], "--top-frac"), (["--top-frac", "0"], "--top-frac"),
+    (["--save-every", "0"], "--save-every"), (["--rollouts-every", "0"], "--rollouts-every"),
+    (["--steps", "0"], "--steps"), (["--max-bad-steps", "0"], "--max-bad-steps"),
+    (["--credit", "nosuch"], "--credit"), (["--shaping", "x"], "--shaping"),
+    (["--dataset", "nosuch"], "--dataset"), (["--prompt-style", "x"], "--prompt-style"),
+    (["--layers", "mid"], "--layers"), (["--layers", "5:2"], "--layers"),
+    (["--top-frac", "2"], "--top-frac"), (["--top-frac", "0"], "--top-frac"),
     (["--temperature", "0"], "--temperature"), (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--gen-chunk", "0"], "--gen-chunk"), (["--micro-batch", "0"], "--micro-batch"),
-    (["--num-iterations", "0"], "--num-iterations"), (["--lr", "nan"], "--lr"), (["--eps-low", "1"], "--eps-low"),
-    (["--dual-clip", "0.5"], "--dual-clip"), (["--filter-low", "0.9", "--filter-high", "0.1"], "--filter-low"),
+    (["--num-iterations", "0"], "--num-iterations"), (["--lr", "nan"], "--lr"),
+    (["--eps-low", "1"], "--eps-low"), (["--dual-clip", "0.5"], "--dual-clip"),
+    (["--filter-low", "0.9", "--filter-high", "0.1"], "--filter-low"),
     (["--credit-pass", "both"], "--credit-pass"), (["--token-class", "digits"], "--token-class"),
     (["--shaping", "entropy-adv"], "entropy-adv"), (["--attn-window", "9"], "--attn-window"),
-    (["--oar-outcome", "x"], "--oar-outcome"), (["--steps", "two"], "--steps"), (["--no-such-flag"], "no-such-flag"),
+    (["--oar-outcome", "x"], "--oar-outcome"), (["--steps", "two"], "--steps"),
+    (["--no-such-flag"], "no-such-flag"),
     (["--resume", "/nonexistent/run"], "/nonexistent/run"),
 ]
 
@@ -46,7 +51,8 @@ def test_cuda_without_gpu_is_an_error(capsys):
 
 
 def test_good_flags_parse():
-    cfg = grpo.parse_args(["--credit", "entropy", "--shaping", "entropy-adv", "--layers", "2:4", "--gamma", "2"])
+    cfg = grpo.parse_args(["--credit", "entropy", "--shaping", "entropy-adv", "--layers", "2:4",
+                           "--gamma", "2"])
     assert (cfg.credit, cfg.shaping, cfg.layers, cfg.gamma) == ("entropy", "entropy-adv", "2:4", 2.0)
 
 
@@ -64,7 +70,7 @@ BAD_FILES = [  # (file name, content, a word the line must contain); each fails 
 def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsys, name, content, word):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(path), "--dataset", "arithmetic", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -87,7 +93,7 @@ def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
 
 
 def test_subprocess_error_is_one_line_without_traceback(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--group-size", "1"], capture_output=True, text=True,
-                       cwd=tmp_path)
+    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--group-size", "1"], capture_output=True,
+                       text=True, cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --group-size")

@@ -45,7 +45,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        with capture(model, b.attention_mask, cfg.layers) as cap:               # the training forward, with grad
+        with capture(model, b.attention_mask, cfg.layers) as cap:               # the training forward
             logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width)
         with torch.no_grad():
             fused = credit.assign(model, tok, b, adv, cfg, signals.Captured(cap.attn, ent))
@@ -53,7 +53,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     finally:
         flowtracer.add_head_mean = real
     n_layers = len(select_layers(cfg.layers, model.config.num_hidden_layers))
-    assert cap.calls == n_layers and len(calls) == n_layers                    # once per layer, backward adds none
+    assert cap.calls == n_layers and len(calls) == n_layers      # once per layer, not in backward
     assert not sep.fallback.any()
     torch.testing.assert_close(fused.scores, sep.scores, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused.gamma, sep.gamma) and torch.equal(fused.fallback, sep.fallback)
@@ -80,10 +80,11 @@ def test_attention_graph_rejects_bad_masks(bad, match):
     with pytest.raises(ValueError, match=match):
         flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), bad)
     with pytest.raises(ValueError, match="chunk"):
-        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), chunk=0)
+        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long),
+                                   chunk=0)
 
 
-# ----------------------------------------------------------------------------- one pass on-policy == two passes
+# ----------------------------------------------------------------------------- on-policy: one pass == two
 SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "10",
          "--micro-batch", "3", "--lr", "1e-3", "--warmup-steps", "1", "--steps", "1", "--seed", "5"]
 
@@ -98,10 +99,10 @@ def one_step(tmp_path, monkeypatch, two_pass, extra=()):
         return real_step(run, stats)
 
     def forced(run, batch, trained):
-        return real_old(SimpleNamespace(**{**vars(run), "cfg": dataclasses.replace(run.cfg, num_iterations=2)}),
-                        batch, trained)
+        two = dataclasses.replace(run.cfg, num_iterations=2)
+        return real_old(SimpleNamespace(**{**vars(run), "cfg": two}), batch, trained)
     monkeypatch.setattr(grpo, "optimizer_step", spy)
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies per text
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies
     if two_pass:
         monkeypatch.setattr(grpo, "old_logprobs", forced)
     out = tmp_path / ("two" if two_pass else "one")
@@ -152,4 +153,5 @@ def test_credit_overhead_benchmark_runs_alternating(tmp_path, capsys):
     out = capsys.readouterr().out
     assert set(med) == {"none", "flow"} and out.count("round ") == 4 and "step ratio" in out
     assert all(d["time/step"] > 0 and d["tok/s"] > 0 for d in med.values())
-    assert len(__import__("json").loads((tmp_path / "o.json").read_text())["rows"]["flow"]) == 2   # 2 rounds x 1 step
+    rows = __import__("json").loads((tmp_path / "o.json").read_text())["rows"]
+    assert len(rows["flow"]) == 2                                              # 2 rounds x 1 counted step
