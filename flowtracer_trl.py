@@ -116,7 +116,7 @@ def verifier(prompts, completions, record, **kwargs):
 # GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
 DEFAULTS = dict(output_dir="runs/trl", num_generations=8, max_completion_length=1024, temperature=0.99,
                 top_p=1.0, top_k=100, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup",
-                warmup_steps=20, loss_type="grpo", logging_steps=1, report_to="none",
+                warmup_steps=20, loss_type="grpo", logging_steps=1, report_to="none", seed=0,
                 bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
 
 
@@ -130,7 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
     p.add_argument("--prompt-style", default="auto", help="auto | " + " | ".join(data.STYLES))
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
-    fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name != "seed"]  # --seed: GRPOConfig's
+    own = {"seed", "credit_pass"}        # --seed is GRPOConfig's; the credit pass is always separate (dep. 2)
+    fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
     for f in fields:
         kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
@@ -143,7 +144,8 @@ def parse_args(argv=None):
         p.error(str(e))
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
+    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed,
+                               credit_pass="separate")
     problem = credit.check(ccfg) or (None if args.dataset.lower() in data.TASKS else
                                      f"--dataset must be one of {', '.join(data.TASKS)}")
     if problem:
