@@ -59,11 +59,12 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # ----------------------------------------------------------------------------- eq. 1: the graph from a model
 # How, without the L*H*T*T tensor that output_attentions=True (eager attention) materialises: an attention
 # function "flowtracer" is registered with transformers' AttentionInterface (and sdpa's mask builder under the
-# same name). It always returns sdpa's output, so outside a capture it is an exact pass-through and a policy may
-# keep attn_implementation="flowtracer" permanently. Inside attention_graph or capture, for the chosen layers only, it
-# also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and sums over heads as it
-# goes into one (B, T, T) buffer. attention_graph then raises after the last chosen layer (later layers and lm_head
-# never run); capture lets the forward run on, and takes each layer once (a backward recomputation adds nothing).
+# same name). It always returns sdpa's output, so outside a capture it is an exact pass-through and a policy
+# may keep attn_implementation="flowtracer" permanently. Inside attention_graph or capture, for the chosen
+# layers only, it also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and
+# sums over heads as it goes into one (B, T, T) buffer. attention_graph then raises after the last chosen
+# layer (later layers and lm_head never run); capture lets the forward run on, and takes each layer once (a
+# backward recomputation adds nothing).
 # Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
 IMPL = "flowtracer"
 LAYER_SPECS = "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', or 'A:B'"
@@ -114,13 +115,14 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
         e = min(s + chunk, T)
         score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
         if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
-            allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+            ar = torch.arange(S, device=q.device)
+            allowed = ar[None, :] <= ar[s:e, None]                                   # (c, S) causal
             score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
         elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
             score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
         else:  # additive float mask (0 / large negative)
             score = score + attention_mask[:, :, None, s:e].float()
-        p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows come out uniform, zeroed later
+        p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
         buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
 
 
@@ -130,7 +132,7 @@ def flowtracer_attention(module, query, key, value, attention_mask, scaling=None
     cap, layer = _capture, getattr(module, "layer_idx", None)
     if cap is not None and layer in cap.layers and layer not in cap.seen:
         if query.shape[2] != key.shape[2]:
-            raise RuntimeError("attention capture needs a full forward pass without a KV cache (q_len == kv_len)")
+            raise RuntimeError("attention capture needs a full forward without a KV cache (q_len == kv_len)")
         B, H, T, _ = query.shape
         if cap.buf is None:
             cap.buf = torch.zeros(B, T, T, dtype=torch.float32, device=query.device)
@@ -186,7 +188,7 @@ class capture:
         if self.old != IMPL:
             self.model.set_attn_implementation(IMPL)
         if self.model.config._attn_implementation != IMPL:
-            raise ValueError(f"{type(self.model).__name__} cannot switch to a custom AttentionInterface function")
+            raise ValueError(f"{type(self.model).__name__} cannot switch to a custom attention function")
         self.state = _capture = _Capture(self.idx, self.chunk, stop=False)
         return self
 
@@ -258,7 +260,7 @@ def _neg_dag(attn, answer_mask, valid_mask):
     """-M in query-major layout, in one fp64 copy: A[b, k, i] = -W_ik below the diagonal. The diagonal and
     the upper triangle are left as they are: the unitriangular solves never read them. This is
     memory-bound, so each full pass over the T x T matrix counts: one copy, one sign + answer cut."""
-    A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; never aliases attn
+    A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; a copy
     A.mul_(-(valid_mask & ~answer_mask).to(A.dtype).unsqueeze(-2))  # key i: answers pass nothing on; sign
     if not bool(valid_mask.all()):
         A.mul_(valid_mask.to(A.dtype).unsqueeze(-1))                # query k: padding reads nothing
@@ -286,13 +288,14 @@ def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 def _check(attn, question_mask, answer_mask, valid_mask):
     if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
-    for name, m in (("question_mask", question_mask), ("answer_mask", answer_mask), ("valid_mask", valid_mask)):
+    masks = {"question_mask": question_mask, "answer_mask": answer_mask, "valid_mask": valid_mask}
+    for name, m in masks.items():
         if m is not None and tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
     if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
         if torch.isnan(attn).any():
             raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
-        raise ValueError(f"attn must be non-negative (attention probabilities), min is {attn.min().item():.3g}")
+        raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
 
 
 def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -322,7 +325,8 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
         valid_mask = torch.ones_like(question_mask, dtype=torch.bool)
     _check(attn, question_mask, answer_mask, valid_mask)
     if single:
-        attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in (attn, question_mask, answer_mask, valid_mask))
+        attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in
+                                                        (attn, question_mask, answer_mask, valid_mask))
     q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
 
     A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
@@ -361,7 +365,7 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
     if not 0.0 <= top_frac <= 1.0:
         raise ValueError(f"top_frac must be in [0, 1], got {top_frac}")
     single = throughput.dim() == 1
-    tau, resp = (throughput.unsqueeze(0), response_mask.unsqueeze(0)) if single else (throughput, response_mask)
+    tau, resp = (throughput, response_mask) if not single else (throughput[None], response_mask[None])
     resp = resp.bool()
     if torch.isnan(tau).any():
         raise ValueError("throughput contains NaN")
@@ -370,7 +374,8 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
     key = tau.double() if largest else -tau.double()
     key = torch.where(resp, key, torch.full_like(key, -math.inf))       # (B, T) off-response ranks last
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # (B, T) stable: earlier wins ties
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ar)              # (B, T) rank of each token
     chosen = (rank < k.unsqueeze(-1)) & resp                            # (B, T)
     fallback = ~((tau > 0) & resp).any(-1)                              # (B,) no flow reaches the response
     chosen &= ~fallback.unsqueeze(-1)
@@ -443,7 +448,8 @@ def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[
     attn_mask = torch.zeros(B, P + R, dtype=torch.long)
     q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[b, P - len(p):P], ids[b, P:P + len(r)] = torch.tensor(p, dtype=torch.long), torch.tensor(r, dtype=torch.long)
+        ids[b, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
         attn_mask[b, P - len(p):P + len(r)] = 1
         q[b, P - len(p):P] = torch.tensor([question_special or t not in special for t in p], dtype=torch.bool)
         resp[b, P:P + len(r)] = True
