@@ -1,0 +1,187 @@
+"""FlowTracer credit on TRL's GRPOTrainer: the method of grpo.py on an engine that scales past one GPU.
+
+grpo.py is the one-GPU teaching loop. This file keeps TRL 1.16's loop (generation, also with vLLM; rewards;
+group advantages; the clipped loss; accelerate / DeepSpeed ZeRO / FSDP) and changes one thing. After TRL has
+scored the completions, each rank computes the token credit of its own rows with credit.assign (the one credit
+call of grpo.py: any signal, any shaping; FlowTracer's flow + top-k by default) and hands TRL
+
+    A_it = A_i * gamma_it        (B, C) advantages, one per completion token (eq. 5-6)
+
+TRL unsqueezes only 1-D advantages, so its _compute_loss takes these as they are. For the PPO-clip family and
+gamma >= 0, min(r A gamma, clip(r) A gamma) = gamma * min(r A, clip(r) A): gamma weighs each token's whole
+surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
+
+Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
+from the token ids themselves (flowtracer.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
+decoded completion), so response column j of Assignment.gamma is completion token j: TRL's column j.
+
+Departures from grpo.py (numbered):
+ 1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
+    sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
+ 2. Credit is its own no-grad pass (grpo.py's --credit-pass separate), on the unwrapped policy with ZeRO-3
+    parameters gathered, as TRL's own generation does; the training forward is TRL's and is not captured.
+ 3. gamma is computed once per generation batch, at rollout time, so every reuse of the batch
+    (num_iterations > 1, steps_per_generation > 1) keeps it, as grpo.py credits at the first iteration.
+ 4. Each rank credits its own rows: a batch-wide rule (--shaping 80-20) ranks one rank's rows; --credit random
+    is seeded by the content of that rank's credited rows. Rows with A = 0 get no credit (gamma 1): their term
+    is 0 anyway. Evaluation keeps TRL's plain advantages.
+ 5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
+
+Run:  python flowtracer_trl.py --model smollm2-135m --dataset arithmetic --max-steps 10 --num-generations 4 \\
+          --per-device-train-batch-size 8 --max-completion-length 128
+      accelerate launch --multi_gpu --num_processes 2 flowtracer_trl.py --model tiny-qwen3 --max-steps 2
+      (on a machine without GPUs that runs 2 CPU processes over gloo: --use-cpu is the default there)
+Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
+Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
+"""
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import AutoTokenizer, HfArgumentParser
+from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import unwrap_model_for_generation
+
+import credit
+import data
+from flowtracer import build_batch, select_layers
+from models import RANDOM_MODELS, fix_tokenizer, load_model
+
+
+class FlowTracerGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a credit.CreditConfig."""
+
+    def __init__(self, *args, credit_cfg=None, **kwargs):
+        self.credit_cfg = credit_cfg or credit.CreditConfig()
+        problem = credit.check(self.credit_cfg)
+        if problem:
+            raise ValueError(problem)
+        super().__init__(*args, **kwargs)
+        select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
+        if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
+            raise ValueError("ZeRO-3 needs ds3_gather_for_generation (the default): the credit pass stops "
+                             "its forward after the last chosen layer, with the parameters gathered")
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)   # TRL: generate, reward, A (B,) of this rank
+        if not self.model.training:                             # departure 4: eval keeps plain advantages
+            return out
+        prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
+        comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+        t = time.perf_counter()
+        gamma = self.token_credit(prompts, comps, out["advantages"])                  # (B, R), R <= C
+        self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
+        C = out["completion_ids"].shape[1]
+        gamma = F.pad(gamma, (0, C - gamma.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
+        out["advantages"] = out["advantages"].unsqueeze(-1) * gamma                   # (B, C) eq. 5
+        on = out["completion_mask"].bool() & (out["advantages"] != 0)                # credited tokens
+        boosted = (gamma[on] > 1).float().mean().nan_to_num().item()                 # this rank's
+        self._metrics["train"]["credit/boosted_frac"].append(boosted)
+        return out
+
+    def token_credit(self, prompt_ids, completion_ids, adv):
+        """gamma (B, R) for B (prompt ids, completion ids) lists without padding and advantages adv (B,):
+        R = the longest completion, column j = completion token j, 0 past each completion's end. Rows with
+        A != 0 get credit.assign's gamma; the others 1. Deterministic given the rows and the policy."""
+        n = [len(c) for c in completion_ids]
+        gamma = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()   # (B, R) 1 on tokens
+        rows = [i for i, c in enumerate(completion_ids) if c and adv[i] != 0]
+        if not rows:
+            return gamma
+        tok, dev = self.processing_class, self.accelerator.device
+        batch = build_batch(tok, [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows]).to(dev)
+        a = self.args                                                 # the model as TRL's generation sees it
+        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                          gather_deepspeed3_params=a.ds3_gather_for_generation,
+                                          gradient_checkpointing_kwargs=a.gradient_checkpointing_kwargs)
+              as policy, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False),
+              self.accelerator.autocast()):
+            c = credit.assign(policy, tok, batch, adv[rows].to(dev).float(), self.credit_cfg)   # (b, R')
+        gamma[rows, :c.gamma.shape[1]] = c.gamma.float().cpu()
+        return gamma
+
+
+# ----------------------------------------------------------------------------- command line
+def verifier(prompts, completions, record, **kwargs):
+    """data.py's verified reward of each completion (grpo.py's reward); `record` is the dataset column."""
+    return [data.score(json.loads(r), c) for r, c in zip(record, completions)]
+
+
+# GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
+DEFAULTS = dict(output_dir="runs/trl", num_generations=8, max_completion_length=1024, temperature=0.99,
+                top_p=1.0, top_k=100, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup",
+                warmup_steps=20, loss_type="grpo", logging_steps=1, report_to="none", seed=0,
+                bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
+
+
+def parse_args(argv=None):
+    """(ours, CreditConfig, GRPOConfig). Our flags and the credit flags as grpo.py spells them; the rest go
+    to HfArgumentParser as GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...)."""
+    p = argparse.ArgumentParser(prog="flowtracer_trl.py", description=__doc__.splitlines()[0],
+                                allow_abbrev=False, epilog="Any other flag is a trl.GRPOConfig field.")
+    p.add_argument("--model", default="smollm2-135m", help="a models.py name, a local directory, a hub name")
+    p.add_argument("--dataset", default="arithmetic", help=f"a data.py task: {', '.join(data.TASKS)}")
+    p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
+    p.add_argument("--prompt-style", default="auto", help="auto | " + " | ".join(data.STYLES))
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
+    own = {"seed", "credit_pass"}        # --seed is GRPOConfig's; the credit pass is always separate (dep. 2)
+    fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
+    for f in fields:
+        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    args, rest = p.parse_known_args(argv)
+    hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
+    hf.set_defaults(**DEFAULTS)
+    try:
+        targs, unknown = hf.parse_args_into_dataclasses(rest, return_remaining_strings=True)
+    except ValueError as e:                                    # GRPOConfig's own checks
+        p.error(str(e))
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed,
+                               credit_pass="separate")
+    problem = credit.check(ccfg) or (None if args.dataset.lower() in data.TASKS else
+                                     f"--dataset must be one of {', '.join(data.TASKS)}")
+    if problem:
+        p.error(problem)
+    return args, ccfg, targs
+
+
+def main(argv=None):
+    args, ccfg, targs = parse_args(argv)
+    try:
+        records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed)
+        style = (args.prompt_style if args.prompt_style != "auto"
+                 else data.default_style(args.model, records[0]["task"]))
+        if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
+            model, tok = load_model(args.model, device="cpu", dtype=torch.float32)   # the Trainer places it
+        else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
+            model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
+        rows = [{"prompt": data.make_prompt(r, tok, style), "record": json.dumps(r)} for r in records]
+        n = [len(ids) for ids in tok([r["prompt"] for r in rows]).input_ids]
+        rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
+        if not rows:
+            raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
+        trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=verifier, args=targs, processing_class=tok,
+                                        train_dataset=Dataset.from_list(rows), credit_cfg=ccfg)
+    except (ValueError, OSError) as e:
+        print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
+          f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es)")
+    trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    trainer.save_model(targs.output_dir)
+    if trainer.accelerator.is_main_process:
+        with open(Path(targs.output_dir) / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in trainer.state.log_history)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
