@@ -249,6 +249,10 @@ def plot_curves(args, out, plt):
         runs[Path(p).parent.name or p] = [json.loads(line) for line in open(p) if line.strip()]
         if not runs[Path(p).parent.name or p]:
             fail(f"empty result set: {p} has no metrics rows", 1)
+    missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
+    if missing:
+        known = sorted({k for rows in runs.values() for r in rows for k in r})
+        fail(f"--keys {' '.join(missing)}: in no metrics row (known: {', '.join(known)})")
     fig, axes = plt.subplots(1, len(args.keys), figsize=(4.5 * len(args.keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], args.keys):
         for name, rows in runs.items():
@@ -352,7 +356,8 @@ def parse(argv=None):
     p = cmd("bench", bench, task=None, max_new=1024)
     p.add_argument("--benchmarks", nargs="+", default=BENCHMARKS, help="benchmark names")
     p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="k values for pass@k (k <= n)")
+    p.add_argument("--ks", type=int, nargs="+", default=None, help="k values for pass@k, each <= n "
+                   "(default: 1 2 4 8 16 up to n)")
     for flag, v in (("--temperature", 0.99), ("--top-p", 1.0), ("--top-k", 100)):
         p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3")
     p = cmd("intervene", intervene, problems=200)
@@ -375,7 +380,17 @@ def parse(argv=None):
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("n_problems", "n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1 (leave --n-problems out for every problem)")
+    if args.cmd == "bench" and args.ks is None:
+        args.ks = [k for k in (1, 2, 4, 8, 16) if k <= args.n]
+    if args.cmd == "bench" and any(k < 1 or k > args.n for k in args.ks):
+        ap.error(f"--ks must be in 1..--n ({args.n}): pass@k needs k <= n samples, got {args.ks}")
+    if getattr(args, "frac", None) is not None and not 0 < args.frac <= 1:
+        ap.error(f"--frac must be in (0, 1], got {args.frac}")
+    return args
 
 
 def main(argv=None):
