@@ -250,8 +250,9 @@ def eos_ids(model, tokenizer):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
-             greedy=False, chunk_size=16):
-    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG."""
+             greedy=False, chunk_size=16, **extra):
+    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
+    `extra` goes to HF generate (benchmarks/generate_speed.py tries cache_implementation="static")."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
     if n < 1 or max_new_tokens < 1 or chunk_size < 1:
@@ -269,7 +270,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
         enc = tokenizer(rows[c:c + chunk_size], return_tensors="pt", padding=True).to(model.device)
         W = enc.input_ids.shape[1]  # prompt width of this chunk (left-padded)
         seq = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id, use_cache=True, **sample)  # (b, W + new)
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, **sample, **extra)
         for ids, mask, gen in zip(enc.input_ids.tolist(), enc.attention_mask.tolist(), seq[:, W:].tolist()):
             stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after the first EOS
             resp = gen[:stop]  # stop is None: no EOS, all max_new_tokens tokens (no padding in such a row)
