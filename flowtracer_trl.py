@@ -18,9 +18,14 @@ decoded completion), so response column j of Assignment.gamma is completion toke
 Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
     sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
- 2. Credit is its own no-grad pass (grpo.py's --credit-pass separate), on the unwrapped policy with ZeRO-3
-    parameters gathered, as TRL's own generation does; the training forward is TRL's and is not captured.
- 3. gamma is computed once per generation batch, at rollout time, so every reuse of the batch
+ 2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention-max, entropy, none,
+    random): TRL's own training forward captures the attention (flowtracer.capture) and gives the entropy;
+    gamma is computed from them right after that forward and multiplies the batch's advantages before TRL's
+    loss reads them (this relies on TRL 1.16's _compute_loss reading inputs["advantages"] after
+    _get_per_token_logps_and_entropies: trl is pinned). --credit-pass separate (and the other signals): a
+    no-grad credit pass at rollout time on the unwrapped policy, ZeRO-3 parameters gathered as TRL's own
+    generation does.
+ 3. gamma is computed once per batch (its first loss, or rollout time), so every reuse of the batch
     (num_iterations > 1, steps_per_generation > 1) keeps it, as grpo.py credits at the first iteration.
  4. Each rank credits its own rows: a batch-wide rule (--shaping 80-20) ranks one rank's rows; --credit random
     is seeded by the content of that rank's credited rows. Rows with A = 0 get no credit (gamma 1): their term
@@ -35,6 +40,7 @@ Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any oth
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -50,7 +56,8 @@ from trl.models.utils import unwrap_model_for_generation
 
 import credit
 import data
-from flowtracer import build_batch, select_layers
+import signals
+from flowtracer import Batch, answer_token_range, build_batch, capture, select_layers, take
 from models import RANDOM_MODELS, fix_tokenizer, load_model
 
 
@@ -64,14 +71,15 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
+        self.fused, self._loss_inputs = not credit.separate_pass(self.credit_cfg), None
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             raise ValueError("ZeRO-3 needs ds3_gather_for_generation (the default): the credit pass stops "
                              "its forward after the last chosen layer, with the parameters gathered")
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)   # TRL: generate, reward, A (B,) of this rank
-        if not self.model.training:                             # departure 4: eval keeps plain advantages
-            return out
+        if not self.model.training or self.fused:               # departure 4: eval keeps plain advantages
+            return out                                          # fused: gamma comes with the loss (dep. 2)
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
         comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
         t = time.perf_counter()
@@ -84,6 +92,54 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         boosted = (gamma[on] > 1).float().mean().nan_to_num().item()                 # this rank's
         self._metrics["train"]["credit/boosted_frac"].append(boosted)
         return out
+
+    def _compute_loss(self, model, inputs):
+        self._loss_inputs = inputs if self.fused and inputs["advantages"].dim() == 1 else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
+        """TRL's forward; fused, also the attention capture, then gamma into inputs["advantages"]."""
+        inputs, forward = self._loss_inputs, super()._get_per_token_logps_and_entropies
+        if inputs is None or not torch.is_grad_enabled():
+            return forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
+        self._loss_inputs, policy = None, self.accelerator.unwrap_model(model)
+        attn = signals.NEEDS.get(self.credit_cfg.credit) == "attn"
+        with (capture(policy, attention_mask, self.credit_cfg.layers) if attn
+              else contextlib.nullcontext(argparse.Namespace(attn=None))) as cap:
+            out = forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
+        t = time.perf_counter()
+        with torch.no_grad():
+            gamma = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, inputs["advantages"],
+                                      cap.attn, out[1])                                         # (B, C)
+        inputs["advantages"] = inputs["advantages"].unsqueeze(-1) * gamma                      # (B, C) eq. 5
+        self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
+        return out
+
+    def fused_credit(self, policy, input_ids, attention_mask, C, adv, attn, entropy):
+        """gamma (B, C) on TRL's layout [left-padded prompt | right-padded completion] from the maps and the
+        entropy its training forward gave; rows with A = 0 get 1 on their tokens."""
+        tok, P = self.processing_class, input_ids.shape[1] - C
+        pm, cm = attention_mask[:, :P].bool(), attention_mask[:, P:].bool()             # (B, P), (B, C)
+        special = torch.tensor(tok.all_special_ids, device=input_ids.device)
+        q = torch.cat([pm & ~torch.isin(input_ids[:, :P], special), torch.zeros_like(cm)], 1)   # no specials
+        resp = torch.cat([torch.zeros_like(pm), cm], 1)
+        ans = torch.zeros_like(resp)
+        for b in range(len(input_ids)):
+            k = answer_token_range(tok, input_ids[b, P:][cm[b]].tolist()) if cm[b].any() else None
+            if k:
+                ans[b, P + k[0]:P + k[1]] = True
+        gamma = cm.float()
+        rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
+        if len(rows):
+            batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
+            got = signals.Captured(attn[rows] if attn is not None else None,
+                                   entropy[rows].detach() if entropy is not None else None)
+            c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
+            gamma[rows] = c.gamma.float()
+        return gamma
 
     def token_credit(self, prompt_ids, completion_ids, adv):
         """gamma (B, R) for B (prompt ids, completion ids) lists without padding and advantages adv (B,):
@@ -130,7 +186,7 @@ def parse_args(argv=None):
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
     p.add_argument("--prompt-style", default="auto", help="auto | " + " | ".join(data.STYLES))
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
-    own = {"seed", "credit_pass"}        # --seed is GRPOConfig's; the credit pass is always separate (dep. 2)
+    own = {"seed"}                       # --seed is GRPOConfig's
     fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
     for f in fields:
         kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
@@ -144,8 +200,7 @@ def parse_args(argv=None):
         p.error(str(e))
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed,
-                               credit_pass="separate")
+    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
     problem = credit.check(ccfg) or (None if args.dataset.lower() in data.TASKS else
                                      f"--dataset must be one of {', '.join(data.TASKS)}")
     if problem:

@@ -81,8 +81,10 @@ def expected_gamma(out, tok, model):
 
 def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
     stock, out_s, init = one_step(trl.GRPOTrainer, tmp_path / "stock")
-    none, out_n, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "none", credit_cfg=CreditConfig("none"))
-    flow, out_f, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "flow", credit_cfg=CreditConfig())
+    none, out_n, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "none",
+                              credit_cfg=CreditConfig("none", credit_pass="separate"))
+    flow, out_f, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "flow",
+                              credit_cfg=CreditConfig(credit_pass="separate"))
     A, cm = out_s["advantages"], out_s["completion_mask"].float()                      # (B,), (B, C)
     assert (A != 0).all() and torch.equal(out_n["completion_ids"], out_s["completion_ids"])   # same rollouts
     # credit none: gamma 1 on every completion token, and the step is stock TRL's, bit for bit
@@ -99,6 +101,34 @@ def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
     ref = (-(A[:, None] * gamma * cm).sum(-1) / cm.sum(-1)).mean()
     assert logged_loss(flow) == pytest.approx(ref.item(), rel=1e-5, abs=1e-7)
     assert logged_loss(flow) != pytest.approx(logged_loss(stock), rel=1e-3)
+
+
+def test_fused_credit_equals_the_separate_pass(tmp_path):
+    """--credit-pass fused: gamma from TRL's own training forward (attention captured, once) equals the
+    separate pass's, and so do the loss and the trained parameters."""
+    sep, out_s, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "sep",
+                             credit_cfg=CreditConfig(credit_pass="separate"))
+    seen, fused = [], None
+
+    def spy(self, model, inputs):
+        out = real(self, model, inputs)
+        seen.append((inputs["completion_ids"].clone(), inputs["advantages"].clone()))
+        return out
+    real = ft.FlowTracerGRPOTrainer._compute_loss
+    ft.FlowTracerGRPOTrainer._compute_loss = spy
+    try:
+        fused, out_f, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "fused", credit_cfg=CreditConfig())
+    finally:
+        ft.FlowTracerGRPOTrainer._compute_loss = real
+    assert out_f["advantages"].dim() == 1 and torch.equal(out_f["completion_ids"], out_s["completion_ids"])
+    ids, adv = seen[0]                                         # TRL shuffles rows: match them by their ids
+    assert adv.dim() == 2 and (adv != 0).any() and len(ids) == len(out_s["completion_ids"])
+    for row, a in zip(ids.tolist(), adv):
+        j = out_s["completion_ids"].tolist().index(row)
+        torch.testing.assert_close(a, out_s["advantages"][j], rtol=0, atol=1e-6)     # A * gamma, the same
+    assert logged_loss(fused) == pytest.approx(logged_loss(sep), rel=1e-5, abs=1e-7)
+    a, b = sep.model.state_dict(), fused.model.state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_rows_without_advantage_get_no_credit_pass(tmp_path, monkeypatch):
@@ -162,7 +192,7 @@ def test_two_process_accelerate_run_trains_with_the_same_gamma_on_every_rank(tmp
     driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests"), out=str(tmp_path)))
     launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",  # torchrun, 2 ranks
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    flags = ["--use-cpu", "--model", "tiny-qwen3", "--max-steps", "2", "--num-generations", "4",  # gloo
+    flags = ["--use-cpu", "--credit-pass", "separate", "--model", "tiny-qwen3", "--max-steps", "2", "--num-generations", "4",  # gloo
              "--per-device-train-batch-size", "4", "--max-completion-length", "8", "--learning-rate", "1e-3",
              "--warmup-steps", "0", "--save-strategy", "no", "--output-dir", str(out), "--seed", "1"]
     p = subprocess.run([sys.executable, *launch, str(driver), *flags], cwd=tmp_path, capture_output=True,
