@@ -8,7 +8,7 @@ checkpointing, one thread (--threads). Four configurations:
   grpo:none   python grpo.py --credit none      (micro-batches of 4; rows with A = 0 are not trained)
   grpo:flow   python grpo.py --credit flow      (the fused credit pass)
   trl:stock   trl.GRPOTrainer, through flowtracer_trl.py's command line (same data, verifier, prompts)
-  trl:flow    flowtracer_trl.FlowTracerGRPOTrainer (its own no-grad credit pass)
+  trl:flow    flowtracer_trl.FlowTracerGRPOTrainer (fused: its credit from TRL's own training forward)
 TRL runs 4 micro-batches of 4 (gradient accumulation 4), generation of all 16 rows at once, every row trained.
 
 Printed per configuration, medians over the counted steps of all rounds (the first --warmup steps of every run
