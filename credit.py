@@ -175,7 +175,7 @@ def shape_continuous(kind):
             phi = torch.log1p(s / mean.clamp_min(1e-30))                       # scale-free: log1p(s / mean s)
         elif kind in ("sigmoid", "tanh-z"):
             std = (((s - mean) ** 2 * m).sum(-1, keepdim=True) / n).sqrt()
-            z = (s - mean) / std.clamp_min(1e-30)                              # (B, T) within-sequence z-score
+            z = (s - mean) / std.clamp_min(1e-30)  # (B, T) within-sequence z-score
             phi = torch.sigmoid(z) if kind == "sigmoid" else 1.0 + torch.tanh(z)
         else:  # "mad": robust z-score; MAD = 0 (over half the scores tie) -> mean absolute deviation instead
             med = masked_quantile(s, sel, 0.5).unsqueeze(-1)                   # (B, 1)
@@ -322,7 +322,7 @@ def assign(model, tok, batch, adv, cfg, captured=None):
     adv: (B,) sequence advantages; captured: what the training forward computed (fused pass) or None."""
     scores = SIGNALS[cfg.credit](model, batch, cfg, captured)                      # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
-    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)                         # gamma (B, T), fallback (B,)
+    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)  # gamma (B, T), fallback (B,)
     P, resp = batch.prompt_width, batch.response_mask
     gamma = c.gamma[:, P:]                                                          # (B, R)
     if cfg.shaping == "entropy-adv":   # Cheng et al.: A_t = A + bonus_t, written as gamma_t = A_t / A

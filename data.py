@@ -65,7 +65,8 @@ DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # off
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
 
 
-NONFINITE = re.compile(r"\s*[-+]?\s*nan\s*", re.I)  # a gold "nan" (JSON NaN / Infinity are floats: rejected too)
+# a gold "nan" (JSON NaN / Infinity are floats: rejected too)
+NONFINITE = re.compile(r"\s*[-+]?\s*nan\s*", re.I)
 
 
 class DataError(ValueError):
@@ -269,7 +270,8 @@ TASKS = {
     "minerva": Task("math", "minerva_math", ("math-ai/minervamath", None, {"test": "test"}), minerva_row),
     "dapo-math-17k": Task("math", "dapo-math-17k",
                           ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row),
-    "crossthinkqa": Task("choice", "crossthinkqa",  # Table 9's link; "test" is the validation split (App. C.3)
+    # Table 9's link; "test" is the validation split (App. C.3)
+    "crossthinkqa": Task("choice", "crossthinkqa",
                          ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}), choice_row),
     "countdown": Task("countdown", "countdown", (), countdown_row,
                       lambda split, seed, limit: countdown.generate(limit or countdown.SIZES[split], split, seed)),

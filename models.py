@@ -61,7 +61,8 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     b2u = bytes_to_unicode()  # byte -> printable unicode char, the GPT-2 byte-level alphabet
-    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))  # no merges: 1 token per byte
+    # no merges: 1 token per byte
+    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(BYTE_SPECIALS)
@@ -77,7 +78,8 @@ def fix_tokenizer(tok):
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError("tokenizer has neither a pad nor an eos token")
-        tok.pad_token = tok.eos_token  # documented fallback: pad with EOS (generate cuts at the first EOS anyway)
+        # documented fallback: pad with EOS (generate cuts at the first EOS anyway)
+        tok.pad_token = tok.eos_token
     if not tok.chat_template:
         tok.chat_template = CHATML  # fallback so make_prompt(style="chat") works; base models never saw it
     return tok

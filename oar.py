@@ -179,7 +179,7 @@ def signal_oar_p(model, batch, cfg, captured=None):
     scores = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
     with eval_mode(model):
         if share:
-            for b in range(len(ids)):                                          # one row at a time, prefix shared
+            for b in range(len(ids)):  # one row at a time, prefix shared
                 masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores)
         else:                                                                  # full copies, rows mixed
             logp = outcome_logprobs(model, hidden(model, mask, ids), pm)       # (B, V) P_final
@@ -219,7 +219,8 @@ def signal_oar_g(model, batch, cfg, captured=None):
         noise = torch.randn(e.shape, generator=gen).to(device=dev, dtype=e.dtype) * sigma
         x = (e + noise * resp.unsqueeze(-1).to(e.dtype))[:, P:].detach().requires_grad_(True)  # eq. 10
         with torch.enable_grad():
-            cache = DynamicCache(ddp_cache_data=kv, config=model.config) if P else None   # the prompt, constant
+            # the prompt, constant
+            cache = DynamicCache(ddp_cache_data=kv, config=model.config) if P else None
             h = dec(inputs_embeds=x, attention_mask=mask, position_ids=pos[:, P:], past_key_values=cache,
                     use_cache=P > 0).last_hidden_state                          # (B, T - P, D)
             logq = outcome_logprobs(model, h, pm[:, P:])                       # (B, V) student P_eps

@@ -151,8 +151,9 @@ def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=N
             idx = torch.tensor(keep, device=dev)
             cache.batch_select_indices(idx)
             logits, keys, pos, alive = logits[idx], keys[idx], pos[idx], [alive[i] for i in keep]
-        if temperature > 0:                                                 # Gumbel-max = softmax(logits / T) sampling
-            u = {s: torch.rand(logits.shape[-1], generator=g).clamp_(1e-20, 1.0) for s, g in gens.items()}  # lockstep
+        if temperature > 0:  # Gumbel-max = softmax(logits / T) sampling
+            # lockstep
+            u = {s: torch.rand(logits.shape[-1], generator=g).clamp_(1e-20, 1.0) for s, g in gens.items()}
             logits = logits / temperature - torch.stack([u[seeds[b]] for b in alive]).to(dev).log().neg().log()
         step = logits.argmax(-1).tolist()                                   # (b,)
         for b, t in zip(alive, step):
@@ -228,7 +229,7 @@ def intervene(model, tok, records, args, style):
     for i in tqdm(range(0, len(rows), args.batch_size), desc="intervene: regenerate", unit="batch"):
         chunk = rows[i:i + args.batch_size]
         batch = regions(tok, chunk)
-        tau = signals.SIGNALS["flow"](model, batch, cfg)                     # (B, T) throughput on the response
+        tau = signals.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
             seed = 10 ** 9 + args.seed * 1_000_003 + i + b                  # one noise stream per problem
@@ -325,9 +326,11 @@ def recall(model, tok, records, args, style):
         chunk = rows[i:i + args.batch_size]
         batch = regions(tok, chunk)
         P = batch.prompt_width
-        scores = {s: signals.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}  # (B, R)
+        # (B, R)
+        scores = {s: signals.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}
         for b, r in enumerate(chunk):
-            end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1  # answer end: the candidate tokens
+            # answer end: the candidate tokens
+            end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1
             out.append(dict(id=r["record"]["id"], record=r, end=end,
                             scores={s: v[b, :end].tolist() for s, v in scores.items()}))
     for o in tqdm(out, desc="recall: oracle", unit="response"):

@@ -24,7 +24,8 @@ import data  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--n", type=int, default=1000)         # completions per reward
-ap.add_argument("--budget", type=float, default=10.0)  # seconds allowed for the n math completions (the issue)
+# seconds allowed for the n math completions (the issue)
+ap.add_argument("--budget", type=float, default=10.0)
 ap.add_argument("--seed", type=int, default=0)         # which completions are drawn
 args = ap.parse_args()
 rng = random.Random(args.seed)

@@ -120,7 +120,7 @@ def test_bilevel_extremes_suppress_only_and_boost_only():
     I = torch.log1p(torch.tensor([0.1, 0.5, 2.0, 3.0]))
     I = (I - I.min()) / (I.max() - I.min() + credit.EPS)
     assert torch.allclose(boost, 4 * (1 + 2 * I) / (1 + 2 * I).sum(), atol=1e-6)       # every token boosted
-    assert torch.allclose(supp, 4 * I / I.sum(), atol=1e-5)                            # every token suppressed
+    assert torch.allclose(supp, 4 * I / I.sum(), atol=1e-5)  # every token suppressed
 
 
 def test_8020_threshold_is_over_the_whole_batch():
@@ -275,7 +275,7 @@ def test_entropy_matches_full_logits(tiny):
     pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits.float()
-    H = torch.distributions.Categorical(logits=logits).entropy()                # (B, T) entropy of the next token
+    H = torch.distributions.Categorical(logits=logits).entropy()  # (B, T) entropy of the next token
     ref = torch.zeros_like(H)
     ref[:, 1:] = H[:, :-1]
     ref = ref * b.response_mask
@@ -349,7 +349,7 @@ def test_oar_p_matches_serial_masking(tiny, outcome, share):
             Q = serial_outcome(model, x, b.attention_mask[i:i + 1], pm[i:i + 1])
             ref[i, t] = (P.exp() * (P - Q)).sum().clamp_min(0)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4)
-    if outcome == "as-mean":                                   # tokens after the last answer-predicting position
+    if outcome == "as-mean":  # tokens after the last answer-predicting position
         last = int(pm[0].nonzero().max())
         assert (got[0, last + 1:] == 0).all() and (got[0, :last + 1][b.response_mask[0, :last + 1]] > 0).all()
 
@@ -389,7 +389,7 @@ class OneTokenModel(nn.Module):
         self.emb, self.W, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V, bias=False)
         for p in self.parameters():
             p.data = torch.randn(p.shape, generator=g)
-        self.src = src                                          # the deciding position id (after left padding)
+        self.src = src  # the deciding position id (after left padding)
         self.config = SimpleNamespace(pad_token_id=0)
 
     device = property(lambda self: self.emb.weight.device)
@@ -422,7 +422,8 @@ def test_oar_g_and_oar_p_agree_on_the_deciding_token(outcome):
         top = s[[0, 1], [4, 6]].clone()
         s = s.clone()
         s[[0, 1], [4, 6]] = 0
-        assert (top > 0).all() and (s <= tol * top.min()).all()  # every other token: 0 (OAR-P: up to rounding)
+        # every other token: 0 (OAR-P: up to rounding)
+        assert (top > 0).all() and (s <= tol * top.min()).all()
     assert all(x.grad is None for x in model.parameters())
 
 

@@ -101,7 +101,7 @@ def test_decode_with_blocked_tokens_equals_reference(tiny):
     got = probes.decode(model, tok, [a, b], [8, 8], blocked, groups=[0, 1])
     eos = probes.eos_ids(model, tok)
     assert got == [reference_masked_greedy(model, a, blocked[0], 8, eos), reference_masked_greedy(model, b, blocked[1], 8, eos)]
-    assert got[0] != probes.decode(model, tok, [a], [8])[0]                      # the mask does change the output
+    assert got[0] != probes.decode(model, tok, [a], [8])[0]  # the mask does change the output
 
 
 def test_blocked_positions_get_exactly_zero_attention(tiny_eager):
@@ -114,13 +114,13 @@ def test_blocked_positions_get_exactly_zero_attention(tiny_eager):
         for blocked in (list(range(S)), [2, 5, 9]):
             seen.clear()
             probes.decode(model, tok, [ids], [4], [blocked])
-            for w in seen:                                                   # (1, H, q, k): q queries, the last ones
+            for w in seen:  # (1, H, q, k): q queries, the last ones
                 q, k = w.shape[-2:]
-                cols = torch.arange(k - q, k)                                # query columns = positions (one row)
+                cols = torch.arange(k - q, k)  # query columns = positions (one row)
                 for j in (j for j in blocked if j < k):
                     assert (w[0, :, cols > j, j] == 0).all()
                 assert torch.allclose(w.sum(-1), torch.ones(()))           # rows are still distributions
-            if blocked == list(range(S)):                                   # everything hidden: prefix attends itself
+            if blocked == list(range(S)):  # everything hidden: prefix attends itself
                 first = next(w for w in seen if w.shape[-2] == S)
                 assert torch.equal(first[0, 0], torch.eye(S))
     finally:
@@ -133,7 +133,7 @@ def test_all_blocked_prefix_content_is_invisible(tiny):
     a, b = tok("xyzw 1234 ends!").input_ids, tok("abcd 9876 ends!").input_ids  # same length, same last token
     every = [list(range(len(a)))] * 2
     masked = probes.decode(model, tok, [a, b], [6, 6], every)
-    assert masked[0] == masked[1]                       # only the last token (and its position) reaches the output
+    assert masked[0] == masked[1]  # only the last token (and its position) reaches the output
     unmasked = probes.decode(model, tok, [a, b], [6, 6])
     assert unmasked[0] != unmasked[1]                   # without the mask the content does matter
 
@@ -191,7 +191,7 @@ def test_bad_input_exits_2(argv, capsys):
 
 def test_bench_runs_on_a_checkpoint_directory(tiny, tmp_path):
     model, tok = tiny
-    model.save_pretrained(tmp_path / "run" / "ckpt")                          # a grpo run directory holds ckpt/
+    model.save_pretrained(tmp_path / "run" / "ckpt")  # a grpo run directory holds ckpt/
     tok.save_pretrained(tmp_path / "run" / "ckpt")
     assert ev.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
     ev.main(["bench", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1",
@@ -249,7 +249,8 @@ def test_bench_subprocess(smoke):
     for b in ("gsm8k", "countdown"):
         r = res[b]
         assert {"pass@1", "pass@2", "greedy"} <= set(r) and r["n_problems"] == 2
-        assert r["no_answer_samples"] == 4 and r["no_answer_greedy"] == 2 and r["pass@1"] == 0.0  # garbage: counted
+        # garbage: counted
+        assert r["no_answer_samples"] == 4 and r["no_answer_greedy"] == 2 and r["pass@1"] == 0.0
     assert len((out / "bench_rows.jsonl").read_text().splitlines()) == 4
     assert "| gsm8k | 2 | 2 |" in (out / "bench.md").read_text()
 
@@ -283,7 +284,7 @@ def test_plot_subprocess(smoke):
         assert (out / f).stat().st_size > 0, f
     res = json.loads((out / "plot.json").read_text())
     assert res["n_no_answer"] == 1 and res["tokens"]["high"] and res["tokens"]["low"]
-    io = res["inout"]                         # Theorem 3.1: a response token passes on all the flow it receives
+    io = res["inout"]  # Theorem 3.1: a response token passes on all the flow it receives
     assert io["inflow_total"] > 0 and io["inflow_total"] == pytest.approx(io["outflow_total"], rel=1e-6)
     assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(ev.peak_ema([0.1, 0.4, 0.2])[-1])
     assert "<span" in (out / "heatmap.html").read_text()

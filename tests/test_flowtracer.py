@@ -18,7 +18,8 @@ def reference_flow(attn, q, a):
     h = [0] * T
     for i in reversed(range(T)):                                                     # eq. 2
         h[i] = 1 if a[i] else sum(W[i][k] * h[k] for k in range(i + 1, T))
-    Wp = [[W[i][k] * h[k] / h[i] if (h[i] > 0 and not a[i]) else 0 for k in range(T)] for i in range(T)]  # eq. 3
+    # eq. 3
+    Wp = [[W[i][k] * h[k] / h[i] if (h[i] > 0 and not a[i]) else 0 for k in range(T)] for i in range(T)]
     src = [i for i in range(T) if q[i] and h[i] > 0]
     f = [0] * T
     for k in range(T):                                                               # eq. 4

