@@ -4,6 +4,7 @@
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
   recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
+  memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
 
@@ -28,6 +29,7 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
      python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+     python eval.py memory --model qwen3-4b-random [--max-new-tokens 8192 --micro-batch 4 --gen-chunk 16]
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 import argparse
@@ -326,6 +328,27 @@ def plot_flow(args, out, plt, figs):
     return res
 
 
+# ----------------------------------------------------------------------------- memory (memory.py)
+def memory_table(args):
+    """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
+    import grpo
+    import memory
+    cfg = grpo.parse_args(args.grpo_flags)                 # grpo.py's model and shape flags, its errors
+    if args.prompt_tokens < 1:
+        fail("--prompt-tokens must be >= 1")
+    gpu = cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure)
+    device = "cuda" if gpu else "cpu"
+    try:
+        est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
+        if args.measure and device == "cpu" and memory.peak(est)[1] > 4e9:
+            fail("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate is "
+                 f"{memory.peak(est)[1] / 1e9:.0f} GB")
+        measured = memory.measure(cfg, args.prompt_tokens, device) if args.measure else None
+        print(memory.report(cfg, args.prompt_tokens, measured, device))
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
 # ----------------------------------------------------------------------------- command line
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -380,7 +403,14 @@ def parse(argv=None):
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
-    args = ap.parse_args(argv)
+    p = sub.add_parser("memory", allow_abbrev=False, help="grpo.py's step in memory; takes grpo.py's flags")
+    p.set_defaults(func=memory_table)
+    p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
+    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present) and compare")
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.grpo_flags = rest
     for flag in ("n_problems", "n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1 (leave --n-problems out for every problem)")

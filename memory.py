@@ -1,6 +1,47 @@
 """What one GRPO step holds in memory, and how Qwen3-4B fits on one 80 GB GPU.
 
-PLACEHOLDER DOCSTRING
+The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five phases, each with its peak:
+  generation      weights + optimizer states + KV cache (2 L Hkv hd T g bf16: 147 KB per token for Qwen3-4B)
+  update forward  + gradients (from the 2nd micro-batch on) + the checkpointed layer inputs (L+2 of (b, T, D))
+                  + either the attention capture (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25
+                  floats, flowtracer.auto_chunk) or the log-prob chunks (3 x (b, 128, V) fp32)
+  credit          + the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy: (b, T, T) each
+  backward        + one decoder layer recomputed (layer_saved, counted op by op) or one log-prob chunk
+  optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
+estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
+track_peak() counts the live tensor storages of a real step (measure()) on the CPU, and measure() reads
+torch.cuda.max_memory_allocated on a GPU. tests/test_memory.py holds the estimate within 10% of the count.
+
+The fp32 design does not fit. Qwen3-4B has N = 4.02 B parameters: fp32 weights + gradients + AdamW m, v =
+16 B/param = 64.4 GB; torch.autocast caches a bf16 copy of every fp32 weight it casts for the whole autocast
+region (generation and each training forward: +8.0 GB, 2 B/param); torch's foreach AdamW (the CUDA default)
+allocates a fp32 copy of v in the step (+16 GB). Peak 80.5 GB before any activation.
+
+The scheme (--optimizer auto = kahan on CUDA): bf16 weights and gradients, AdamW with bf16 m and v and a
+bf16 Kahan compensation buffer (torch-optimi's AdamW, kahan_sum=True): 2 + 2 + 6 = 10 B/param = 40.2 GB,
+no autocast cache (the weights are bf16 already), no optimizer temporaries (optimi's Triton kernel, or its
+for-loop on the CPU). The compensation c keeps what bf16 rounding drops from each update: p + c is the
+weight the optimizer tracks (master_weights). At lr 1e-6 a plain bf16 AdamW loses the update (|dw| ~ 1e-6 is
+below half a bf16 ulp of |w| ~ 0.02, so w + dw rounds back to w); the Kahan sum keeps it.
+Why optimi: maintained, pure PyTorch (its import and the CPU test need no GPU), one call, no fp32 master copy
+to keep in sync. Measured on tiny-qwen3, the cumulative update after 20 steps at lr 1e-6, relative norm of
+its difference to fp32 AdamW's (same gradients): optimi Kahan 0.0075; plain bf16 AdamW 0.999 (lost);
+torchao bf16 stochastic rounding 14.9 (rounding noise ~2^-9 |w| per step); torchao AdamW8bit on fp32 master
+weights 1.37 (8-bit v quantised to 0 -> huge steps). The fp32-master options (DeepSpeed's 16 B/param =
+64.4 GB) leave < 6 GB for everything else. The optimizer step fused into backward would save the 8 GB of
+gradients but cannot accumulate 16 micro-batches nor clip the global norm.
+
+Departures (numbered):
+ 1. The attention capture and trace_flow are counted for the fused flow signal (the default); signals
+    with a pass of their own (attention, OAR) are not modelled.
+ 2. Every response is taken at max_new_tokens and every row trained (the worst step); the padded prompt
+    width is --prompt-tokens (default 256, a math problem with its template), not max_prompt_tokens.
+ 3. On CUDA, trace_flow's triangular solve is given one more fp64 (b, T, T) copy than on the CPU (cuBLAS
+    trsm layout; not measured here). The autocast (fp32 weights) path is counted, not validated.
+
+Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
+     python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
+     python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
 import os
 import weakref
@@ -13,6 +54,7 @@ from torch.utils._pytree import tree_flatten
 from flowtracer import auto_chunk, select_layers as select
 
 GB, GiB = 1e9, 2 ** 30
+PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
 
 
 # ----------------------------------------------------------------------------- the low-memory scheme
@@ -37,7 +79,7 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     import optimi    # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
-        raise ValueError(f"--optimizer kahan needs a bf16 model (load it with memory.weight_dtype), got {bad}")
+        raise ValueError(f"--optimizer kahan needs a bf16 model (memory.weight_dtype), got {bad}")
     return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
                         weight_decay=cfg.weight_decay, kahan_sum=True)
 
@@ -138,7 +180,7 @@ COMPONENTS = ("weights", "grads", "optimizer", "cast cache", "KV cache", "activa
 
 
 def model_config(name):
-    """The HF config of a model name without loading its weights where possible (qwen3-4b: models.py's copy)."""
+    """The HF config of a model name, without its weights where possible (qwen3-4b: models.py's copy)."""
     import models
     from transformers import AutoConfig
     if name in models.RANDOM_MODELS:
@@ -163,7 +205,7 @@ def param_counts(mc):
 
 def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
-    every row trained) on `device` under memory.scheme; nothing is allocated. See the docstring for each term."""
+    every row trained) on `device` under memory.scheme; nothing is allocated. The docstring has each term."""
     N, N_cast, N_max = param_counts(mc)
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -207,7 +249,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
            "workspace": batch + 2 * b * T * D * 4 + (layer_bwd if layer_bwd >= logits_bwd else 0)}
     temp = 0 if kahan and cuda else N_max * wb if kahan else N * 4 if cuda else 3 * N_max * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
-    return {"generation": gen, "update forward": fwd, "credit": credit, "backward": bwd, "optimizer step": opt}
+    return dict(zip(PHASES, (gen, fwd, credit, bwd, opt)))
 
 
 def captures(cfg):
@@ -236,12 +278,52 @@ def layer_saved(mc, T, cb, rb, padded=True):
     return norms + qk_norms + sdpa + rsqrt + 4 * I * cb
 
 
-def table(est, title) -> str:
-    """The estimate as a fixed-width table in GB (1e9 bytes), one row per phase."""
-    head = f"{'phase':16s}" + "".join(f"{k:>12s}" for k in (*COMPONENTS, "total"))
-    rows = [f"{ph:16s}" + "".join(f"{v / GB:12.2f}" for v in (*comp.values(), sum(comp.values())))
+def table(est, title, unit=GB) -> str:
+    """The estimate as a fixed-width table, one row per phase (unit GB = 1e9 bytes, or MB = 1e6)."""
+    head = f"{'phase':15s}" + "".join(f"{k:>12s}" for k in (*COMPONENTS, "total"))
+    rows = [f"{ph:15s}" + "".join(f"{v / unit:12.2f}" for v in (*comp.values(), sum(comp.values())))
             for ph, comp in est.items()]
     return "\n".join([title, head, *rows])
+
+
+def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=70 * GB):
+    """The largest gen_chunk and micro_batch (powers of two up to cfg's) whose phases stay under `budget`,
+    or None where even 1 does not fit: the KV-cache chunk and micro-batch the budget allows."""
+    def largest(field, phases):
+        n = getattr(cfg, field)
+        while n >= 1:
+            c = SimpleNamespace(**{**vars(cfg), field: n})
+            if all(sum(v.values()) <= budget for k, v in estimate(c, mc, device, prompt_tokens).items()
+                   if k in phases):
+                return n
+            n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
+        return None
+    return largest("gen_chunk", ("generation",)), largest("micro_batch", PHASES[1:4])
+
+
+def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
+    """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak."""
+    mc = model_config(cfg.model)
+    est = estimate(cfg, mc, device, prompt_tokens)
+    unit, name = (GB, "GB") if peak(est)[1] >= GB else (1e6, "MB")
+    T = prompt_tokens + cfg.max_new_tokens
+    out = [table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device)}: {cfg.prompts_per_step} x "
+                      f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
+                      f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, logprob_chunk {cfg.logprob_chunk} "
+                      f"({name})", unit)]
+    if measured:
+        out.append(f"measured ({'torch.cuda.max_memory_allocated' if device != 'cpu' else 'track_peak'}):")
+        out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
+                f"ratio {sum(c.values()) / measured[ph]:.3f}" for ph, c in est.items()]
+    for other in ("adamw", "kahan"):
+        p = peak(estimate(SimpleNamespace(**{**vars(cfg), "optimizer": other}), mc, device, prompt_tokens))
+        out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}")
+    g, m = fit(cfg, mc, device, prompt_tokens)
+    out.append(f"under 70 GB: gen_chunk <= {g}, micro_batch <= {m}" if g and m else
+               "under 70 GB: no gen_chunk / micro_batch fits")
+    ph, top = peak(est)
+    out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
+    return "\n".join(out)
 
 
 def peak(est):
@@ -250,9 +332,6 @@ def peak(est):
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
-
-
 def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), with grpo.py's
     own pieces: HF generate, token_logprobs under the attention capture, fused credit.assign, grpo_loss,
@@ -303,7 +382,8 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
             sub = take(batch, mb)
             tr.phase("update forward")
             with run.autocast, grpo.capturing(run, sub, 0) as cap:
-                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk)
+                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, P,
+                                                cfg.logprob_chunk)
             tr.phase("credit")
             with torch.no_grad():
                 c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
