@@ -24,12 +24,14 @@ for-loop on the CPU). The compensation c keeps what bf16 rounding drops from eac
 weight the optimizer tracks (master_weights). At lr 1e-6 a plain bf16 AdamW loses the update (|dw| ~ 1e-6 is
 below half a bf16 ulp of |w| ~ 0.02, so w + dw rounds back to w); the Kahan sum keeps it.
 Why optimi: maintained, pure PyTorch (its import and the CPU test need no GPU), one call, no fp32 master copy
-to keep in sync. Measured on tiny-qwen3, the cumulative update after 20 steps at lr 1e-6, relative norm of
-its difference to fp32 AdamW's (same gradients): optimi Kahan 0.0075; plain bf16 AdamW 0.999 (lost);
-torchao bf16 stochastic rounding 14.9 (rounding noise ~2^-9 |w| per step); torchao AdamW8bit on fp32 master
-weights 1.37 (8-bit v quantised to 0 -> huge steps). The fp32-master options (DeepSpeed's 16 B/param =
-64.4 GB) leave < 6 GB for everything else. The optimizer step fused into backward would save the 8 GB of
-gradients but cannot accumulate 16 micro-batches nor clip the global norm.
+to keep in sync. Measured on tiny-qwen3 with the same gradients for all (tests/test_memory.py's
+cumulative_updates): the relative norm of (cumulative update - fp32 AdamW's) after 20 steps at lr 1e-6 is
+0.0075 for optimi Kahan and 0.999 for plain bf16 AdamW (lost); 0.023 after 200 steps, 0.08-0.09 after 500
+(mostly v in bf16: with beta2 = 0.999 its 0.1% decay per step is below bf16 resolution). Aside, with torchao
+0.18: bf16 stochastic rounding 14.9 after 20 steps (rounding noise ~2^-9 |w| per step), AdamW8bit on fp32
+master weights 1.37 (small v quantised to 0). fp32 master weights + fp32 AdamW (DeepSpeed's 16 B/param =
+64.4 GB) leave < 6 GB for the KV cache and activations. The optimizer step fused into backward would save
+the 8 GB of gradients but cannot accumulate 16 micro-batches nor clip the global gradient norm.
 
 Departures (numbered):
  1. The attention capture and trace_flow are counted for the fused flow signal (the default); signals
