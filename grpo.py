@@ -25,8 +25,10 @@ Departures from the paper (numbered):
     micro-batches stands in for data parallelism. The paper's global batch (64 prompts x 8) is a flag.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist.
- 3. On CUDA the weights stay fp32 (master copy; lr 1e-6 steps vanish in bf16) and the forward runs under bf16
-    autocast. On the CPU everything is fp32.
+ 3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
+    keeps a bf16 Kahan compensation of each weight (torch-optimi): lr 1e-6 updates, below bf16's resolution,
+    are kept, and Qwen3-4B's 1K step fits in ~46 GB (memory.py; `python eval.py memory`). The paper's
+    Megatron keeps fp32 master weights. On the CPU everything is fp32 with torch's AdamW.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. Running `python grpo.py` with no model named trains the embedded SmolLM2-135M-Instruct on the offline
     arithmetic task with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU.
@@ -62,6 +64,7 @@ from tqdm import tqdm
 import checkpoint as ckpt_io
 import credit
 import data
+import memory
 import runlog
 import signals
 from flowtracer import build_batch, capture, select_layers, take
@@ -92,6 +95,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     filter_high: float = 0.95          # App. C.3
     # update
     lr: float = 1e-6                   # App. C.3
+    optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) on CUDA, adamw (fp32) on CPU
     warmup_steps: int = 20             # linear warmup (App. C.3)
     weight_decay: float = 0.0          # not given in the paper
     num_iterations: int = 1            # updates per batch; > 1 runs an old-log-prob pass first
@@ -319,6 +323,7 @@ def optimizer_step(run, stats):
         return False
     run.bad = 0
     run.opt.step()
+    run.opt.zero_grad(set_to_none=True)                  # the gradients are not kept through the next rollout
     return True
 
 
@@ -336,12 +341,13 @@ def setup(cfg):
     torch.manual_seed(cfg.seed)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if cfg.device == "auto" else cfg.device)
-    model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=torch.float32)
+    dtype = memory.weight_dtype(cfg, device)                      # departure 3: bf16 + Kahan on CUDA
+    model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=dtype)
     select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
-    ref = load_model(cfg.model, device=device, dtype=torch.float32)[0].eval() if cfg.beta > 0 else None
+    ref = load_model(cfg.model, device=device, dtype=dtype)[0].eval() if cfg.beta > 0 else None
     if cfg.grad_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = memory.make_optimizer(model, cfg, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -444,6 +450,7 @@ def check(cfg):
              ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
              ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or in data.STYLES"),
              ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+             ("--optimizer", cfg.optimizer in ("auto", "kahan", "adamw"), "must be auto, kahan or adamw"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
     for flag, ok, why in rules:
         if not ok:

@@ -28,7 +28,7 @@ BAD_FLAGS = [  # (argv, a word the one line must contain)
     (["--credit-pass", "both"], "--credit-pass"), (["--token-class", "digits"], "--token-class"),
     (["--shaping", "entropy-adv"], "entropy-adv"), (["--attn-window", "9"], "--attn-window"),
     (["--oar-outcome", "x"], "--oar-outcome"), (["--steps", "two"], "--steps"),
-    (["--no-such-flag"], "no-such-flag"),
+    (["--no-such-flag"], "no-such-flag"), (["--optimizer", "sgd"], "--optimizer"),
     (["--resume", "/nonexistent/run"], "/nonexistent/run"),
 ]
 
