@@ -13,6 +13,10 @@ Printed per configuration (medians over the counted steps of all rounds):
                   the update sweep with GRPO = 1x (generation excluded)
   tok/s           generated tokens per second of generation
 
+`--same-batch` times the credit alone against the noise of a shared machine: one process generates one
+rollout batch, then runs grpo.train's step on that same batch (same weights, same rows) for each signal in
+turn, `--rounds` times, alternating; a step is then generate (once) + reward + credit + update of that run.
+
 `--grpo PATH` runs another checkout's grpo.py as well (e.g. the commit before the fused pass, from
 `git worktree add /tmp/before <commit>`), labelled "before:<credit>", so that before/after is measured in
 the same session.
@@ -20,6 +24,7 @@ the same session.
 Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 prompts x 4 x 64 tokens, chat
       python benchmarks/credit_overhead.py --signals none flow oar-g oar-p --rounds 1 --steps 3
       python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow --every-row-trained
+      python benchmarks/credit_overhead.py --same-batch --every-row-trained --rounds 5
 Any other flag is passed on to grpo.py.
 """
 import argparse
@@ -55,6 +60,54 @@ def run_once(grpo_py, signal, steps, flags, threads, tmp, every_row):
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
+def same_batch(args, flags):
+    """Every signal's step on one cached rollout batch, in alternating rounds, in this process."""
+    import time
+
+    import torch
+    sys.path.insert(0, str(ROOT))
+    import grpo
+    torch.set_num_threads(args.threads)
+    cached, real = {}, grpo.generate
+
+    def generate_once(*a, **k):                   # the first call generates; every later step reuses it
+        if "gen" not in cached:
+            t0 = time.perf_counter()
+            cached["gen"] = real(*a, **k)
+            cached["s"] = time.perf_counter() - t0
+        return cached["gen"]
+    grpo.generate = generate_once
+    if args.every_row_trained:
+        grpo.data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))
+    rows = {s: [] for s in args.signals}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for s in args.signals:
+                out = Path(tmp) / f"{s}-{r}"
+                cfg = grpo.parse_args([*SHAPE, *flags, "--credit", s, "--shaping", PAIRING.get(s, "topk"),
+                                       "--steps", "1", "--out-dir", str(out)])
+                m = grpo.train(cfg)[0]
+                rows[s].append(m)
+                print(f"round {r + 1}: {s:<14} credit {m['time/credit']:.2f} s  "
+                      f"update {m['time/update']:.2f} s  rows trained {m['rows/trained']}", flush=True)
+    med = {s: {k: statistics.median(m[k] for m in ms) for k in ("time/reward", "time/credit", "time/update")}
+           for s, ms in rows.items()}
+    step = {s: cached["s"] + d["time/reward"] + d["time/credit"] + d["time/update"] for s, d in med.items()}
+    base = args.signals[0]
+    print(f"\ngenerate (once) {cached['s']:.2f} s\n{'signal':<14}{'credit':>8}{'update':>8}{'step':>8}"
+          f"{'step ratio':>12}{'sweep ratio':>13}")
+    for s, d in med.items():
+        sweep = (d["time/credit"] + d["time/update"]) / (med[base]["time/credit"] + med[base]["time/update"])
+        print(f"{s:<14}{d['time/credit']:>8.2f}{d['time/update']:>8.2f}{step[s]:>8.2f}"
+              f"{step[s] / step[base]:>12.3f}{sweep:>13.3f}")
+    print(f"(medians of {args.rounds} alternating rounds on one batch, {args.threads} thread(s); "
+          f"load {os.getloadavg()[0]:.1f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"generate_s": cached["s"], "median": med, "rows": rows},
+                                              indent=1))
+    return med
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="credit_overhead.py", description=__doc__.splitlines()[0],
                                  allow_abbrev=False)
@@ -66,10 +119,14 @@ def main(argv=None):
     ap.add_argument("--grpo", default="", help="another checkout's grpo.py to time too (labelled before:)")
     ap.add_argument("--every-row-trained", action="store_true",
                     help="a toy reward that varies in every group: every row trained and credited (DRIVER)")
+    ap.add_argument("--same-batch", action="store_true", help="one process, one cached rollout batch, each "
+                    "signal's step on it in turn (same_batch above)")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args, flags = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
         ap.error("need --rounds >= 1, --steps > --warmup >= 0, --threads >= 1")
+    if args.same_batch:
+        return same_batch(args, flags)
     configs = [(ROOT / "grpo.py", s, s) for s in args.signals]
     if args.grpo:
         configs += [(Path(args.grpo).resolve(), s, f"before:{s}") for s in args.signals]
