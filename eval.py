@@ -91,7 +91,7 @@ def resolve_model(name):
 def auto_style(model_name, task, style):
     """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
     if style != "auto":
-        return "countdown" if task == "countdown" and style == "fewshot" else style
+        return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
     state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
     if state.is_file():
         model_name = torch.load(state, weights_only=False, mmap=True)["config"]["model"]
