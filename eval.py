@@ -366,7 +366,8 @@ def parse(argv=None):
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
-    p.add_argument("--signals", nargs="+", default=["flow", "attention", "attention-max", "entropy", "random", "oar-p", "oar-g"],
+    p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient", "correlation", "random",
+                                                     "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
