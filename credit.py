@@ -26,9 +26,9 @@ tokens outside it keep gamma 1.
 Which credit is fused into the training forward (grpo.py --credit-pass fused, the default):
   fused     signals none, random, flow, attention, entropy (signals.FUSED) with a per-row rule: the
             micro-batch's training forward captures the attention maps / entropy, then flow -> gamma -> loss.
-  separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20 (its
-            threshold needs every row's scores before any loss): one credit pass over the rows with A != 0
-            before the update, as with --credit-pass separate for any signal (the teaching reference).
+  separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20
+            (its threshold needs every row's scores before any loss): one credit pass over the rows with
+            A != 0 before the update, as with --credit-pass separate for any signal (the teaching reference).
 
 Padding and sequences without an answer, for every rule (tested):
   * gamma is 0 off the response (prompt, padding); scores there are ignored.
@@ -260,8 +260,9 @@ def shape_bilevel(scores, batch, cfg, eligible=None):
 
 
 def shape_identity(scores, batch, cfg, eligible=None):
-    """gamma_t = s_t: the score is the weight. With --credit random it is OAR's "Random Credit" (§4.2): "assigns
-    each token a random weight w ~ Uniform(0, 1)", so A_t = w_t A (Table 1, "Random Adv"); no rescaling."""
+    """gamma_t = s_t: the score is the weight. With --credit random it is OAR's "Random Credit" (§4.2):
+    "assigns each token a random weight w ~ Uniform(0, 1)", so A_t = w_t A (Table 1, "Random Adv"); no
+    rescaling."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
     nonnegative(s, sel, "identity")
@@ -355,8 +356,8 @@ def separate_pass(cfg):
 # ----------------------------------------------------------------------------- registries (--shaping)
 SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
             **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
-            "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel, "entropy-adv": shape_entropy_adv,
-            "identity": shape_identity}
+            "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel,
+            "entropy-adv": shape_entropy_adv, "identity": shape_identity}
 BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
 
 

@@ -27,7 +27,8 @@ Prompt styles, and the model families that use them (default_style):
   fewshot3   the embedded SmolLM2-135M-Instruct (and GGUF files): FEWSHOT plus our third exemplar
              (departure 3); zero-shot, SmolLM2 never writes a \\boxed{}. Not a paper setting.
   chat       instruct / thinking models (Qwen3, Llama-3.x-Instruct, anything not named below): one user turn
-             that ends with "Please reason step by step, and put your final answer within \\boxed{}." (App. E.1)
+             that ends with "Please reason step by step, and put your final answer within \\boxed{}."
+             (App. E.1)
   plain      models named "...base..." (Qwen3-4B-Base): App. E.1's template as plain text (instruction,
              "Question: ...", "Answer:"); the paper gives no training prompt for them
   countdown  every model on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
@@ -355,7 +356,7 @@ FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
      "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
      "The final answer is \\boxed{5}."),
 ]
-EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",  # ours
+EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
                   "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
 EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR]}  # departure 3
 STYLES = ("chat", "plain", "fewshot", "fewshot3", "countdown")
@@ -377,7 +378,9 @@ def default_style(model_name, task):
         return "countdown"
     if "llama-3" in name and "instruct" not in name:   # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
         return "fewshot"
-    return ("fewshot3" if "smollm2" in name or name.endswith(".gguf") else "plain" if "base" in name else "chat")
+    if "smollm2" in name or name.endswith(".gguf"):
+        return "fewshot3"
+    return "plain" if "base" in name else "chat"
 
 
 def make_prompt(record, tokenizer=None, style="chat"):

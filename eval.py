@@ -7,7 +7,7 @@
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
   answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
-             forms (full line, with explanation, multiple-choice)                                   (highflow.py)
+             forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
 Formulas:
   pass@k  = mean over problems of 1 - C(n - c, k) / C(n, k)   (n samples, c correct; Chen et al. 2021),
@@ -362,8 +362,8 @@ def parse(argv=None):
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES], help="prompt style (auto: as grpo.py)")
             if task:
                 p.add_argument("--task", default=task, help="a data.py task name")
-            p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split (None: all): "
-                           "intervene, answer-forms: a seeded random sample; the others: the first N")
+            p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split "
+                           "(None: all); intervene, answer-forms: a seeded random sample, others: the first")
             p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
             p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate call")
         if model and task:
@@ -385,8 +385,8 @@ def parse(argv=None):
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
-    p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient", "correlation", "random",
-                                                     "oar-p", "oar-g"],
+    p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
+                                                     "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
@@ -401,10 +401,10 @@ def parse(argv=None):
     p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
-    p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1's analyses)")
+    p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
     p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),
                    help="answer forms to compare with answer-only (highflow.FORMS)")
-    p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% high-flow sets")
+    p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
     args = ap.parse_args(argv)
     for flag in ("n_problems", "n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:

@@ -74,7 +74,8 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
 IMPL = "flowtracer"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
-               "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), or 'A:B'")
+               "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
+               "or 'A:B'")
 FIG6 = (15, 25)  # Fig. 6's stage boundaries in Qwen3-4B's 36 layers (§4.3; departure 4)
 
 

@@ -2,8 +2,9 @@
 
   per_sentence   Fig. 3 / App. E.1: "we identified the top 20% of high-flow and low-flow tokens within each
                  sentence"; eval.py plot --figures tokens counts them
-  answer_forms   Table 11a / App. D.2: the same response, its \\boxed{} content rewritten in other answer forms;
-                 how much of the answer-only response's high-flow set (top K% by throughput tau) each form keeps
+  answer_forms   Table 11a / App. D.2: the same response, its \\boxed{} content rewritten in other answer
+                 forms; how much of the answer-only response's high-flow set (top K% by throughput tau) each
+                 form keeps
 
 Table 11a, for each response y with an answer and each form f (FORMS):
     y_f       = y with the content a of its answer span replaced by f's template filled with a
@@ -12,15 +13,15 @@ Table 11a, for each response y with an answer and each form f (FORMS):
     overlap   = |S_f(K) & S_answer-only(K)| / |S_answer-only(K)|, averaged over the responses
 
 Departures (numbered):
- 1. The paper compares formats of one model prompted for each (its Acc. column differs per format) and does not
-    say how it pairs the tokens of different responses. Here one response is rewritten into each form (the
+ 1. The paper compares formats of one model prompted for each (its Acc. column differs per format) and does
+    not say how it pairs the tokens of different responses. Here one response is rewritten into each form (the
     issue's protocol), so the reasoning tokens are the same tokens and the sets compare position by position;
     no accuracy per form is measured. Top-100% is then 1 by construction (a check, not a finding).
  2. The forms, our reading of the row names: answer-only "a"; full line "The final answer is a."; with
     explanation "a, which follows from the steps above"; multiple-choice "B" (a letter, as a multiple-choice
-    output is; the prompt is not changed). The answer span is the last \\boxed{...} (else <answer>...</answer>),
-    as in flowtracer.find_answer_span. Every form, answer-only included, is re-tokenised from the first answer
-    token on, so all forms go through the same tokenisation.
+    output is; the prompt is not changed). The answer span is the last \\boxed{...} (else
+    <answer>...</answer>), as in flowtracer.find_answer_span. Every form, answer-only included, is
+    re-tokenised from the first answer token on, so all forms go through the same tokenisation.
  3. Fig. 3: a sentence ends at a token holding a newline, or ending in . ! ? followed by whitespace (or the
     end), so "3.5" does not end one. Sentences of one token have no within-sentence ranking and are skipped.
     Only the tokens before the answer ends are used (the flow is 0 after it).
@@ -43,7 +44,7 @@ PERCENTS = [20, 40, 60, 80, 100]                                                
 
 # ----------------------------------------------------------------------------- Fig. 3: within each sentence
 def sentences(pieces):
-    """[(start, end)] token spans of the sentences of a token sequence, given each token's text (departure 3)."""
+    """[(start, end)] token spans of the sentences of a token sequence, from each token's text (dep. 3)."""
     spans, start = [], 0
     for j, p in enumerate(pieces):
         nxt = pieces[j + 1] if j + 1 < len(pieces) else " "
@@ -107,7 +108,7 @@ def answer_forms(model, tok, records, args, style):
         tau = {}
         for f in forms if keep else []:                                      # one flow pass per form
             batch = build_batch(tok, [chunk[b]["prompt"] for b in keep], [new[f][b][0] for b in keep])
-            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width:].double().cpu()  # (B, R)
+            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width:].double().cpu()  # B,R
         for b, r in enumerate(chunk):
             if b not in keep:
                 out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"]))
@@ -129,7 +130,8 @@ def summarize(out, forms, percents):
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done), percents=percents,
                 original_accuracy=mean([r["reward"] for r in out]), mean_k0=mean([r["k0"] for r in done]),
-                overlap={f: [mean([r["overlap"][f][i] for r in done]) for i in range(len(percents))] for f in forms})
+                overlap={f: [mean([r["overlap"][f][i] for r in done]) for i in range(len(percents))]
+                         for f in forms})
 
 
 def forms_table(s, args):

@@ -107,7 +107,8 @@ OUTCOMES = ("as-mean", "lt-logits", "as-joint")
 def outcome_mask(attention_mask, answer_mask, kind="as-mean"):
     """(B, T) bool: the positions whose next-token logits make the outcome phi (OAR §6.2).
     lt-logits: the last real token. as-mean, as-joint: the positions predicting an answer token (answer
-    column - 1); rows without an answer: as-mean falls back to lt-logits (departure 1), as-joint has none (8)."""
+    column - 1); rows without an answer: as-mean falls back to lt-logits (departure 1), as-joint has none
+    (departure 8)."""
     if kind not in OUTCOMES:
         raise ValueError(f"oar_outcome must be one of {', '.join(OUTCOMES)}, got {kind!r}")
     valid = attention_mask.bool()
@@ -137,7 +138,7 @@ def outcome(model, h, pm, kind, nxt=None):
     z = lm_logits(model, h[rows, cols])                                        # (N, V) only these rows
     n = pm.sum(-1).clamp_min(1).to(z.dtype)                                    # (B,)
     if kind == "as-joint":
-        lp = torch.log_softmax(z, -1).gather(-1, nxt[rows, cols][:, None]).squeeze(-1)   # (N,) log pi(a_{l+1})
+        lp = torch.log_softmax(z, -1).gather(-1, nxt[rows, cols][:, None]).squeeze(-1)   # (N,) log pi(a)
         return torch.zeros(pm.shape[0], dtype=z.dtype, device=z.device).index_add_(0, rows, lp) / n
     phi = torch.zeros(pm.shape[0], z.shape[-1], dtype=z.dtype, device=z.device).index_add_(0, rows, z)
     return torch.log_softmax(phi / n[:, None], dim=-1)                         # (B, V) AS-Mean / LT

@@ -213,7 +213,7 @@ def regions(tok, rows):
 
 
 def last_token_answers(batch):
-    """The batch with the last response token as the answer region of the rows that have none (departure 6)."""
+    """The batch with the last response token as the answer region of the rows without one (departure 6)."""
     am, P = batch.answer_mask.clone(), batch.prompt_width
     n = batch.response_mask[:, P:].sum(-1)                                   # (B,) response lengths
     for b in ((~am.any(-1)) & (n > 0)).nonzero().flatten().tolist():
@@ -272,8 +272,8 @@ def intervene(model, tok, records, args, style):
                 groups.append(seed)                                         # the four rows share their prefix
         new = decode(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups) if jobs else []
         for j, (r, t0, sel, _, no_answer) in enumerate(jobs):
-            row = dict(id=r["record"]["id"], no_answer=no_answer, empty=False, t0=t0, n_selected=len(sel["high"]),
-                       reward=r["reward"], text=r["text"])
+            row = dict(id=r["record"]["id"], no_answer=no_answer, empty=False, t0=t0,
+                       n_selected=len(sel["high"]), reward=r["reward"], text=r["text"])
             for c_i, c in enumerate(CONDITIONS):
                 text = tok.decode(r["response"][:t0] + new[4 * j + c_i], skip_special_tokens=True)
                 rew, base = data.score(r["record"], text), row["none"] if c != "none" else None
@@ -290,16 +290,17 @@ def intervene_table(s, args):
              "low": f"Low-flow (Bottom {args.frac:.0%})", "high": f"High-flow (Top {args.frac:.0%})"}
     keys = ("answer_change", "correctness_reverse", "correct_to_wrong", "wrong_to_correct", "no_answer_after",
             "answer_change_vs_none", "correctness_reverse_vs_none")
-    header = ["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong", "wrong->correct",
-              "no answer after", "Answer change vs none", "Correctness reverse vs none"]
+    header = ["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong",
+              "wrong->correct", "no answer after", "Answer change vs none", "Correctness reverse vs none"]
+    table = lambda r: markdown(header, [[names[c], *(r[c][k] for k in keys)] for c in CONDITIONS])  # noqa
     a = s["all"]
-    return markdown(header, [[names[c], *(s[c][k] for k in keys)] for c in CONDITIONS]) + (
+    return table(s) + (
         f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and are left out); "
         f"original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. \"vs none\": against the unmasked "
-        f"regeneration with the same noise (departure 1).\n\nAll responses, failed extraction counted as incorrect "
-        f"(App. E.1; departure 6):\n\n") + markdown(header, [[names[c], *(a[c][k] for k in keys)] for c in CONDITIONS]) + (
-        f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their last token; "
-        f"{s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n")
+        f"regeneration with the same noise (departure 1).\n\nAll responses, failed extraction counted as "
+        f"incorrect (App. E.1; departure 6):\n\n") + table(a) + (
+        f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their last "
+        f"token; {s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n")
 
 
 def rates(done):

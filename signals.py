@@ -3,12 +3,12 @@
     scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
 
 `batch` is a flowtracer.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
-rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1, Table 2;
-OAR §4.2, Table 1):
+rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
+Table 2; OAR §4.2, Table 1):
 
   none           1 on every response token (plain GRPO)
   flow           FlowTracer throughput tau (eq. 1-4, §3.3) on the cfg.layers attention DAG
-  random         uniform [0, 1): with topk FlowTracer's "Random", with --shaping identity OAR's "Random Credit"
+  random         uniform [0, 1): FlowTracer's "Random" (topk); OAR's "Random Credit" (--shaping identity)
   entropy        policy entropy H_t (OAR eq. 5; Wang et al. 2025b)
   gradient       Green et al.: norm of the gradient of the response log-likelihood w.r.t. token t's embedding
   correlation    Nie et al.: mean correlation of token t's final hidden state with the other response tokens'
@@ -154,8 +154,8 @@ def signal_gradient(model, batch, cfg, captured=None, rows_per_block=None):
     with eval_mode(model), torch.autocast(dev.type, enabled=False), torch.enable_grad():
         e = model.get_input_embeddings()(ids).detach().requires_grad_(True)   # (B, T, D)
         h = hidden(model, mask, inputs_embeds=e)                               # (B, T, D)
-        L = sum(checkpoint(logp, h[rows[i:i + step], cols[i:i + step]], ids[rows[i:i + step], cols[i:i + step] + 1],
-                           use_reentrant=False) for i in range(0, len(rows), step))  # sum_u log pi(y_u)
+        blocks = [(rows[i:i + step], cols[i:i + step]) for i in range(0, len(rows), step)]
+        L = sum(checkpoint(logp, h[r, c], ids[r, c + 1], use_reentrant=False) for r, c in blocks)  # eq. above
         (g,) = torch.autograd.grad(L, e)                                       # (B, T, D)
     score = g.float().norm(dim=-1)                                             # (B, T) ||g_t||
     return (score * resp.float()).to(batch.response_mask.device)
@@ -176,7 +176,7 @@ def signal_correlation(model, batch, cfg, captured=None):
     m = resp.float()                                                           # (B, T)
     pooled = (z * m[..., None]).sum(1, keepdim=True)                           # (B, 1, D) sum_s z_s
     n = m.sum(-1, keepdim=True)                                                # (B, 1)
-    self_dot = (z * z).sum(-1)                                                 # (B, T) 1, or 0 for h_t constant
+    self_dot = (z * z).sum(-1)                                                 # (B, T) 1 (0: h_t constant)
     r = ((z * pooled).sum(-1) - self_dot) / (n - 1).clamp_min(1.0)             # (B, T) mean over s != t
     r = torch.where(n > 1, r, torch.zeros_like(r)).clamp(-1.0, 1.0)
     return ((1.0 + r) / 2.0 * m).to(batch.response_mask.device)

@@ -1,5 +1,6 @@
 """The papers' baselines under the papers' names (issue: paper fidelity): FlowTracer Table 2's Gradient and
-Correlation signals, OAR's Random Credit (--shaping identity), OAR's AS-Joint outcome, and Fig. 6's layer presets.
+Correlation signals, OAR's Random Credit (--shaping identity), OAR's AS-Joint outcome, and Fig. 6's layer
+presets.
 Each against a direct reference on the tiny random models."""
 import math
 
@@ -21,9 +22,11 @@ def tiny(request):
 def batch_of(tok):
     """Three rows: two with a \\boxed{} answer (one EOS-terminated), one without an answer."""
     prompts = ["Q: 2+2=?", "Q: what is 10-3?", "Q: 1+1?"]
-    responses = ["so it is 4, answer \\boxed{4} ok", "ten minus three is seven: \\boxed{7}", "one and one, two"]
+    responses = ["so it is 4, answer \\boxed{4} ok", "ten minus three is seven: \\boxed{7}",
+                 "one and one, two"]
     p = [tok(x).input_ids for x in prompts]
-    r = [tok(responses[0]).input_ids + [tok.eos_token_id], tok(responses[1]).input_ids, tok(responses[2]).input_ids]
+    r = [tok(x).input_ids for x in responses]
+    r[0] = r[0] + [tok.eos_token_id]
     return build_batch(tok, p, r)
 
 
@@ -39,7 +42,7 @@ def test_gradient_is_the_embedding_gradient_norm_of_the_response_loglik(tiny):
     e = model.get_input_embeddings()(b.input_ids).detach().requires_grad_(True)
     logits = model(inputs_embeds=e, attention_mask=b.attention_mask, position_ids=positions(b)).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)   # (B, T-1)
-    L = (logp * b.response_mask[:, 1:]).sum()                                  # sum_u log pi(y_u), u in response
+    L = (logp * b.response_mask[:, 1:]).sum()                                  # sum_u log pi(y_u)
     (g,) = torch.autograd.grad(L, e)
     ref = g.norm(dim=-1) * b.response_mask
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
@@ -47,7 +50,7 @@ def test_gradient_is_the_embedding_gradient_norm_of_the_response_loglik(tiny):
     assert (got[torch.arange(3), last] == 0).all()                            # causality: nothing after it
     assert (got[b.response_mask] > 0).float().mean() > 0.5
     assert all(p.grad is None for p in model.parameters()) and not model.training
-    with torch.no_grad():                                                     # grpo calls signals under no_grad
+    with torch.no_grad():                                                     # as grpo calls signals
         assert torch.equal(signals.signal_gradient(model, b, credit.CreditConfig(), rows_per_block=7), got)
 
 
@@ -62,7 +65,7 @@ def test_correlation_is_the_mean_pairwise_pearson_correlation(tiny):
     ref = torch.zeros_like(got)
     for i in range(3):
         cols = b.response_mask[i].nonzero().flatten()
-        R = torch.corrcoef(h[i, cols].double())                               # (n, n) Pearson over the D units
+        R = torch.corrcoef(h[i, cols].double())                               # (n, n) Pearson, D units
         n = len(cols)
         ref[i, cols] = ((1 + (R.sum(-1) - R.diagonal()) / (n - 1)) / 2).float()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
@@ -121,7 +124,8 @@ def test_oar_random_credit_weights_are_uniform_draws(tiny):
 # ----------------------------------------------------------------------------- OAR's AS-Joint outcome
 def joint(model, ids, mask, pm, nxt):
     """phi_AS-Joint by hand: mean over pm of log pi(next token)."""
-    z = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    z = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
     lp = torch.log_softmax(z, -1).gather(-1, nxt[..., None]).squeeze(-1)
     return (lp * pm).sum(-1) / pm.sum(-1).clamp_min(1)
 
@@ -142,7 +146,7 @@ def test_oar_p_as_joint_is_the_clamped_score_drop(tiny, share):
             x = b.input_ids[i:i + 1].clone()
             x[0, t] = tok.pad_token_id
             phi = joint(model, b.input_ids[i:i + 1], b.attention_mask[i:i + 1], pm[i:i + 1], nxt[i:i + 1])
-            phi_t = joint(model, x, b.attention_mask[i:i + 1], pm[i:i + 1], nxt[i:i + 1])   # targets: original
+            phi_t = joint(model, x, b.attention_mask[i:i + 1], pm[i:i + 1], nxt[i:i + 1])   # original targets
             ref[i, t] = (phi - phi_t).clamp_min(0)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     assert (got[2] == 0).all() and (got[:2] > 0).any()                        # row 2: no answer, no outcome

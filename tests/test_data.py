@@ -432,8 +432,9 @@ def test_prompt_styles():
     assert few.index("12 + 8 * 2") < few.index("2x - 5 = 5") < few.index("What is 2+3?")
     assert few.endswith(f"What is 2+3? {data.INSTRUCTION}<|end|><|assistant|>")
     assert "\\boxed{28}" in few and "\\boxed{5}" in few
-    few3 = make_prompt(r, chat_tokenizer(), "fewshot3")                       # ours: a third one (departure 3)
-    assert few3.count("<|user|>") == 4 and few3.index("2x - 5 = 5") < few3.index("Mia") < few3.index("What is 2+3?")
+    few3 = make_prompt(r, chat_tokenizer(), "fewshot3")                       # a third one, ours (dep. 3)
+    assert few3.count("<|user|>") == 4
+    assert few3.index("2x - 5 = 5") < few3.index("Mia") < few3.index("What is 2+3?")
     assert few3.replace(f"<|user|>{data.EXTRA_EXEMPLAR[0]} {data.INSTRUCTION}<|end|><|assistant|>"
                         f"{data.EXTRA_EXEMPLAR[1]}<|end|>", "") == few
     plain = make_prompt(r, None, "plain")
@@ -441,25 +442,28 @@ def test_prompt_styles():
     for tok in (None, chat_tokenizer(template=False)):  # no chat template: "User: / Assistant:" text
         assert make_prompt(r, tok, "chat") == f"User: What is 2+3?\n{data.INSTRUCTION}\n\nAssistant:"
         assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(data.FEWSHOT) + 1 == 3
-        assert make_prompt(r, tok, "fewshot").startswith(f"User: Calculate $12 + 8 * 2$. {data.INSTRUCTION}\n\n"
-                                                         "Assistant: According to the order of operations")
-    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, countdown"):
+        first = f"User: Calculate $12 + 8 * 2$. {data.INSTRUCTION}\n\nAssistant: According to the order"
+        assert make_prompt(r, tok, "fewshot").startswith(first)
+    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, co"):
         make_prompt(r, None, "zero")
     with pytest.raises(ValueError, match="countdown records"):
         make_prompt(r, None, "countdown")
 
 
 @pytest.mark.parametrize("model,task,style", [
-    ("meta-llama/Llama-3.1-8B", "math", "fewshot"), ("meta-llama/Llama-3.2-3B", "math", "fewshot"),  # App. C.3
-    ("meta-llama/Llama-3.1-8B-Instruct", "math", "chat"), ("meta-llama/Llama-3.2-3B", "countdown", "countdown"),
-    ("smollm2-135m", "math", "fewshot3"), ("model.gguf", "math", "fewshot3"), ("Qwen/Qwen3-4B-Base", "math", "plain"),
+    ("meta-llama/Llama-3.1-8B", "math", "fewshot"), ("meta-llama/Llama-3.2-3B", "math", "fewshot"),  # C.3
+    ("meta-llama/Llama-3.1-8B-Instruct", "math", "chat"), ("meta-llama/Llama-3.2-3B", "countdown",
+                                                           "countdown"),
+    ("smollm2-135m", "math", "fewshot3"), ("model.gguf", "math", "fewshot3"),
+    ("Qwen/Qwen3-4B-Base", "math", "plain"),
     ("Qwen/Qwen3-4B", "math", "chat"), ("tiny-llama", "math", "chat"), ("qwen3-4b-random", "choice", "chat")])
 def test_default_style_per_family(model, task, style):
     assert data.default_style(model, task) == style
 
 
 def test_fewshot_styles_refuse_countdown_records():
-    r = {"id": "c", "task": "countdown", "question": "Use 1 2 3 to make 6.", "answer": {"nums": [1, 2, 3], "target": 6}}
+    r = {"id": "c", "task": "countdown", "question": "Use 1 2 3 to make 6.",
+         "answer": {"nums": [1, 2, 3], "target": 6}}
     for style in ("fewshot", "fewshot3"):
         with pytest.raises(ValueError, match=f"style '{style}' has math exemplars"):
             make_prompt(r, None, style)

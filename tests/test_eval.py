@@ -180,7 +180,8 @@ def test_sentences_and_per_sentence_extremes():
     assert highflow.sentences(pieces) == [(0, 3), (3, 9), (9, 15)]        # "3.5" is no sentence end
     tau = [1, 5, 3, 9, 2, 8, 1, 4, 7, 6, 0, 2, 5, 1, 3]
     high, low = highflow.per_sentence(tau, pieces, 0.2)
-    # sentence 1 (3 tokens): ceil(.6) = 1 -> high {1}, low {0}; 2 (6): 2 -> {3, 5}, {4, 6}; 3 (6): {9, 12}, {13, 10}
+    # sentence 1 (3 tokens): ceil(.6) = 1 -> high {1}, low {0}
+    # sentence 2 (6 tokens): ceil(1.2) = 2 -> {3, 5}, {4, 6};  sentence 3: {9, 12}, {13, 10}
     assert high == [1, 3, 5, 9, 12] and low == [0, 4, 6, 13, 10]
     assert highflow.per_sentence([1, 2], ["a", ".\n"], 0.2) == ([1], [0])
     assert highflow.per_sentence([1], ["a"], 0.2) == ([], [])                # one token: no ranking
@@ -191,7 +192,8 @@ def test_rewrite_keeps_the_reasoning_and_replaces_the_answer(tiny):
     y = tok("so 6 * 7 = 42, thus \\boxed{42} done", add_special_tokens=False).input_ids + [tok.eos_token_id]
     ids, k0 = highflow.rewrite(tok, y, highflow.FORMS["full-line"])
     assert ids[:k0] == y[:k0] and ids[-1] == tok.eos_token_id
-    assert tok.decode(ids, skip_special_tokens=True) == "so 6 * 7 = 42, thus \\boxed{The final answer is 42.} done"
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        "so 6 * 7 = 42, thus \\boxed{The final answer is 42.} done"
     assert tok.decode(ids[:k0]).endswith("\\boxed{")
     assert highflow.rewrite(tok, tok("no answer").input_ids, "{a}") is None
 
@@ -323,7 +325,8 @@ def test_recall_subprocess(smoke):
 def test_answer_forms_subprocess(smoke):
     out = smoke("answer-forms")
     s = json.loads((out / "answer-forms.json").read_text())["summary"]
-    assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 1, 3) and s["percents"] == [20, 40, 60, 80, 100]
+    assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 1, 3)
+    assert s["percents"] == [20, 40, 60, 80, 100]
     assert set(s["overlap"]) == {"full-line", "with-explanation", "multiple-choice"}
     assert all(v[-1] == 1.0 and all(0 <= x <= 1 for x in v) for v in s["overlap"].values())  # top-100%: all
     rows = [json.loads(x) for x in (out / "answer-forms_rows.jsonl").read_text().splitlines()]
