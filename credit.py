@@ -78,7 +78,7 @@ class CreditConfig:
     credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
     top_frac: float = 0.4              # fraction of response tokens boosted (eq. 6, Table 5)
     gamma: float = 1.5                 # gamma_flow (eq. 6, Table 7)
-    layers: str = "middle"             # attention layers of the graph: early|middle|late|all|A:B (Fig. 6)
+    layers: str = "middle"             # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
     token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
     seed: int = 0                      # the run's seed; also seeds --credit random and OAR-G's noise
     soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)

@@ -32,7 +32,7 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
      python eval.py plot [--metrics runs/a/metrics.jsonl ...]
-     python eval.py answer-forms --task arithmetic --n-problems 16 --threads 1
+     python eval.py answer-forms --task arithmetic --n-problems 24 --max-new-tokens 128 --threads 1
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 import argparse
