@@ -15,6 +15,8 @@ Shaping rules (gamma is 1 off the selection, 0 off the response)
   raw, log1p, sigmoid, tanh-z, mad   Table 7 continuous weights, sum-preserving (departure 3)
   soft             Table 7 soft thresholding: gamma on the fewest tokens holding soft_mass of the score mass
   80-20            Wang et al. 2025b: weight 1 on the top entropy_frac tokens of the whole batch, 0 else
+  identity         gamma = the score itself (no ranking, no rescaling): with --credit random, OAR's "Random
+                   Credit" baseline, gamma ~ U(0, 1) on each token (OAR §4.2; departure 6)
   bilevel          OAR eq. 14-17 (log1p, min-max, percentile tau, beta, sum-preserving)
   entropy-adv      Cheng et al. (OAR eq. 6): A_t = A + min(alpha H_t, |A| / kappa), handed to GRPO as
                    gamma_t = A_t / A (assign does it: it is additive, not a multiplicative weight)
@@ -22,11 +24,11 @@ Every rule: token_class ("structural" | "semantic" | "") restricts selection to 
 tokens outside it keep gamma 1.
 
 Which credit is fused into the training forward (grpo.py --credit-pass fused, the default):
-  fused     signals none, random, flow, attention-max, entropy (signals.FUSED) with a per-row rule: the
+  fused     signals none, random, flow, attention, entropy (signals.FUSED) with a per-row rule: the
             micro-batch's training forward captures the attention maps / entropy, then flow -> gamma -> loss.
-  separate  signals attention (FAI), oar-p, oar-g (their own forwards), and the batch-wide rule 80-20 (its
-            threshold needs every row's scores before any loss): one credit pass over the rows with A != 0
-            before the update, as with --credit-pass separate for any signal (the teaching reference).
+  separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20
+            (its threshold needs every row's scores before any loss): one credit pass over the rows with
+            A != 0 before the update, as with --credit-pass separate for any signal (the teaching reference).
 
 Padding and sequences without an answer, for every rule (tested):
   * gamma is 0 off the response (prompt, padding); scores there are ignored.
@@ -46,6 +48,8 @@ Departures (numbered):
     top 60% of tokens are boosted)"), linear interpolation; eps = 1e-6 in eq. 14, 16.
  5. "80-20" takes its threshold over the eligible tokens of the non-fallback sequences of the batch (the rows
     with A != 0, departure 1).
+ 6. OAR's Random Credit (--credit random --shaping identity) keeps the common fallback above: a row without an
+    answer gets all-1 gamma, as under every other signal, so the runs differ only in the credit (§4.1).
 
 Run the tests: python -m pytest -q tests/test_credit.py
 Time them:     python benchmarks/credit_overhead.py
@@ -60,6 +64,7 @@ from typing import NamedTuple
 import torch
 
 from flowtracer import Credit, flow_credit, select_layers
+from oar import OUTCOMES
 from signals import FUSED, SIGNALS
 
 EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
@@ -73,16 +78,16 @@ class CreditConfig:
     credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
     top_frac: float = 0.4              # fraction of response tokens boosted (eq. 6, Table 5)
     gamma: float = 1.5                 # gamma_flow (eq. 6, Table 7)
-    layers: str = "middle"             # attention layers of the graph: early|middle|late|all|A:B (Fig. 6)
+    layers: str = "middle"             # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
     token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
     seed: int = 0                      # the run's seed; also seeds --credit random and OAR-G's noise
     soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)
     entropy_frac: float = 0.2          # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
     entropy_alpha: float = 0.4         # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
     entropy_kappa: float = 2.0         # --shaping entropy-adv (OAR eq. 6)
-    attn_window: str = "10:100"        # --credit attention: FAI reads queries t with s+10 <= t <= s+100
-    attn_global_frac: float = 0.3      # --credit attention: top 30% heads by mean attention distance
-    oar_outcome: str = "lt-logits"     # OAR outcome distribution: lt-logits | as-mean (OAR §6.2)
+    attn_window: str = "10:100"        # --credit fai: FAI reads queries t with s+10 <= t <= s+100
+    attn_global_frac: float = 0.3      # --credit fai: top 30% heads by mean attention distance
+    oar_outcome: str = "as-mean"       # OAR outcome: as-mean (OAR §6.2 trains with it) | lt-logits | as-joint
     oar_sigma: float = 1e-3            # OAR-G embedding noise (OAR §3.2)
     oar_chunk: int = 64                # OAR-P masked copies per forward pass
     oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
@@ -254,6 +259,16 @@ def shape_bilevel(scores, batch, cfg, eligible=None):
     return finish(gamma, sel, fallback, batch)
 
 
+def shape_identity(scores, batch, cfg, eligible=None):
+    """gamma_t = s_t: the score is the weight. With --credit random it is OAR's "Random Credit" (§4.2):
+    "assigns each token a random weight w ~ Uniform(0, 1)", so A_t = w_t A (Table 1, "Random Adv"); no
+    rescaling."""
+    check_eligible(cfg, eligible)
+    s, sel, fallback = prepare(scores, batch, eligible)
+    nonnegative(s, sel, "identity")
+    return finish(s, sel, fallback, batch)
+
+
 def shape_entropy_adv(scores, batch, cfg, eligible=None):
     """"Entropy Adv" (OAR Table 1): the multiplicative gamma stays 1 (plain GRPO); assign adds the additive
     bonus entropy_bonus(adv, scores, response_mask & ~fallback, entropy_alpha, entropy_kappa)."""
@@ -341,7 +356,8 @@ def separate_pass(cfg):
 # ----------------------------------------------------------------------------- registries (--shaping)
 SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
             **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
-            "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel, "entropy-adv": shape_entropy_adv}
+            "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel,
+            "entropy-adv": shape_entropy_adv, "identity": shape_identity}
 BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
 
 
@@ -360,7 +376,7 @@ def check(cfg):
              ("--entropy-alpha", finite(cfg.entropy_alpha) and cfg.entropy_alpha >= 0, "must be >= 0"),
              ("--entropy-kappa", finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1, "must be > 1 (keeps A's sign)"),
              ("--attn-global-frac", finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1, "must be in (0, 1]"),
-             ("--oar-outcome", cfg.oar_outcome in ("lt-logits", "as-mean"), "must be lt-logits or as-mean"),
+             ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
              ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
              ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
              ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),

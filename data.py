@@ -19,13 +19,19 @@ $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to t
 AIME24's "025", AMC23's floats, OlympiadBench's lists, Minerva's answer inside the solution's \\boxed{},
 AIME25's control characters (a JSON escaping bug: \\x0c -> \\f and TAB -> \\t, as in "\\frac", "\\triangle").
 
-Prompt styles, and the model families that use them:
-  chat       instruct / thinking models (Qwen3, the paper's main runs): one user turn that ends with
-             "Please reason step by step, and put your final answer within \\boxed{}." (App. E.1)
-  plain      base models: App. E.1's template as plain text (instruction, "Question: ...", "Answer:")
-  fewshot    Llama-3.x (App. C.3) and the embedded SmolLM2-135M-Instruct: the exemplars in FEWSHOT as
-             earlier user/assistant turns, then the question (zero-shot, SmolLM2 never writes a \\boxed{})
-  countdown  base models on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
+Prompt styles, and the model families that use them (default_style):
+  fewshot    the Llama models of the paper, Llama-3.1-8B and Llama-3.2-3B, and the other Llama-3.x models
+             that are not instruct-tuned: App. C.3's prompt, its two exemplars (FEWSHOT) as earlier
+             user/assistant turns, then the question. The paper bypasses SFT on these models and starts RL
+             from few-shot prompting.
+  fewshot3   the embedded SmolLM2-135M-Instruct (and GGUF files): FEWSHOT plus our third exemplar
+             (departure 3); zero-shot, SmolLM2 never writes a \\boxed{}. Not a paper setting.
+  chat       instruct / thinking models (Qwen3, Llama-3.x-Instruct, anything not named below): one user turn
+             that ends with "Please reason step by step, and put your final answer within \\boxed{}."
+             (App. E.1)
+  plain      models named "...base..." (Qwen3-4B-Base): App. E.1's template as plain text (instruction,
+             "Question: ...", "Answer:"); the paper gives no training prompt for them
+  countdown  every model on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
   Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...".
 
 Rewards (math_reward, countdown_reward, choice_reward) never raise on any string and never hang.
@@ -34,8 +40,9 @@ Departures (numbered):
   1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (the issue's choice,
      the Qwen math convention and the shape of the App. C.3 exemplars).
   2. App. C.3's second exemplar lost its line breaks in the PDF; it is laid out like the first.
-  3. FEWSHOT's third exemplar is ours: a one-step problem in the arithmetic task's style, whose name and item
-     never occur there. (A two-step one made SmolLM2 add a spurious step to one-step problems: 3% vs 29%.)
+  3. "fewshot3" adds a third exemplar, ours (EXTRA_EXEMPLAR), for SmolLM2 only: a one-step problem in the
+     arithmetic task's style, whose name and item never occur there. (A two-step one made SmolLM2 add a
+     spurious step to one-step problems: 3% vs 29%.) The paper's Llama prompt ("fewshot") has only its two.
   4. Hub names: the paper links HPDL/OlympiadBench and UCLA-AGI/Minerva_Math; we use the copies of the
      Qwen2.5-Math eval suite. CrossThinkQA's fields are not documented offline: `choice_row` accepts the
      common multiple-choice layouts.
@@ -340,7 +347,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
 
 # ----------------------------------------------------------------------------- prompts
 
-FEWSHOT = [  # App. C.3's two exemplars (departure 2), then ours in the arithmetic style (departure 3)
+FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
     ("Calculate $12 + 8 * 2$.",
      "According to the order of operations, we first perform multiplication, then addition.\n"
      "Step 1. $8 * 2 = 16$.\nStep 2. $12 + 16 = 28$.\nThe final answer is \\boxed{28}."),
@@ -348,10 +355,11 @@ FEWSHOT = [  # App. C.3's two exemplars (departure 2), then ours in the arithmet
      "To find the value of x, we need to isolate the variable.\n"
      "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
      "The final answer is \\boxed{5}."),
-    ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
-     "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}."),
 ]
-STYLES = ("chat", "plain", "fewshot", "countdown")
+EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
+                  "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
+EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR]}  # departure 3
+STYLES = ("chat", "plain", "fewshot", "fewshot3", "countdown")
 
 
 def render(messages, tokenizer):
@@ -363,10 +371,16 @@ def render(messages, tokenizer):
 
 def default_style(model_name, task):
     """The prompt style a model family uses (see the module docstring): the Countdown frame for Countdown,
-    few-shot for SmolLM2 and GGUF files, plain for base models, chat otherwise."""
+    App. C.3's few-shot for Llama-3.x non-instruct models, fewshot3 for SmolLM2 and GGUF files, plain for base
+    models, chat otherwise."""
     name = str(model_name).lower()
-    return ("countdown" if task == "countdown" else "fewshot" if "smollm2" in name or name.endswith(".gguf")
-            else "plain" if "base" in name else "chat")
+    if task == "countdown":
+        return "countdown"
+    if "llama-3" in name and "instruct" not in name:   # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
+        return "fewshot"
+    if "smollm2" in name or name.endswith(".gguf"):
+        return "fewshot3"
+    return "plain" if "base" in name else "chat"
 
 
 def make_prompt(record, tokenizer=None, style="chat"):
@@ -383,9 +397,9 @@ def make_prompt(record, tokenizer=None, style="chat"):
     if style == "chat":
         return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer)
     if is_countdown:
-        raise ValueError("style 'fewshot' has math exemplars; use countdown or chat for countdown records")
+        raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records")
     turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
-             for u, a in FEWSHOT]
+             for u, a in EXEMPLARS[style]]
     return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer)
 
 

@@ -7,6 +7,8 @@
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
+  answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
+             forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
 Formulas:
   pass@k  = mean over problems of 1 - C(n - c, k) / C(n, k)   (n samples, c correct; Chen et al. 2021),
@@ -19,8 +21,10 @@ Departures (numbered; probes.py lists those of intervene and recall):
     A response counts as correct when its reward is 1 (Countdown's 0.1 format reward is not a pass); a
     response with no final answer (no \\boxed{} / <answer>) is wrong, and how many there were is reported.
  3. plot colours throughput on a log scale over three decades (the paper's Fig. 2 scale is not given); the
-    token charts (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput of each response,
-    among the tokens before the answer ends.
+    token charts (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput within each sentence
+    (App. E.1), among the tokens before the answer ends (highflow.py departure 3).
+ 4. intervene and answer-forms take a seeded random sample of --n-problems test problems (App. E.1: "randomly
+    sampled"); bench, recall and plot take the first N.
 
 Bad input: exit 2 and a message for a missing checkpoint, an unknown benchmark or bad flags; exit 1 when there
 is nothing to report (e.g. no response has an answer), after writing the counts.
@@ -30,6 +34,7 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
      python eval.py plot [--metrics runs/a/metrics.jsonl ...]
      python eval.py memory --model qwen3-4b-random [--max-new-tokens 8192 --micro-batch 4 --gen-chunk 16]
+     python eval.py answer-forms --task arithmetic --n-problems 24 --max-new-tokens 128 --threads 1
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 import argparse
@@ -37,6 +42,7 @@ import html
 import json
 import math
 import os
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -45,6 +51,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import highflow
 import probes
 from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, trace_flow
 from models import generate, load_model
@@ -93,7 +100,7 @@ def resolve_model(name):
 def auto_style(model_name, task, style):
     """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
     if style != "auto":
-        return "countdown" if task == "countdown" and style == "fewshot" else style
+        return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
     state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
     if state.is_file():
         model_name = torch.load(state, weights_only=False, mmap=True)["config"]["model"]
@@ -125,17 +132,21 @@ def setup(args, task):
     return model, tok, auto_style(model_name, data.TASKS[task].task if task in data.TASKS else task, args.style)
 
 
-def records_for(args, task):
+def records_for(args, task, sample=False):
+    """The first --n-problems test records; sample=True: a seeded random sample of that many (departure 4)."""
     try:
-        return data.load_task(task, split="test", limit=args.n_problems, seed=args.seed)
+        recs = data.load_task(task, split="test", limit=None if sample else args.n_problems, seed=args.seed)
     except (ValueError, OSError) as e:
         fail(str(e))
+    return random.Random(f"problems-{args.seed}").sample(recs, min(args.n_problems or len(recs), len(recs))) \
+        if sample else recs
 
 
-def inputs(args, tok, style):
+def inputs(args, tok, style, sample=False):
     """--responses rows (fixed responses), else the task's records (the probes sample the responses)."""
     try:
-        return probes.load_responses(args.responses, tok, style) if args.responses else records_for(args, args.task)
+        return probes.load_responses(args.responses, tok, style) if args.responses else \
+            records_for(args, args.task, sample)
     except data.DataError as e:
         fail(str(e))
 
@@ -176,7 +187,7 @@ def bench(args):
 # ----------------------------------------------------------------------------- intervene and recall (probes.py)
 def intervene(args):
     model, tok, style = setup(args, args.task)
-    out, s = probes.intervene(model, tok, inputs(args, tok, style), args, style)
+    out, s = probes.intervene(model, tok, inputs(args, tok, style, sample=True), args, style)
     save(args, {"model": args.model, "summary": s}, probes.intervene_table(s, args), out)
     if s["n"] == 0:
         fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
@@ -192,6 +203,14 @@ def recall(args):
     if not s["n_causal"]:
         fail("empty result set: the Oracle found no causal token, so recall is undefined", 1)
     probes.recall_figure(s, Path(args.out) / "recall.png")
+
+
+def answer_forms(args):
+    model, tok, style = setup(args, args.task)
+    out, s = highflow.answer_forms(model, tok, inputs(args, tok, style, sample=True), args, style)
+    save(args, {"model": args.model, "summary": s}, highflow.forms_table(s, args), out)
+    if s["n"] == 0:
+        fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
 
 
 # ----------------------------------------------------------------------------- plot (Figs. 2, 3, 7, curves)
@@ -312,16 +331,15 @@ def plot_flow(args, out, plt, figs):
         high, low = Counter(), Counter()
         for i in has:
             a_end = int(batch.answer_mask[i].nonzero().max()) + 1
-            ids, t = batch.input_ids[i, P:a_end].tolist(), fl.throughput[i, P:a_end].tolist()
-            order = sorted(range(len(t)), key=lambda j: (-t[j], j))
-            n = max(1, math.ceil(args.frac * len(t)))
-            high.update(tok.decode([ids[j]]) for j in order[:n])
-            low.update(tok.decode([ids[j]]) for j in order[-n:])
+            pieces = [tok.decode([x]) for x in batch.input_ids[i, P:a_end].tolist()]
+            hi, lo = highflow.per_sentence(fl.throughput[i, P:a_end].tolist(), pieces, args.frac)   # App. E.1
+            high.update(pieces[j] for j in hi)
+            low.update(pieces[j] for j in lo)
         fig, axes = plt.subplots(1, 2, figsize=(10, 5))
         for ax, (name, cnt, color) in zip(axes, (("high-flow (top", high, "tab:red"), ("low-flow (bottom", low, "tab:gray"))):
             top = cnt.most_common(args.top)[::-1]                            # spaces as ␣, newlines as \n
             ax.barh([repr(w)[1:-1].replace(" ", "␣") for w, _ in top], [c for _, c in top], color=color)
-            ax.set_title(f"{name} {args.frac:.0%} of each response)")
+            ax.set_title(f"{name} {args.frac:.0%} of each sentence)")
         fig.tight_layout()
         fig.savefig(out / "tokens.png", dpi=110)
         res["tokens"] = {"high": high.most_common(args.top), "low": low.most_common(args.top)}
@@ -367,7 +385,8 @@ def parse(argv=None):
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES], help="prompt style (auto: as grpo.py)")
             if task:
                 p.add_argument("--task", default=task, help="a data.py task name")
-            p.add_argument("--n-problems", type=int, default=problems, help="first N problems of the test split (None: all)")
+            p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split "
+                           "(None: all); intervene, answer-forms: a seeded random sample, others: the first")
             p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
             p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate call")
         if model and task:
@@ -389,7 +408,8 @@ def parse(argv=None):
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
-    p.add_argument("--signals", nargs="+", default=["flow", "attention", "attention-max", "entropy", "random", "oar-p", "oar-g"],
+    p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
+                                                     "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
@@ -403,6 +423,11 @@ def parse(argv=None):
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
+    p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
+    p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
+    p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),
+                   help="answer forms to compare with answer-only (highflow.FORMS)")
+    p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
     p = sub.add_parser("memory", allow_abbrev=False, help="grpo.py's step in memory; takes grpo.py's flags")
     p.set_defaults(func=memory_table)
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
@@ -420,6 +445,8 @@ def parse(argv=None):
         ap.error(f"--ks must be in 1..--n ({args.n}): pass@k needs k <= n samples, got {args.ks}")
     if getattr(args, "frac", None) is not None and not 0 < args.frac <= 1:
         ap.error(f"--frac must be in (0, 1], got {args.frac}")
+    if any(not 0 < k <= 100 for k in getattr(args, "percents", None) or []):
+        ap.error(f"--percents must be in 1..100, got {args.percents}")
     return args
 
 

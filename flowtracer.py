@@ -34,6 +34,12 @@ Departures from the paper (numbered):
     (plain GRPO) and a fallback flag, instead of undefined flow.
  4. "Middle layers (L/3 ~ 2L/3)" is read as range(L // 3, 2L // 3): layers 10..19 of the 30-layer SmolLM2,
     12..23 of the 36-layer Qwen3-4B; 2L/3 is excluded so that early, middle and late partition the layers.
+    The paper contradicts itself here: §4.3 / Fig. 6 split Qwen3-4B into early 0-15, middle 15-25 and late
+    25-35, so Fig. 6's "middle" is 15..24, not C.2's 12..23, and 15 and 25 are listed twice. The presets
+    fig6-early | fig6-middle | fig6-late reproduce Fig. 6: [0, 15), [15, 25), [25, 36), each shared boundary
+    going to the later stage (35 is the last layer, so "25-35" is inclusive): 15 + 10 + 11 = 36 layers, a
+    partition. On an L-layer model the boundaries 15 and 25 scale to round(15 L / 36), round(25 L / 36)
+    (halves up): 13 and 21 of SmolLM2's 30. The default stays C.2's "middle", the one the main runs use.
  5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
     layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below).
     Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
@@ -67,14 +73,19 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # backward recomputation adds nothing).
 # Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
 IMPL = "flowtracer"
-LAYER_SPECS = "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', or 'A:B'"
+LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
+               "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
+               "or 'A:B'")
+FIG6 = (15, 25)  # Fig. 6's stage boundaries in Qwen3-4B's 36 layers (§4.3; departure 4)
 
 
 def select_layers(spec, num_layers):
     """Layer indices for a spec; see LAYER_SPECS. 'A:B' uses Python slice semantics (negatives, open ends)."""
     L = num_layers
+    b1, b2 = ((b * L + 18) // 36 for b in FIG6)                  # round(b L / 36), halves up; exact at L = 36
     named = {None: (L // 3, 2 * L // 3), "middle": (L // 3, 2 * L // 3), "early": (0, L // 3),
-             "late": (2 * L // 3, L), "all": (0, L)}
+             "late": (2 * L // 3, L), "all": (0, L), "fig6-early": (0, b1), "fig6-middle": (b1, b2),
+             "fig6-late": (b2, L)}
     if spec is None or (isinstance(spec, str) and spec in named):
         layers = list(range(*named[spec]))
     elif isinstance(spec, str) and spec.count(":") == 1:

@@ -18,7 +18,7 @@ decoded completion), so response column j of Assignment.gamma is completion toke
 Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
     sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
- 2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention-max, entropy, none,
+ 2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none,
     random): TRL's own training forward captures the attention (flowtracer.capture) and gives the entropy;
     gamma is computed from them right after that forward and multiplies the batch's advantages before TRL's
     loss reads them (this relies on TRL 1.16's _compute_loss reading inputs["advantages"] after

@@ -14,7 +14,7 @@ One forward per micro-batch does it all (--credit-pass fused, the default): the 
 log-probs, captures the middle layers' attention on the way (flowtracer.capture; detached, once per forward),
 and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations
 1) the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
-forward of their own (attention, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
+forward of their own (fai, gradient, correlation, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
 
 The loss divisor: seq-mean divides by the number of rows B in the update batch (with --dynamic-filter, the
 rows kept: groups with accuracy in [0.1, 0.95] and responses that ended with EOS; without it, every row,
@@ -77,7 +77,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file, or alias (models.py)
     dataset: str = "arithmetic"        # a data.py task name (dapo-math-17k for the paper's math runs)
     data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
-    prompt_style: str = "auto"         # chat | plain | fewshot | countdown; auto picks by model and task
+    prompt_style: str = "auto"         # chat | plain | fewshot | fewshot3 | countdown; auto: by model, task
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16         # paper: 64 prompts per step on 8 GPUs; 16 x 8 fit one 80 GB GPU

@@ -5,7 +5,8 @@ and ask whether the final answer moved. Both use the same decoder, `decode`: a p
 explicit position ids and a 4D additive attention mask, so that masking a token never shifts the RoPE
 positions of the tokens after it (zeroing HF's 2D mask would: HF derives position ids from its cumsum).
 
-intervene  (FlowTracer §3.2, Table 1, App. E.1). For each response with an answer:
+intervene  (FlowTracer §3.2, Table 1, App. E.1). On a seeded random sample of problems (App. E.1: "randomly
+    sampled 500 instances"; eval.py --n-problems), for each response:
     t0 ~ U{1..k0}, k0 = the first answer token; n = ceil(0.2 t0) of the response tokens [0, t0) are selected
     by flow throughput tau (top n: "high", bottom n: "low") or uniformly ("random"); no later token may attend
     to them (prefix tokens after them included, since the prefix is re-encoded under the mask); the response is
@@ -14,6 +15,10 @@ intervene  (FlowTracer §3.2, Table 1, App. E.1). For each response with an answ
     correctness reverse = the reward flipped (either way; both directions are also reported)
     ... "vs none"       = the same two rates against the unmasked regeneration with the same noise (departure 1):
                           the effect of the mask alone, without the resampling noise of the paper's definition.
+    Two denominators. "answered" (the first table): the responses with an answer. "all" (the
+    paper's, App. E.1: "instances where answer extraction failed were treated as incorrect"): every response;
+    one without an extractable answer is incorrect and its flow targets its last token (departure 6).
+    In both, a regeneration without an extractable answer is incorrect and counts as an answer change.
 recall     (OAR §5.1, eq. 19). For a correct greedy response y: O_t = 1 if replacing y_t by the most probable
     token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of the
     causal tokens that rank in the top K% by a credit signal (pooled over responses).
@@ -23,8 +28,8 @@ Departures (numbered):
     and all four rows of a problem read the same noise at every step (common random numbers). So high, low and
     random are paired, and an empty selection reproduces the "none" row exactly.
  2. t0 is drawn before the answer starts (the paper: "randomly truncated"), so the regeneration always
-    re-derives the answer; a later t0 could not change it. Responses with no answer have no flow: they are
-    counted and reported ("no_answer") and left out of the table.
+    re-derives the answer; a later t0 could not change it. Responses with no answer are counted and reported
+    ("no_answer"), left out of the "answered" table and kept in the "all" one (departure 6).
  3. The regeneration gets the budget the original had left: max_new_tokens - t0.
  4. Oracle responses are greedy, so decoding the suffix greedily without a replacement gives them back (up to
     float near-ties) and a flip is due to the replacement. "Second most probable" is read as the best token
@@ -32,6 +37,10 @@ Departures (numbered):
     tokens before the answer ends; tokens are ranked among those same tokens. recall = hits / causal, pooled.
  5. Both accept fixed responses instead (--responses, load_responses), e.g. a trained policy's rollouts; those
     need not be greedy or sampled at T.
+ 6. A response without an answer has no answer region, so no flow. For the "all" rates (the paper's
+    failed-extraction-is-incorrect rule) its answer region is its last token, as OAR falls back to the last
+    token's logits (oar.py departure 1); k0 is then that token. The paper does not say what it did with them.
+    Empty responses (nothing to truncate) are left out of both and counted ("n_empty").
 
 Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
      python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
@@ -203,6 +212,15 @@ def regions(tok, rows):
     return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])
 
 
+def last_token_answers(batch):
+    """The batch with the last response token as the answer region of the rows without one (departure 6)."""
+    am, P = batch.answer_mask.clone(), batch.prompt_width
+    n = batch.response_mask[:, P:].sum(-1)                                   # (B,) response lengths
+    for b in ((~am.any(-1)) & (n > 0)).nonzero().flatten().tolist():
+        am[b, P + int(n[b]) - 1] = True
+    return batch._replace(answer_mask=am)
+
+
 def changed(old_text, new_text):
     """The final answer moved: one of the two has no \\boxed{} answer and the other has, or they differ as math."""
     old, new = data.last_boxed(old_text), data.last_boxed(new_text)
@@ -229,20 +247,22 @@ def intervene(model, tok, records, args, style):
     for i in tqdm(range(0, len(rows), args.batch_size), desc="intervene: regenerate", unit="batch"):
         chunk = rows[i:i + args.batch_size]
         batch = regions(tok, chunk)
+        found = batch.answer_mask.any(-1).tolist()                          # (B,) an answer was extracted
+        batch = last_token_answers(batch)                                   # departure 6
         tau = signals.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
             seed = 10 ** 9 + args.seed * 1_000_003 + i + b                  # one noise stream per problem
             ans = batch.answer_mask[b, batch.prompt_width:].nonzero().flatten()
-            if len(ans) == 0:                                               # departure 2: no answer, no flow
-                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"]))
+            if len(ans) == 0:                                               # an empty response
+                out.append(dict(id=r["record"]["id"], no_answer=True, empty=True, reward=r["reward"]))
                 continue
             k0 = int(ans[0])                                                # first answer token
             t0 = rng.randint(1, max(1, k0))
             tau_r = tau[b, batch.prompt_width:batch.prompt_width + t0].tolist()
-            jobs.append((r, t0, select(tau_r, t0, args.frac, rng), seed))
+            jobs.append((r, t0, select(tau_r, t0, args.frac, rng), seed, not found[b]))
         prefixes, blocked, budgets, seeds, groups = [], [], [], [], []
-        for r, t0, sel, seed in jobs:
+        for r, t0, sel, seed, _ in jobs:
             P = len(r["prompt"])
             for c in CONDITIONS:                                            # four rows, one noise stream
                 prefixes.append(r["prompt"] + r["response"][:t0])
@@ -251,9 +271,9 @@ def intervene(model, tok, records, args, style):
                 seeds.append(seed)
                 groups.append(seed)                                         # the four rows share their prefix
         new = decode(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups) if jobs else []
-        for j, (r, t0, sel, _) in enumerate(jobs):
-            row = dict(id=r["record"]["id"], no_answer=False, t0=t0, n_selected=len(sel["high"]),
-                       reward=r["reward"], text=r["text"])
+        for j, (r, t0, sel, _, no_answer) in enumerate(jobs):
+            row = dict(id=r["record"]["id"], no_answer=no_answer, empty=False, t0=t0,
+                       n_selected=len(sel["high"]), reward=r["reward"], text=r["text"])
             for c_i, c in enumerate(CONDITIONS):
                 text = tok.decode(r["response"][:t0] + new[4 * j + c_i], skip_special_tokens=True)
                 rew, base = data.score(r["record"], text), row["none"] if c != "none" else None
@@ -270,18 +290,22 @@ def intervene_table(s, args):
              "low": f"Low-flow (Bottom {args.frac:.0%})", "high": f"High-flow (Top {args.frac:.0%})"}
     keys = ("answer_change", "correctness_reverse", "correct_to_wrong", "wrong_to_correct", "no_answer_after",
             "answer_change_vs_none", "correctness_reverse_vs_none")
-    return markdown(["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong", "wrong->correct",
-                     "no answer after", "Answer change vs none", "Correctness reverse vs none"],
-                    [[names[c], *(s[c][k] for k in keys)] for c in CONDITIONS]) + (
+    header = ["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong",
+              "wrong->correct", "no answer after", "Answer change vs none", "Correctness reverse vs none"]
+    table = lambda r: markdown(header, [[names[c], *(r[c][k] for k in keys)] for c in CONDITIONS])  # noqa
+    a = s["all"]
+    return table(s) + (
         f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and are left out); "
         f"original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. \"vs none\": against the unmasked "
-        f"regeneration with the same noise (departure 1).\n")
+        f"regeneration with the same noise (departure 1).\n\nAll responses, failed extraction counted as "
+        f"incorrect (App. E.1; departure 6):\n\n") + table(a) + (
+        f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their last "
+        f"token; {s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n")
 
 
-def summarize_intervene(out):
-    done = [r for r in out if not r["no_answer"]]
-    s = dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done),
-             original_accuracy=sum(r["reward"] for r in out) / max(1, len(out)))
+def rates(done):
+    """The Table 1 rates of each condition over the rows `done`."""
+    s = dict(n=len(done), original_accuracy=sum(r["reward"] for r in done) / max(1, len(done)))
     for c in CONDITIONS:
         flips = [(r["reward"] > 0.5, r[c]["reward"] > 0.5) for r in done]
         s[c] = dict(answer_change=sum(r[c]["changed"] for r in done) / max(1, len(done)),
@@ -290,6 +314,15 @@ def summarize_intervene(out):
                     no_answer_after=sum(r[c]["no_answer"] for r in done),
                     answer_change_vs_none=sum(r[c]["changed_vs_none"] for r in done) / max(1, len(done)),
                     correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done) / max(1, len(done)))
+    return s
+
+
+def summarize_intervene(out):
+    """The "answered" rates at the top level (with the counts), the paper's "all" rates under "all"."""
+    done = [r for r in out if not r["no_answer"]]
+    s = dict(n_responses=len(out), n_no_answer=len(out) - len(done), n_empty=sum(r["empty"] for r in out),
+             **rates(done), all=rates([r for r in out if not r["empty"]]))
+    s["original_accuracy"] = sum(r["reward"] for r in out) / max(1, len(out))   # of every sampled response
     return s
 
 

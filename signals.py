@@ -3,28 +3,46 @@
     scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
 
 `batch` is a flowtracer.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
-rules) and credit.assign runs both; this file only scores.
+rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
+Table 2; OAR §4.2, Table 1):
 
   none           1 on every response token (plain GRPO)
   flow           FlowTracer throughput tau (eq. 1-4, §3.3) on the cfg.layers attention DAG
-  random         uniform [0, 1), seeded by (cfg.seed, batch content)
+  random         uniform [0, 1): FlowTracer's "Random" (topk); OAR's "Random Credit" (--shaping identity)
   entropy        policy entropy H_t (OAR eq. 5; Wang et al. 2025b)
-  attention      FAI, the global-anchor score of Li et al. 2025d (per-head maps, eager attention)
-  attention-max  max attention a token receives (the cheap proxy)
+  gradient       Green et al.: norm of the gradient of the response log-likelihood w.r.t. token t's embedding
+  correlation    Nie et al.: mean correlation of token t's final hidden state with the other response tokens'
+  attention      FlowTracer's "Attention" baseline: the maximum attention a token receives (§4.1)
+  fai            Li et al. 2025d's own score, FAI (global-anchor attention over a window, per-head maps)
   oar-p, oar-g   OAR's outcome-grounded scores (oar.py)
 
 The fused credit pass. grpo.py's training forward can hand a signal what it computed anyway, as `captured`:
 the cfg.layers head-mean attention maps (flowtracer.capture) and each response token's entropy from the
 logits of the same forward. The FUSED signals then need no forward of their own: none and random need no
-model at all; flow and attention-max read captured.attn; entropy reads captured.entropy. attention (per-head
-maps under eager attention) and OAR-P / OAR-G (their own perturbed forwards) always run their own passes.
+model at all; flow and attention read captured.attn; entropy reads captured.entropy. fai (per-head maps under
+eager attention), gradient (a backward pass), correlation (the final hidden states) and OAR-P / OAR-G (their
+own perturbed forwards) always run their own passes.
 
 Departures (numbered):
  1. "random" is seeded by hashing (cfg.seed, input_ids): deterministic for a seed and a batch, but a new draw
     each step, so the same positions are not boosted every step.
  2. "none" gives constant scores: every shaping rule then gives all-1 weights with fallback=True.
+ 3. "gradient". FlowTracer gives one line: "prioritizes tokens based on first-order gradient magnitude" (Green
+    et al. 2025 is a preprint we cannot read offline). Read as first-order saliency of the quantity GRPO
+    differentiates: g_t = d/de_t sum_u log pi(y_u | x, y_<u) over the response tokens u, score ||g_t||_2,
+    e_t the input embedding of response token t. Not d log pi(y_t)/d e_t: y_t is predicted from the tokens
+    before it, so that gradient is 0 by causality. So the last response token scores 0 (no later token).
+    Neither parameter gradients (one backward per token) nor Gradient x Input (that is OAR-G's eq. 13).
+ 4. "correlation". FlowTracer's line: "selecting tokens with strong mutual dependencies" (Nie et al. 2025: the
+    text embedding of an LLM, its pooled last hidden states, aligns with the text's key tokens). Read as the
+    mean Pearson correlation (over the D hidden units) of token t's final hidden state with those of the
+    other response tokens, r_t = mean_{s != t} corr(h_t, h_s): by linearity this is the alignment of the
+    standardised h_t with the pooled standardised states, Nie et al.'s key-token criterion. Scored
+    (1 + r_t) / 2 in [0, 1], same ranking, non-negative for every shaping rule. A one-token response gets 1/2.
+ 5. "attention" is the head- and layer-mean attention of cfg.layers (the FlowTracer graph), max over the later
+    queries; the paper does not say which heads or layers its Attention baseline reads.
 
-Run the tests: python -m pytest -q tests/test_credit.py
+Run the tests: python -m pytest -q tests/test_credit.py tests/test_baselines.py
 """
 from __future__ import annotations
 
@@ -32,6 +50,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from flowtracer import attention_graph, select_layers, trace_flow
 from oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
@@ -104,14 +123,63 @@ def signal_entropy(model, batch, cfg, captured=None, rows_per_block=None):
     return out.to(batch.response_mask.device)
 
 
-def signal_attention_max(model, batch, cfg, captured=None):
-    """The "maximum attention received" proxy: max over later queries t > s of the head- and layer-mean
-    attention a(t, s) (attention_graph, cfg.layers). This is the cheap reading of FlowTracer's "Attention"
-    baseline ("maximum attention scores as a proxy", §4.1); signal_attention is Li et al.'s own score."""
+def signal_attention(model, batch, cfg, captured=None):
+    """FlowTracer's "Attention" baseline ("using maximum attention scores as a proxy for importance", §4.1):
+    max over later queries t > s of the head- and layer-mean attention a(t, s) of cfg.layers (departure 5).
+    Li et al.'s own score, which §4.1 cites for it, is signal_fai."""
     A = graph(model, batch, cfg, captured)                                     # (B, T, T)
     dev = A.device
     received = A.tril(-1).amax(-2)                                             # (B, T) max over queries t > s
     return (received * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
+
+
+def signal_gradient(model, batch, cfg, captured=None, rows_per_block=None):
+    """Green et al.'s "Gradient" baseline as read in departure 3: score_t = ||d L / d e_t||_2 with
+    L = sum over response tokens u of log pi(y_u | x, y_<u) and e_t the input embedding of response token t.
+    One forward and one backward (gradients to the embeddings only, never to the parameters), in full
+    precision. The log-softmax over V runs rows_per_block predicted tokens at a time under activation
+    checkpointing, so the (B, T, V) logits never exist, not even for the backward."""
+    dev = model.device
+    ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+    resp = batch.response_mask.to(dev).bool()
+    pred = torch.zeros_like(resp)
+    pred[:, :-1] = resp[:, 1:]                                                 # column l predicts token l + 1
+    rows, cols = pred.nonzero(as_tuple=True)                                   # (N,)
+    score = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
+    if not len(rows):
+        return score.to(batch.response_mask.device)
+    V = model.get_output_embeddings().weight.shape[0]
+    step = rows_per_block or max(1, 2 ** 25 // V)
+    logp = lambda h, y: torch.log_softmax(lm_logits(model, h), -1).gather(-1, y[:, None]).sum()  # noqa: E731
+    with eval_mode(model), torch.autocast(dev.type, enabled=False), torch.enable_grad():
+        e = model.get_input_embeddings()(ids).detach().requires_grad_(True)   # (B, T, D)
+        h = hidden(model, mask, inputs_embeds=e)                               # (B, T, D)
+        blocks = [(rows[i:i + step], cols[i:i + step]) for i in range(0, len(rows), step)]
+        L = sum(checkpoint(logp, h[r, c], ids[r, c + 1], use_reentrant=False) for r, c in blocks)  # eq. above
+        (g,) = torch.autograd.grad(L, e)                                       # (B, T, D)
+    score = g.float().norm(dim=-1)                                             # (B, T) ||g_t||
+    return (score * resp.float()).to(batch.response_mask.device)
+
+
+@torch.no_grad()
+def signal_correlation(model, batch, cfg, captured=None):
+    """Nie et al.'s "Correlation" baseline as read in departure 4: (1 + r_t) / 2 with r_t the mean Pearson
+    correlation of h_t with h_s over the other response tokens s, h the final hidden states (B, T, D).
+    With z_t = (h_t - mean h_t) / ||h_t - mean h_t|| (mean over the D units), corr(h_t, h_s) = <z_t, z_s>, so
+    r_t = (<z_t, sum_s z_s> - 1) / (n - 1): O(n D), no n x n matrix."""
+    dev = model.device
+    resp = batch.response_mask.to(dev).bool()
+    with eval_mode(model):
+        h = hidden(model, batch.attention_mask.to(dev), batch.input_ids.to(dev)).float()   # (B, T, D)
+    z = h - h.mean(-1, keepdim=True)
+    z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-12)                     # (B, T, D) unit, centred
+    m = resp.float()                                                           # (B, T)
+    pooled = (z * m[..., None]).sum(1, keepdim=True)                           # (B, 1, D) sum_s z_s
+    n = m.sum(-1, keepdim=True)                                                # (B, 1)
+    self_dot = (z * z).sum(-1)                                                 # (B, T) 1 (0: h_t constant)
+    r = ((z * pooled).sum(-1) - self_dot) / (n - 1).clamp_min(1.0)             # (B, T) mean over s != t
+    r = torch.where(n > 1, r, torch.zeros_like(r)).clamp(-1.0, 1.0)
+    return ((1.0 + r) / 2.0 * m).to(batch.response_mask.device)
 
 
 class _Done(Exception):
@@ -119,7 +187,7 @@ class _Done(Exception):
 
 
 @torch.no_grad()
-def signal_attention(model, batch, cfg, captured=None):
+def signal_fai(model, batch, cfg, captured=None):
     """Li et al. 2025d (arXiv 2510.13554) global-anchor score FAI_s: the mean attention token s receives from
     the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the "global" heads: the
     top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default middle) by mean attention
@@ -171,7 +239,7 @@ def signal_attention(model, batch, cfg, captured=None):
 
 
 SIGNALS = {"none": signal_none, "flow": signal_flow, "random": signal_random, "entropy": signal_entropy,
-           "attention": signal_attention, "attention-max": signal_attention_max,
-           "oar-p": signal_oar_p, "oar-g": signal_oar_g}
-FUSED = {"none", "random", "flow", "entropy", "attention-max"}   # can read `captured` instead of a forward
-NEEDS = {"flow": "attn", "attention-max": "attn", "entropy": "entropy"}   # what each fused signal reads
+           "gradient": signal_gradient, "correlation": signal_correlation, "attention": signal_attention,
+           "fai": signal_fai, "oar-p": signal_oar_p, "oar-g": signal_oar_g}
+FUSED = {"none", "random", "flow", "entropy", "attention"}   # can read `captured` instead of a forward
+NEEDS = {"flow": "attn", "attention": "attn", "entropy": "entropy"}   # what each fused signal reads

@@ -1,6 +1,6 @@
 """Credit overhead (FlowTracer Table 6, OAR Fig. 7): what each credit signal costs a whole GRPO step.
 
-With the fused pass the credit of flow, attention-max and entropy happens inside the update's own forward, so
+With the fused pass the credit of flow, attention and entropy happens inside the update's own forward, so
 the only honest measure is whole steps: this script runs `grpo.py` once per configuration, in `--rounds`
 alternating rounds (this machine is shared and noisy: alternation spreads the noise over every
 configuration alike), each run a fresh process with the same seed and flags, and reads its metrics.jsonl.

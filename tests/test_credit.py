@@ -253,7 +253,7 @@ def test_signal_shape_finite_deterministic_masked(tiny, name):
     assert s1.shape == batch.input_ids.shape and s1.dtype == torch.float32
     assert torch.isfinite(s1).all() and torch.equal(s1, s2)
     assert (s1[~batch.response_mask] == 0).all() and (s1 >= 0).all()
-    if name != "attention":                                     # FAI is 0 on the last w0 tokens by definition
+    if name != "fai":                                           # FAI is 0 on the last w0 tokens by definition
         assert (s1[batch.response_mask] != 0).float().mean() > 0.5
     assert not model.training and all(p.grad is None for p in model.parameters())
     for rule in SHAPINGS_ALL:                                   # every pairing runs
@@ -287,7 +287,7 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(layers="all", attn_window=(3, 8), attn_global_frac=0.5)
-    got = signals.SIGNALS["attention"](model, b, c)
+    got = signals.SIGNALS["fai"](model, b, c)
     old = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -317,11 +317,11 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
     assert torch.allclose(got, ref, atol=1e-5)
 
 
-def test_attention_max_is_the_max_received(tiny):
+def test_attention_is_the_max_received(tiny):
     model, tok = tiny
     b = real_batch(tok)
     A = signals.attention_graph(model, b.input_ids, b.attention_mask, "middle")
-    got = signals.SIGNALS["attention-max"](model, b, cfg())
+    got = signals.SIGNALS["attention"](model, b, cfg())
     for i, s in b.response_mask.nonzero().tolist():
         assert math.isclose(float(got[i, s]), float(A[i, s + 1:, s].max()) if s + 1 < A.shape[1] else 0.0, abs_tol=1e-6)
 
@@ -432,8 +432,9 @@ def test_outcome_mask_and_pad_id():
     ans = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]]).bool()
     assert oar.outcome_mask(mask, ans, "lt-logits").nonzero().tolist() == [[0, 4], [1, 5]]
     assert oar.outcome_mask(mask, ans, "as-mean").nonzero().tolist() == [[0, 2], [0, 3], [1, 5]]  # row 1: LT
+    assert oar.outcome_mask(mask, ans, "as-joint").nonzero().tolist() == [[0, 2], [0, 3]]    # row 1: none
     with pytest.raises(ValueError, match="oar_outcome"):
-        oar.outcome_mask(mask, ans, "as-joint")
+        oar.outcome_mask(mask, ans, "last-token")
     model = SimpleNamespace(config=SimpleNamespace(pad_token_id=7))
     b = Batch(torch.tensor([[9, 1, 2]]), torch.tensor([[0, 1, 1]]), *(torch.zeros(1, 3, dtype=torch.bool),) * 3, 1)
     assert oar.pad_id(model, b, cfg(pad_id=3)) == 3

@@ -81,7 +81,7 @@ def test_fixture_quirks(shared_data, monkeypatch):
 def test_paper_fewshot_exemplars_appear_in_no_train_or_eval_set(shared_data, monkeypatch):
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
     squash = lambda s: re.sub(r"[\s$]", "", s)  # noqa: E731
-    needles = [squash(q) for q, _ in data.FEWSHOT]
+    needles = [squash(q) for q, _ in data.EXEMPLARS["fewshot3"]]
     needles += [squash("12 + 8 * 2"), squash("2x - 5 = 5")]  # the two App. C.3 problems themselves
     sets = [load_task(n, s) for n, s in COUNTS] + [load_task("arithmetic", s) for s in ("train", "test")]
     for recs in sets:
@@ -91,7 +91,7 @@ def test_paper_fewshot_exemplars_appear_in_no_train_or_eval_set(shared_data, mon
 
 
 def test_our_exemplar_can_never_be_generated():
-    q = data.FEWSHOT[2][0]
+    q = data.EXTRA_EXEMPLAR[0]
     assert "Mia" not in [n for n, _ in data.NAMES] and "stickers" not in data.ITEMS
     assert "Mia" in q and "stickers" in q  # every generated question names someone from NAMES and an ITEM
 
@@ -427,20 +427,46 @@ def test_prompt_styles():
     chat = make_prompt(r, chat_tokenizer(), "chat")
     assert chat == f"<|user|>What is 2+3?\n{data.INSTRUCTION}<|end|><|assistant|>"
     assert data.INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
-    few = make_prompt(r, chat_tokenizer(), "fewshot")
-    assert few.count("<|user|>") == len(data.FEWSHOT) + 1 and few.count("<|assistant|>") == len(data.FEWSHOT) + 1
-    assert few.index("12 + 8 * 2") < few.index("2x - 5 = 5") < few.index("Mia") < few.index("What is 2+3?")
+    few = make_prompt(r, chat_tokenizer(), "fewshot")                         # App. C.3: two exemplars
+    assert few.count("<|user|>") == 3 and few.count("<|assistant|>") == 3 and "Mia" not in few
+    assert few.index("12 + 8 * 2") < few.index("2x - 5 = 5") < few.index("What is 2+3?")
     assert few.endswith(f"What is 2+3? {data.INSTRUCTION}<|end|><|assistant|>")
     assert "\\boxed{28}" in few and "\\boxed{5}" in few
+    few3 = make_prompt(r, chat_tokenizer(), "fewshot3")                       # a third one, ours (dep. 3)
+    assert few3.count("<|user|>") == 4
+    assert few3.index("2x - 5 = 5") < few3.index("Mia") < few3.index("What is 2+3?")
+    assert few3.replace(f"<|user|>{data.EXTRA_EXEMPLAR[0]} {data.INSTRUCTION}<|end|><|assistant|>"
+                        f"{data.EXTRA_EXEMPLAR[1]}<|end|>", "") == few
     plain = make_prompt(r, None, "plain")
     assert plain == f"{data.INSTRUCTION}\n\nQuestion: What is 2+3?\nAnswer:"
     for tok in (None, chat_tokenizer(template=False)):  # no chat template: "User: / Assistant:" text
         assert make_prompt(r, tok, "chat") == f"User: What is 2+3?\n{data.INSTRUCTION}\n\nAssistant:"
-        assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(data.FEWSHOT) + 1
-    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, countdown"):
+        assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(data.FEWSHOT) + 1 == 3
+        first = f"User: Calculate $12 + 8 * 2$. {data.INSTRUCTION}\n\nAssistant: According to the order"
+        assert make_prompt(r, tok, "fewshot").startswith(first)
+    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, co"):
         make_prompt(r, None, "zero")
     with pytest.raises(ValueError, match="countdown records"):
         make_prompt(r, None, "countdown")
+
+
+@pytest.mark.parametrize("model,task,style", [
+    ("meta-llama/Llama-3.1-8B", "math", "fewshot"), ("meta-llama/Llama-3.2-3B", "math", "fewshot"),  # C.3
+    ("meta-llama/Llama-3.1-8B-Instruct", "math", "chat"), ("meta-llama/Llama-3.2-3B", "countdown",
+                                                           "countdown"),
+    ("smollm2-135m", "math", "fewshot3"), ("model.gguf", "math", "fewshot3"),
+    ("Qwen/Qwen3-4B-Base", "math", "plain"),
+    ("Qwen/Qwen3-4B", "math", "chat"), ("tiny-llama", "math", "chat"), ("qwen3-4b-random", "choice", "chat")])
+def test_default_style_per_family(model, task, style):
+    assert data.default_style(model, task) == style
+
+
+def test_fewshot_styles_refuse_countdown_records():
+    r = {"id": "c", "task": "countdown", "question": "Use 1 2 3 to make 6.",
+         "answer": {"nums": [1, 2, 3], "target": 6}}
+    for style in ("fewshot", "fewshot3"):
+        with pytest.raises(ValueError, match=f"style '{style}' has math exemplars"):
+            make_prompt(r, None, style)
 
 
 @pytest.mark.smollm2
@@ -450,6 +476,6 @@ def test_fewshot_prompt_with_the_smollm2_tokenizer():
     import models
     _, tok = models.load_model("smollm2-135m", device="cpu")
     r = load_task("arithmetic", "test", limit=1)[0]
-    p = make_prompt(r, tok, "fewshot")
-    assert p.count("<|im_start|>assistant") == len(data.FEWSHOT) + 1 and p.endswith("<|im_start|>assistant\n")
+    p = make_prompt(r, tok, data.default_style("smollm2-135m", "math"))
+    assert p.count("<|im_start|>assistant") == len(data.FEWSHOT) + 2 and p.endswith("<|im_start|>assistant\n")
     assert r["question"] in p and len(tok(p).input_ids) < 600

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import eval as ev
+import highflow
 import probes
 from models import generate, load_model
 
@@ -174,6 +175,39 @@ def test_recall_at_k_hand_case():
     assert r["recall"]["t"][0] == 0.0 and r["n_causal"] == 3 and r["causal_rate"] == pytest.approx(3 / 6)
 
 
+def test_sentences_and_per_sentence_extremes():
+    pieces = ["Step", " 1", ".", " 3", ".", "5", " is", " x", ".\n", "So", " \\boxed", "{", "3", "}", "!"]
+    assert highflow.sentences(pieces) == [(0, 3), (3, 9), (9, 15)]        # "3.5" is no sentence end
+    tau = [1, 5, 3, 9, 2, 8, 1, 4, 7, 6, 0, 2, 5, 1, 3]
+    high, low = highflow.per_sentence(tau, pieces, 0.2)
+    # sentence 1 (3 tokens): ceil(.6) = 1 -> high {1}, low {0}
+    # sentence 2 (6 tokens): ceil(1.2) = 2 -> {3, 5}, {4, 6};  sentence 3: {9, 12}, {13, 10}
+    assert high == [1, 3, 5, 9, 12] and low == [0, 4, 6, 13, 10]
+    assert highflow.per_sentence([1, 2], ["a", ".\n"], 0.2) == ([1], [0])
+    assert highflow.per_sentence([1], ["a"], 0.2) == ([], [])                # one token: no ranking
+
+
+def test_rewrite_keeps_the_reasoning_and_replaces_the_answer(tiny):
+    _, tok = tiny
+    y = tok("so 6 * 7 = 42, thus \\boxed{42} done", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    ids, k0 = highflow.rewrite(tok, y, highflow.FORMS["full-line"])
+    assert ids[:k0] == y[:k0] and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        "so 6 * 7 = 42, thus \\boxed{The final answer is 42.} done"
+    assert tok.decode(ids[:k0]).endswith("\\boxed{")
+    assert highflow.rewrite(tok, tok("no answer").input_ids, "{a}") is None
+
+
+def test_intervene_samples_problems_at_random_with_the_seed():
+    args = ev.parse(["intervene", "--task", "arithmetic", "--n-problems", "5", "--seed", "3"])
+    a, b = ev.records_for(args, "arithmetic", sample=True), ev.records_for(args, "arithmetic", sample=True)
+    first = ev.records_for(args, "arithmetic")
+    assert [r["id"] for r in a] == [r["id"] for r in b] and len(a) == 5 == len(first)
+    assert [r["id"] for r in a] != [r["id"] for r in first]                  # not the first N
+    args.seed = 4
+    assert [r["id"] for r in ev.records_for(args, "arithmetic", sample=True)] != [r["id"] for r in a]
+
+
 # ----------------------------------------------------------------------------- bad input (in process)
 @pytest.mark.parametrize("argv", [
     ["bench", "--model", "./no/such/checkpoint"],
@@ -181,6 +215,8 @@ def test_recall_at_k_hand_case():
     ["intervene", "--no-such-flag"],
     ["nonsense"],
     ["plot", "--metrics", "/no/such/metrics.jsonl", "--out", "/tmp/never"],
+    ["answer-forms", "--forms", "haiku"],
+    ["answer-forms", "--percents", "0"],
 ])
 def test_bad_input_exits_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -207,6 +243,7 @@ def test_no_answers_anywhere_is_an_empty_result(tmp_path, capsys):
     assert e.value.code == 1 and "empty result set" in capsys.readouterr().err
     s = json.loads((tmp_path / "o" / "intervene.json").read_text())["summary"]
     assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 4, 0)         # counted, not skipped in silence
+    assert s["all"]["n"] == 4 and s["all"]["original_accuracy"] == 0.0       # the paper's rule: all incorrect
 
 
 # ----------------------------------------------------------------------------- every subcommand, end to end
@@ -228,6 +265,7 @@ def smoke(tmp_path_factory):
                    "--signals", "flow", "entropy", "random"],
         "plot": ["plot", *tiny, "--responses", str(resp), "--metrics", str(metrics),
                  "--figures", "heatmap", "inout", "tokens", "curves"],
+        "answer-forms": ["answer-forms", *tiny, "--responses", str(resp)],
     }
     procs = {k: subprocess.Popen([sys.executable, "eval.py", *a, "--out", str(d / k)], cwd=ROOT, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -265,7 +303,13 @@ def test_intervene_subprocess(smoke):
         assert all(len(r[c]["selected"]) == r["n_selected"] and max(r[c]["selected"]) < r["t0"] for c in ("high", "low", "random"))
     # the random model cannot re-derive an answer: every regeneration loses it, and both correct ones flip
     assert all(s[c]["answer_change"] == 1.0 and s[c]["correct_to_wrong"] == 2 for c in probes.CONDITIONS)
-    assert "High-flow (Top 20%)" in (out / "intervene.md").read_text()
+    # the paper's denominator: all 4, the no-answer one incorrect and unchanged (no answer before or after)
+    a = s["all"]
+    assert (a["n"], s["n_empty"]) == (4, 0) and all(a[c]["answer_change"] == 0.75 for c in probes.CONDITIONS)
+    no = next(r for r in rows if r["no_answer"])
+    assert no["t0"] < len(RESPONSES[3]["response"]) and no["n_selected"] == math.ceil(0.2 * no["t0"])
+    md = (out / "intervene.md").read_text()
+    assert "High-flow (Top 20%)" in md and "failed extraction counted as incorrect" in md
 
 
 def test_recall_subprocess(smoke):
@@ -276,6 +320,20 @@ def test_recall_subprocess(smoke):
     assert set(s["recall"]) == {"flow", "entropy", "random"} and s["n_causal"] > 0
     assert all(len(v) == 10 and v[-1] == 1.0 and v == sorted(v) for v in s["recall"].values())
     assert (out / "recall.png").stat().st_size > 0
+
+
+def test_answer_forms_subprocess(smoke):
+    out = smoke("answer-forms")
+    s = json.loads((out / "answer-forms.json").read_text())["summary"]
+    assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 1, 3)
+    assert s["percents"] == [20, 40, 60, 80, 100]
+    assert set(s["overlap"]) == {"full-line", "with-explanation", "multiple-choice"}
+    assert all(v[-1] == 1.0 and all(0 <= x <= 1 for x in v) for v in s["overlap"].values())  # top-100%: all
+    rows = [json.loads(x) for x in (out / "answer-forms_rows.jsonl").read_text().splitlines()]
+    r = next(r for r in rows if not r["no_answer"])
+    assert r["answers"]["answer-only"].startswith("7}") and r["answers"]["multiple-choice"].startswith("B}")
+    assert r["answers"]["full-line"].startswith("The final answer is 7.}")
+    assert "| full-line |" in (out / "answer-forms.md").read_text()
 
 
 def test_plot_subprocess(smoke):

@@ -31,7 +31,7 @@ def tiny(request):
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-@pytest.mark.parametrize("name", ["flow", "attention-max", "entropy"])
+@pytest.mark.parametrize("name", ["flow", "attention", "entropy"])
 def test_fused_scores_equal_separate(tiny, name, ckpt):
     model, tok = tiny
     b = batch_with_answers(tok)

@@ -1,0 +1,145 @@
+"""Which tokens are high-flow: within each sentence (FlowTracer Fig. 3) and across answer forms (Table 11a).
+
+  per_sentence   Fig. 3 / App. E.1: "we identified the top 20% of high-flow and low-flow tokens within each
+                 sentence"; eval.py plot --figures tokens counts them
+  answer_forms   Table 11a / App. D.2: the same response, its \\boxed{} content rewritten in other answer
+                 forms; how much of the answer-only response's high-flow set (top K% by throughput tau) each
+                 form keeps
+
+Table 11a, for each response y with an answer and each form f (FORMS):
+    y_f       = y with the content a of its answer span replaced by f's template filled with a
+    n         = k0, the tokens of y before the answer (identical in every y_f: only the answer changes)
+    S_f(K)    = the ceil(K% n) of those tokens with the highest tau in y_f (ties: the earlier token)
+    overlap   = |S_f(K) & S_answer-only(K)| / |S_answer-only(K)|, averaged over the responses
+
+Departures (numbered):
+ 1. The paper compares formats of one model prompted for each (its Acc. column differs per format) and does
+    not say how it pairs the tokens of different responses. Here one response is rewritten into each form (the
+    issue's protocol), so the reasoning tokens are the same tokens and the sets compare position by position;
+    no accuracy per form is measured. Top-100% is then 1 by construction (a check, not a finding).
+ 2. The forms, our reading of the row names: answer-only "a"; full line "The final answer is a."; with
+    explanation "a, which follows from the steps above"; multiple-choice "B" (a letter, as a multiple-choice
+    output is; the prompt is not changed). The answer span is the last \\boxed{...} (else
+    <answer>...</answer>), as in flowtracer.find_answer_span. Every form, answer-only included, is
+    re-tokenised from the first answer token on, so all forms go through the same tokenisation.
+ 3. Fig. 3: a sentence ends at a token holding a newline, or ending in . ! ? followed by whitespace (or the
+    end), so "3.5" does not end one. Sentences of one token have no within-sentence ranking and are skipped.
+    Only the tokens before the answer ends are used (the flow is 0 after it).
+
+Run: python eval.py answer-forms --model smollm2-135m --task arithmetic --n-problems 24 --max-new-tokens 128 \
+         --batch-size 8 --threads 1          (about 2 minutes on one CPU thread)
+"""
+import math
+
+from tqdm import tqdm
+
+import probes
+import signals
+from credit import CreditConfig
+from flowtracer import answer_token_range, build_batch, find_answer_span
+
+FORMS = {"answer-only": "{a}", "full-line": "The final answer is {a}.",           # departure 2
+         "with-explanation": "{a}, which follows from the steps above", "multiple-choice": "B"}
+PERCENTS = [20, 40, 60, 80, 100]                                                  # Table 11a's columns
+
+
+# ----------------------------------------------------------------------------- Fig. 3: within each sentence
+def sentences(pieces):
+    """[(start, end)] token spans of the sentences of a token sequence, from each token's text (dep. 3)."""
+    spans, start = [], 0
+    for j, p in enumerate(pieces):
+        nxt = pieces[j + 1] if j + 1 < len(pieces) else " "
+        stop = p.rstrip().endswith((".", "!", "?")) and (p[-1:].isspace() or nxt[:1].isspace())
+        if "\n" in p or stop or j == len(pieces) - 1:
+            spans.append((start, j + 1))
+            start = j + 1
+    return spans
+
+
+def per_sentence(tau, pieces, frac=0.2):
+    """Fig. 3: (high, low) token indices, the ceil(frac n) highest and lowest by tau within each sentence of
+    n >= 2 tokens (ties: the earlier token ranks higher)."""
+    high, low = [], []
+    for a, b in sentences(pieces):
+        if b - a < 2:
+            continue
+        order = sorted(range(a, b), key=lambda j: (-tau[j], j))
+        k = math.ceil(frac * (b - a) - 1e-9)
+        high += order[:k]
+        low += order[-k:]
+    return high, low
+
+
+# ----------------------------------------------------------------------------- Table 11a: answer forms
+def rewrite(tok, ids, template):
+    """(new ids, k0) for a response whose answer content a becomes template.format(a=a), or None without an
+    answer. k0 = the token holding the answer's first character: ids[:k0] are kept, the rest is re-tokenised;
+    trailing special tokens (EOS) are kept as ids."""
+    special, n = set(tok.all_special_ids), len(ids)
+    while n and ids[n - 1] in special:
+        n -= 1
+    core, tail = list(ids[:n]), list(ids[n:])
+    rng = answer_token_range(tok, core)
+    if rng is None:
+        return None
+    k0, text = rng[0], tok.decode(core, skip_special_tokens=False)
+    s0, s1 = find_answer_span(text)
+    c0 = len(tok.decode(core[:k0], skip_special_tokens=False))               # where the kept prefix ends
+    rest = text[c0:s0] + template.format(a=text[s0:s1].strip()) + text[s1:]
+    return core[:k0] + tok(rest, add_special_tokens=False).input_ids + tail, k0
+
+
+def top(tau, K):
+    """The ceil(K% n) indices with the highest tau (ties: the earlier)."""
+    return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[:math.ceil(K / 100 * len(tau) - 1e-9)])
+
+
+def answer_forms(model, tok, records, args, style):
+    """Returns (per-response rows, summary). records: task records (responses are sampled at args.temperature)
+    or rows from probes.load_responses."""
+    cfg = CreditConfig(layers=args.layers, seed=args.seed)
+    rows = records if "response" in records[0] else probes.sample_responses(
+        model, tok, records, args, style, args.temperature, args.seed, "answer-forms: sample")
+    forms = ["answer-only"] + [f for f in args.forms if f != "answer-only"]
+    out = []
+    for i in tqdm(range(0, len(rows), args.batch_size), desc="answer-forms: flow", unit="batch"):
+        chunk = rows[i:i + args.batch_size]
+        new = {f: [rewrite(tok, r["response"], FORMS[f]) for r in chunk] for f in forms}
+        keep = [b for b, v in enumerate(new["answer-only"]) if v is not None and v[1] > 0]
+        tau = {}
+        for f in forms if keep else []:                                      # one flow pass per form
+            batch = build_batch(tok, [chunk[b]["prompt"] for b in keep], [new[f][b][0] for b in keep])
+            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width:].double().cpu()  # B,R
+        for b, r in enumerate(chunk):
+            if b not in keep:
+                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"]))
+                continue
+            j, k0 = keep.index(b), new["answer-only"][b][1]
+            ref = tau["answer-only"][j, :k0].tolist()
+            row = dict(id=chunk[b]["record"]["id"], no_answer=False, k0=k0, reward=chunk[b]["reward"],
+                       answers={f: tok.decode(new[f][b][0][k0:], skip_special_tokens=True) for f in forms},
+                       overlap={})
+            for f in forms[1:]:
+                t = tau[f][j, :k0].tolist()
+                row["overlap"][f] = [len(top(ref, K) & top(t, K)) / len(top(ref, K)) for K in args.percents]
+            out.append(row)
+    return out, summarize(out, forms[1:], args.percents)
+
+
+def summarize(out, forms, percents):
+    done = [r for r in out if not r["no_answer"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done), percents=percents,
+                original_accuracy=mean([r["reward"] for r in out]), mean_k0=mean([r["k0"] for r in done]),
+                overlap={f: [mean([r["overlap"][f][i] for r in done]) for i in range(len(percents))]
+                         for f in forms})
+
+
+def forms_table(s, args):
+    header = ["Format", *(f"Top-{K}%" for K in s["percents"])]
+    rows = [["answer-only", *("-" for _ in s["percents"])]] + [[f, *v] for f, v in s["overlap"].items()]
+    k0 = f"{s['mean_k0']:.1f}" if s["mean_k0"] is not None else "-"
+    return probes.markdown(header, rows) + (
+        f"\nOverlap with the answer-only high-flow set (Table 11a), mean over n = {s['n']} responses "
+        f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before the "
+        f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n")
