@@ -14,7 +14,8 @@ One forward per micro-batch does it all (--credit-pass fused, the default): the 
 log-probs, captures the middle layers' attention on the way (flowtracer.capture; detached, once per forward),
 and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations
 1) the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
-forward of their own (fai, gradient, correlation, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
+forward of their own (fai, gradient, correlation, OAR) and the batch-wide 80-20 rule run as a separate pass
+before the update.
 
 The loss divisor: seq-mean divides by the number of rows B in the update batch (with --dynamic-filter, the
 rows kept: groups with accuracy in [0.1, 0.95] and responses that ended with EOS; without it, every row,
