@@ -1,9 +1,19 @@
 """Are two math answers equal? The checker behind data.math_reward: exact decimals for plain numbers,
-math-verify for everything else, under a timeout and a size guard, never raising and never hanging.
+exact rationals or a 1e-9 relative tolerance for other numbers, math-verify for everything else, under a
+timeout and a size guard, never raising and never hanging.
 
-  equivalent(gold, pred) -> bool   "025" == 25 == 25.0 == "2.5e1" (plain numbers compare exactly as decimals:
-                                   2024 != 2024.001, 1000000 != 1000000.9);
+  equivalent(gold, pred) -> bool   "025" == 25 == 25.0 == "2.5e1", "1,000" == 1000; plain numbers compare
+                                   exactly as decimals: 2024 != 2024.001, 1000000 != 1000000.9;
                                    "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
+Numbers (the rule, both directions tested in tests/test_reliability.py):
+  - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
+  - two parsed numbers (\\frac{1}{3}, 10^{6}, 1.5 \\times 10^{-5}, \\sqrt{2}): rational ones (integers,
+    fractions, decimals as written) compare exactly, so 0.333333 != \\frac{1}{3}; when either is irrational,
+    |g - p| <= REL_TOL * max(|g|, |p|) at 30 digits (\\pi == 3.14159265358979, \\pi != 3.14159). This replaces
+    math-verify's default rounding to 6 decimals (which accepts 1000000 == 1000000.0000004, 1/3 == 0.333333);
+    inside tuples, sets, intervals and equations math-verify compares floats to FLOAT_DIGITS decimals;
+  - not a number is never correct: the words nan / inf / infinity (either side), and a parse that is NaN or
+    1/0 (zoo). The symbol \\infty is mathematics and compares as such ((2, \\infty) == (2, \\infty)).
 Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
 thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
 timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
@@ -11,7 +21,7 @@ rejects those first (they score 0 even if equal). A parse that comes back empty 
 timeout, as to an unparseable string) is never cached: one slow moment under load must not zero a problem
 for the rest of a run.
 
-Run the tests: python -m pytest -q tests/test_data.py
+Run the tests: python -m pytest -q tests/test_data.py tests/test_reliability.py
 """
 import math
 import re
@@ -21,6 +31,9 @@ from decimal import Decimal
 MAX_ANSWER_CHARS = 512  # a longer \boxed{} content is compared as a string only, never parsed
 TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
 MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
+REL_TOL = 1e-9          # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
+FLOAT_DIGITS = 12       # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
+NOT_FINITE = re.compile(r"\s*[-+]?\s*(nan|inf|infinity)\s*", re.I)  # words, not answers (\infty is one)
 
 
 THOUSANDS, DECIMAL = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
@@ -71,18 +84,49 @@ def parse_boxed(text, timeout):
     return out
 
 
+def value(e):
+    """A finite number parsed by math-verify (exact when rational, decimals as written), else None."""
+    import sympy
+    if not isinstance(e, sympy.Expr) or not e.is_number or e.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
+        return None
+    e = e.xreplace({f: sympy.Rational(str(f)) for f in e.atoms(sympy.Float)})  # 0.333333 is 333333/10^6
+    return e.doit()
+
+
+def numbers_equal(g, p):
+    """Two parsed numbers: exact for two rationals, else a REL_TOL relative tolerance at 30 digits; None when
+    either is not a finite number (a symbol, a set, an equation, \\infty: math-verify's to compare)."""
+    g, p = value(g), value(p)
+    if g is None or p is None:
+        return None
+    if g.is_Rational and p.is_Rational:
+        return g == p
+    x, y = g.evalf(30), p.evalf(30)
+    return bool(abs(x - y) <= REL_TOL * max(abs(x), abs(y)))
+
+
 def math_verify_equal(gold, pred, timeout):
     import sympy
     from math_verify import verify
+    from math_verify.errors import TimeoutException
+    from math_verify.utils import timeout as alarm
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
-    if any(size(x) > MAX_DIGITS for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))):
-        return False
-    return verify(g, p, timeout_seconds=timeout)
+    exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
+    if any(size(x) > MAX_DIGITS for x in exprs) or any(x.has(sympy.nan, sympy.zoo) for x in exprs):
+        return False   # too big to evaluate, or not a number (0/0, 1/0)
+    if g and p and "%" not in gold + pred:   # (percentages: math-verify's rule, 9\\% == 9 == 0.09)
+        try:
+            same = alarm(timeout)(numbers_equal)(g[0], p[0])   # two numbers: ours, not 6 decimals
+        except (Exception, TimeoutException):                  # TimeoutException is a BaseException
+            return False
+        if same is not None:
+            return same
+    return verify(g, p, float_rounding=FLOAT_DIGITS, timeout_seconds=timeout)
 
 
 def equivalent(gold, pred):
     """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout."""
-    if "nan" in (gold.strip().lower(), pred.strip().lower()):   # not a number equals nothing, itself included
+    if NOT_FINITE.fullmatch(gold) or NOT_FINITE.fullmatch(pred):  # not a number: equals nothing, not itself
         return False
     g, p = number(gold), number(pred)
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)

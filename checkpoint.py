@@ -10,12 +10,22 @@ step), so only the RNG states and the step need saving for the batches to line u
 The save, and why a kill at any point of it leaves a checkpoint that --resume loads:
   1. write everything to ckpt.tmp/, then the marker file COMPLETE last (a directory without it is partial);
   2. rename ckpt/ -> ckpt.old/;   3. rename ckpt.tmp/ -> ckpt/;   4. delete ckpt.old/.
-find_checkpoint takes the first complete one of ckpt/, ckpt.tmp/ (killed after 2), ckpt.old/ (killed during
-3). tests/test_reliability.py kills the save at each point.
+find_checkpoint takes the first complete one of ckpt/, ckpt.tmp/ (killed between 2 and 3), ckpt.old/. A
+directory is deleted marker first (`discard`), so a half-deleted one is never taken for complete.
+tests/test_reliability.py kills the save at each point and loads what is left.
 
-metrics.jsonl gets one line per step, flushed and fsynced. On --resume it is first cut back to the
-checkpoint's step (atomically: a temp file, then os.replace), so a step redone after a kill appears once.
-A new run refuses an out_dir that already holds a run unless --overwrite is given.
+metrics.jsonl gets one line per step, flushed and fsynced (write_metrics). On --resume it is first cut back
+to the checkpoint's step, one line per step (atomically: a temp file, then os.replace), so a step redone
+after a kill appears once and no step before it is lost. A new run refuses an out_dir that already holds a
+run unless --overwrite is given (check_out_dir).
+
+What grpo.py calls, in order:
+  ckpt = find_checkpoint(cfg.resume) if cfg.resume else None     # RunError: no complete checkpoint there
+  check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)
+  step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
+  metrics = open_metrics(out, step if ckpt else None); write_metrics(metrics, m) each step
+  save_checkpoint(out / "ckpt", model, tok, opt, sched, step, cfg, bad)
+Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
 import dataclasses
 import json
@@ -33,10 +43,18 @@ class RunError(ValueError):
     """A run directory or checkpoint the user pointed at that cannot be used; the message names it."""
 
 
+def discard(d):
+    """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
+    "complete" one with files missing."""
+    Path(d, MARK).unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
+    """Weights, tokenizer, optimizer, scheduler, RNG, step, config into `path` (ckpt/), atomically (above)."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
+    discard(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -45,11 +63,11 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
                 "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
     (tmp / MARK).write_text(str(step))                                  # 1. complete
     if complete(path):
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
         path.rename(old)                                                 # 2. keep the previous one ...
-    shutil.rmtree(path, ignore_errors=True)                              # (a partial ckpt/ is garbage)
+    discard(path)                                                        # (a partial ckpt/ is garbage)
     tmp.rename(path)                                                     # 3. ... until the new one is in place
-    shutil.rmtree(old, ignore_errors=True)                               # 4.
+    discard(old)                                                         # 4.
 
 
 def complete(d):
@@ -67,12 +85,19 @@ def find_checkpoint(resume):
     raise RunError(f"--resume {resume}: no complete checkpoint there (expected {base / 'ckpt'}/{MARK})")
 
 
+STATE_KEYS = ("optimizer", "scheduler", "step", "rng", "config", "bad_steps")
+
+
 def read_state(ckpt):
     f = Path(ckpt) / "trainer_state.pt"
     try:
-        return torch.load(f, weights_only=False)
-    except Exception as e:       # truncated, corrupted, not a torch file
+        state = torch.load(f, weights_only=False)
+    except Exception as e:       # missing, truncated, corrupted, not a torch file
         raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise RunError(f"{f}: not a grpo.py trainer state (missing {', '.join(missing)})")
+    return state
 
 
 def saved_config(ckpt):
@@ -80,20 +105,25 @@ def saved_config(ckpt):
 
 
 def load_checkpoint(path, opt, sched):
+    """Restore optimizer, scheduler and RNG states from a checkpoint directory; returns (step, bad_steps)."""
     state = read_state(path)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    try:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:   # another model's or optimizer's state
+        raise RunError(f"{Path(path) / 'trainer_state.pt'}: does not fit this run's model / optimizer "
+                       f"({type(e).__name__}: {str(e)[:200]})") from None
     return state["step"], state["bad_steps"]
 
 
 # ----------------------------------------------------------------------------- the run directory and metrics
 def check_out_dir(out, resume, overwrite):
     """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
-    --resume (continue it) or --overwrite (delete it first)."""
+    --resume (continue it) or --overwrite (delete it first). RunError naming both flags otherwise."""
     out = Path(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:
@@ -102,26 +132,32 @@ def check_out_dir(out, resume, overwrite):
         raise RunError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
                        f"or start afresh with --overwrite")
     for p in held + ["rollouts", "curves.png"]:
-        shutil.rmtree(out / p, ignore_errors=True) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
+        discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
 
 
 def open_metrics(out, resume_step):
-    """metrics.jsonl opened for appending. Resuming at step k: first cut it back to the lines of steps <= k."""
+    """metrics.jsonl opened for appending. Resuming at step k: first cut it back to the lines of steps <= k,
+    the last line of each step (a duplicate from an older run is dropped), written to a temp file, fsynced,
+    then os.replace'd over the old one, so a kill during the cut loses nothing."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "metrics.jsonl"
     if resume_step is not None and path.exists():
-        keep = []
-        for line in path.read_text().splitlines():
+        keep = {}
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                if json.loads(line)["step"] <= resume_step:
-                    keep.append(line + "\n")
+                step = json.loads(line)["step"]
+                if step <= resume_step:
+                    keep[step] = line + "\n"               # the last line of each step
             except (ValueError, KeyError, TypeError):    # a line cut by the kill: dropped
                 pass
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
+        with open(tmp, "w") as f:
+            f.write("".join(keep[s] for s in sorted(keep)))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    return open(path, "a" if resume_step is not None else "w")
+    return open(path, "a")                               # check_out_dir made sure a new run starts empty
 
 
 def write_metrics(fh, record):

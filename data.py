@@ -65,15 +65,11 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import countdown
-from answers import equivalent
+from answers import NOT_FINITE, equivalent
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
-
-
-# a gold "nan" (JSON NaN / Infinity are floats: rejected too)
-NONFINITE = re.compile(r"\s*[-+]?\s*nan\s*", re.I)
 
 
 class DataError(ValueError):
@@ -83,16 +79,32 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------- reading rows
 
 def read_rows(path):
-    """Yield (where, row) for a JSONL or parquet file; `where` is "file, line N" (or "row N")."""
+    """Yield (where, row) for a JSONL or parquet file; `where` is "file, line N" (or "row N"). Every problem
+    with the file (missing, a directory, CSV, unreadable, not UTF-8, bad JSON, corrupt parquet) is a DataError
+    naming it; an empty file yields nothing (load_task then says "no rows")."""
     path = Path(path)
-    if not path.is_file() or path.suffix not in (".jsonl", ".json", ".parquet"):
-        raise DataError(f"{path}: " + ("unsupported format (use .jsonl or .parquet)" if path.is_file() else
-                                       "no such file"))
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, not a data file")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        csv = "; convert the CSV to JSONL, one object per line" if path.suffix == ".csv" else ""
+        raise DataError(f"{path}: unsupported format {path.suffix or '(no suffix)'} "
+                        f"(use .jsonl or .parquet{csv})")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
-        yield from ((f"{path}, row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1))
+        try:
+            table = pq.read_table(path).to_pylist()
+        except Exception as e:       # not parquet, truncated, unreadable
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") \
+                from None
+        yield from ((f"{path}, row {i}", row) for i, row in enumerate(table, 1))
         return
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
+    with f:
         for i, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -100,7 +112,8 @@ def read_rows(path):
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}, line {i}: not UTF-8 ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {i}: invalid JSON ({e.msg})") from None
+                array = " (a JSON array? use JSONL: one object per line)" * line.lstrip().startswith("[")
+                raise DataError(f"{path}, line {i}: invalid JSON ({e.msg}){array}") from None
             if row is not None and not isinstance(row, dict):
                 raise DataError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
             if row is not None:
@@ -115,21 +128,22 @@ def get(row, keys, types=(str,)):
             if not isinstance(v, types) or isinstance(v, bool):
                 want = "/".join(t.__name__ for t in types)
                 raise DataError(f"field {k!r} is {type(v).__name__}, expected {want}")
-            if isinstance(v, str) and not v.strip():
+            if isinstance(v, str) and not v.strip() or isinstance(v, (list, dict)) and not v:
                 raise DataError(f"field {k!r} is empty")
-            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and NONFINITE.fullmatch(v):
+            if (isinstance(v, float) and not math.isfinite(v)
+                    or isinstance(v, str) and NOT_FINITE.fullmatch(v)):
                 raise DataError(f"field {k!r} is {v!r}, not a finite value")
             return v
     raise DataError(f"missing field {' or '.join(repr(k) for k in keys)}")
 
 
 def answer_text(a):
-    """A ground truth as a string: 27.0 -> "27", ["$1$", "$2$"] -> "1, 2", " $x$ " -> "x"."""
+    """A ground truth as a string: 27.0 -> "27", ["$1$", "$2$"] -> "1, 2", " $x$ " -> "x", "\\$5" -> "5"."""
     if isinstance(a, float) and a.is_integer():
         return str(int(a))
     if isinstance(a, (list, tuple)):
         return ", ".join(answer_text(x) for x in a)
-    return str(a).replace("$", "").strip()
+    return re.sub(r"\\?\$", "", str(a)).strip()    # math-mode $ and the dollar sign \$ (not "\18.90")
 
 
 # ----------------------------------------------------------------------------- one normaliser per layout
@@ -330,6 +344,8 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
             break
         try:
             q, a = t.normalise(row)
+            if t.task == "math" and (not a.strip() or NOT_FINITE.fullmatch(a)):  # e.g. [NaN], "#### nan"
+                raise DataError(f"the answer {a!r} is empty or not a finite value")
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
         if key == "dapo-math-17k" and q in seen:  # the hub file repeats every problem ~100 times

@@ -50,11 +50,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import checkpoint as ckpt_io
 import data
 import highflow
 import probes
-from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, trace_flow
-from models import generate, load_model
+import signals
+from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, select_layers, trace_flow
+from models import ModelError, generate, load_model
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown", "crossthinkqa"]
 
@@ -103,7 +105,7 @@ def auto_style(model_name, task, style):
         return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
     state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
     if state.is_file():
-        model_name = torch.load(state, weights_only=False, mmap=True)["config"]["model"]
+        model_name = ckpt_io.saved_config(model_name)["model"]               # RunError naming the file
     return data.default_style(model_name, task)
 
 
@@ -127,8 +129,12 @@ def setup(args, task):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
-    except (RuntimeError, OSError, ValueError) as e:                         # offline hub, missing wheel, bad dir
+    except (RuntimeError, OSError, ValueError, ImportError) as e:            # offline hub, missing wheel, bad dir
         fail(f"cannot load model {args.model!r}: {e}")
+    try:
+        select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
+    except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
+        fail(f"--layers: {e}")
     return model, tok, auto_style(model_name, data.TASKS[task].task if task in data.TASKS else task, args.style)
 
 
@@ -267,7 +273,7 @@ def plot_curves(args, out, plt):
     for p in args.metrics:
         if not Path(p).is_file():
             fail(f"metrics file {p!r} not found")
-        runs[Path(p).parent.name or p] = [json.loads(line) for line in open(p) if line.strip()]
+        runs[Path(p).parent.name or p] = metrics_rows(p)
         if not runs[Path(p).parent.name or p]:
             fail(f"empty result set: {p} has no metrics rows", 1)
     missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
@@ -277,7 +283,8 @@ def plot_curves(args, out, plt):
     fig, axes = plt.subplots(1, len(args.keys), figsize=(4.5 * len(args.keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], args.keys):
         for name, rows in runs.items():
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            pts = [(r.get("step", i), r[key]) for i, r in enumerate(rows, 1)
+                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
             if not pts:
                 continue
             xs, ys = zip(*pts)
@@ -290,6 +297,24 @@ def plot_curves(args, out, plt):
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
     return {"final_peak_ema": smooth}
+
+
+def metrics_rows(path):
+    """The JSON objects of a metrics.jsonl; a last line cut by a kill is skipped, another bad one an error."""
+    lines = Path(path).read_bytes().splitlines()
+    rows = []
+    for i, raw in enumerate(lines, 1):
+        try:
+            row = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except ValueError as e:                                             # JSON or UTF-8
+            if i == len(lines):
+                print(f"eval.py: {path}, line {i}: cut short (a killed run?), skipped", file=sys.stderr)
+                continue
+            fail(f"{path}, line {i}: not a JSON metrics line ({e})")
+        if not isinstance(row, dict):
+            fail(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
+        rows += [row] if row else []
+    return rows
 
 
 def plot_flow(args, out, plt, figs):
@@ -447,12 +472,44 @@ def parse(argv=None):
         ap.error(f"--frac must be in (0, 1], got {args.frac}")
     if any(not 0 < k <= 100 for k in getattr(args, "percents", None) or []):
         ap.error(f"--percents must be in 1..100, got {args.percents}")
+    check_ranges(ap, args)
     return args
+
+
+def check_ranges(ap, args):
+    """The rest of the flags, each checked before any model loads: one line `eval.py: error: ...`, exit 2."""
+    sampling = args.cmd == "bench"                                   # bench samples; the others may be greedy
+    for flag, ok, rule in (("threads", lambda v: v >= 1, ">= 1"),
+                           ("temperature", (lambda v: v > 0) if sampling else (lambda v: v >= 0),
+                            "> 0" if sampling else ">= 0 (0: greedy)"),
+                           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+                           ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+                           ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
+                           ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")):
+        v = getattr(args, flag, None)
+        if v is not None and not (math.isfinite(v) and ok(v)):
+            ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
+    if getattr(args, "task", None) is not None and args.task not in data.TASKS:
+        ap.error(f"--task {args.task}: unknown; tasks: {', '.join(data.TASKS)}")
+    unknown = [b for b in getattr(args, "benchmarks", None) or [] if b not in data.TASKS]
+    if unknown:
+        ap.error(f"--benchmarks {' '.join(unknown)}: unknown; known: {' '.join(BENCHMARKS)} "
+                 "(or a data.py task)")
+    unknown = [s for s in getattr(args, "signals", None) or [] if s not in signals.SIGNALS]
+    if unknown:
+        ap.error(f"--signals {' '.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}")
+    try:                                 # the spec's syntax here; whether it fits the model's depth: setup
+        select_layers(getattr(args, "layers", None), 1000)
+    except ValueError as e:
+        ap.error(f"--layers: {e}")
 
 
 def main(argv=None):
     args = parse(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (data.DataError, ModelError, ckpt_io.RunError) as e:   # the user's files: one line, never a bug's
+        fail(str(e))
 
 
 if __name__ == "__main__":

