@@ -11,7 +11,8 @@ The save, and why a kill at any point of it leaves a checkpoint that --resume lo
   1. write everything to ckpt.tmp/, then the marker file COMPLETE last (a directory without it is partial);
   2. rename ckpt/ -> ckpt.old/;   3. rename ckpt.tmp/ -> ckpt/;   4. delete ckpt.old/.
 find_checkpoint takes the first complete one of ckpt/, ckpt.tmp/ (killed between 2 and 3), ckpt.old/. A
-directory is deleted marker first (`discard`), so a half-deleted one is never taken for complete.
+directory is deleted marker first (`discard`), so a half-deleted one is never taken for complete, and a save
+first finishes one that was killed between 2 and 3 (step 0), so the newest checkpoint is never the one lost.
 tests/test_reliability.py kills the save at each point and loads what is left.
 
 metrics.jsonl gets one line per step, flushed and fsynced (write_metrics). On --resume it is first cut back
@@ -54,6 +55,9 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
     """Weights, tokenizer, optimizer, scheduler, RNG, step, config into `path` (ckpt/), atomically (above)."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
+        discard(path)                                                    #    finish it, so that ckpt.tmp (the
+        tmp.rename(path)                                                 #    newest, maybe resumed from) is kept
     discard(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

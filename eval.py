@@ -394,7 +394,7 @@ def memory_table(args):
 
 # ----------------------------------------------------------------------------- command line
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):

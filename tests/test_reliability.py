@@ -1,12 +1,16 @@
 """Reliability: no lost run data, no silent wrong answer, one clear line for every user error.
-Table-driven; nothing here loads a real model (the checkpoint cases use the tiny one)."""
+Table-driven; nothing here loads a real model (the checkpoint and eval.py cases use the random tiny one).
+The checkpoint save is killed at every file-system operation in turn (tests below KILL)."""
 import json
+import shutil
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import answers
 import checkpoint as ckpt_io
@@ -18,16 +22,45 @@ from models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- silent wrong answers
-MATH = [  # (gold, completion, reward)
-    ("2024", "\\boxed{2024.001}", 0.0), ("1000000", "\\boxed{1000000.9}", 0.0), ("2024", "\\boxed{2024.0}", 1.0),
-    ("1000", "\\boxed{1,000}", 1.0), ("0.5", "\\boxed{\\frac{1}{2}}", 1.0), ("25", "\\boxed{025}", 1.0),
-    ("3", "\\boxed{nan}", 0.0), ("nan", "\\boxed{nan}", 0.0), ("0.1", "\\boxed{0.1000000001}", 0.0),
+MATH = [  # (gold, \boxed{} content, reward): too loose (a near miss scores 1), too strict (an equal value 0)
+    ("2024", "2024.001", 0), ("1000000", "1000000.9", 0), ("2024", "2024.0", 1), ("25", "025", 1),
+    ("1000", "1,000", 1), ("1,000", "1000", 1), ("0.1", "0.1000000001", 0),
+    ("0.5", r"\frac{1}{2}", 1), (r"\frac{1}{2}", "0.5", 1), ("0.5", "1/2", 1), (r"x=\frac{1}{2}", "x=0.5", 1),
+    ("10^{6}", "1000000.9", 0), ("10^{12}", "1000000000001", 0),
+    (r"\frac{1}{3}", "0.333333", 0), (r"\frac{3}{7}", "0.428571", 0),   # math-verify's 6 decimals: 1
+    (r"2\sqrt{2}", "2.828427", 0), (r"\pi", "3.14159", 0),              # irrational: 1e-9 relative
+    (r"\pi", "3.141592653589793", 1), (r"\sqrt{8}", r"2\sqrt{2}", 1),
+    (r"1.5 \times 10^{-5}", "0.000015", 1), (r"1.5 \times 10^{-5}", "0.0000151", 0),
+    (r"1 \times 10^{-12}", r"2 \times 10^{-12}", 0), (r"(\frac{1}{3}, 2)", "(0.333333, 2)", 0),
+    (r"\$18.90", "18.9", 1), (r"9\%", "9", 1),
+    ("3", "nan", 0), ("nan", "nan", 0), ("3", "-NaN", 0), ("inf", "inf", 0), (r"\infty", "Infinity", 0),
+    (r"\frac{1}{0}", r"\frac{2}{0}", 0), ("0", "0/0", 0),
+    (r"\infty", r"\infty", 1), (r"(2,\infty)", r"(2, \infty)", 1),   # the symbol \infty is mathematics
 ]
 
 
-@pytest.mark.parametrize("gold, completion, want", MATH)
-def test_math_reward_exact(gold, completion, want):
-    assert data.math_reward(completion, gold) == want
+@pytest.mark.parametrize("gold, pred, want", MATH)
+def test_math_reward_exact(gold, pred, want):
+    assert data.math_reward(f"so \\boxed{{{pred}}}", gold) == want
+
+
+def test_a_nonfinite_gold_scores_nothing():
+    for gold in (float("nan"), float("inf"), -float("inf")):
+        for pred in ("nan", "inf", "-inf", "\\infty"):
+            assert data.math_reward(f"\\boxed{{{pred}}}", gold) == 0.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 999), d=st.sampled_from([2, 4, 5, 8, 16, 20, 25, 40, 3, 6, 7, 9, 11]))
+def test_a_fraction_equals_its_exact_decimal_and_no_neighbour(n, d):
+    """\\frac{n}{d} vs decimals: the exact one (d | 10^k) scores 1; one cut to 6, 10 or 12 places, or moved by
+    1e-12 relative, scores 0 (math-verify's own 6-decimal rounding says 1 to most of them)."""
+    q, gold = Fraction(n, d), f"\\frac{{{n}}}{{{d}}}"
+    for places in (6, 10, 12):
+        cut = f"{float(q):.{places}f}"
+        exact = Fraction(cut) == q
+        assert data.math_reward(f"\\boxed{{{cut}}}", gold) == float(exact), cut
+    assert data.math_reward(f"\\boxed{{{float(q) + 1e-12 * max(1, float(q)):.15g}}}", gold) == 0.0
 
 
 def test_a_timeout_is_never_cached(monkeypatch):
@@ -51,6 +84,12 @@ COUNTDOWN = [  # (completion, answer, reward): 1 correct, 0.1 answer but wrong, 
     ("<answer>3*4+5</answer>", {"nums": [3, 4, 5], "target": 17.9}, 0.1),
     ("<answer>4*5-3</answer>", {"nums": [3.7, 4, 5], "target": 17}, 0.1),
     ("<answer>1_0+7</answer>", {"nums": [10, 7], "target": 17}, 0.1),
+    ("<answer>1e1+7</answer>", {"nums": [10, 7], "target": 17}, 0.1),
+    ("<answer>3**2+8</answer>", {"nums": [3, 2, 8], "target": 17}, 0.1),
+    ("<answer>07+10</answer>", {"nums": [7, 10], "target": 17}, 0.1),
+    ("<answer>(3 × 4) + 5</answer>", {"nums": [3, 4, 5], "target": 17}, 1.0),
+    ("<answer>34 / 2</answer>", {"nums": [34, 2], "target": 17}, 1.0),
+    ("<answer>35 // 2</answer>", {"nums": [35, 2], "target": 17}, 0.1),
     ("no tag", {"nums": [3, 4, 5], "target": 17}, 0.0),
 ]
 
@@ -65,8 +104,18 @@ BAD_ROWS = [  # (jsonl line, task, words the DataError must name)
     ('{"question": "1+1?", "answer": NaN}', "arithmetic", ["line 1", "answer", "finite"]),
     ('{"question": "1+1?", "answer": Infinity}', "arithmetic", ["line 1", "answer", "finite"]),
     ('{"question": "1+1?", "answer": "nan"}', "arithmetic", ["line 1", "answer"]),
+    ('{"question": "1+1?", "answer": "-Infinity"}', "arithmetic", ["line 1", "answer", "finite"]),
+    ('{"question": "  ", "answer": "2"}', "arithmetic", ["line 1", "question", "empty"]),
+    ('{"question": "1+1?"}', "arithmetic", ["line 1", "missing", "answer"]),
+    ('{"question": "1+1?", "answer": true}', "arithmetic", ["line 1", "answer", "bool"]),
+    ('{"question": "q", "final_answer": []}', "olympiadbench", ["line 1", "final_answer", "empty"]),
+    ('{"question": "q", "final_answer": [NaN]}', "olympiadbench", ["line 1", "answer", "finite"]),
+    ('{"question": "q", "answer": "so #### nan"}', "gsm8k", ["line 1", "answer", "finite"]),
+    ('{"question": "q", "answer": "so ####  "}', "gsm8k", ["line 1", "answer", "empty"]),
     ('{"nums": [3, 4], "target": 17.9}', "countdown", ["line 1", "target"]),
+    ('{"nums": [3, 4], "target": 17.0}', "countdown", ["line 1", "target", "int"]),
     ('{"nums": [3.7, 4], "target": 17}', "countdown", ["line 1", "nums"]),
+    ('{"nums": [], "target": 17}', "countdown", ["line 1", "nums"]),
 ]
 
 
@@ -74,9 +123,45 @@ BAD_ROWS = [  # (jsonl line, task, words the DataError must name)
 def test_bad_dataset_values_are_rejected_naming_the_field(tmp_path, line, task, words):
     p = tmp_path / "rows.jsonl"
     p.write_text(line + "\n")
+    split = "test" if task in ("olympiadbench", "gsm8k") else "train"
     with pytest.raises(data.DataError) as e:
-        data.load_task(task, split="train", path=p)
+        data.load_task(task, split=split, path=p)
     assert str(p) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def parquet(path, content):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"question": ["q"], "answer": ["1"]}), path)
+    path.write_bytes(path.read_bytes()[:content])          # truncated
+
+
+BAD_FILES = [  # (file name, how to make it, words the DataError must name); every --data-path mistake
+    ("nosuch.jsonl", None, ["nosuch.jsonl", "no such file"]),
+    ("rows.csv", lambda p: p.write_text("question,answer\n1+1?,2\n"), ["rows.csv", "CSV", "JSONL"]),
+    ("rows", lambda p: p.write_text("{}\n"), ["rows", "unsupported format"]),
+    ("adir.jsonl", lambda p: p.mkdir(), ["adir.jsonl", "directory"]),
+    ("empty.jsonl", lambda p: p.write_text(""), ["empty.jsonl", "no rows"]),
+    ("blank.jsonl", lambda p: p.write_text("\n  \n"), ["blank.jsonl", "no rows"]),
+    ("bad.jsonl", lambda p: p.write_text('{"question": "a", "answer": "1"}\n{"question": \n'),
+     ["bad.jsonl, line 2", "invalid JSON"]),
+    ("array.json", lambda p: p.write_text('[\n{"question": "a", "answer": "1"}\n]\n'),
+     ["array.json, line 1", "JSON array"]),
+    ("list.jsonl", lambda p: p.write_text('["a", "1"]\n'), ["list.jsonl, line 1", "JSON object"]),
+    ("latin1.jsonl", lambda p: p.write_bytes(b'{"question": "caf\xe9", "answer": "1"}\n'),
+     ["latin1.jsonl, line 1", "not UTF-8"]),
+    ("cut.parquet", lambda p: parquet(p, 40), ["cut.parquet", "parquet"]),
+]
+
+
+@pytest.mark.parametrize("name, make, words", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_data_files_are_a_data_error_naming_them(tmp_path, name, make, words):
+    p = tmp_path / name
+    if make:
+        make(p)
+    with pytest.raises(data.DataError) as e:
+        data.load_task("arithmetic", split="train", path=p)
+    assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_non_utf8_names_file_and_line(tmp_path):
@@ -88,25 +173,52 @@ def test_non_utf8_names_file_and_line(tmp_path):
 
 # ----------------------------------------------------------------------------- eval.py: one line, exit 2
 EVAL_BAD = [(["bench", "--n-problems", "0"], "--n-problems"), (["bench", "--ks", "8", "--n", "4"], "--ks"),
-            (["intervene", "--frac", "0"], "--frac"), (["bench", "--n", "0"], "--n")]
+            (["intervene", "--frac", "0"], "--frac"), (["bench", "--n", "0"], "--n"),
+            (["bench", "--ks", "0"], "--ks"), (["bench", "--temperature", "0"], "--temperature"),
+            (["bench", "--top-p", "1.5"], "--top-p"), (["bench", "--top-k", "-1"], "--top-k"),
+            (["bench", "--temperature", "nan"], "--temperature"), (["bench", "--threads", "0"], "--threads"),
+            (["bench", "--benchmarks", "gsm9k"], "gsm9k"), (["intervene", "--task", "nosuch"], "nosuch"),
+            (["intervene", "--layers", "mid"], "--layers"),
+            (["recall", "--signals", "flow", "nosuch"], "nosuch"),
+            (["recall", "--n-responses", "0"], "--n-responses"), (["plot", "--alpha", "0"], "--alpha"),
+            (["plot", "--index", "-1"], "--index"), (["plot", "--token", "-2"], "--token"),
+            (["intervene", "--max-new-tokens", "0"], "--max-new-tokens")]
 
 
 @pytest.mark.parametrize("argv, word", EVAL_BAD)
-def test_eval_bad_args(argv, word, capsys):
+def test_eval_bad_args(argv, word, capsys, monkeypatch):
     import eval as ev
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check"))
     with pytest.raises(SystemExit) as e:
-        ev.parse(argv)
+        ev.main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and "error:" in err and word in err
+    assert e.value.code == 2 and err.startswith("eval.py: error:") and word in err, err
 
 
-def test_eval_plot_unknown_key_is_an_error(tmp_path):
+def test_eval_plot_reads_a_killed_runs_metrics_and_names_a_bad_line(tmp_path, capsys):
+    import eval as ev
+    m = tmp_path / "run" / "metrics.jsonl"
+    m.parent.mkdir()
+    m.write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.7}\n{"step": 3, "ac')    # a kill cut line 3
+    ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
+    res = json.loads((tmp_path / "o" / "plot.json").read_text())
+    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(ev.peak_ema([0.5, 0.7])[-1])
+    m.write_text('{"step": 1, "acc": 0.5}\nnot json\n{"step": 3, "acc": 0.7}\n')
+    with pytest.raises(SystemExit) as e:
+        ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "metrics.jsonl, line 2" in err and err.startswith("eval.py: error:")
+
+
+def test_eval_plot_unknown_key_is_an_error(tmp_path, capsys):
+    import eval as ev
     m = tmp_path / "run" / "metrics.jsonl"
     m.parent.mkdir()
     m.write_text(json.dumps({"step": 1, "acc": 0.5}) + "\n")
-    p = subprocess.run([sys.executable, str(ROOT / "eval.py"), "plot", "--metrics", str(m), "--keys", "nosuch",
-                        "--out", str(tmp_path / "o")], capture_output=True, text=True)
-    assert p.returncode == 2 and "nosuch" in p.stderr and "Traceback" not in p.stderr
+    with pytest.raises(SystemExit) as e:
+        ev.main(["plot", "--metrics", str(m), "--keys", "nosuch", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error: --keys nosuch")
 
 
 # ----------------------------------------------------------------------------- model and checkpoint files
@@ -118,7 +230,9 @@ def test_model_file_errors_name_the_file(tmp_path):
     (bad / "config.json").write_text('{"model_type": "qwen3"}')
     (bad / "model.safetensors").write_bytes(b"junk")
     for name, word in ((str(fake), "fake.gguf"), (str(tmp_path / "nosuch"), "no such model directory"),
-                       ("./nosuch-model", "no such model directory"), (str(bad), "badckpt")):
+                       ("./nosuch-model", "no such model directory"), (str(bad), "badckpt"),
+                       ("runs/nosuch/ckpt", "runs/nosuch/ckpt: no such model directory"),
+                       (str(fake.with_suffix(".txt")), "no such model directory")):
         with pytest.raises(ValueError, match=word):
             load_model(name)
 
@@ -131,50 +245,102 @@ def tiny_state():
     return model, tok, opt, sched, grpo.Config()
 
 
-# Each step of the save, killed: the exception stands in for SIGKILL at that point.
-KILL_POINTS = ["save_pretrained", "torch.save", "marker", "rename old", "rename new", "delete old"]
+class Killed(Exception):
+    """Stands in for SIGKILL at one file-system operation of the save."""
 
 
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(tmp_path, monkeypatch, tiny_state, point):
+def kill_at(monkeypatch, k, model, tok):
+    """Make the k-th file-system operation of the next save raise Killed (k = -1: none); returns the log of
+    operations. A killed rmtree has deleted the weights first: a half-deleted directory."""
+    ops = []
+
+    def wrap(owner, name, half=None):
+        real = getattr(owner, name)
+
+        def op(*a, **kw):
+            where = a[0] if name in ("rmtree", "rename", "unlink", "write_text") else a[-1]
+            ops.append(f"{name}({Path(where).name})")
+            if len(ops) - 1 == k:
+                if half:
+                    half(*a)
+                raise Killed(ops[-1])
+            return real(*a, **kw)
+        monkeypatch.setattr(owner, name, op)
+    wrap(type(model), "save_pretrained")
+    wrap(type(tok), "save_pretrained")
+    wrap(ckpt_io.torch, "save")
+    wrap(Path, "write_text")
+    wrap(Path, "rename")
+    wrap(Path, "unlink")
+    wrap(ckpt_io.shutil, "rmtree", half=lambda d, *_, **__: (d / "model.safetensors").unlink(missing_ok=True))
+    return ops
+
+
+@pytest.fixture(scope="module")
+def prior_states(tiny_state, tmp_path_factory):
+    """Run directories as a save finds them: a finished checkpoint at step 1; a save of step 2 killed between
+    renaming ckpt/ away and ckpt.tmp/ in (ckpt.tmp at 2 and ckpt.old at 1, no ckpt/)."""
     model, tok, opt, sched, cfg = tiny_state
-    ckpt = tmp_path / "ckpt"
-    ckpt_io.save_checkpoint(ckpt, model, tok, opt, sched, 1, cfg, 0)          # the previous checkpoint
+    root = tmp_path_factory.mktemp("prior")
+    ckpt_io.save_checkpoint(root / "done" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    shutil.copytree(root / "done", root / "half")
+    with pytest.MonkeyPatch.context() as mp:
+        ops = kill_at(mp, -1, model, tok)
+        real = Path.rename
 
-    class Killed(Exception):
-        pass
+        def rename(self, target):
+            if self.name == "ckpt.tmp":
+                raise Killed("rename(ckpt.tmp)")
+            return real(self, target)
+        mp.setattr(Path, "rename", rename)
+        with pytest.raises(Killed):
+            ckpt_io.save_checkpoint(root / "half" / "ckpt", model, tok, opt, sched, 2, cfg, 0)
+    assert sorted(p.name for p in (root / "half").iterdir()) == ["ckpt.old", "ckpt.tmp"] and ops
+    return {"done": (root / "done", 1), "half": (root / "half", 2)}
 
-    def kill(*a, **k):
-        raise Killed(point)
-    renames = {"n": 0}
-    real_rename, real_rmtree = Path.rename, ckpt_io.shutil.rmtree
 
-    def rename(self, target):
-        renames["n"] += 1
-        if (point == "rename old" and renames["n"] == 1) or (point == "rename new" and renames["n"] == 2):
-            kill()
-        return real_rename(self, target)
+@pytest.mark.parametrize("prior", ["done", "half"])
+def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(tmp_path, monkeypatch, tiny_state, prior_states,
+                                                             prior):
+    """Every file-system operation of the save in turn raises (a kill there): the run directory still holds a
+    complete checkpoint, of the latest step before the save or of the new one, that loads (trainer state and
+    weights); and the next save repairs the directory."""
+    model, tok, opt, sched, cfg = tiny_state
+    src, before = prior_states[prior]
+    with monkeypatch.context() as mp:                    # a clean save: how many operations there are
+        shutil.copytree(src, tmp_path / "count")
+        ops = kill_at(mp, -1, model, tok)
+        ckpt_io.save_checkpoint(tmp_path / "count" / "ckpt", model, tok, opt, sched, 3, cfg, 0)
+    assert len(ops) >= 10 and any(o.startswith("rename") for o in ops), ops
+    for k in range(len(ops)):
+        run = tmp_path / f"kill{k}"
+        shutil.copytree(src, run)
+        with monkeypatch.context() as mp:
+            kill_at(mp, k, model, tok)
+            with pytest.raises(Killed):
+                ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 3, cfg, 0)
+        found = ckpt_io.find_checkpoint(run)
+        step, _ = ckpt_io.load_checkpoint(found, opt, sched)
+        assert step in (before, 3), (ops[k], step)
+        assert (found / "model.safetensors").is_file() and (found / "tokenizer.json").is_file(), ops[k]
+        ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 4, cfg, 0)        # the next save
+        assert [p.name for p in run.iterdir()] == ["ckpt"], ops[k]
+        assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(run), opt, sched)[0] == 4
+    load_model(str(found))                                                     # the weights load too
 
-    def rmtree(p, *a, **k):
-        if point == "delete old" and str(p).endswith(".old") and Path(p).exists():
-            kill()
-        return real_rmtree(p, *a, **k)
-    if point == "save_pretrained":
-        monkeypatch.setattr(type(model), "save_pretrained", kill)
-    elif point == "torch.save":
-        monkeypatch.setattr(ckpt_io.torch, "save", kill)
-    elif point == "marker":
-        monkeypatch.setattr(Path, "write_text", kill)
-    monkeypatch.setattr(Path, "rename", rename)
-    monkeypatch.setattr(ckpt_io.shutil, "rmtree", rmtree)
+
+def test_a_half_deleted_checkpoint_is_never_complete(tmp_path, monkeypatch, tiny_state):
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt.old")
+
+    def killed(d, *a, **k):                              # rmtree killed after deleting the weights
+        Path(d, "model.safetensors").unlink()
+        raise Killed("rmtree")
+    monkeypatch.setattr(ckpt_io.shutil, "rmtree", killed)
     with pytest.raises(Killed):
-        ckpt_io.save_checkpoint(ckpt, model, tok, opt, sched, 2, cfg, 0)
-    monkeypatch.undo()
-    found = ckpt_io.find_checkpoint(tmp_path)
-    step, _ = ckpt_io.load_checkpoint(found, opt, sched)
-    assert step in (1, 2)
-    assert step == 1 or point in ("rename new", "delete old")                 # the new one only once complete
-    load_model(str(found))                                                     # its weights load too
+        ckpt_io.discard(tmp_path / "ckpt")
+    assert not ckpt_io.complete(tmp_path / "ckpt") and ckpt_io.find_checkpoint(tmp_path).name == "ckpt.old"
 
 
 def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state):
@@ -183,8 +349,8 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state):
     (tmp_path / "ckpt" / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="trainer_state.pt"):
         ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), opt, sched)
-    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", str(tmp_path)], capture_output=True,
-                       text=True)
+    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", str(tmp_path)],
+                       capture_output=True, text=True)
     assert p.returncode == 2 and "trainer_state.pt" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -199,3 +365,72 @@ def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
     ckpt_io.write_metrics(f, {"step": 3})
     f.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monkeypatch):
+    m = tmp_path / "metrics.jsonl"                     # as an older version left it: steps 1, 2, 3, 3, 4
+    rows = ((1, 0), (2, 0), (3, 0), (3, 1), (4, 0))
+    m.write_text("".join(json.dumps({"step": s, "v": v}) + "\n" for s, v in rows))
+    before = m.read_text()
+
+    def killed(*a):
+        raise Killed("os.replace")
+    monkeypatch.setattr(ckpt_io.os, "replace", killed)
+    with pytest.raises(Killed):                         # a kill during the cut: nothing lost
+        ckpt_io.open_metrics(tmp_path, 3)
+    assert m.read_text() == before
+    monkeypatch.undo()
+    ckpt_io.open_metrics(tmp_path, 3).close()
+    kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
+    assert kept == [(1, 0), (2, 0), (3, 1)]                       # the last line of step 3: the redone one
+    f = ckpt_io.open_metrics(tmp_path, None)            # a plain open appends, it never truncates
+    ckpt_io.write_metrics(f, {"step": 4, "v": 2})
+    f.close()
+    assert len(m.read_text().splitlines()) == 4
+
+
+OUT_DIRS = [  # (what the out_dir holds, resume, overwrite, error?)
+    ([], False, False, False), (["metrics.jsonl"], False, False, True), (["ckpt/"], False, False, True),
+    (["ckpt.tmp/"], False, False, True), (["metrics.jsonl", "ckpt/"], True, False, False),
+    (["metrics.jsonl", "ckpt/", "rollouts/", "curves.png"], False, True, False),
+    (["notes.txt"], False, False, False),
+]
+
+
+@pytest.mark.parametrize("held, resume, overwrite, error", OUT_DIRS)
+def test_a_new_run_never_silently_replaces_an_old_one(tmp_path, held, resume, overwrite, error):
+    for h in held:
+        (tmp_path / h).mkdir() if h.endswith("/") else (tmp_path / h).write_text("x")
+    if error:
+        with pytest.raises(ValueError, match=r"--resume .*--overwrite"):
+            ckpt_io.check_out_dir(tmp_path, resume, overwrite)
+        assert all((tmp_path / h).exists() for h in held)
+        return
+    ckpt_io.check_out_dir(tmp_path, resume, overwrite)
+    gone = overwrite and not resume
+    assert all((tmp_path / h).exists() != (gone and h != "notes.txt") for h in held)
+
+
+def test_eval_names_a_corrupted_checkpoint_in_one_line(tmp_path, tiny_state, capsys):
+    import eval as ev
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    (tmp_path / "run" / "ckpt" / "trainer_state.pt").write_bytes(b"\x80garbage")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["bench", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", "--n-problems", "1",
+                 "--n", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("eval.py: error:") and "trainer_state.pt" in err
+
+
+def test_a_trainer_state_of_another_kind_names_the_file(tmp_path, tiny_state):
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    torch.save({"step": 1}, tmp_path / "ckpt" / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"trainer_state\.pt: not a grpo\.py trainer state \(missing opt"):
+        ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched)
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)   # another model's optimizer
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other, lambda _: 1)
+    with pytest.raises(ValueError, match=r"trainer_state\.pt: does not fit"):
+        ckpt_io.load_checkpoint(tmp_path / "ckpt", other, other_sched)
