@@ -57,7 +57,7 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
         discard(path)                                                    #    finish it, so that ckpt.tmp (the
-        tmp.rename(path)                                                 #    newest, maybe resumed from) is kept
+        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
     discard(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -70,7 +70,7 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
         discard(old)
         path.rename(old)                                                 # 2. keep the previous one ...
     discard(path)                                                        # (a partial ckpt/ is garbage)
-    tmp.rename(path)                                                     # 3. ... until the new one is in place
+    tmp.rename(path)                                                     # 3. ... until the new one is in
     discard(old)                                                         # 4.
 
 
@@ -79,7 +79,7 @@ def complete(d):
 
 
 def find_checkpoint(resume):
-    """--resume accepts a run directory or its ckpt/ folder; the first complete of ckpt, ckpt.tmp, ckpt.old."""
+    """--resume takes a run directory or its ckpt/ folder: the first complete of ckpt, ckpt.tmp, ckpt.old."""
     base = Path(resume)
     roots = [base / "ckpt", base] if base.name != "ckpt" else [base]
     for root in roots:

@@ -4,10 +4,10 @@ FlowTracer's claims are comparative (Tables 2, 3, 5, 7, 10, 11b, Fig. 6): only t
 between runs, everything else stays fixed (§4.1). So credit is two swappable steps, each a plain function:
 
     scores = signals.SIGNALS[cfg.credit](model, batch, cfg)    -> (B, T) float32, 0 off the response
-    c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> flowtracer.Credit(gamma (B, T), fallback (B,))
+    c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> Credit(gamma (B, T), fallback (B,))
 
 and GRPO multiplies each token's surrogate term by gamma (eq. 5: gamma_{i,t} * A_i). `assign` runs both, plus
-the token-class mask and the response-column slice: it is the one credit call of grpo.py and flowtracer_trl.py.
+the token-class mask and the response-column slice: the one credit call of grpo.py and flowtracer_trl.py.
 `batch` is a flowtracer.Batch; `cfg` is a CreditConfig (grpo.Config inherits it, so the flags stay flat).
 
 Shaping rules (gamma is 1 off the selection, 0 off the response)
@@ -87,7 +87,7 @@ class CreditConfig:
     entropy_kappa: float = 2.0         # --shaping entropy-adv (OAR eq. 6)
     attn_window: str = "10:100"        # --credit fai: FAI reads queries t with s+10 <= t <= s+100
     attn_global_frac: float = 0.3      # --credit fai: top 30% heads by mean attention distance
-    oar_outcome: str = "as-mean"       # OAR outcome: as-mean (OAR §6.2 trains with it) | lt-logits | as-joint
+    oar_outcome: str = "as-mean"       # OAR outcome: as-mean (OAR §6.2 trains with it), lt-logits, as-joint
     oar_sigma: float = 1e-3            # OAR-G embedding noise (OAR §3.2)
     oar_chunk: int = 64                # OAR-P masked copies per forward pass
     oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
@@ -122,7 +122,8 @@ def finish(gamma, sel, fallback, batch):
     """gamma (B, T): as given on the selectable tokens, 1 on the other response tokens, 0 off the response;
     all-1 on the response of fallback rows."""
     resp = batch.response_mask.bool()
-    gamma = torch.where(sel & ~fallback.unsqueeze(-1), gamma.float(), torch.ones_like(gamma, dtype=torch.float32))
+    one = torch.ones_like(gamma, dtype=torch.float32)
+    gamma = torch.where(sel & ~fallback.unsqueeze(-1), gamma.float(), one)
     return Credit(gamma * resp.float(), fallback)
 
 
@@ -139,7 +140,7 @@ def check_eligible(cfg, eligible):
 
 def shape_topk(scores, batch, cfg, eligible=None, largest=True):
     """eq. 6: gamma on the ceil(top_frac * n) selectable tokens with the highest (largest=False: lowest, the
-    Bottom-k ablation of Table 5) scores, ties to the earlier token; 1 on the rest (flowtracer.flow_credit)."""
+    Bottom-k ablation of Table 5) scores, ties to the earlier token; 1 on the rest (flow_credit)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
     c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)
@@ -165,7 +166,7 @@ def masked_quantile(x, m, q):
 
 
 def shape_continuous(kind):
-    """Table 7 continuous reweighting (departure 3): gamma = phi(s) / mean(phi(s)) over the selectable tokens."""
+    """Table 7 continuous reweighting (departure 3): gamma = phi(s) / mean(phi(s)) over selectable tokens."""
     def rule(scores, batch, cfg, eligible=None):
         check_eligible(cfg, eligible)
         s, sel, fallback = prepare(scores, batch, eligible)
@@ -302,8 +303,8 @@ _TABLES = {}
 
 
 def structural_table(tokenizer):
-    """(V,) bool: token id -> structural (is_structural of its decoded text; special tokens count as structural
-    delimiters). Built once per tokenizer with one batch_decode."""
+    """(V,) bool: token id -> structural (is_structural of its decoded text; special tokens count as
+    structural delimiters). Built once per tokenizer with one batch_decode."""
     key = (id(tokenizer), len(tokenizer))
     if key not in _TABLES:
         V = len(tokenizer)
@@ -314,7 +315,7 @@ def structural_table(tokenizer):
 
 
 def token_class_mask(tokenizer, input_ids, token_class):
-    """(B, T) bool mask of the tokens in `token_class` ("structural" | "semantic"); None for None/""/"none"."""
+    """(B, T) bool mask of the tokens in `token_class` ("structural" | "semantic"); None for no class."""
     if token_class in (None, "", "none"):
         return None
     if token_class not in ("structural", "semantic"):
@@ -362,7 +363,7 @@ BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every 
 
 
 def check(cfg):
-    """The first bad credit flag as one sentence naming it, or None (grpo.py turns it into its one-line error)."""
+    """The first bad credit flag as one sentence naming it, or None (grpo.py makes it its one-line error)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
     rules = [("--credit", cfg.credit in SIGNALS, f"must be one of {', '.join(SIGNALS)}"),
              ("--shaping", cfg.shaping in SHAPINGS, f"must be one of {', '.join(SHAPINGS)}"),
@@ -374,8 +375,10 @@ def check(cfg):
              ("--soft-mass", finite(cfg.soft_mass) and 0 < cfg.soft_mass <= 1, "must be in (0, 1]"),
              ("--entropy-frac", finite(cfg.entropy_frac) and 0 <= cfg.entropy_frac <= 1, "must be in [0, 1]"),
              ("--entropy-alpha", finite(cfg.entropy_alpha) and cfg.entropy_alpha >= 0, "must be >= 0"),
-             ("--entropy-kappa", finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1, "must be > 1 (keeps A's sign)"),
-             ("--attn-global-frac", finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1, "must be in (0, 1]"),
+             ("--entropy-kappa", finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1,
+              "must be > 1 (keeps A's sign)"),
+             ("--attn-global-frac", finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1,
+              "must be in (0, 1]"),
              ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
              ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
              ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),

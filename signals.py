@@ -84,11 +84,12 @@ def graph(model, batch, cfg, captured):
 
 
 def signal_flow(model, batch, cfg, captured=None):
-    """FlowTracer: throughput tau of the answer-targeted flow on the middle-layer attention DAG (§3.1, §3.3)."""
+    """FlowTracer: throughput tau of the answer-targeted flow on the middle layers' attention DAG (§3.3)."""
     attn = graph(model, batch, cfg, captured)                                  # (B, T, T)
     dev = attn.device
     valid = batch.attention_mask.to(dev).bool()
-    tau = trace_flow(attn, batch.question_mask.to(dev), batch.answer_mask.to(dev), valid_mask=valid).throughput
+    q, a = batch.question_mask.to(dev), batch.answer_mask.to(dev)
+    tau = trace_flow(attn, q, a, valid_mask=valid).throughput                 # (B, T) eq. 1-4
     resp = batch.response_mask
     return (tau.float() * resp.to(dev)).to(resp.device)                       # (B, T)
 
@@ -189,10 +190,11 @@ class _Done(Exception):
 @torch.no_grad()
 def signal_fai(model, batch, cfg, captured=None):
     """Li et al. 2025d (arXiv 2510.13554) global-anchor score FAI_s: the mean attention token s receives from
-    the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the "global" heads: the
-    top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default middle) by mean attention
-    distance sum_{t,s} a(t,s)(t - s) per query, over the batch. Needs the per-head maps, so the model runs
-    with eager attention; one layer's (B, H, T, T) maps exist at a time. Tokens with no t in the window get 0."""
+    the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the
+    "global" heads: the top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default
+    middle) by mean attention distance sum_{t,s} a(t,s)(t - s) per query, over the batch. Needs the
+    per-head maps, so the model runs with eager attention; one layer's (B, H, T, T) maps exist at a time.
+    Tokens with no t in the window get 0."""
     win = cfg.attn_window
     w0, w1 = (int(x) for x in (win.split(":") if isinstance(win, str) else win))   # (10, 100) or "10:100"
     frac = cfg.attn_global_frac
@@ -217,7 +219,8 @@ def signal_fai(model, batch, cfg, captured=None):
         if module.layer_idx == layers[-1]:
             raise _Done                                                        # later layers are not needed
 
-    attn_modules = [m for m in model.modules() if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")]
+    attn_modules = [m for m in model.modules()
+                    if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")]
     old = model.config._attn_implementation
     hooks = [m.register_forward_hook(keep) for m in attn_modules]
     try:
