@@ -311,8 +311,8 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
     T = prompt_tokens + cfg.max_new_tokens
     out = [table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device)}: {cfg.prompts_per_step} x "
                       f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
-                      f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, logprob_chunk {cfg.logprob_chunk} "
-                      f"({name})", unit)]
+                      f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
+                      f"logprob_chunk {cfg.logprob_chunk} ({name})", unit)]
     if measured:
         out.append(f"measured ({'torch.cuda.max_memory_allocated' if device != 'cpu' else 'track_peak'}):")
         out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "

