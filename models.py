@@ -104,8 +104,8 @@ def qwen3_4b_config():
     return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, attention_bias=False,
-                       pad_token_id=256, eos_token_id=259)
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                       attention_bias=False, pad_token_id=256, eos_token_id=259)
 
 
 def random_model(name, device, dtype, attn_implementation, seed=0):
