@@ -36,11 +36,13 @@ FLOAT_DIGITS = 12       # math-verify's float_rounding in tuples, sets, interval
 NOT_FINITE = re.compile(r"\s*[-+]?\s*(nan|inf|infinity)\s*", re.I)  # words, not answers (\infty is one)
 
 
-THOUSANDS, DECIMAL = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
+THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
+DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
 
 
 def number(s):
-    """(Decimal, is an integer) for a plain number ("025", "2,125", "25.0", "\\$5", "4.5e33", "12\\%"), else None."""
+    """(Decimal, is an integer) for a plain number ("025", "2,125", "25.0", "\\$5", "4.5e33", "12\\%"), or
+    None."""
     s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}|\s", "", s).rstrip(".").lower()
     if THOUSANDS.fullmatch(s):
         s = s.replace(",", "")

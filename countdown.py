@@ -4,7 +4,8 @@ A problem is a list of 3-4 numbers in 1..99 and a target in 10..100; the model m
 expression that uses every number exactly once with + - * / and equals the target. We follow the data
 construction protocol of TinyZero (Pan et al., 2025) that the paper cites:
   - `generate(n, split, seed)`: a seeded generator. It draws the numbers, combines them in a random order with
-    random operations (a random expression tree), and keeps the problem when the value is an integer in 10..100.
+    random operations (a random expression tree), and keeps the problem when the value is an integer in
+    10..100.
     The small exhaustive `solve` then verifies every kept problem. Splits are disjoint by construction: a
     multiset of numbers belongs to "test" when its hash is 0 mod 5, else to "train" (`split_of`).
     App. C.3 sizes: 20,000 train and 5,000 test (`SIZES`).
@@ -56,8 +57,8 @@ def question(nums, target):
 
 def frame(text):
     """TinyZero's plain-text frame for base models: the model continues inside an opened <think> block."""
-    return ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-            "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    return ("A conversation between User and Assistant. The user asks a question, and the Assistant "
+            "solves it. The assistant first thinks about the reasoning process in the mind and then provides the user "
             f"with the answer.\nUser: {text}\nAssistant: Let me solve this step by step.\n<think>")
 
 
@@ -104,7 +105,7 @@ def last_answer(text):
 
 
 def reward(completion, answer):
-    """TinyZero's Countdown reward: 1.0 correct, 0.1 answer tag present but wrong, 0.0 no answer. Never raises."""
+    """TinyZero's Countdown reward: 1.0 correct, 0.1 answer tag but wrong, 0.0 no answer. Never raises."""
     try:
         expr = last_answer(str(completion))
         if expr is None:

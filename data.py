@@ -8,11 +8,11 @@ Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
   math eval       gsm8k (test), math500, aime24, aime25, amc23, olympiadbench, minerva
   choice          crossthinkqa (train / validation; "test" reads validation, App. C.3)
-  countdown       countdown (generated, TinyZero's protocol: countdown.py), countdown-3to4 (TinyZero's hub data)
+  countdown       countdown (generated, TinyZero's protocol: countdown.py), countdown-3to4 (TinyZero's data)
   math, offline   arithmetic: generated 1-3 step word problems, the default task of the embedded
-                  SmolLM2-135M-Instruct. Measured with the fewshot prompt at T = 1.0, top-k 100, 128 new tokens
-                  (100 test problems x 4 samples): 14.8% right overall (1 step 19.8%, 2 steps 7.5%, 3 steps 0%),
-                  41 of 100 problems had both right and wrong samples, i.e. GRPO signal.
+                  SmolLM2-135M-Instruct. Measured with the few-shot prompt at T = 1.0, top-k 100, 128 new
+                  tokens (100 test problems x 4 samples): 14.8% right overall (1 step 19.8%, 2 steps 7.5%,
+                  3 steps 0%); 41 of 100 problems had both right and wrong samples, i.e. GRPO signal.
 Rows come from `path=` (a JSONL or parquet file) if given; else the generator; else
 $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to this repo); else the hub via
 `datasets.load_dataset` (offline, that raises an error saying how to pass a path). Quirks fixed on load:
@@ -49,8 +49,8 @@ Departures (numbered):
   4. Hub names: the paper links HPDL/OlympiadBench and UCLA-AGI/Minerva_Math; we use the copies of the
      Qwen2.5-Math eval suite. CrossThinkQA's fields are not documented offline: `choice_row` accepts the
      common multiple-choice layouts.
-  5. (answers.py) math-verify's timeout uses signal.alarm (main thread only). In other threads the check runs in a daemon
-     thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects values such as
+  5. (answers.py) math-verify's timeout uses signal.alarm (main thread only). In other threads the check runs
+     in a daemon thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects values such as
      9^{9^{9}} or (10^{10})! whose evaluation no timeout can interrupt (they score 0 even if equal).
 
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)

@@ -187,8 +187,8 @@ def masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores,
         t0, n = int(c[0]), len(c)                                              # copies share columns < t0
         x = x0[:, t0:].repeat(n, 1)                                            # (n, e - t0)
         x[torch.arange(n, device=dev), c - t0] = pad                           # eq. 7: y_t -> [PAD]
-        cache = DynamicCache(ddp_cache_data=[(k[:, :, :t0].expand(n, -1, -1, -1), v[:, :, :t0].expand(n, -1, -1, -1))
-                                             for k, v in kv], config=model.config) if t0 > 0 else None
+        prefix = [(k[:, :, :t0].expand(n, -1, -1, -1), v[:, :, :t0].expand(n, -1, -1, -1)) for k, v in kv]
+        cache = DynamicCache(ddp_cache_data=prefix, config=model.config) if t0 > 0 else None
         h = dec(input_ids=x, attention_mask=m0.expand(n, -1), position_ids=pos[:, t0:].expand(n, -1),
                 past_key_values=cache, use_cache=True).last_hidden_state      # (n, e - t0, D)
         o_t = outcome(model, h, p0[:, t0:].expand(n, -1), kind, n0[:, t0:].expand(n, -1))   # P^(t) or phi^(t)
