@@ -4,6 +4,7 @@
   credit_stats   OAR App. A.3's diagnostics of the credit: ESS ratio of gamma, top-10% mass of |A_t|
   save_rollouts  every rollout with its per-token text, answer mask, score and gamma (rollouts/step_N.jsonl)
   plot_curves    reward, accuracy, entropy and length against the step (curves.png)
+  peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
 not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
@@ -95,3 +96,12 @@ def plot_curves(metrics_path, png_path):
     fig.tight_layout()
     fig.savefig(png_path, dpi=80)
     plt.close(fig)
+
+
+def peak_ema(xs, alpha=0.2):
+    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1},
+    EMA_0 = x_0."""
+    out = []
+    for x in xs:
+        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
+    return out
