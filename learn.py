@@ -23,7 +23,7 @@ added later to the same --out-dir; another recipe or evaluation setting there is
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
  2. The band over seeds is their min-max range (with 2-3 seeds a t band would be mostly width).
- 3. The training reward is grpo.py's reward/mean per step (metrics.jsonl); skipped steps have none.
+ 3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
      (learn's flags, then after -- grpo.py's: the shared recipe; python learn.py ... is the same command)
@@ -34,8 +34,10 @@ import dataclasses
 import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,7 @@ import signals
 from answers import last_number_equal
 from models import ModelError, generate, load_model
 from probes import markdown, pyplot
-from runlog import peak_ema
+from runlog import metric_series, peak_ema
 from significance import paired_bootstrap, sign_test, t_interval
 
 
@@ -116,7 +118,7 @@ class Grid:
 
     def __init__(self, cfg, recipe, arms, seeds):
         self.cfg, self.recipe, self.arms, self.seeds, self.out = cfg, recipe, arms, seeds, Path(cfg.out_dir)
-        self.rc = rc = recipe_config(recipe, arms[0], seeds[0], self.out / "runs")
+        self.rc = rc = [recipe_config(recipe, a, seeds[0], self.out / "runs") for a in arms][0]   # each arm
         every = range(cfg.eval_every, rc.steps + 1, cfg.eval_every) if cfg.eval_every else \
             [max(1, round(rc.steps * i / 4)) for i in range(1, 4)]
         self.eval_steps = sorted({*every, rc.steps})
@@ -176,7 +178,7 @@ def run_grid(g):
     runs, steps = [f"{a}-s{s}" for s in g.seeds for a in g.arms], g.rc.steps
     w = max(1, round(len(g.recs) * (1 + g.cfg.eval_k) / (g.rc.prompts_per_step * g.rc.group_size)))
     done = sum(w for r in runs for e in g.eval_steps if g.done(r, e)) + w * g.done("", 0) + \
-        sum(min(steps, metrics_lines(g.out / "runs" / r)) for r in runs)
+        sum(min(steps, steps_logged(g.out / "runs" / r)) for r in runs)
     bar = tqdm(total=len(runs) * (steps + w * len(g.eval_steps)) + w, initial=done, desc="learn", unit="step")
     if not g.done("", 0):
         evaluate_checkpoint(g, g.rc.model, g.eval_file("", 0))
@@ -189,16 +191,10 @@ def run_grid(g):
             ckpt = train_to(g, run, e, bar)
             res = evaluate_checkpoint(g, str(ckpt), g.eval_file(run, e))
             bar.update(w)
-            tqdm.write(f"learn: {run} step {e}: held-out greedy acc {res['acc']:.3f} (lenient "
-                       f"{res['acc_lenient']:.3f}), mean@{g.cfg.eval_k} {res['mean@k']:.3f}")
+            tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
         summarize(g)                                   # partial results after every arm-seed
     bar.close()
     print(summarize(g) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
-
-
-def metrics_lines(run_dir):
-    f = run_dir / "metrics.jsonl"
-    return len(f.read_bytes().splitlines()) if f.is_file() else 0
 
 
 def train_to(g, run, step, bar):
@@ -206,9 +202,10 @@ def train_to(g, run, step, bar):
     returns the checkpoint. A checkpoint already at `step` (killed before its evaluation) is returned."""
     arm, seed = run.rsplit("-s", 1)
     d, log = g.out / "runs" / run, g.out / "logs" / f"{run}.log"
-    with contextlib.suppress(ckpt_io.RunError):
-        ckpt = None
+    try:
         ckpt = ckpt_io.find_checkpoint(d)
+    except ckpt_io.RunError:                           # not started, or stopped before its first save
+        ckpt = None
     at = ckpt_io.read_state(ckpt)["step"] if ckpt else 0
     if at > step:
         raise LearnError(f"{d}: checkpoint at step {at}, past the evaluation at step {step}; delete the run")
@@ -219,25 +216,38 @@ def train_to(g, run, step, bar):
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
             "--steps", str(step), "--overwrite"])
     log.parent.mkdir(parents=True, exist_ok=True)
-    seen = metrics_lines(d)
+    seen = steps_logged(d)
     with open(log, "a") as fh:
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        try:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:                                           # its own session: signals reach it from here, once
             while proc.poll() is None:
                 time.sleep(1.0)
-                now = min(g.rc.steps, metrics_lines(d))
+                now = min(g.rc.steps, steps_logged(d))
                 bar.update(max(0, now - seen))
                 seen = max(seen, now)
         finally:
-            if proc.poll() is None:                    # Ctrl-C or an error here: grpo.py saves and stops
-                proc.terminate()
-                proc.wait()
+            stop(proc)
     if proc.returncode != 0:
         tail = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
         raise LearnError(f"{run}: grpo.py exited with status {proc.returncode} ({tail}); see {log}")
     return ckpt_io.find_checkpoint(d)
+
+
+def steps_logged(run_dir):
+    return len(metric_series(run_dir / "metrics.jsonl", "step"))
+
+
+def stop(proc):
+    """learn stopped: grpo.py finishes its step, saves, exits; a second Ctrl-C kills it (kill-safe saves)."""
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    except KeyboardInterrupt:
+        proc.kill()
+        raise
 
 
 def evaluate_checkpoint(g, name, path):
@@ -246,22 +256,14 @@ def evaluate_checkpoint(g, name, path):
     device = torch.device(auto if rc.device == "auto" else rc.device)
     model, tok = load_model(name, device=device, dtype=memory.weight_dtype(rc, device))
     res = {**evaluate(model, tok, g.recs, g.style, g.cfg, rc), "time/s": time.perf_counter() - t0}
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()                       # the next grpo.py run gets the GPU's memory back
     ckpt_io.write_atomic(path, json.dumps(res))                # the done-marker of this evaluation
     return res
 
 
 # ----------------------------------------------------------------------------- results
-def training_reward(run_dir):
-    """[step, reward/mean] of metrics.jsonl; a line cut by a kill is skipped (departure 3)."""
-    rows, f = {}, run_dir / "metrics.jsonl"
-    for line in f.read_text(errors="replace").splitlines() if f.is_file() else []:
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            row = json.loads(line)
-            if isinstance(row.get("reward/mean"), (int, float)):
-                rows[row["step"]] = row["reward/mean"]
-    return [list(x) for x in sorted(rows.items())]
-
-
 def collect(g):
     """Per arm, the arm-seeds whose evaluations are all done; finals: (arm, seed) -> its last evaluation."""
     before, runs, finals = json.loads(g.eval_file("", 0).read_text()), {}, {}
@@ -273,7 +275,7 @@ def collect(g):
                 "seed": seed, **{f"before{sfx}": before[m] for m, sfx in SCORES.items()},
                 **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
                 "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
-                "reward": training_reward(g.out / "runs" / f"{arm}-s{seed}")})
+                "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
     return runs, finals
 
 
@@ -345,16 +347,15 @@ def plot(path, runs, alpha):
 
 # ----------------------------------------------------------------------------- command line
 def parse(argv, prog):
-    """(config, recipe, arms, seeds); every check, grpo.py's own included, before anything loads."""
+    """(config, recipe, arms, seeds), checked; Grid runs grpo.py's own checks (before any model loads)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False,
                                 epilog="every other flag, and all after --, is grpo.py's: the shared recipe")
     p.error = lambda msg: fail(prog, msg)                              # one line, no usage block
     for f in dataclasses.fields(LearnConfig):
-        kind = dict(action=argparse.BooleanOptionalAction) if f.type in (bool, "bool") else \
-            dict(type=type(f.default))
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind)
+        flag = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **flag)
     ns, rest = p.parse_known_args(argv[:cut])
     cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
     arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
@@ -380,20 +381,19 @@ def parse(argv, prog):
                        for k in ("eval_size", "eval_k", "eval_batch", "bootstrap"))):
         if bad:
             p.error(why)
-    try:                                               # grpo.py's own checks, for every arm
-        for arm in arms:
-            recipe_config(recipe, arm, seeds[0], Path(cfg.out_dir) / "runs")
-    except LearnError as e:
-        p.error(str(e))
     return cfg, recipe, arms, seeds
 
 
 def main(argv=None, prog="eval.py"):
     cfg, recipe, arms, seeds = parse(argv, prog)
+    if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         run_grid(Grid(cfg, recipe, arms, seeds))
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
         fail(prog, str(e))
+    except KeyboardInterrupt:
+        sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
 
 
 if __name__ == "__main__":

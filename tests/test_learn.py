@@ -92,10 +92,10 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
     stamp = {p: p.stat().st_mtime_ns for p in files}
 
     again = run(grid_args(out), capsys)                                # nothing left to do
-    assert "none-s0 finished earlier: skipped" in again and "flow-s0 finished earlier: skipped" in again
+    assert all(f"{run} finished earlier: skipped" in again for run in ("none-s0", "flow-s0"))
     assert {p: p.stat().st_mtime_ns for p in files} == stamp          # no run, no evaluation redone
 
-    killed = out / "eval" / "flow-s0" / "step00002.json"               # killed after training, before its eval
+    killed = out / "eval" / "flow-s0" / "step00002.json"      # as if killed between training and evaluation
     killed.unlink()
     third = run(grid_args(out), capsys)
     assert "none-s0 finished earlier: skipped" in third and "flow-s0 step 2" in third
