@@ -336,7 +336,7 @@ def plot(path, runs, alpha):
             line, = ax.plot(steps, ys.mean(0), label=f"{arm} (n={len(rs)})")
             ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
             ax.plot(steps, peak_ema(list(ys.mean(0)), alpha), "--", color=line.get_color(), lw=0.9)
-    axes[0].set(title="held-out greedy accuracy (strict)", xlabel="step")
+    axes[0].set(title="held-out greedy accuracy, strict (dashed: peak EMA)", xlabel="step")
     axes[1].set(title=f"training reward (dashed: peak EMA, alpha {alpha})", xlabel="step")
     for ax in axes:
         ax.legend(fontsize=7)
