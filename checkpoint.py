@@ -36,6 +36,7 @@ What grpo.py calls, in order:
   unlock_out_dir(out)                                            # at the end (or when the process ends)
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -97,6 +98,18 @@ def no_space(e):
     """A full disk or quota: OSError ENOSPC / EDQUOT, or safetensors' own error (os error 28) for the same."""
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
             or "No space left on device" in str(e) or "os error 28" in str(e))
+
+
+@contextlib.contextmanager
+def full_disk(path, what):
+    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
+    it as one line); every other error passes."""
+    try:
+        yield
+    except Exception as e:
+        if not no_space(e):
+            raise
+        raise RunError(f"{path}: no space left on the device to write {what}") from None
 
 
 def state_bytes(model, opt):
@@ -282,11 +295,7 @@ def open_metrics(out, resume_step):
 
 def write_metrics(fh, record):
     """One JSON line, on disk before the next step starts; a full disk is a RunError naming the file."""
-    try:
+    with full_disk(fh.name, f"step {record.get('step')}'s metrics"):
         fh.write(json.dumps(record) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    except OSError as e:
-        if not no_space(e):
-            raise
-        raise RunError(f"{fh.name}: no space left on the device to log step {record.get('step')}") from None

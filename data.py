@@ -19,8 +19,9 @@ $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to t
 AIME24's "025", AMC23's floats, OlympiadBench's lists, Minerva's answer inside the solution's \\boxed{},
 AIME25's control characters (a JSON escaping bug: \\x0c -> \\f and TAB -> \\t, as in "\\frac", "\\triangle").
 A file or row that cannot be used is a DataError (a ValueError) naming the file, the line and the field: a
-missing file, a directory, CSV, an empty file, non-UTF-8 or invalid JSON, a truncated parquet; a missing,
-empty or wrongly typed field; a NaN / Infinity / "nan" answer; a non-integer Countdown target or number.
+missing file, a directory or FIFO, CSV, an empty file, non-UTF-8 or invalid JSON, a truncated parquet; a
+missing, empty or wrongly typed field; a NaN / Infinity / "nan" answer; a non-integer Countdown target or
+number; a lone surrogate ("\\ud800"). Every pattern run on a row or a reward is linear in its length.
 
 Prompt styles, and the model families that use them (default_style):
   fewshot    the Llama models of the paper, Llama-3.1-8B and Llama-3.2-3B, and the other Llama-3.x models

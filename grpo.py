@@ -441,6 +441,8 @@ def check(cfg):
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
              ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+             *[(f"--{f.name.replace('_', '-')}", abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
+               for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature > 0, "must be > 0"),
              ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
              ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),

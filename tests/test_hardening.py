@@ -49,7 +49,7 @@ def last_line(capsys):
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
     for module in (grpo, ev):
-        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded before the error"))
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 
 # ----------------------------------------------------------------------------- 1. code from a checkpoint
@@ -64,8 +64,9 @@ class Payload:
 
 ENTRIES = {  # how a user reaches trainer_state.pt: (argv, main, its prog)
     "grpo --resume": (lambda run, out: ["--resume", str(run)], grpo.main, "grpo.py"),
-    "eval plot --model": (lambda run, out: ["plot", "--model", str(run), "--task", "arithmetic", "--n-problems",
-                                            "1", "--max-new-tokens", "2", "--out", str(out)], ev.main, "eval.py"),
+    "eval plot --model": (lambda run, out: ["plot", "--model", str(run), "--task", "arithmetic",
+                                            "--n-problems", "1", "--max-new-tokens", "2", "--out", str(out)],
+                          ev.main, "eval.py"),
 }
 
 
@@ -74,7 +75,8 @@ def test_a_crafted_trainer_state_runs_no_code(tmp_path, tiny_state, capsys, entr
     model, tok, opt, sched, cfg = tiny_state
     run, marker = tmp_path / "run", tmp_path / "code-ran"
     ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 1, cfg, 0)
-    state = {"optimizer": Payload(marker), "scheduler": {}, "step": 1, "rng": {}, "config": {}, "bad_steps": 0}
+    state = {"optimizer": Payload(marker), "scheduler": {}, "step": 1, "rng": {}, "config": {},
+             "bad_steps": 0}
     torch.save(state, run / "ckpt" / "trainer_state.pt")
     argv, main, prog = ENTRIES[entry]
     with pytest.raises(SystemExit) as e:
@@ -147,9 +149,10 @@ def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch,
     assert e.value.code == 2 and "file" in last_line(capsys)
 
 
-# ----------------------------------------------------------------------------- 3. a resume that changes the run
+# ----------------------------------------------------------------------------- 3. a resume that changes a run
 RESUMES = [  # (flags given with --resume, the flags the error must list; None: accepted)
-    (["--credit", "entropy"], ["--credit"]), (["--model", "tiny-qwen3", "--seed", "9"], ["--model", "--seed"]),
+    (["--credit", "entropy"], ["--credit"]),
+    (["--model", "tiny-qwen3", "--seed", "9"], ["--model", "--seed"]),
     (["--group-size", "4"], ["--group-size"]), (["--shaping", "bottomk"], ["--shaping"]),
     (["--dataset", "gsm8k"], ["--dataset"]), (["--lr", "0.5"], ["--lr"]),
     (["--steps", "9", "--save-every", "2", "--micro-batch", "1", "--device", "cpu"], None),
@@ -179,8 +182,8 @@ def enospc(*a, **k):
 
 
 def safetensors_full(*a, **k):
-    raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                       'left on device" })')
+    raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                       'message: "No space left on device" })')
 
 
 FULL = [("weights", lambda m, t: (type(m), "save_pretrained"), safetensors_full),
@@ -190,8 +193,8 @@ FULL = [("weights", lambda m, t: (type(m), "save_pretrained"), safetensors_full)
 
 
 @pytest.mark.parametrize("where, target, fault", FULL, ids=[f[0] for f in FULL])
-def test_a_full_disk_keeps_the_old_checkpoint_and_says_how_much_space(tmp_path, monkeypatch, tiny_state, where,
-                                                                      target, fault):
+def test_a_full_disk_keeps_the_old_checkpoint_and_says_how_much_space(tmp_path, monkeypatch, tiny_state,
+                                                                      where, target, fault):
     model, tok, opt, sched, cfg = tiny_state
     ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     with monkeypatch.context() as mp:
@@ -206,11 +209,32 @@ def test_a_full_disk_keeps_the_old_checkpoint_and_says_how_much_space(tmp_path, 
 def test_a_full_disk_during_a_run_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ckpt_io.torch, "save", enospc)
     with pytest.raises(SystemExit) as e:
-        grpo.main(["--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens",
-                   "4", "--steps", "1", "--out-dir", str(tmp_path / "run")])
+        grpo.main(["--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "2",
+                   "--max-new-tokens", "4", "--steps", "1", "--out-dir", str(tmp_path / "run")])
     line = last_line(capsys)
     assert e.value.code == 2 and line.startswith("grpo.py: error: ") and "no space left" in line, line
     assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("error, full", [(OSError(errno.ENOSPC, "full"), True),
+                                         (OSError(errno.EDQUOT, "quota"), True),
+                                         (OSError(errno.EACCES, "denied"), False),
+                                         (ValueError("bug"), False)])
+def test_full_disk_turns_only_a_full_disk_into_one_line(tmp_path, error, full):
+    """The guard around rollouts, curves and metrics: a full disk is a RunError naming the file, any other
+    error passes unchanged (a bug stays a traceback)."""
+    want = dict(expected_exception=ckpt_io.RunError, match="curves.png: no space") if full else \
+        dict(expected_exception=type(error))
+    with pytest.raises(**want):
+        with ckpt_io.full_disk(tmp_path / "curves.png", "the curves"):
+            raise error
+
+
+def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Path, "write_text", enospc)
+    with pytest.raises(SystemExit) as e:
+        ev.save(ev.argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
+    assert e.value.code == 2 and "cannot write the results" in last_line(capsys)
 
 
 def test_a_full_disk_while_logging_names_the_file(tmp_path):
@@ -282,7 +306,8 @@ def test_no_input_is_slow(name, work):
 
 def test_the_loader_reads_60000_spaces_at_once(tmp_path):
     path = tmp_path / "spaces.jsonl"
-    path.write_text(json.dumps({"question": " " * 60_000 + "What is 1 + 1?", "answer": " " * 60_000 + "2"}) + "\n")
+    row = {"question": " " * 60_000 + "What is 1 + 1?", "answer": " " * 60_000 + "2"}
+    path.write_text(json.dumps(row) + "\n")
     assert timed(data.load_task, "arithmetic", "train", str(path)) < 2.0
 
 
@@ -373,10 +398,11 @@ def test_eval_responses_with_an_unknown_task_is_one_line(tmp_path, capsys, task)
     assert e.value.code == 2 and line.startswith("eval.py: error: ") and "line 1: task" in line, line
 
 
-# ----------------------------------------------------------------------------- 12. grpo.py flags, all up front
+# ----------------------------------------------------------------------------- 12. grpo.py flags, up front
 GRPO_BAD = [(["--weight-decay", "-1"], "--weight-decay"), (["--seed", str(2 ** 70)], "--seed"),
             (["--seed", "-1"], "--seed"), (["--prompt-style", "countdown"], "--prompt-style"),
-            (["--dataset", "countdown", "--prompt-style", "fewshot"], "--prompt-style")]
+            (["--dataset", "countdown", "--prompt-style", "fewshot"], "--prompt-style"),
+            (["--top-k", str(2 ** 70)], "--top-k"), (["--max-new-tokens", str(2 ** 64)], "--max-new-tokens")]
 
 
 @pytest.mark.parametrize("argv, word", GRPO_BAD)
