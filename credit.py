@@ -382,6 +382,7 @@ def check(cfg):
              ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
              ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
              ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
+             ("--seed", 0 <= cfg.seed < 2 ** 63, "must be in [0, 2**63): torch seeds are 64-bit"),
              ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),
              ("--bilevel-beta", finite(cfg.bilevel_beta) and cfg.bilevel_beta >= 0, "must be >= 0"),
              ("--shaping entropy-adv", cfg.shaping != "entropy-adv" or cfg.credit == "entropy",

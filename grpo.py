@@ -119,6 +119,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     rollouts_every: int = 10           # save rollouts with per-token credit every N steps
     max_bad_steps: int = 3             # stop after this many consecutive NaN/inf steps
     resume: str = ""                   # a run directory (or its ckpt/) to continue from
+    allow_config_change: bool = False  # let --resume change flags that change the run (ckpt_io.BOOKKEEPING)
 
 
 # Departure 5: the embedded default runs on a CPU in minutes. Applied when --model is not given;
@@ -417,6 +418,7 @@ def bookkeep(run, step, m, rollout=None, skipped=None):
 
 def finish(run):
     run.metrics.close()
+    ckpt_io.unlock_out_dir(run.out)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -440,6 +442,9 @@ def check(cfg):
              *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
+             ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+             *[(f"--{f.name.replace('_', '-')}", abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
+               for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature > 0, "must be > 0"),
              ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
              ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
@@ -452,6 +457,8 @@ def check(cfg):
              ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
              ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
              ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or in data.STYLES"),
+             ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
+              f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
              ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
              ("--optimizer", cfg.optimizer in ("auto", "kahan", "adamw"), "must be auto, kahan or adamw"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
@@ -473,6 +480,7 @@ def parse_args(argv=None) -> Config:
     try:
         if given.get("resume"):                          # the saved run's config, then the flags given now
             saved = ckpt_io.saved_config(ckpt_io.find_checkpoint(given["resume"]))
+            ckpt_io.check_resume_config(saved, given)    # another --model, --credit ...: refused
             cfg = Config(**{**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__}, **given})
         else:
             name = str(given.get("model", Config.model)).lower()
@@ -490,13 +498,15 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
+    cfg, run = parse_args(argv), None
     try:
         run = setup(cfg)
-    except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir: one line
+        return train(cfg, run)
+    except (ValueError, OSError, ImportError) as e:   # setup: the user's files, model, checkpoint, out_dir;
+        if run is not None and not isinstance(e, ckpt_io.RunError):   # train: a full disk (RunError)
+            raise
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    return train(cfg, run)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,20 @@ def from_hub_or_dir(name, dtype, attn_implementation):
     return model, tok
 
 
+def device_problem(device):
+    """Why load_model cannot use `device` here, as one sentence, or None: not cpu or cuda[:N], or no such
+    GPU."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"{device!r} is not a device (cpu, cuda or cuda:N)"
+    if d.type not in ("cpu", "cuda"):
+        return f"{device!r}: only cpu and cuda are supported"
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():       # 0 without CUDA
+        return f"{device!r}: no such GPU is visible"
+    return None
+
+
 def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation="sdpa"):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 

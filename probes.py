@@ -195,8 +195,13 @@ def load_responses(path, tok, style):
     for where, row in data.read_rows(path):
         if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
             raise data.DataError(f"{where}: needs the fields question, answer and response")
+        task = row.get("task", "math")
+        if not isinstance(task, str) or task not in data.REWARDS or not data.style_fits(style, task):
+            raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(data.REWARDS)} that the "
+                                 f"{style!r} prompt style fits")
+        data.unicode_text(where, question=row["question"], answer=row["answer"], response=row["response"])
         rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses", question=row["question"],
-                   answer=data.answer_text(row["answer"]), task=row.get("task", "math"))
+                   answer=data.answer_text(row["answer"]), task=task)
         y = tok(str(row["response"]), add_special_tokens=False).input_ids
         if not y:
             raise data.DataError(f"{where}: empty response")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+import checkpoint as ckpt_io
+
 
 def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
     """One step's metrics. time/credit = the separate pass + the fused flow/shaping (the capture itself runs
@@ -69,7 +71,7 @@ def peak_memory_gb(device):
 def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
     """One JSON line per rollout: text, reward, advantage, and per response token: text, score, gamma."""
     P = batch.prompt_width
-    with open(path, "w") as fh:
+    with ckpt_io.full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rows):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
@@ -96,7 +98,8 @@ def plot_curves(metrics_path, png_path):
         ax.set_title(k)
         ax.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=80)
+    with ckpt_io.full_disk(png_path, "the curves"):
+        fig.savefig(png_path, dpi=80)
     plt.close(fig)
 
 

@@ -247,7 +247,7 @@ def test_sigterm_finishes_the_step_and_saves(tmp_path):
     assert p.returncode == 0, out[-2000:]
     assert "interrupted: checkpoint saved" in out
     steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
-    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
     assert state["step"] == steps[-1] < 500 and steps == list(range(1, steps[-1] + 1))
 
 
