@@ -438,6 +438,9 @@ def parse(argv=None):
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
+    p.add_argument("--oar-outcomes", nargs="+", choices=probes.OUTCOMES,
+                   default=[probes.CreditConfig.oar_outcome],
+                   help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
                    help="default: curves with --metrics, else heatmap inout tokens")

@@ -346,3 +346,28 @@ def test_plot_subprocess(smoke):
     assert io["inflow_total"] > 0 and io["inflow_total"] == pytest.approx(io["outflow_total"], rel=1e-6)
     assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(ev.peak_ema([0.1, 0.4, 0.2])[-1])
     assert "<span" in (out / "heatmap.html").read_text()
+
+
+def test_recall_scores_oar_against_the_chosen_outcomes(tiny, tmp_path):
+    """--oar-outcomes (OAR Fig. 5b): AS-Mean by default (one row, "oar-p"); several give one row per outcome,
+    each the oar-p signal of that outcome on the same responses."""
+    import signals
+    assert ev.parse(["recall"]).oar_outcomes == ["as-mean"]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RESPONSES))
+    ev.main(["recall", "--model", "tiny-qwen3", "--threads", "1", "--responses", str(path), "--max-new-tokens",
+             "40", "--max-positions", "2", "--signals", "oar-p", "random", "--oar-outcomes", "as-mean",
+             "lt-logits", "--out", str(tmp_path / "o")])
+    s = json.loads((tmp_path / "o" / "recall.json").read_text())["summary"]
+    assert set(s["recall"]) == {"oar-p:as-mean", "oar-p:lt-logits", "random"}
+    out = [json.loads(x) for x in (tmp_path / "o" / "recall_rows.jsonl").read_text().splitlines()]
+    model, tok = tiny
+    rows = [r for r in probes.load_responses(path, tok, ev.auto_style("tiny-qwen3", "math", "auto"))
+            if r["reward"] == 1.0]
+    batch = probes.regions(tok, rows)
+    for o in ("as-mean", "lt-logits"):
+        cfg = probes.CreditConfig(layers="middle", seed=0, oar_outcome=o)
+        sc = signals.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width:]          # (B, R)
+        for b, row in enumerate(out):
+            assert row["scores"][f"oar-p:{o}"] == pytest.approx(sc[b, :row["end"]].tolist(), abs=1e-6)
+    assert out[0]["scores"]["oar-p:as-mean"] != out[0]["scores"]["oar-p:lt-logits"]
