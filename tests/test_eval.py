@@ -334,6 +334,28 @@ def test_answer_forms_subprocess(smoke):
     assert r["answers"]["answer-only"].startswith("7}") and r["answers"]["multiple-choice"].startswith("B}")
     assert r["answers"]["full-line"].startswith("The final answer is 7.}")
     assert "| full-line |" in (out / "answer-forms.md").read_text()
+    f = s["formats"]                                       # RESPONSES: 3 boxed (2 right), 1 without an answer
+    assert (f["boxed"]["n"], f["boxed"]["accuracy"], f["fallback"]["n"], f["fallback"]["accuracy"]) == (3, 2 / 3, 1, 0)
+    assert f["boxed"]["overlap"] == s["overlap"] and f["tags"]["n"] == 0 and "| fallback | 1 |" in \
+        (out / "answer-forms.md").read_text()
+
+
+def test_answer_format_and_its_table_by_hand():
+    assert [highflow.answer_format(t) for t in ("so \\boxed{12}.", "<answer>7</answer>", "\\boxed{(B)}",
+                                                "<answer> c </answer>", "no answer", "\\boxed{}")] == \
+        ["boxed", "tags", "choice", "choice", "fallback", "fallback"]
+    out = [dict(no_answer=False, k0=4, reward=1.0, format="boxed", overlap={"full-line": [1.0, 0.5]}),
+           dict(no_answer=False, k0=6, reward=0.0, format="boxed", overlap={"full-line": [0.0, 1.0]}),
+           dict(no_answer=False, k0=2, reward=1.0, format="tags", overlap={"full-line": [1.0, 1.0]}),
+           dict(no_answer=True, reward=0.0, format="fallback")]
+    s = highflow.summarize(out, ["full-line"], [20, 40])
+    assert s["formats"]["boxed"] == dict(n=2, accuracy=0.5, overlap={"full-line": [0.5, 0.75]})
+    assert s["formats"]["tags"] == dict(n=1, accuracy=1.0, overlap={"full-line": [1.0, 1.0]})
+    assert s["formats"]["choice"]["n"] == 0 and s["formats"]["fallback"]["accuracy"] == 0.0
+    assert s["overlap"] == {"full-line": [2 / 3, 2.5 / 3]}
+    assert highflow.format_rows(s) == [["boxed", 2, 0.5, "full-line", 0.5, 0.75],
+                                       ["tags", 1, 1.0, "full-line", 1.0, 1.0],
+                                       ["choice", 0, None, "-", None, None], ["fallback", 1, 0.0, "-", None, None]]
 
 
 def test_plot_subprocess(smoke):
