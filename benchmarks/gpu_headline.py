@@ -22,8 +22,11 @@ each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (
 Qwen3-4B): an out-of-memory error is reported as such, with that size.
 
 The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
-keeps under 70 GB, as `eval.py memory` advises; the header says which. On the CPU, `allocated` is
-memory.track_peak's count of live tensor bytes and there is no reserved pool ("-").
+keeps under 70 GB (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
+Generation dominates the run time at 8K: three rollouts (memory.measure's two steps and the one here) of
+8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Untested on a
+GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memory.track_peak's
+count of live tensor bytes and there is no reserved pool ("-").
 
 Departures (numbered):
  1. The prompts are random printable text of about --prompt-tokens tokens (the byte tokenizer of the random
