@@ -3,7 +3,7 @@
   bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy, per benchmark
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
-  recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
+  recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA

@@ -47,6 +47,7 @@ Departures (numbered):
 
 Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
      python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
+     python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint   # Fig. 5b
 """
 import math
 import os
