@@ -250,13 +250,12 @@ def show(args, res, device):
     for ph, d in m.items():
         print(f"  {ph:15s}{f(d['estimate'])} {f(d['allocated'])} {f(d['reserved'])} {d['ratio']:10.3f}")
     o = res["overhead"]
-    print(f"flow credit: update {o['update_none_s']:.3f} s (none) vs {o['update_flow_s']:.3f} s (flow), "
-          f"generate {o['generate_s']:.3f} s; overhead {100 * o['fraction']:.2f}% of the step "
-          f"(medians of {o['rounds']} alternating rounds)")
+    print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow); "
+          f"generate {o['generate_s']:.3f} s; {100 * o['fraction']:.2f}% of the step (rounds: {o['rounds']})")
     g = res["generation"]
-    print(f"generation: {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; "
-          f"bandwidth bound {g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s "
-          f"({100 * g['of_bound']:.3g}% of it)")
+    print(f"generation     {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; bound "
+          f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
+          f"{100 * g['of_bound']:.3g}% of it")
     a = res.get("attention")
     if a:
         print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
