@@ -192,6 +192,7 @@ def attention_peaks(model, cfg, rows, T):
 
 # ----------------------------------------------------------------------------- the tables
 def headline(args, R, device):
+    """Every number of one table (response budget R) as a dict: memory, overhead, generation, attention."""
     cfg = step_config(args, R)
     P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
     res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
@@ -224,6 +225,7 @@ def headline(args, R, device):
 
 
 def attention_maps(args, model, cfg, T):
+    """attention_peaks, the extra of each over the plain forward, and the maps' own sizes (bytes)."""
     peaks = attention_peaks(model, cfg, args.attn_rows, T)
     mc = model.config
     eager_need = mc.num_hidden_layers * args.attn_rows * mc.num_attention_heads * T * T * model.dtype.itemsize
@@ -234,12 +236,14 @@ def attention_maps(args, model, cfg, T):
 
 
 def free(device):
+    """Return what the last model held to the allocator, so that the next phase starts from it."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def show(args, res, device):
+    """One table as text: GB on a GPU, MB on the CPU."""
     unit, name = (1e9, "GB") if device.type == "cuda" else (1e6, "MB")
     f = lambda v: f"{v / unit:10.2f}" if v is not None else f"{'-':>10s}"  # noqa: E731
     m = res["memory"]
