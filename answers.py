@@ -38,6 +38,7 @@ NOT_FINITE = re.compile(r"\s*[-+]?\s*(nan|inf|infinity)\s*", re.I)  # words, not
 
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
+LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 def number(s):
@@ -47,6 +48,14 @@ def number(s):
     if THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     return (Decimal(s), s.lstrip("+-").isdigit()) if DECIMAL.fullmatch(s) else None
+
+
+def last_number_equal(text, gold):
+    """The lenient score of learn.py: the last number written in the text equals the gold answer, both plain
+    numbers compared as exact decimals ("...so 12 apples." == "12"); False when either is not a number."""
+    found, g = LAST_NUMBER.findall(text), number(str(gold))
+    p = number(found[-1]) if found else None
+    return g is not None and p is not None and p[0] == g[0]
 
 
 def size(e):

@@ -164,6 +164,18 @@ def open_metrics(out, resume_step):
     return open(path, "a")                               # check_out_dir made sure a new run starts empty
 
 
+def write_atomic(path, text):
+    """A small file written whole or not at all (a temp file, fsync, os.replace): learn.py's results."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_metrics(fh, record):
     """One JSON line, on disk before the next step starts."""
     fh.write(json.dumps(record) + "\n")

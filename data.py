@@ -29,6 +29,7 @@ Prompt styles, and the model families that use them (default_style):
              from few-shot prompting.
   fewshot3   the embedded SmolLM2-135M-Instruct (and GGUF files): FEWSHOT plus our third exemplar
              (departure 3); zero-shot, SmolLM2 never writes a \\boxed{}. Not a paper setting.
+  oneshot    our third exemplar alone: a prompt a third as long, for cheap CPU learning runs (eval.py learn)
   chat       instruct / thinking models (Qwen3, Llama-3.x-Instruct, anything not named below): one user turn
              that ends with "Please reason step by step, and put your final answer within \\boxed{}."
              (App. E.1)
@@ -377,8 +378,8 @@ FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
 ]
 EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
                   "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
-EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR]}  # departure 3
-STYLES = ("chat", "plain", "fewshot", "fewshot3", "countdown")
+EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR], "oneshot": [EXTRA_EXEMPLAR]}  # dep. 3
+STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown")
 
 
 def render(messages, tokenizer):

@@ -7,6 +7,7 @@
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
+  learn      issue 21: credit arms x seeds of grpo.py runs, held-out gains with CIs, paired tests (learn.py)
   answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
              forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
@@ -59,6 +60,7 @@ import probes
 import signals
 from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, select_layers, trace_flow
 from models import ModelError, generate, load_model
+from runlog import peak_ema
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown", "crossthinkqa"]
 
@@ -76,14 +78,6 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def peak_ema(xs, alpha=0.2):
-    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1}; EMA_0 = x_0."""
-    out = []
-    for x in xs:
-        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
-    return out
 
 
 # ----------------------------------------------------------------------------- model, prompts, output
@@ -510,6 +504,10 @@ def check_ranges(ap, args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["learn"]:                                      # its own parser and recipe: learn.py
+        import learn
+        return learn.main(argv[1:])
     args = parse(argv)
     try:
         args.func(args)

@@ -90,6 +90,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     top_p: float = 1.0                 # App. C.3
     top_k: int = 100                   # App. C.3
     gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
+    share_prefix: bool = True          # prefill each prompt (and the prompts' shared prefix) once (models.py)
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # advantage clip (App. C.3)
@@ -145,7 +146,8 @@ def train(cfg: Config, run=None) -> list:
         model.eval()
         with torch.no_grad(), run.autocast:
             gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
-                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
+                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
+                           share_prefix=cfg.share_prefix)
         t.append(time.perf_counter())
         # ---------------------------------------------------------- reward
         rewards = torch.tensor([data.score(recs[j // G], txt) for j, txt in enumerate(gen.texts)])    # (B,)
