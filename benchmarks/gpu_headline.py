@@ -10,7 +10,8 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               on it (token_logprobs under grpo.capturing, credit.assign, grpo_loss, backward,
               optimizer_step), with --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
-  generation  tokens/s of models.generate (every row runs to R: min_new_tokens) beside the
+  generation  tokens/s of models.generate (every row runs to R: min_new_tokens, which turns its prefix
+              sharing off, so each row pays its prompt's prefill; the decode is grpo.py's) beside the
               memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
                         (weight bytes + g t 2 L Hkv hd kv_bytes)
