@@ -3,7 +3,7 @@
   bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy, per benchmark
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
-  recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
+  recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
@@ -435,6 +435,9 @@ def parse(argv=None):
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
+    p.add_argument("--oar-outcomes", nargs="+", choices=probes.OUTCOMES,
+                   default=[probes.CreditConfig.oar_outcome],
+                   help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
                    help="default: curves with --metrics, else heatmap inout tokens")

@@ -24,6 +24,7 @@ so all-equal groups, with A = 0, stay in B); token-mean divides by the response 
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
     micro-batches stands in for data parallelism. The paper's global batch (64 prompts x 8) is a flag.
+    --paper-batch (PAPER_BATCH below), accumulated micro_batch rows at a time into one update.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist.
  3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
@@ -82,6 +83,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16         # paper: 64 prompts per step on 8 GPUs; 16 x 8 fit one 80 GB GPU
+    paper_batch: bool = False          # the paper's 64 x 8 rows per step, accumulated (PAPER_BATCH)
     group_size: int = 8                # G samples per prompt (App. C.3)
     max_new_tokens: int = 1024         # response budget: 1K context (8K in the paper's long runs)
     temperature: float = 0.99          # App. C.3
@@ -128,6 +130,7 @@ EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, l
                 micro_batch=4, gen_chunk=8, save_every=3, rollouts_every=2, max_prompt_tokens=768,
                 grad_checkpointing=False, out_dir="runs/embedded")
 PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
+PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=64)   # departure 1; flags win
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -485,7 +488,7 @@ def parse_args(argv=None) -> Config:
         else:
             name = str(given.get("model", Config.model)).lower()
             base = EMBEDDED if name == Config.model else PAPER if any(k in name for k in PAPER_MODELS) else {}
-            cfg = Config(**{**base, **given})
+            cfg = Config(**{**base, **(PAPER_BATCH if given.get("paper_batch") else {}), **given})
     except ValueError as e:
         p.error(str(e))
     problem = check(cfg)

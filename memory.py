@@ -153,9 +153,10 @@ class track_peak(TorchDispatchMode):
 
 
 class cuda_peak:
-    """track_peak's interface on a GPU: torch.cuda.max_memory_allocated, reset at each phase."""
-    def __init__(self, *resident):
-        self.peak, self.name = {}, None
+    """track_peak's interface on a GPU: torch.cuda.max_memory_allocated, reset at each phase; the allocator's
+    max_memory_reserved of each phase goes to `reserved` (a dict given, or a new one)."""
+    def __init__(self, *resident, reserved=None):
+        self.peak, self.name, self.reserved = {}, None, {} if reserved is None else reserved
 
     def phase(self, name):
         self.close()
@@ -167,6 +168,7 @@ class cuda_peak:
         if self.name is not None:
             torch.cuda.synchronize()
             self.peak[self.name] = max(self.peak.get(self.name, 0), torch.cuda.max_memory_allocated())
+            self.reserved[self.name] = max(self.reserved.get(self.name, 0), torch.cuda.max_memory_reserved())
 
     def __enter__(self):
         return self
@@ -334,11 +336,12 @@ def peak(est):
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
+def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), with grpo.py's
     own pieces: HF generate, token_logprobs under the attention capture, fused credit.assign, grpo_loss,
     backward, optimizer_step. Every response runs to max_new_tokens (min_new_tokens), all rows are trained.
-    CPU: track_peak; CUDA: torch.cuda.max_memory_allocated."""
+    CPU: track_peak; CUDA: torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
+    where one is given."""
     import credit
     import grpo
     import signals
@@ -400,6 +403,6 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
         tr.phase(None)
 
     step(SimpleNamespace(phase=lambda name: None))
-    with (cuda_peak() if device.type == "cuda" else track_peak(model, opt)) as tr:
+    with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, opt)) as tr:
         step(tr)
     return tr.peak
