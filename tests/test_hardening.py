@@ -28,8 +28,8 @@ import data
 import eval as ev
 import grpo
 import probes
-from flowtracer import find_answer_span
 from models import load_model
+from regions import find_answer_span
 
 ROOT = Path(__file__).resolve().parents[1]
 
