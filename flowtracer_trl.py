@@ -38,7 +38,10 @@ Departures from grpo.py (numbered):
     rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
 
-Run:  the README's section "When one GPU is not enough" (a CPU demo, 2 processes over gloo, ZeRO-3).
+Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
+          --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
+          --learning-rate 1e-5 --gradient-checkpointing false --output-dir runs/trl-demo
+      (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
 """
