@@ -40,7 +40,7 @@ Departures from grpo.py (numbered):
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
-          --learning-rate 1e-5 --gradient-checkpointing false --output-dir runs/trl-demo
+          --learning-rate 1e-5 --output-dir runs/trl-demo
       (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
@@ -85,8 +85,8 @@ def trl_problem(trainer=None):
     GRPOTrainer internals (README: "When one GPU is not enough"): _generate_and_score_completions returns
     the rank's rows with 1-D "advantages"; _compute_loss keeps 2-D advantages as they are and reads them
     after _get_per_token_logps_and_entropies(..., compute_entropy=...); _prepare_inputs buffers a generation
-    batch in steps_per_generation slices (_buffered_inputs, _step); and on an instance: _dist
-    .summon_full_params, _metrics."""
+    batch in steps_per_generation slices (_buffered_inputs, _step); and on an instance (trainer):
+    _dist.summon_full_params, _metrics, temperature, num_iterations."""
     if trl.__version__ != TRL_VERSION:
         return (f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
                 f"{TRL_VERSION} only: pip install -r requirements-trl.txt")
@@ -103,8 +103,9 @@ def trl_problem(trainer=None):
     if not all(k in prep for k in ("_buffered_inputs", "steps_per_generation", "self._step")):
         return "trl's GRPOTrainer._prepare_inputs no longer buffers steps_per_generation slices"
     if trainer is not None and not (hasattr(getattr(trainer, "_dist", None), "summon_full_params")
-                                    and isinstance(getattr(trainer, "_metrics", None), dict)):
-        return "trl's GRPOTrainer has no _dist.summon_full_params or _metrics"
+                                    and isinstance(getattr(trainer, "_metrics", None), dict)
+                                    and all(hasattr(trainer, k) for k in ("temperature", "num_iterations"))):
+        return "trl's GRPOTrainer has no _dist.summon_full_params, _metrics, temperature or num_iterations"
     return None
 
 

@@ -52,6 +52,8 @@ Base = ft.GRPOTrainer if STOCK else ft.FlowTracerGRPOTrainer
 class Timed(Base):
     def __init__(self, *a, credit_cfg=None, **k):
         super().__init__(*a, **k, **({{}} if STOCK else {{"credit_cfg": credit_cfg}}))
+        if STOCK:                                          # what flowtracer_trl.main prints
+            self.fused, self.separate_why = False, "none (stock TRL)"
         trainer = self
 
         class Timer(TrainerCallback):
