@@ -25,17 +25,19 @@ Departures from grpo.py (numbered):
     _get_per_token_logps_and_entropies: trl is pinned, and trl_problem() checks it). --credit-pass separate
     (and the other signals): a no-grad credit pass at rollout time on the unwrapped policy, ZeRO-3
     parameters gathered as TRL's own generation does. The fused pass falls back to the separate one (said
-    at start) where it would not read what grpo.py reads: (a) steps_per_generation > the optimizer steps'
-    micro-batches (on_policy_credit): later slices of a generation batch meet their first loss after an
-    update, and credit must come from the policy that generated them; (b) --credit entropy at temperature
-    != 1: TRL's entropy is of the tempered logits, grpo.py's (token_logprobs) of the untempered ones.
+    at start) where it would not read what grpo.py reads: (a) a generation batch that spans an optimizer
+    step (steps_per_generation > gradient_accumulation_steps; on_policy_credit): its later slices meet their
+    first loss after an update, and credit must come from the policy that generated them; (b) --credit
+    entropy at a temperature != 1: TRL's entropy is of the tempered logits, grpo.py's (token_logprobs) of
+    the untempered ones.
  3. gamma is computed once per batch (its first loss, or rollout time), so every reuse of the batch
     (num_iterations > 1, steps_per_generation > 1) keeps it, as grpo.py credits at the first iteration.
  4. Each rank credits its own rows: a batch-wide rule (--shaping 80-20) ranks one rank's rows; --credit random
     is seeded by the content of that rank's credited rows. Rows with A = 0 get no credit (gamma 1): their term
-    is 0 anyway. A rank without such a row still runs its credit pass, on one placeholder row whose gamma
-    it drops: under ZeRO-3 / FSDP the unwrap, the parameter gathering and the forward are collective, and a
-    rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
+    is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose
+    gamma it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are
+    collective, and a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain
+    advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\

@@ -1,7 +1,8 @@
 """Peer benchmark: grpo.py against TRL 1.16's GRPOTrainer, stock and with FlowTracer (flowtracer_trl.py).
 
 One shape, one session, alternating runs (the machine is shared: alternation spreads its noise over every
-configuration alike). Every run is a fresh process from the same seed:
+configuration alike; rounds 2, 4, ... run the configurations in reverse order, so a load that rises or
+falls during a round weighs on each alike). Every run is a fresh process from the same seed:
 SmolLM2-135M-Instruct, --prompts (4) prompts x G = 4 x --tokens (64) new tokens, chat prompts, arithmetic
 task, gradient checkpointing, one thread (--threads). Four configurations:
 
@@ -113,7 +114,7 @@ def main(argv=None):
     rows = {label: [] for label, *_ in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for i, (label, engine, credit) in enumerate(CONFIGS):
+            for i, (label, engine, credit) in enumerate(CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
                 out = Path(tmp) / f"{r}-{i}"
                 steps = run_once(engine, credit, args, out)
                 rows[label] += steps[args.warmup:]
