@@ -2,10 +2,10 @@
 Qwen3, fp32, CPU: credit none trains exactly as stock TRL; the (B, C) advantages TRL receives are A * gamma,
 gamma = flowtracer.flow_credit on TRL's own tensor layout, and TRL's loss is eq. 5 with them; each fused
 signal gives grpo.py's credit on the same rows; a generation batch that spans optimizer steps is credited
-with the weights that generated it; both passes log grpo.py's credit metrics; an unknown TRL is one line;
-a real 2-process `accelerate launch` run (gloo) where one rank has only A = 0 enters the same collectives
-on both ranks and applies a single process's gamma, on both passes, and three mutated gammas fail that
-check."""
+with the weights that generated it, and a second iteration keeps the first's gamma; both passes log
+grpo.py's credit metrics; an unknown TRL is one line; a real 2-process `accelerate launch` run (gloo) where
+one rank has only A = 0 enters the same collectives on both ranks and applies a single process's gamma, on
+both passes, and three mutated gammas fail that check."""
 import contextlib
 import functools
 import json
@@ -268,6 +268,24 @@ def test_a_generation_spanning_updates_is_credited_with_the_generating_weights(t
     assert_loss_read(rec, keys, reference_gamma(keys, [rec["A"][k] for k in keys], cfg))
     after = tr.model.state_dict()
     assert any(not torch.equal(after[k], init[k]) for k in init)           # the weights did move in between
+
+
+def test_a_second_iteration_reuses_the_first_iterations_gamma(tmp_path, monkeypatch):
+    """num_iterations 2, fused: the second pass over the batch (after an update) reads the gamma of the
+    first, written into TRL's buffered batch (departure 3), not a gamma of the updated weights."""
+    reads, loss = {}, trl.GRPOTrainer._compute_loss
+
+    @functools.wraps(loss)
+    def compute_loss(self, model, inputs):
+        value = loss(self, model, inputs)
+        for k, a, m in zip(row_keys(inputs), inputs["advantages"], inputs["completion_mask"]):
+            reads.setdefault(k, []).append(a[m.bool()].tolist())
+        return value
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", compute_loss)
+    tr, _, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path, dict(num_iterations=2, max_steps=2,
+                        learning_rate=1e-2), credit_cfg=CreditConfig())
+    assert tr.fused and tr.state.global_step == 2 and [len(v) for v in reads.values()] == [2] * 8
+    assert all(first == second for first, second in reads.values())
 
 
 @pytest.mark.parametrize("credit_pass", ["fused", "separate"])
