@@ -21,28 +21,38 @@ Departures from grpo.py (numbered):
  2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none,
     random): TRL's own training forward captures the attention (flowtracer.capture) and gives the entropy;
     gamma is computed from them right after that forward and multiplies the batch's advantages before TRL's
-    loss reads them (this relies on TRL 1.16's _compute_loss reading inputs["advantages"] after
-    _get_per_token_logps_and_entropies: trl is pinned). --credit-pass separate (and the other signals): a
-    no-grad credit pass at rollout time on the unwrapped policy, ZeRO-3 parameters gathered as TRL's own
-    generation does.
+    loss reads them (TRL 1.16's _compute_loss reads inputs["advantages"] after
+    _get_per_token_logps_and_entropies: trl is pinned, and trl_problem() checks it). --credit-pass separate
+    (and the other signals): a no-grad credit pass at rollout time on the unwrapped policy, ZeRO-3
+    parameters gathered as TRL's own generation does. The fused pass falls back to the separate one (said
+    at start) where it would not read what grpo.py reads: (a) a generation batch that spans an optimizer
+    step (steps_per_generation > gradient_accumulation_steps; on_policy_credit): its later slices meet their
+    first loss after an update, and credit must come from the policy that generated them; (b) --credit
+    entropy at a temperature != 1: TRL's entropy is of the tempered logits, grpo.py's (token_logprobs) of
+    the untempered ones.
  3. gamma is computed once per batch (its first loss, or rollout time), so every reuse of the batch
     (num_iterations > 1, steps_per_generation > 1) keeps it, as grpo.py credits at the first iteration.
  4. Each rank credits its own rows: a batch-wide rule (--shaping 80-20) ranks one rank's rows; --credit random
     is seeded by the content of that rank's credited rows. Rows with A = 0 get no credit (gamma 1): their term
-    is 0 anyway. Evaluation keeps TRL's plain advantages.
+    is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose
+    gamma it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are
+    collective, and a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain
+    advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
 
-Run:  python flowtracer_trl.py --model smollm2-135m --dataset arithmetic --max-steps 10 --num-generations 4 \\
-          --per-device-train-batch-size 8 --max-completion-length 128
-      accelerate launch --multi_gpu --num_processes 2 flowtracer_trl.py --model tiny-qwen3 --max-steps 2
-      (on a machine without GPUs that runs 2 CPU processes over gloo: --use-cpu is the default there)
+Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
+          --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
+          --learning-rate 1e-5 --output-dir runs/trl-demo
+      (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
 """
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,15 +61,65 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoTokenizer, HfArgumentParser
-from trl import GRPOConfig, GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
+
+try:
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.models.utils import unwrap_model_for_generation
+except ImportError as e:                                         # no TRL: one line from the command line
+    if __name__ != "__main__":
+        raise
+    print(f"flowtracer_trl.py: error: {e}: pip install -r requirements-trl.txt", file=sys.stderr)
+    sys.exit(2)
 
 import credit
 import data
+import runlog
 import signals
 from flowtracer import capture, select_layers
 from models import RANDOM_MODELS, fix_tokenizer, load_model
 from regions import Batch, answer_token_range, build_batch, take
+
+TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements-trl.txt)
+
+
+def trl_problem(trainer=None):
+    """Why the installed TRL is not the one this plug-in knows (one sentence), or None. It relies on these
+    GRPOTrainer internals (README: "When one GPU is not enough"): _generate_and_score_completions returns
+    the rank's rows with 1-D "advantages"; _compute_loss keeps 2-D advantages as they are and reads them
+    after _get_per_token_logps_and_entropies(..., compute_entropy=...); _prepare_inputs buffers a generation
+    batch in steps_per_generation slices (_buffered_inputs, _step); and on an instance (trainer):
+    _dist.summon_full_params, _metrics, temperature, num_iterations."""
+    if trl.__version__ != TRL_VERSION:
+        return (f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
+                f"{TRL_VERSION} only: pip install -r requirements-trl.txt")
+    need = ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies",
+            "_prepare_inputs")
+    if not all(callable(getattr(GRPOTrainer, n, None)) for n in need):
+        return f"trl's GRPOTrainer lacks one of {', '.join(need)}"
+    loss, prep = inspect.getsource(GRPOTrainer._compute_loss), inspect.getsource(GRPOTrainer._prepare_inputs)
+    fwd, adv = loss.find("self._get_per_token_logps_and_entropies("), loss.find('inputs["advantages"]')
+    if not (0 <= fwd < adv and "advantages.dim() == 1" in loss):
+        return "trl's GRPOTrainer._compute_loss no longer reads 1-D or 2-D advantages after its forward"
+    if "compute_entropy" not in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters:
+        return "trl's GRPOTrainer._get_per_token_logps_and_entropies has no compute_entropy argument"
+    if not all(k in prep for k in ("_buffered_inputs", "steps_per_generation", "self._step")):
+        return "trl's GRPOTrainer._prepare_inputs no longer buffers steps_per_generation slices"
+    if trainer is not None and not (hasattr(getattr(trainer, "_dist", None), "summon_full_params")
+                                    and isinstance(getattr(trainer, "_metrics", None), dict)
+                                    and all(hasattr(trainer, k) for k in ("temperature", "num_iterations"))):
+        return "trl's GRPOTrainer has no _dist.summon_full_params, _metrics, temperature or num_iterations"
+    return None
+
+
+def on_policy_credit(steps_per_generation, accumulation, iterations):
+    """True when every slice of each generation batch meets its first loss before the optimizer steps after
+    that batch's generation: the fused credit then reads the weights that generated it. TRL generates every
+    steps_per_generation * iterations micro-steps (_prepare_inputs) and steps the optimizer every
+    `accumulation` micro-steps; the pattern repeats with their least common multiple."""
+    every = steps_per_generation * iterations
+    return all(s % accumulation + steps_per_generation <= accumulation
+               for s in range(0, math.lcm(every, accumulation), every))
 
 
 class FlowTracerGRPOTrainer(GRPOTrainer):
@@ -67,15 +127,31 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, credit_cfg=None, **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
-        problem = credit.check(self.credit_cfg)
+        problem = trl_problem() or credit.check(self.credit_cfg)
         if problem:
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
+        problem = trl_problem(self)
+        if problem:
+            raise ValueError(problem)
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
-        self.fused, self._loss_inputs = not credit.separate_pass(self.credit_cfg), None
+        self.separate_why = self.separate_reason()                      # departure 2
+        self.fused, self._loss_inputs = not self.separate_why, None
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
             raise ValueError("ZeRO-3 needs ds3_gather_for_generation (the default): the credit pass stops "
                              "its forward after the last chosen layer, with the parameters gathered")
+
+    def separate_reason(self):
+        """"" when the fused credit pass reads what grpo.py's reads; else why credit runs at rollout time."""
+        a, c = self.args, self.credit_cfg
+        if credit.separate_pass(c):
+            return "asked for, or the signal or the shaping needs it"
+        if not on_policy_credit(a.steps_per_generation, a.gradient_accumulation_steps, self.num_iterations):
+            return (f"steps_per_generation {a.steps_per_generation} spans an optimizer step (gradient "
+                    f"accumulation {a.gradient_accumulation_steps}): credit from the generating weights")
+        if c.credit == "entropy" and self.temperature != 1.0:
+            return f"TRL's entropy is at temperature {self.temperature}, grpo.py's of the untempered logits"
+        return ""
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)   # TRL: generate, reward, A (B,) of this rank
@@ -84,14 +160,12 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
         comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
         t = time.perf_counter()
-        gamma = self.token_credit(prompts, comps, out["advantages"])                  # (B, R), R <= C
+        gamma, fallback = self.token_credit(prompts, comps, out["advantages"])        # (B, R), R <= C; (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
         C = out["completion_ids"].shape[1]
         gamma = F.pad(gamma, (0, C - gamma.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
+        self.log_credit(gamma, out["advantages"], out["completion_mask"], fallback)
         out["advantages"] = out["advantages"].unsqueeze(-1) * gamma                   # (B, C) eq. 5
-        on = out["completion_mask"].bool() & (out["advantages"] != 0)                # credited tokens
-        boosted = (gamma[on] > 1).float().mean().nan_to_num().item()                 # this rank's
-        self._metrics["train"]["credit/boosted_frac"].append(boosted)
         return out
 
     def _compute_loss(self, model, inputs):
@@ -112,16 +186,18 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
               else contextlib.nullcontext(argparse.Namespace(attn=None))) as cap:
             out = forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         t = time.perf_counter()
+        adv = inputs["advantages"]                                                              # (B,)
         with torch.no_grad():
-            gamma = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, inputs["advantages"],
-                                      cap.attn, out[1])                                         # (B, C)
-        inputs["advantages"] = inputs["advantages"].unsqueeze(-1) * gamma                      # (B, C) eq. 5
+            gamma, fallback = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, adv,
+                                                cap.attn, out[1])                               # (B, C), (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
+        self.log_credit(gamma, adv, attention_mask[:, -logits_to_keep:], fallback)
+        inputs["advantages"] = adv.unsqueeze(-1) * gamma                                       # (B, C) eq. 5
         return out
 
     def fused_credit(self, policy, input_ids, attention_mask, C, adv, attn, entropy):
-        """gamma (B, C) on TRL's layout [left-padded prompt | right-padded completion] from the maps and the
-        entropy its training forward gave; rows with A = 0 get 1 on their tokens."""
+        """(gamma (B, C), fallback (B,)) on TRL's layout [left-padded prompt | right-padded completion] from
+        the maps and the entropy its training forward gave; rows with A = 0 get 1 on their tokens."""
         tok, P = self.processing_class, input_ids.shape[1] - C
         pm, cm = attention_mask[:, :P].bool(), attention_mask[:, P:].bool()             # (B, P), (B, C)
         special = torch.tensor(tok.all_special_ids, device=input_ids.device)
@@ -132,36 +208,60 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             k = answer_token_range(tok, input_ids[b, P:][cm[b]].tolist()) if cm[b].any() else None
             if k:
                 ans[b, P + k[0]:P + k[1]] = True
-        gamma = cm.float()
+        gamma, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
         if len(rows):
             batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
             got = signals.Captured(attn[rows] if attn is not None else None,
                                    entropy[rows].detach() if entropy is not None else None)
             c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
-            gamma[rows] = c.gamma.float()
-        return gamma
+            gamma[rows], fallback[rows] = c.gamma.float(), c.fallback.to(cm.device)
+        return gamma, fallback
 
     def token_credit(self, prompt_ids, completion_ids, adv):
-        """gamma (B, R) for B (prompt ids, completion ids) lists without padding and advantages adv (B,):
-        R = the longest completion, column j = completion token j, 0 past each completion's end. Rows with
-        A != 0 get credit.assign's gamma; the others 1. Deterministic given the rows and the policy."""
+        """(gamma (B, R), fallback (B,)) for B (prompt ids, completion ids) lists without padding and
+        advantages adv (B,): R = the longest completion, column j = completion token j, 0 past each
+        completion's end. Rows with A != 0 get credit.assign's gamma; the others 1. Every rank runs the pass
+        (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given the
+        rows and the policy."""
         n = [len(c) for c in completion_ids]
         gamma = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()   # (B, R) 1 on tokens
+        fallback = torch.zeros(len(n), dtype=torch.bool)
         rows = [i for i, c in enumerate(completion_ids) if c and adv[i] != 0]
-        if not rows:
-            return gamma
         tok, dev = self.processing_class, self.accelerator.device
-        batch = build_batch(tok, [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows]).to(dev)
+        pairs = ([(prompt_ids[i], completion_ids[i]) for i in rows] if rows else       # the placeholder:
+                 [(prompt_ids[0], completion_ids[0] or [tok.eos_token_id])])           # its gamma is dropped
+        A = adv[rows].to(dev).float() if rows else torch.ones(1, device=dev)
+        batch = build_batch(tok, *map(list, zip(*pairs))).to(dev)
         a = self.args                                                 # the model as TRL's generation sees it
         with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                           gather_deepspeed3_params=a.ds3_gather_for_generation,
                                           gradient_checkpointing_kwargs=a.gradient_checkpointing_kwargs)
               as policy, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False),
               self.accelerator.autocast()):
-            c = credit.assign(policy, tok, batch, adv[rows].to(dev).float(), self.credit_cfg)   # (b, R')
-        gamma[rows, :c.gamma.shape[1]] = c.gamma.float().cpu()
-        return gamma
+            c = credit.assign(policy, tok, batch, A, self.credit_cfg)                          # (b, R')
+        if rows:
+            gamma[rows, :c.gamma.shape[1]], fallback[rows] = c.gamma.float().cpu(), c.fallback.cpu()
+        return gamma, fallback
+
+    def log_credit(self, gamma, adv, mask, fallback):
+        """grpo.py's credit/* metrics (runlog.py) over every rank's credited rows (A != 0): gamma (B, C),
+        adv (B,), mask (B, C) the completion tokens, fallback (B,). One gather, entered by every rank."""
+        on = mask.bool() & (adv != 0)[:, None]                                             # (B, C)
+        g, A, o = gamma.float().cpu(), adv.float().cpu(), on.cpu()
+        per_row = [runlog.credit_stats(g[b:b + 1], A[b:b + 1], o[b:b + 1]) for b in range(len(g))]
+        ess = [r["credit/ess_ratio"] for r in per_row if r["credit/ess_ratio"] is not None]
+        mass = [r["credit/top10_adv_mass"] for r in per_row if r["credit/top10_adv_mass"] is not None]
+        local = [((g != 1) & o).sum().item(), o.sum().item(), (fallback.cpu() & o.any(-1)).sum().item(),
+                 o.any(-1).sum().item(), sum(ess), len(ess), sum(mass), len(mass)]
+        total = self.accelerator.gather(torch.tensor(local, dtype=torch.float64, device=adv.device)[None])
+        boosted, tokens, fell, n, ess, n_ess, mass, n_mass = total.sum(0).tolist()        # every rank's
+        if n:
+            m = self._metrics["train"]
+            m["credit/boosted_frac"].append(boosted / tokens)
+            m["credit/fallback_frac"].append(fell / n)
+            m["credit/ess_ratio"].append(ess / max(1, n_ess))
+            m["credit/top10_adv_mass"].append(mass / max(1, n_mass))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -210,6 +310,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    problem = trl_problem()                                   # an unknown TRL: one line, before any flag
+    if problem:
+        print(f"flowtracer_trl.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     args, ccfg, targs = parse_args(argv)
     try:
         records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed)
@@ -230,7 +334,8 @@ def main(argv=None):
         print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
-          f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es)")
+          f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
+          f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}")
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     trainer.save_model(targs.output_dir)
     if trainer.accelerator.is_main_process:

