@@ -1,4 +1,4 @@
-"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements-trl.txt). Tiny random
+"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements.txt). Tiny random
 Qwen3, fp32, CPU: credit none trains exactly as stock TRL; the (B, C) advantages TRL receives are A * gamma,
 gamma = flowtracer.flow_credit on TRL's own tensor layout, and TRL's loss is eq. 5 with them; a real 2-process
 `accelerate launch` run (gloo) trains and gives every sample the same gamma on every rank."""
