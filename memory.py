@@ -37,6 +37,7 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
+import inspect
 import os
 import weakref
 from types import SimpleNamespace
@@ -46,9 +47,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import credit
+import grpo
+import models
 import policy
 import signals
-from flowtracer import auto_chunk, select_layers as select
+from flowtracer import auto_chunk, build_batch, select_layers as select, take
 from policy import scheme
 
 GB, GiB = 1e9, 2 ** 30
@@ -145,7 +148,6 @@ COMPONENTS = ("weights", "grads", "optimizer", "cast cache", "KV cache", "activa
 
 def model_config(name):
     """The HF config of a model name, without its weights where possible (qwen3-4b: models.py's copy)."""
-    import models
     from transformers import AutoConfig
     if name in models.RANDOM_MODELS:
         return models.qwen3_4b_config() if name == "qwen3-4b-random" else models.tiny_config(name, 260)
@@ -254,9 +256,6 @@ def generation(mc, g, G, P, R, cb, rb):
 def prefill_rows(g, G):
     """The rows models.generate prefills at once in a chunk of g rows: g (HF generate on the prompts repeated
     G times), or with prefix sharing (models.generate's share_prefix) each distinct prompt once."""
-    import inspect
-
-    import models
     share = inspect.signature(models.generate).parameters.get("share_prefix")
     if share is None or share.default is not True:
         return g
@@ -370,11 +369,6 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
     old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
     hold the same). Every response runs to max_new_tokens (min_new_tokens), every row is trained (A = +-1).
     CPU: track_peak; CUDA: torch.cuda.max_memory_allocated."""
-    import credit
-    import grpo
-    import signals
-    from flowtracer import build_batch, take
-    from models import generate
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
     model, tok, ref, opt = policy.load_policy(cfg, device)
@@ -388,7 +382,7 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
         tr.phase("generation")
         model.eval()
         with torch.no_grad(), run.autocast:
-            gen = generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
+            gen = models.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
                            temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
         tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
