@@ -232,11 +232,12 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
 
 
 def generation(mc, g, G, P, R, cb, rb):
-    """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of: the prefill
-    (the rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's
-    float copy, q, output and K, V repeated to the query heads, or its MLP), each prompt's cache copied to
-    its G rows (prefix sharing), and the last decode step (the cache at T = P + R, one layer's K copied as
-    the cache grows, sampling on (g, V) fp32: logits, top-k, softmax, ...)."""
+    """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
+    rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
+    copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
+    grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
+    step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
+    T, beside that layer's cache of the prompts (reserved at T). Sampling takes 5 of (g, V) fp32."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
@@ -245,10 +246,10 @@ def generation(mc, g, G, P, R, cb, rb):
     attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
     mlp = k * P * (P + 3 * I * cb)
     prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
-    width = T if k < g else P                          # prefix sharing reserves each cache at T at once
-    peaks = [(kv(k, width), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
-    if k < g:
-        peaks.append((kv(k, T) + kv(g, P), 0))
+    if k < g:                                          # prefix sharing: each prompt's cache reserved at T
+        peaks = [(kv(k, T), prefill), (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
+    else:
+        peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
 
