@@ -384,7 +384,7 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
         model.eval()
         with torch.no_grad(), run.autocast:
             gen = models.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
-                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
+                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
         tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)

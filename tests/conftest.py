@@ -26,11 +26,12 @@ def shared_data():
 
 
 def task_data_missing(task, split="test"):
-    """Why `task`'s split cannot be read here, or None: no offline copy under $FLOWTRACER_DATA (../shared/data)
-    and no hub (HF_HUB_OFFLINE, or huggingface.co unreachable in 3 s; datasets would retry for 25 s)."""
+    """Why `task`'s split cannot be read here, or None: no offline copy under $FLOWTRACER_DATA (or
+    ../shared/data) and no hub (HF_HUB_OFFLINE, or huggingface.co unreachable in 3 s; datasets: 25 s)."""
     import data
     t = data.TASKS[task]
-    if t.generate or any((SHARED_DATA / t.local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet")):
+    local = [SHARED_DATA / t.local / f"{split}{ext}" for ext in (".jsonl", ".parquet")]
+    if t.generate or any(p.is_file() for p in local):
         return None
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
         return f"{task}: no offline copy under {SHARED_DATA} (set FLOWTRACER_DATA) and HF_HUB_OFFLINE is set"

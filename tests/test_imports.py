@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_graph(root=ROOT) -> dict:
-    """{script: set of top-level scripts it imports}, from the source of every root/*.py (ast, nothing run)."""
+    """{script: the top-level scripts it imports}, from the source of every root/*.py (ast, nothing run)."""
     scripts = {p.stem: p for p in root.glob("*.py")}
     graph = {}
     for name, path in scripts.items():
