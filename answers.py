@@ -5,6 +5,8 @@ timeout and a size guard, never raising and never hanging.
   equivalent(gold, pred) -> bool   "025" == 25 == 25.0 == "2.5e1", "1,000" == 1000; plain numbers compare
                                    exactly as decimals: 2024 != 2024.001, 1000000 != 1000000.9;
                                    "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
+  boxed_span(text) -> (start, end)  the content of the last closed, non-empty \\boxed{} (one linear pass)
+  option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
 Numbers (the rule, both directions tested in tests/test_reliability.py):
   - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
   - two parsed numbers (\\frac{1}{3}, 10^{6}, 1.5 \\times 10^{-5}, \\sqrt{2}): rational ones (integers,
@@ -13,7 +15,10 @@ Numbers (the rule, both directions tested in tests/test_reliability.py):
     math-verify's default rounding to 6 decimals (which accepts 1000000 == 1000000.0000004, 1/3 == 0.333333);
     inside tuples, sets, intervals and equations math-verify compares floats to FLOAT_DIGITS decimals;
   - not a number is never correct: the words nan / inf / infinity (either side), and a parse that is NaN or
-    1/0 (zoo). The symbol \\infty is mathematics and compares as such ((2, \\infty) == (2, \\infty)).
+    1/0 (zoo), not even against the same string. The symbol \\infty is mathematics and compares as such
+    ((2, \\infty) == (2, \\infty));
+  - spaces: "1 2" is not 12 and "1, 100" (a list) is not 1100; only ",", "\\," and "{,}" group thousands;
+  - an equation between two different numbers answers nothing: \\boxed{5 = 6} is not 6 (x = 6 is).
 Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
 thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
 timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
@@ -33,20 +38,42 @@ TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signa
 MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
 REL_TOL = 1e-9          # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
 FLOAT_DIGITS = 12       # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
-NOT_FINITE = re.compile(r"\s*[-+]?\s*(nan|inf|infinity)\s*", re.I)  # words, not answers (\infty is one)
-
-
+# Every pattern below is linear in its input (no two quantifiers can trade the same characters), and
+# equivalent() cuts answers longer than MAX_ANSWER_CHARS before any of them runs.
+NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
-DECIMAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?")
+DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")
+LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")      # learn.py's lenient score
+SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")   # LaTeX thousands separators: 1\,000, 1{,}000
+
+
+def not_finite(s):
+    """The words nan / inf / infinity, signed or not, with spaces around: not a number (\\infty is one)."""
+    return NOT_FINITE.fullmatch(s.strip()) is not None
 
 
 def number(s):
-    """(Decimal, is an integer) for a plain number ("025", "2,125", "25.0", "\\$5", "4.5e33", "12\\%"), or
-    None."""
-    s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}|\s", "", s).rstrip(".").lower()
+    """(Decimal, is an integer) for a plain number ("025", "2,125", "1\\,000", "25.0", "\\$5", "4.5e33",
+    "12\\%"), or None. A space inside the digits makes it no plain number: "1 2" is not 12."""
+    s = SEPARATOR.sub(",", s)
+    s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}", "", s).strip().rstrip(".").lower()
+    s = re.sub(r"^([-+])\s+", r"\1", s)                      # "- 5" is -5
     if THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
-    return (Decimal(s), s.lstrip("+-").isdigit()) if DECIMAL.fullmatch(s) else None
+    if not DECIMAL.fullmatch(s):
+        return None
+    try:
+        return Decimal(s), s.lstrip("+-").isdigit()
+    except ArithmeticError:      # an exponent beyond Decimal's range: 1e99999999999999999999
+        return None
+
+
+def last_number_equal(text, gold):
+    """The lenient score of learn.py: the last number written in the text equals the gold answer, both plain
+    numbers compared as exact decimals ("...so 12 apples." == "12"); False when either is not a number."""
+    found, g = LAST_NUMBER.findall(text), number(str(gold))
+    p = number(found[-1]) if found else None
+    return g is not None and p is not None and p[0] == g[0]
 
 
 def size(e):
@@ -107,6 +134,18 @@ def numbers_equal(g, p):
     return bool(abs(x - y) <= REL_TOL * max(abs(x), abs(y)))
 
 
+def false_equation(e):
+    """An equation between two numbers that differ (5 = 6, also inside y = 5 = 6): its right side answers
+    nothing."""
+    import sympy
+    return isinstance(e, sympy.Basic) and any(numbers_equal(q.lhs, q.rhs) is False for q in e.atoms(sympy.Eq))
+
+
+def squash(s):
+    """s without the spaces that do not part two words or numbers: "x = 6" -> "x=6", but "1 2" stays."""
+    return re.sub(r" (?!\w)|(?<!\w) ", "", re.sub(r"\s+", " ", s).strip())
+
+
 def math_verify_equal(gold, pred, timeout):
     import sympy
     from math_verify import verify
@@ -114,29 +153,45 @@ def math_verify_equal(gold, pred, timeout):
     from math_verify.utils import timeout as alarm
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
     exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
-    if any(size(x) > MAX_DIGITS for x in exprs) or any(x.has(sympy.nan, sympy.zoo) for x in exprs):
-        return False   # too big to evaluate, or not a number (0/0, 1/0)
-    if g and p and "%" not in gold + pred:   # (percentages: math-verify's rule, 9\\% == 9 == 0.09)
-        try:
-            same = alarm(timeout)(numbers_equal)(g[0], p[0])   # two numbers: ours, not 6 decimals
-        except (Exception, TimeoutException):                  # TimeoutException is a BaseException
+    if any(size(x) > MAX_DIGITS for x in exprs):
+        return squash(gold) == squash(pred)   # too big to evaluate: only the same string is equal
+    undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]   # 0/0, 1/0; or a misparse (\gamma^{2})
+    try:               # sympy's evaluations under the timeout
+        if any(alarm(timeout)(false_equation)(x) for x in exprs):
+            return False                                       # \boxed{5 = 6} does not answer 6
+        if squash(gold) == squash(pred):       # the same string: equal, unless it is a number that is not one
+            return not any(getattr(x, "is_number", False) for x in undefined)   # \frac{0}{0}
+        if undefined:
             return False
-        if same is not None:
-            return same
+        same = None
+        if g and p and "%" not in gold + pred:   # (percentages: math-verify's rule, 9\% == 9 == 0.09)
+            same = alarm(timeout)(numbers_equal)(g[0], p[0])   # two numbers: ours, not 6 decimals
+    except (Exception, TimeoutException):                      # TimeoutException is a BaseException
+        return False
+    if same is not None:
+        return same
     return verify(g, p, float_rounding=FLOAT_DIGITS, timeout_seconds=timeout)
 
 
 def equivalent(gold, pred):
-    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout."""
-    if NOT_FINITE.fullmatch(gold) or NOT_FINITE.fullmatch(pred):  # not a number: equals nothing, not itself
+    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout. Never raises:
+    an error of the parser or of Decimal is "not equal"."""
+    try:
+        return compare(gold, pred)
+    except Exception:
+        return False
+
+
+def compare(gold, pred):
+    if len(gold) > MAX_ANSWER_CHARS or len(pred) > MAX_ANSWER_CHARS:   # the limit first: no pattern runs on
+        return squash(pred) == squash(gold)                            # a long string; compared as strings
+    if not_finite(gold) or not_finite(pred):  # not a number: equals nothing, not itself
         return False
     g, p = number(gold), number(pred)
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
         return g[0] == p[0]
     gold, pred = (format(n[0], "f") if n and abs(n[0].adjusted()) <= 100 else s  # "4.5e33": e is not Euler's
                   for s, n in ((gold, g), (pred, p)))
-    if re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold) or len(pred) > MAX_ANSWER_CHARS:
-        return re.sub(r"\s", "", pred) == re.sub(r"\s", "", gold)  # the same string, or too long to parse
     if threading.current_thread() is threading.main_thread():
         return math_verify_equal(gold, pred, TIMEOUT_S)  # math-verify's own signal.alarm timeouts
     box = []  # departure 5: no signals in this thread, so run in a daemon thread; stop waiting at the timeout
@@ -150,3 +205,35 @@ def equivalent(gold, pred):
     worker.start()
     worker.join(4 * TIMEOUT_S)  # one parse each for gold and pred, the comparison, and slack
     return bool(box and box[0])
+
+
+# ----------------------------------------------------------------------------- where the answer is
+BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
+
+
+def boxed_span(text):
+    """(start, end) of the content of the last closed, non-empty \\boxed{...} (the one opening last; nested
+    braces balanced), or None: data.last_boxed's answer, flowtracer.find_answer_span's span. One pass over
+    the braces: linear in len(text), however many are left open."""
+    stack, best = [], None
+    for m in BRACES.finditer(text):                        # an open brace: (content start, is a \boxed{)
+        if m.group() != "}":
+            stack.append((m.end(), m.group() != "{"))
+        elif stack:
+            start, boxed = stack.pop()
+            if boxed and text[start:m.start()].strip() and (best is None or start > best[0]):
+                best = (start, m.start())
+    return best
+
+
+# ----------------------------------------------------------------------------- multiple choice
+SECOND_OPTION = re.compile(r"\)?\s*(?:[,/&;]\s*(?:(?i:or|and)\s+)?\(?[A-P]\b"   # right after the letter:
+                           r"|(?i:or|and)\s+\(?[A-P]\b|\([A-P]\))")           # , C  or C  and (C)  (C)
+
+
+def option_letter(pred):
+    """The option letter a \\boxed{} content names ("B", "(B)", "\\text{B}", "B. text", "B) text" -> "B"), or
+    None: no letter, or two options ("B or C", "B and C", "(B) (C)", "B, C"), which is a wrong answer."""
+    pred = re.sub(r"\\text(?:bf)?\{([^{}]*)\}", r"\1", pred).strip()
+    m = re.match(r"\(?([A-Za-z])\)?(?:$|[.:)\s])", pred)
+    return None if m is None or SECOND_OPTION.match(pred, m.end(1)) else m.group(1).upper()

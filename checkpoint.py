@@ -18,19 +18,31 @@ tests/test_reliability.py kills the save at each point and loads what is left.
 metrics.jsonl gets one line per step, flushed and fsynced (write_metrics). On --resume it is first cut back
 to the checkpoint's step, one line per step (atomically: a temp file, then os.replace), so a step redone
 after a kill appears once and no step before it is lost. A new run refuses an out_dir that already holds a
-run unless --overwrite is given (check_out_dir).
+run unless --overwrite is given (check_out_dir), and an out_dir another run is writing to: check_out_dir takes
+an exclusive lock (fcntl.flock on <out_dir>/.lock, held while the process lives) and names the PID holding it.
+
+Untrusted files. trainer_state.pt is read with torch.load(weights_only=True): tensors and plain types only, so
+a crafted file cannot run code (a pickle of anything else is refused, naming the file); its fields are type-
+checked. A --resume that changes a flag that changes the run's meaning is refused (check_resume_config), and a
+full disk during a save is one line with the space needed, the last complete checkpoint untouched.
 
 What grpo.py calls, in order:
+  check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
   ckpt = find_checkpoint(cfg.resume) if cfg.resume else None     # RunError: no complete checkpoint there
-  check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)
+  check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)   # locks out_dir first
   step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
   metrics = open_metrics(out, step if ckpt else None); write_metrics(metrics, m) each step
   save_checkpoint(out / "ckpt", model, tok, opt, sched, step, cfg, bad)
+  unlock_out_dir(out)                                            # at the end (or when the process ends)
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -59,19 +71,55 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
         discard(path)                                                    #    finish it, so that ckpt.tmp (the
         tmp.rename(path)                                                 #    newest, maybe resumed) is kept
     discard(tmp)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "rng": rng,
-                "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
-    (tmp / MARK).write_text(str(step))                                  # 1. complete
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "rng": rng,
+                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
+        (tmp / MARK).write_text(str(step))                              # 1. complete
+    except Exception as e:
+        if not no_space(e):
+            raise
+        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
+        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
+                       f"about {gb(state_bytes(model, opt))}, {gb(shutil.disk_usage(path.parent).free)} are "
+                       f"free); the last complete checkpoint is kept") from None
     if complete(path):
         discard(old)
         path.rename(old)                                                 # 2. keep the previous one ...
     discard(path)                                                        # (a partial ckpt/ is garbage)
     tmp.rename(path)                                                     # 3. ... until the new one is in
     discard(old)                                                         # 4.
+
+
+def no_space(e):
+    """A full disk or quota: OSError ENOSPC / EDQUOT, or safetensors' own error (os error 28) for the same."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            or "No space left on device" in str(e) or "os error 28" in str(e))
+
+
+@contextlib.contextmanager
+def full_disk(path, what):
+    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
+    it as one line); every other error passes."""
+    try:
+        yield
+    except Exception as e:
+        if not no_space(e):
+            raise
+        raise RunError(f"{path}: no space left on the device to write {what}") from None
+
+
+def state_bytes(model, opt):
+    """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
+    ts = [*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]
+    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+
+def gb(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def complete(d):
@@ -89,18 +137,29 @@ def find_checkpoint(resume):
     raise RunError(f"--resume {resume}: no complete checkpoint there (expected {base / 'ckpt'}/{MARK})")
 
 
-STATE_KEYS = ("optimizer", "scheduler", "step", "rng", "config", "bad_steps")
+STATE = {"optimizer": dict, "scheduler": dict, "step": int, "rng": dict, "config": dict,   # key -> its type
+         "bad_steps": int}
 
 
 def read_state(ckpt):
+    """trainer_state.pt, safely: weights_only=True unpickles tensors and plain types only, never code."""
     f = Path(ckpt) / "trainer_state.pt"
     try:
-        state = torch.load(f, weights_only=False)
+        state = torch.load(f, weights_only=True)
+    except pickle.UnpicklingError:   # a pickle of other objects (a crafted file, another program's state)
+        raise RunError(f"{f}: not a grpo.py trainer state (it holds objects other than tensors and plain "
+                       f"types; not loaded)") from None
     except Exception as e:       # missing, truncated, corrupted, not a torch file
         raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
-    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in STATE if not isinstance(state, dict) or k not in state]
     if missing:
         raise RunError(f"{f}: not a grpo.py trainer state (missing {', '.join(missing)})")
+    wrong = [k for k, t in STATE.items() if not isinstance(state[k], t) or isinstance(state[k], bool)]
+    if not wrong:                # the values: counters >= 0, the three RNG states
+        wrong = [k for k in ("step", "bad_steps") if state[k] < 0]
+        wrong += [] if {"python", "torch", "cuda"} <= state["rng"].keys() else ["rng"]
+    if wrong:
+        raise RunError(f"{f}: not a grpo.py trainer state (a wrong {', '.join(wrong)})")
     return state
 
 
@@ -118,17 +177,87 @@ def load_checkpoint(path, opt, sched):
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:   # another model's or optimizer's state
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:   # another model's state
         raise RunError(f"{Path(path) / 'trainer_state.pt'}: does not fit this run's model / optimizer "
                        f"({type(e).__name__}: {str(e)[:200]})") from None
     return state["step"], state["bad_steps"]
 
 
+# Flags a --resume may change: how long the run goes, where and how often it writes, and how the same
+# computation is split or placed (micro-batches, chunks, recomputation, prefix cache, device), never what is
+# computed. Every other flag (model, dataset, data_path, prompt_style, credit, shaping, top_frac, gamma,
+# layers, seed, group_size, prompts_per_step, lr, clips, beta, filters, optimizer, ...) changes what the run
+# samples or optimises, so the continued run would be another experiment under the old one's name: refused
+# unless --allow-config-change. A flag added later is a meaning flag until it is listed here.
+BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
+               "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
+               "oar_prefix_cache", "allow_config_change"}
+
+
+def check_resume_config(saved, given):
+    """RunError listing the flags given with --resume whose values differ from the saved run's and change its
+    meaning (not in BOOKKEEPING), unless --allow-config-change is among them."""
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in given.items()
+               if k not in BOOKKEEPING and saved.get(k) != v]
+    if changed and not given.get("allow_config_change"):
+        raise RunError(f"--resume {given['resume']}: these flags change the run's meaning: "
+                       f"{'; '.join(changed)}. Leave them out to continue the run, or pass "
+                       f"--allow-config-change")
+
+
 # ----------------------------------------------------------------------------- the run directory and metrics
-def check_out_dir(out, resume, overwrite):
-    """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
-    --resume (continue it) or --overwrite (delete it first). RunError naming both flags otherwise."""
+LOCK = ".lock"   # in out_dir; holds the PID of the run that has it locked
+_held = {}       # resolved out_dir -> this process's open lock file (the flock lasts while it is open)
+
+
+def lock_out_dir(out):
+    """An exclusive lock on out_dir for the life of this process's run, so two runs never write into one
+    directory; RunError naming the PID that holds it. Taking it again in the same process is a no-op."""
     out = Path(out)
+    if out.resolve() in _held:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK, "a+")
+    except OSError as e:
+        raise RunError(f"{out}: cannot be the run directory ({e.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end "
+                       f"or choose another --out-dir") from None
+    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
+        print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _held[out.resolve()] = f
+
+
+def unlock_out_dir(out):
+    f = _held.pop(Path(out).resolve(), None)
+    if f is not None:
+        f.close()                # closing the file releases the lock
+
+
+def dir_problem(out):
+    """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front)."""
+    path = Path(out).absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
+    if not there.is_dir():
+        return f"{out}: {there} is a file, not a directory"
+    return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
+
+
+def check_out_dir(out, resume, overwrite):
+    """Lock out_dir (lock_out_dir); then a new run never silently replaces an old one: an out_dir holding
+    metrics or a checkpoint needs --resume (continue it) or --overwrite (delete it first). RunError naming
+    both flags otherwise."""
+    out = Path(out)
+    lock_out_dir(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:
         return
@@ -164,8 +293,21 @@ def open_metrics(out, resume_step):
     return open(path, "a")                               # check_out_dir made sure a new run starts empty
 
 
+def write_atomic(path, text):
+    """A small file written whole or not at all (a temp file, fsync, os.replace): learn.py's results."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_metrics(fh, record):
-    """One JSON line, on disk before the next step starts."""
-    fh.write(json.dumps(record) + "\n")
-    fh.flush()
-    os.fsync(fh.fileno())
+    """One JSON line, on disk before the next step starts; a full disk is a RunError naming the file."""
+    with full_disk(fh.name, f"step {record.get('step')}'s metrics"):
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -44,6 +44,8 @@ Departures (numbered):
     update scale matches GRPO's: raw phi = s; log1p phi = log1p(s / mean s); sigmoid phi = sigmoid(z);
     tanh-z phi = 1 + tanh(z), z the within-sequence z-score; mad phi = 1 + tanh(z_mad), z_mad the robust
     z-score (s - median) / (1.4826 MAD). Raw scaling thus lets outliers take huge weights, as §5.1 reports.
+    Readings, one among several, pinned by hand in tests/test_credit.py (test_continuous_hand_cases); soft
+    (§5.1 (ii)): the fewest top tokens with soft_mass of the row's mass (test_soft_thresholding_hand_cases).
  4. bilevel's tau is a within-sequence percentile of the normalised scores (OAR §4.1: "tau = 0.4 (meaning the
     top 60% of tokens are boosted)"), linear interpolation; eps = 1e-6 in eq. 14, 16.
  5. "80-20" takes its threshold over the eligible tokens of the non-fallback sequences of the batch (the rows
@@ -94,8 +96,6 @@ class CreditConfig:
     pad_id: int = -1                   # OAR-P replacement token; -1: the batch's padding id (oar.py dep. 2)
     bilevel_tau: float = 0.4           # --shaping bilevel: percentile threshold (OAR §4.1)
     bilevel_beta: float = 2.0          # --shaping bilevel: boost coefficient (OAR §4.1)
-
-
 
 
 # ----------------------------------------------------------------------------- shaping: scores -> gamma
@@ -382,6 +382,7 @@ def check(cfg):
              ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
              ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
              ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
+             ("--seed", 0 <= cfg.seed < 2 ** 63, "must be in [0, 2**63): torch seeds are 64-bit"),
              ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),
              ("--bilevel-beta", finite(cfg.bilevel_beta) and cfg.bilevel_beta >= 0, "must be >= 0"),
              ("--shaping entropy-adv", cfg.shaping != "entropy-adv" or cfg.credit == "entropy",

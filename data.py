@@ -19,8 +19,9 @@ $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to t
 AIME24's "025", AMC23's floats, OlympiadBench's lists, Minerva's answer inside the solution's \\boxed{},
 AIME25's control characters (a JSON escaping bug: \\x0c -> \\f and TAB -> \\t, as in "\\frac", "\\triangle").
 A file or row that cannot be used is a DataError (a ValueError) naming the file, the line and the field: a
-missing file, a directory, CSV, an empty file, non-UTF-8 or invalid JSON, a truncated parquet; a missing,
-empty or wrongly typed field; a NaN / Infinity / "nan" answer; a non-integer Countdown target or number.
+missing file, a directory or FIFO, CSV, an empty file, non-UTF-8 or invalid JSON, a truncated parquet; a
+missing, empty or wrongly typed field; a NaN / Infinity / "nan" answer; a non-integer Countdown target or
+number; a lone surrogate ("\\ud800"). Every pattern run on a row or a reward is linear in its length.
 
 Prompt styles, and the model families that use them (default_style):
   fewshot    the Llama models of the paper, Llama-3.1-8B and Llama-3.2-3B, and the other Llama-3.x models
@@ -29,6 +30,7 @@ Prompt styles, and the model families that use them (default_style):
              from few-shot prompting.
   fewshot3   the embedded SmolLM2-135M-Instruct (and GGUF files): FEWSHOT plus our third exemplar
              (departure 3); zero-shot, SmolLM2 never writes a \\boxed{}. Not a paper setting.
+  oneshot    our third exemplar alone: a prompt a third as long, for cheap CPU learning runs (eval.py learn)
   chat       instruct / thinking models (Qwen3, Llama-3.x-Instruct, anything not named below): one user turn
              that ends with "Please reason step by step, and put your final answer within \\boxed{}."
              (App. E.1)
@@ -68,7 +70,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import countdown
-from answers import NOT_FINITE, equivalent
+from answers import boxed_span, equivalent, not_finite, option_letter
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
@@ -88,8 +90,9 @@ def read_rows(path):
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
-    if path.is_dir():
-        raise DataError(f"{path}: a directory, not a data file")
+    if not path.is_file():   # a directory; or a FIFO, device or socket, which open() would wait on forever
+        raise DataError(f"{path}: " + ("a directory, not a data file" if path.is_dir() else
+                                       "not a regular file (a FIFO, socket or device?); not read"))
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         csv = "; convert the CSV to JSONL, one object per line" if path.suffix == ".csv" else ""
         raise DataError(f"{path}: unsupported format {path.suffix or '(no suffix)'} "
@@ -134,10 +137,23 @@ def get(row, keys, types=(str,)):
             if isinstance(v, str) and not v.strip() or isinstance(v, (list, dict)) and not v:
                 raise DataError(f"field {k!r} is empty")
             if (isinstance(v, float) and not math.isfinite(v)
-                    or isinstance(v, str) and NOT_FINITE.fullmatch(v)):
+                    or isinstance(v, str) and not_finite(v)):
                 raise DataError(f"field {k!r} is {v!r}, not a finite value")
             return v
     raise DataError(f"missing field {' or '.join(repr(k) for k in keys)}")
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unicode_text(where, **fields):
+    """A DataError naming the record when a text field holds a lone surrogate (a JSON "\\ud800" escape without
+    its pair): no tokenizer can encode one."""
+    for name, text in fields.items():
+        m = SURROGATE.search(text) if isinstance(text, str) else None
+        if m:
+            raise DataError(f"{where}: field {name!r} holds a lone surrogate {m.group()!r} at character "
+                            f"{m.start()}: not Unicode text")
 
 
 def answer_text(a):
@@ -183,7 +199,12 @@ def minerva_row(row):  # the answer is the \boxed{} of the solution
     return get(row, QUESTION), answer_text(boxed)
 
 
-DAPO_WRAPPER = re.compile(r"^Solve the following math problem.*?\n\n(.*)\n\nRemember to put your answer.*$", re.S)
+def dapo_question(prompt):
+    """DAPO's "Solve the following math problem ...\\n\\n<question>\\n\\nRemember to put your answer ..."
+    -> the question: its own "Answer: $Answer" instructions go, ours ask for \\boxed{} (str search: linear)."""
+    head, _, rest = prompt.partition("\n\n")
+    body, end, _ = rest.rpartition("\n\nRemember to put your answer")
+    return body if head.startswith("Solve the following math problem") and end else prompt
 
 
 def dapo_row(row):
@@ -193,9 +214,8 @@ def dapo_row(row):
         if not users or not isinstance(users[-1], str):
             raise DataError("field 'prompt' has no user message with text content")
         prompt = users[-1]
-    m = DAPO_WRAPPER.match(prompt)  # drop DAPO's own "Answer: $Answer" instructions; ours ask for \boxed{}
     reward = get(row, ("reward_model",), (dict,))
-    return (m.group(1) if m else prompt).strip(), answer_text(get(reward, ("ground_truth",), NUMBER))
+    return dapo_question(prompt).strip(), answer_text(get(reward, ("ground_truth",), NUMBER))
 
 
 LETTERS = "ABCDEFGHIJKLMNOP"
@@ -347,10 +367,11 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
             break
         try:
             q, a = t.normalise(row)
-            if t.task == "math" and (not a.strip() or NOT_FINITE.fullmatch(a)):  # e.g. [NaN], "#### nan"
+            if t.task == "math" and (not a.strip() or not_finite(a)):  # e.g. [NaN], "#### nan"
                 raise DataError(f"the answer {a!r} is empty or not a finite value")
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
+        unicode_text(where, question=q, answer=a)
         if key == "dapo-math-17k" and q in seen:  # the hub file repeats every problem ~100 times
             continue
         seen.add(q)
@@ -377,8 +398,8 @@ FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
 ]
 EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
                   "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
-EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR]}  # departure 3
-STYLES = ("chat", "plain", "fewshot", "fewshot3", "countdown")
+EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR], "oneshot": [EXTRA_EXEMPLAR]}  # dep. 3
+STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown")
 
 
 def render(messages, tokenizer):
@@ -402,21 +423,28 @@ def default_style(model_name, task):
     return "plain" if "base" in name else "chat"
 
 
+def style_fits(style, task):
+    """Whether make_prompt takes this style for records of this task ("countdown", "math", "choice", or a
+    data.TASKS name): the countdown frame for Countdown only, the math exemplars never for Countdown."""
+    task = TASKS[task].task if task in TASKS else task
+    return (style == "countdown") == (task == "countdown") or style in ("auto", "chat", "plain")
+
+
 def make_prompt(record, tokenizer=None, style="chat"):
     """The prompt text for one record (see the module docstring for which style fits which model)."""
     if style not in STYLES:
         raise ValueError(f"unknown prompt style {style!r}; styles: {', '.join(STYLES)}")
     q, is_countdown = record["question"], record["task"] == "countdown"
+    if not style_fits(style, record["task"]):   # the countdown frame on math, math exemplars on Countdown
+        raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records"
+                         if is_countdown else "style 'countdown' is for countdown records; use chat, plain "
+                         "or fewshot")
     if style == "countdown" or (style == "plain" and is_countdown):
-        if not is_countdown:
-            raise ValueError("style 'countdown' is for countdown records; use chat, plain or fewshot")
         return countdown.frame(q)
     if style == "plain":
         return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
     if style == "chat":
         return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer)
-    if is_countdown:
-        raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records")
     turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
              for u, a in EXEMPLARS[style]]
     return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer)
@@ -424,22 +452,10 @@ def make_prompt(record, tokenizer=None, style="chat"):
 
 # ----------------------------------------------------------------------------- rewards
 
-BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
-
-
 def last_boxed(text):
-    """The content of the last closed, non-empty \\boxed{...} (the one opening last; nested braces balanced),
-    or None: the same span as flowtracer.find_answer_span."""
-    stack, best = [], None
-    for m in BRACES.finditer(text):
-        if m.group() == "}":
-            if stack:
-                start, is_box = stack.pop()
-                if is_box and (best is None or start > best[0]) and text[start:m.start()].strip():
-                    best = (start, m.start())
-        else:
-            stack.append((m.end(), m.group() != "{"))
-    return None if best is None else text[best[0]:best[1]]
+    """The content of the last closed, non-empty \\boxed{...} (answers.boxed_span), or None."""
+    span = boxed_span(text)
+    return None if span is None else text[span[0]:span[1]]
 
 
 def math_reward(completion, answer):
@@ -452,14 +468,11 @@ def math_reward(completion, answer):
 
 
 def choice_reward(completion, answer):
-    """1.0 when the last \\boxed{} holds the answer's letter ("B", "(B)", "\\text{B}", "B. text"), else 0.0."""
+    """1.0 when the last \\boxed{} names the answer's option, and only it (answers.option_letter), else 0.0."""
     try:
         pred = last_boxed(completion) if isinstance(completion, str) else None
-        if pred is None:
-            return 0.0
-        pred = re.sub(r"\\text(?:bf)?\{([^{}]*)\}", r"\1", pred).strip()
-        m = re.match(r"\(?([A-Za-z])\)?(?:$|[.:)\s])", pred)
-        return float(m is not None and m.group(1).upper() == str(answer).strip().strip("()").upper())
+        letter = None if pred is None else option_letter(pred)
+        return float(letter is not None and letter == str(answer).strip().strip("()").upper())
     except Exception:
         return 0.0
 

@@ -3,10 +3,11 @@
   bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy, per benchmark
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
-  recall     OAR §5.1, Fig. 5a: recall@K% of the Oracle's causal tokens for every credit signal (probes.py)
+  recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
              Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
+  learn      issue 21: credit arms x seeds of grpo.py runs, held-out gains with CIs, paired tests (learn.py)
   answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
              forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
@@ -26,10 +27,10 @@ Departures (numbered; probes.py lists those of intervene and recall):
  4. intervene and answer-forms take a seeded random sample of --n-problems test problems (App. E.1: "randomly
     sampled"); bench, recall and plot take the first N.
 
-Bad input: one line `eval.py: error: ...` and exit 2. Every flag is checked before a model loads (parse,
-check_ranges); a bad data file, model or checkpoint (data.DataError, models.ModelError, checkpoint.RunError:
-ValueErrors naming the file) is caught around the command in main. Exit 1 when there is nothing to report
-(e.g. no response has an answer), after writing the counts.
+Bad input: one line `eval.py: error: ...` and exit 2. Every flag (--device, --out too) is checked before a
+model loads (parse, check_ranges); a bad data file, model or checkpoint (data.DataError, models.ModelError,
+checkpoint.RunError: ValueErrors naming the file) is caught around the command in main. Exit 1 when there is
+nothing to report (e.g. no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
@@ -58,7 +59,8 @@ import highflow
 import probes
 import signals
 from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, select_layers, trace_flow
-from models import ModelError, generate, load_model
+from models import ModelError, device_problem, generate, load_model
+from runlog import peak_ema
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown", "crossthinkqa"]
 
@@ -76,14 +78,6 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def peak_ema(xs, alpha=0.2):
-    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1}; EMA_0 = x_0."""
-    out = []
-    for x in xs:
-        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
-    return out
 
 
 # ----------------------------------------------------------------------------- model, prompts, output
@@ -115,11 +109,14 @@ def save(args, result, table, rows=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": args.cmd, "args": {k: v for k, v in vars(args).items() if k != "func"}, **result}
-    (out / f"{args.cmd}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{args.cmd}.md").write_text(table)
-    if rows is not None:
-        with open(out / f"{args.cmd}_rows.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    try:                                                                     # a full disk, a read-only dir
+        (out / f"{args.cmd}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{args.cmd}.md").write_text(table)
+        if rows is not None:
+            with open(out / f"{args.cmd}_rows.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+    except OSError as e:
+        fail(f"{out}: cannot write the results ({e.strerror})")
     print(table + f"\nwrote {out}/{args.cmd}.json, {args.cmd}.md")
 
 
@@ -438,6 +435,9 @@ def parse(argv=None):
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
+    p.add_argument("--oar-outcomes", nargs="+", choices=probes.OUTCOMES,
+                   default=[probes.CreditConfig.oar_outcome],
+                   help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
                    help="default: curves with --metrics, else heatmap inout tokens")
@@ -481,7 +481,8 @@ def parse(argv=None):
 def check_ranges(ap, args):
     """The rest of the flags, each checked before any model loads: one line `eval.py: error: ...`, exit 2."""
     sampling = args.cmd == "bench"                                   # bench samples; the others may be greedy
-    for flag, ok, rule in (("threads", lambda v: v >= 1, ">= 1"),
+    for flag, ok, rule in (("threads", lambda v: 1 <= v <= (os.cpu_count() or 1), f"in 1..{os.cpu_count()}"),
+                           ("seed", lambda v: 0 <= v < 2 ** 63, "in [0, 2**63) (torch seeds are 64-bit)"),
                            ("temperature", (lambda v: v > 0) if sampling else (lambda v: v >= 0),
                             "> 0" if sampling else ">= 0 (0: greedy)"),
                            ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -489,8 +490,12 @@ def check_ranges(ap, args):
                            ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
                            ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")):
         v = getattr(args, flag, None)
-        if v is not None and not (math.isfinite(v) and ok(v)):
+        if v is not None and not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
+    for flag, problem in (("--device", getattr(args, "device", None) and device_problem(args.device)),
+                          ("--out", getattr(args, "out", None) and ckpt_io.dir_problem(args.out))):
+        if problem:                      # a GPU that is not there, an --out that cannot be written: now
+            ap.error(f"{flag} {problem}")
     if getattr(args, "task", None) is not None and args.task not in data.TASKS:
         ap.error(f"--task {args.task}: unknown; tasks: {', '.join(data.TASKS)}")
     unknown = [b for b in getattr(args, "benchmarks", None) or [] if b not in data.TASKS]
@@ -507,6 +512,10 @@ def check_ranges(ap, args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["learn"]:                                      # its own parser and recipe: learn.py
+        import learn
+        return learn.main(argv[1:])
     args = parse(argv)
     try:
         args.func(args)

@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from answers import boxed_span
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -395,23 +396,14 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
 
 
 # ----------------------------------------------------------------------------- regions
-_BOXED = re.compile(r"\\boxed\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def find_answer_span(text: str) -> tuple[int, int] | None:
     """Character span (start, end) of the final answer: the content of the last closed \\boxed{...}
-    (nested braces allowed), else of the last <answer>...</answer>, else None. Empty content is None."""
-    for m in reversed(list(_BOXED.finditer(text))):
-        depth, start = 1, m.end()
-        for j in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                if text[start:j].strip():
-                    return start, j
-                break
-    tags = [m for m in _ANSWER_TAG.finditer(text) if m.group(1).strip()]
-    return (tags[-1].start(1), tags[-1].end(1)) if tags else None
+    (nested braces allowed; answers.boxed_span), else of the last <answer>...</answer>, else None. Empty
+    content is None. Linear in len(text), however many braces or tags are left open."""
+    best, tag, pos = boxed_span(text), None, 0
+    while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
+        tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
+    return best or tag
 
 
 def answer_token_range(tokenizer, ids: list[int]) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ so all-equal groups, with A = 0, stay in B); token-mean divides by the response 
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
     micro-batches stands in for data parallelism. The paper's global batch (64 prompts x 8) is a flag.
+    --paper-batch (PAPER_BATCH below), accumulated micro_batch rows at a time into one update.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist.
  3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
@@ -82,12 +83,14 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16         # paper: 64 prompts per step on 8 GPUs; 16 x 8 fit one 80 GB GPU
+    paper_batch: bool = False          # the paper's 64 x 8 rows per step, accumulated (PAPER_BATCH)
     group_size: int = 8                # G samples per prompt (App. C.3)
     max_new_tokens: int = 1024         # response budget: 1K context (8K in the paper's long runs)
     temperature: float = 0.99          # App. C.3
     top_p: float = 1.0                 # App. C.3
     top_k: int = 100                   # App. C.3
     gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
+    share_prefix: bool = True          # prefill each prompt (and the prompts' shared prefix) once (models.py)
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # advantage clip (App. C.3)
@@ -118,6 +121,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     rollouts_every: int = 10           # save rollouts with per-token credit every N steps
     max_bad_steps: int = 3             # stop after this many consecutive NaN/inf steps
     resume: str = ""                   # a run directory (or its ckpt/) to continue from
+    allow_config_change: bool = False  # let --resume change flags that change the run (ckpt_io.BOOKKEEPING)
 
 
 # Departure 5: the embedded default runs on a CPU in minutes. Applied when --model is not given;
@@ -126,6 +130,7 @@ EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, l
                 micro_batch=4, gen_chunk=8, save_every=3, rollouts_every=2, max_prompt_tokens=768,
                 grad_checkpointing=False, out_dir="runs/embedded")
 PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
+PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=64)   # departure 1; flags win
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -142,7 +147,8 @@ def train(cfg: Config, run=None) -> list:
         model.eval()
         with torch.no_grad(), run.autocast:
             gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
-                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
+                           temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
+                           share_prefix=cfg.share_prefix)
         t.append(time.perf_counter())
         # ---------------------------------------------------------- reward
         rewards = torch.tensor([data.score(recs[j // G], txt) for j, txt in enumerate(gen.texts)])    # (B,)
@@ -408,6 +414,7 @@ def bookkeep(run, step, m, rollout=None, skipped=None):
 
 def finish(run):
     run.metrics.close()
+    ckpt_io.unlock_out_dir(run.out)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -431,6 +438,9 @@ def check(cfg):
              *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
+             ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+             *[(f"--{f.name.replace('_', '-')}", abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
+               for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature > 0, "must be > 0"),
              ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
              ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
@@ -443,6 +453,8 @@ def check(cfg):
              ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
              ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
              ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or in data.STYLES"),
+             ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
+              f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
              ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
              ("--optimizer", cfg.optimizer in ("auto", "kahan", "adamw"), "must be auto, kahan or adamw"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
@@ -464,11 +476,12 @@ def parse_args(argv=None) -> Config:
     try:
         if given.get("resume"):                          # the saved run's config, then the flags given now
             saved = ckpt_io.saved_config(ckpt_io.find_checkpoint(given["resume"]))
+            ckpt_io.check_resume_config(saved, given)    # another --model, --credit ...: refused
             cfg = Config(**{**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__}, **given})
         else:
             name = str(given.get("model", Config.model)).lower()
             base = EMBEDDED if name == Config.model else PAPER if any(k in name for k in PAPER_MODELS) else {}
-            cfg = Config(**{**base, **given})
+            cfg = Config(**{**base, **(PAPER_BATCH if given.get("paper_batch") else {}), **given})
     except ValueError as e:
         p.error(str(e))
     problem = check(cfg)
@@ -481,13 +494,15 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
+    cfg, run = parse_args(argv), None
     try:
         run = setup(cfg)
-    except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir: one line
+        return train(cfg, run)
+    except (ValueError, OSError, ImportError) as e:   # setup: the user's files, model, checkpoint, out_dir;
+        if run is not None and not isinstance(e, ckpt_io.RunError):   # train: a full disk (RunError)
+            raise
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    return train(cfg, run)
 
 
 if __name__ == "__main__":

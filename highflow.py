@@ -4,19 +4,22 @@
                  sentence"; eval.py plot --figures tokens counts them
   answer_forms   Table 11a / App. D.2: the same response, its \\boxed{} content rewritten in other answer
                  forms; how much of the answer-only response's high-flow set (top K% by throughput tau) each
-                 form keeps
+                 form keeps; and the same per answer format of the sampled responses, with their accuracy
 
 Table 11a, for each response y with an answer and each form f (FORMS):
     y_f       = y with the content a of its answer span replaced by f's template filled with a
     n         = k0, the tokens of y before the answer (identical in every y_f: only the answer changes)
     S_f(K)    = the ceil(K% n) of those tokens with the highest tau in y_f (ties: the earlier token)
     overlap   = |S_f(K) & S_answer-only(K)| / |S_answer-only(K)|, averaged over the responses
+Per answer format (FORMATS, answer_format): the responses grouped by how they give their final answer,
+    each group's count, accuracy (mean reward) and overlaps; "fallback" responses have no answer, so no flow.
 
 Departures (numbered):
  1. The paper compares formats of one model prompted for each (its Acc. column differs per format) and does
     not say how it pairs the tokens of different responses. Here one response is rewritten into each form (the
     issue's protocol), so the reasoning tokens are the same tokens and the sets compare position by position;
     no accuracy per form is measured. Top-100% is then 1 by construction (a check, not a finding).
+    Table 11a's Acc. column is given per answer format instead (departure 4).
  2. The forms, our reading of the row names: answer-only "a"; full line "The final answer is a."; with
     explanation "a, which follows from the steps above"; multiple-choice "B" (a letter, as a multiple-choice
     output is; the prompt is not changed). The answer span is the last \\boxed{...} (else
@@ -25,14 +28,21 @@ Departures (numbered):
  3. Fig. 3: a sentence ends at a token holding a newline, or ending in . ! ? followed by whitespace (or the
     end), so "3.5" does not end one. Sentences of one token have no within-sentence ranking and are skipped.
     Only the tokens before the answer ends are used (the flow is 0 after it).
+ 4. Table 11a's Acc. column, read per answer format of the sampled responses: "boxed" (the last \\boxed{}
+    holds the answer), "tags" (<answer>...</answer>, no \\boxed{}), "choice" (the answer is one option
+    letter A-J, in either), "fallback" (neither: the reward reads no answer, so such a response is wrong;
+    the flow would fall back to its last token, probes.py departure 6). The formats come from the model, not
+    from the prompt, so a format's accuracy is that of the responses that chose it.
 
 Run: python eval.py answer-forms --model smollm2-135m --task arithmetic --n-problems 24 --max-new-tokens 128 \
          --batch-size 8 --threads 1          (about 2 minutes on one CPU thread)
 """
 import math
+import re
 
 from tqdm import tqdm
 
+import data
 import probes
 import signals
 from credit import CreditConfig
@@ -41,6 +51,7 @@ from flowtracer import answer_token_range, build_batch, find_answer_span
 FORMS = {"answer-only": "{a}", "full-line": "The final answer is {a}.",           # departure 2
          "with-explanation": "{a}, which follows from the steps above", "multiple-choice": "B"}
 PERCENTS = [20, 40, 60, 80, 100]                                                  # Table 11a's columns
+FORMATS = ("boxed", "tags", "choice", "fallback")                                 # departure 4
 
 
 # ----------------------------------------------------------------------------- Fig. 3: within each sentence
@@ -89,6 +100,16 @@ def rewrite(tok, ids, template):
     return core[:k0] + tok(rest, add_special_tokens=False).input_ids + tail, k0
 
 
+def answer_format(text):
+    """How a response gives its final answer: boxed | tags | choice | fallback (departure 4)."""
+    span = find_answer_span(text)
+    if span is None:
+        return "fallback"
+    if re.fullmatch(r"\(?[A-Ja-j]\)?", text[span[0]:span[1]].strip()):
+        return "choice"
+    return "boxed" if data.last_boxed(text) is not None else "tags"
+
+
 def top(tau, K):
     """The ceil(K% n) indices with the highest tau (ties: the earlier)."""
     return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[:math.ceil(K / 100 * len(tau) - 1e-9)])
@@ -112,11 +133,13 @@ def answer_forms(model, tok, records, args, style):
             tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width:].double().cpu()  # B,R
         for b, r in enumerate(chunk):
             if b not in keep:
-                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"]))
+                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"],
+                                format=answer_format(r["text"])))
                 continue
             j, k0 = keep.index(b), new["answer-only"][b][1]
             ref = tau["answer-only"][j, :k0].tolist()
-            row = dict(id=chunk[b]["record"]["id"], no_answer=False, k0=k0, reward=chunk[b]["reward"],
+            row = dict(id=r["record"]["id"], no_answer=False, k0=k0, reward=r["reward"],
+                       format=answer_format(r["text"]),
                        answers={f: tok.decode(new[f][b][0][k0:], skip_special_tokens=True) for f in forms},
                        overlap={})
             for f in forms[1:]:
@@ -129,10 +152,14 @@ def answer_forms(model, tok, records, args, style):
 def summarize(out, forms, percents):
     done = [r for r in out if not r["no_answer"]]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    overlap = lambda rows: {f: [mean([r["overlap"][f][i] for r in rows if not r["no_answer"]])  # noqa: E731
+                                for i in range(len(percents))] for f in forms}
+    by = {k: [r for r in out if r["format"] == k] for k in FORMATS}
+    formats = {k: dict(n=len(rows), accuracy=mean([r["reward"] for r in rows]), overlap=overlap(rows))
+               for k, rows in by.items()}
     return dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done), percents=percents,
                 original_accuracy=mean([r["reward"] for r in out]), mean_k0=mean([r["k0"] for r in done]),
-                overlap={f: [mean([r["overlap"][f][i] for r in done]) for i in range(len(percents))]
-                         for f in forms})
+                overlap=overlap(done), formats=formats)
 
 
 def forms_table(s, args):
@@ -142,4 +169,18 @@ def forms_table(s, args):
     return probes.markdown(header, rows) + (
         f"\nOverlap with the answer-only high-flow set (Table 11a), mean over n = {s['n']} responses "
         f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before the "
-        f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n")
+        f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n\n"
+        "Per answer format of the responses (departure 4): count, accuracy, overlap per form:\n\n") + \
+        probes.markdown(["Answer format", "n", "Acc.", "Form", *(f"Top-{K}%" for K in s["percents"])],
+                        format_rows(s))
+
+
+def format_rows(s):
+    """Table 11a per answer format: one row per (format, form); a format without an answered response
+    (fallback, or none sampled) one row with its count and accuracy only."""
+    rows = []
+    for k, d in s["formats"].items():
+        answered = [(f, v) for f, v in d["overlap"].items() if v and v[0] is not None]
+        rows += [[k, d["n"], d["accuracy"], f, *v] for f, v in answered] or \
+            [[k, d["n"], d["accuracy"], "-", *(None for _ in s["percents"])]]
+    return rows

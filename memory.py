@@ -37,7 +37,6 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
-import inspect
 import os
 import weakref
 from types import SimpleNamespace
@@ -118,9 +117,10 @@ class track_peak(TorchDispatchMode):
 
 
 class cuda_peak:
-    """track_peak's interface on a GPU: torch.cuda.max_memory_allocated, reset at each phase."""
-    def __init__(self, *resident):
-        self.peak, self.name = {}, None
+    """track_peak's interface on a GPU: torch.cuda.max_memory_allocated, reset at each phase; the allocator's
+    max_memory_reserved of each phase goes to `reserved` (a dict given, or a new one)."""
+    def __init__(self, *resident, reserved=None):
+        self.peak, self.name, self.reserved = {}, None, {} if reserved is None else reserved
 
     def phase(self, name):
         self.close()
@@ -132,6 +132,7 @@ class cuda_peak:
         if self.name is not None:
             torch.cuda.synchronize()
             self.peak[self.name] = max(self.peak.get(self.name, 0), torch.cuda.max_memory_allocated())
+            self.reserved[self.name] = max(self.reserved.get(self.name, 0), torch.cuda.max_memory_reserved())
 
     def __enter__(self):
         return self
@@ -190,7 +191,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * (6 if kahan else 8),
              **{"cast cache": cast})                                # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
-    gen = {**zero, **w, "grads": 0, **generation(mc, g, cfg.group_size, P, R, cb, rb)}
+    gen = {**zero, **w, "grads": 0,
+           **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix, B > g)}
     # update: what the forward keeps for backward (kept) and the (b, T) batch tensors
     ls = layer_saved(mc, T, cb, rb)
     acts = b * T * kept(mc, L, ls, rb, cfg.grad_checkpointing)
@@ -231,36 +233,37 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
 
 
-def generation(mc, g, G, P, R, cb, rb):
+def generation(mc, g, G, P, R, cb, rb, shared=True, chunks=False):
     """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
     rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
     copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
     grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
     step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
-    T, beside that layer's cache of the prompts (reserved at T). Sampling takes 5 of (g, V) fp32."""
+    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows, while the chunk
+    before's whole cache is still held (`chunks`: models.generate's `cache` lives until the next chunk's
+    prefill returns; measured). Sampling takes 5 of (g, V) fp32."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
-    T, k = P + R, prefill_rows(g, G)
+    T, k = P + R, prefill_rows(g, G, shared)
     kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
     attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
     mlp = k * P * (P + 3 * I * cb)
     prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
     if k < g:                                          # prefix sharing: each prompt's cache reserved at T
-        peaks = [(kv(k, T), prefill), (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
+        held = chunks * kv(g, T + 1)                   # the chunk before's cache, reserved at T + 1
+        peaks = [(held + kv(k, T), prefill), (held + kv(k, T) + kv(g, P), 0),
+                 (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
     else:
         peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
 
 
-def prefill_rows(g, G):
-    """The rows models.generate prefills at once in a chunk of g rows: g (HF generate on the prompts repeated
-    G times), or with prefix sharing (models.generate's share_prefix) each distinct prompt once."""
-    share = inspect.signature(models.generate).parameters.get("share_prefix")
-    if share is None or share.default is not True:
-        return g
-    return g // G if g % G == 0 else min(g, g // G + 2)
+def prefill_rows(g, G, shared=True):
+    """The rows models.generate prefills at once in a chunk of g rows: with prefix sharing (--share-prefix)
+    each distinct prompt once, else all g (HF generate on the prompts repeated G times)."""
+    return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
 
 
 def kept(mc, n, ls, rb, checkpointed):
@@ -363,13 +366,14 @@ def peak(est):
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
+def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
     policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: models.generate,
     the separate credit pass or the fused one (token_logprobs under grpo.capturing, credit.assign),
     old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
-    hold the same). Every response runs to max_new_tokens (min_new_tokens), every row is trained (A = +-1).
-    CPU: track_peak; CUDA: torch.cuda.max_memory_allocated."""
+    hold the same). Every response runs to max_new_tokens (the model's generation_config.min_new_tokens,
+    which keeps prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA:
+    torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict) where one is given."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
     model, tok, ref, opt = policy.load_policy(cfg, device)
@@ -384,7 +388,8 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
         model.eval()
         with torch.no_grad(), run.autocast:
             gen = models.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk)
+                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
+                                  share_prefix=cfg.share_prefix)
         tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
@@ -424,7 +429,7 @@ def measure(cfg, prompt_tokens, device=None, seed=0) -> dict:
         tr.phase(None)
 
     step(SimpleNamespace(phase=lambda name: None))
-    with (cuda_peak() if device.type == "cuda" else track_peak(model, ref, opt)) as tr:
+    with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:
         step(tr)
     return tr.peak
 

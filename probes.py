@@ -21,7 +21,10 @@ intervene  (FlowTracer §3.2, Table 1, App. E.1). On a seeded random sample of p
     In both, a regeneration without an extractable answer is incorrect and counts as an answer change.
 recall     (OAR §5.1, eq. 19). For a correct greedy response y: O_t = 1 if replacing y_t by the most probable
     token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of the
-    causal tokens that rank in the top K% by a credit signal (pooled over responses).
+    causal tokens that rank in the top K% by a credit signal (pooled over responses). OAR-P / OAR-G score
+    tokens against an outcome phi (oar.py): --oar-outcomes picks it (OAR §6.2, Fig. 5b). The default is
+    AS-Mean, the paper's (§6.2: its training runs and this experiment use it; Fig. 5b's best). Several
+    outcomes give one row per OAR signal and outcome, named like "oar-p:lt-logits".
 
 Departures (numbered):
  1. Regeneration samples with the Gumbel-max trick, temperature only (App. E.1: T = 0.7; no top-k / top-p),
@@ -44,6 +47,7 @@ Departures (numbered):
 
 Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
      python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
+     python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint   # Fig. 5b
 """
 import math
 import os
@@ -56,12 +60,14 @@ from transformers import DynamicCache
 
 import signals
 from credit import CreditConfig
+from oar import OUTCOMES
 import data
 from flowtracer import build_batch
 from models import eos_ids
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)
+OAR = ("oar-p", "oar-g")                        # the signals scored against an outcome (oar.OUTCOMES)
 
 
 def markdown(header, rows):
@@ -195,8 +201,13 @@ def load_responses(path, tok, style):
     for where, row in data.read_rows(path):
         if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
             raise data.DataError(f"{where}: needs the fields question, answer and response")
+        task = row.get("task", "math")
+        if not isinstance(task, str) or task not in data.REWARDS or not data.style_fits(style, task):
+            raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(data.REWARDS)} that the "
+                                 f"{style!r} prompt style fits")
+        data.unicode_text(where, question=row["question"], answer=row["answer"], response=row["response"])
         rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses", question=row["question"],
-                   answer=data.answer_text(row["answer"]), task=row.get("task", "math"))
+                   answer=data.answer_text(row["answer"]), task=task)
         y = tok(str(row["response"]), add_special_tokens=False).input_ids
         if not y:
             raise data.DataError(f"{where}: empty response")
@@ -339,7 +350,10 @@ def alternatives(model, r):
 
 def recall(model, tok, records, args, style):
     """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
-    rng, cfg = random.Random(args.seed), CreditConfig(layers=args.layers, seed=args.seed)
+    rng, outcomes = random.Random(args.seed), args.oar_outcomes
+    cfgs = {o: CreditConfig(layers=args.layers, seed=args.seed, oar_outcome=o) for o in outcomes}
+    runs = {(f"{s}:{o}" if s in OAR and len(outcomes) > 1 else s): (s, o)      # Fig. 5b: one row per outcome
+            for s in args.signals for o in (outcomes if s in OAR else outcomes[:1])}
     unknown = [s for s in args.signals if s not in signals.SIGNALS]
     if unknown:
         raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
@@ -360,7 +374,8 @@ def recall(model, tok, records, args, style):
         batch = regions(tok, chunk)
         P = batch.prompt_width
         # (B, R)
-        scores = {s: signals.SIGNALS[s](model, batch, cfg)[:, P:].float().cpu() for s in args.signals}
+        scores = {k: signals.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu()
+                  for k, (s, o) in runs.items()}
         for b, r in enumerate(chunk):
             # answer end: the candidate tokens
             end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1
@@ -379,7 +394,7 @@ def recall(model, tok, records, args, style):
                 text = tok.decode(r["response"][:t] + [alt[t]] + y, skip_special_tokens=True)
                 causal.append(data.score(r["record"], text) != r["reward"])         # eq. 19
         o.update(positions=pos, causal=[t for t, c in zip(pos, causal) if c], text=r["text"])
-    s = summarize_recall(out, args.signals)
+    s = summarize_recall(out, list(runs))
     s.update(n_pool=len(pool), pool_correct=sum(r["reward"] == 1.0 for r in pool),  # the responses searched
              pool_no_answer=sum(data.last_boxed(r["text"]) is None for r in pool))
     return out, s

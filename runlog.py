@@ -4,6 +4,8 @@
   credit_stats   OAR App. A.3's diagnostics of the credit: ESS ratio of gamma, top-10% mass of |A_t|
   save_rollouts  every rollout with its per-token text, answer mask, score and gamma (rollouts/step_N.jsonl)
   plot_curves    reward, accuracy, entropy and length against the step (curves.png)
+  metric_series  [step, value] of one metric from metrics.jsonl (learn.py's training curves)
+  peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
 not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
@@ -14,8 +16,11 @@ Run: python -c "import runlog; runlog.plot_curves('runs/embedded/metrics.jsonl',
 """
 import json
 import resource
+from pathlib import Path
 
 import torch
+
+import checkpoint as ckpt_io
 
 
 def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
@@ -66,7 +71,7 @@ def peak_memory_gb(device):
 def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
     """One JSON line per rollout: text, reward, advantage, and per response token: text, score, gamma."""
     P = batch.prompt_width
-    with open(path, "w") as fh:
+    with ckpt_io.full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rows):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
@@ -93,5 +98,29 @@ def plot_curves(metrics_path, png_path):
         ax.set_title(k)
         ax.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=80)
+    with ckpt_io.full_disk(png_path, "the curves"):
+        fig.savefig(png_path, dpi=80)
     plt.close(fig)
+
+
+def metric_series(path, key):
+    """[[step, value], ...] of one numeric metric of a metrics.jsonl, by step; the last line of a step wins,
+    a line cut by a kill is skipped, a missing file gives []."""
+    rows, path = {}, Path(path)
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get(key), (int, float)) and "step" in row:
+            rows[row["step"]] = row[key]
+    return [[s, v] for s, v in sorted(rows.items())]
+
+
+def peak_ema(xs, alpha=0.2):
+    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1},
+    EMA_0 = x_0."""
+    out = []
+    for x in xs:
+        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
+    return out

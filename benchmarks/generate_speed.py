@@ -1,19 +1,21 @@
-"""Generation speed on the CPU: what transformers offers, measured at grpo.py's embedded shape.
+"""Rollout speed on the CPU: plain HF generate on the G-times-repeated rows against shared-prefix rollouts.
 
-Generation is the largest phase of a CPU GRPO step once the credit is fused. This script times
-models.generate at the shape of benchmarks/credit_overhead.py (SmolLM2-135M, 4 prompts x G = 4 rows,
-64 new tokens, chat prompts, sampling at App. C.3's settings, one thread) with each option, in alternating
-rounds (the machine is shared), and prints the median seconds, tokens/s and the ratio to the baseline:
+models.generate(share_prefix=True) prefills the prefix that all prompts share once, each prompt's own suffix
+once, copies the cache to the prompt's G rows and decodes into a preallocated cache (models.py departure 6).
+share_prefix=False is plain HF generate on the repeated, left-padded rows. This script times both on the same
+prompts with the same seed, alternating rounds (the machine is shared), checks that they return the same
+tokens, and prints the median seconds and the ratio shared / plain, at two shapes:
 
-  baseline   models.generate as grpo.py calls it: a dynamic KV cache, gen_chunk rows per generate call
-  static     cache_implementation="static": a preallocated KV cache
-  compile    the static cache plus torch.compile of the model's forward (the decode step); the first call
-             compiles, and its time is printed apart (a GRPO run meets new prompt widths every step)
-  bucketed   prompts sorted by token length before chunking, so a chunk pads less (only matters when
-             rows > gen_chunk); rows are put back in the grouped order
+  embedded   grpo.py's embedded run: SmolLM2-135M, 2 few-shot arithmetic prompts (~375 tokens) x G = 4,
+             128 new tokens, gen_chunk 8, App. C.3 sampling (T = 0.99, top-k 100)
+  long       8 prompts x 8 rows, 512-token prompts (a shared 448-token preamble, then the question), 64 new
+             tokens, gen_chunk 64
 
-Run:  python benchmarks/generate_speed.py                    # ~10 minutes on 2 CPU cores
-      python benchmarks/generate_speed.py --options baseline static --rounds 2 --gen-chunk 16
+--profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
+
+Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
+      python benchmarks/generate_speed.py --shape long --rounds 1
+      python benchmarks/generate_speed.py --rounds 1 --profile
 """
 import argparse
 import os
@@ -28,62 +30,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from models import generate, load_model  # noqa: E402
 
-OPTIONS = ("baseline", "static", "compile", "bucketed")
+SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
+          "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64)}
 
 
-def run(model, tok, prompts, args, option, seed):
+def shape_prompts(tok, shape, n):
+    """The embedded run's few-shot prompts, or 512-token prompts: a shared preamble of exemplars repeated to
+    448 tokens, then each question (cut or padded with its own words to 64 tokens)."""
+    recs = data.load_task("arithmetic", split="train", seed=0)[:n]
+    if shape == "embedded":
+        return [data.make_prompt(r, tok, "fewshot3") for r in recs]
+    shot = data.make_prompt(recs[0], tok, "fewshot3")
+    pre = tok.decode((tok(shot).input_ids * 2)[:448])
+    own = [tok(" ".join([r["question"]] * 8)).input_ids[:64] for r in recs]
+    return [pre + tok.decode(q) for q in own]
+
+
+def run(model, tok, prompts, s, share, seed):
     torch.manual_seed(seed)
-    extra = {"cache_implementation": "static"} if option in ("static", "compile") else {}
-    order = sorted(range(len(prompts)), key=lambda i: len(tok(prompts[i]).input_ids)) if option == "bucketed" \
-        else list(range(len(prompts)))
     t0 = time.perf_counter()
-    g = generate(model, tok, [prompts[i] for i in order], n=args.group_size, max_new_tokens=args.max_new_tokens,
-                 temperature=0.99, top_p=1.0, top_k=100, chunk_size=args.gen_chunk, **extra)
-    return time.perf_counter() - t0, sum(map(len, g.response_ids))
+    g = generate(model, tok, prompts, n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99,
+                 top_p=1.0, top_k=100, chunk_size=s["gen_chunk"], share_prefix=share)
+    return time.perf_counter() - t0, g
+
+
+def profile(model, tok, prompts, s):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, g = run(model, tok, prompts, s, True, seed=0)
+    steps = max(map(len, g.response_ids))
+    print(f"\nprofile of one shared call ({steps} decode steps):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="generate_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=OPTIONS, help="options to time")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    ap.add_argument("--shape", default="embedded", choices=SHAPES, help="embedded or long (see above)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of plain and shared")
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per generate call")
-    ap.add_argument("--group-size", type=int, default=4, help="rows per prompt (G)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="response budget")
-    ap.add_argument("--gen-chunk", type=int, default=8, help="rows per generate call (grpo.py's embedded 8)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--profile", action="store_true", help="also profile one shared call")
     args = ap.parse_args(argv)
-    if min(args.rounds, args.prompts, args.group_size, args.max_new_tokens, args.gen_chunk, args.threads) < 1:
-        ap.error("every count must be >= 1")
+    if min(args.rounds, args.threads) < 1:
+        ap.error("--rounds and --threads must be >= 1")
     torch.set_num_threads(args.threads)
+    s = SHAPES[args.shape]
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
-    recs = data.load_task("arithmetic", split="train", seed=0)
-    prompts = [data.make_prompt(r, tok, "chat") for r in recs[:args.prompts * 8:8]]     # varied lengths
-    if "compile" in args.options:
-        compiled = torch.compile(model.forward, dynamic=True)
-    times = {o: [] for o in args.options}
+    prompts = shape_prompts(tok, args.shape, s["prompts"])
+    lens = [len(tok(p).input_ids) for p in prompts]
+    times, same = {"plain": [], "shared": []}, True
     for r in range(args.rounds):
-        for o in args.options:
-            if o == "compile":
-                model.forward, plain = compiled, model.forward
-            try:
-                s, n = run(model, tok, prompts, args, o, seed=r)
-            finally:
-                if o == "compile":
-                    model.forward = plain
-            times[o].append((s, n))
-            print(f"round {r + 1}: {o:<9} {s:7.2f} s  {n} tokens", flush=True)
-    base = statistics.median(s for s, _ in times["baseline"]) if "baseline" in times else None
-    print(f"\n{'option':<10}{'median s':>10}{'tok/s':>8}{'ratio':>10}   (first call, incl. compile)")
-    for o, ts in times.items():
-        steady = ts[1:] if o == "compile" and len(ts) > 1 else ts
-        med = statistics.median(s for s, _ in steady)
-        tps = statistics.median(n / s for s, n in steady)
-        ratio = f"{med / base:10.3f}" if base else "         -"
-        print(f"{o:<10}{med:>10.2f}{tps:>8.1f}{ratio}   ({ts[0][0]:.1f} s)")
-    print(f"({args.prompts} prompts x {args.group_size} x {args.max_new_tokens} new tokens, gen_chunk "
-          f"{args.gen_chunk}, {args.threads} thread(s), {args.rounds} rounds; load {os.getloadavg()[0]:.1f})")
-    return times
+        outs = {}
+        for name in (("plain", "shared") if r % 2 == 0 else ("shared", "plain")):
+            sec, outs[name] = run(model, tok, prompts, s, name == "shared", seed=r)
+            times[name].append(sec)
+            print(f"round {r + 1}: {name:<7}{sec:8.2f} s  {sum(map(len, outs[name].response_ids))} tokens",
+                  flush=True)
+        same &= outs["plain"] == outs["shared"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-{max(lens)}, "
+          f"{s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, {args.threads} thread(s), "
+          f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
+    print(f"plain HF {med['plain']:.2f} s   shared {med['shared']:.2f} s   ratio shared/plain "
+          f"{med['shared'] / med['plain']:.3f}   same tokens in every round: {same}")
+    if args.profile:
+        profile(model, tok, prompts, s)
+    return med
 
 
 if __name__ == "__main__":

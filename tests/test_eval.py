@@ -341,6 +341,30 @@ def test_answer_forms_subprocess(smoke):
     assert r["answers"]["answer-only"].startswith("7}") and r["answers"]["multiple-choice"].startswith("B}")
     assert r["answers"]["full-line"].startswith("The final answer is 7.}")
     assert "| full-line |" in (out / "answer-forms.md").read_text()
+    f = s["formats"]                                       # RESPONSES: 3 boxed (2 right), 1 without an answer
+    assert (f["boxed"]["n"], f["boxed"]["accuracy"]) == (3, 2 / 3)
+    assert (f["fallback"]["n"], f["fallback"]["accuracy"]) == (1, 0)
+    assert f["boxed"]["overlap"] == s["overlap"] and f["tags"]["n"] == 0 and "| fallback | 1 |" in \
+        (out / "answer-forms.md").read_text()
+
+
+def test_answer_format_and_its_table_by_hand():
+    assert [highflow.answer_format(t) for t in ("so \\boxed{12}.", "<answer>7</answer>", "\\boxed{(B)}",
+                                                "<answer> c </answer>", "no answer", "\\boxed{}")] == \
+        ["boxed", "tags", "choice", "choice", "fallback", "fallback"]
+    out = [dict(no_answer=False, k0=4, reward=1.0, format="boxed", overlap={"full-line": [1.0, 0.5]}),
+           dict(no_answer=False, k0=6, reward=0.0, format="boxed", overlap={"full-line": [0.0, 1.0]}),
+           dict(no_answer=False, k0=2, reward=1.0, format="tags", overlap={"full-line": [1.0, 1.0]}),
+           dict(no_answer=True, reward=0.0, format="fallback")]
+    s = highflow.summarize(out, ["full-line"], [20, 40])
+    assert s["formats"]["boxed"] == dict(n=2, accuracy=0.5, overlap={"full-line": [0.5, 0.75]})
+    assert s["formats"]["tags"] == dict(n=1, accuracy=1.0, overlap={"full-line": [1.0, 1.0]})
+    assert s["formats"]["choice"]["n"] == 0 and s["formats"]["fallback"]["accuracy"] == 0.0
+    assert s["overlap"] == {"full-line": [2 / 3, 2.5 / 3]}
+    assert highflow.format_rows(s) == [["boxed", 2, 0.5, "full-line", 0.5, 0.75],
+                                       ["tags", 1, 1.0, "full-line", 1.0, 1.0],
+                                       ["choice", 0, None, "-", None, None],
+                                       ["fallback", 1, 0.0, "-", None, None]]
 
 
 def test_plot_subprocess(smoke):
@@ -353,3 +377,28 @@ def test_plot_subprocess(smoke):
     assert io["inflow_total"] > 0 and io["inflow_total"] == pytest.approx(io["outflow_total"], rel=1e-6)
     assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(ev.peak_ema([0.1, 0.4, 0.2])[-1])
     assert "<span" in (out / "heatmap.html").read_text()
+
+
+def test_recall_scores_oar_against_the_chosen_outcomes(tiny, tmp_path):
+    """--oar-outcomes (OAR Fig. 5b): AS-Mean by default (one row, "oar-p"); several give one row per outcome,
+    each the oar-p signal of that outcome on the same responses."""
+    import signals
+    assert ev.parse(["recall"]).oar_outcomes == ["as-mean"]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RESPONSES))
+    ev.main(["recall", "--model", "tiny-qwen3", "--threads", "1", "--responses", str(path), "--max-new-tokens",
+             "40", "--max-positions", "2", "--signals", "oar-p", "random", "--oar-outcomes", "as-mean",
+             "lt-logits", "--out", str(tmp_path / "o")])
+    s = json.loads((tmp_path / "o" / "recall.json").read_text())["summary"]
+    assert set(s["recall"]) == {"oar-p:as-mean", "oar-p:lt-logits", "random"}
+    out = [json.loads(x) for x in (tmp_path / "o" / "recall_rows.jsonl").read_text().splitlines()]
+    model, tok = tiny
+    rows = [r for r in probes.load_responses(path, tok, ev.auto_style("tiny-qwen3", "math", "auto"))
+            if r["reward"] == 1.0]
+    batch = probes.regions(tok, rows)
+    for o in ("as-mean", "lt-logits"):
+        cfg = probes.CreditConfig(layers="middle", seed=0, oar_outcome=o)
+        sc = signals.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width:]          # (B, R)
+        for b, row in enumerate(out):
+            assert row["scores"][f"oar-p:{o}"] == pytest.approx(sc[b, :row["end"]].tolist(), abs=1e-6)
+    assert out[0]["scores"]["oar-p:as-mean"] != out[0]["scores"]["oar-p:lt-logits"]

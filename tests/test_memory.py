@@ -16,7 +16,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Rot
 
 import grpo
 import memory
-import models
 import policy
 from models import load_model, qwen3_4b_config, tiny_config
 
@@ -63,7 +62,7 @@ def test_layer_saved_equals_the_count(arch, dtype):
     assert saved == b * T * memory.layer_saved(mc, T, nb, nb)
 
 
-@pytest.mark.parametrize("flags", [["--optimizer", "adamw"], ["--optimizer", "kahan"],
+@pytest.mark.parametrize("flags", [["--optimizer", "adamw"], ["--optimizer", "kahan"], ["--no-share-prefix"],
                                    ["--no-grad-checkpointing"], ["--credit-pass", "separate"],
                                    ["--beta", "0.1"], ["--num-iterations", "2"]])
 def test_estimate_within_10_percent_of_a_real_step(flags):
@@ -127,19 +126,20 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     assert total(sep, "credit") > total(base, "credit")
 
 
-def test_generation_follows_how_generate_prefills(monkeypatch):
-    """HF generate prefills the chunk's g rows; with prefix sharing (models.generate(share_prefix=True))
-    each prompt is prefilled once into a cache reserved at T, then copied to its G rows."""
+def test_generation_follows_how_generate_prefills():
+    """--no-share-prefix: HF generate prefills the chunk's g rows. --share-prefix (the default): each prompt
+    is prefilled once into a cache reserved at T, then each layer's row cache moves into one reserved at T."""
     mc, P, R = qwen3_4b_config(), 256, 1024
     kv = lambda rows, t: 2 * 36 * 8 * 128 * t * rows * 2                 # noqa: E731  bf16 K and V
-    for generate in (lambda model, tok, prompts: None, lambda model, tok, prompts, share_prefix=False: None):
-        monkeypatch.setattr(models, "generate", generate)
-        assert memory.prefill_rows(64, 8) == 64
-        assert memory.generation(mc, 64, 8, P, R, 2, 2)["KV cache"] == kv(64, P + R)
-    monkeypatch.setattr(models, "generate", lambda model, tok, prompts, share_prefix=True: None)
+    assert memory.prefill_rows(64, 8, shared=False) == 64
+    assert memory.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
     assert memory.prefill_rows(64, 8) == 8 and memory.prefill_rows(12, 8) == 3
     gen = memory.generation(mc, 64, 8, P, R, 2, 2)                        # the first decode step
     assert gen["KV cache"] == kv(64, P + R) + (kv(64, P) + kv(8, P + R)) // 36
+    held = memory.generation(mc, 64, 8, P, R, 2, 2, chunks=True)          # the chunk before's cache held
+    assert held["KV cache"] == kv(64, P + R + 1) + kv(8, P + R) + kv(64, P)
+    est, _ = qwen3_4b("--no-share-prefix")
+    assert est["generation"]["KV cache"] == kv(64, P + R)
 
 
 def test_margin_is_printed_and_counted_in_the_fit():
@@ -174,7 +174,8 @@ def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     N, N_cast, _ = memory.param_counts(mc)
     assert 4.0e9 < N < 4.05e9                                             # 4.02 B parameters
     est = memory.estimate(cfg, mc, "cuda")
-    assert est["generation"]["KV cache"] == 2 * 36 * 8 * 128 * 2 * 64 * (256 + 1024)   # 144 KiB per token
+    kv = 2 * 36 * 8 * 128 * 2                                             # 144 KiB per token and row
+    assert est["generation"]["KV cache"] == kv * (64 * 1281 + 8 * 1280 + 64 * 256)   # 2nd chunk's copy
     assert memory.peak(est)[1] <= 70e9
     fp32 = memory.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
     assert fp32["generation"]["cast cache"] == 2 * N_cast > 1.99 * N      # autocast's bf16 copies (tied head)

@@ -1,0 +1,311 @@
+"""The one-GPU headline in one command: Qwen3-4B's GRPO step at 1K and 8K on one 80 GB GPU, measured.
+
+For each response budget R (--max-new-tokens, default 1,024 and 8,192) it runs grpo.py's step on
+qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and prints:
+
+  memory      each phase's peak, measured by memory.measure (one real step, the second one) as
+              torch.cuda.max_memory_allocated and max_memory_reserved, beside memory.estimate (what
+              `python eval.py memory` prints) and the ratio estimate / allocated
+  overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.py's update
+              on it (token_logprobs under grpo.capturing, credit.assign, grpo_loss, backward,
+              optimizer_step), with --credit none and flow alternating for --rounds rounds (medians);
+                fraction = (update_flow - update_none) / (generate + update_none)
+  generation  tokens/s of models.generate (every row runs to R: min_new_tokens, which turns its prefix
+              sharing off, so each row pays its prompt's prefill; the decode is grpo.py's) beside the
+              memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
+                bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
+                        (weight bytes + g t 2 L Hkv hd kv_bytes)
+                bound tok/s = generated tokens * bandwidth / bytes   (--bandwidth: H100 SXM's 3.35 TB/s)
+and once, at the largest R, the memory of the attention maps: the peak of one no-grad forward of
+--attn-rows rows of P + R tokens, plain (sdpa), under flowtracer.capture (the middle layers' head mean,
+(b, T, T) fp32) and with eager attention and output_attentions (every layer's (b, H, T, T)); the extra is
+each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (~164 GB for one row of
+Qwen3-4B): an out-of-memory error is reported as such, with that size.
+
+The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
+keeps under 80 GB with its margin (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
+Generation dominates the run time at 8K: three rollouts (memory.measure's two steps and the one here) of
+8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Untested on a
+GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memory.track_peak's
+count of live tensor bytes and there is no reserved pool ("-").
+
+Departures (numbered):
+ 1. The prompts are random printable text of about --prompt-tokens tokens (the byte tokenizer of the random
+    models: exactly), and the answer region is the last 8 response tokens of every row, so that every row is
+    trained (A = +-1) and credited: the worst step, as memory.py counts it.
+ 2. The overhead's update runs grpo.train's micro-batch loop on a fixed batch (the same rows for both
+    signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
+ 3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
+    perfectly bandwidth-bound decoder, not a prediction.
+
+Run:  python benchmarks/gpu_headline.py                                  # one 80 GB GPU: the headline
+      python benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 5 # the 1K step only
+      python benchmarks/gpu_headline.py --model tiny-qwen3 --device cpu --max-new-tokens 16 32 \\
+          --prompt-tokens 16 --prompts-per-step 2 --group-size 2 --micro-batch 2 --gen-chunk 4 --rounds 1
+                                                                         # the format, on a CPU, in seconds
+"""
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import credit  # noqa: E402
+import grpo  # noqa: E402
+import memory  # noqa: E402
+import policy  # noqa: E402
+import signals  # noqa: E402
+from flowtracer import build_batch, capture, select_layers, take  # noqa: E402
+from models import generate  # noqa: E402
+
+H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
+ANSWER_TOKENS = 8               # departure 1
+
+
+# ----------------------------------------------------------------------------- the step's pieces
+def step_config(args, R):
+    """grpo.py's Config for this shape (parsed by grpo.py: its checks), chunks fitted into 80 GB on CUDA."""
+    flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
+             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+             "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow"]
+    cfg = grpo.parse_args(flags)
+    if args.device == "cuda":
+        g, m = memory.fit(cfg, memory.model_config(cfg.model), "cuda", args.prompt_tokens)
+        if not (g and m):
+            raise SystemExit(f"gpu_headline.py: error: R = {R} does not fit 80 GB even at micro-batch 1")
+        cfg = dataclasses.replace(cfg, gen_chunk=g, micro_batch=m)
+    return cfg
+
+
+def synced(device):
+    """perf_counter after the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def load(cfg, device):
+    """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
+    functions read."""
+    model, tok, ref, opt = policy.load_policy(cfg, device)
+    run = SimpleNamespace(cfg=cfg, model=model, opt=opt, device=device, bad=0, ref=ref,
+                          autocast=policy.autocast(device))
+    return run, tok
+
+
+def rollout(run, tok, P):
+    """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens)."""
+    cfg, g = run.cfg, torch.Generator().manual_seed(0)
+    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memory.measure's
+    texts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]   # dep. 1
+    run.model.eval()
+    t0 = synced(run.device)
+    with torch.no_grad(), run.autocast:
+        gen = generate(run.model, tok, texts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                       chunk_size=cfg.gen_chunk, min_new_tokens=cfg.max_new_tokens)
+    seconds = synced(run.device) - t0
+    batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(run.device)
+    n = batch.response_mask.sum(-1, keepdim=True)                                   # (B, 1)
+    col = torch.arange(batch.input_ids.shape[1], device=run.device) - batch.prompt_width      # (T,)
+    answer = (col >= n - ANSWER_TOKENS) & (col < n)                                 # (B, T) last tokens
+    return batch._replace(answer_mask=answer), seconds, sum(map(len, gen.response_ids))
+
+
+def update(run, tok, batch, signal):
+    """grpo.train's update on `batch` with --credit `signal` (departure 2); returns its seconds."""
+    cfg = run.cfg = dataclasses.replace(run.cfg, credit=signal)
+    P, B = batch.prompt_width, batch.input_ids.shape[0]
+    resp = batch.response_mask[:, P:]                                               # (B, R)
+    adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
+    stats = {"loss": 0.0}
+    run.model.train()
+    t0 = synced(run.device)
+    run.opt.zero_grad(set_to_none=True)
+    for s in range(0, B, cfg.micro_batch):
+        mb = list(range(s, min(B, s + cfg.micro_batch)))
+        sub = take(batch, mb)
+        with run.autocast, grpo.capturing(run, sub, 0) as cap:
+            logp, ent = grpo.token_logprobs(run.model, sub.input_ids, sub.attention_mask, P,
+                                            cfg.logprob_chunk)
+        with torch.no_grad():
+            gamma = credit.assign(run.model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent)).gamma
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), adv[mb], gamma, resp[mb], cfg, B)   # eq. 5
+        loss.backward()
+        stats["loss"] += loss.item()
+    grpo.optimizer_step(run, stats)
+    return synced(run.device) - t0
+
+
+def bandwidth_bound(model, cfg, P, bandwidth):
+    """Generated tokens/s if every decode step only read the weights and its rows' KV cache (departure 3)."""
+    mc, R, B = model.config, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv_bytes = 2 if model.device.type == "cuda" else model.dtype.itemsize           # bf16 under autocast
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * kv_bytes   # K and V, every layer
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())         # tied weights once
+    chunks = [min(cfg.gen_chunk, B - c) for c in range(0, B, cfg.gen_chunk)]
+    total = sum(R * weights + g * per_token * (R * P + R * (R - 1) / 2) for g in chunks)
+    return B * R * bandwidth / total
+
+
+# ----------------------------------------------------------------------------- the attention maps
+def attention_peaks(model, cfg, rows, T):
+    """{plain, capture, eager: peak bytes of one no-grad forward of `rows` rows of T tokens} (None: OOM)."""
+    dev = model.device
+    ids = torch.randint(256, (rows, T), generator=torch.Generator().manual_seed(1)).to(dev)   # (b, T)
+    mask = torch.ones_like(ids)                                                               # (b, T)
+    tracker = memory.cuda_peak() if dev.type == "cuda" else memory.track_peak()
+    impl, out = model.config._attn_implementation, {}
+    model.eval()
+    with torch.no_grad(), tracker as tr:
+        for name in ("plain", "capture", "eager"):
+            tr.phase(name)
+            try:
+                if name == "capture":
+                    with capture(model, mask, cfg.layers) as cap:
+                        model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+                    kept = cap.attn                                                 # (b, T, T) fp32
+                elif name == "eager":
+                    model.set_attn_implementation("eager")
+                    kept = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1,
+                                 output_attentions=True).attentions                 # L x (b, H, T, T)
+                else:
+                    kept = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+                out[name] = True
+            except torch.OutOfMemoryError:
+                out[name] = None
+            finally:
+                kept = None
+                model.set_attn_implementation(impl)
+        tr.phase(None)
+    return {k: tr.peak[k] if ok else None for k, ok in out.items()}
+
+
+# ----------------------------------------------------------------------------- the tables
+def headline(args, R, device):
+    """Every number of one table (response budget R) as a dict: memory, overhead, generation, attention."""
+    cfg = step_config(args, R)
+    P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
+    res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
+               micro_batch=cfg.micro_batch)
+    est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
+    reserved = {}
+    measured = memory.measure(cfg, P, device, reserved=reserved)
+    res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
+                              reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
+                     for ph in memory.PHASES}
+    free(device)
+    run, tok = load(cfg, device)
+    batch, gen_s, tokens = rollout(run, tok, P)
+    times = {"none": [], "flow": []}
+    update(run, tok, batch, "none")                                                # warm-up, not counted
+    for r in range(args.rounds):
+        for s in (("none", "flow") if r % 2 == 0 else ("flow", "none")):           # alternating
+            times[s].append(update(run, tok, batch, s))
+    off, on = (statistics.median(times[s]) for s in ("none", "flow"))
+    res["overhead"] = dict(generate_s=gen_s, update_none_s=off, update_flow_s=on, step_none_s=gen_s + off,
+                           step_flow_s=gen_s + on, fraction=(on - off) / (gen_s + off), rounds=args.rounds)
+    bound = bandwidth_bound(run.model, cfg, P, args.bandwidth)
+    res["generation"] = dict(tokens=tokens, seconds=gen_s, tok_s=tokens / gen_s, bound_tok_s=bound,
+                             of_bound=tokens / gen_s / bound, bandwidth=args.bandwidth)
+    if R == max(args.max_new_tokens):
+        res["attention"] = attention_maps(args, run.model, cfg, P + R)
+    del run, batch
+    free(device)
+    return res
+
+
+def attention_maps(args, model, cfg, T):
+    """attention_peaks, the extra of each over the plain forward, and the maps' own sizes (bytes)."""
+    peaks = attention_peaks(model, cfg, args.attn_rows, T)
+    mc = model.config
+    eager_need = mc.num_hidden_layers * args.attn_rows * mc.num_attention_heads * T * T * model.dtype.itemsize
+    extra = {k: v - peaks["plain"] if v is not None and peaks["plain"] else None for k, v in peaks.items()}
+    return dict(rows=args.attn_rows, tokens=T, layers=len(select_layers(cfg.layers, mc.num_hidden_layers)),
+                peak=peaks, extra=extra, eager_maps_bytes=eager_need,
+                capture_maps_bytes=args.attn_rows * T * T * 4)
+
+
+def free(device):
+    """Return what the last model held to the allocator, so that the next phase starts from it."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def show(args, res, device):
+    """One table as text: GB on a GPU, MB on the CPU."""
+    unit, name = (1e9, "GB") if device.type == "cuda" else (1e6, "MB")
+    f = lambda v: f"{v / unit:10.2f}" if v is not None else f"{'-':>10s}"  # noqa: E731
+    m = res["memory"]
+    print(f"\n== {args.model} on {device.type}: {res['rows']} rows ({args.prompts_per_step} prompts x "
+          f"{args.group_size}), {res['prompt_tokens']} + {res['max_new_tokens']} tokens, gen_chunk "
+          f"{res['gen_chunk']}, micro_batch {res['micro_batch']} ==")
+    print(f"memory ({name})     estimate  allocated   reserved  estimate/allocated")
+    for ph, d in m.items():
+        print(f"  {ph:15s}{f(d['estimate'])} {f(d['allocated'])} {f(d['reserved'])} {d['ratio']:10.3f}")
+    o = res["overhead"]
+    print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow); "
+          f"generate {o['generate_s']:.3f} s; {100 * o['fraction']:.2f}% of the step (rounds: {o['rounds']})")
+    g = res["generation"]
+    print(f"generation     {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; bound "
+          f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
+          f"{100 * g['of_bound']:.3g}% of it")
+    a = res.get("attention")
+    if a:
+        print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
+              f"peak / extra over plain")
+        for k, why in (("plain", "sdpa"), ("capture", f"flowtracer.capture, mean of {a['layers']} layer(s)"),
+                       ("eager", "eager, output_attentions")):
+            oom = f"out of memory (the maps alone: {a['eager_maps_bytes'] / unit:.2f} {name})"
+            print(f"  {k:8s} {f(a['peak'][k]) if a['peak'][k] is not None else oom:>10s}"
+                  f" {f(a['extra'][k]) if a['peak'][k] is not None else '':>10s}   {why}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="gpu_headline.py", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
+    ap.add_argument("--model", default="qwen3-4b-random",
+                    help="a models.py name (qwen3-4b-random: no download)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
+    ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[1024, 8192], help="one table each")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt width (memory.py's default)")
+    ap.add_argument("--prompts-per-step", type=int, default=16, help="the paper's 1K step on one GPU: 16")
+    ap.add_argument("--group-size", type=int, default=8, help="G rollouts per prompt (App. C.3)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward (CUDA: fitted into 80 GB)")
+    ap.add_argument("--gen-chunk", type=int, default=64, help="rows per generate call (CUDA: fitted)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
+    ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
+    ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
+    ap.add_argument("--json", default="", help="also write every number here")
+    args = ap.parse_args(argv)
+    counts = ("prompt_tokens", "prompts_per_step", "micro_batch", "gen_chunk", "rounds", "attn_rows")
+    for flag, ok in [*((k, getattr(args, k) >= 1) for k in counts),
+                     ("max_new_tokens", min(args.max_new_tokens) >= 1), ("group_size", args.group_size >= 2),
+                     ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0)]:
+        if not ok:
+            ap.error(f"--{flag.replace('_', '-')} must be >= {2 if flag == 'group_size' else 1}"
+                     if flag != "bandwidth" else "--bandwidth must be a positive number of bytes/s")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU is visible (--device cpu --model tiny-qwen3 shows the format)")
+    device = torch.device(args.device)
+    results = []
+    for R in args.max_new_tokens:
+        results.append(headline(args, R, device))
+        show(args, results[-1], device)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

