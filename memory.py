@@ -193,8 +193,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix, B > g)}
-    # update: what the forward keeps for backward (kept) and the (b, T) batch tensors
-    ls = layer_saved(mc, T, cb, rb)
+    ls = layer_saved(mc, T, cb, rb)                                       # update: what the forward keeps
     acts = b * T * kept(mc, L, ls, rb, cfg.grad_checkpointing)
     old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * T * T * (Hq > Hkv) + old           # ids, masks; sdpa's bool mask
@@ -310,12 +309,15 @@ def table(est, title, unit=GB) -> str:
     return "\n".join([title, head, *rows])
 
 
-def margin(est) -> dict:
+def margin(cfg, mc, prompt_tokens=256) -> dict:
     """{cost: bytes} a GPU needs beyond the estimate's tensors (assumed, not measured): the CUDA context and
-    cuBLAS workspace, and the allocator's fragmentation, at most one more KV cache (what a cache grown by
-    concatenation can leave in freed blocks too small to reuse; expandable_segments leaves less)."""
-    return {"CUDA context + cuBLAS workspace": CONTEXT,
-            "fragmentation <= one KV cache": est["generation"]["KV cache"]}
+    cuBLAS workspace, and the allocator's fragmentation, at most one more bf16 KV cache of a chunk (what a
+    cache grown by concatenation can leave in freed blocks too small to reuse; expandable_segments and a
+    cache reserved at T, as prefix sharing makes it, leave less)."""
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    g = min(cfg.gen_chunk, cfg.prompts_per_step * cfg.group_size)
+    kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * (prompt_tokens + cfg.max_new_tokens) * g * 2
+    return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one KV cache": kv}
 
 
 def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
@@ -324,8 +326,9 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
     def largest(cfg, field, phases):
         n = getattr(cfg, field)
         while n >= 1:
-            est = estimate(SimpleNamespace(**{**vars(cfg), field: n}), mc, device, prompt_tokens)
-            if all(sum(est[k].values()) + sum(margin(est).values()) <= budget for k in phases):
+            c = SimpleNamespace(**{**vars(cfg), field: n})
+            est, extra = estimate(c, mc, device, prompt_tokens), sum(margin(c, mc, prompt_tokens).values())
+            if all(sum(est[k].values()) + extra <= budget for k in phases):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
         return None
@@ -352,7 +355,7 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
         out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}")
     ph, top = peak(est)
     if torch.device(device).type == "cuda":
-        m, (g, mb) = margin(est), fit(cfg, mc, device, prompt_tokens)
+        m, (g, mb) = margin(cfg, mc, prompt_tokens), fit(cfg, mc, device, prompt_tokens)
         out.append(f"budget {GPU / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
                    + (f"gen_chunk <= {g}, micro_batch <= {mb}" if g and mb else "no chunks fit"))

@@ -144,16 +144,16 @@ def test_generation_follows_how_generate_prefills():
 
 def test_margin_is_printed_and_counted_in_the_fit():
     est, cfg = qwen3_4b()
-    m = memory.margin(est)
-    assert sum(m.values()) == memory.CONTEXT + est["generation"]["KV cache"]
-    out = memory.report(cfg)
-    assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in out
+    mc = qwen3_4b_config()
+    m = memory.margin(cfg, mc)
+    assert sum(m.values()) == memory.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 1280     # + one bf16 KV cache
+    assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in memory.report(cfg)
     tight = SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192})
-    g, _ = memory.fit(tight, qwen3_4b_config(), "cuda")
-    est = memory.estimate(SimpleNamespace(**{**vars(tight), "gen_chunk": g}), qwen3_4b_config(), "cuda")
-    assert total(est, "generation") + sum(memory.margin(est).values()) <= 80e9
-    est = memory.estimate(SimpleNamespace(**{**vars(tight), "gen_chunk": 2 * g}), qwen3_4b_config(), "cuda")
-    assert total(est, "generation") + sum(memory.margin(est).values()) > 80e9
+    g, _ = memory.fit(tight, mc, "cuda")
+    for n, fits in ((g, True), (2 * g, False)):
+        c = SimpleNamespace(**{**vars(tight), "gen_chunk": n})
+        assert (total(memory.estimate(c, mc, "cuda"), "generation") + sum(memory.margin(c, mc).values())
+                <= 80e9) == fits
 
 
 def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
