@@ -58,8 +58,8 @@ def question(nums, target):
 def frame(text):
     """TinyZero's plain-text frame for base models: the model continues inside an opened <think> block."""
     return ("A conversation between User and Assistant. The user asks a question, and the Assistant "
-            "solves it. The assistant first thinks about the reasoning process in the mind and then provides the user "
-            f"with the answer.\nUser: {text}\nAssistant: Let me solve this step by step.\n<think>")
+            "solves it. The assistant first thinks about the reasoning process in the mind and then provides "
+            f"the user with the answer.\nUser: {text}\nAssistant: Let me solve this step by step.\n<think>")
 
 
 # ----------------------------------------------------------------------------- safe evaluation

@@ -1,7 +1,7 @@
 """The tasks: datasets, prompts and verified rewards for everything the paper trains and evaluates on.
 
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
-  make_prompt(record, tokenizer, style)      -> the text the model continues
+  make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   score(record, completion)                  -> a float reward: a pure function of (completion, answer)
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
@@ -9,10 +9,8 @@ Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math eval       gsm8k (test), math500, aime24, aime25, amc23, olympiadbench, minerva
   choice          crossthinkqa (train / validation; "test" reads validation, App. C.3)
   countdown       countdown (generated, TinyZero's protocol: countdown.py), countdown-3to4 (TinyZero's data)
-  math, offline   arithmetic: generated 1-3 step word problems, the default task of the embedded
-                  SmolLM2-135M-Instruct. Measured with the few-shot prompt at T = 1.0, top-k 100, 128 new
-                  tokens (100 test problems x 4 samples): 14.8% right overall (1 step 19.8%, 2 steps 7.5%,
-                  3 steps 0%); 41 of 100 problems had both right and wrong samples, i.e. GRPO signal.
+  math, offline   arithmetic: generated 1-3 step word problems (arithmetic.py), the default task of the
+                  embedded SmolLM2-135M-Instruct
 Rows come from `path=` (a JSONL or parquet file) if given; else the generator; else
 $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to this repo); else the hub via
 `datasets.load_dataset` (offline, that raises an error saying how to pass a path). Quirks fixed on load:
@@ -23,37 +21,18 @@ missing file, a directory or FIFO, CSV, an empty file, non-UTF-8 or invalid JSON
 missing, empty or wrongly typed field; a NaN / Infinity / "nan" answer; a non-integer Countdown target or
 number; a lone surrogate ("\\ud800"). Every pattern run on a row or a reward is linear in its length.
 
-Prompt styles, and the model families that use them (default_style):
-  fewshot    the Llama models of the paper, Llama-3.1-8B and Llama-3.2-3B, and the other Llama-3.x models
-             that are not instruct-tuned: App. C.3's prompt, its two exemplars (FEWSHOT) as earlier
-             user/assistant turns, then the question. The paper bypasses SFT on these models and starts RL
-             from few-shot prompting.
-  fewshot3   the embedded SmolLM2-135M-Instruct (and GGUF files): FEWSHOT plus our third exemplar
-             (departure 3); zero-shot, SmolLM2 never writes a \\boxed{}. Not a paper setting.
-  oneshot    our third exemplar alone: a prompt a third as long, for cheap CPU learning runs (eval.py learn)
-  chat       instruct / thinking models (Qwen3, Llama-3.x-Instruct, anything not named below): one user turn
-             that ends with "Please reason step by step, and put your final answer within \\boxed{}."
-             (App. E.1)
-  plain      models named "...base..." (Qwen3-4B-Base): App. E.1's template as plain text (instruction,
-             "Question: ...", "Answer:"); the paper gives no training prompt for them
-  countdown  every model on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
-  Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...".
+Prompt styles (which model family uses which) and the exemplars: prompts.py.
 
 Rewards (math_reward, countdown_reward, choice_reward) never raise on any string and never hang.
 
-Departures (numbered):
-  1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (the issue's choice,
-     the Qwen math convention and the shape of the App. C.3 exemplars).
-  2. App. C.3's second exemplar lost its line breaks in the PDF; it is laid out like the first.
-  3. "fewshot3" adds a third exemplar, ours (EXTRA_EXEMPLAR), for SmolLM2 only: a one-step problem in the
-     arithmetic task's style, whose name and item never occur there. (A two-step one made SmolLM2 add a
-     spurious step to one-step problems: 3% vs 29%.) The paper's Llama prompt ("fewshot") has only its two.
+Departures (numbered; 1-3, on the prompts, are prompts.py's):
   4. Hub names: the paper links HPDL/OlympiadBench and UCLA-AGI/Minerva_Math; we use the copies of the
      Qwen2.5-Math eval suite. CrossThinkQA's fields are not documented offline: `choice_row` accepts the
      common multiple-choice layouts.
-  5. (answers.py) math-verify's timeout uses signal.alarm (main thread only). In other threads the check runs
-     in a daemon thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects values such as
-     9^{9^{9}} or (10^{10})! whose evaluation no timeout can interrupt (they score 0 even if equal).
+  5. (answers.py) math-verify's timeout uses signal.alarm (main thread only). In other threads the check
+     runs in a daemon thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects
+     values such as 9^{9^{9}} or (10^{10})! whose evaluation no timeout can interrupt (they score 0 even if
+     equal).
 
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
 Test: python -m pytest -q tests/test_data.py      Time the rewards: python benchmarks/reward_speed.py
@@ -63,16 +42,16 @@ import json
 import logging
 import math
 import os
-import random
 import re
-import zlib
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import arithmetic
 import countdown
+import prompts
 from answers import boxed_span, equivalent, not_finite, option_letter
+from prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface: data.make_prompt)
 
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
 
@@ -201,7 +180,8 @@ def minerva_row(row):  # the answer is the \boxed{} of the solution
 
 def dapo_question(prompt):
     """DAPO's "Solve the following math problem ...\\n\\n<question>\\n\\nRemember to put your answer ..."
-    -> the question: its own "Answer: $Answer" instructions go, ours ask for \\boxed{} (str search: linear)."""
+    -> the question: its own "Answer: $Answer" instructions go, ours ask for \\boxed{}
+    (str search: linear)."""
     head, _, rest = prompt.partition("\n\n")
     body, end, _ = rest.rpartition("\n\nRemember to put your answer")
     return body if head.startswith("Solve the following math problem") and end else prompt
@@ -252,47 +232,6 @@ def countdown_row(row):
     return countdown.question(nums, target), {"nums": list(nums), "target": target}
 
 
-# ----------------------------------------------------------------------------- the arithmetic task
-
-NAMES = [("Tom", "he"), ("Anna", "she"), ("Ben", "he"), ("Lily", "she"), ("Sam", "he"), ("Emma", "she"),
-         ("Jack", "he"), ("Zoe", "she"), ("Leo", "he"), ("Nora", "she"), ("Max", "he"), ("Ella", "she")]
-ITEMS = ["apples", "marbles", "pencils", "cookies", "books", "shells", "cards", "balloons", "coins", "eggs"]
-ARITHMETIC_SIZES = {"train": 10_000, "test": 1_000}
-STEP_WEIGHTS = (0.6, 0.25, 0.15)  # P(1, 2, 3 steps): SmolLM2 solves ~20% of 1-step, few longer problems
-
-
-def arithmetic_problem(rng):
-    """One word problem: a start count in 2..9, then 1-3 steps that each add 2..6 or take away 2 or more.
-    Returns (question, answer, steps)."""
-    (name, he), item = rng.choice(NAMES), rng.choice(ITEMS)
-    steps, v = rng.choices((1, 2, 3), STEP_WEIGHTS)[0], rng.randint(2, 9)
-    text = [f"{name} has {v} {item}."]
-    for s in range(steps):
-        who = he.capitalize() if s == 0 else f"Then {he}"
-        if v > 2 and rng.random() < 0.5:
-            n = rng.randint(2, v - 1)  # 2 or more, so that the item's plural is right
-            v -= n
-            text.append(f"{who} {rng.choice(['gives', 'sells'])} {n} {item} to a friend.")
-        else:
-            n = rng.randint(2, 6)
-            v += n
-            text.append(f"{who} {rng.choice(['buys', 'finds', 'gets'])} {n} more {item}.")
-    text.append(f"How many {item} does {name} have now?")
-    return " ".join(text), str(v), steps
-
-
-def generate_arithmetic(split, seed, limit):
-    """Deterministic for a seed; train and test are disjoint (a question's split is a hash of its text)."""
-    n, rng, seen, out = limit or ARITHMETIC_SIZES[split], random.Random(f"arithmetic-{seed}"), set(), []
-    while len(out) < n:
-        q, a, steps = arithmetic_problem(rng)
-        if q in seen or ("test" if zlib.crc32(q.encode()) % 10 == 0 else "train") != split:
-            continue
-        seen.add(q)
-        out.append({"question": q, "answer": a, "steps": steps})
-    return out
-
-
 # ----------------------------------------------------------------------------- the task table
 
 class Task(NamedTuple):
@@ -316,13 +255,15 @@ TASKS = {
                           ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row),
     # Table 9's link; "test" is the validation split (App. C.3)
     "crossthinkqa": Task("choice", "crossthinkqa",
-                         ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}), choice_row),
+                         ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}),
+                         choice_row),
     "countdown": Task("countdown", "countdown", (), countdown_row,
-                      lambda split, seed, limit: countdown.generate(limit or countdown.SIZES[split], split, seed)),
+                      lambda split, seed, limit: countdown.generate(limit or countdown.SIZES[split], split,
+                                                                    seed)),
     "countdown-3to4": Task("countdown", "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
                            ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
                            countdown_row),
-    "arithmetic": Task("math", "arithmetic", (), math_row, generate_arithmetic),
+    "arithmetic": Task("math", "arithmetic", (), math_row, arithmetic.generate),
 }
 SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
 
@@ -333,10 +274,10 @@ def hub_rows(name, t, split):
         import datasets
         ds = datasets.load_dataset(hub, config, split=splits[split])
     except Exception as e:
-        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                        f"The hub may be unreachable: download the data and pass load_task({name!r}, "
-                        f"path='file.jsonl' or 'file.parquet'), or put it at $FLOWTRACER_DATA/{t.local}/"
-                        f"{split}.jsonl") from e
+        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub "
+                        f"({type(e).__name__}: {e}). The hub may be unreachable: download the data and pass "
+                        f"load_task({name!r}, path='file.jsonl' or 'file.parquet'), or put it at "
+                        f"$FLOWTRACER_DATA/{t.local}/{split}.jsonl") from e
     return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
 
 
@@ -353,7 +294,8 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
     if path is not None:
         rows, source = read_rows(path), str(path)
     elif t.generate is not None:
-        rows, source = ((f"generated row {i}", r) for i, r in enumerate(t.generate(split, seed, limit), 1)), key
+        rows = ((f"generated row {i}", r) for i, r in enumerate(t.generate(split, seed, limit), 1))
+        source = key
     elif any(p.is_file() for p in local):
         source = str(next(p for p in local if p.is_file()))
         rows = read_rows(source)
@@ -385,69 +327,9 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
     return records[:limit] if limit else records
 
 
-# ----------------------------------------------------------------------------- prompts
-
-FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
-    ("Calculate $12 + 8 * 2$.",
-     "According to the order of operations, we first perform multiplication, then addition.\n"
-     "Step 1. $8 * 2 = 16$.\nStep 2. $12 + 16 = 28$.\nThe final answer is \\boxed{28}."),
-    ("Solve the equation: $2x - 5 = 5$.",
-     "To find the value of x, we need to isolate the variable.\n"
-     "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
-     "The final answer is \\boxed{5}."),
-]
-EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
-                  "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
-EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR], "oneshot": [EXTRA_EXEMPLAR]}  # dep. 3
-STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown")
-
-
-def render(messages, tokenizer):
-    """Chat turns through the tokenizer's chat template, or as "User: ..." text when it has none."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
-
-
-def default_style(model_name, task):
-    """The prompt style a model family uses (see the module docstring): the Countdown frame for Countdown,
-    App. C.3's few-shot for Llama-3.x non-instruct models, fewshot3 for SmolLM2 and GGUF files, plain for base
-    models, chat otherwise."""
-    name = str(model_name).lower()
-    if task == "countdown":
-        return "countdown"
-    if "llama-3" in name and "instruct" not in name:   # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
-        return "fewshot"
-    if "smollm2" in name or name.endswith(".gguf"):
-        return "fewshot3"
-    return "plain" if "base" in name else "chat"
-
-
 def style_fits(style, task):
-    """Whether make_prompt takes this style for records of this task ("countdown", "math", "choice", or a
-    data.TASKS name): the countdown frame for Countdown only, the math exemplars never for Countdown."""
-    task = TASKS[task].task if task in TASKS else task
-    return (style == "countdown") == (task == "countdown") or style in ("auto", "chat", "plain")
-
-
-def make_prompt(record, tokenizer=None, style="chat"):
-    """The prompt text for one record (see the module docstring for which style fits which model)."""
-    if style not in STYLES:
-        raise ValueError(f"unknown prompt style {style!r}; styles: {', '.join(STYLES)}")
-    q, is_countdown = record["question"], record["task"] == "countdown"
-    if not style_fits(style, record["task"]):   # the countdown frame on math, math exemplars on Countdown
-        raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records"
-                         if is_countdown else "style 'countdown' is for countdown records; use chat, plain "
-                         "or fewshot")
-    if style == "countdown" or (style == "plain" and is_countdown):
-        return countdown.frame(q)
-    if style == "plain":
-        return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
-    if style == "chat":
-        return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer)
-    turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
-             for u, a in EXEMPLARS[style]]
-    return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer)
+    """prompts.style_fits for a task kind ("countdown", "math", "choice") or a data.TASKS name."""
+    return prompts.style_fits(style, TASKS[task].task if task in TASKS else task)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -462,13 +344,16 @@ def math_reward(completion, answer):
     """1.0 when the last \\boxed{} of the completion equals the ground truth, else 0.0. Never raises."""
     try:
         pred = last_boxed(completion) if isinstance(completion, str) else None
-        return 0.0 if pred is None or not pred.strip() else float(equivalent(answer_text(answer), pred.strip()))
+        if pred is None or not pred.strip():
+            return 0.0
+        return float(equivalent(answer_text(answer), pred.strip()))
     except Exception:  # Decimal overflow, a math-verify or sympy error, RecursionError ...
         return 0.0
 
 
 def choice_reward(completion, answer):
-    """1.0 when the last \\boxed{} names the answer's option, and only it (answers.option_letter), else 0.0."""
+    """1.0 when the last \\boxed{} names the answer's option, and only it (answers.option_letter),
+    else 0.0."""
     try:
         pred = last_boxed(completion) if isinstance(completion, str) else None
         letter = None if pred is None else option_letter(pred)
@@ -486,7 +371,8 @@ def score(record, completion):
     record["task"] is a programming error and raises ValueError."""
     reward = REWARDS.get(record.get("task"))
     if reward is None:
-        raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; known: {list(REWARDS)}")
+        raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; "
+                         f"known: {list(REWARDS)}")
     return reward(completion, record["answer"])
 
 

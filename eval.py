@@ -1,19 +1,17 @@
-"""Evaluation and the paper's experiments, one subcommand each; every one writes <out>/<cmd>.json and <cmd>.md.
+"""Evaluation and the paper's experiments, one subcommand each; each writes <out>/<cmd>.json and .md.
 
-  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy, per benchmark
+  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy    (passk.py)
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
   recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
   memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
   plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
-             Fig. 3 (most frequent high- and low-flow tokens), training curves with the peak-tracking EMA
+             Fig. 3 (most frequent high- and low-flow tokens), training curves, peak-tracking EMA (figures.py)
   learn      issue 21: credit arms x seeds of grpo.py runs, held-out gains with CIs, paired tests (learn.py)
   answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
              forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
-Formulas:
-  pass@k  = mean over problems of 1 - C(n - c, k) / C(n, k)   (n samples, c correct; Chen et al. 2021),
-            computed as the product 1 - prod_{i = n-c+1}^{n} (1 - k / i): no huge binomials.
+Formulas (pass@k: passk.py):
   EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
 
 Departures (numbered; probes.py lists those of intervene and recall):
@@ -21,9 +19,7 @@ Departures (numbered; probes.py lists those of intervene and recall):
  2. bench samples with the training settings of App. C.3 (T = 0.99, top-p 1.0, top-k 100); greedy is argmax.
     A response counts as correct when its reward is 1 (Countdown's 0.1 format reward is not a pass); a
     response with no final answer (no \\boxed{} / <answer>) is wrong, and how many there were is reported.
- 3. plot colours throughput on a log scale over three decades (the paper's Fig. 2 scale is not given); the
-    token charts (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput within each sentence
-    (App. E.1), among the tokens before the answer ends (highflow.py departure 3).
+ 3. plot colours throughput on a log scale, and counts Fig. 3's tokens per sentence: figures.py.
  4. intervene and answer-forms take a seeded random sample of --n-problems test problems (App. E.1: "randomly
     sampled"); bench, recall and plot take the first N.
 
@@ -33,7 +29,8 @@ checkpoint.RunError: ValueErrors naming the file) is caught around the command i
 nothing to report (e.g. no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
-     python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 --threads 1
+     python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 \
+         --threads 1
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
      python eval.py plot [--metrics runs/a/metrics.jsonl ...]
      python eval.py memory --model qwen3-4b-random [--max-new-tokens 8192 --micro-batch 4 --gen-chunk 16]
@@ -41,13 +38,11 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 import argparse
-import html
 import json
 import math
 import os
 import random
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -55,29 +50,21 @@ from tqdm import tqdm
 
 import checkpoint as ckpt_io
 import data
+import figures
 import highflow
+import passk
 import probes
 import signals
-from flowtracer import attention_graph, dag_weights, find_answer_span, reweight, select_layers, trace_flow
+from flowtracer import select_layers
 from models import ModelError, device_problem, generate, load_model
-from runlog import peak_ema
 
-BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown", "crossthinkqa"]
+BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown",
+              "crossthinkqa"]
 
 
 def fail(msg, code=2):
     print(f"eval.py: error: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-# ----------------------------------------------------------------------------- metrics
-def pass_at_k(n, c, k):
-    """Unbiased pass@k for one problem: 1 - C(n - c, k) / C(n, k), in product form."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 # ----------------------------------------------------------------------------- model, prompts, output
@@ -99,7 +86,7 @@ def auto_style(model_name, task, style):
     """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
     if style != "auto":
         return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
-    state = Path(model_name) / "trainer_state.pt"   # a grpo checkpoint: the style of the model it started from
+    state = Path(model_name) / "trainer_state.pt"     # a grpo checkpoint: the style of the model it began as
     if state.is_file():
         model_name = ckpt_io.saved_config(model_name)["model"]               # RunError naming the file
     return data.default_style(model_name, task)
@@ -128,13 +115,14 @@ def setup(args, task):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
-    except (RuntimeError, OSError, ValueError, ImportError) as e:            # offline hub, missing wheel, bad dir
+    except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
         fail(f"cannot load model {args.model!r}: {e}")
     try:
         select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
     except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
         fail(f"--layers: {e}")
-    return model, tok, auto_style(model_name, data.TASKS[task].task if task in data.TASKS else task, args.style)
+    kind = data.TASKS[task].task if task in data.TASKS else task
+    return model, tok, auto_style(model_name, kind, args.style)
 
 
 def records_for(args, task, sample=False):
@@ -156,40 +144,30 @@ def inputs(args, tok, style, sample=False):
         fail(str(e))
 
 
-# ----------------------------------------------------------------------------- bench (Tables 2-4)
+# ----------------------------------------------------------------------------- bench (Tables 2-4; passk.py)
 def bench(args):
     unknown = [b for b in args.benchmarks if b not in data.TASKS]
     if unknown:
         fail(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS} (and any data.TASKS name)")
     model, tok, _ = setup(args, args.benchmarks[0])
-    ks, n, no_ans = [k for k in args.ks if k <= args.n], args.n, lambda t: find_answer_span(t) is None
+    ks, n = [k for k in args.ks if k <= args.n], args.n
     results, rows = {}, []
     for name in tqdm(args.benchmarks, desc="bench", unit="benchmark"):
         recs = records_for(args, name)
         style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
         prompts = [data.make_prompt(r, tok, style) for r in recs]
-        smp = generate(model, tok, prompts, n=n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, chunk_size=args.batch_size)
-        grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True, chunk_size=args.batch_size)
-        mine = [dict(benchmark=name, id=r["id"], correct=[data.score(r, t) >= 1.0 for t in smp.texts[i * n:(i + 1) * n]],
-                     greedy=data.score(r, grd.texts[i]) >= 1.0, no_answer=sum(map(no_ans, smp.texts[i * n:(i + 1) * n])),
-                     greedy_no_answer=no_ans(grd.texts[i]), texts=smp.texts[i * n:(i + 1) * n], greedy_text=grd.texts[i])
-                for i, r in enumerate(recs)]                                  # correct: reward 1 (departure 2)
+        smp = generate(model, tok, prompts, n=n, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       chunk_size=args.batch_size)
+        grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True,
+                       chunk_size=args.batch_size)
+        mine = passk.problem_rows(name, recs, smp, grd, n)               # correct: reward 1 (departure 2)
         rows += mine
-        results[name] = {"n_problems": len(recs), "n": n, "style": style,
-                         **{f"pass@{k}": sum(pass_at_k(n, sum(x["correct"]), k) for x in mine) / len(mine) for k in ks},
-                         "greedy": sum(x["greedy"] for x in mine) / len(mine),
-                         "no_answer_samples": sum(x["no_answer"] for x in mine),
-                         "no_answer_greedy": sum(x["greedy_no_answer"] for x in mine),
-                         "truncated_samples": sum(smp.truncated), "truncated_greedy": sum(grd.truncated)}
-    header = ["benchmark", "problems", "n", *(f"pass@{k}" for k in ks), "greedy", "no answer (samples)", "no answer (greedy)"]
-    table = probes.markdown(header, [[b, r["n_problems"], n, *(r[f"pass@{k}"] for k in ks), r["greedy"],
-                               f"{r['no_answer_samples']}/{r['n_problems'] * n}", f"{r['no_answer_greedy']}/{r['n_problems']}"]
-                              for b, r in results.items()])
-    save(args, {"model": args.model, "benchmarks": results}, table, rows)
+        results[name] = passk.summary(mine, n, ks, style, smp, grd)
+    save(args, {"model": args.model, "benchmarks": results}, passk.table(results, n, ks), rows)
 
 
-# ----------------------------------------------------------------------------- intervene and recall (probes.py)
+# ----------------------------------------------------------------------------- intervene, recall (probes.py)
 def intervene(args):
     model, tok, style = setup(args, args.task)
     out, s = probes.intervene(model, tok, inputs(args, tok, style, sample=True), args, style)
@@ -218,156 +196,42 @@ def answer_forms(args):
         fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
 
 
-# ----------------------------------------------------------------------------- plot (Figs. 2, 3, 7, curves)
-def token_figure(path, tokens, colors, title, width=100):
-    """Tokens as text on coloured boxes, wrapped at `width` characters; saves PNG and HTML."""
-    plt, lines, col = probes.pyplot(), [[]], 0
-    for t, c in zip(tokens, colors):
-        for n, piece in enumerate(t.split("\n")):
-            if n or (col + len(piece) > width and col):                      # a newline, or the line is full
-                lines.append([])
-                col = 0
-            if piece:
-                lines[-1].append((col, piece, c))
-                col += len(piece)
-    fig = plt.figure(figsize=(width * 0.602 * 8 / 72, 0.22 * len(lines) + 0.5))  # DejaVu Sans Mono: 0.602 em
-    ax = fig.add_axes([0, 0, 1, 1 - 0.3 / (0.22 * len(lines) + 0.5)])
-    ax.set(xlim=(0, width), ylim=(len(lines), 0), title=title)
-    ax.axis("off")
-    for y, line in enumerate(lines):
-        for x, piece, c in line:
-            ax.add_patch(plt.Rectangle((x, y + 0.05), len(piece), 0.9, color=c, lw=0))
-            ax.text(x, y + 0.5, piece, family="monospace", fontsize=8, va="center", parse_math=False)
-    fig.savefig(str(path) + ".png", dpi=110)
-    plt.close(fig)
-    span = lambda t, c: (f'<span style="background:rgba({int(255 * c[0])},{int(255 * c[1])},{int(255 * c[2])},'  # noqa: E731
-                         f'{c[3]:.2f})">{html.escape(t).replace(chr(10), "<br>")}</span>')
-    Path(str(path) + ".html").write_text(f"<html><body><h3>{html.escape(title)}</h3><pre style='white-space:pre-wrap'>"
-                                         + "".join(span(t, c) for t, c in zip(tokens, colors)) + "</pre></body></html>")
-
-
-def log_scale(x):
-    """x >= 0 -> [0, 1]: log10 of x / max(x) over three decades (departure 3)."""
-    x = torch.as_tensor(x, dtype=torch.float64)
-    top = x.max().clamp_min(1e-300)
-    return (1 + torch.log10((x / top).clamp_min(1e-3)) / 3).where(x > 0, torch.zeros_like(x)).tolist()
-
-
+# ----------------------------------------------------------------------------- plot (figures.py)
 def plot(args):
     figs = args.figures or (["curves"] if args.metrics else ["heatmap", "inout", "tokens"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result, plt = {"figures": figs}, probes.pyplot()
-    if "curves" in figs:
-        if not args.metrics:
-            fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
-        result["curves"] = plot_curves(args, out, plt)
-    if set(figs) & {"heatmap", "inout", "tokens"}:
-        result.update(plot_flow(args, out, plt, figs))
+    result = {"figures": figs}
+    try:
+        if "curves" in figs:
+            result["curves"] = figures.curves(metrics_runs(args), args.keys, args.alpha, out / "curves.png")
+        if set(figs) & {"heatmap", "inout", "tokens"}:
+            model, tok, style = setup(args, args.task)
+            rows = inputs(args, tok, style)
+            if "response" not in rows[0]:
+                rows = probes.sample_responses(model, tok, rows, args, style, args.temperature, args.seed,
+                                               "plot: sample")
+            result.update(figures.flow_figures(model, tok, rows, args, figs, out))
+    except ValueError as e:                              # a bad metrics line, an unknown key, --token
+        fail(str(e))
+    if result.get("n_no_answer", 0) and result["n_no_answer"] == result["n_responses"]:
+        fail(f"empty result set: none of the {result['n_responses']} responses has an answer, so there is "
+             "no flow", 1)
     save(args, result, probes.markdown(["figure", "files"], [[f, f"{f}.png"] for f in figs]))
 
 
-def plot_curves(args, out, plt):
-    runs, smooth = {}, {}
+def metrics_runs(args):
+    """{run name: metrics rows} of the --metrics files; an empty one is an empty result set (exit 1)."""
+    if not args.metrics:
+        fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
+    runs = {}
     for p in args.metrics:
         if not Path(p).is_file():
             fail(f"metrics file {p!r} not found")
-        runs[Path(p).parent.name or p] = metrics_rows(p)
+        runs[Path(p).parent.name or p] = figures.metrics_rows(p)
         if not runs[Path(p).parent.name or p]:
             fail(f"empty result set: {p} has no metrics rows", 1)
-    missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
-    if missing:
-        known = sorted({k for rows in runs.values() for r in rows for k in r})
-        fail(f"--keys {' '.join(missing)}: in no metrics row (known: {', '.join(known)})")
-    fig, axes = plt.subplots(1, len(args.keys), figsize=(4.5 * len(args.keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], args.keys):
-        for name, rows in runs.items():
-            pts = [(r.get("step", i), r[key]) for i, r in enumerate(rows, 1)
-                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ema = peak_ema(ys, args.alpha)
-            line, = ax.plot(xs, ema, label=name)
-            ax.plot(xs, ys, color=line.get_color(), alpha=0.25, lw=0.8)
-            smooth[f"{name}/{key}"] = ema[-1]
-        ax.set(title=f"{key} (peak EMA, alpha={args.alpha})", xlabel="step")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=110)
-    return {"final_peak_ema": smooth}
-
-
-def metrics_rows(path):
-    """The JSON objects of a metrics.jsonl; a last line cut by a kill is skipped, another bad one an error."""
-    lines = Path(path).read_bytes().splitlines()
-    rows = []
-    for i, raw in enumerate(lines, 1):
-        try:
-            row = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-        except ValueError as e:                                             # JSON or UTF-8
-            if i == len(lines):
-                print(f"eval.py: {path}, line {i}: cut short (a killed run?), skipped", file=sys.stderr)
-                continue
-            fail(f"{path}, line {i}: not a JSON metrics line ({e})")
-        if not isinstance(row, dict):
-            fail(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
-        rows += [row] if row else []
-    return rows
-
-
-def plot_flow(args, out, plt, figs):
-    model, tok, style = setup(args, args.task)
-    rows = inputs(args, tok, style)
-    if "response" not in rows[0]:
-        rows = probes.sample_responses(model, tok, rows, args, style, args.temperature, args.seed, "plot: sample")
-    batch = probes.regions(tok, rows)
-    dev, P = model.device, batch.prompt_width
-    attn = attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), args.layers)  # (B, T, T)
-    valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
-    fl = trace_flow(attn, batch.question_mask.to(dev), ans, valid_mask=valid)
-    has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
-    res = {"n_responses": len(rows), "n_no_answer": len(rows) - len(has)}
-    if not has:
-        fail(f"empty result set: none of the {len(rows)} responses has an answer, so there is no flow", 1)
-    b = has[min(args.index, len(has) - 1)]
-    lo, end = P - min(args.context, int(batch.attention_mask[b, :P].sum())), P + len(rows[b]["response"])
-    toks = [tok.decode([t]) for t in batch.input_ids[b, lo:end].tolist()]
-    tau = fl.throughput[b, lo:end]
-    if "heatmap" in figs:                                                    # Fig. 2
-        cm = plt.get_cmap("Reds")
-        token_figure(out / "heatmap", toks, [cm(0.85 * v) for v in log_scale(tau)], f"flow throughput, {rows[b]['record']['id']}")
-    if "inout" in figs:                                                      # Fig. 7
-        resp_tau = torch.where(batch.answer_mask[b, P:end].to(dev), 0, fl.throughput[b, P:end])
-        if args.token is not None and not 0 <= args.token < end - P:
-            fail(f"--token {args.token}: the response has {end - P} tokens")
-        k = P + (args.token if args.token is not None else int(resp_tau.argmax()))
-        Wp = reweight(dag_weights(attn[b:b + 1], ans[b:b + 1], valid[b:b + 1]), fl.h[b:b + 1])[0]  # (T, T) W'_ik
-        inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]      # phi(i -> k), phi(k -> j)
-        vin, vout = log_scale(inflow[lo:end]), log_scale(outflow[lo:end])
-        blue, orange = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
-        colors = [(1, 0.2, 0.2, 1) if lo + j == k else blue(0.8 * a) if lo + j < k else orange(0.8 * c)
-                  for j, (a, c) in enumerate(zip(vin, vout))]
-        token_figure(out / "inout", toks, colors, f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)")
-        res["inout"] = {"token": toks[k - lo], "position": k - P, "inflow_total": float(inflow.sum()),
-                        "outflow_total": float(outflow.sum()), "inflow_from_prompt": float(inflow[:P].sum())}
-    if "tokens" in figs:                                                     # Fig. 3
-        high, low = Counter(), Counter()
-        for i in has:
-            a_end = int(batch.answer_mask[i].nonzero().max()) + 1
-            pieces = [tok.decode([x]) for x in batch.input_ids[i, P:a_end].tolist()]
-            hi, lo = highflow.per_sentence(fl.throughput[i, P:a_end].tolist(), pieces, args.frac)   # App. E.1
-            high.update(pieces[j] for j in hi)
-            low.update(pieces[j] for j in lo)
-        fig, axes = plt.subplots(1, 2, figsize=(10, 5))
-        for ax, (name, cnt, color) in zip(axes, (("high-flow (top", high, "tab:red"), ("low-flow (bottom", low, "tab:gray"))):
-            top = cnt.most_common(args.top)[::-1]                            # spaces as ␣, newlines as \n
-            ax.barh([repr(w)[1:-1].replace(" ", "␣") for w, _ in top], [c for _, c in top], color=color)
-            ax.set_title(f"{name} {args.frac:.0%} of each sentence)")
-        fig.tight_layout()
-        fig.savefig(out / "tokens.png", dpi=110)
-        res["tokens"] = {"high": high.most_common(args.top), "low": low.most_common(args.top)}
-    return res
+    return runs
 
 
 # ----------------------------------------------------------------------------- memory (memory.py)
@@ -402,21 +266,24 @@ def parse(argv=None):
         p.add_argument("--out", default=f"results/{name}", help="output directory")
         p.add_argument("--seed", type=int, default=0, help="seed for sampling, truncation points, selections")
         if model:
-            p.add_argument("--model", default="smollm2-135m", help="any name grpo.py accepts, or a checkpoint directory")
+            p.add_argument("--model", default="smollm2-135m",
+                           help="any name grpo.py accepts, or a checkpoint directory")
             p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: models.py's")
+            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                           help="default: models.py's")
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-            p.add_argument("--style", default="auto", choices=["auto", *data.STYLES], help="prompt style (auto: as grpo.py)")
+            p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
+                           help="prompt style (auto: as grpo.py)")
             if task:
                 p.add_argument("--task", default=task, help="a data.py task name")
             p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split "
                            "(None: all); intervene, answer-forms: a seeded random sample, others: the first")
             p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
-            p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate call")
+            p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate")
         if model and task:
-            p.add_argument("--layers", default="middle", help="attention layers for the flow graph (select_layers)")
-            p.add_argument("--responses", default=None, help="JSONL of fixed responses {question, answer, response} "
-                           "instead of sampling (probes.load_responses)")
+            p.add_argument("--layers", default="middle", help="flow graph's attention layers (select_layers)")
+            p.add_argument("--responses", default=None, help="JSONL of fixed responses {question, answer, "
+                           "response} instead of sampling (probes.load_responses)")
         return p
 
     p = cmd("bench", bench, task=None, max_new=1024)
@@ -427,11 +294,12 @@ def parse(argv=None):
     for flag, v in (("--temperature", 0.99), ("--top-p", 1.0), ("--top-k", 100)):
         p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3")
     p = cmd("intervene", intervene, problems=200)
-    p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses and regeneration at T = 0.7")
-    p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 that are masked (Table 1)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="App. E.1: responses and regeneration at T = 0.7")
+    p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
-    p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded sample)")
+    p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded)")
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
                    help="signals.SIGNALS names to rank tokens by")
@@ -446,9 +314,11 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
-    p.add_argument("--token", type=int, default=None, help="response position for inout (default: highest throughput)")
+    p.add_argument("--token", type=int, default=None,
+                   help="response position for inout (default: highest throughput)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
-    p.add_argument("--frac", type=float, default=0.2, help="top / bottom share per response for the token charts")
+    p.add_argument("--frac", type=float, default=0.2,
+                   help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
     p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")

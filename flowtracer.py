@@ -6,7 +6,7 @@ Paper: "FlowTracer" (../shared/papers/flowtracer.txt), §3.1-3.3 and App. C.2.
     capture           the same maps, taken inside a forward that runs anyway (grpo.py's fused credit pass)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
-    find_answer_span / build_batch / take   the batch: question, response and answer tokens
+    The batch and its question, response and answer tokens: regions.py (Batch, build_batch, take).
 
 The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
 
@@ -28,7 +28,7 @@ Departures from the paper (numbered):
     (h = 0), which keeps g = f/h below 1e250 and rules out inf/NaN. With softmax attention every answer token
     attends every earlier token directly, so h(i) >= W_ia is far above the floor in practice (tested at 8K).
  2. The paper leaves ties and the region boundaries implicit. Here: ties in the top-k ranking go to the
-    earlier token; the question is the prompt minus special tokens (BOS, chat markers; see build_batch);
+    earlier token; the question is the prompt minus special tokens (BOS, chat markers; regions.py);
     the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
  3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
     (plain GRPO) and a fallback flag, instead of undefined flow.
@@ -49,7 +49,6 @@ Time it:       python benchmarks/flow_speed.py
 """
 from __future__ import annotations
 
-import bisect
 import math
 from typing import NamedTuple
 
@@ -58,7 +57,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from answers import boxed_span
+# the batch layout moved to regions.py; grpo.py and memory.py still import it from here
+from regions import Batch, answer_token_range, build_batch, find_answer_span, take  # noqa: F401
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -393,76 +393,3 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
     chosen &= ~fallback.unsqueeze(-1)
     w = resp.to(torch.float32) + (gamma - 1.0) * chosen.to(torch.float32)  # (B, T)
     return Credit(w.squeeze(0), fallback.squeeze(0)) if single else Credit(w, fallback)
-
-
-# ----------------------------------------------------------------------------- regions
-def find_answer_span(text: str) -> tuple[int, int] | None:
-    """Character span (start, end) of the final answer: the content of the last closed \\boxed{...}
-    (nested braces allowed; answers.boxed_span), else of the last <answer>...</answer>, else None. Empty
-    content is None. Linear in len(text), however many braces or tags are left open."""
-    best, tag, pos = boxed_span(text), None, 0
-    while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
-        tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
-    return best or tag
-
-
-def answer_token_range(tokenizer, ids: list[int]) -> tuple[int, int] | None:
-    """Token positions [k0, k1) of the answer in a response, or None.
-
-    Token k spans characters [c_k, c_{k+1}) of the decoded text, with c_k = len(decode(ids[:k])); this
-    follows the generated ids exactly (re-tokenising the text could split it differently). c_k is
-    monotone, so the two boundary tokens are found by bisection: O(log T) decodes, not T.
-    """
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    span = find_answer_span(text)
-    if span is None:
-        return None
-    c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
-    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1     # token holding the first char
-    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)          # first token at/after the end
-    return (max(k0, 0), k1) if k1 > max(k0, 0) else None
-
-
-class Batch(NamedTuple):
-    input_ids: torch.Tensor       # (B, T) long: [left-padded prompt | right-padded response]
-    attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
-    question_mask: torch.Tensor   # (B, T) bool: prompt tokens (special tokens excluded unless asked)
-    response_mask: torch.Tensor   # (B, T) bool: generated tokens, EOS included
-    answer_mask: torch.Tensor     # (B, T) bool: tokens of the final answer span inside the response
-    prompt_width: int             # P: response token j of row b sits at column P + j
-
-    def to(self, device):
-        return Batch(*(x.to(device) for x in self[:-1]), self.prompt_width)
-
-
-def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                  question_special: bool = False) -> Batch:
-    """Lay out prompts + responses as HF generate does and mark the three regions.
-
-    question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
-    attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
-    """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    special = set(tokenizer.all_special_ids)
-    B, P, R = len(prompt_ids), max(map(len, prompt_ids)), max([len(r) for r in response_ids] + [0])
-    ids = torch.full((B, P + R), pad, dtype=torch.long)
-    attn_mask = torch.zeros(B, P + R, dtype=torch.long)
-    q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[b, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attn_mask[b, P - len(p):P + len(r)] = 1
-        q[b, P - len(p):P] = torch.tensor([question_special or t not in special for t in p], dtype=torch.bool)
-        resp[b, P:P + len(r)] = True
-        rng = answer_token_range(tokenizer, list(r)) if r else None
-        if rng is not None:
-            ans[b, P + rng[0]:P + rng[1]] = True
-    return Batch(ids, attn_mask, q, resp, ans, P)
-
-
-def take(batch: Batch, rows) -> Batch:
-    """The rows `rows` (a list or index tensor) of a batch, same width and prompt_width."""
-    idx = torch.as_tensor(rows, dtype=torch.long, device=batch.input_ids.device)
-    return Batch(*(x[idx] for x in batch[:-1]), batch.prompt_width)

@@ -12,7 +12,7 @@ gamma >= 0, min(r A gamma, clip(r) A gamma) = gamma * min(r A, clip(r) A): gamma
 surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
-from the token ids themselves (flowtracer.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
+from the token ids themselves (regions.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
 decoded completion), so response column j of Assignment.gamma is completion token j: TRL's column j.
 
 Departures from grpo.py (numbered):
@@ -57,8 +57,9 @@ from trl.models.utils import unwrap_model_for_generation
 import credit
 import data
 import signals
-from flowtracer import Batch, answer_token_range, build_batch, capture, select_layers, take
+from flowtracer import capture, select_layers
 from models import RANDOM_MODELS, fix_tokenizer, load_model
+from regions import Batch, answer_token_range, build_batch, take
 
 
 class FlowTracerGRPOTrainer(GRPOTrainer):

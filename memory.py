@@ -50,8 +50,9 @@ import grpo
 import models
 import policy
 import signals
-from flowtracer import auto_chunk, build_batch, select_layers as select, take
+from flowtracer import auto_chunk, select_layers as select
 from policy import scheme
+from regions import build_batch, take
 
 GB, GiB = 1e9, 2 ** 30
 GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's

@@ -20,7 +20,7 @@ cfg is a credit.CreditConfig: oar_outcome, oar_chunk (masked copies per forward,
 (both), oar_sigma (OAR-G), pad_id, seed.
 
 Departures (numbered):
- 1. AS-Mean uses the answer span of flowtracer.build_batch (last \\boxed{...}, else <answer>...</answer>).
+ 1. AS-Mean uses the answer span of regions.build_batch (last \\boxed{...}, else <answer>...</answer>).
     A sequence without one uses LT-Logits, as OAR's warm-up does (§6.2); credit's shaping rules give such
     sequences plain GRPO anyway.
  2. The pad id: cfg.pad_id if >= 0, else the id found at the batch's padding positions, else the model's
@@ -197,8 +197,8 @@ def masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores,
 
 @torch.no_grad()
 def signal_oar_p(model, batch, cfg, captured=None):
-    """I_t = KL(P_final || P_final^(t)) for every response token t (eq. 8); (B, T) float32, 0 off the response.
-    Cost: sum_b n_b masked copies, oar_chunk of them per forward (departure 3)."""
+    """I_t = KL(P_final || P_final^(t)) for every response token t (eq. 8); (B, T) float32, 0 off the
+    response. Cost: sum_b n_b masked copies, oar_chunk of them per forward (departure 3)."""
     chunk = int(cfg.oar_chunk)
     if chunk < 1:
         raise ValueError(f"oar_chunk must be >= 1, got {chunk}")

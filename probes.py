@@ -1,4 +1,5 @@
-"""Causal probes of token importance: the masking intervention (FlowTracer Table 1) and the Oracle recall (OAR Fig. 5a).
+"""Causal probes of token importance: the masking intervention (FlowTracer Table 1), the Oracle recall
+(OAR Fig. 5a).
 
 Both experiments take a finished response, change something at or before a position, regenerate the rest,
 and ask whether the final answer moved. Both use the same decoder, `decode`: a plain loop with a KV cache,
@@ -9,19 +10,20 @@ intervene  (FlowTracer §3.2, Table 1, App. E.1). On a seeded random sample of p
     sampled 500 instances"; eval.py --n-problems), for each response:
     t0 ~ U{1..k0}, k0 = the first answer token; n = ceil(0.2 t0) of the response tokens [0, t0) are selected
     by flow throughput tau (top n: "high", bottom n: "low") or uniformly ("random"); no later token may attend
-    to them (prefix tokens after them included, since the prefix is re-encoded under the mask); the response is
-    regenerated from t0. Four rows per problem: none (no mask: the noise floor), high, low, random.
+    to them (prefix tokens after them included, since the prefix is re-encoded under the mask); the response
+    is regenerated from t0. Four rows per problem: none (no mask: the noise floor), high, low, random.
     answer change       = the regenerated final answer differs from the original one (math-equivalence)
     correctness reverse = the reward flipped (either way; both directions are also reported)
-    ... "vs none"       = the same two rates against the unmasked regeneration with the same noise (departure 1):
-                          the effect of the mask alone, without the resampling noise of the paper's definition.
+    ... "vs none"       = the same two rates against the unmasked regeneration with the same noise
+                          (departure 1): the effect of the mask alone, without the resampling noise of the
+                          paper's definition.
     Two denominators. "answered" (the first table): the responses with an answer. "all" (the
     paper's, App. E.1: "instances where answer extraction failed were treated as incorrect"): every response;
     one without an extractable answer is incorrect and its flow targets its last token (departure 6).
     In both, a regeneration without an extractable answer is incorrect and counts as an answer change.
 recall     (OAR §5.1, eq. 19). For a correct greedy response y: O_t = 1 if replacing y_t by the most probable
-    token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of the
-    causal tokens that rank in the top K% by a credit signal (pooled over responses). OAR-P / OAR-G score
+    token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of
+    the causal tokens that rank in the top K% by a credit signal (pooled over responses). OAR-P / OAR-G score
     tokens against an outcome phi (oar.py): --oar-outcomes picks it (OAR §6.2, Fig. 5b). The default is
     AS-Mean, the paper's (§6.2: its training runs and this experiment use it; Fig. 5b's best). Several
     outcomes give one row per OAR signal and outcome, named like "oar-p:lt-logits".
@@ -47,7 +49,7 @@ Departures (numbered):
 
 Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
      python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
-     python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint   # Fig. 5b
+     python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint  # 5b
 """
 import math
 import os
@@ -62,8 +64,8 @@ import signals
 from credit import CreditConfig
 from oar import OUTCOMES
 import data
-from flowtracer import build_batch
 from models import eos_ids
+from regions import build_batch
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)
@@ -87,7 +89,8 @@ def pyplot():
 # ----------------------------------------------------------------------------- the decoder
 def additive(allowed, dtype):
     """Bool "may attend" -> the additive mask attention adds to its scores: 0, or the dtype's minimum."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def prefill_mask(keys, q_start):
@@ -169,7 +172,8 @@ def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=N
         if temperature > 0:  # Gumbel-max = softmax(logits / T) sampling
             # lockstep
             u = {s: torch.rand(logits.shape[-1], generator=g).clamp_(1e-20, 1.0) for s, g in gens.items()}
-            logits = logits / temperature - torch.stack([u[seeds[b]] for b in alive]).to(dev).log().neg().log()
+            noise = torch.stack([u[seeds[b]] for b in alive]).to(dev).log().neg().log()  # (b, V) log(-log u)
+            logits = logits / temperature - noise
         step = logits.argmax(-1).tolist()                                   # (b,)
         for b, t in zip(alive, step):
             new[b].append(t)
@@ -187,7 +191,8 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
         recs = records[i:i + args.batch_size]
         prompts = [tok(data.make_prompt(r, tok, style)).input_ids for r in recs]
         seeds = [seed * 1_000_003 + i + j for j in range(len(recs))]
-        resp = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature, seeds=seeds)
+        resp = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature,
+                      seeds=seeds)
         for r, p, y in zip(recs, prompts, resp):
             text = tok.decode(y, skip_special_tokens=True)
             rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.score(r, text)))
@@ -195,8 +200,8 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
 
 
 def load_responses(path, tok, style):
-    """Fixed responses instead of sampled ones: JSONL rows {"question", "answer", "response"} (+ optional "id",
-    "task"), e.g. a trained policy's rollouts. The response text is tokenised as it stands."""
+    """Fixed responses instead of sampled ones: JSONL rows {"question", "answer", "response"} (+ optional
+    "id", "task"), e.g. a trained policy's rollouts. The response text is tokenised as it stands."""
     rows = []
     for where, row in data.read_rows(path):
         if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
@@ -206,14 +211,14 @@ def load_responses(path, tok, style):
             raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(data.REWARDS)} that the "
                                  f"{style!r} prompt style fits")
         data.unicode_text(where, question=row["question"], answer=row["answer"], response=row["response"])
-        rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses", question=row["question"],
-                   answer=data.answer_text(row["answer"]), task=task)
+        rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses",
+                   question=row["question"], answer=data.answer_text(row["answer"]), task=task)
         y = tok(str(row["response"]), add_special_tokens=False).input_ids
         if not y:
             raise data.DataError(f"{where}: empty response")
         text = tok.decode(y, skip_special_tokens=True)
-        rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y, text=text,
-                         reward=data.score(rec, text)))
+        rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y,
+                         text=text, reward=data.score(rec, text)))
     if not rows:
         raise data.DataError(f"{path}: no rows")
     return rows
@@ -233,7 +238,8 @@ def last_token_answers(batch):
 
 
 def changed(old_text, new_text):
-    """The final answer moved: one of the two has no \\boxed{} answer and the other has, or they differ as math."""
+    """The final answer moved: one of the two has no \\boxed{} answer and the other has, or they differ as
+    math."""
     old, new = data.last_boxed(old_text), data.last_boxed(new_text)
     if old is None or new is None:
         return (old is None) != (new is None)
@@ -242,11 +248,13 @@ def changed(old_text, new_text):
 
 # ----------------------------------------------------------------------------- intervene (Table 1)
 def select(tau, t0, frac, rng):
-    """Response positions [0, t0): the ceil(frac t0) highest / lowest by tau (ties: the earlier), and random."""
+    """Response positions [0, t0): the ceil(frac t0) highest / lowest by tau (ties: the earlier), and
+    random."""
     n = max(1, math.ceil(frac * t0 - 1e-9))
     order = sorted(range(t0), key=lambda j: (-tau[j], j))
     low = sorted(range(t0), key=lambda j: (tau[j], j))[:n]
-    return {"none": [], "high": sorted(order[:n]), "low": sorted(low), "random": sorted(rng.sample(range(t0), n))}
+    return {"none": [], "high": sorted(order[:n]), "low": sorted(low),
+            "random": sorted(rng.sample(range(t0), n))}
 
 
 def intervene(model, tok, records, args, style):
@@ -306,10 +314,10 @@ def intervene_table(s, args):
     table = lambda r: markdown(header, [[names[c], *(r[c][k] for k in keys)] for c in CONDITIONS])  # noqa
     a = s["all"]
     return table(s) + (
-        f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and are left out); "
-        f"original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. \"vs none\": against the unmasked "
-        f"regeneration with the same noise (departure 1).\n\nAll responses, failed extraction counted as "
-        f"incorrect (App. E.1; departure 6):\n\n") + table(a) + (
+        f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and "
+        f"are left out); original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. "
+        f"\"vs none\": against the unmasked regeneration with the same noise (departure 1).\n\nAll "
+        f"responses, failed extraction counted as incorrect (App. E.1; departure 6):\n\n") + table(a) + (
         f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their last "
         f"token; {s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n")
 
@@ -321,10 +329,12 @@ def rates(done):
         flips = [(r["reward"] > 0.5, r[c]["reward"] > 0.5) for r in done]
         s[c] = dict(answer_change=sum(r[c]["changed"] for r in done) / max(1, len(done)),
                     correctness_reverse=sum(a != b for a, b in flips) / max(1, len(done)),
-                    correct_to_wrong=sum(a and not b for a, b in flips), wrong_to_correct=sum(b and not a for a, b in flips),
+                    correct_to_wrong=sum(a and not b for a, b in flips),
+                    wrong_to_correct=sum(b and not a for a, b in flips),
                     no_answer_after=sum(r[c]["no_answer"] for r in done),
                     answer_change_vs_none=sum(r[c]["changed_vs_none"] for r in done) / max(1, len(done)),
-                    correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done) / max(1, len(done)))
+                    correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done)
+                    / max(1, len(done)))
     return s
 
 
@@ -340,7 +350,8 @@ def summarize_intervene(out):
 # ----------------------------------------------------------------------------- recall (OAR §5.1)
 @torch.no_grad()
 def alternatives(model, r):
-    """(n,) the best token other than y_t at every response position t, under pi(. | x, y_<t) (departure 4)."""
+    """(n,) the best token other than y_t at every response position t, under pi(. | x, y_<t)
+    (departure 4)."""
     ids = torch.tensor([r["prompt"] + r["response"]], device=model.device)
     logits = model(input_ids=ids).logits[0, len(r["prompt"]) - 1:-1].float()  # (n, V): column t predicts y_t
     top2 = logits.topk(2, dim=-1).indices.cpu()                               # (n, 2)
@@ -359,8 +370,9 @@ def recall(model, tok, records, args, style):
         raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
     pool = records if "response" in records[0] else []
     for i in range(0, len(records) if not pool else 0, args.batch_size):   # greedy, until enough are correct
+        batches = math.ceil(len(records) / args.batch_size)
         pool += sample_responses(model, tok, records[i:i + args.batch_size], args, style, 0.0, args.seed + i,
-                                 f"recall: greedy {i // args.batch_size + 1}/{math.ceil(len(records) / args.batch_size)}")
+                                 f"recall: greedy {i // args.batch_size + 1}/{batches}")
         if sum(r["reward"] == 1.0 for r in pool) >= args.n_responses:
             break
     rows = [r for r in pool if r["reward"] == 1.0][:args.n_responses]
@@ -418,10 +430,11 @@ def summarize_recall(out, signals):
 
 
 def recall_table(s):
-    return markdown(["signal"] + [f"@{k}%" for k in s["ks"]], [[sig] + v for sig, v in s["recall"].items()]) + (
-        f"\n{s['n_responses']} correct responses (of {s.get('n_pool', '?')} searched, {s.get('pool_correct', '?')} correct, "
-        f"{s.get('pool_no_answer', '?')} without an answer), {s['n_positions']} oracle positions, {s['n_causal']} "
-        f"causal ({s['causal_rate']:.3f}).\n")
+    rows = [[sig] + v for sig, v in s["recall"].items()]
+    return markdown(["signal"] + [f"@{k}%" for k in s["ks"]], rows) + (
+        f"\n{s['n_responses']} correct responses (of {s.get('n_pool', '?')} searched, "
+        f"{s.get('pool_correct', '?')} correct, {s.get('pool_no_answer', '?')} without an answer), "
+        f"{s['n_positions']} oracle positions, {s['n_causal']} causal ({s['causal_rate']:.3f}).\n")
 
 
 def recall_figure(s, path):

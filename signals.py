@@ -2,7 +2,7 @@
 
     scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
 
-`batch` is a flowtracer.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
+`batch` is a regions.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
 rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
 Table 2; OAR §4.2, Table 1):
 

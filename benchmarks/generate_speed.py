@@ -64,7 +64,8 @@ def profile(model, tok, prompts, s):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="generate_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog="generate_speed.py", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--shape", default="embedded", choices=SHAPES, help="embedded or long (see above)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of plain and shared")
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
@@ -88,7 +89,8 @@ def main(argv=None):
                   flush=True)
         same &= outs["plain"] == outs["shared"]
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-{max(lens)}, "
+    print(f"\n{args.shape}: {s['prompts']} prompts x {s['group_size']}, "
+          f"prompt tokens {min(lens)}-{max(lens)}, "
           f"{s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, {args.threads} thread(s), "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
     print(f"plain HF {med['plain']:.2f} s   shared {med['shared']:.2f} s   ratio shared/plain "

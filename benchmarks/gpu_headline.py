@@ -63,8 +63,9 @@ import grpo  # noqa: E402
 import memory  # noqa: E402
 import policy  # noqa: E402
 import signals  # noqa: E402
-from flowtracer import build_batch, capture, select_layers, take  # noqa: E402
+from flowtracer import capture, select_layers  # noqa: E402
 from models import generate  # noqa: E402
+from regions import build_batch, take  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1

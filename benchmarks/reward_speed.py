@@ -41,7 +41,8 @@ def records():
 
 def reasoning():
     words = ["Let", "x", "be", "the", "number", "so", "$x^{2} + \\frac{1}{2}$", "=", "then", "we", "get",
-             "\\left(a + b\\right)", "Step", "1.", "{", "}", "therefore", "$\\sqrt{3}$", "is", "not", "\\boxed{7}"]
+             "\\left(a + b\\right)", "Step", "1.", "{", "}", "therefore", "$\\sqrt{3}$", "is", "not",
+             "\\boxed{7}"]
     text = " ".join(rng.choice(words) for _ in range(300))
     return text[:1500]
 
@@ -71,8 +72,11 @@ for _ in range(args.n):
         tail = "and so the answer is"
     math_cases.append((r, reasoning() + " " + tail))
 cd_recs = data.load_task("countdown", "test", limit=200)
-cd_cases = [(r, reasoning() + f"<answer>{countdown.solve(r['nums'], r['target']) if rng.random() < 0.5 else '1+2'}"
-                              "</answer>") for r in (rng.choice(cd_recs) for _ in range(args.n))]
+cd_cases = []
+for r in (rng.choice(cd_recs) for _ in range(args.n)):
+    text = reasoning()                                 # the rng draws in the same order as before
+    expr = countdown.solve(r["nums"], r["target"]) if rng.random() < 0.5 else "1+2"   # right, or wrong
+    cd_cases.append((r, text + f"<answer>{expr}</answer>"))
 ch_cases = [({"task": "choice", "answer": "B"}, reasoning() + f"\\boxed{{{rng.choice('ABCD')}}}")
             for _ in range(args.n)]
 

@@ -10,8 +10,9 @@ import torch
 import credit
 import oar
 import signals
-from flowtracer import build_batch, select_layers
+from flowtracer import select_layers
 from models import load_model
+from regions import build_batch
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
@@ -99,7 +100,7 @@ def test_identity_rule_uses_the_scores_as_gamma():
 
 
 def build_batch_by_hand():
-    from flowtracer import Batch
+    from regions import Batch
     mask = torch.ones(2, 6, dtype=torch.long)
     q = torch.zeros(2, 6, dtype=torch.bool)
     q[:, :2] = True

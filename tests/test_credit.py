@@ -11,8 +11,9 @@ from torch import nn
 import credit
 import signals
 import oar
-from flowtracer import Batch, build_batch, flow_credit, trace_flow
+from flowtracer import flow_credit, trace_flow
 from models import load_model
+from regions import Batch, build_batch
 
 SHAPINGS_ALL = sorted(credit.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]

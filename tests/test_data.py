@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import answers
+import arithmetic
 import countdown
 import data
+import prompts
 from data import DataError, choice_reward, countdown_reward, load_task, make_prompt, math_reward, score
 
 COUNTS = {("gsm8k", "test"): 1319, ("gsm8k", "train"): 7473, ("math500", "test"): 500, ("aime24", "test"): 30,
@@ -81,7 +83,7 @@ def test_fixture_quirks(shared_data, monkeypatch):
 def test_paper_fewshot_exemplars_appear_in_no_train_or_eval_set(shared_data, monkeypatch):
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
     squash = lambda s: re.sub(r"[\s$]", "", s)  # noqa: E731
-    needles = [squash(q) for q, _ in data.EXEMPLARS["fewshot3"]]
+    needles = [squash(q) for q, _ in prompts.EXEMPLARS["fewshot3"]]
     needles += [squash("12 + 8 * 2"), squash("2x - 5 = 5")]  # the two App. C.3 problems themselves
     sets = [load_task(n, s) for n, s in COUNTS] + [load_task("arithmetic", s) for s in ("train", "test")]
     for recs in sets:
@@ -91,8 +93,8 @@ def test_paper_fewshot_exemplars_appear_in_no_train_or_eval_set(shared_data, mon
 
 
 def test_our_exemplar_can_never_be_generated():
-    q = data.EXTRA_EXEMPLAR[0]
-    assert "Mia" not in [n for n, _ in data.NAMES] and "stickers" not in data.ITEMS
+    q = prompts.EXTRA_EXEMPLAR[0]
+    assert "Mia" not in [n for n, _ in arithmetic.NAMES] and "stickers" not in arithmetic.ITEMS
     assert "Mia" in q and "stickers" in q  # every generated question names someone from NAMES and an ITEM
 
 
@@ -399,7 +401,7 @@ def recompute(question):
 
 def test_arithmetic_task():
     test, train = load_task("arithmetic", "test"), load_task("arithmetic", "train", limit=3000)
-    assert len(test) == data.ARITHMETIC_SIZES["test"]
+    assert len(test) == arithmetic.SIZES["test"]
     assert test == load_task("arithmetic", "test") and load_task("arithmetic", "test", seed=1) != test
     assert not {r["question"] for r in test} & {r["question"] for r in train}
     steps = [r["steps"] for r in test]
@@ -425,26 +427,26 @@ def chat_tokenizer(template=True):
 def test_prompt_styles():
     r = {"id": "x", "task": "math", "question": "What is 2+3?", "answer": "5"}
     chat = make_prompt(r, chat_tokenizer(), "chat")
-    assert chat == f"<|user|>What is 2+3?\n{data.INSTRUCTION}<|end|><|assistant|>"
-    assert data.INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
+    assert chat == f"<|user|>What is 2+3?\n{prompts.INSTRUCTION}<|end|><|assistant|>"
+    assert prompts.INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
     few = make_prompt(r, chat_tokenizer(), "fewshot")                         # App. C.3: two exemplars
     assert few.count("<|user|>") == 3 and few.count("<|assistant|>") == 3 and "Mia" not in few
     assert few.index("12 + 8 * 2") < few.index("2x - 5 = 5") < few.index("What is 2+3?")
-    assert few.endswith(f"What is 2+3? {data.INSTRUCTION}<|end|><|assistant|>")
+    assert few.endswith(f"What is 2+3? {prompts.INSTRUCTION}<|end|><|assistant|>")
     assert "\\boxed{28}" in few and "\\boxed{5}" in few
     few3 = make_prompt(r, chat_tokenizer(), "fewshot3")                       # a third one, ours (dep. 3)
     assert few3.count("<|user|>") == 4
     assert few3.index("2x - 5 = 5") < few3.index("Mia") < few3.index("What is 2+3?")
-    assert few3.replace(f"<|user|>{data.EXTRA_EXEMPLAR[0]} {data.INSTRUCTION}<|end|><|assistant|>"
-                        f"{data.EXTRA_EXEMPLAR[1]}<|end|>", "") == few
+    assert few3.replace(f"<|user|>{prompts.EXTRA_EXEMPLAR[0]} {prompts.INSTRUCTION}<|end|><|assistant|>"
+                        f"{prompts.EXTRA_EXEMPLAR[1]}<|end|>", "") == few
     plain = make_prompt(r, None, "plain")
-    assert plain == f"{data.INSTRUCTION}\n\nQuestion: What is 2+3?\nAnswer:"
+    assert plain == f"{prompts.INSTRUCTION}\n\nQuestion: What is 2+3?\nAnswer:"
     for tok in (None, chat_tokenizer(template=False)):  # no chat template: "User: / Assistant:" text
-        assert make_prompt(r, tok, "chat") == f"User: What is 2+3?\n{data.INSTRUCTION}\n\nAssistant:"
-        assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(data.FEWSHOT) + 1 == 3
-        first = f"User: Calculate $12 + 8 * 2$. {data.INSTRUCTION}\n\nAssistant: According to the order"
+        assert make_prompt(r, tok, "chat") == f"User: What is 2+3?\n{prompts.INSTRUCTION}\n\nAssistant:"
+        assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(prompts.FEWSHOT) + 1 == 3
+        first = f"User: Calculate $12 + 8 * 2$. {prompts.INSTRUCTION}\n\nAssistant: According to the order"
         assert make_prompt(r, tok, "fewshot").startswith(first)
-    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, co"):
+    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, oneshot, co"):
         make_prompt(r, None, "zero")
     with pytest.raises(ValueError, match="countdown records"):
         make_prompt(r, None, "countdown")
@@ -477,5 +479,5 @@ def test_fewshot_prompt_with_the_smollm2_tokenizer():
     _, tok = models.load_model("smollm2-135m", device="cpu")
     r = load_task("arithmetic", "test", limit=1)[0]
     p = make_prompt(r, tok, data.default_style("smollm2-135m", "math"))
-    assert p.count("<|im_start|>assistant") == len(data.FEWSHOT) + 2 and p.endswith("<|im_start|>assistant\n")
+    assert p.count("<|im_start|>assistant") == len(prompts.FEWSHOT) + 2 and p.endswith("<|im_start|>assistant\n")
     assert r["question"] in p and len(tok(p).input_ids) < 600

@@ -13,9 +13,11 @@ from hypothesis import given, settings, strategies as st
 
 import eval as ev
 import highflow
+import passk
 import probes
 from conftest import task_data_missing
 from models import generate, load_model
+from runlog import peak_ema
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)
@@ -38,32 +40,32 @@ def tiny_eager():
 
 # ----------------------------------------------------------------------------- pass@k and the EMA
 def test_pass_at_k_hand_cases():
-    assert ev.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
-    assert ev.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
-    assert ev.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
-    assert ev.pass_at_k(5, 2, 4) == 1.0                         # fewer than k wrong samples
-    assert ev.pass_at_k(4, 0, 2) == 0.0 and ev.pass_at_k(4, 4, 1) == 1.0
+    assert passk.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert passk.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert passk.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert passk.pass_at_k(5, 2, 4) == 1.0                         # fewer than k wrong samples
+    assert passk.pass_at_k(4, 0, 2) == 0.0 and passk.pass_at_k(4, 4, 1) == 1.0
     with pytest.raises(ValueError):
-        ev.pass_at_k(4, 5, 1)
+        passk.pass_at_k(4, 5, 1)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 60).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
 def test_pass_at_k_matches_binomials(nck):
     n, c, k = nck
-    assert ev.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+    assert passk.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
 
 
 def test_peak_ema_hand_sequence():
     # alpha 0.5: 1 -> .5*max(3,1)+.5*1 = 2 -> .5*max(2,2)+.5*2 = 2 -> .5*max(5,2)+.5*2 = 3.5 -> .5*max(0,3.5)+.5*3.5
-    assert ev.peak_ema([1, 3, 2, 5, 0], alpha=0.5) == pytest.approx([1, 2, 2, 3.5, 3.5])
-    assert ev.peak_ema([4.0], alpha=0.3) == [4.0] and ev.peak_ema([], 0.3) == []
+    assert peak_ema([1, 3, 2, 5, 0], alpha=0.5) == pytest.approx([1, 2, 2, 3.5, 3.5])
+    assert peak_ema([4.0], alpha=0.3) == [4.0] and peak_ema([], 0.3) == []
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30), st.floats(0.01, 1.0))
 def test_peak_ema_is_monotone_and_below_the_running_max(xs, alpha):
-    e = ev.peak_ema(xs, alpha)
+    e = peak_ema(xs, alpha)
     assert all(b >= a - 1e-9 for a, b in zip(e, e[1:]))
     assert all(v <= max(xs[:i + 1]) + 1e-9 for i, v in enumerate(e))
 
@@ -375,7 +377,7 @@ def test_plot_subprocess(smoke):
     assert res["n_no_answer"] == 1 and res["tokens"]["high"] and res["tokens"]["low"]
     io = res["inout"]  # Theorem 3.1: a response token passes on all the flow it receives
     assert io["inflow_total"] > 0 and io["inflow_total"] == pytest.approx(io["outflow_total"], rel=1e-6)
-    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(ev.peak_ema([0.1, 0.4, 0.2])[-1])
+    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(peak_ema([0.1, 0.4, 0.2])[-1])
     assert "<span" in (out / "heatmap.html").read_text()
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flowtracer import (build_batch, dag_weights, find_answer_span, flow_credit,
-                        reweight, trace_flow)
+from flowtracer import dag_weights, flow_credit, reweight, trace_flow
+from regions import build_batch, find_answer_span
 
 
 # ----------------------------------------------------------------------------- reference (loops)

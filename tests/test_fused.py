@@ -11,8 +11,9 @@ import credit
 import flowtracer
 import grpo
 import signals
-from flowtracer import build_batch, capture, select_layers
+from flowtracer import capture, select_layers
 from models import load_model
+from regions import build_batch
 
 
 def batch_with_answers(tok):

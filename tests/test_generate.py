@@ -10,8 +10,8 @@ from transformers.cache_utils import DynamicLayer
 import data
 import grpo
 import models
-from flowtracer import build_batch
 from models import generate, load_model
+from regions import build_batch
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]

@@ -29,8 +29,8 @@ import eval as ev
 import grpo
 import policy
 import probes
-from flowtracer import find_answer_span
 from models import load_model
+from regions import find_answer_span
 
 ROOT = Path(__file__).resolve().parents[1]
 

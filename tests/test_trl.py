@@ -16,8 +16,9 @@ trl = pytest.importorskip("trl")
 
 import flowtracer_trl as ft                                                            # noqa: E402
 from credit import CreditConfig                                                      # noqa: E402
-from flowtracer import answer_token_range, attention_graph, flow_credit, trace_flow  # noqa: E402
+from flowtracer import attention_graph, flow_credit, trace_flow                      # noqa: E402
 from models import load_model                                                        # noqa: E402
+from regions import answer_token_range                                               # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]

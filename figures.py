@@ -1,0 +1,179 @@
+"""The figures of `eval.py plot`: where the flow goes in one response, and how training curves move.
+
+  flow_figures(model, tok, rows, args, figs, out)  Fig. 2, 7 and 3 from one forward over rows with responses
+      heatmap   Fig. 2: the tokens on boxes coloured by flow throughput tau (PNG + HTML)
+      inout     Fig. 7: the inflow phi(i -> k) into one token k, and its outflow phi(k -> j), phi = f W'
+      tokens    Fig. 3: the most frequent high- and low-flow tokens, as two bar charts
+  curves(runs, keys, alpha, png)     training curves, raw and smoothed by the peak-tracking EMA (App. C.3)
+  metrics_rows(path)                 the rows of a metrics.jsonl that a killed run may have cut short
+  token_figure(path, tokens, colors, title)   tokens as text on coloured boxes: <path>.png and <path>.html
+  log_scale(x)                       throughput -> colour values in [0, 1]
+
+Departures (eval.py's departure 3; 1 is the EMA's alpha and EMA_0 = x_0, runlog.peak_ema):
+ 3. Colours are on a log scale over three decades (the paper's Fig. 2 scale is not given). The token charts
+    (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput within each sentence (App. E.1),
+    among the tokens before the answer ends (highflow.py departure 3).
+
+Bad input is a ValueError with a one-line message (eval.py prints it as `eval.py: error: ...`, exit 2).
+
+Run: python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+"""
+import html
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import highflow
+import probes
+from flowtracer import attention_graph, dag_weights, reweight, trace_flow
+from runlog import peak_ema
+
+
+def token_figure(path, tokens, colors, title, width=100):
+    """Tokens as text on coloured boxes, wrapped at `width` characters; saves PNG and HTML."""
+    plt, lines, col = probes.pyplot(), [[]], 0
+    for t, c in zip(tokens, colors):
+        for n, piece in enumerate(t.split("\n")):
+            if n or (col + len(piece) > width and col):                      # a newline, or the line is full
+                lines.append([])
+                col = 0
+            if piece:
+                lines[-1].append((col, piece, c))
+                col += len(piece)
+    fig = plt.figure(figsize=(width * 0.602 * 8 / 72, 0.22 * len(lines) + 0.5))  # DejaVu Sans Mono: 0.602 em
+    ax = fig.add_axes([0, 0, 1, 1 - 0.3 / (0.22 * len(lines) + 0.5)])
+    ax.set(xlim=(0, width), ylim=(len(lines), 0), title=title)
+    ax.axis("off")
+    for y, line in enumerate(lines):
+        for x, piece, c in line:
+            ax.add_patch(plt.Rectangle((x, y + 0.05), len(piece), 0.9, color=c, lw=0))
+            ax.text(x, y + 0.5, piece, family="monospace", fontsize=8, va="center", parse_math=False)
+    fig.savefig(str(path) + ".png", dpi=110)
+    plt.close(fig)
+    rgba = lambda c: f"rgba({int(255 * c[0])},{int(255 * c[1])},{int(255 * c[2])},{c[3]:.2f})"  # noqa: E731
+    span = lambda t, c: (f'<span style="background:{rgba(c)}">'                                 # noqa: E731
+                         f'{html.escape(t).replace(chr(10), "<br>")}</span>')
+    Path(str(path) + ".html").write_text(f"<html><body><h3>{html.escape(title)}</h3>"
+                                         "<pre style='white-space:pre-wrap'>"
+                                         + "".join(span(t, c) for t, c in zip(tokens, colors))
+                                         + "</pre></body></html>")
+
+
+def log_scale(x):
+    """x >= 0 -> [0, 1]: log10 of x / max(x) over three decades (departure 3)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    top = x.max().clamp_min(1e-300)
+    return (1 + torch.log10((x / top).clamp_min(1e-3)) / 3).where(x > 0, torch.zeros_like(x)).tolist()
+
+
+# ----------------------------------------------------------------------------- training curves
+def metrics_rows(path):
+    """The JSON objects of a metrics.jsonl; a last line cut by a kill is skipped, another bad one an error."""
+    lines = Path(path).read_bytes().splitlines()
+    rows = []
+    for i, raw in enumerate(lines, 1):
+        try:
+            row = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except ValueError as e:                                             # JSON or UTF-8
+            if i == len(lines):
+                print(f"eval.py: {path}, line {i}: cut short (a killed run?), skipped", file=sys.stderr)
+                continue
+            raise ValueError(f"{path}, line {i}: not a JSON metrics line ({e})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
+        rows += [row] if row else []
+    return rows
+
+
+def curves(runs, keys, alpha, png):
+    """One panel per metric key, one line per run ({name: metrics rows}): the peak-tracking EMA over the raw
+    curve. Returns {"final_peak_ema": {"run/key": last EMA value}}."""
+    missing = [k for k in keys if not any(k in r for rows in runs.values() for r in rows)]
+    if missing:
+        known = sorted({k for rows in runs.values() for r in rows for k in r})
+        raise ValueError(f"--keys {' '.join(missing)}: in no metrics row (known: {', '.join(known)})")
+    plt, smooth = probes.pyplot(), {}
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, rows in runs.items():
+            pts = [(r.get("step", i), r[key]) for i, r in enumerate(rows, 1)
+                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ema = peak_ema(ys, alpha)
+            line, = ax.plot(xs, ema, label=name)
+            ax.plot(xs, ys, color=line.get_color(), alpha=0.25, lw=0.8)
+            smooth[f"{name}/{key}"] = ema[-1]
+        ax.set(title=f"{key} (peak EMA, alpha={alpha})", xlabel="step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return {"final_peak_ema": smooth}
+
+
+# ----------------------------------------------------------------------------- the flow of one response
+def flow_figures(model, tok, rows, args, figs, out):
+    """The flow figures named in `figs` for rows with responses (probes.regions); returns their numbers. When
+    no response has an answer it draws nothing and n_no_answer == n_responses."""
+    plt, batch = probes.pyplot(), probes.regions(tok, rows)
+    dev, P = model.device, batch.prompt_width
+    ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+    attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)
+    valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
+    fl = trace_flow(attn, batch.question_mask.to(dev), ans, valid_mask=valid)
+    has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
+    res = {"n_responses": len(rows), "n_no_answer": len(rows) - len(has)}
+    if not has:
+        return res
+    b = has[min(args.index, len(has) - 1)]
+    lo, end = P - min(args.context, int(batch.attention_mask[b, :P].sum())), P + len(rows[b]["response"])
+    toks = [tok.decode([t]) for t in batch.input_ids[b, lo:end].tolist()]
+    tau = fl.throughput[b, lo:end]
+    if "heatmap" in figs:                                                    # Fig. 2
+        cm = plt.get_cmap("Reds")
+        token_figure(out / "heatmap", toks, [cm(0.85 * v) for v in log_scale(tau)],
+                     f"flow throughput, {rows[b]['record']['id']}")
+    if "inout" in figs:                                                      # Fig. 7
+        resp_tau = torch.where(batch.answer_mask[b, P:end].to(dev), 0, fl.throughput[b, P:end])
+        if args.token is not None and not 0 <= args.token < end - P:
+            raise ValueError(f"--token {args.token}: the response has {end - P} tokens")
+        k = P + (args.token if args.token is not None else int(resp_tau.argmax()))
+        Wp = reweight(dag_weights(attn[b:b + 1], ans[b:b + 1], valid[b:b + 1]), fl.h[b:b + 1])[0]  # (T, T) W'
+        inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]      # phi(i -> k), phi(k -> j)
+        vin, vout = log_scale(inflow[lo:end]), log_scale(outflow[lo:end])
+        blue, orange = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+        colors = [(1, 0.2, 0.2, 1) if lo + j == k else blue(0.8 * a) if lo + j < k else orange(0.8 * c)
+                  for j, (a, c) in enumerate(zip(vin, vout))]
+        token_figure(out / "inout", toks, colors,
+                     f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)")
+        res["inout"] = {"token": toks[k - lo], "position": k - P, "inflow_total": float(inflow.sum()),
+                        "outflow_total": float(outflow.sum()), "inflow_from_prompt": float(inflow[:P].sum())}
+    if "tokens" in figs:                                                     # Fig. 3
+        res["tokens"] = token_charts(tok, batch, fl, has, args, out / "tokens.png")
+    return res
+
+
+def token_charts(tok, batch, fl, has, args, png):
+    """Fig. 3: the args.top most frequent tokens among each sentence's top and bottom args.frac by
+    throughput, over the responses `has` (departure 3)."""
+    plt, P, high, low = probes.pyplot(), batch.prompt_width, Counter(), Counter()
+    for i in has:
+        a_end = int(batch.answer_mask[i].nonzero().max()) + 1
+        pieces = [tok.decode([x]) for x in batch.input_ids[i, P:a_end].tolist()]
+        hi, lo = highflow.per_sentence(fl.throughput[i, P:a_end].tolist(), pieces, args.frac)   # App. E.1
+        high.update(pieces[j] for j in hi)
+        low.update(pieces[j] for j in lo)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5))
+    panels = (("high-flow (top", high, "tab:red"), ("low-flow (bottom", low, "tab:gray"))
+    for ax, (name, cnt, color) in zip(axes, panels):
+        top = cnt.most_common(args.top)[::-1]                                # spaces as ␣, newlines as \n
+        ax.barh([repr(w)[1:-1].replace(" ", "␣") for w, _ in top], [c for _, c in top], color=color)
+        ax.set_title(f"{name} {args.frac:.0%} of each sentence)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return {"high": high.most_common(args.top), "low": low.most_common(args.top)}
