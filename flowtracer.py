@@ -123,19 +123,19 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
     Hkv, S = key.shape[1], key.shape[2]
     q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
     kT = key.float().transpose(-1, -2)[:, :, None]  # (B, Hkv, 1, D, S)
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
-        score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
-        if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
-            ar = torch.arange(S, device=q.device)
-            allowed = ar[None, :] <= ar[s:e, None]                                   # (c, S) causal
-            score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
-        elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
-            score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
-        else:  # additive float mask (0 / large negative)
-            score = score + attention_mask[:, :, None, s:e].float()
-        p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
-        buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
+    with torch.autocast(query.device.type, enabled=False):    # fp32 also under the run's bf16 autocast
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
+            if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
+                allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s)  # (c, S) causal
+                score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
+            elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
+                score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
+            else:  # additive float mask (0 / large negative)
+                score = score + attention_mask[:, :, None, s:e].float()
+            p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
+            buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
 
 
 def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

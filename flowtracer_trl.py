@@ -69,7 +69,7 @@ try:
 except ImportError as e:                                         # no TRL: one line from the command line
     if __name__ != "__main__":
         raise
-    print(f"flowtracer_trl.py: error: {e}: pip install -r requirements-trl.txt", file=sys.stderr)
+    print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
     sys.exit(2)
 
 import credit
@@ -80,7 +80,7 @@ from flowtracer import capture, select_layers
 from models import RANDOM_MODELS, fix_tokenizer, load_model
 from regions import Batch, answer_token_range, build_batch, take
 
-TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements-trl.txt)
+TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
 
 def trl_problem(trainer=None):
@@ -92,7 +92,7 @@ def trl_problem(trainer=None):
     _dist.summon_full_params, _metrics, temperature, num_iterations."""
     if trl.__version__ != TRL_VERSION:
         return (f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
-                f"{TRL_VERSION} only: pip install -r requirements-trl.txt")
+                f"{TRL_VERSION} only: pip install -r requirements.txt")
     need = ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies",
             "_prepare_inputs")
     if not all(callable(getattr(GRPOTrainer, n, None)) for n in need):

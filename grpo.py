@@ -29,7 +29,7 @@ Departures from the paper (numbered):
     fp32 logits of the whole batch never exist.
  3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
     keeps a bf16 Kahan compensation of each weight (torch-optimi): lr 1e-6 updates, below bf16's resolution,
-    are kept, and Qwen3-4B's 1K step fits in ~46 GB (memory.py; `python eval.py memory`). The paper's
+    are kept, and Qwen3-4B's 1K step fits in ~46 GB (policy.py; `python eval.py memory`). The paper's
     Megatron keeps fp32 master weights. On the CPU everything is fp32 with torch's AdamW.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. Running `python grpo.py` with no model named trains the embedded SmolLM2-135M-Instruct on the offline
@@ -66,11 +66,11 @@ from tqdm import tqdm
 import checkpoint as ckpt_io
 import credit
 import data
-import memory
+import policy
 import runlog
 import signals
-from flowtracer import build_batch, capture, select_layers, take
-from models import generate, load_model
+from flowtracer import build_batch, capture, take
+from models import generate
 
 
 @dataclass
@@ -346,20 +346,13 @@ def setup(cfg):
                                                                                   records[0]["task"])
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if cfg.device == "auto" else cfg.device)
-    dtype = memory.weight_dtype(cfg, device)                      # departure 3: bf16 + Kahan on CUDA
-    model, tok = load_model(str(ckpt) if ckpt else cfg.model, device=device, dtype=dtype)
-    select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
-    ref = load_model(cfg.model, device=device, dtype=dtype)[0].eval() if cfg.beta > 0 else None
-    if cfg.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    opt = memory.make_optimizer(model, cfg, device)
+    device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
+    model, tok, ref, opt = policy.load_policy(cfg, device, str(ckpt) if ckpt else None)   # departure 3
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, sched=sched, device=device,
-                          autocast=torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"),
+                          autocast=policy.autocast(device),
                           records=records, style=style, out=out, start=start, bad=bad, stop=False, history=[],
                           order=torch.randperm(len(records), generator=seeded(cfg.seed)).tolist(),
                           metrics=ckpt_io.open_metrics(out, start if ckpt else None))

@@ -49,7 +49,7 @@ from tqdm import tqdm
 import checkpoint as ckpt_io
 import data
 import grpo
-import memory
+import policy
 import signals
 from answers import last_number_equal
 from models import ModelError, generate, load_model
@@ -252,9 +252,8 @@ def stop(proc):
 
 def evaluate_checkpoint(g, name, path):
     rc, t0 = g.rc, time.perf_counter()
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if rc.device == "auto" else rc.device)
-    model, tok = load_model(name, device=device, dtype=memory.weight_dtype(rc, device))
+    device = policy.device_of(rc.device)
+    model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
     res = {**evaluate(model, tok, g.recs, g.style, g.cfg, rc), "time/s": time.perf_counter() - t0}
     del model
     if device.type == "cuda":

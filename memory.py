@@ -1,45 +1,37 @@
 """What one GRPO step holds in memory, and how Qwen3-4B fits on one 80 GB GPU.
 
 The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five phases, each with its peak:
-  generation      weights + optimizer states + KV cache (2 L Hkv hd T g bf16: 147 KB per token for Qwen3-4B)
-  update forward  + gradients (from the 2nd micro-batch on) + the checkpointed layer inputs (L+2 of (b, T, D))
-                  + either the attention capture (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25
-                  floats, flowtracer.auto_chunk) or the log-prob chunks (3 x (b, 128, V) fp32)
-  credit          + the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy: (b, T, T) each
-  backward        + one decoder layer recomputed (layer_saved, counted op by op) or one log-prob chunk
+  generation      weights + optimizer states + KV cache (2 L Hkv hd T g bf16: 147 KB per token for Qwen3-4B),
+                  at the prefill, the copy of each prompt's cache to its rows, or the last decode step
+  update forward  + gradients (from the 2nd micro-batch on) + what the forward keeps for backward (kept:
+                  each layer's input under --grad-checkpointing, else its layer_saved: 68 GB more for
+                  Qwen3-4B at 1K) + either the attention capture (a (b, T, T) fp32 buffer and fp32 score
+                  blocks of <= 2^25 floats, flowtracer.auto_chunk) or the log-prob chunks (3 x (b, 128, V))
+  credit          fused: + the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy, (b, T, T)
+                  each; a separate pass (credit.separate_pass): before the update, the signal's own forward
+                  over all B rows and its (B, T, T) maps
+  backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
+                  reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
+--num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
 track_peak() counts the live tensor storages of a real step (measure()) on the CPU, and measure() reads
 torch.cuda.max_memory_allocated on a GPU. tests/test_memory.py holds the estimate within 10% of the count.
+On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
+allocator's fragmentation, up to one more KV cache (12 GB at 1K) when the cache grows by concatenation
+(policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB.
 
-The fp32 design does not fit. Qwen3-4B has N = 4.02 B parameters: fp32 weights + gradients + AdamW m, v =
-16 B/param = 64.4 GB; torch.autocast caches a bf16 copy of every fp32 weight it casts for the whole autocast
-region (generation and each training forward: +8.0 GB, 2 B/param); torch's foreach AdamW (the CUDA default)
-allocates a fp32 copy of v in the step (+16 GB). Peak 80.5 GB before any activation.
-
-The scheme (--optimizer auto = kahan on CUDA): bf16 weights and gradients, AdamW with bf16 m and v and a
-bf16 Kahan compensation buffer (torch-optimi's AdamW, kahan_sum=True): 2 + 2 + 6 = 10 B/param = 40.2 GB,
-no autocast cache (the weights are bf16 already), no optimizer temporaries (optimi's Triton kernel, or its
-for-loop on the CPU). The compensation c keeps what bf16 rounding drops from each update: p + c is the
-weight the optimizer tracks (master_weights). At lr 1e-6 a plain bf16 AdamW loses the update (|dw| ~ 1e-6 is
-below half a bf16 ulp of |w| ~ 0.02, so w + dw rounds back to w); the Kahan sum keeps it.
-Why optimi: maintained, pure PyTorch (its import and the CPU test need no GPU), one call, no fp32 master copy
-to keep in sync. Measured on tiny-qwen3 with the same gradients for all (tests/test_memory.py's
-cumulative_updates): the relative norm of (cumulative update - fp32 AdamW's) after 20 steps at lr 1e-6 is
-0.0075 for optimi Kahan and 0.999 for plain bf16 AdamW (lost); 0.023 after 200 steps, 0.08-0.09 after 500
-(mostly v in bf16: with beta2 = 0.999 its 0.1% decay per step is below bf16 resolution). Aside, with torchao
-0.18: bf16 stochastic rounding 14.9 after 20 steps (rounding noise ~2^-9 |w| per step), AdamW8bit on fp32
-master weights 1.37 (small v quantised to 0). fp32 master weights + fp32 AdamW (DeepSpeed's 16 B/param =
-64.4 GB) leave < 6 GB for the KV cache and activations. The optimizer step fused into backward would save
-the 8 GB of gradients but cannot accumulate 16 micro-batches nor clip the global gradient norm.
+The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
+10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): policy.py.
 
 Departures (numbered):
- 1. The attention capture and trace_flow are counted for the fused flow signal (the default); signals
-    with a pass of their own (attention, OAR) are not modelled.
+ 1. A separate credit pass is counted as flowtracer.attention_graph's forward and trace_flow (flow,
+    attention) or a plain forward (other signals); the own forwards of OAR, fai and gradient are not.
  2. Every response is taken at max_new_tokens and every row trained (the worst step); the padded prompt
     width is --prompt-tokens (default 256, a math problem with its template), not max_prompt_tokens.
  3. On CUDA, trace_flow's triangular solve is given one more fp64 (b, T, T) copy than on the CPU (cuBLAS
-    trsm layout; not measured here). The autocast (fp32 weights) path is counted, not validated.
+    trsm layout; not measured here). The autocast (fp32 weights) path is counted, not validated. The
+    margin (context, workspace, fragmentation) is assumed, not measured: no GPU was lent.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
@@ -53,46 +45,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import credit
+import grpo
+import models
+import policy
+import signals
 from flowtracer import auto_chunk, select_layers as select
+from policy import scheme
+from regions import build_batch, take
 
 GB, GiB = 1e9, 2 ** 30
+GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's
+CONTEXT = 1 * GB            # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
-
-
-# ----------------------------------------------------------------------------- the low-memory scheme
-def scheme(cfg, device) -> str:
-    """'kahan' (bf16 weights, bf16 AdamW states + Kahan compensation, torch-optimi) or 'adamw' (fp32 weights,
-    fp32 torch AdamW). --optimizer auto: kahan on CUDA, adamw on the CPU (the embedded path stays fp32)."""
-    name = getattr(cfg, "optimizer", "auto")
-    if name not in ("auto", "kahan", "adamw"):
-        raise ValueError(f"--optimizer must be auto, kahan or adamw, got {name!r}")
-    return ("kahan" if torch.device(device).type == "cuda" else "adamw") if name == "auto" else name
-
-
-def weight_dtype(cfg, device) -> torch.dtype:
-    """The dtype the policy is loaded in: bf16 under the kahan scheme, fp32 under adamw."""
-    return torch.bfloat16 if scheme(cfg, device) == "kahan" else torch.float32
-
-
-def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
-    """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice."""
-    if scheme(cfg, device) == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    import optimi    # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
-    bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
-    if bad:
-        raise ValueError(f"--optimizer kahan needs a bf16 model (memory.weight_dtype), got {bad}")
-    return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
-                        weight_decay=cfg.weight_decay, kahan_sum=True)
-
-
-def master_weights(model, opt) -> dict:
-    """{name: fp32 tensor}: the weights the optimizer holds, p + its Kahan compensation where it has one."""
-    out = {}
-    for n, p in model.named_parameters():
-        comp = opt.state.get(p, {}).get("kahan_comp")
-        out[n] = p.detach().float().clone() + (comp.float() if comp is not None else 0)
-    return out
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
@@ -185,7 +150,6 @@ COMPONENTS = ("weights", "grads", "optimizer", "cast cache", "KV cache", "activa
 
 def model_config(name):
     """The HF config of a model name, without its weights where possible (qwen3-4b: models.py's copy)."""
-    import models
     from transformers import AutoConfig
     if name in models.RANDOM_MODELS:
         return models.qwen3_4b_config() if name == "qwen3-4b-random" else models.tiny_config(name, 260)
@@ -209,7 +173,7 @@ def param_counts(mc):
 
 def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
-    every row trained) on `device` under memory.scheme; nothing is allocated. The docstring has each term."""
+    every row trained) on `device` under policy.scheme; nothing is allocated. The docstring has each term."""
     N, N_cast, N_max = param_counts(mc)
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -221,46 +185,102 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     P, R = prompt_tokens, cfg.max_new_tokens
     T, B = P + R, cfg.prompts_per_step * cfg.group_size
     g, b, c = min(cfg.gen_chunk, B), min(cfg.micro_batch, B), min(cfg.logprob_chunk, R)
-    layers = captures(cfg)                      # the fused pass takes the attention maps
-    w = dict(weights=N * wb, grads=N * wb, optimizer=N * (6 if kahan else 8),
-             **{"cast cache": 2 * N_cast if cuda and not kahan else 0})
+    separate = credit.separate_pass(cfg)                            # credit's own pass before the update
+    maps = signals.NEEDS.get(cfg.credit) == "attn"                  # the signal reads attention maps
+    layers = maps and not separate                                  # the fused pass captures the maps
+    cast = 2 * N_cast if cuda and not kahan else 0                  # autocast's bf16 copies of fp32 weights
+    w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * (6 if kahan else 8),
+             **{"cast cache": cast})                                # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
-    # generation: KV cache (grown by torch.cat: one layer's K copy on top) vs the prompt's prefill
-    kv = lambda t: 2 * L * Hkv * hd * t * g * cb                          # noqa: E731
-    prefill = g * P * (4 * D * rb + 3 * I * cb) + 5 * g * V * 4
-    decode = Hkv * hd * T * g * cb + 5 * g * V * 4                        # cat copy, sampling on (g, V) fp32
-    gen = {**zero, **w, "grads": 0, "KV cache": kv(T) if kv(T) + decode > kv(P) + prefill else kv(P),
-           "workspace": decode if kv(T) + decode > kv(P) + prefill else prefill}
-    # update: checkpointed layer inputs + final norm output, (b, T, D) each; the (b, T) batch tensors
-    acts = (L + 2) * b * T * D * rb
-    batch = B * T * (2 * 8 + 3) + b * T * T * (Hq > Hkv)                 # ids, masks; sdpa's bool mask
+    gen = {**zero, **w, "grads": 0,
+           **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix, B > g)}
+    ls = layer_saved(mc, T, cb, rb)                                       # update: what the forward keeps
+    acts = b * T * kept(mc, L, ls, rb, cfg.grad_checkpointing)
+    old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
+    batch = B * T * (2 * 8 + 3) + b * T * T * (Hq > Hkv) + old           # ids, masks; sdpa's bool mask
     layer_fwd = b * T * (3 * I * cb + 2 * D * 4 + T * cb)               # + sdpa's float mask
-    blk = b * Hq * T * auto_chunk(b, Hq, T)                               # fp32 score block (flowtracer)
-    cap_ws = 4 * (b * T * (Hq + Hkv) * hd + 2 * blk + 2 * b * T * auto_chunk(b, Hq, T))
+    cap_ws = capture_workspace(b, T, Hq, Hkv, hd)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
-    at_capture = layers * ((max(select(cfg.layers, L)) + 2) * b * T * D * rb + cap_ws)   # last captured layer
-    end = acts + logits                                                     # the log-prob chunks
-    fwd = {**zero, **w, "activations": acts if end >= at_capture else at_capture - cap_ws,
-           "attention": b * T * T * 4 if layers else 0, "logits": logits if end >= at_capture else 0,
-           "workspace": batch + max(layer_fwd, 0 if end >= at_capture else cap_ws)}
-    credit = {**zero, **w, "cast cache": 0, "activations": acts,
-              "attention": layers * b * T * T * (4 + 4 + (8 + 8 * cuda) * (cfg.credit == "flow")),
-              "workspace": batch}
-    layer_bwd = b * T * (layer_saved(mc, T, cb, rb) + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)
-    logits_bwd = b * c * V * (8 + cb) + V * D * (wb + cb)
-    bwd = {**zero, **w, "cast cache": 0, "activations": acts, "attention": b * T * T * 4 if layers else 0,
-           "logits": logits_bwd if logits_bwd > layer_bwd else 0,
-           "workspace": batch + 2 * b * T * D * 4 + (layer_bwd if layer_bwd >= logits_bwd else 0)}
+    # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
+    # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks)
+    ckpt, last = cfg.grad_checkpointing, max(select(cfg.layers, L)) + 1
+    paths = [(acts, logits, 0), (b * T * kept(mc, L - 1, ls, rb, ckpt), 0, layer_fwd),
+             (layers * b * T * kept(mc, last, ls, rb, ckpt), 0, layers * cap_ws)]
+    a_fwd, l_fwd, ws_fwd = max(paths, key=sum)
+    fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
+           "workspace": batch + ws_fwd}
+    fp64 = (8 + 8 * cuda) * (cfg.credit == "flow")                         # trace_flow's fp64 copies
+    if separate:     # credit.assign on all B rows before the update, no grad: the signal's own forward
+        own = B * T * (3 * D * rb + T) + max(B * T * (3 * I * cb + T * cb),        # hidden, bool mask; a
+                                             maps * capture_workspace(B, T, Hq, Hkv, hd))   # layer, capture
+        credit_ph = {**zero, **w, "grads": 0, "attention": maps * B * T * T * 4,       # the maps, (B, T, T)
+                     "workspace": B * T * 19 + max(own, maps * B * T * T * fp64)}      # forward or trace_flow
+    else:            # the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy, (b, T, T)
+        credit_ph = {**zero, **w, "cast cache": 0, "activations": acts,
+                     "attention": layers * b * T * T * (4 + 4 + fp64), "workspace": batch}
+    # backward's peak, (activations, logits, workspace) of the largest: one log-prob chunk recomputed, its
+    # gradient and the head's; the last layer (recomputed under checkpointing) and its gradients beside what
+    # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0)
+    final = b * T * (4 * D + 2 * D * rb)
+    paths = [(acts, max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb), 0),
+             (acts - final, 0, b * T * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)),
+             (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
+    a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
+    bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 8 if layers else 0,
+           "logits": l_bwd, "workspace": batch + ws_bwd}
     temp = 0 if kahan and cuda else N_max * wb if kahan else N * 4 if cuda else 3 * N_max * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
-    return dict(zip(PHASES, (gen, fwd, credit, bwd, opt)))
+    return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
 
 
-def captures(cfg):
-    """True when grpo.py's fused pass captures attention maps in the training forward (grpo.capturing)."""
-    import credit
-    import signals
-    return not credit.separate_pass(cfg) and signals.NEEDS.get(cfg.credit) == "attn"
+def generation(mc, g, G, P, R, cb, rb, shared=True, chunks=False):
+    """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
+    rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
+    copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
+    grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
+    step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
+    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows, while the chunk
+    before's whole cache is still held (`chunks`: models.generate's `cache` lives until the next chunk's
+    prefill returns; measured). Sampling takes 5 of (g, V) fp32."""
+    L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
+    hd = getattr(mc, "head_dim", None) or D // Hq
+    T, k = P + R, prefill_rows(g, G, shared)
+    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
+    attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
+    mlp = k * P * (P + 3 * I * cb)
+    prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
+    if k < g:                                          # prefix sharing: each prompt's cache reserved at T
+        held = chunks * kv(g, T + 1)                   # the chunk before's cache, reserved at T + 1
+        peaks = [(held + kv(k, T), prefill), (held + kv(k, T) + kv(g, P), 0),
+                 (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
+    else:
+        peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
+    cache, ws = max(peaks, key=sum)
+    return {"KV cache": cache, "workspace": ws}
+
+
+def prefill_rows(g, G, shared=True):
+    """The rows models.generate prefills at once in a chunk of g rows: with prefix sharing (--share-prefix)
+    each distinct prompt once, else all g (HF generate on the prompts repeated G times)."""
+    return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
+
+
+def kept(mc, n, ls, rb, checkpointed):
+    """Bytes per token the training forward keeps for backward after n decoder layers (with the final norm
+    at n = L). Each layer: checkpointed, its input (b, T, D); else its layer_saved, and in fp32 its output
+    too (the next RMSNorm saves it; in bf16 that norm saves a fp32 copy, counted in layer_saved). Then the
+    hidden state (n < L), or the final norm's fp32 input, normalised value and output (n = L)."""
+    D = mc.hidden_size
+    per_layer = D * rb if checkpointed else ls + 4 * D * (rb == 4)
+    return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + 2 * D * rb)
+
+
+def capture_workspace(b, T, Hq, Hkv, hd):
+    """Bytes flowtracer.add_head_mean holds beside its (b, T, T) buffer: fp32 q, k and two fp32 score blocks
+    of <= 2^25 floats (flowtracer.auto_chunk), and a (b, chunk, T) head sum."""
+    blk = b * Hq * T * auto_chunk(b, Hq, T)
+    return 4 * (b * T * (Hq + Hkv) * hd + 2 * blk + 2 * b * T * auto_chunk(b, Hq, T))
 
 
 def layer_saved(mc, T, cb, rb, padded=True):
@@ -290,19 +310,31 @@ def table(est, title, unit=GB) -> str:
     return "\n".join([title, head, *rows])
 
 
-def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=70 * GB):
-    """The largest gen_chunk and micro_batch (powers of two up to cfg's) whose phases stay under `budget`,
-    or None where even 1 does not fit: the KV-cache chunk and micro-batch the budget allows."""
-    def largest(field, phases):
+def margin(cfg, mc, prompt_tokens=256) -> dict:
+    """{cost: bytes} a GPU needs beyond the estimate's tensors (assumed, not measured): the CUDA context and
+    cuBLAS workspace, and the allocator's fragmentation, at most one more bf16 KV cache of a chunk (what a
+    cache grown by concatenation can leave in freed blocks too small to reuse; expandable_segments and a
+    cache reserved at T, as prefix sharing makes it, leave less)."""
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    g = min(cfg.gen_chunk, cfg.prompts_per_step * cfg.group_size)
+    kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * (prompt_tokens + cfg.max_new_tokens) * g * 2
+    return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one KV cache": kv}
+
+
+def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
+    """The largest gen_chunk, then micro_batch with it (powers of two up to cfg's), whose phases and margin
+    stay under `budget`, or None where even 1 does not fit."""
+    def largest(cfg, field, phases):
         n = getattr(cfg, field)
         while n >= 1:
             c = SimpleNamespace(**{**vars(cfg), field: n})
-            if all(sum(v.values()) <= budget for k, v in estimate(c, mc, device, prompt_tokens).items()
-                   if k in phases):
+            est, extra = estimate(c, mc, device, prompt_tokens), sum(margin(c, mc, prompt_tokens).values())
+            if all(sum(est[k].values()) + extra <= budget for k in phases):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
         return None
-    return largest("gen_chunk", ("generation",)), largest("micro_batch", PHASES[1:4])
+    g = largest(cfg, "gen_chunk", PHASES[:1])
+    return g, largest(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
 
 
 def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
@@ -322,10 +354,12 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
     for other in ("adamw", "kahan"):
         p = peak(estimate(SimpleNamespace(**{**vars(cfg), "optimizer": other}), mc, device, prompt_tokens))
         out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}")
-    g, m = fit(cfg, mc, device, prompt_tokens)
-    out.append(f"under 70 GB: gen_chunk <= {g}, micro_batch <= {m}" if g and m else
-               "under 70 GB: no gen_chunk / micro_batch fits")
     ph, top = peak(est)
+    if torch.device(device).type == "cuda":
+        m, (g, mb) = margin(cfg, mc, prompt_tokens), fit(cfg, mc, device, prompt_tokens)
+        out.append(f"budget {GPU / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
+                   + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
+                   + (f"gen_chunk <= {g}, micro_batch <= {mb}" if g and mb else "no chunks fit"))
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
     return "\n".join(out)
 
@@ -337,72 +371,80 @@ def peak(est):
 
 # ----------------------------------------------------------------------------- one real step, measured
 def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
-    """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), with grpo.py's
-    own pieces: HF generate, token_logprobs under the attention capture, fused credit.assign, grpo_loss,
-    backward, optimizer_step. Every response runs to max_new_tokens (min_new_tokens), all rows are trained.
-    CPU: track_peak; CUDA: torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
-    where one is given."""
-    import credit
-    import grpo
-    import signals
-    from flowtracer import build_batch, take
-    from models import load_model
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
+    policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: models.generate,
+    the separate credit pass or the fused one (token_logprobs under grpo.capturing, credit.assign),
+    old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
+    hold the same). Every response runs to max_new_tokens (the model's generation_config.min_new_tokens,
+    which keeps prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA:
+    torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict) where one is given."""
+    device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
-    model, tok = load_model(cfg.model, device=device, dtype=weight_dtype(cfg, device))
-    if cfg.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    opt = make_optimizer(model, cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, opt=opt, device=device, bad=0, ref=None,
-                          autocast=torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"))
-    B, R, P = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens, prompt_tokens
-    special = set(tok.all_special_ids)
-    vocab = torch.tensor([i for i in range(min(len(tok), 4096)) if i not in special])
-    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]        # left padding, width P
-    prompts = [vocab[torch.randint(len(vocab), (n,))].tolist() for n in lens for _ in range(cfg.group_size)]
+    model, tok, ref, opt = policy.load_policy(cfg, device)
+    run = SimpleNamespace(cfg=cfg, model=model, ref=ref, opt=opt, device=device, bad=0,
+                          autocast=policy.autocast(device))
+    B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
+    prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
+    model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
 
     def step(tr):
         tr.phase("generation")
         model.eval()
-        resp = []
         with torch.no_grad(), run.autocast:
-            for c in range(0, B, cfg.gen_chunk):
-                rows = prompts[c:c + cfg.gen_chunk]
-                W = max(map(len, rows))
-                x = torch.tensor([[tok.pad_token_id] * (W - len(r)) + r for r in rows], device=device)
-                m = torch.tensor([[0] * (W - len(r)) + [1] * len(r) for r in rows], device=device)
-                seq = model.generate(input_ids=x, attention_mask=m, max_new_tokens=R,
-                                     min_new_tokens=R, do_sample=True, top_k=cfg.top_k, top_p=cfg.top_p,
-                                     temperature=cfg.temperature, pad_token_id=tok.pad_token_id)
-                resp += seq[:, W:].tolist()
+            gen = models.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
+                                  share_prefix=cfg.share_prefix)
         tr.phase(None)
-        batch = build_batch(tok, prompts, resp).to(device)
+        batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
-        mask = batch.response_mask[:, P:]                                                       # (B, R)
+        resp, every = batch.response_mask[:, batch.prompt_width:], list(range(B))              # (B, R)
+        gamma = resp.float()                                                                   # (B, R)
+        if credit.separate_pass(cfg):
+            tr.phase("credit")
+            with torch.no_grad(), run.autocast:
+                gamma = credit.assign(model, tok, batch, adv, cfg).gamma
+        tr.phase("update forward")
+        old_logp = grpo.old_logprobs(run, batch, every)
         model.train()
         opt.zero_grad(set_to_none=True)
         stats = {"loss": 0.0}
         for s in range(0, B, cfg.micro_batch):
-            mb = list(range(s, min(B, s + cfg.micro_batch)))
+            mb = every[s:s + cfg.micro_batch]
             sub = take(batch, mb)
             tr.phase("update forward")
             with run.autocast, grpo.capturing(run, sub, 0) as cap:
-                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, P,
+                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, sub.prompt_width,
                                                 cfg.logprob_chunk)
-            tr.phase("credit")
-            with torch.no_grad():
-                c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
+            if not credit.separate_pass(cfg):
+                tr.phase("credit")
+                with torch.no_grad():
+                    c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
+                gamma[mb] = c.gamma
+                del c
             tr.phase("backward")
-            loss, _ = grpo.grpo_loss(logp, logp.detach(), adv[mb], c.gamma, mask[mb], cfg, B)
+            old = logp.detach() if old_logp is None else old_logp[mb]
+            ref_logp = grpo.ref_logprobs(run, sub)
+            loss, _ = grpo.grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, B, ref_logp)
             loss.backward()
             stats["loss"] += loss.item()
-            del logp, ent, c, cap, loss
+            del logp, ent, cap, loss, old, ref_logp
         tr.phase("optimizer step")
         grpo.optimizer_step(run, stats)
-        opt.zero_grad(set_to_none=True)            # the design: no gradient lives through the next rollout
         tr.phase(None)
 
     step(SimpleNamespace(phase=lambda name: None))
-    with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, opt)) as tr:
+    with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:
         step(tr)
     return tr.peak
+
+
+def random_prompts(tok, n, width, seed=0):
+    """n texts of width - (7 i mod width/4) tokens (the first one `width`): random words that tokenize back
+    to themselves (space-led ASCII words, or single characters for a byte tokenizer); no shared prefix."""
+    singles = [i for i in range(min(len(tok), 4096)) if i not in set(tok.all_special_ids)
+               and tok(tok.decode([i]), add_special_tokens=False).input_ids == [i]]
+    words = [i for i in singles if tok.decode([i])[:1] == " " and tok.decode([i])[1:].isalpha()
+             and tok.decode([i]).isascii()]
+    pool, g = words if len(words) >= 100 else singles, torch.Generator().manual_seed(seed)
+    return [tok.decode([pool[j] for j in torch.randint(len(pool), (width - (i * 7) % max(1, width // 4),),
+                                                       generator=g)]) for i in range(n)]

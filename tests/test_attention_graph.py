@@ -113,6 +113,26 @@ def test_bf16_model_gives_fp32_graph():
     torch.testing.assert_close(W.sum(-1)[mask.bool()], torch.ones(int(mask.sum())), atol=1e-5, rtol=0)
 
 
+def test_maps_stay_fp32_under_bf16_autocast():
+    """The run's autocast (bf16 on CUDA; CPU bf16 here) must not turn the capture's fp32 score matmul into
+    bf16: with the same Q and K the maps equal the fp32 ones to 1e-6 (a bf16 matmul is off by ~1e-3)."""
+    q, k = torch.randn(2, 4, 30, 16), torch.randn(2, 2, 30, 16)            # (B, H, T, d), (B, Hkv, T, d)
+    keep = torch.ones(2, 1, 30, 30, dtype=torch.bool).tril()
+    keep[0, :, :, :5] = False                                              # left padding in row 0
+    for mask in (None, keep):
+        ref, out = torch.zeros(2, 30, 30), torch.zeros(2, 30, 30)
+        flowtracer.add_head_mean(ref, q, k, mask, 0.25, 7)
+        with torch.autocast("cpu", torch.bfloat16):
+            flowtracer.add_head_mean(out, q, k, mask, 0.25, 7)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)  # autocast keeps its Q, K
+    ids, mask = batch(tok)
+    ref = attention_graph(model, ids, mask)
+    with torch.autocast("cpu", torch.bfloat16), flowtracer.capture(model, mask) as cap:  # fused pass
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    torch.testing.assert_close(cap.attn, ref, atol=1e-6, rtol=0)
+
+
 # ----------------------------------------------------------------------------- pass-through, restore, early stop
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):

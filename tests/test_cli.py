@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import grpo
+import policy
 
 ROOT = grpo.Path(grpo.__file__).resolve().parent
 
@@ -70,7 +71,7 @@ BAD_FILES = [  # (file name, content, a word the line must contain); each fails 
 def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsys, name, content, word):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
+    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(path), "--dataset", "arithmetic", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -78,7 +79,7 @@ def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsy
 
 
 def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(tmp_path / "nosuch.jsonl"), "--out-dir", str(tmp_path / "r")])
     assert e.value.code == 2 and "nosuch.jsonl" in capsys.readouterr().err

@@ -27,6 +27,7 @@ import checkpoint as ckpt_io
 import data
 import eval as ev
 import grpo
+import policy
 import probes
 from models import load_model
 from regions import find_answer_span
@@ -48,7 +49,7 @@ def last_line(capsys):
 
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
-    for module in (grpo, ev):
+    for module in (policy, ev):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 

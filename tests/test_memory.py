@@ -1,6 +1,8 @@
-"""memory.py: the estimate against live-storage counts of real steps, the Kahan scheme against fp32 AdamW,
-the autocast weight cache, and `eval.py memory`."""
+"""memory.py and policy.py: the estimate against live-storage counts of real steps (each flag that changes
+memory), the flags' derived amounts, the Kahan scheme against fp32 AdamW, the autocast weight cache, the
+CUDA allocator setting, and `eval.py memory`."""
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Rot
 
 import grpo
 import memory
+import policy
 from models import load_model, qwen3_4b_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,18 +62,110 @@ def test_layer_saved_equals_the_count(arch, dtype):
     assert saved == b * T * memory.layer_saved(mc, T, nb, nb)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "kahan"])
-def test_estimate_within_10_percent_of_a_real_step(optimizer):
+@pytest.mark.parametrize("flags", [["--optimizer", "adamw"], ["--optimizer", "kahan"], ["--no-share-prefix"],
+                                   ["--no-grad-checkpointing"], ["--credit-pass", "separate"],
+                                   ["--beta", "0.1"], ["--num-iterations", "2"]])
+def test_estimate_within_10_percent_of_a_real_step(flags):
     """Every phase of a real tiny step (padded prompts, the fused flow capture, checkpointing) against the
-    estimate, fp32 (the CPU path) and bf16 + Kahan (the CUDA scheme, run on the CPU)."""
-    torch.manual_seed(0)
-    cfg = grpo.parse_args(SMALL)
-    cfg.optimizer = optimizer
+    estimate: fp32 (the CPU path), bf16 + Kahan (the CUDA scheme, run on the CPU), and each flag that
+    changes memory."""
+    cfg = grpo.parse_args(SMALL + flags)
     measured = memory.measure(cfg, 32, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
     for phase in memory.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
+
+
+def test_estimate_within_10_percent_at_the_issues_tiny_shape():
+    """Shape (a) of issue 24: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
+    measured = memory.measure(cfg, 256, "cpu")
+    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
+    for phase in memory.PHASES:
+        assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
+
+
+def qwen3_4b(*flags):
+    """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
+    cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
+    return memory.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
+
+
+def total(est, phase):
+    return sum(est[phase].values())
+
+
+def test_each_flag_moves_the_estimate_by_its_derived_amount():
+    base, cfg = qwen3_4b()
+    mc = qwen3_4b_config()
+    L, D, b, B, T, R = 36, 2560, 8, 128, 1280, 1024
+    N = memory.param_counts(mc)[0]
+    # --no-grad-checkpointing: each layer keeps its layer_saved instead of its (b, T, D) bf16 input
+    off, _ = qwen3_4b("--no-grad-checkpointing")
+    extra = b * T * L * (memory.layer_saved(mc, T, 2, 2) - D * 2)
+    assert off["credit"]["activations"] - base["credit"]["activations"] == extra
+    for phase in ("update forward", "backward"):                     # the peak may move within the phase
+        assert abs(total(off, phase) - total(base, phase) - extra) < 0.05 * extra
+    assert 60e9 < b * T * L * memory.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
+    assert total(off, "generation") == total(base, "generation")
+    # --num-iterations 2: the old log-probs, (B, R) fp32, through the update
+    it2, _ = qwen3_4b("--num-iterations", "2")
+    for phase in ("update forward", "credit", "backward"):
+        assert total(it2, phase) - total(base, phase) == B * R * 4
+    assert total(it2, "optimizer step") == total(base, "optimizer step")
+    # --beta > 0: the reference policy's bf16 weights in every phase, its forward in backward
+    kl, _ = qwen3_4b("--beta", "0.1")
+    for phase in memory.PHASES:
+        assert kl[phase]["weights"] - base[phase]["weights"] == 2 * N
+    assert total(kl, "generation") - total(base, "generation") == 2 * N
+    # a separate credit pass: no capture in the training forward; the maps of all B rows before the update
+    sep, _ = qwen3_4b("--credit-pass", "separate")
+    assert base["update forward"]["attention"] == b * T * T * 4 and sep["update forward"]["attention"] == 0
+    assert sep["credit"]["attention"] == B * T * T * 4 and sep["credit"]["grads"] == 0
+    assert total(sep, "credit") > total(base, "credit")
+
+
+def test_generation_follows_how_generate_prefills():
+    """--no-share-prefix: HF generate prefills the chunk's g rows. --share-prefix (the default): each prompt
+    is prefilled once into a cache reserved at T, then each layer's row cache moves into one reserved at T."""
+    mc, P, R = qwen3_4b_config(), 256, 1024
+    kv = lambda rows, t: 2 * 36 * 8 * 128 * t * rows * 2                 # noqa: E731  bf16 K and V
+    assert memory.prefill_rows(64, 8, shared=False) == 64
+    assert memory.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
+    assert memory.prefill_rows(64, 8) == 8 and memory.prefill_rows(12, 8) == 3
+    gen = memory.generation(mc, 64, 8, P, R, 2, 2)                        # the first decode step
+    assert gen["KV cache"] == kv(64, P + R) + (kv(64, P) + kv(8, P + R)) // 36
+    held = memory.generation(mc, 64, 8, P, R, 2, 2, chunks=True)          # the chunk before's cache held
+    assert held["KV cache"] == kv(64, P + R + 1) + kv(8, P + R) + kv(64, P)
+    est, _ = qwen3_4b("--no-share-prefix")
+    assert est["generation"]["KV cache"] == kv(64, P + R)
+
+
+def test_margin_is_printed_and_counted_in_the_fit():
+    est, cfg = qwen3_4b()
+    mc = qwen3_4b_config()
+    m = memory.margin(cfg, mc)
+    assert sum(m.values()) == memory.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 1280     # + one bf16 KV cache
+    assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in memory.report(cfg)
+    tight = SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192})
+    g, _ = memory.fit(tight, mc, "cuda")
+    for n, fits in ((g, True), (2 * g, False)):
+        c = SimpleNamespace(**{**vars(tight), "gen_chunk": n})
+        assert (total(memory.estimate(c, mc, "cuda"), "generation") + sum(memory.margin(c, mc).values())
+                <= 80e9) == fits
+
+
+def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert policy.device_of("cpu").type == "cpu"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert policy.device_of("cuda").type == "cuda"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")   # the user's setting wins
+    policy.device_of("cuda")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
@@ -79,7 +174,8 @@ def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     N, N_cast, _ = memory.param_counts(mc)
     assert 4.0e9 < N < 4.05e9                                             # 4.02 B parameters
     est = memory.estimate(cfg, mc, "cuda")
-    assert est["generation"]["KV cache"] == 2 * 36 * 8 * 128 * 2 * 64 * (256 + 1024)   # 144 KiB per token
+    kv = 2 * 36 * 8 * 128 * 2                                             # 144 KiB per token and row
+    assert est["generation"]["KV cache"] == kv * (64 * 1281 + 8 * 1280 + 64 * 256)   # 2nd chunk's copy
     assert memory.peak(est)[1] <= 70e9
     fp32 = memory.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
     assert fp32["generation"]["cast cache"] == 2 * N_cast > 1.99 * N      # autocast's bf16 copies (tied head)
@@ -109,10 +205,10 @@ def cumulative_updates(steps=20, lr=1e-6):
     cfg = SimpleNamespace(optimizer="kahan", lr=lr, weight_decay=0.0)
     runs = {"fp32": (ref, torch.optim.AdamW(ref.parameters(), lr=lr))}
     m = copy.deepcopy(ref).to(torch.bfloat16)
-    runs["kahan"] = (m, memory.make_optimizer(m, cfg, "cuda"))           # what grpo.py builds on CUDA
+    runs["kahan"] = (m, policy.make_optimizer(m, cfg, "cuda"))           # what grpo.py builds on CUDA
     m = copy.deepcopy(ref).to(torch.bfloat16)
     runs["bf16"] = (m, torch.optim.AdamW(m.parameters(), lr=lr))         # naive bf16 weights
-    w0 = {k: memory.master_weights(m, opt) for k, (m, opt) in runs.items()}
+    w0 = {k: policy.master_weights(m, opt) for k, (m, opt) in runs.items()}
     for k in range(steps):
         ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(k))
         ref.zero_grad()
@@ -122,7 +218,7 @@ def cumulative_updates(steps=20, lr=1e-6):
             for p, g in zip(m.parameters(), grads):
                 p.grad = g.to(p.dtype)
             opt.step()
-    d = {k: {n: w - w0[k][n] for n, w in memory.master_weights(m, opt).items()} for k, (m, opt) in runs.items()}
+    d = {k: {n: w - w0[k][n] for n, w in policy.master_weights(m, opt).items()} for k, (m, opt) in runs.items()}
     norm = lambda x: sum((v ** 2).sum() for v in x.values()).sqrt()     # noqa: E731
     return {k: float(norm({n: d[k][n] - d["fp32"][n] for n in d[k]}) / norm(d["fp32"])) for k in d}
 
@@ -135,13 +231,13 @@ def test_kahan_keeps_lr_1e6_updates_and_plain_bf16_loses_them():
 
 def test_scheme_defaults_and_errors():
     cfg = SimpleNamespace(optimizer="auto", lr=1e-6, weight_decay=0.0)
-    assert memory.scheme(cfg, "cuda") == "kahan" and memory.scheme(cfg, "cpu") == "adamw"
-    assert memory.weight_dtype(cfg, "cpu") == torch.float32                # the CPU path stays fp32
+    assert policy.scheme(cfg, "cuda") == "kahan" and policy.scheme(cfg, "cpu") == "adamw"
+    assert policy.weight_dtype(cfg, "cpu") == torch.float32                # the CPU path stays fp32
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16"):
-        memory.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
+        policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
     with pytest.raises(ValueError, match="--optimizer"):
-        memory.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
+        policy.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
 
 
 def test_eval_memory_command():

@@ -1,4 +1,4 @@
-"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements-trl.txt). Tiny random
+"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements.txt). Tiny random
 Qwen3, fp32, CPU: credit none trains exactly as stock TRL; the (B, C) advantages TRL receives are A * gamma,
 gamma = flowtracer.flow_credit on TRL's own tensor layout, and TRL's loss is eq. 5 with them; each fused
 signal gives grpo.py's credit on the same rows; a generation batch that spans optimizer steps is credited
@@ -311,7 +311,7 @@ def test_an_unknown_trl_is_one_clear_line(tmp_path, monkeypatch, capsys):
         ft.main(["--model", "tiny-qwen3"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert err.startswith("flowtracer_trl.py: error: trl 1.17.0") and "requirements-trl.txt" in err
+    assert err.startswith("flowtracer_trl.py: error: trl 1.17.0") and "requirements.txt" in err
     with pytest.raises(ValueError, match="knows the internals of trl 1.16.0"):
         ft.FlowTracerGRPOTrainer(model=None, reward_funcs=toy_reward)
 

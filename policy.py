@@ -1,0 +1,98 @@
+"""The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, checkpointing.
+
+grpo.setup and memory.measure both build the policy here, so the step memory.py measures is grpo.py's.
+
+The fp32 design does not fit Qwen3-4B on one 80 GB GPU. N = 4.02 B parameters: fp32 weights + gradients +
+AdamW m, v = 16 B/param = 64.4 GB; torch.autocast caches a bf16 copy of every fp32 weight it casts for the
+whole autocast region (generation and each training forward: +8.0 GB, 2 B/param); torch's foreach AdamW (the
+CUDA default) allocates a fp32 copy of v in the step (+16 GB). Peak 80.5 GB before any activation.
+
+The scheme (--optimizer auto = kahan on CUDA): bf16 weights and gradients, AdamW with bf16 m and v and a
+bf16 Kahan compensation buffer (torch-optimi's AdamW, kahan_sum=True): 2 + 2 + 6 = 10 B/param = 40.2 GB,
+no autocast cache (the weights are bf16 already), no optimizer temporaries (optimi's Triton kernel, or its
+for-loop on the CPU). The compensation c keeps what bf16 rounding drops from each update: p + c is the
+weight the optimizer tracks (master_weights). At lr 1e-6 a plain bf16 AdamW loses the update (|dw| ~ 1e-6 is
+below half a bf16 ulp of |w| ~ 0.02, so w + dw rounds back to w); the Kahan sum keeps it.
+Why optimi: maintained, pure PyTorch (its import and the CPU test need no GPU), one call, no fp32 master copy
+to keep in sync. Measured on tiny-qwen3 with the same gradients for all (tests/test_memory.py's
+cumulative_updates): the relative norm of (cumulative update - fp32 AdamW's) after 20 steps at lr 1e-6 is
+0.0075 for optimi Kahan and 0.999 for plain bf16 AdamW (lost); 0.023 after 200 steps, 0.08-0.09 after 500
+(mostly v in bf16: with beta2 = 0.999 its 0.1% decay per step is below bf16 resolution). Aside, with torchao
+0.18: bf16 stochastic rounding 14.9 after 20 steps (rounding noise ~2^-9 |w| per step), AdamW8bit on fp32
+master weights 1.37 (small v quantised to 0). fp32 master weights + fp32 AdamW (DeepSpeed's 16 B/param =
+64.4 GB) leave < 6 GB for the KV cache and activations. The optimizer step fused into backward would save
+the 8 GB of gradients but cannot accumulate 16 micro-batches nor clip the global gradient norm.
+
+On CUDA the caching allocator gets expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+unless the variable is set): a segment grows by mapping more pages and unmaps what is freed, so a KV cache
+grown step by step leaves no trail of freed blocks too small to reuse (memory.py's margin counts the rest).
+
+Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
+"""
+import os
+
+import torch
+
+from flowtracer import select_layers
+from models import load_model
+
+
+def device_of(name="auto") -> torch.device:
+    """--device auto | cpu | cuda as a torch.device; on CUDA, before CUDA starts, expandable segments."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return device
+
+
+def scheme(cfg, device) -> str:
+    """'kahan' (bf16 weights, bf16 AdamW states + Kahan compensation, torch-optimi) or 'adamw' (fp32 weights,
+    fp32 torch AdamW). --optimizer auto: kahan on CUDA, adamw on the CPU (the embedded path stays fp32)."""
+    name = getattr(cfg, "optimizer", "auto")
+    if name not in ("auto", "kahan", "adamw"):
+        raise ValueError(f"--optimizer must be auto, kahan or adamw, got {name!r}")
+    return ("kahan" if torch.device(device).type == "cuda" else "adamw") if name == "auto" else name
+
+
+def weight_dtype(cfg, device) -> torch.dtype:
+    """The dtype the policy is loaded in: bf16 under the kahan scheme, fp32 under adamw."""
+    return torch.bfloat16 if scheme(cfg, device) == "kahan" else torch.float32
+
+
+def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
+    """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice."""
+    if scheme(cfg, device) == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    import optimi    # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
+    bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
+    if bad:
+        raise ValueError(f"--optimizer kahan needs a bf16 model (policy.weight_dtype), got {bad}")
+    return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+                        weight_decay=cfg.weight_decay, kahan_sum=True)
+
+
+def master_weights(model, opt) -> dict:
+    """{name: fp32 tensor}: the weights the optimizer holds, p + its Kahan compensation where it has one."""
+    out = {}
+    for n, p in model.named_parameters():
+        comp = opt.state.get(p, {}).get("kahan_comp")
+        out[n] = p.detach().float().clone() + (comp.float() if comp is not None else 0)
+    return out
+
+
+def autocast(device):
+    """The run's autocast: bf16 on CUDA (a no-op for bf16 weights), off on the CPU."""
+    return torch.autocast("cuda", torch.bfloat16, enabled=torch.device(device).type == "cuda")
+
+
+def load_policy(cfg, device, path=None):
+    """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
+    cfg.model in the scheme's dtype, a --layers it lacks an error here; the frozen reference when beta > 0;
+    gradient checkpointing as --grad-checkpointing says."""
+    dtype = weight_dtype(cfg, device)
+    model, tok = load_model(path or cfg.model, device=device, dtype=dtype)
+    select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
+    ref = load_model(cfg.model, device=device, dtype=dtype)[0].eval() if cfg.beta > 0 else None
+    if cfg.grad_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return model, tok, ref, make_optimizer(model, cfg, device)
