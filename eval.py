@@ -328,7 +328,8 @@ def parse(argv=None):
     p = sub.add_parser("memory", allow_abbrev=False, help="grpo.py's step in memory; takes grpo.py's flags")
     p.set_defaults(func=memory_table)
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
-    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present) and compare")
+    p.add_argument("--measure", action="store_true",
+                   help="also run one real step (GPU if present) and compare")
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

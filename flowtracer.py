@@ -57,9 +57,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-# the batch layout moved to regions.py; grpo.py and memory.py still import it from here
-from regions import Batch, answer_token_range, build_batch, find_answer_span, take  # noqa: F401
-
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
 

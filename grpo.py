@@ -1,7 +1,7 @@
 """GRPO with FlowTracer token credit, on one device: rollout -> reward -> credit -> update -> log.
 
 Implements the training loop of the paper (flowtracer.txt §3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
-  rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3), left-padded, in chunks
+  rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3); each prompt read once
   reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
   credit    credit.assign: a signal (signals.py) and a shaping rule (credit.py) give gamma (B, R); the
             default is FlowTracer: top 40% response tokens by flow throughput get gamma = 1.5 (eq. 6)
@@ -23,13 +23,12 @@ so all-equal groups, with A = 0, stay in B); token-mean divides by the response 
 
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
-    micro-batches stands in for data parallelism. The paper's global batch (64 prompts x 8) is a flag.
-    --paper-batch (PAPER_BATCH below), accumulated micro_batch rows at a time into one update.
+    micro-batches stands in for data parallelism: --paper-batch (PAPER_BATCH) is the paper's 64 prompts x 8.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist.
  3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
     keeps a bf16 Kahan compensation of each weight (torch-optimi): lr 1e-6 updates, below bf16's resolution,
-    are kept, and Qwen3-4B's 1K step fits in ~46 GB (policy.py; `python eval.py memory`). The paper's
+    are kept, and Qwen3-4B's 1K step fits in ~48 GB (policy.py; `python eval.py memory`). The paper's
     Megatron keeps fp32 master weights. On the CPU everything is fp32 with torch's AdamW.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. Running `python grpo.py` with no model named trains the embedded SmolLM2-135M-Instruct on the offline
@@ -59,7 +58,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -67,10 +65,12 @@ import checkpoint as ckpt_io
 import credit
 import data
 import policy
+from policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
 import runlog
 import signals
-from flowtracer import build_batch, capture, take
+from flowtracer import capture
 from models import generate
+from regions import build_batch, take
 
 
 @dataclass
@@ -142,7 +142,7 @@ def train(cfg: Config, run=None) -> list:
         # ---------------------------------------------------------- rollout
         recs, prompts = step_prompts(run, step, m)                    # drops prompts over max_prompt_tokens
         if not recs:
-            bookkeep(run, step, m, skipped="every prompt is longer than --max-prompt-tokens")
+            runlog.bookkeep(run, step, m, skipped="every prompt is longer than --max-prompt-tokens")
             continue
         model.eval()
         with torch.no_grad(), run.autocast:
@@ -155,7 +155,7 @@ def train(cfg: Config, run=None) -> list:
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)                  # (B,)
         rows = kept_rows(rewards, gen.truncated, cfg, m)                                             # filter
         if not rows:
-            bookkeep(run, step, m, skipped="the dynamic filter dropped every group")
+            runlog.bookkeep(run, step, m, skipped="the dynamic filter dropped every group")
             continue
         batch = build_batch(tok, [gen.prompt_ids[j] for j in rows], [gen.response_ids[j] for j in rows])
         batch = batch.to(run.device)
@@ -204,37 +204,13 @@ def train(cfg: Config, run=None) -> list:
         t.append(time.perf_counter())
         # ---------------------------------------------------------- log
         m.update(runlog.step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t))
-        bookkeep(run, step, m, (batch, gen, rows, rewards, adv, scores, gamma))
+        runlog.bookkeep(run, step, m, (batch, gen, rows, rewards, adv, scores, gamma))
         if run.stop:
             break
-    return finish(run)
+    return runlog.finish(run)
 
 
 # ----------------------------------------------------------------------------- policy math
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
-    """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
-    both (B, T-P). Hidden states come from the decoder; the LM head and log-softmax run on `chunk` positions
-    at a time and are recomputed in backward (departure 2), so at most (B, chunk, V) logits exist at once."""
-    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
-    hid = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                              use_cache=False).last_hidden_state          # (B, T, D)
-    head = model.get_output_embeddings()
-    hid, tgt = hid[:, prompt_width - 1:-1], input_ids[:, prompt_width:]   # (B, R, D), (B, R): h_{t-1} -> y_t
-
-    def piece(h, y):
-        logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
-        lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
-        with torch.no_grad():
-            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy: credit, logs
-        return lp, ent
-
-    outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
-            if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
-            for s in range(0, tgt.shape[1], chunk)]
-    lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
-    return lp, ent.detach()
-
-
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     """Group-relative advantages (eq. 10): A_i = (r_i - mean_g) / std_g, clipped to [-clip, clip].
     Returns (adv (B,), zero_std (B/G,) bool). A group whose rewards do not vary gets A = 0."""
@@ -285,53 +261,11 @@ def kept_rows(rewards, truncated, cfg, m):
     return [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
 
 
-def old_logprobs(run, batch, trained):
-    """(B, R) log-probs of the pre-update policy for num_iterations > 1; None on-policy (they would equal
-    the detached current log-probs, so the training forward provides them)."""
-    if run.cfg.num_iterations == 1 or not trained:
-        return None
-    out = torch.zeros(batch.response_mask[:, batch.prompt_width:].shape, device=run.device)
-    run.model.eval()
-    with torch.no_grad(), run.autocast:
-        for s in range(0, len(trained), run.cfg.micro_batch):
-            mb, sub = trained[s:s + run.cfg.micro_batch], take(batch, trained[s:s + run.cfg.micro_batch])
-            out[mb] = token_logprobs(run.model, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                                     run.cfg.logprob_chunk)[0].float()
-    return out
-
-
-def ref_logprobs(run, sub):
-    """(b, R) reference-model log-probs for the k3 KL term (its own no-grad pass), or None when beta = 0."""
-    if run.ref is None:
-        return None
-    with torch.no_grad(), run.autocast:
-        return token_logprobs(run.ref, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                              run.cfg.logprob_chunk)[0]
-
-
 def capturing(run, sub, it):
     """The fused pass's attention capture around the micro-batch forward, when the signal reads the maps."""
     if it == 0 and not credit.separate_pass(run.cfg) and signals.NEEDS.get(run.cfg.credit) == "attn":
         return capture(run.model, sub.attention_mask, run.cfg.layers)
     return contextlib.nullcontext(SimpleNamespace(attn=None))
-
-
-def optimizer_step(run, stats):
-    """Clip, then step; a non-finite loss or gradient skips the update. Returns True when it stepped."""
-    for p in run.model.parameters():                     # AdamW still steps on a zero gradient, as GRPO would
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm).item()
-    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-        run.bad += 1
-        run.opt.zero_grad(set_to_none=True)
-        tqdm.write(f"non-finite loss {stats['loss']} / grad norm {stats['grad_norm']}: update skipped "
-                   f"({run.bad} in a row)")
-        return False
-    run.bad = 0
-    run.opt.step()
-    run.opt.zero_grad(set_to_none=True)                  # the gradients are not kept through the next rollout
-    return True
 
 
 # ----------------------------------------------------------------------------- setup and bookkeeping
@@ -351,10 +285,10 @@ def setup(cfg):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, sched=sched, device=device,
-                          autocast=policy.autocast(device),
-                          records=records, style=style, out=out, start=start, bad=bad, stop=False, history=[],
-                          order=torch.randperm(len(records), generator=seeded(cfg.seed)).tolist(),
+                          autocast=policy.autocast(device), order=order, records=records, style=style,
+                          out=out, start=start, bad=bad, stop=False, history=[],
                           metrics=ckpt_io.open_metrics(out, start if ckpt else None))
 
     def on_signal(signum, _frame):  # first Ctrl-C / SIGTERM: finish this step, save, exit; a second one: now
@@ -369,10 +303,6 @@ def setup(cfg):
     return run
 
 
-def seeded(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def step_prompts(run, step, m):
     """This step's records and prompts: a function of (seed, step) alone, so --resume lines up; prompts over
     --max-prompt-tokens are skipped and counted."""
@@ -385,45 +315,6 @@ def step_prompts(run, step, m):
         tqdm.write(f"step {step + 1}: {keep.count(False)} prompt(s) longer than --max-prompt-tokens "
                    f"{cfg.max_prompt_tokens} skipped")
     return [r for r, k in zip(recs, keep) if k], [p for p, k in zip(prompts, keep) if k]
-
-
-def bookkeep(run, step, m, rollout=None, skipped=None):
-    """The end of every step, skipped or not: the metrics line, rollouts, the checkpoint when due."""
-    cfg = run.cfg
-    if skipped:
-        m["skipped"] = skipped
-        tqdm.write(f"step {step + 1}: {skipped}; no update")
-    else:
-        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
-                   f"len {m['len/mean']:.0f} boosted {m['credit/boosted_frac']:.2f} "
-                   f"trained {m['rows/trained']} {m['time/step']:.1f}s")
-    ckpt_io.write_metrics(run.metrics, m)
-    run.history.append(m)
-    if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
-        runlog.save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
-    save = lambda: ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched,  # noqa
-                                           step + 1, cfg, run.bad)
-    if run.bad >= cfg.max_bad_steps:
-        save()
-        sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
-    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop:
-        save()
-    if run.stop:
-        print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
-
-
-def finish(run):
-    run.metrics.close()
-    ckpt_io.unlock_out_dir(run.out)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    runlog.plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
-    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\n"
-          f"rollouts: {run.out / 'rollouts'}")
-    if (run.out / "ckpt").is_dir():
-        print(f"checkpoint: {run.out / 'ckpt'}")
-    return run.history
 
 
 # ----------------------------------------------------------------------------- command line

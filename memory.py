@@ -193,7 +193,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
              **{"cast cache": cast})                                # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
-           **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix, B > g)}
+           **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
     ls = layer_saved(mc, T, cb, rb)                                       # update: what the forward keeps
     acts = b * T * kept(mc, L, ls, rb, cfg.grad_checkpointing)
     old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
@@ -233,15 +233,14 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
 
 
-def generation(mc, g, G, P, R, cb, rb, shared=True, chunks=False):
+def generation(mc, g, G, P, R, cb, rb, shared=True):
     """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
     rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
     copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
     grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
     step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
-    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows, while the chunk
-    before's whole cache is still held (`chunks`: models.generate's `cache` lives until the next chunk's
-    prefill returns; measured). Sampling takes 5 of (g, V) fp32."""
+    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (models.generate
+    frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
@@ -251,8 +250,7 @@ def generation(mc, g, G, P, R, cb, rb, shared=True, chunks=False):
     mlp = k * P * (P + 3 * I * cb)
     prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
     if k < g:                                          # prefix sharing: each prompt's cache reserved at T
-        held = chunks * kv(g, T + 1)                   # the chunk before's cache, reserved at T + 1
-        peaks = [(held + kv(k, T), prefill), (held + kv(k, T) + kv(g, P), 0),
+        peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
                  (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
     else:
         peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]

@@ -324,6 +324,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
             out.response_ids.append(resp)
             out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
             out.truncated.append(stop is None)
+        del seq, cache                  # this chunk's KV cache is gone before the next chunk's prefill
     return out
 
 

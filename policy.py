@@ -1,4 +1,5 @@
-"""The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, checkpointing.
+"""The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, checkpointing;
+its per-token log-probs (token_logprobs: grpo.py departure 2) and the optimizer step.
 
 grpo.setup and memory.measure both build the policy here, so the step memory.py measures is grpo.py's.
 
@@ -29,12 +30,17 @@ grown step by step leaves no trail of freed blocks too small to reuse (memory.py
 
 Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
 """
+import math
 import os
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 from flowtracer import select_layers
 from models import load_model
+from regions import take
 
 
 def device_of(name="auto") -> torch.device:
@@ -96,3 +102,70 @@ def load_policy(cfg, device, path=None):
     if cfg.grad_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     return model, tok, ref, make_optimizer(model, cfg, device)
+
+
+# ----------------------------------------------------------------------------- log-probs and the step
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
+    """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
+    both (B, T-P). Hidden states come from the decoder; the LM head and log-softmax run on `chunk` positions
+    at a time and are recomputed in backward (departure 2), so at most (B, chunk, V) logits exist at once."""
+    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
+    hid = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                              use_cache=False).last_hidden_state          # (B, T, D)
+    head = model.get_output_embeddings()
+    hid, tgt = hid[:, prompt_width - 1:-1], input_ids[:, prompt_width:]   # (B, R, D), (B, R): h_{t-1} -> y_t
+
+    def piece(h, y):
+        logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
+        lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
+        with torch.no_grad():
+            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy: credit, logs
+        return lp, ent
+
+    outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
+            if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
+            for s in range(0, tgt.shape[1], chunk)]
+    lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
+    return lp, ent.detach()
+
+
+def old_logprobs(run, batch, trained):
+    """(B, R) log-probs of the pre-update policy for num_iterations > 1; None on-policy (they would equal
+    the detached current log-probs, so the training forward provides them)."""
+    if run.cfg.num_iterations == 1 or not trained:
+        return None
+    out = torch.zeros(batch.response_mask[:, batch.prompt_width:].shape, device=run.device)
+    run.model.eval()
+    with torch.no_grad(), run.autocast:
+        for s in range(0, len(trained), run.cfg.micro_batch):
+            mb, sub = trained[s:s + run.cfg.micro_batch], take(batch, trained[s:s + run.cfg.micro_batch])
+            out[mb] = token_logprobs(run.model, sub.input_ids, sub.attention_mask, sub.prompt_width,
+                                     run.cfg.logprob_chunk)[0].float()
+    return out
+
+
+def ref_logprobs(run, sub):
+    """(b, R) reference-model log-probs for the k3 KL term (its own no-grad pass), or None when beta = 0."""
+    if run.ref is None:
+        return None
+    with torch.no_grad(), run.autocast:
+        return token_logprobs(run.ref, sub.input_ids, sub.attention_mask, sub.prompt_width,
+                              run.cfg.logprob_chunk)[0]
+
+
+def optimizer_step(run, stats):
+    """Clip, then step; a non-finite loss or gradient skips the update. Returns True when it stepped."""
+    for p in run.model.parameters():                     # AdamW still steps on a zero gradient, as GRPO would
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm).item()
+    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+        run.bad += 1
+        run.opt.zero_grad(set_to_none=True)
+        tqdm.write(f"non-finite loss {stats['loss']} / grad norm {stats['grad_norm']}: update skipped "
+                   f"({run.bad} in a row)")
+        return False
+    run.bad = 0
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)                  # the gradients are not kept through the next rollout
+    return True

@@ -6,6 +6,8 @@
   plot_curves    reward, accuracy, entropy and length against the step (curves.png)
   metric_series  [step, value] of one metric from metrics.jsonl (learn.py's training curves)
   peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
+  bookkeep       the end of every grpo.py step: the metrics line, rollouts, the checkpoint when due
+  finish         the end of a run: metrics closed, the out-dir released, signal handlers back, curves.png
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
 not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
@@ -16,9 +18,13 @@ Run: python -c "import runlog; runlog.plot_curves('runs/embedded/metrics.jsonl',
 """
 import json
 import resource
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import checkpoint as ckpt_io
 
@@ -124,3 +130,44 @@ def peak_ema(xs, alpha=0.2):
     for x in xs:
         out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
     return out
+
+
+# ----------------------------------------------------------------------------- the end of a step, of a run
+def bookkeep(run, step, m, rollout=None, skipped=None):
+    """The end of every step, skipped or not: the metrics line, rollouts, the checkpoint when due."""
+    cfg = run.cfg
+    if skipped:
+        m["skipped"] = skipped
+        tqdm.write(f"step {step + 1}: {skipped}; no update")
+    else:
+        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
+                   f"len {m['len/mean']:.0f} boosted {m['credit/boosted_frac']:.2f} "
+                   f"trained {m['rows/trained']} {m['time/step']:.1f}s")
+    ckpt_io.write_metrics(run.metrics, m)
+    run.history.append(m)
+    if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
+        save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
+    save = lambda: ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched,  # noqa
+                                           step + 1, cfg, run.bad)
+    if run.bad >= cfg.max_bad_steps:
+        save()
+        sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
+    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop:
+        save()
+    if run.stop:
+        print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
+
+
+def finish(run):
+    """The end of a run: close the metrics, release the out-dir, restore the signal handlers, plot."""
+    run.metrics.close()
+    ckpt_io.unlock_out_dir(run.out)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\n"
+          f"rollouts: {run.out / 'rollouts'}")
+    if (run.out / "ckpt").is_dir():
+        print(f"checkpoint: {run.out / 'ckpt'}")
+    return run.history
