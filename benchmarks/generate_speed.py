@@ -4,7 +4,7 @@ models.generate(share_prefix=True) prefills the prefix that all prompts share on
 once, copies the cache to the prompt's G rows and decodes into a preallocated cache (models.py departure 6).
 share_prefix=False is plain HF generate on the repeated, left-padded rows. This script times both on the same
 prompts with the same seed, alternating rounds (the machine is shared), checks that they return the same
-tokens, and prints the median seconds and the ratio shared / plain, at two shapes:
+tokens, and prints the median wall and CPU seconds and the ratios shared / plain, at two shapes:
 
   embedded   grpo.py's embedded run: SmolLM2-135M, 2 few-shot arithmetic prompts (~375 tokens) x G = 4,
              128 new tokens, gen_chunk 8, App. C.3 sampling (T = 0.99, top-k 100)
@@ -47,17 +47,19 @@ def shape_prompts(tok, shape, n):
 
 
 def run(model, tok, prompts, s, share, seed):
+    """(wall seconds, CPU seconds of this process, the generations): on a shared machine the CPU time is the
+    steadier of the two (other jobs stretch the wall clock, not this process's own work)."""
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     g = generate(model, tok, prompts, n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99,
                  top_p=1.0, top_k=100, chunk_size=s["gen_chunk"], share_prefix=share)
-    return time.perf_counter() - t0, g
+    return time.perf_counter() - t0, time.process_time() - c0, g
 
 
 def profile(model, tok, prompts, s):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, g = run(model, tok, prompts, s, True, seed=0)
+        _, _, g = run(model, tok, prompts, s, True, seed=0)
     steps = max(map(len, g.response_ids))
     print(f"\nprofile of one shared call ({steps} decode steps):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
@@ -79,22 +81,26 @@ def main(argv=None):
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     prompts = shape_prompts(tok, args.shape, s["prompts"])
     lens = [len(tok(p).input_ids) for p in prompts]
-    times, same = {"plain": [], "shared": []}, True
+    times, cpu, same = {"plain": [], "shared": []}, {"plain": [], "shared": []}, True
     for r in range(args.rounds):
         outs = {}
         for name in (("plain", "shared") if r % 2 == 0 else ("shared", "plain")):
-            sec, outs[name] = run(model, tok, prompts, s, name == "shared", seed=r)
+            sec, c, outs[name] = run(model, tok, prompts, s, name == "shared", seed=r)
             times[name].append(sec)
-            print(f"round {r + 1}: {name:<7}{sec:8.2f} s  {sum(map(len, outs[name].response_ids))} tokens",
-                  flush=True)
+            cpu[name].append(c)
+            print(f"round {r + 1}: {name:<7}{sec:8.2f} s wall {c:8.2f} s CPU  "
+                  f"{sum(map(len, outs[name].response_ids))} tokens", flush=True)
         same &= outs["plain"] == outs["shared"]
     med = {k: statistics.median(v) for k, v in times.items()}
+    mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"\n{args.shape}: {s['prompts']} prompts x {s['group_size']}, "
           f"prompt tokens {min(lens)}-{max(lens)}, "
           f"{s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, {args.threads} thread(s), "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
-    print(f"plain HF {med['plain']:.2f} s   shared {med['shared']:.2f} s   ratio shared/plain "
-          f"{med['shared'] / med['plain']:.3f}   same tokens in every round: {same}")
+    for what, m in (("wall", med), ("CPU", mcpu)):
+        print(f"{what:<5} plain HF {m['plain']:8.2f} s   shared {m['shared']:8.2f} s   ratio shared/plain "
+              f"{m['shared'] / m['plain']:.3f}")
+    print(f"same tokens in every round: {same}")
     if args.profile:
         profile(model, tok, prompts, s)
     return med
