@@ -40,7 +40,7 @@ Departures from the paper (numbered):
  7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
     credit. The logged entropy is therefore over the rows that were trained.
 
-Run:  python grpo.py                                                    # embedded default, CPU, < 10 min
+Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
 """

@@ -103,7 +103,7 @@ def main(argv=None):
     print(f"same tokens in every round: {same}")
     if args.profile:
         profile(model, tok, prompts, s)
-    return med
+    return {"wall": med, "cpu": mcpu, "same": same}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Shared-prefix rollouts (models.generate, share_prefix=True; models.py departure 6) against HF generate on the
-n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs for the
-update, and each prompt really read once."""
+"""Shared-prefix rollouts (models.generate, share_prefix=True; models.py departure 6) against HF generate on
+the n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs
+for the update, and each prompt really read once."""
 import importlib.util
 
 import pytest
@@ -27,7 +27,8 @@ def tiny(request):
 @pytest.mark.parametrize("n,chunk", [(1, 2), (3, 4), (4, 16)])
 def test_greedy_equals_plain_hf(tiny, prompts, n, chunk):
     model, tok = tiny
-    ref = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk, share_prefix=False)
+    ref = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk,
+                   share_prefix=False)
     got = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk)
     assert got == ref                        # prompt ids, response ids, texts and truncation flags
 
@@ -132,3 +133,16 @@ def test_smollm2_embedded_prompts_greedy_equal():
     prompts = [data.make_prompt(r, tok, "fewshot3") for r in recs]
     kw = dict(n=2, max_new_tokens=12, greedy=True, chunk_size=4)
     assert generate(model, tok, prompts, **kw) == generate(model, tok, prompts, share_prefix=False, **kw)
+
+
+def test_generate_speed_benchmark_runs_and_both_paths_agree():
+    """benchmarks/generate_speed.py end to end on tiny-qwen3 (the embedded shape's prompts and lengths): both
+    paths timed, the same tokens."""
+    import importlib.util as iu
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+    spec = iu.spec_from_file_location("generate_speed", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--model", "tiny-qwen3", "--rounds", "1"])
+    assert out["same"] and all(v > 0 for k in ("wall", "cpu") for v in out[k].values())
