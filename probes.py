@@ -64,7 +64,7 @@ import signals
 from credit import CreditConfig
 from oar import OUTCOMES
 import data
-from models import eos_ids
+from rollout import eos_ids
 from regions import build_batch
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor

@@ -1,7 +1,8 @@
 """Rollout speed on the CPU: plain HF generate on the G-times-repeated rows against shared-prefix rollouts.
 
-models.generate(share_prefix=True) prefills the prefix that all prompts share once, each prompt's own suffix
-once, copies the cache to the prompt's G rows and decodes into a preallocated cache (models.py departure 6).
+rollout.generate(share_prefix=True) prefills the prefix that all prompts share once, each prompt's own suffix
+once, copies the cache to the prompt's G rows and decodes into a preallocated cache, dropping each row from
+the forward once it has emitted EOS (rollout.py departure 1).
 share_prefix=False is plain HF generate on the repeated, left-padded rows. This script times both on the same
 prompts with the same seed, alternating rounds (the machine is shared), checks that they return the same
 tokens, and prints the median wall and CPU seconds and the ratios shared / plain, at two shapes:
@@ -28,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from models import generate, load_model  # noqa: E402
+from models import load_model  # noqa: E402
+from rollout import generate  # noqa: E402
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
           "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64)}

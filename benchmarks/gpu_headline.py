@@ -10,7 +10,7 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               on it (token_logprobs under grpo.capturing, credit.assign, grpo_loss, backward,
               optimizer_step), with --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
-  generation  tokens/s of models.generate (every row runs to R: min_new_tokens, which turns its prefix
+  generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens, which turns its prefix
               sharing off, so each row pays its prompt's prefill; the decode is grpo.py's) beside the
               memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
@@ -64,7 +64,7 @@ import memory  # noqa: E402
 import policy  # noqa: E402
 import signals  # noqa: E402
 from flowtracer import capture, select_layers  # noqa: E402
-from models import generate  # noqa: E402
+from rollout import generate  # noqa: E402
 from regions import build_batch, take  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3

@@ -16,7 +16,8 @@ import highflow
 import passk
 import probes
 from conftest import task_data_missing
-from models import generate, load_model
+from models import load_model
+from rollout import generate
 from runlog import peak_ema
 
 ROOT = Path(__file__).resolve().parents[1]

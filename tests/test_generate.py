@@ -1,4 +1,4 @@
-"""Shared-prefix rollouts (models.generate, share_prefix=True; models.py departure 6) against HF generate on
+"""Shared-prefix rollouts (rollout.generate, share_prefix=True; rollout.py departure 1) against HF generate on
 the n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs
 for the update, and each prompt really read once."""
 import importlib.util
@@ -10,7 +10,9 @@ from transformers.cache_utils import DynamicLayer
 import data
 import grpo
 import models
-from models import generate, load_model
+import rollout
+from models import load_model
+from rollout import generate
 from regions import build_batch
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
@@ -108,19 +110,58 @@ def test_each_prompt_is_read_once(tiny):
     assert sum(seen[:5]) < sum(seen[5:]) / 3
 
 
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_finished_rows_leave_the_batch_and_tokens_stay_hf(tiny, greedy):
+    """Make a token that HF samples mid-response the EOS, so rows stop at different steps: the shared path
+    then runs later steps on fewer rows (counted at the embedding), and a seed still gives HF's tokens."""
+    model, tok = tiny
+    kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, chunk_size=6, greedy=greedy)
+    torch.manual_seed(5)
+    free = generate(model, tok, PROMPTS[:3], share_prefix=False, **kw).response_ids
+    stops = {t: {r.index(t) if t in r else -1 for r in free} for t in {t for r in free for t in r[1:-1]}}
+    eos = max(sorted(stops), key=lambda t: len(stops[t]))                 # the token that spreads stops most
+    old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
+    rows = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape))
+    try:
+        torch.manual_seed(5)
+        ref = generate(model, tok, PROMPTS[:3], share_prefix=False, **kw)
+        rows.clear()
+        torch.manual_seed(5)
+        got = generate(model, tok, PROMPTS[:3], **kw)
+    finally:
+        hook.remove()
+        model.generation_config.eos_token_id = old
+    assert got == ref
+    assert len({len(r) for r in ref.response_ids}) >= 3                   # rows stopped at different steps
+    decode_rows = [b for b, t in rows if t == 1]                          # decode calls: one token a row
+    assert min(decode_rows) < max(decode_rows)                            # finished rows left the forward
+    assert sum(decode_rows) == sum(map(len, ref.response_ids))            # one forward row per new token
+
+
 def test_reserved_layer_equals_dynamic_layer():
-    """Writes into spare room, re-seats when full or re-batched: the cache holds what concatenation holds."""
-    ref, got = DynamicLayer(), models.ReservedLayer(room=2)
+    """Writes into spare room, re-seats when full or re-batched, drops finished rows in place: the cache holds
+    what concatenation holds, and dropping rows allocates nothing."""
+    ref, got = DynamicLayer(), rollout.ReservedLayer(room=3)
     torch.manual_seed(0)
-    for step, t in enumerate([5, 1, 1, 1, 3, 1]):
-        k, v = torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4)
+    rows = 4
+    for step, t in enumerate([5, 1, 1, 1, 1, 3, 1]):
         if step == 2:                                                        # beam-style re-batch
+            pick = torch.tensor([1, 1, 3, 0])
+        elif step in (3, 4):                                                 # finished rows leave
+            pick = torch.tensor([0, 2, 3] if step == 3 else [1])
+        else:
+            pick = None
+        if pick is not None:
+            ptr = got.buf[0].data_ptr()
             for layer in (ref, got):
-                layer.batch_select_indices(torch.tensor([1, 1]))
-            k, v = k[[1, 1]], v[[1, 1]]
+                layer.batch_select_indices(pick)
+            rows = len(pick)
+            assert (got.keys.data_ptr() == ptr) == (step > 2)              # a drop moves rows in place
+        k, v = torch.randn(rows, 3, t, 4), torch.randn(rows, 3, t, 4)
         for a, b in zip(ref.update(k, v), got.update(k, v)):
             assert torch.equal(a, b)
-    assert got.get_seq_length() == ref.get_seq_length() == 12
+    assert got.get_seq_length() == ref.get_seq_length() == 13 and got.keys.shape[0] == 1
 
 
 @pytest.mark.smollm2

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import models
-from models import generate, load_model
+import rollout
+from models import load_model
+from rollout import generate
 
 PROMPTS = ["hello there", "2+2=", "a somewhat longer prompt, to force left padding"]
 
@@ -148,7 +150,7 @@ def test_write_cache_atomic_and_unwritable(tmp_path):
 
 def test_greedy_equals_manual_loop_with_padding_and_chunks(tiny):
     model, tok = tiny
-    eos = set(models.eos_ids(model, tok))
+    eos = set(rollout.eos_ids(model, tok))
     # 6 rows, chunks 4 + 2
     g = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, greedy=True, chunk_size=4)
     assert len(g.response_ids) == 6
@@ -191,7 +193,7 @@ def test_sampling_seeded_grouped_and_topk1_is_greedy(tiny):
     assert [p for p in a.prompt_ids] == [tok(PROMPTS[i // 3]).input_ids for i in range(6)]
     assert len(set(map(tuple, a.response_ids[:3]))) > 1  # samples within a group differ
     for r, t in zip(a.response_ids, a.truncated):
-        assert 1 <= len(r) <= 8 and (len(r) == 8 if t else r[-1] in models.eos_ids(model, tok))
+        assert 1 <= len(r) <= 8 and (len(r) == 8 if t else r[-1] in rollout.eos_ids(model, tok))
     greedy = generate(model, tok, PROMPTS[:2], max_new_tokens=8, greedy=True)
     top1 = generate(model, tok, PROMPTS[:2], max_new_tokens=8, top_k=1)
     assert top1.response_ids == greedy.response_ids
@@ -256,7 +258,7 @@ def test_smollm2_greedy_generate(smol):
     _, model, tok = smol
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
                                      add_generation_prompt=True)
-    eos = set(models.eos_ids(model, tok))
+    eos = set(rollout.eos_ids(model, tok))
     g = generate(model, tok, [prompt, "The capital of France is"], max_new_tokens=4, greedy=True)
     assert g.response_ids[0] == greedy_loop(model, tok, prompt, 4, eos)  # the short row was left-padded
     assert g.response_ids[1] == greedy_loop(model, tok, "The capital of France is", 4, eos)

@@ -1,0 +1,230 @@
+"""Rollouts: n sampled responses per prompt, each prompt read once (paper App. C.3's sampling).
+
+`generate(model, tokenizer, prompts, n)` returns n responses per prompt with the App. C.3 sampling parameters
+(temperature T = 0.99, top-p = 1.0, top-k = 100), batched with a KV cache, grouped: prompt i -> rows
+i*n .. i*n+n-1. grpo.py's rollout phase, eval.py and learn.py's evaluations all sample through it.
+
+How (share_prefix=True, the default):
+  1. `shared_prefix`: the token prefix that all the call's prompts share (the few-shot exemplars) is
+     prefilled once, into a cache of batch 1.
+  2. `prefill_rows`: each chunk of rows prefills its distinct prompts' own suffixes once on top of it, laid
+     out [prefix | pads | suffix] (pads masked, positions counted over real tokens), then copies each
+     prompt's cache to its n rows.
+  3. `decode`: transformers' sampling loop (GenerationMixin._sample) with HF's own warpers, except that a row
+     that has emitted EOS leaves the forward batch. New keys and values go into spare room (`ReservedLayer`).
+
+Departures from the paper's setup (numbered; models.py departure 1 covers vLLM against HF):
+  1. Shared-prefix rollouts. HF generate on G copies of a prompt prefills each copy, its KV cache grows by
+     concatenation (a full copy per decode step), and every row runs the forward until the last row of the
+     batch stops. Here each prompt and the shared prefix are read once, the cache is preallocated, and a
+     finished row stops costing a forward. The same arithmetic on the same tokens: greedy responses equal
+     plain HF generate's (tested), and the sampler draws for the whole chunk from HF's warpers as HF does, so
+     a seed gives HF's samples. share_prefix=False (grpo.py --no-share-prefix) is plain HF generate on the
+     repeated rows: the reference the tests compare against, and a fallback.
+
+Run: python rollout.py --model tiny-qwen3 --prompt "2+2=" --n 2 --max-new-tokens 16
+"""
+import argparse
+import copy
+from typing import NamedTuple
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from models import load_model
+
+
+class Generations(NamedTuple):
+    prompt_ids: list    # list[list[int]], one per row, without padding; row j holds prompt j // n
+    response_ids: list  # list[list[int]], generated tokens without padding, ending in EOS if one was emitted
+    texts: list         # list[str], response_ids decoded with skip_special_tokens=True
+    truncated: list     # list[bool], True where no EOS came within max_new_tokens
+
+
+def eos_ids(model, tokenizer):
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids]) | {tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
+             greedy=False, chunk_size=16, share_prefix=True, **extra):
+    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
+
+    share_prefix (default, departure 1): each prompt is read once, not n times. The token prefix that all the
+    prompts share (the few-shot exemplars) is prefilled once per call; each chunk of rows prefills its
+    prompts' own suffixes once on top of it and copies each prompt's KV cache to its rows; `decode` then
+    samples every row of the chunk from there. share_prefix=False: HF generate on the n-times-repeated,
+    left-padded rows (the reference the shared path is tested against, and a fallback).
+    `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static")."""
+    if isinstance(prompts, str) or not prompts:
+        raise ValueError("prompts must be a non-empty list of strings")
+    if n < 1 or max_new_tokens < 1 or chunk_size < 1:
+        raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {max_new_tokens}, {chunk_size}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}; use greedy=True for argmax")
+    if tokenizer.padding_side != "left":
+        raise ValueError("generate needs a left-padding tokenizer (load_model sets padding_side='left')")
+    eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
+    sample = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
+              else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
+    warpers = LogitsProcessorList([w for w, on in ((TemperatureLogitsWarper(temperature), temperature != 1.0),
+                                                   (TopKLogitsWarper(top_k), bool(top_k)),
+                                                   (TopPLogitsWarper(top_p), top_p < 1.0)) if on]) \
+        if not greedy else None                                           # HF's sampling warpers, HF's order
+    ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
+    share = share_prefix and not extra and min(map(len, ids)) > 0
+    prefix = shared_prefix(model, ids, room=max_new_tokens + 1) if share else None
+    out = Generations([], [], [], [])
+    for c in range(0, len(prompts) * n, chunk_size):
+        rows = range(c, min(c + chunk_size, len(prompts) * n))            # row r holds prompt r // n
+        if prefix is None:
+            enc = tokenizer([prompts[r // n] for r in rows], return_tensors="pt", padding=True)
+            inp, mask, cache = enc.input_ids.to(model.device), enc.attention_mask.to(model.device), None
+            seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, inp.shape[1]:]
+        else:
+            inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
+            seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)
+        for r, gen in zip(rows, seq.tolist()):
+            stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after the first EOS
+            resp = gen[:stop]  # stop is None: no EOS, all max_new_tokens tokens (no padding in such a row)
+            out.prompt_ids.append(ids[r // n])
+            out.response_ids.append(resp)
+            out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
+            out.truncated.append(stop is None)
+        del seq, cache                  # this chunk's KV cache is gone before the next chunk's prefill
+    return out
+
+
+def decode(model, inp, mask, cache, max_new_tokens, eos, pad, warpers):
+    """(B, max_new_tokens) generated ids, pad after each row's EOS: HF's sampling loop (its _sample) from a
+    cache that holds all but each row's last prompt token, except that a row that has emitted EOS
+    leaves the forward batch (its cache rows are dropped). The sampler still draws once for the whole chunk,
+    a finished row being certain to draw pad, as in HF, so the rows still writing get HF's random numbers:
+    a seed gives HF's samples. warpers None: greedy (argmax)."""
+    B, dev = inp.shape[0], inp.device
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=dev)  # (B, N)
+    live = torch.arange(B, device=dev)                                    # (b,) the rows still writing
+    x, pos = inp[:, -1:], mask.sum(-1, keepdim=True) - 1                  # (b, 1) last prompt token, position
+    t0, stop = cache.get_seq_length(), torch.tensor(eos, device=dev)
+    for t in range(max_new_tokens):
+        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       cache_position=torch.arange(t0 + t, t0 + t + 1, device=dev), use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()               # (b, V) as HF: fp32 copy
+        if warpers is None:
+            y = logits.argmax(-1)                                         # (b,)
+        else:
+            probs = torch.zeros(B, logits.shape[-1], device=dev)          # (B, V) the whole chunk, as HF
+            probs[:, pad] = 1.0                                           # finished rows: pad
+            probs[live] = torch.softmax(warpers(x, logits), dim=-1)
+            y = torch.multinomial(probs, num_samples=1).squeeze(1)[live]  # (b,)
+        out[live, t] = y
+        going = ~torch.isin(y, stop)                                      # (b,) no EOS yet
+        if not going.all():                                               # rows that finished leave
+            if not going.any():
+                break
+            keep = going.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, y, mask, pos = live[keep], y[keep], mask[keep], pos[keep]
+        x, pos = y[:, None], pos + 1                                      # (b, 1)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)     # (b, T + t + 1)
+    return out
+
+
+def shared_prefix(model, ids, room):
+    """(L, a KV cache of batch 1 over the first L tokens): the longest prefix that every prompt shares, less
+    at least its last token (generate reads each prompt's last token itself). L = 0 gives an empty cache."""
+    L = min(len(p) for p in ids) - 1
+    for p in ids[1:]:
+        L = next((t for t, (a, b) in enumerate(zip(ids[0][:L], p)) if a != b), L)
+    cache = DynamicCache(config=model.config)
+    cache.layers = [ReservedLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if L > 0:
+        x = torch.tensor([ids[0][:L]], device=model.device)              # (1, L)
+        model(input_ids=x, past_key_values=cache, use_cache=True)
+    return L, cache
+
+
+class ReservedLayer(DynamicLayer):
+    """transformers' DynamicLayer, but it keeps `room` spare positions and writes each new token into them.
+    DynamicLayer concatenates, copying the whole cache at every decode step: on this CPU that copy (into
+    fresh pages each time) was 2/3 of a SmolLM2 decode step at the embedded shape. Same values: exact."""
+
+    def __init__(self, room):
+        super().__init__()
+        self.room, self.buf = room, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t, n = self.get_seq_length(), key_states.shape[-2]
+        if self.buf is None or self.keys is not self.buf[2] or t + n > self.buf[0].shape[-2]:
+            # (re)seat: a new layer, a re-batched one (batch_select_indices makes new tensors), or a full one
+            self.buf = [s.new_empty((*s.shape[:-2], t + n + self.room, s.shape[-1]))
+                        for s in (key_states, value_states)] + [None]
+            if t:
+                self.buf[0][..., :t, :], self.buf[1][..., :t, :] = self.keys, self.values
+        self.buf[0][..., t:t + n, :], self.buf[1][..., t:t + n, :] = key_states, value_states
+        self.keys, self.values = self.buf[0][..., :t + n, :], self.buf[1][..., :t + n, :]   # (B, H, t + n, d)
+        self.buf[2] = self.keys                           # the view handed out; other keys: re-batched
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        """Rows leaving (indices ascending, a subset: decode's finished rows) move up in place, so dropping
+        rows never allocates a second cache; any other selection (prefill_rows' copy of each prompt to its
+        rows) is DynamicLayer's, which makes new tensors that the next update re-seats."""
+        keep = indices.tolist()
+        if self.buf is None or self.keys is not self.buf[2] or keep != sorted(set(keep)) \
+                or keep[-1] >= self.keys.shape[0]:
+            return super().batch_select_indices(indices)
+        for j, i in enumerate(keep):                      # i >= j: each row moves up over a row that left
+            if i != j:
+                self.buf[0][j], self.buf[1][j] = self.buf[0][i], self.buf[1][i]
+        t, b = self.get_seq_length(), len(keep)
+        self.buf = [self.buf[0][:b], self.buf[1][:b], None]
+        self.keys, self.values = self.buf[0][..., :t, :], self.buf[1][..., :t, :]     # (b, H, t, d)
+        self.buf[2] = self.keys
+
+
+def prefill_rows(model, prefix, row_ids, pad):
+    """(input_ids, attention_mask, cache) for a chunk of rows, each distinct prompt prefilled once on top of
+    the shared prefix. A row is laid out [shared prefix (L) | pads | its own suffix]: the pads are masked and
+    positions count unmasked tokens, so every token sits where it would unpadded. The cache holds all but each
+    row's last prompt token, copied to each row of the prompt."""
+    L, cache = prefix[0], copy.deepcopy(prefix[1])
+    uniq = list(dict.fromkeys(map(tuple, row_ids)))                       # distinct prompts, first-seen order
+    S = max(map(len, uniq)) - L                                           # widest suffix, with its last token
+    gap = [S - len(p) + L for p in uniq]                                  # pads between prefix and suffix
+    mask = torch.tensor([[1] * L + [0] * g + [1] * (S - g) for g in gap], device=model.device)  # (k, L + S)
+    inp = torch.tensor([list(p[:L]) + [pad] * g + list(p[L:]) for g, p in zip(gap, uniq)],
+                       device=model.device)                               # (k, L + S)
+    cache.batch_select_indices(torch.zeros(len(uniq), dtype=torch.long, device=model.device))
+    if S > 1:                                                             # each suffix but its last token
+        pos = mask.cumsum(-1) - 1                                         # (k, L + S)
+        model(input_ids=inp[:, L:-1], attention_mask=mask[:, :-1], position_ids=pos[:, L:-1].clamp_min(0),
+              past_key_values=cache, use_cache=True)
+    which = torch.tensor([uniq.index(tuple(p)) for p in row_ids], device=model.device)  # row -> its prompt
+    cache.batch_select_indices(which)                                     # each row: a copy of its prompt's
+    return inp[which], mask[which], cache
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a name accepted by load_model")
+    ap.add_argument("--prompt", default="What is 12 * 7?", help="user message, wrapped by the chat template")
+    ap.add_argument("--n", type=int, default=2, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="response length cap")
+    ap.add_argument("--greedy", action="store_true", help="argmax decoding instead of App. C.3 sampling")
+    ap.add_argument("--seed", type=int, default=0, help="torch global seed")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model)
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                   add_generation_prompt=True)
+    g = generate(model, tok, [text], n=args.n, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
+    for j, (t, tr) in enumerate(zip(g.texts, g.truncated)):
+        print(f"--- row {j} ({len(g.response_ids[j])} tokens{', truncated' if tr else ''})\n{t}")
