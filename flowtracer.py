@@ -68,7 +68,7 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # layers only, it also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and
 # sums over heads as it goes into one (B, T, T) buffer. attention_graph then raises after the last chosen
 # layer (later layers and lm_head never run); capture lets the forward run on, and takes each layer once (a
-# backward recomputation adds nothing).
+# backward recomputation adds nothing; a prompt pass with a KV cache, policy.response_states, is one more).
 # Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
 IMPL = "flowtracer"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
@@ -105,6 +105,7 @@ class _Capture:
     def __init__(self, layers, chunk, stop):
         self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop
         self.buf, self.seen, self.calls = None, set(), 0   # (B, T, T) sum of head means; layers done; count
+        self.passes = 1   # forwards that each take every layer (2: a shared prompt, policy.response_states)
 
 
 class _Stop(Exception):
@@ -115,7 +116,8 @@ _capture = None  # the active _Capture, or None: then the attention function is 
 
 
 def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
-    """buf (B,T,T) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32."""
+    """buf (B,T,S) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32.
+    The T queries are the last T of the S keys (S > T: the first S - T come from a KV cache)."""
     B, H, T, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
@@ -125,7 +127,7 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
             e = min(s + chunk, T)
             score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
             if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
-                allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s)  # (c, S) causal
+                allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s + S - T)  # (c, S)
                 score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
             elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
                 score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
@@ -140,14 +142,12 @@ def flowtracer_attention(module, query, key, value, attention_mask, scaling=None
     once per layer: gradient checkpointing's recomputation in backward adds nothing."""
     cap, layer = _capture, getattr(module, "layer_idx", None)
     if cap is not None and layer in cap.layers and layer not in cap.seen:
-        if query.shape[2] != key.shape[2]:
-            raise RuntimeError("attention capture needs a full forward without a KV cache (q_len == kv_len)")
-        B, H, T, _ = query.shape
+        (B, H, T, _), S = query.shape, key.shape[2]       # T queries: the last T of S (a cached prefix)
         if cap.buf is None:
-            cap.buf = torch.zeros(B, T, T, dtype=torch.float32, device=query.device)
+            cap.buf = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        add_head_mean(cap.buf, query.detach(), key.detach(), attention_mask, scale,
-                      cap.chunk or auto_chunk(B, H, T))
+        add_head_mean(cap.buf[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
+                      cap.chunk or auto_chunk(B, H, S))
         cap.seen.add(layer)
         cap.calls += 1
         if cap.stop and layer == cap.last:
@@ -182,7 +182,7 @@ class capture:
 
         with capture(model, mask, "middle") as cap:
             out = model(input_ids, attention_mask=mask, ...)   # the training forward, with grad
-        cap.attn  # (B, T, T), cap.calls == number of chosen layers
+        cap.attn  # (B, T, T), cap.calls == number of chosen layers (x 2 when a prompt pass is shared)
     """
     def __init__(self, model, attention_mask, layers=None, chunk=None):
         self.model, self.mask, self.chunk = model, attention_mask.long(), chunk
@@ -208,10 +208,11 @@ class capture:
             self.model.set_attn_implementation(self.old)
         self.calls = self.state.calls
         if exc[0] is None:
-            if self.calls != len(self.idx):
-                raise RuntimeError(f"captured {self.calls} of {len(self.idx)} chosen layers in one forward")
-            m = self.mask.to(self.state.buf.device)
-            self.attn = self.state.buf / len(self.idx) * (m[:, :, None] * m[:, None, :]).float()  # layer mean
+            if self.calls != len(self.idx) * self.state.passes:
+                raise RuntimeError(f"captured {self.calls} of {len(self.idx)} chosen layers x "
+                                   f"{self.state.passes} forward(s)")
+            m = self.mask.to(self.state.buf.device).float()                 # (B, T) 0 / 1
+            self.attn = self.state.buf / len(self.idx) * (m[:, :, None] * m[:, None, :])   # layer mean
         return False
 
 

@@ -58,7 +58,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import checkpoint as ckpt_io
@@ -90,7 +89,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     top_p: float = 1.0                 # App. C.3
     top_k: int = 100                   # App. C.3
     gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
-    share_prefix: bool = True          # prefill each prompt (and the prompts' shared prefix) once (models.py)
+    share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (policy.py)
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # advantage clip (App. C.3)
@@ -182,7 +181,8 @@ def train(cfg: Config, run=None) -> list:
                 mb = trained[s:s + cfg.micro_batch]
                 sub = take(batch, mb)
                 with run.autocast, capturing(run, sub, it) as cap:             # the micro-batch's forward
-                    logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk)
+                    logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
+                                               cfg.share_prefix)
                 if it == 0 and not credit.separate_pass(cfg):                  # fused: flow -> gamma, eq. 1-6
                     t_f = time.perf_counter()
                     with torch.no_grad():

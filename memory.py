@@ -5,8 +5,9 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
                   at the prefill, the copy of each prompt's cache to its rows, or the last decode step
   update forward  + gradients (from the 2nd micro-batch on) + what the forward keeps for backward (kept:
                   each layer's input under --grad-checkpointing, else its layer_saved: 68 GB more for
-                  Qwen3-4B at 1K) + either the attention capture (a (b, T, T) fp32 buffer and fp32 score
-                  blocks of <= 2^25 floats, flowtracer.auto_chunk) or the log-prob chunks (3 x (b, 128, V))
+                  Qwen3-4B at 1K; a prompt its rows share once, update_kept) + either the attention capture
+                  (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25 floats, flowtracer.auto_chunk) or
+                  the log-prob chunks (3 x (b, 128, V))
   credit          fused: + the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy, (b, T, T)
                   each; a separate pass (credit.separate_pass): before the update, the signal's own forward
                   over all B rows and its (B, T, T) maps
@@ -195,18 +196,22 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
-    ls = layer_saved(mc, T, cb, rb)                                       # update: what the forward keeps
-    acts = b * T * kept(mc, L, ls, rb, cfg.grad_checkpointing)
+    ls, ckpt = layer_saved(mc, T, cb, rb), cfg.grad_checkpointing          # update: what the forward keeps
+    k = b if ckpt else prefill_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
+    acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt)
+    Tq = T - P if k < b else T                                            # queries of the last pass, a row
     old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
-    batch = B * T * (2 * 8 + 3) + b * T * T * (Hq > Hkv) + old           # ids, masks; sdpa's bool mask
-    layer_fwd = b * T * (3 * I * cb + 2 * D * 4 + T * cb)               # + sdpa's float mask
-    cap_ws = capture_workspace(b, T, Hq, Hkv, hd)
+    batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
+    layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
+    cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
-    # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks)
-    ckpt, last = cfg.grad_checkpointing, max(select(cfg.layers, L)) + 1
-    paths = [(acts, logits, 0), (b * T * kept(mc, L - 1, ls, rb, ckpt), 0, layer_fwd),
-             (layers * b * T * kept(mc, last, ls, rb, ckpt), 0, layers * cap_ws)]
+    # layers, the last layer's forward, the capture of the last captured layer (its fp32 score blocks), or
+    # the capture's layer mean at its end (the mean, the (b, T, T) padding mask and their product)
+    last = max(select(cfg.layers, L)) + 1
+    paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt), 0, layer_fwd),
+             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt), 0, layers * cap_ws),
+             (acts, 0, layers * 3 * b * T * T * 4)]
     a_fwd, l_fwd, ws_fwd = max(paths, key=sum)
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
@@ -222,9 +227,9 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     # backward's peak, (activations, logits, workspace) of the largest: one log-prob chunk recomputed, its
     # gradient and the head's; the last layer (recomputed under checkpointing) and its gradients beside what
     # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0)
-    final = b * T * (4 * D + 2 * D * rb)
+    final = b * Tq * (4 * D + 2 * D * rb)
     paths = [(acts, max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb), 0),
-             (acts - final, 0, b * T * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)),
+             (acts - final, 0, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)),
              (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
     bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 8 if layers else 0,
@@ -260,8 +265,8 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
 
 
 def prefill_rows(g, G, shared=True):
-    """The rows rollout.generate prefills at once in a chunk of g rows: with prefix sharing (--share-prefix)
-    each distinct prompt once, else all g (HF generate on the prompts repeated G times)."""
+    """The rows rollout.generate prefills at once in a chunk of g rows (and the prompts the update reads in a
+    micro-batch of g): with prefix sharing (--share-prefix) each distinct prompt once, else all g."""
     return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
 
 
@@ -275,11 +280,23 @@ def kept(mc, n, ls, rb, checkpointed):
     return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + 2 * D * rb)
 
 
-def capture_workspace(b, T, Hq, Hkv, hd):
-    """Bytes flowtracer.add_head_mean holds beside its (b, T, T) buffer: fp32 q, k and two fp32 score blocks
-    of <= 2^25 floats (flowtracer.auto_chunk), and a (b, chunk, T) head sum."""
-    blk = b * Hq * T * auto_chunk(b, Hq, T)
-    return 4 * (b * T * (Hq + Hkv) * hd + 2 * blk + 2 * b * T * auto_chunk(b, Hq, T))
+def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed):
+    """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
+    with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
+    pass over b x (T - P) queries, and the keys and values of the b x P prompt columns it reads per layer."""
+    if k == b:
+        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed)
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv = 2 * cb * hd * max(mc.num_attention_heads, mc.num_key_value_heads)   # sdpa's K, V (GQA: repeated)
+    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb), rb, checkpointed) + n * b * P * kv
+            + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed))
+
+
+def capture_workspace(b, T, Hq, Hkv, hd, Tq=None):
+    """Bytes flowtracer.add_head_mean holds beside its (b, T, T) buffer: fp32 q (Tq queries: T, or R after
+    a shared prompt), k, two fp32 score blocks of <= 2^25 floats (flowtracer.auto_chunk), a (b, c, T) sum."""
+    c = min(Tq or T, auto_chunk(b, Hq, T))                                # query rows per block
+    return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
 def layer_saved(mc, T, cb, rb, padded=True):
@@ -413,7 +430,7 @@ def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
             tr.phase("update forward")
             with run.autocast, grpo.capturing(run, sub, 0) as cap:
                 logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                                                cfg.logprob_chunk)
+                                                cfg.logprob_chunk, cfg.share_prefix)
             if not credit.separate_pass(cfg):
                 tr.phase("credit")
                 with torch.no_grad():

@@ -28,6 +28,19 @@ On CUDA the caching allocator gets expandable segments (PYTORCH_CUDA_ALLOC_CONF=
 unless the variable is set): a segment grows by mapping more pages and unmaps what is freed, so a KV cache
 grown step by step leaves no trail of freed blocks too small to reuse (memory.py's margin counts the rest).
 
+Departures (numbered):
+ 1. Each prompt read once in the update (response_states, grpo.py --share-prefix, on by default): the G rows
+    of a group carry the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once
+    into a KV cache (with grad), copies it to the prompt's rows (a differentiable index) and reads only the
+    responses on top. The same arithmetic on the same tokens (the log-probs equal the full forward's to
+    float noise, and the gradient too: every row's gradient reaches the weights through the shared keys and
+    values). At the embedded run's micro-batch (4 rows of a 380-token prompt, ~100-token responses, one
+    thread) forward + backward take 0.51x the full pass's time (benchmarks/generate_speed.py --update; the
+    LM head over the responses is the same in both). Fallback to one pass over every row's
+    [prompt | response]: under gradient checkpointing in training (transformers' checkpointed layers drop
+    the KV cache; the GPU Qwen3-4B runs keep it on), when no two rows of the micro-batch share a prompt,
+    and when the prompt or the response is empty.
+
 Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
 """
 import math
@@ -37,7 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
+from transformers import DynamicCache
 
+import flowtracer
 from flowtracer import select_layers
 from models import load_model
 from regions import take
@@ -105,15 +120,13 @@ def load_policy(cfg, device, path=None):
 
 
 # ----------------------------------------------------------------------------- log-probs and the step
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True):
     """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
-    both (B, T-P). Hidden states come from the decoder; the LM head and log-softmax run on `chunk` positions
-    at a time and are recomputed in backward (departure 2), so at most (B, chunk, V) logits exist at once."""
-    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
-    hid = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                              use_cache=False).last_hidden_state          # (B, T, D)
-    head = model.get_output_embeddings()
-    hid, tgt = hid[:, prompt_width - 1:-1], input_ids[:, prompt_width:]   # (B, R, D), (B, R): h_{t-1} -> y_t
+    both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
+    share_prompt); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
+    backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once."""
+    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt)  # (B, R, D)
+    head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
 
     def piece(h, y):
         logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
@@ -129,6 +142,45 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128):
     return lp, ent.detach()
 
 
+def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True):
+    """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
+
+    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), into a KV cache with
+    grad; the cache is copied to their rows and the responses (B, R) are read on top of it. Else, and in the
+    fallbacks, one pass over every row's [prompt | response]. A flowtracer.capture around it gets the same
+    (B, T, T) maps either way (expand_capture)."""
+    P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
+    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
+    checkpointed = model.training and getattr(model, "is_activation_checkpointing", False)  # drops caches
+    shared = share_prompt and not checkpointed and 0 < P < T
+    if shared:
+        prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
+                                      return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
+    if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
+        return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                   use_cache=False).last_hidden_state[:, P - 1:-1]       # (B, R, D)
+    cache, ids, mask = DynamicCache(config=model.config), prompts[:, :P], prompts[:, P:]   # (k, P) each
+    first = dec(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                past_key_values=cache, use_cache=True).last_hidden_state  # (k, P, D): the prompt pass
+    expand_capture(which, T)
+    cache.batch_select_indices(which)                                # (B, Hkv, P, hd) a layer, differentiable
+    rest = dec(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
+               past_key_values=cache, use_cache=True).last_hidden_state   # (B, R, D)
+    return torch.cat([first[which, P - 1:], rest[:, :-1]], dim=1)         # (B, R, D)
+
+
+def expand_capture(which, width):
+    """Between response_states' two passes, an active flowtracer.capture's (k, P, P) maps of the prompts
+    become the top-left corner of the rows' (B, T, T) buffer, which the response pass fills below it (its
+    R queries are the last rows, over all T keys); each chosen layer is then taken once more."""
+    cap = flowtracer._capture
+    if cap is None or cap.buf is None:
+        return
+    P, buf = cap.buf.shape[-1], cap.buf.new_zeros(len(which), width, width)   # (B, T, T)
+    buf[:, :P, :P] = cap.buf[which]                                       # (B, P, P)
+    cap.buf, cap.seen, cap.passes = buf, set(), cap.passes + 1
+
+
 def old_logprobs(run, batch, trained):
     """(B, R) log-probs of the pre-update policy for num_iterations > 1; None on-policy (they would equal
     the detached current log-probs, so the training forward provides them)."""
@@ -140,7 +192,7 @@ def old_logprobs(run, batch, trained):
         for s in range(0, len(trained), run.cfg.micro_batch):
             mb, sub = trained[s:s + run.cfg.micro_batch], take(batch, trained[s:s + run.cfg.micro_batch])
             out[mb] = token_logprobs(run.model, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                                     run.cfg.logprob_chunk)[0].float()
+                                     run.cfg.logprob_chunk, run.cfg.share_prefix)[0].float()
     return out
 
 
@@ -150,7 +202,7 @@ def ref_logprobs(run, sub):
         return None
     with torch.no_grad(), run.autocast:
         return token_logprobs(run.ref, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                              run.cfg.logprob_chunk)[0]
+                              run.cfg.logprob_chunk, run.cfg.share_prefix)[0]
 
 
 def optimizer_step(run, stats):

@@ -13,10 +13,14 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
              tokens, gen_chunk 64
 
 --profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
+--update times the update's forward + backward instead (policy.token_logprobs, policy.py departure 1): one
+micro-batch of the first prompt's G rows with random responses of 100 - 3j tokens (row j), each prompt read
+once (shared) against one pass over every row's [prompt | response] (plain); the log-probs agree to 1e-4.
 
 Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
       python benchmarks/generate_speed.py --shape long --rounds 1
       python benchmarks/generate_speed.py --rounds 1 --profile
+      python benchmarks/generate_speed.py --update --rounds 5           # the update's micro-batch
 """
 import argparse
 import os
@@ -29,7 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import policy  # noqa: E402
 from models import load_model  # noqa: E402
+from regions import build_batch  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
@@ -58,6 +64,19 @@ def run(model, tok, prompts, s, share, seed):
     return time.perf_counter() - t0, time.process_time() - c0, g
 
 
+def update(model, tok, prompts, s, share, seed):
+    """--update: (wall seconds, CPU seconds, the log-probs) of one update micro-batch, forward + backward."""
+    g, vocab = torch.Generator().manual_seed(seed), min(len(tok), model.config.vocab_size)
+    resp = [torch.randint(vocab, (100 - 3 * j,), generator=g).tolist() for j in range(s["group_size"])]
+    b = build_batch(tok, [tok(prompts[0]).input_ids] * s["group_size"], resp)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
+    (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
+    return time.perf_counter() - t0, time.process_time() - c0, lp.detach()
+
+
 def profile(model, tok, prompts, s):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -75,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
+    ap.add_argument("--update", action="store_true", help="time the update's micro-batch instead (above)")
     args = ap.parse_args(argv)
     if min(args.rounds, args.threads) < 1:
         ap.error("--rounds and --threads must be >= 1")
@@ -87,22 +107,26 @@ def main(argv=None):
     for r in range(args.rounds):
         outs = {}
         for name in (("plain", "shared") if r % 2 == 0 else ("shared", "plain")):
-            sec, c, outs[name] = run(model, tok, prompts, s, name == "shared", seed=r)
+            sec, c, outs[name] = (update if args.update else run)(model, tok, prompts, s, name == "shared", r)
             times[name].append(sec)
             cpu[name].append(c)
-            print(f"round {r + 1}: {name:<7}{sec:8.2f} s wall {c:8.2f} s CPU  "
-                  f"{sum(map(len, outs[name].response_ids))} tokens", flush=True)
-        same &= outs["plain"] == outs["shared"]
+            made = (f"log-probs {tuple(outs[name].shape)}" if args.update
+                    else f"{sum(map(len, outs[name].response_ids))} tokens")
+            print(f"round {r + 1}: {name:<7}{sec:8.2f} s wall {c:8.2f} s CPU  {made}", flush=True)
+        same &= (torch.allclose(outs["plain"], outs["shared"], atol=1e-4) if args.update
+                 else outs["plain"] == outs["shared"])
     med = {k: statistics.median(v) for k, v in times.items()}
     mcpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"\n{args.shape}: {s['prompts']} prompts x {s['group_size']}, "
-          f"prompt tokens {min(lens)}-{max(lens)}, "
-          f"{s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, {args.threads} thread(s), "
-          f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
+    if args.update:
+        shape = f"update: {s['group_size']} rows of a {lens[0]}-token prompt, 100 - 3j response tokens"
+    else:
+        shape = (f"{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-"
+                 f"{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}")
+    print(f"\n{shape}, {args.threads} thread(s), {args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
     for what, m in (("wall", med), ("CPU", mcpu)):
-        print(f"{what:<5} plain HF {m['plain']:8.2f} s   shared {m['shared']:8.2f} s   ratio shared/plain "
-              f"{m['shared'] / m['plain']:.3f}")
-    print(f"same tokens in every round: {same}")
+        print(f"{what:<5} {'full pass' if args.update else 'plain HF'} {m['plain']:8.2f} s   shared "
+              f"{m['shared']:8.2f} s   ratio shared/plain {m['shared'] / m['plain']:.3f}")
+    print(f"same {'log-probs' if args.update else 'tokens'} in every round: {same}")
     if args.profile:
         profile(model, tok, prompts, s)
     return {"wall": med, "cpu": mcpu, "same": same}
