@@ -240,6 +240,7 @@ def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
     import grpo
     import memory
+    import memtrace
     cfg = grpo.parse_args(args.grpo_flags)                 # grpo.py's model and shape flags, its errors
     if args.prompt_tokens < 1:
         fail("--prompt-tokens must be >= 1")
@@ -250,7 +251,7 @@ def memory_table(args):
         if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
             fail("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate is "
                  f"{memory.peak(est)[1] / 1e9:.0f} GB")
-        measured = memory.measure(cfg, args.prompt_tokens, device) if args.measure else None
+        measured = memtrace.measure(cfg, args.prompt_tokens, device) if args.measure else None
         print(memory.report(cfg, args.prompt_tokens, measured, device))
     except (ValueError, OSError) as e:
         fail(str(e))

@@ -16,8 +16,8 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
 --num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
-track_peak() counts the live tensor storages of a real step (measure()) on the CPU, and measure() reads
-torch.cuda.max_memory_allocated on a GPU. tests/test_memory.py holds the estimate within 10% of the count.
+memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
+torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
 On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
 allocator's fragmentation, up to one more KV cache (12 GB at 1K) when the cache grows by concatenation
 (policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB.
@@ -39,110 +39,20 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
 import os
-import weakref
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import credit
-import grpo
 import models
-import policy
-import rollout
 import signals
 from flowtracer import auto_chunk, select_layers as select
 from policy import scheme
-from regions import build_batch, take
 
 GB, GiB = 1e9, 2 ** 30
 GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's
 CONTEXT = 1 * GB            # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
-
-
-# ----------------------------------------------------------------------------- the live-tensor tracker
-class track_peak(TorchDispatchMode):
-    """Peak live tensor bytes, phase by phase, counted by storage (a view costs nothing, each storage is
-    counted once, from the op that made it until it is freed). Tensors made before the block are counted
-    when passed in (`*resident`: modules, optimizers, tensors) or when an op first reads them.
-
-        with track_peak(model, opt) as tr:
-            tr.phase("generation"); ...
-        tr.peak  # {phase: bytes}
-    """
-    def __init__(self, *resident):
-        super().__init__()
-        self.live, self.now, self.peak, self.name = {}, 0, {}, None
-        self.resident = resident
-
-    def add(self, t):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        key = st.data_ptr() if st.nbytes() else id(st)
-        if key in self.live:
-            return
-        self.live[key] = st.nbytes()
-        self.now += st.nbytes()
-        weakref.finalize(st, self.free, key)
-        if self.name is not None:
-            self.peak[self.name] = max(self.peak.get(self.name, 0), self.now)
-
-    def free(self, key):
-        self.now -= self.live.pop(key, 0)
-
-    def phase(self, name):
-        self.name = name
-        if name is not None:
-            self.peak[name] = max(self.peak.get(name, 0), self.now)
-
-    def __enter__(self):
-        for r in self.resident:
-            if isinstance(r, torch.nn.Module):
-                for t in [*r.parameters(), *r.buffers()]:
-                    self.add(t)
-                    self.add(t.grad)
-            elif isinstance(r, torch.optim.Optimizer):
-                for st in r.state.values():
-                    for t in tree_flatten(st)[0]:
-                        self.add(t)
-            else:
-                self.add(r)
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
-            self.add(t)
-        return out
-
-
-class cuda_peak:
-    """track_peak's interface on a GPU: torch.cuda.max_memory_allocated, reset at each phase; the allocator's
-    max_memory_reserved of each phase goes to `reserved` (a dict given, or a new one)."""
-    def __init__(self, *resident, reserved=None):
-        self.peak, self.name, self.reserved = {}, None, {} if reserved is None else reserved
-
-    def phase(self, name):
-        self.close()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.name = name
-
-    def close(self):
-        if self.name is not None:
-            torch.cuda.synchronize()
-            self.peak[self.name] = max(self.peak.get(self.name, 0), torch.cuda.max_memory_allocated())
-            self.reserved[self.name] = max(self.reserved.get(self.name, 0), torch.cuda.max_memory_reserved())
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
 
 # ----------------------------------------------------------------------------- the accounting (analytic)
@@ -306,7 +216,7 @@ def layer_saved(mc, T, cb, rb, padded=True):
     value and its output; the per-head q/k norms of Qwen3 their input and normalised value; sdpa its q,
     k and v (k, v repeated to the Hq heads when a padding mask is passed), output, logsumexp and the
     mask as a (b, 1, T, T) float; the SwiGLU MLP gate, silu, up and their product, (I,) each.
-    Equal to track_peak's count on the CPU for both dtypes (tests/test_memory.py)."""
+    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
@@ -383,84 +293,3 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
 def peak(est):
     """(phase, bytes) of the largest phase total."""
     return max(((ph, sum(c.values())) for ph, c in est.items()), key=lambda x: x[1])
-
-
-# ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
-    """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: rollout.generate,
-    the separate credit pass or the fused one (token_logprobs under grpo.capturing, credit.assign),
-    old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
-    hold the same). Every response runs to max_new_tokens (the model's generation_config.min_new_tokens,
-    which keeps prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA:
-    torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict) where one is given."""
-    device = policy.device_of(device or "auto")
-    torch.manual_seed(seed)
-    model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, ref=ref, opt=opt, device=device, bad=0,
-                          autocast=policy.autocast(device))
-    B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
-    prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
-    model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
-
-    def step(tr):
-        tr.phase("generation")
-        model.eval()
-        with torch.no_grad(), run.autocast:
-            gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
-                                  share_prefix=cfg.share_prefix)
-        tr.phase(None)
-        batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
-        adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
-        resp, every = batch.response_mask[:, batch.prompt_width:], list(range(B))              # (B, R)
-        gamma = resp.float()                                                                   # (B, R)
-        if credit.separate_pass(cfg):
-            tr.phase("credit")
-            with torch.no_grad(), run.autocast:
-                gamma = credit.assign(model, tok, batch, adv, cfg).gamma
-        tr.phase("update forward")
-        old_logp = grpo.old_logprobs(run, batch, every)
-        model.train()
-        opt.zero_grad(set_to_none=True)
-        stats = {"loss": 0.0}
-        for s in range(0, B, cfg.micro_batch):
-            mb = every[s:s + cfg.micro_batch]
-            sub = take(batch, mb)
-            tr.phase("update forward")
-            with run.autocast, grpo.capturing(run, sub, 0) as cap:
-                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                                                cfg.logprob_chunk, cfg.share_prefix)
-            if not credit.separate_pass(cfg):
-                tr.phase("credit")
-                with torch.no_grad():
-                    c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
-                gamma[mb] = c.gamma
-                del c
-            tr.phase("backward")
-            old = logp.detach() if old_logp is None else old_logp[mb]
-            ref_logp = grpo.ref_logprobs(run, sub)
-            loss, _ = grpo.grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, B, ref_logp)
-            loss.backward()
-            stats["loss"] += loss.item()
-            del logp, ent, cap, loss, old, ref_logp
-        tr.phase("optimizer step")
-        grpo.optimizer_step(run, stats)
-        tr.phase(None)
-
-    step(SimpleNamespace(phase=lambda name: None))
-    with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:
-        step(tr)
-    return tr.peak
-
-
-def random_prompts(tok, n, width, seed=0):
-    """n texts of width - (7 i mod width/4) tokens (the first one `width`): random words that tokenize back
-    to themselves (space-led ASCII words, or single characters for a byte tokenizer); no shared prefix."""
-    singles = [i for i in range(min(len(tok), 4096)) if i not in set(tok.all_special_ids)
-               and tok(tok.decode([i]), add_special_tokens=False).input_ids == [i]]
-    words = [i for i in singles if tok.decode([i])[:1] == " " and tok.decode([i])[1:].isalpha()
-             and tok.decode([i]).isascii()]
-    pool, g = words if len(words) >= 100 else singles, torch.Generator().manual_seed(seed)
-    return [tok.decode([pool[j] for j in torch.randint(len(pool), (width - (i * 7) % max(1, width // 4),),
-                                                       generator=g)]) for i in range(n)]

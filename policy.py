@@ -1,7 +1,7 @@
 """The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, checkpointing;
 its per-token log-probs (token_logprobs: grpo.py departure 2) and the optimizer step.
 
-grpo.setup and memory.measure both build the policy here, so the step memory.py measures is grpo.py's.
+grpo.setup and memtrace.measure both build the policy here, so the step memtrace.py measures is grpo.py's.
 
 The fp32 design does not fit Qwen3-4B on one 80 GB GPU. N = 4.02 B parameters: fp32 weights + gradients +
 AdamW m, v = 16 B/param = 64.4 GB; torch.autocast caches a bf16 copy of every fp32 weight it casts for the

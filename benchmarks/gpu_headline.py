@@ -3,7 +3,7 @@
 For each response budget R (--max-new-tokens, default 1,024 and 8,192) it runs grpo.py's step on
 qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and prints:
 
-  memory      each phase's peak, measured by memory.measure (one real step, the second one) as
+  memory      each phase's peak, measured by memtrace.measure (one real step, the second one) as
               torch.cuda.max_memory_allocated and max_memory_reserved, beside memory.estimate (what
               `python eval.py memory` prints) and the ratio estimate / allocated
   overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.py's update
@@ -24,9 +24,9 @@ Qwen3-4B): an out-of-memory error is reported as such, with that size.
 
 The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
 keeps under 80 GB with its margin (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
-Generation dominates the run time at 8K: three rollouts (memory.measure's two steps and the one here) of
+Generation dominates the run time at 8K: three rollouts (memtrace.measure's two steps and the one here) of
 8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Untested on a
-GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memory.track_peak's
+GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memtrace.track_peak's
 count of live tensor bytes and there is no reserved pool ("-").
 
 Departures (numbered):
@@ -61,11 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import credit  # noqa: E402
 import grpo  # noqa: E402
 import memory  # noqa: E402
+import memtrace  # noqa: E402
 import policy  # noqa: E402
 import signals  # noqa: E402
 from flowtracer import capture, select_layers  # noqa: E402
-from rollout import generate  # noqa: E402
 from regions import build_batch, take  # noqa: E402
+from rollout import generate  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -105,7 +106,7 @@ def load(cfg, device):
 def rollout(run, tok, P):
     """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens)."""
     cfg, g = run.cfg, torch.Generator().manual_seed(0)
-    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memory.measure's
+    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
     texts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]   # dep. 1
     run.model.eval()
     t0 = synced(run.device)
@@ -164,7 +165,7 @@ def attention_peaks(model, cfg, rows, T):
     dev = model.device
     ids = torch.randint(256, (rows, T), generator=torch.Generator().manual_seed(1)).to(dev)   # (b, T)
     mask = torch.ones_like(ids)                                                               # (b, T)
-    tracker = memory.cuda_peak() if dev.type == "cuda" else memory.track_peak()
+    tracker = memtrace.cuda_peak() if dev.type == "cuda" else memtrace.track_peak()
     impl, out = model.config._attn_implementation, {}
     model.eval()
     with torch.no_grad(), tracker as tr:
@@ -200,7 +201,7 @@ def headline(args, R, device):
                micro_batch=cfg.micro_batch)
     est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
     reserved = {}
-    measured = memory.measure(cfg, P, device, reserved=reserved)
+    measured = memtrace.measure(cfg, P, device, reserved=reserved)
     res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
                               reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
                      for ph in memory.PHASES}

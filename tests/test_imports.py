@@ -1,5 +1,5 @@
 """The top-level scripts depend in one direction: the graph of their imports (inside functions too) has no
-cycle, so a lower script never knows an upper one (memory.measure may run grpo's step; grpo builds its policy
+cycle, so a lower script never knows an upper one (memtrace.measure may run grpo's step; grpo builds its policy
 from policy.py, not from memory.py)."""
 import ast
 from pathlib import Path

@@ -16,6 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Rot
 
 import grpo
 import memory
+import memtrace
 import policy
 from models import load_model, qwen3_4b_config, tiny_config
 
@@ -25,7 +26,7 @@ SMALL = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4"
 
 
 def test_tracker_counts_views_once_and_frees():
-    with memory.track_peak() as tr:
+    with memtrace.track_peak() as tr:
         tr.phase("a")
         x = torch.zeros(1000)                     # 4000 bytes
         y = x[10:]                                # a view: nothing new
@@ -53,7 +54,7 @@ def test_layer_saved_equals_the_count(arch, dtype):
     cos, sin = Rope(mc)(x, torch.arange(T)[None].expand(b, T))
     mask = torch.ones(b, 1, T, T, dtype=torch.bool).tril()
     mask[0, :, :, :5] = False                                             # left padding in row 0
-    with memory.track_peak(layer, x, cos, sin, mask) as tr:
+    with memtrace.track_peak(layer, x, cos, sin, mask) as tr:
         base = tr.now
         out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
         out = out[0] if isinstance(out, tuple) else out
@@ -70,7 +71,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
     estimate: fp32 (the CPU path), bf16 + Kahan (the CUDA scheme, run on the CPU), and each flag that
     changes memory."""
     cfg = grpo.parse_args(SMALL + flags)
-    measured = memory.measure(cfg, 32, "cpu")
+    measured = memtrace.measure(cfg, 32, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
     for phase in memory.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
@@ -80,7 +81,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
 def test_estimate_within_10_percent_at_the_issues_tiny_shape():
     """Shape (a) of issue 24: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
-    measured = memory.measure(cfg, 256, "cpu")
+    measured = memtrace.measure(cfg, 256, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
     for phase in memory.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
@@ -196,7 +197,7 @@ def test_autocast_caches_a_bf16_copy_of_each_weight_for_the_region():
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     cast = sum(p.numel() for p in model.parameters() if p.ndim == 2 and p is not model.model.embed_tokens.weight)
     ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad(), memory.track_peak(model) as tr:
+    with torch.no_grad(), memtrace.track_peak(model) as tr:
         base = tr.now
         with torch.autocast("cpu", torch.bfloat16):
             model(input_ids=ids)
