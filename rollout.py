@@ -110,7 +110,7 @@ def decode(model, inp, mask, cache, max_new_tokens, eos, pad, warpers):
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=dev)  # (B, N)
     live = torch.arange(B, device=dev)                                    # (b,) the rows still writing
     x, pos = inp[:, -1:], mask.sum(-1, keepdim=True) - 1                  # (b, 1) last prompt token, position
-    t0, stop = cache.get_seq_length(), torch.tensor(eos, device=dev)
+    t0, ends = cache.get_seq_length(), torch.tensor(eos, device=dev)       # ends: the EOS ids
     for t in range(max_new_tokens):
         logits = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
                        cache_position=torch.arange(t0 + t, t0 + t + 1, device=dev), use_cache=True,
@@ -123,7 +123,7 @@ def decode(model, inp, mask, cache, max_new_tokens, eos, pad, warpers):
             probs[live] = torch.softmax(warpers(x, logits), dim=-1)
             y = torch.multinomial(probs, num_samples=1).squeeze(1)[live]  # (b,)
         out[live, t] = y
-        going = ~torch.isin(y, stop)                                      # (b,) no EOS yet
+        going = ~torch.isin(y, ends)                                      # (b,) no EOS yet
         if not going.all():                                               # rows that finished leave
             if not going.any():
                 break
