@@ -46,11 +46,9 @@ import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-import arithmetic
-import countdown
-import prompts
-from answers import boxed_span, equivalent, not_finite, option_letter
-from prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface: data.make_prompt)
+from tasks import arithmetic, countdown, prompts
+from tasks.answers import boxed_span, equivalent, not_finite, option_letter
+from tasks.prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface)
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings

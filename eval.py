@@ -1,6 +1,6 @@
 """Evaluation and the paper's experiments, one subcommand each; each writes <out>/<cmd>.json and .md.
 
-  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy    (passk.py)
+  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy (evaluation/stats.py)
   intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
              or at random, regenerate, count answer changes and correctness reversals   (probes.py)
   recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
@@ -11,7 +11,7 @@
   answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
              forms (full line, with explanation, multiple-choice)                              (highflow.py)
 
-Formulas (pass@k: passk.py):
+Formulas (pass@k: evaluation/stats.py):
   EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
 
 Departures (numbered; probes.py lists those of intervene and recall):
@@ -48,16 +48,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import checkpoint as ckpt_io
 import data
-import figures
-import highflow
-import passk
-import probes
-import signals
+from evaluation import figures, highflow, probes, stats
 from flowtracer import select_layers
-from models import ModelError, device_problem, load_model
-from rollout import generate
+from training import checkpoint as ckpt_io
+from training import signals
+from training.models import ModelError, device_problem, load_model
+from training.rollout import generate
 
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown",
               "crossthinkqa"]
@@ -145,7 +142,7 @@ def inputs(args, tok, style, sample=False):
         fail(str(e))
 
 
-# ----------------------------------------------------------------------------- bench (Tables 2-4; passk.py)
+# ------------------------------------------------------------------- bench (Tables 2-4; evaluation/stats.py)
 def bench(args):
     unknown = [b for b in args.benchmarks if b not in data.TASKS]
     if unknown:
@@ -162,10 +159,10 @@ def bench(args):
                        chunk_size=args.batch_size)
         grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True,
                        chunk_size=args.batch_size)
-        mine = passk.problem_rows(name, recs, smp, grd, n)               # correct: reward 1 (departure 2)
+        mine = stats.problem_rows(name, recs, smp, grd, n)               # correct: reward 1 (departure 2)
         rows += mine
-        results[name] = passk.summary(mine, n, ks, style, smp, grd)
-    save(args, {"model": args.model, "benchmarks": results}, passk.table(results, n, ks), rows)
+        results[name] = stats.summary(mine, n, ks, style, smp, grd)
+    save(args, {"model": args.model, "benchmarks": results}, stats.table(results, n, ks), rows)
 
 
 # ----------------------------------------------------------------------------- intervene, recall (probes.py)
@@ -239,8 +236,7 @@ def metrics_runs(args):
 def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
     import grpo
-    import memory
-    import memtrace
+    from evaluation import memory, memtrace
     cfg = grpo.parse_args(args.grpo_flags)                 # grpo.py's model and shape flags, its errors
     if args.prompt_tokens < 1:
         fail("--prompt-tokens must be >= 1")
@@ -387,7 +383,7 @@ def check_ranges(ap, args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["learn"]:                                      # its own parser and recipe: learn.py
-        import learn
+        from evaluation import learn
         return learn.main(argv[1:])
     args = parse(argv)
     try:

@@ -6,7 +6,7 @@ Paper: "FlowTracer" (../shared/papers/flowtracer.txt), §3.1-3.3 and App. C.2.
     capture           the same maps, taken inside a forward that runs anyway (grpo.py's fused credit pass)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
-    The batch and its question, response and answer tokens: regions.py (Batch, build_batch, take).
+    The batch and its question, response and answer tokens: training/rollout.py (Batch, build_batch, take).
 
 The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
 
@@ -28,7 +28,7 @@ Departures from the paper (numbered):
     (h = 0), which keeps g = f/h below 1e250 and rules out inf/NaN. With softmax attention every answer token
     attends every earlier token directly, so h(i) >= W_ia is far above the floor in practice (tested at 8K).
  2. The paper leaves ties and the region boundaries implicit. Here: ties in the top-k ranking go to the
-    earlier token; the question is the prompt minus special tokens (BOS, chat markers; regions.py);
+    earlier token; the question is the prompt minus special tokens (BOS, chat markers; training/rollout.py);
     the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
  3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
     (plain GRPO) and a fallback flag, instead of undefined flow.

@@ -12,7 +12,7 @@ gamma >= 0, min(r A gamma, clip(r) A gamma) = gamma * min(r A, clip(r) A): gamma
 surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
-from the token ids themselves (regions.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
+from the token ids themselves (rollout.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
 decoded completion), so response column j of Assignment.gamma is completion token j: TRL's column j.
 
 Departures from grpo.py (numbered):
@@ -72,13 +72,11 @@ except ImportError as e:                                         # no TRL: one l
     print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
     sys.exit(2)
 
-import credit
 import data
-import runlog
-import signals
 from flowtracer import capture, select_layers
-from models import RANDOM_MODELS, fix_tokenizer, load_model
-from regions import Batch, answer_token_range, build_batch, take
+from training import credit, runlog, signals
+from training.models import RANDOM_MODELS, fix_tokenizer, load_model
+from training.rollout import Batch, answer_token_range, build_batch, take
 
 TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 

@@ -60,16 +60,12 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-import checkpoint as ckpt_io
-import credit
 import data
-import policy
-from policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
-import runlog
-import signals
 from flowtracer import capture
-from rollout import generate
-from regions import build_batch, take
+from training import checkpoint as ckpt_io
+from training import credit, policy, runlog, signals
+from training.policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
+from training.rollout import build_batch, generate, take
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from flowtracer import trace_flow  # noqa: E402
+
 from test_flowtracer import reference_flow  # noqa: E402
 
 

@@ -33,10 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-import policy  # noqa: E402
-from models import load_model  # noqa: E402
-from regions import build_batch  # noqa: E402
-from rollout import generate  # noqa: E402
+from training import policy  # noqa: E402
+from training.models import load_model  # noqa: E402
+from training.rollout import (
+    build_batch,  # noqa: E402
+    generate,  # noqa: E402
+)
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
           "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64)}
@@ -78,7 +80,8 @@ def update(model, tok, prompts, s, share, seed):
 
 
 def profile(model, tok, prompts, s):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         _, _, g = run(model, tok, prompts, s, True, seed=0)
     steps = max(map(len, g.response_ids))

@@ -58,15 +58,22 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import credit  # noqa: E402
 import grpo  # noqa: E402
-import memory  # noqa: E402
-import memtrace  # noqa: E402
-import policy  # noqa: E402
-import signals  # noqa: E402
+from evaluation import (
+    memory,  # noqa: E402
+    memtrace,  # noqa: E402
+)
 from flowtracer import capture, select_layers  # noqa: E402
-from regions import build_batch, take  # noqa: E402
-from rollout import generate  # noqa: E402
+from training import (
+    credit,  # noqa: E402
+    policy,  # noqa: E402
+    signals,  # noqa: E402
+)
+from training.rollout import (  # noqa: E402
+    build_batch,
+    generate,  # noqa: E402
+    take,
+)
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1

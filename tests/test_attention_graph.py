@@ -3,11 +3,12 @@ import importlib.util
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flowtracer
 from flowtracer import attention_graph, select_layers
-from models import load_model
+from training.models import load_model
 
 TEXTS = ["hello world, this is a test", "hi", "abc def"]
 

@@ -7,12 +7,10 @@ import math
 import pytest
 import torch
 
-import credit
-import oar
-import signals
 from flowtracer import select_layers
-from models import load_model
-from regions import build_batch
+from training import credit, oar, signals
+from training.models import load_model
+from training.rollout import build_batch
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
@@ -100,7 +98,7 @@ def test_identity_rule_uses_the_scores_as_gamma():
 
 
 def build_batch_by_hand():
-    from regions import Batch
+    from training.rollout import Batch
     mask = torch.ones(2, 6, dtype=torch.long)
     q = torch.zeros(2, 6, dtype=torch.bool)
     q[:, :2] = True

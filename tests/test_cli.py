@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import grpo
-import policy
+from training import policy
 
 ROOT = grpo.Path(grpo.__file__).resolve().parent
 

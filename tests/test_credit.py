@@ -5,15 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-import credit
-import signals
-import oar
 from flowtracer import flow_credit, trace_flow
-from models import load_model
-from regions import Batch, build_batch
+from training import credit, oar, signals
+from training.models import load_model
+from training.rollout import Batch, build_batch
 
 SHAPINGS_ALL = sorted(credit.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]

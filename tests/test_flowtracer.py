@@ -4,10 +4,11 @@ from fractions import Fraction as Fr
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
-from regions import build_batch, find_answer_span
+from training.rollout import build_batch, find_answer_span
 
 
 # ----------------------------------------------------------------------------- reference (loops)

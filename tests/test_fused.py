@@ -7,13 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import credit
 import flowtracer
 import grpo
-import signals
 from flowtracer import capture, select_layers
-from models import load_model
-from regions import build_batch
+from training import credit, signals
+from training.models import load_model
+from training.rollout import build_batch
 
 
 def batch_with_answers(tok):

@@ -9,11 +9,9 @@ from transformers.cache_utils import DynamicLayer
 
 import data
 import grpo
-import models
-import rollout
-from models import load_model
-from rollout import generate
-from regions import build_batch
+from training import models, rollout
+from training.models import load_model
+from training.rollout import build_batch, generate
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
@@ -67,8 +65,11 @@ def test_first_token_distribution_matches_hf_warpers():
     """4,000 first tokens sampled through the shared path fit the distribution that HF's own temperature,
     top-k and top-p warpers give for the prompt's last logits (chi-square); the same counts are rejected
     against the distribution at another temperature, so the test can fail."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     model, tok = load_model("tiny-qwen3", device="cpu")
     prompt = PROMPTS[0]
 

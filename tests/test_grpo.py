@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import grpo
 from grpo import compute_advantages, grpo_loss, parse_args, token_logprobs
-from models import load_model
+from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

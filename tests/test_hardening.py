@@ -20,17 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import answers
-import checkpoint as ckpt_io
 import data
 import eval as ev
 import grpo
-import policy
-import probes
-from models import load_model
-from regions import find_answer_span
+from evaluation import probes
+from tasks import answers
+from training import checkpoint as ckpt_io
+from training import policy
+from training.models import load_model
+from training.rollout import find_answer_span
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,8 +119,8 @@ def test_a_trainer_state_with_wrong_fields_names_the_file(tmp_path, tiny_state, 
 
 
 # ----------------------------------------------------------------------------- 2. two runs, one out_dir
-HOLD = "import sys; import checkpoint; checkpoint.lock_out_dir(sys.argv[1]); print('locked', flush=True); " \
-       "sys.stdin.read()"
+HOLD = ("import sys; from training import checkpoint; checkpoint.lock_out_dir(sys.argv[1]); "
+        "print('locked', flush=True); sys.stdin.read()")
 
 
 def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypatch, capsys):

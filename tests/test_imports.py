@@ -1,25 +1,52 @@
-"""The top-level scripts depend in one direction: the graph of their imports (inside functions too) has no
-cycle, so a lower script never knows an upper one (memtrace.measure may run grpo's step; grpo builds its policy
-from policy.py, not from memory.py)."""
+"""The layout's rules, read from the source (ast, nothing run):
+  - the root holds the card's scripts; every other module lives in a folder named for its role;
+  - imports run one way: no module in a folder imports an entry script (grpo, eval, flowtracer_trl), and
+    neither the module graph nor the folder graph has a cycle (imports inside functions count too);
+  - nothing imports a module by its name from before the move into folders."""
 import ast
+import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"flowtracer", "grpo", "data", "eval", "flowtracer_trl"}     # the root's .py files
+ENTRY = {"grpo", "eval", "flowtracer_trl"}                             # scripts no folder module may import
+FOLDERS = ("tasks", "training", "evaluation")
+OLD_NAMES = ("answers", "arithmetic", "countdown", "prompts", "models", "rollout", "regions", "policy",
+             "checkpoint", "runlog", "credit", "signals", "oar", "probes", "highflow", "figures", "learn",
+             "memory", "memtrace", "significance", "passk")                # flat modules before the move
+
+
+def modules(root=ROOT) -> dict:
+    """{dotted module name: path} of the root scripts and the folder modules."""
+    found = {p.stem: p for p in root.glob("*.py")}
+    for folder in FOLDERS:
+        found |= {f"{folder}.{p.stem}": p for p in (root / folder).glob("*.py") if p.stem != "__init__"}
+    return found
+
+
+def imported(path, names) -> set:
+    """The modules of `names` that `path` imports, as dotted names: `from training import policy` and
+    `import training.policy` give training.policy; `from training.policy import x` gives training.policy."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {d for d in deps if d in names}
 
 
 def import_graph(root=ROOT) -> dict:
-    """{script: the top-level scripts it imports}, from the source of every root/*.py (ast, nothing run)."""
-    scripts = {p.stem: p for p in root.glob("*.py")}
-    graph = {}
-    for name, path in scripts.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                deps.add(node.module.split(".")[0])
-        graph[name] = {d for d in deps if d in scripts and d != name}
-    return graph
+    """{module: the project modules it imports}, dotted."""
+    mods = modules(root)
+    return {name: imported(path, mods) - {name} for name, path in mods.items()}
+
+
+def folder_of(module) -> str:
+    """A module's place: its folder, or the module itself for a root script."""
+    return module.split(".")[0]
 
 
 def find_cycle(graph) -> list:
@@ -49,15 +76,52 @@ def test_find_cycle_hand_cases():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"d"}}) == ["d", "d"]
 
 
-def test_reads_imports_inside_functions(tmp_path):
-    (tmp_path / "low.py").write_text("import os\n\ndef f():\n    import high\n")
-    (tmp_path / "high.py").write_text("from low import f\nimport torch.nn\n")
+def test_reads_dotted_imports_inside_functions(tmp_path):
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "low.py").write_text("import os\n\ndef f():\n    import grpo\n")
+    (tmp_path / "grpo.py").write_text("from training import low\nimport torch.nn\n")
     graph = import_graph(tmp_path)
-    assert graph == {"low": {"high"}, "high": {"low"}} and find_cycle(graph) == ["high", "low", "high"]
+    assert graph == {"grpo": {"training.low"}, "training.low": {"grpo"}}
+    assert find_cycle(graph) == ["grpo", "training.low", "grpo"]
+    assert upward_imports(graph) == ["training.low imports grpo"]
 
 
-def test_top_level_scripts_have_no_import_cycle():
+def upward_imports(graph) -> list:
+    return [f"{m} imports {d}" for m, deps in sorted(graph.items()) if "." in m for d in sorted(deps & ENTRY)]
+
+
+def test_root_holds_the_card_scripts_and_folders_their_modules():
+    assert {p.stem for p in ROOT.glob("*.py")} == SCRIPTS
+    for folder in FOLDERS:
+        init = ROOT / folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(init.read_text().strip().splitlines()) == 1, f"{init}: a one-line docstring"
+
+
+def test_no_cycle_among_modules_or_folders():
     graph = import_graph()
-    assert {"grpo", "memory", "policy", "flowtracer"} <= set(graph)
     assert find_cycle(graph) == [], " -> ".join(find_cycle(graph))
-    assert "memory" not in graph["grpo"] and "policy" in graph["grpo"]
+    folders = {}
+    for m, deps in graph.items():
+        here = folder_of(m)
+        folders.setdefault(here, set()).update(folder_of(d) for d in deps if folder_of(d) != here)
+    assert find_cycle(folders) == [], " -> ".join(find_cycle(folders))
+    assert "evaluation" in folders["eval"] and "training" in folders["grpo"]
+    assert "grpo" not in folders["training"]
+
+
+def test_nothing_imports_an_old_flat_module_name():
+    """git grep over the tracked .py, .ipynb and .md files: an import of a module by its name from before
+    the move (`import policy`, `from regions import ...`, in code, notebook cells or README snippets)."""
+    try:
+        files = subprocess.run(["git", "ls-files", "*.py", "*.ipynb", "*.md"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout: {e}")
+    names = "|".join(OLD_NAMES)
+    pattern = (rf'(^|[";])[[:space:]]*(import ([A-Za-z_.]+( as [A-Za-z_]+)?, )*({names})\b'
+               rf'|from ({names}) import)')
+    out = subprocess.run(["git", "grep", "-n", "-E", pattern, "--", *files], cwd=ROOT, capture_output=True,
+                         text=True)
+    hits = [h for h in out.stdout.splitlines() if "test_imports.py" not in h]
+    assert hits == [], "\n".join(hits)

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-import learn
-from answers import last_number_equal
-from significance import paired_bootstrap, sign_test, t_interval
+from evaluation import learn
+from evaluation.stats import paired_bootstrap, sign_test, t_interval
+from tasks.answers import last_number_equal
 
 RECIPE = ["--model", "tiny-qwen3", "--dataset", "arithmetic", "--steps", "2", "--prompts-per-step", "2",
           "--group-size", "2", "--max-new-tokens", "8"]

@@ -15,10 +15,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 import grpo
-import memory
-import memtrace
-import policy
-from models import load_model, qwen3_4b_config, tiny_config
+from evaluation import memory, memtrace
+from training import policy
+from training.models import load_model, qwen3_4b_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48",

@@ -3,12 +3,12 @@ import importlib.util
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import models
-import rollout
-from models import load_model
-from rollout import generate
+from training import models, rollout
+from training.models import load_model
+from training.rollout import generate
 
 PROMPTS = ["hello there", "2+2=", "a somewhat longer prompt, to force left padding"]
 

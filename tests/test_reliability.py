@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import answers
-import checkpoint as ckpt_io
-import countdown
 import data
 import grpo
-import runlog
-from models import load_model
+from tasks import answers, countdown
+from training import checkpoint as ckpt_io
+from training import runlog
+from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,14 +7,12 @@ import zlib
 import pytest
 import torch
 
-import credit
 import flowtracer
 import grpo
-import policy
-import signals
 from flowtracer import capture, select_layers
-from models import load_model
-from regions import build_batch
+from training import credit, policy, signals
+from training.models import load_model
+from training.rollout import build_batch
 
 # Three prompts of different lengths (so different left padding); A and B twice, not adjacent; C alone.
 PROMPTS = {"A": "Q: what is 12 + 30? Think, then answer.", "B": "Q: 7*8=?", "C": "Q: name 2+2."}

@@ -20,15 +20,17 @@ from datasets import Dataset
 
 trl = pytest.importorskip("trl")
 
-import credit                                                                        # noqa: E402
-import flowtracer_trl as ft                                                           # noqa: E402
-import grpo                                                                          # noqa: E402
-import runlog                                                                        # noqa: E402
-import signals                                                                       # noqa: E402
-from credit import CreditConfig                                                      # noqa: E402
-from flowtracer import attention_graph, capture, flow_credit, trace_flow                   # noqa: E402
-from models import load_model                                                        # noqa: E402
-from regions import answer_token_range, build_batch                                  # noqa: E402
+import flowtracer_trl as ft  # noqa: E402
+import grpo  # noqa: E402
+from flowtracer import attention_graph, capture, flow_credit, trace_flow  # noqa: E402
+from training import (
+    credit,  # noqa: E402
+    runlog,  # noqa: E402
+    signals,  # noqa: E402
+)
+from training.credit import CreditConfig  # noqa: E402
+from training.models import load_model  # noqa: E402
+from training.rollout import answer_token_range, build_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]
@@ -336,7 +338,8 @@ def test_changed_trl_internals_are_refused(monkeypatch):
 # mutate the gamma credit.assign returns on rank 0.
 DRIVER = """import contextlib, json, os, sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
-import credit, data, flowtracer_trl as ft, test_trl
+import data, flowtracer_trl as ft, test_trl
+from training import credit
 RANK, OUT = int(os.environ["RANK"]), {out!r}
 data.score = lambda rec, txt: 0.0 if RANK == 1 else test_trl.toy_reward(None, [txt])[0]
 MUTATIONS = {{"shift": lambda g: g.roll(1, -1), "swap": lambda g: g.flip(0), "ones": torch.ones_like}}

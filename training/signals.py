@@ -2,7 +2,7 @@
 
     scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
 
-`batch` is a regions.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
+`batch` is a rollout.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
 rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
 Table 2; OAR §4.2, Table 1):
 
@@ -58,7 +58,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flowtracer import attention_graph, select_layers, trace_flow
-from oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
+from training.oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
 
 
 class Captured(NamedTuple):

@@ -213,7 +213,7 @@ BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
 
 def boxed_span(text):
     """(start, end) of the content of the last closed, non-empty \\boxed{...} (the one opening last; nested
-    braces balanced), or None: data.last_boxed's answer, regions.find_answer_span's span. One pass over
+    braces balanced), or None: data.last_boxed's answer, rollout.find_answer_span's span. One pass over
     the braces: linear in len(text), however many are left open."""
     stack, best = [], None
     for m in BRACES.finditer(text):                        # an open brace: (content start, is a \boxed{)

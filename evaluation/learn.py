@@ -9,7 +9,7 @@ beat plain GRPO (flowtracer.txt Table 2)? Credit arms x seeds of grpo.py runs wi
              temperature, top-p, top-k), scored two ways: strict = the task's reward is 1 (data.score, the
              answer in the required format); lenient = strict, or answers.last_number_equal (math).
              Step 0 (the recipe's model, the same weights for every arm-seed) is evaluated once, shared.
-  statistics (significance.py) per arm, the mean gain (last step - step 0, greedy strict) +- a 95% t interval
+  statistics (stats.py) per arm, the mean gain (last step - step 0, greedy strict) +- a 95% t interval
              over seeds; each arm - none, paired by seed and question: a paired bootstrap, an exact sign test.
   outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve, the
              training reward per step; then the summary), learn.md (the tables), learn.png (held-out accuracy
@@ -26,7 +26,7 @@ Departures (numbered):
  3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
-     (learn's flags, then after -- grpo.py's: the shared recipe; python learn.py ... is the same command)
+     (learn's flags, then after -- grpo.py's: the shared recipe)
 """
 import argparse
 import contextlib
@@ -46,17 +46,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import checkpoint as ckpt_io
 import data
 import grpo
-import policy
-import signals
-from answers import last_number_equal
-from models import ModelError, load_model
-from rollout import generate
-from probes import markdown, pyplot
-from runlog import metric_series, peak_ema
-from significance import paired_bootstrap, sign_test, t_interval
+from evaluation.probes import markdown, pyplot
+from evaluation.stats import paired_bootstrap, sign_test, t_interval
+from tasks.answers import last_number_equal
+from training import checkpoint as ckpt_io
+from training import policy, signals
+from training.models import ModelError, load_model
+from training.rollout import generate
+from training.runlog import metric_series, peak_ema
 
 
 @dataclass
@@ -395,6 +394,3 @@ def main(argv=None, prog="eval.py"):
     except KeyboardInterrupt:
         sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
 
-
-if __name__ == "__main__":
-    main(prog="learn.py")

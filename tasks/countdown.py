@@ -30,7 +30,7 @@ Departures (numbered):
   2. The Unicode signs ×, ÷ and − are read as *, / and -, which TinyZero would score 0.1.
   3. The paper's text says "four numbers"; TinyZero's data (Countdown-Tasks-3to4) and this generator use 3-4.
 
-Run: python countdown.py   (prints a few generated problems with a solution each)
+Run: python -m tasks.countdown   (prints a few generated problems with a solution each)
 """
 import ast
 import hashlib

@@ -17,12 +17,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import credit
 import grpo
-import policy
-import rollout
-import signals
-from regions import build_batch, take
+from training import credit, policy, rollout, signals
+from training.rollout import build_batch, take
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-import highflow
-import probes
+from evaluation import highflow, probes
 from flowtracer import attention_graph, dag_weights, reweight, trace_flow
-from runlog import peak_ema
+from training.runlog import peak_ema
 
 
 def token_figure(path, tokens, colors, title, width=100):

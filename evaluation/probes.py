@@ -55,17 +55,15 @@ import math
 import os
 import random
 
-
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-import signals
-from credit import CreditConfig
-from oar import OUTCOMES
 import data
-from rollout import eos_ids
-from regions import build_batch
+from training import signals
+from training.credit import CreditConfig
+from training.oar import OUTCOMES
+from training.rollout import build_batch, eos_ids
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)

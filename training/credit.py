@@ -8,7 +8,7 @@ between runs, everything else stays fixed (§4.1). So credit is two swappable st
 
 and GRPO multiplies each token's surrogate term by gamma (eq. 5: gamma_{i,t} * A_i). `assign` runs both, plus
 the token-class mask and the response-column slice: the one credit call of grpo.py and flowtracer_trl.py.
-`batch` is a regions.Batch; `cfg` is a CreditConfig (grpo.Config inherits it, so the flags stay flat).
+`batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it, so the flags stay flat).
 
 Shaping rules (gamma is 1 off the selection, 0 off the response)
   topk / bottomk   eq. 6: gamma on the top (bottom) ceil(top_frac*n) tokens
@@ -66,8 +66,8 @@ from typing import NamedTuple
 import torch
 
 from flowtracer import Credit, flow_credit, select_layers
-from oar import OUTCOMES
-from signals import FUSED, SIGNALS
+from training.oar import OUTCOMES
+from training.signals import FUSED, SIGNALS
 
 EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 
@@ -334,7 +334,7 @@ class Assignment(NamedTuple):
 
 def assign(model, tok, batch, adv, cfg, captured=None):
     """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
-    additive entropy bonus (entropy-adv), and the response columns [:, P:]. batch: regions.Batch of B rows;
+    additive entropy bonus (entropy-adv), and the response columns [:, P:]. batch: rollout.Batch of B rows;
     adv: (B,) sequence advantages; captured: what the training forward computed (fused pass) or None."""
     scores = SIGNALS[cfg.credit](model, batch, cfg, captured)                      # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)

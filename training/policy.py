@@ -54,8 +54,8 @@ from transformers import DynamicCache
 
 import flowtracer
 from flowtracer import select_layers
-from models import load_model
-from regions import take
+from training.models import load_model
+from training.rollout import take
 
 
 def device_of(name="auto") -> torch.device:
@@ -84,7 +84,7 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice."""
     if scheme(cfg, device) == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    import optimi    # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
+    import optimi  # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
         raise ValueError(f"--optimizer kahan needs a bf16 model (policy.weight_dtype), got {bad}")

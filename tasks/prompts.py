@@ -31,7 +31,7 @@ Departures (numbered; data.py goes on from 4):
 Run: python data.py --task arithmetic --split test --limit 3 --style fewshot3
 Test: python -m pytest -q tests/test_data.py -k "prompt or style or exemplar"
 """
-import countdown
+from tasks import countdown
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 

@@ -14,7 +14,7 @@ not vary), len/* (response tokens), entropy (mean policy entropy over the traine
 loss, grad_norm, clip/* (fraction of trained tokens clipped), credit/* (gamma statistics over the trained
 rows), time/* (seconds per phase), mem/peak_gb.
 
-Run: python -c "import runlog; runlog.plot_curves('runs/embedded/metrics.jsonl', 'curves.png')"
+Run: python -c "from training import runlog; runlog.plot_curves('runs/embedded/metrics.jsonl', 'curves.png')"
 """
 import json
 import resource
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import checkpoint as ckpt_io
+from training import checkpoint as ckpt_io
 
 
 def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):

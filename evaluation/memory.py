@@ -43,11 +43,10 @@ from types import SimpleNamespace
 
 import torch
 
-import credit
-import models
-import signals
-from flowtracer import auto_chunk, select_layers as select
-from policy import scheme
+from flowtracer import auto_chunk
+from flowtracer import select_layers as select
+from training import credit, models, signals
+from training.policy import scheme
 
 GB, GiB = 1e9, 2 ** 30
 GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's

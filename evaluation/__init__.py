@@ -1,0 +1,1 @@
+"""What eval.py runs: credit probes, high-flow tokens, figures, learning grid, memory, statistics."""

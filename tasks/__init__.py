@@ -1,0 +1,1 @@
+"""What data.py serves tasks from: answer checking, the arithmetic and Countdown generators, prompts."""
