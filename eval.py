@@ -247,7 +247,7 @@ def memory_table(args):
         if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
             fail("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate is "
                  f"{memory.peak(est)[1] / 1e9:.0f} GB")
-        measured = memtrace.measure(cfg, args.prompt_tokens, device) if args.measure else None
+        measured = memtrace.measure(cfg, args.prompt_tokens, grpo.update, device) if args.measure else None
         print(memory.report(cfg, args.prompt_tokens, measured, device))
     except (ValueError, OSError) as e:
         fail(str(e))
@@ -383,8 +383,9 @@ def check_ranges(ap, args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["learn"]:                                      # its own parser and recipe: learn.py
+        import grpo
         from evaluation import learn
-        return learn.main(argv[1:])
+        return learn.main(argv[1:], grpo)
     args = parse(argv)
     try:
         args.func(args)

@@ -52,7 +52,6 @@ import random
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,10 +130,11 @@ PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=6
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: Config, run=None) -> list:
     run = run or setup(cfg)           # data, model, optimizer, run directory, Ctrl-C / SIGTERM (below)
-    model, tok, opt, G, P = run.model, run.tok, run.opt, cfg.group_size, None
+    model, tok, G = run.model, run.tok, cfg.group_size
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
-        t, m = [time.perf_counter()], {"step": step + 1}
+        clock, m = runlog.Clock(run.device), {"step": step + 1}   # seconds per phase; CUDA: synchronized
         # ---------------------------------------------------------- rollout
+        clock.phase("generation")
         recs, prompts = step_prompts(run, step, m)                    # drops prompts over max_prompt_tokens
         if not recs:
             runlog.bookkeep(run, step, m, skipped="every prompt is longer than --max-prompt-tokens")
@@ -144,8 +144,8 @@ def train(cfg: Config, run=None) -> list:
             gen = generate(model, tok, prompts, n=G, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
                            temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
                            share_prefix=cfg.share_prefix)
-        t.append(time.perf_counter())
         # ---------------------------------------------------------- reward
+        clock.phase("reward")
         rewards = torch.tensor([data.score(recs[j // G], txt) for j, txt in enumerate(gen.texts)])    # (B,)
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)                  # (B,)
         rows = kept_rows(rewards, gen.truncated, cfg, m)                                             # filter
@@ -154,52 +154,25 @@ def train(cfg: Config, run=None) -> list:
             continue
         batch = build_batch(tok, [gen.prompt_ids[j] for j in rows], [gen.response_ids[j] for j in rows])
         batch = batch.to(run.device)
-        adv, P, B = adv[rows].to(run.device), batch.prompt_width, len(rows)
-        resp = batch.response_mask[:, P:]                                                            # (B, R)
+        adv, B = adv[rows].to(run.device), len(rows)
+        resp = batch.response_mask[:, batch.prompt_width:]                                           # (B, R)
         trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(B))  # departure 7
         gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)                    # (B, R)
-        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "time/fused": 0.0,
-                 "credit/fallback": 0}
-        t.append(time.perf_counter())
+        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
         # ---------------------------------------------------------- credit (a separate pass, if needed)
+        clock.phase("credit")
         if credit.separate_pass(cfg) and trained:
             with torch.no_grad(), run.autocast:
                 c = credit.assign(model, tok, take(batch, trained), adv[trained], cfg)                # (b, R)
             gamma[trained], scores[trained] = c.gamma, c.scores
             stats["credit/fallback"] = int(c.fallback.sum())
-        t.append(time.perf_counter())
         # ---------------------------------------------------------- update (fused credit inside, eq. 1-6)
-        old_logp = old_logprobs(run, batch, trained)        # (B, R); None on-policy: logp.detach() below
-        model.train()
-        for it in range(cfg.num_iterations):
-            opt.zero_grad(set_to_none=True)
-            for s in range(0, len(trained), cfg.micro_batch):
-                mb = trained[s:s + cfg.micro_batch]
-                sub = take(batch, mb)
-                with run.autocast, capturing(run, sub, it) as cap:             # the micro-batch's forward
-                    logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
-                                               cfg.share_prefix)
-                if it == 0 and not credit.separate_pass(cfg):                  # fused: flow -> gamma, eq. 1-6
-                    t_f = time.perf_counter()
-                    with torch.no_grad():
-                        c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
-                    gamma[mb], scores[mb] = c.gamma, c.scores
-                    stats["credit/fallback"] += int(c.fallback.sum())
-                    stats["time/fused"] += time.perf_counter() - t_f
-                old = logp.detach() if old_logp is None else old_logp[mb]              # on-policy: ratio = 1
-                loss, st = grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, denominator(cfg, resp),
-                                     ref_logprobs(run, sub))                  # eq. 5
-                loss.backward()
-                stats["loss"] += loss.item()
-                stats["entropy"].append(ent[resp[mb]])
-                stats.update({k: stats[k] + v for k, v in st.items()})
-            if not optimizer_step(run, stats):                 # clip; a non-finite step is skipped
-                break
+        update(run, batch, trained, adv, gamma, scores, stats, clock.phase)
         if run.bad == 0:
             run.sched.step()
-        t.append(time.perf_counter())
+        clock.phase(None)
         # ---------------------------------------------------------- log
-        m.update(runlog.step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t))
+        m.update(runlog.step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, clock.seconds))
         runlog.bookkeep(run, step, m, (batch, gen, rows, rewards, adv, scores, gamma))
         if run.stop:
             break
@@ -207,6 +180,47 @@ def train(cfg: Config, run=None) -> list:
 
 
 # ----------------------------------------------------------------------------- policy math
+def update(run, batch, trained, adv, gamma, scores, stats, phase=lambda name: None):
+    """The update phase: micro-batches of the trained rows, each one forward (the fused credit reads its
+    attention: flow -> gamma, eq. 1-6), the loss (eq. 5), backward; then the optimizer step. gamma, scores
+    (B, R) are filled in place by the fused credit. `phase(name)` marks where each part begins (grpo.train's
+    clock; evaluation/memtrace.measure's memory tracker): one loop, what grpo.py runs is what is measured."""
+    cfg, model, P = run.cfg, run.model, batch.prompt_width
+    resp = batch.response_mask[:, P:]                                                            # (B, R)
+    phase("update forward")
+    old_logp = old_logprobs(run, batch, trained)        # (B, R); None on-policy: logp.detach() below
+    model.train()
+    for it in range(cfg.num_iterations):
+        run.opt.zero_grad(set_to_none=True)
+        for s in range(0, len(trained), cfg.micro_batch):
+            mb = trained[s:s + cfg.micro_batch]
+            sub = take(batch, mb)
+            phase("update forward")
+            with run.autocast, capturing(run, sub, it) as cap:                 # the micro-batch's forward
+                logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
+                                           cfg.share_prefix)
+            if it == 0 and not credit.separate_pass(cfg):                      # fused: flow -> gamma, eq. 1-6
+                phase("credit")
+                with torch.no_grad():
+                    c = credit.assign(model, run.tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
+                gamma[mb], scores[mb] = c.gamma, c.scores
+                stats["credit/fallback"] += int(c.fallback.sum())
+                del c
+            phase("backward")
+            old = logp.detach() if old_logp is None else old_logp[mb]                  # on-policy: ratio = 1
+            loss, st = grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, denominator(cfg, resp),
+                                 ref_logprobs(run, sub))                      # eq. 5
+            loss.backward()
+            stats["loss"] += loss.item()
+            stats["entropy"].append(ent[resp[mb]])
+            stats.update({k: stats[k] + v for k, v in st.items()})
+            del cap, logp, ent, loss, old                     # the next micro-batch's forward starts empty
+        phase("optimizer step")
+        if not optimizer_step(run, stats):                 # clip; a non-finite step is skipped
+            break
+    phase(None)
+
+
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     """Group-relative advantages (eq. 10): A_i = (r_i - mean_g) / std_g, clipped to [-clip, clip].
     Returns (adv (B,), zero_std (B/G,) bool). A group whose rewards do not vary gets A = 0."""

@@ -35,10 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from training import policy  # noqa: E402
 from training.models import load_model  # noqa: E402
-from training.rollout import (
-    build_batch,  # noqa: E402
-    generate,  # noqa: E402
-)
+from training.rollout import build_batch, generate  # noqa: E402
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
           "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64)}

@@ -6,8 +6,8 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
   memory      each phase's peak, measured by memtrace.measure (one real step, the second one) as
               torch.cuda.max_memory_allocated and max_memory_reserved, beside memory.estimate (what
               `python eval.py memory` prints) and the ratio estimate / allocated
-  overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.py's update
-              on it (token_logprobs under grpo.capturing, credit.assign, grpo_loss, backward,
+  overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.update on it
+              (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss, backward,
               optimizer_step), with --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
   generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens, which turns its prefix
@@ -33,7 +33,7 @@ Departures (numbered):
  1. The prompts are random printable text of about --prompt-tokens tokens (the byte tokenizer of the random
     models: exactly), and the answer region is the last 8 response tokens of every row, so that every row is
     trained (A = +-1) and credited: the worst step, as memory.py counts it.
- 2. The overhead's update runs grpo.train's micro-batch loop on a fixed batch (the same rows for both
+ 2. The overhead's update runs grpo.update, grpo.train's micro-batch loop, on a fixed batch (the same rows for both
     signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
  3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
     perfectly bandwidth-bound decoder, not a prediction.
@@ -59,21 +59,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
-from evaluation import (
-    memory,  # noqa: E402
-    memtrace,  # noqa: E402
-)
+from evaluation import memory, memtrace  # noqa: E402
 from flowtracer import capture, select_layers  # noqa: E402
-from training import (
-    credit,  # noqa: E402
-    policy,  # noqa: E402
-    signals,  # noqa: E402
-)
-from training.rollout import (  # noqa: E402
-    build_batch,
-    generate,  # noqa: E402
-    take,
-)
+from training import policy, runlog  # noqa: E402
+from training.rollout import build_batch, generate  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -105,7 +94,7 @@ def load(cfg, device):
     """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
     functions read."""
     model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, opt=opt, device=device, bad=0, ref=ref,
+    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, opt=opt, device=device, bad=0, ref=ref,
                           autocast=policy.autocast(device))
     return run, tok
 
@@ -130,28 +119,16 @@ def rollout(run, tok, P):
 
 
 def update(run, tok, batch, signal):
-    """grpo.train's update on `batch` with --credit `signal` (departure 2); returns its seconds."""
-    cfg = run.cfg = dataclasses.replace(run.cfg, credit=signal)
-    P, B = batch.prompt_width, batch.input_ids.shape[0]
-    resp = batch.response_mask[:, P:]                                               # (B, R)
+    """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
+    its seconds (runlog.Clock: synchronized on CUDA)."""
+    run.cfg = dataclasses.replace(run.cfg, credit=signal)
+    B, resp = batch.input_ids.shape[0], batch.response_mask[:, batch.prompt_width:]    # (B, R)
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
-    stats = {"loss": 0.0}
-    run.model.train()
-    t0 = synced(run.device)
-    run.opt.zero_grad(set_to_none=True)
-    for s in range(0, B, cfg.micro_batch):
-        mb = list(range(s, min(B, s + cfg.micro_batch)))
-        sub = take(batch, mb)
-        with run.autocast, grpo.capturing(run, sub, 0) as cap:
-            logp, ent = grpo.token_logprobs(run.model, sub.input_ids, sub.attention_mask, P,
-                                            cfg.logprob_chunk)
-        with torch.no_grad():
-            gamma = credit.assign(run.model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent)).gamma
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), adv[mb], gamma, resp[mb], cfg, B)   # eq. 5
-        loss.backward()
-        stats["loss"] += loss.item()
-    grpo.optimizer_step(run, stats)
-    return synced(run.device) - t0
+    gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)         # (B, R)
+    stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
+    clock = runlog.Clock(run.device)
+    grpo.update(run, batch, list(range(B)), adv, gamma, scores, stats, clock.phase)
+    return sum(clock.seconds.values())
 
 
 def bandwidth_bound(model, cfg, P, bandwidth):
@@ -208,7 +185,7 @@ def headline(args, R, device):
                micro_batch=cfg.micro_batch)
     est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
     reserved = {}
-    measured = memtrace.measure(cfg, P, device, reserved=reserved)
+    measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved)
     res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
                               reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
                      for ph in memory.PHASES}

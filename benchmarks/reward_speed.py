@@ -19,10 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from tasks import (
-    answers,  # noqa: E402
-    countdown,  # noqa: E402
-)
+from tasks import answers, countdown  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--n", type=int, default=1000)         # completions per reward

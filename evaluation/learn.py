@@ -1,5 +1,5 @@
-"""The learning experiment (issue 21): does GRPO training help on held-out questions, and does flow credit
-beat plain GRPO (flowtracer.txt Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
+"""The learning experiment: does GRPO training help on held-out questions, and does flow credit beat
+plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
 
   grid       arm-seed (a, s) = `python grpo.py <recipe> --credit a --seed s --out-dir <out>/runs/<a>-s<s>`, a
              subprocess run in segments ending at the evaluation steps. Each segment continues the last with
@@ -9,11 +9,15 @@ beat plain GRPO (flowtracer.txt Table 2)? Credit arms x seeds of grpo.py runs wi
              temperature, top-p, top-k), scored two ways: strict = the task's reward is 1 (data.score, the
              answer in the required format); lenient = strict, or answers.last_number_equal (math).
              Step 0 (the recipe's model, the same weights for every arm-seed) is evaluated once, shared.
-  statistics (stats.py) per arm, the mean gain (last step - step 0, greedy strict) +- a 95% t interval
-             over seeds; each arm - none, paired by seed and question: a paired bootstrap, an exact sign test.
-  outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve, the
-             training reward per step; then the summary), learn.md (the tables), learn.png (held-out accuracy
-             and training reward against step: mean over seeds, min-max band, peak-tracking EMA of the mean).
+  statistics (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step - step 0) +- a
+             95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a two-level
+             bootstrap (seeds, then questions) and the exact sign-flip test (its smallest p is 2 / 2^S), for
+             the last step and the area under the held-out curve; the seeds that a half-width of 0.05 would
+             need. A question-level table follows, labelled: conditional on the trained models.
+  outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve with
+             every evaluation's per-question results, the training reward per step; then the summary),
+             learn.md (the tables), learn.png (held-out accuracy and training reward against step: each arm's
+             mean over seeds with a 95% t band, the seeds faintly).
 
 Resumable: one run directory per arm-seed (<out>/runs/), one file per finished evaluation (<out>/eval/,
 written atomically after the result: the done-marker; per-question results for the paired tests). Killed
@@ -22,7 +26,7 @@ added later to the same --out-dir; another recipe or evaluation setting there is
 
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
- 2. The band over seeds is their min-max range (with 2-3 seeds a t band would be mostly width).
+ 2. --eval-k 0 evaluates greedily only (a third of the cost at k = 2): more seeds for the same time.
  3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
@@ -47,15 +51,15 @@ import torch
 from tqdm import tqdm
 
 import data
-import grpo
 from evaluation.probes import markdown, pyplot
-from evaluation.stats import paired_bootstrap, sign_test, t_interval
+from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
+                              two_level, variance_parts)
 from tasks.answers import last_number_equal
 from training import checkpoint as ckpt_io
 from training import policy, signals
 from training.models import ModelError, load_model
 from training.rollout import generate
-from training.runlog import metric_series, peak_ema
+from training.runlog import metric_series
 
 
 @dataclass
@@ -67,12 +71,11 @@ class LearnConfig:
     eval_every: int = 0                # evaluate every N steps and at the last; 0: at 1/4, 1/2, 3/4, 1
     eval_task: str = ""                # the held-out task ("": the recipe's --dataset); its test split
     eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
-    eval_k: int = 4                    # samples per question for mean@k
+    eval_k: int = 4                    # samples per question for mean@k; 0: greedy only (cheaper seeds)
     eval_batch: int = 32               # sequences per generate call
     eval_max_new_tokens: int = 0       # response budget of the evaluation; 0: the recipe's --max-new-tokens
     eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
     bootstrap: int = 10_000            # paired bootstrap resamples
-    alpha: float = 0.2                 # peak-tracking EMA weight of the plot (eval.py departure 1)
 
 
 SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite")
@@ -96,19 +99,19 @@ def evaluate(model, tok, recs, style, cfg, rc):
     torch.manual_seed(cfg.eval_seed)
     g = generate(model, tok, prompts, n=1, max_new_tokens=budget, greedy=True, chunk_size=cfg.eval_batch)
     s = generate(model, tok, prompts, n=k, max_new_tokens=budget, temperature=rc.temperature,
-                 top_p=rc.top_p, top_k=rc.top_k, chunk_size=cfg.eval_batch)
+                 top_p=rc.top_p, top_k=rc.top_k, chunk_size=cfg.eval_batch) if k else None
     res = {"ids": [r["id"] for r in recs], "greedy": [], "greedy_lenient": [], "samples": [],
            "samples_lenient": []}
     for i, r in enumerate(recs):
-        for key, texts in (("greedy", g.texts[i:i + 1]), ("samples", s.texts[i * k:(i + 1) * k])):
+        for key, texts in (("greedy", g.texts[i:i + 1]), ("samples", s.texts[i * k:(i + 1) * k] if k else [])):
             strict = [data.score(r, t) >= 1 for t in texts]
             res[key].append(sum(strict))
             loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))     # departure 1
                      for t, x in zip(texts, strict)]
             res[key + "_lenient"].append(sum(loose))
     for score, key, n in (("acc", "greedy", 1), ("mean@k", "samples", k)):
-        res[score] = sum(res[key]) / (len(recs) * n)
-        res[score + "_lenient"] = sum(res[key + "_lenient"]) / (len(recs) * n)
+        res[score] = sum(res[key]) / (len(recs) * n) if n else None                # k = 0: no samples
+        res[score + "_lenient"] = sum(res[key + "_lenient"]) / (len(recs) * n) if n else None
     return res
 
 
@@ -116,9 +119,10 @@ def evaluate(model, tok, recs, style, cfg, rc):
 class Grid:
     """What the grid needs before a model loads: flags, recipe, evaluation steps, held-out questions."""
 
-    def __init__(self, cfg, recipe, arms, seeds):
+    def __init__(self, cfg, recipe, arms, seeds, grpo):
         self.cfg, self.recipe, self.arms, self.seeds, self.out = cfg, recipe, arms, seeds, Path(cfg.out_dir)
-        self.rc = rc = [recipe_config(recipe, a, seeds[0], self.out / "runs") for a in arms][0]   # each arm
+        self.grpo = grpo                                   # the grpo.py module, passed in by eval.py
+        self.rc = rc = [recipe_config(grpo, recipe, a, seeds[0], self.out / "runs") for a in arms][0]
         every = range(cfg.eval_every, rc.steps + 1, cfg.eval_every) if cfg.eval_every else \
             [max(1, round(rc.steps * i / 4)) for i in range(1, 4)]
         self.eval_steps = sorted({*every, rc.steps})
@@ -161,7 +165,7 @@ class Grid:
         return self.eval_file(run, step).is_file()
 
 
-def recipe_config(recipe, arm, seed, out):
+def recipe_config(grpo, recipe, arm, seed, out):
     """grpo.py's Config of an arm-seed, from grpo.py's own parser; its error line becomes a LearnError."""
     err = io.StringIO()
     try:
@@ -211,7 +215,7 @@ def train_to(g, run, step, bar):
         raise LearnError(f"{d}: checkpoint at step {at}, past the evaluation at step {step}; delete the run")
     if ckpt and at == step:
         return ckpt
-    script = str(Path(grpo.__file__))
+    script = str(Path(g.grpo.__file__))
     cmd = ([sys.executable, script, "--resume", str(d), "--steps", str(step)] if ckpt else
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
             "--steps", str(step), "--overwrite"])
@@ -264,7 +268,8 @@ def evaluate_checkpoint(g, name, path):
 
 # ----------------------------------------------------------------------------- results
 def collect(g):
-    """Per arm, the arm-seeds whose evaluations are all done; finals: (arm, seed) -> its last evaluation."""
+    """Per arm, the arm-seeds whose evaluations are all done, each with every evaluation's per-question
+    results (so that every number can be recomputed); finals: (arm, seed) -> its last evaluation."""
     before, runs, finals = json.loads(g.eval_file("", 0).read_text()), {}, {}
     for arm in g.arms:
         for seed in (s for s in g.seeds if all(g.done(f"{arm}-s{s}", e) for e in g.eval_steps)):
@@ -273,57 +278,98 @@ def collect(g):
             runs.setdefault(arm, []).append({
                 "seed": seed, **{f"before{sfx}": before[m] for m, sfx in SCORES.items()},
                 **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
+                "auc": float(np.mean([x["acc"] for x in ev[1:]])),            # held-out area, steps > 0
                 "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
+                "questions": {str(e): {k: x[k] for k in ("greedy", "greedy_lenient", "samples",
+                                                         "samples_lenient")} for e, x in zip([0, *g.eval_steps], ev)},
                 "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
     return runs, finals
 
 
 def summarize(g):
-    """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown."""
+    """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown. Every interval and
+    p-value of the headline is over seeds (stats.py); the question-level tests are conditional on the models."""
     runs, finals = collect(g)
-    per_arm, vs_none = {}, {}
+    per_arm, vs_none, Q, B = {}, {}, len(g.recs), g.cfg.bootstrap
     for arm, rs in runs.items():
-        per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES]}
+        per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES],
+                        "final_acc": variance_parts([r["after"] for r in rs], Q)}
         for sfx in SCORES.values():
-            m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
-            per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
+            if rs[0]["after" + sfx] is not None:
+                m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
+                per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
     for arm in (a for a in runs if a != "none" and "none" in runs):
         seeds = [s for s in g.seeds if (arm, s) in finals and ("none", s) in finals]
-        vs_none[arm] = {"seeds": seeds}
+        by = {(r["seed"], x): r for x in (arm, "none") for r in runs[x]}
+        vs = vs_none[arm] = {"seeds": seeds}
         for score, key in (("strict", "greedy"), ("lenient", "greedy_lenient")):
             a, b = ([finals[x, s][key] for s in seeds] for x in (arm, "none"))     # (S, Q) each
-            d, lo, hi, p = paired_bootstrap(a, b, g.cfg.bootstrap, seed=0)
-            only_arm, only_none, p_sign = sign_test(a, b)
-            vs_none[arm][score] = {"diff": d, "ci95": [lo, hi], "p_bootstrap": p, "arm_only": only_arm,
-                                   "none_only": only_none, "p_sign": p_sign}
-    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none}}
-    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result, indent=1))
+            vs[score] = seed_test(np.mean(a, 1), np.mean(b, 1)) if seeds else {}
+            if seeds:
+                vs[score]["two_level_ci95"] = list(two_level(a, b, B, seed=0)[1:])
+                d, lo, hi, p = paired_bootstrap(a, b, B, seed=0)               # conditional on the models
+                wins, losses, p_sign = sign_test(a, b)
+                vs[score]["per_question"] = {"diff": d, "ci95": [lo, hi], "p_bootstrap": p, "arm_only": wins,
+                                             "none_only": losses, "p_sign": p_sign}
+        vs["auc"] = seed_test([by[s, arm]["auc"] for s in seeds], [by[s, "none"]["auc"] for s in seeds])
+        if len(seeds) > 1:
+            sd = float(np.std([by[s, arm]["after"] - by[s, "none"]["after"] for s in seeds], ddof=1))
+            vs["power"] = {"sd_diff": sd, "seeds_for_half_width_0.05": seeds_needed(sd, 0.05),
+                           "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05)}
+    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
+    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result))
     ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"]))
-    plot(g.out / "learn.png", runs, g.cfg.alpha)
+    plot(g.out / "learn.png", runs)
     return table
 
 
 def report(setting, summary):
+    s, k, B = setting, setting["eval_k"], summary["bootstrap"]
     ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
-    s, k = setting, setting["eval_k"]
+    iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
     head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
             f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`\n\n"
-            f"Gain = last - step 0, mean over seeds ± 95% t interval:\n\n")
-    cols = ["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"]
-    arms = markdown(["arm", "seeds", *cols],
-                    [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values())]
+            "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
+            "Gain = last - step 0, mean over seeds ± 95% t interval; sd of the final accuracy over seeds, and the "
+            "part of it that the binomial noise of the held-out questions alone gives:\n\n")
+    cols = [c for c, x in zip(["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"],
+                              SCORES.values()) if k or "mean" not in x]
+    arms = markdown(["arm", "seeds", *cols, "sd (binomial part)"],
+                    [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values()
+                                       if f"gain{x}" in r),
+                      f"{r['final_acc']['sd']:.3f} ({r['final_acc']['binomial_sd']:.3f})"]
                      for a, r in summary["per_arm"].items()])
-    rows = [[f"{a} - none", sc, len(p["seeds"]), f"{p[sc]['diff']:+.3f}",
-             f"[{p[sc]['ci95'][0]:+.3f}, {p[sc]['ci95'][1]:+.3f}]", f"{p[sc]['p_bootstrap']:.3g}",
-             f"{p[sc]['arm_only']} : {p[sc]['none_only']}", f"{p[sc]['p_sign']:.3g}"]
-            for a, p in summary["vs_none"].items() if p["seeds"] for sc in ("strict", "lenient")]
-    paired = markdown(["arms", "score", "seeds", "Δ greedy acc", "bootstrap 95% CI", "p (bootstrap)",
-                       "arm only : none only", "p (sign test)"], rows)
-    return head + arms + "\nPaired by seed and by question, last step, greedy:\n\n" + paired
+    rows, cond, power = [], [], []
+    for a, v in summary["vs_none"].items():
+        for sc in ("strict", "lenient", "auc"):
+            if v["seeds"]:
+                x = v[sc] if sc == "auc" else v[sc]
+                rows.append([f"{a} - none", "greedy " + sc if sc != "auc" else "area (mean over steps > 0)",
+                             len(v["seeds"]), f"{x['diff']:+.3f}", iv(x["ci95"]), fmt_p(x["p_t"]),
+                             iv(x.get("two_level_ci95")), f"{fmt_p(x['p_signflip'])} (min {x['p_signflip_min']:.3g})"])
+        for sc in ("strict", "lenient"):
+            if v["seeds"]:
+                q = v[sc]["per_question"]
+                cond.append([f"{a} - none", sc, f"{q['diff']:+.3f}", iv(q["ci95"]), fmt_p(q["p_bootstrap"], B),
+                             f"{q['arm_only']} : {q['none_only']}", fmt_p(q["p_sign"])])
+        if "power" in v:
+            pw = v["power"]
+            power.append(f"{a} - none: sd of the per-seed difference {pw['sd_diff']:.3f}; seeds per arm for a "
+                         f"95% half-width of 0.05: {pw['seeds_for_half_width_0.05']}; for 80% power to detect "
+                         f"+0.05: {pw['seeds_for_80pct_power_at_0.05']}.")
+    paired = markdown(["arms", "score", "seeds", "Δ", "95% t interval", "p (paired t)", "two-level bootstrap 95%",
+                       "p (exact sign flip)"], rows)
+    second = markdown(["arms", "score", "Δ", "bootstrap 95% CI", "p (bootstrap)", "arm only : none only",
+                       "p (sign test)"], cond)
+    return (head + arms + "\nPaired by seed, last step (and the area under the held-out curve):\n\n" + paired +
+            ("\n" + "\n".join(power) + "\n" if power else "") +
+            "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
+            "method:\n\n" + second)
 
 
-def plot(path, runs, alpha):
-    """Held-out accuracy and training reward: mean over seeds, min-max band (departure 2), peak EMA dashed."""
+def plot(path, runs):
+    """Held-out accuracy and training reward against step: each arm's mean over seeds with a 95% t band,
+    the individual seeds faintly."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for arm, rs in runs.items():
@@ -333,10 +379,13 @@ def plot(path, runs, alpha):
                 continue
             ys = np.array([[dict(map(tuple, p))[s] for s in steps] for p in pts])      # (seeds, steps)
             line, = ax.plot(steps, ys.mean(0), label=f"{arm} (n={len(rs)})")
-            ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
-            ax.plot(steps, peak_ema(list(ys.mean(0)), alpha), "--", color=line.get_color(), lw=0.9)
-    axes[0].set(title="held-out greedy accuracy, strict (dashed: peak EMA)", xlabel="step")
-    axes[1].set(title=f"training reward (dashed: peak EMA, alpha {alpha})", xlabel="step")
+            for y in ys:
+                ax.plot(steps, y, color=line.get_color(), alpha=0.15, lw=0.7)
+            if len(ys) > 1:
+                h = [t_interval(col)[1] for col in ys.T]
+                ax.fill_between(steps, ys.mean(0) - h, ys.mean(0) + h, color=line.get_color(), alpha=0.2)
+    axes[0].set(title="held-out greedy accuracy, strict (band: 95% t over seeds)", xlabel="step")
+    axes[1].set(title="training reward (band: 95% t over seeds)", xlabel="step")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -375,20 +424,21 @@ def parse(argv, prog):
                      (cfg.eval_max_new_tokens < 0, "--eval-max-new-tokens must be >= 0 (0: the recipe's)"),
                      (cfg.eval_task and cfg.eval_task.lower() not in data.TASKS,
                       f"--eval-task {cfg.eval_task}: unknown; tasks: {', '.join(data.TASKS)}"),
-                     (not 0 < cfg.alpha <= 1, "--alpha must be in (0, 1]"),
+                     (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
                      *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
-                       for k in ("eval_size", "eval_k", "eval_batch", "bootstrap"))):
+                       for k in ("eval_size", "eval_batch", "bootstrap"))):
         if bad:
             p.error(why)
     return cfg, recipe, arms, seeds
 
 
-def main(argv=None, prog="eval.py"):
+def main(argv, grpo, prog="eval.py"):
+    """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs)."""
     cfg, recipe, arms, seeds = parse(argv, prog)
     if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        run_grid(Grid(cfg, recipe, arms, seeds))
+        run_grid(Grid(cfg, recipe, arms, seeds, grpo))
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
         fail(prog, str(e))
     except KeyboardInterrupt:

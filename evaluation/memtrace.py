@@ -1,7 +1,7 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
-measure() runs grpo.py's own step on a real policy (policy.load_policy, as grpo.setup builds it) twice and
-counts the second one, in memory.PHASES:
+measure() runs grpo.py's own step on a real policy (policy.load_policy, as grpo.setup builds it; the update is
+grpo.update, passed in) twice and counts the second one, in memory.PHASES:
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
@@ -17,9 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import grpo
-from training import credit, policy, rollout, signals
-from training.rollout import build_batch, take
+from training import credit, policy, rollout
+from training.rollout import build_batch
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
@@ -106,18 +105,17 @@ class cuda_peak:
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
+def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for grpo.setup, with grpo.py's own pieces in train()'s order: rollout.generate,
-    the separate credit pass or the fused one (token_logprobs under grpo.capturing, credit.assign),
-    old_logprobs, ref_logprobs, grpo_loss, backward, optimizer_step. One update iteration (the next ones
-    hold the same). Every response runs to max_new_tokens (the model's generation_config.min_new_tokens,
-    which keeps prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA:
-    torch.cuda.max_memory_allocated, and max_memory_reserved into `reserved` (a dict) where one is given."""
+    policy.load_policy builds for grpo.setup: rollout.generate, the separate credit pass if the signal needs
+    one, then `update` (grpo.update: grpo.py's own micro-batch loop, fused credit inside), which marks the
+    phases. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
+    prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: torch.cuda.max_memory_allocated,
+    and max_memory_reserved into `reserved` (a dict) where one is given."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
     model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, ref=ref, opt=opt, device=device, bad=0,
+    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device, bad=0,
                           autocast=policy.autocast(device))
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
@@ -128,45 +126,19 @@ def measure(cfg, prompt_tokens, device=None, seed=0, reserved=None) -> dict:
         model.eval()
         with torch.no_grad(), run.autocast:
             gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
-                                  share_prefix=cfg.share_prefix)
+                                   temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
+                                   share_prefix=cfg.share_prefix)
         tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
         resp, every = batch.response_mask[:, batch.prompt_width:], list(range(B))              # (B, R)
-        gamma = resp.float()                                                                   # (B, R)
+        gamma, scores = resp.float(), torch.zeros(resp.shape, device=device)                   # (B, R)
         if credit.separate_pass(cfg):
             tr.phase("credit")
             with torch.no_grad(), run.autocast:
                 gamma = credit.assign(model, tok, batch, adv, cfg).gamma
-        tr.phase("update forward")
-        old_logp = grpo.old_logprobs(run, batch, every)
-        model.train()
-        opt.zero_grad(set_to_none=True)
-        stats = {"loss": 0.0}
-        for s in range(0, B, cfg.micro_batch):
-            mb = every[s:s + cfg.micro_batch]
-            sub = take(batch, mb)
-            tr.phase("update forward")
-            with run.autocast, grpo.capturing(run, sub, 0) as cap:
-                logp, ent = grpo.token_logprobs(model, sub.input_ids, sub.attention_mask, sub.prompt_width,
-                                                cfg.logprob_chunk, cfg.share_prefix)
-            if not credit.separate_pass(cfg):
-                tr.phase("credit")
-                with torch.no_grad():
-                    c = credit.assign(model, tok, sub, adv[mb], cfg, signals.Captured(cap.attn, ent))
-                gamma[mb] = c.gamma
-                del c
-            tr.phase("backward")
-            old = logp.detach() if old_logp is None else old_logp[mb]
-            ref_logp = grpo.ref_logprobs(run, sub)
-            loss, _ = grpo.grpo_loss(logp, old, adv[mb], gamma[mb], resp[mb], cfg, B, ref_logp)
-            loss.backward()
-            stats["loss"] += loss.item()
-            del logp, ent, cap, loss, old, ref_logp
-        tr.phase("optimizer step")
-        grpo.optimizer_step(run, stats)
-        tr.phase(None)
+        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
+        update(run, batch, every, adv, gamma, scores, stats, tr.phase)
 
     step(SimpleNamespace(phase=lambda name: None))
     with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:

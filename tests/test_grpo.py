@@ -180,8 +180,12 @@ def test_smoke_train_resume_exactly(tmp_path):
     need = {"reward/mean", "reward/std", "acc", "frac_zero_std", "len/mean", "len/truncated_frac", "entropy",
             "clip/low", "clip/high", "clip/dual", "grad_norm", "credit/boosted_frac", "credit/ess_ratio",
             "credit/top10_adv_mass", "credit/fallback", "time/generate", "time/reward", "time/credit",
-            "time/update", "mem/peak_gb"}
+            "time/update", "time/step", "time/credit_share", "mem/peak_gb"}
     assert need <= set(rows[0])
+    for r in rows:                                       # the phases make up the step; the share is credit's
+        parts = r["time/generate"] + r["time/reward"] + r["time/credit"] + r["time/update"]
+        assert r["time/step"] == pytest.approx(parts) and r["time/update"] > 0
+        assert r["time/credit_share"] == pytest.approx(r["time/credit"] / r["time/step"])
     assert (b / "rollouts" / "step_00001.jsonl").exists() and (b / "curves.png").exists()
     # --resume runs step 3, and it equals step 3 of the uninterrupted run
     run(["--resume", str(b), "--steps", "3"], tmp_path)
@@ -299,3 +303,44 @@ def test_paper_batch_preset_equals_one_unsplit_update(tmp_path, monkeypatch):
     num = sum((da[k] - db[k]).pow(2).sum() for k in da).sqrt()
     assert num / sum(d.pow(2).sum() for d in db.values()).sqrt() < 1e-4
     assert max(d.abs().max() for d in da.values()) > 0
+
+
+# ----------------------------------------------------------------------------- phase timing on a GPU
+def fake_gpu():
+    """A fake device clock: kernels queue (`queue(s)` returns at once), a synchronize or any host sync
+    (`.item()` in the credit) waits until the queue is done."""
+    now, queued = [0.0], [0.0]
+
+    def sync():
+        now[0] += queued[0]
+        queued[0] = 0.0
+    return now, queued, sync
+
+
+def test_clock_charges_queued_gpu_work_to_the_phase_that_queued_it():
+    """The forward queues 5 s of kernels and returns; the fused credit's first host sync waits for them, then
+    runs 1 s of its own. Synchronizing at each mark charges update forward 5 s and credit 1 s; without it
+    (the clock before, host time alone) the forward's 5 s land in credit."""
+    from training import runlog
+    for synced, expect in ((True, {"update forward": 5.0, "credit": 1.0}),
+                           (False, {"update forward": 0.0, "credit": 6.0})):
+        now, queued, sync = fake_gpu()
+        clock = runlog.Clock(torch.device("cpu"), now=lambda: now[0], sync=sync if synced else lambda: None)
+        clock.phase("update forward")
+        queued[0] += 5.0                                    # the training forward, queued
+        clock.phase("credit")
+        sync()                                              # credit's first .item(): waits for the forward
+        now[0] += 1.0                                       # the credit's own second
+        clock.phase(None)
+        assert clock.seconds == expect
+
+
+def test_clock_synchronizes_on_cuda(monkeypatch):
+    from training import runlog
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
+    clock = runlog.Clock(torch.device("cuda"))
+    clock.phase("generation")
+    clock.phase(None)
+    assert len(calls) == 2 and set(clock.seconds) == {"generation"}
+    assert runlog.phase_times({"generation": 2.0, "credit": 1.0, "backward": 1.0})["time/credit_share"] == 0.25

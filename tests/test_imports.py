@@ -98,6 +98,12 @@ def test_root_holds_the_card_scripts_and_folders_their_modules():
         assert doc and len(init.read_text().strip().splitlines()) == 1, f"{init}: a one-line docstring"
 
 
+def test_no_folder_module_imports_an_entry_script():
+    graph = import_graph()
+    assert {"grpo", "training.policy", "evaluation.memtrace", "tasks.answers"} <= set(graph)
+    assert upward_imports(graph) == []
+
+
 def test_no_cycle_among_modules_or_folders():
     graph = import_graph()
     assert find_cycle(graph) == [], " -> ".join(find_cycle(graph))

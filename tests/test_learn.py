@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
+import grpo
 from evaluation import learn
+from evaluation import stats
 from evaluation.stats import paired_bootstrap, sign_test, t_interval
 from tasks.answers import last_number_equal
 
@@ -27,6 +29,61 @@ def test_t_interval_by_hand():
     m, h = t_interval([0.05, 0.15])                # sd = 0.0707, t_{0.975, 1} = 12.706
     assert m == pytest.approx(0.1) and h == pytest.approx(12.706 * math.sqrt(0.005) / math.sqrt(2), rel=1e-4)
     assert t_interval([0.4]) == (0.4, None)        # one seed: no interval
+
+
+def test_seed_test_by_hand():
+    # d = a - b over 3 seeds = 0.1, 0.2, 0.3: mean 0.2, sd 0.1, t = 0.2 / (0.1 / sqrt 3) = 3.464 on 2 df
+    r = stats.seed_test([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
+    assert r["diff"] == pytest.approx(0.2) and r["seeds"] == 3
+    h = 4.303 * 0.1 / math.sqrt(3)                                     # t_{0.975, 2} = 4.303 (a t table)
+    assert r["ci95"] == pytest.approx([0.2 - h, 0.2 + h], abs=1e-4)
+    assert r["p_t"] == pytest.approx(0.0742, abs=5e-4)                  # t table: P(|T_2| > 3.464)
+    # exact sign flips of (0.1, 0.2, 0.3): only +++ and --- reach |mean| 0.2: p = 2/8, the smallest there is
+    assert r["p_signflip"] == pytest.approx(2 / 8) and r["p_signflip_min"] == pytest.approx(2 / 8)
+    # (0.1, -0.2, 0.3): sums over the 8 sign patterns 0.6 0 0.2 -0.4 0.4 -0.2 0 -0.6; |sum| >= 0.2: six
+    assert stats.seed_test([0.1, -0.2, 0.3], [0, 0, 0])["p_signflip"] == pytest.approx(6 / 8)
+    four = stats.seed_test([1, 1, 1, 1], [0, 0, 0, 0])                 # four seeds can never go below 0.125
+    assert four["p_signflip"] == pytest.approx(0.125) == four["p_signflip_min"] and four["p_t"] is None
+    assert stats.seed_test([0.3], [0.1])["ci95"] is None                # one seed: no interval
+
+
+def test_the_seed_level_interval_widens_when_seeds_disagree():
+    """Same mean paired difference (+0.1) over 4 seeds x 200 questions: every seed +0.1, or seeds at +0.4,
+    -0.2, +0.3, -0.1. The seed-level intervals (t, two-level bootstrap) widen; the question-level bootstrap
+    (conditional on the trained models) barely moves: it cannot see seed variance."""
+    def arms(per_seed):                         # a right on the first 100 + 200 d_s questions, b on 100
+        a = np.array([[1] * int(100 + 200 * d) + [0] * int(100 - 200 * d) for d in per_seed])
+        return a, np.array([[1] * 100 + [0] * 100] * len(per_seed))
+    agree, disagree = arms([0.1] * 4), arms([0.4, -0.2, 0.3, -0.1])
+    width = lambda lo, hi: hi - lo  # noqa: E731
+    tl = [width(*stats.two_level(*x, n_boot=2000)[1:]) for x in (agree, disagree)]
+    qb = [width(*paired_bootstrap(*x, n_boot=2000)[1:3]) for x in (agree, disagree)]
+    st = [stats.seed_test(x[0].mean(1), x[1].mean(1)) for x in (agree, disagree)]
+    assert stats.two_level(*agree)[0] == pytest.approx(0.1) == stats.two_level(*disagree)[0]
+    assert tl[1] > 4 * tl[0] and width(*st[1]["ci95"]) > 0.5 and width(*st[0]["ci95"]) == 0
+    assert qb[1] < 1.5 * qb[0]
+
+
+def test_two_level_equals_a_hand_rolled_loop():
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 2, (3, 12)), rng.integers(0, 2, (3, 12))
+    d, lo, hi = stats.two_level(a, b, n_boot=300, seed=5)
+    draw, boot = np.random.default_rng(5), []
+    s_idx, q_idx = draw.integers(0, 3, size=(300, 3)), draw.integers(0, 12, size=(300, 3, 12))
+    for i in range(300):                        # seeds with replacement, then questions within each
+        boot.append(np.mean([np.mean([a[s][q] - b[s][q] for q in q_idx[i, j]]) for j, s in enumerate(s_idx[i])]))
+    assert d == pytest.approx((a - b).mean()) and (lo, hi) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+
+
+def test_seeds_needed_and_variance_parts_by_hand():
+    # half-width 0.05 at sd 0.1: t_16 2.120 * 0.1 / sqrt 17 = 0.0514 > 0.05; t_17 2.110 * 0.1 / sqrt 18 = 0.0497
+    assert stats.seeds_needed(0.1, half_width=0.05) == 18
+    assert stats.seeds_needed(1.0, delta=1.0) == 10       # effect size 1, 80% power, alpha 0.05: n = 10
+    assert stats.seeds_needed(1.0, delta=1e-3, cap=50) is None
+    v = stats.variance_parts([0.2, 0.4], 100)              # var 0.02; binomial mean(.16, .24) / 100 = 0.002
+    assert v["sd"] == pytest.approx(math.sqrt(0.02)) and v["binomial_sd"] == pytest.approx(math.sqrt(0.002))
+    assert v["training_sd"] == pytest.approx(math.sqrt(0.018))
+    assert stats.fmt_p(0.0, 10_000) == "< 1/10000" and stats.fmt_p(0.0412) == "0.0412" and stats.fmt_p(None) == "n/a"
 
 
 def test_sign_test_by_hand():
@@ -69,7 +126,7 @@ def test_lenient_is_the_last_number():
 
 # ----------------------------------------------------------------------------- the grid
 def run(argv, capsys):
-    learn.main(argv)
+    learn.main(argv, grpo)
     cap = capsys.readouterr()
     return cap.out + cap.err
 
@@ -85,8 +142,10 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
         assert r["seed"] == 0 and r["before"] == before["acc"] and [c[0] for c in r["curve"]] == [0, 2]
         assert [s for s, _ in r["reward"]] == [1, 2]                   # from the run's metrics.jsonl
         assert len(json.loads((out / "eval" / f"{arm}-s0" / "step00002.json").read_text())["greedy"]) == 4
+        assert [len(r["questions"][e]["greedy"]) for e in ("0", "2")] == [4, 4]   # per question, per evaluation
     assert res["summary"]["vs_none"]["flow"]["seeds"] == [0]
-    assert "flow - none" in (out / "learn.md").read_text() and (out / "learn.png").stat().st_size > 1000
+    md = (out / "learn.md").read_text()
+    assert "flow - none" in md and "not a test of the method" in md and (out / "learn.png").stat().st_size > 1000
     assert "skipped" not in first
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.parent != out)   # runs, eval, logs
     stamp = {p: p.stat().st_mtime_ns for p in files}
@@ -104,7 +163,7 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
                                                                        if p != killed}   # no grpo.py rerun
 
     with pytest.raises(SystemExit) as e:                               # another recipe, same out-dir
-        learn.main([*grid_args(out), "--lr", "1e-3"])
+        learn.main([*grid_args(out), "--lr", "1e-3"], grpo)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "holds a grid of another recipe" in err[0]
 
@@ -117,12 +176,12 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
     (["--", "--lr", "-1"], "recipe (grpo.py flags): --lr must be > 0"),
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3"),
     (["--", "--seed", "3"], "--seed: set by learn"),
-    (["--eval-k", "0"], "--eval-k must be >= 1"),
+    (["--eval-k", "-1"], "--eval-k must be >= 0"),
 ])
 def test_bad_grid_is_one_line(argv, says, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         learn.main([*argv, "--out-dir", str(tmp_path / "x")] if "--" not in argv else
-                   ["--out-dir", str(tmp_path / "x"), *argv])
+                   ["--out-dir", str(tmp_path / "x"), *argv], grpo)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error: ") and says in err[0]
     assert not (tmp_path / "x").exists()                               # nothing written, nothing loaded

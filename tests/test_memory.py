@@ -70,7 +70,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
     estimate: fp32 (the CPU path), bf16 + Kahan (the CUDA scheme, run on the CPU), and each flag that
     changes memory."""
     cfg = grpo.parse_args(SMALL + flags)
-    measured = memtrace.measure(cfg, 32, "cpu")
+    measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
     for phase in memory.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
@@ -80,7 +80,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
 def test_estimate_within_10_percent_at_the_issues_tiny_shape():
     """Shape (a) of issue 24: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
-    measured = memtrace.measure(cfg, 256, "cpu")
+    measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
     for phase in memory.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase

@@ -1,6 +1,7 @@
 """The log phase of grpo.py: what one GRPO step reports and keeps.
 
   step_metrics   one JSONL line of metrics per step (checkpoint.write_metrics appends it to metrics.jsonl)
+  Clock          seconds per phase of a step, synchronized on CUDA (time/*)
   credit_stats   OAR App. A.3's diagnostics of the credit: ESS ratio of gamma, top-10% mass of |A_t|
   save_rollouts  every rollout with its per-token text, answer mask, score and gamma (rollouts/step_N.jsonl)
   plot_curves    reward, accuracy, entropy and length against the step (curves.png)
@@ -21,6 +22,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,9 +31,9 @@ from tqdm import tqdm
 from training import checkpoint as ckpt_io
 
 
-def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
-    """One step's metrics. time/credit = the separate pass + the fused flow/shaping (the capture itself runs
-    inside the update's forward and is counted in time/update)."""
+def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, sec):
+    """One step's metrics; sec: Clock.seconds. time/credit = the separate pass + the fused flow/shaping (the
+    capture itself runs inside the update's forward and is counted in time/update)."""
     trained = (adv != 0) if run.cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)   # (B,)
     n_tok = resp.sum().clamp_min(1).item() * run.cfg.num_iterations
     ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
@@ -47,10 +49,33 @@ def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, t):
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
             "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
             **credit_stats(gamma, adv, on),
-            "time/generate": t[1] - t[0], "time/reward": t[2] - t[1],
-            "time/credit": t[3] - t[2] + stats["time/fused"],
-            "time/update": t[4] - t[3] - stats["time/fused"],
-            "time/step": t[4] - t[0], "mem/peak_gb": peak_memory_gb(run.device)}
+            **phase_times(sec), "mem/peak_gb": peak_memory_gb(run.device)}
+
+
+def phase_times(sec):
+    """time/* of a step from the clock's seconds per phase (grpo.update's phases make up time/update), and
+    the credit's share of the step (the paper's Table 6 puts FlowTracer at ~2% of a step)."""
+    update = sum(sec.get(k, 0.0) for k in ("update forward", "backward", "optimizer step"))
+    step = sum(sec.values())
+    return {"time/generate": sec.get("generation", 0.0), "time/reward": sec.get("reward", 0.0),
+            "time/credit": sec.get("credit", 0.0), "time/update": update, "time/step": step,
+            "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0}
+
+
+class Clock:
+    """Seconds per phase of a step. `phase(name)` ends the running phase and starts `name` (None: stop). On
+    CUDA each mark first waits for the queued kernels (torch.cuda.synchronize): a phase is charged its own GPU
+    time, not the time of the forward whose result its first host sync waits for."""
+    def __init__(self, device, now=time.perf_counter, sync=None):
+        self.sync = sync or (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+        self.now, self.seconds, self.name, self.t = now, {}, None, None
+
+    def phase(self, name):
+        self.sync()
+        t = self.now()
+        if self.name is not None:
+            self.seconds[self.name] = self.seconds.get(self.name, 0.0) + t - self.t
+        self.name, self.t = name, t
 
 
 def credit_stats(gamma, adv, on):
