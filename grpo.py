@@ -17,10 +17,6 @@ and gives the entropy from its own logits; then flow -> gamma -> loss -> backwar
 forward of their own (fai, gradient, correlation, OAR) and the batch-wide 80-20 rule run as a separate pass
 before the update.
 
-The loss divisor: seq-mean divides by the number of rows B in the update batch (with --dynamic-filter, the
-rows kept: groups with accuracy in [0.1, 0.95] and responses that ended with EOS; without it, every row,
-so all-equal groups, with A = 0, stay in B); token-mean divides by the response tokens of those rows.
-
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
     micro-batches stands in for data parallelism: --paper-batch (PAPER_BATCH) is the paper's 64 prompts x 8.
@@ -158,16 +154,16 @@ def train(cfg: Config, run=None) -> list:
         resp = batch.response_mask[:, batch.prompt_width:]                                           # (B, R)
         trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(B))  # departure 7
         gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)                    # (B, R)
-        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
+        fallback = 0                                                  # rows whose credit fell back to 1
         # ---------------------------------------------------------- credit (a separate pass, if needed)
         clock.phase("credit")
         if credit.separate_pass(cfg) and trained:
             with torch.no_grad(), run.autocast:
                 c = credit.assign(model, tok, take(batch, trained), adv[trained], cfg)                # (b, R)
             gamma[trained], scores[trained] = c.gamma, c.scores
-            stats["credit/fallback"] = int(c.fallback.sum())
+            fallback = int(c.fallback.sum())
         # ---------------------------------------------------------- update (fused credit inside, eq. 1-6)
-        update(run, batch, trained, adv, gamma, scores, stats, clock.phase)
+        stats = update(run, batch, trained, adv, gamma, scores, clock.phase, fallback)
         if run.bad == 0:
             run.sched.step()
         clock.phase(None)
@@ -180,11 +176,14 @@ def train(cfg: Config, run=None) -> list:
 
 
 # ----------------------------------------------------------------------------- policy math
-def update(run, batch, trained, adv, gamma, scores, stats, phase=lambda name: None):
+def update(run, batch, trained, adv, gamma, scores, phase=lambda name: None, fallback=0):
     """The update phase: micro-batches of the trained rows, each one forward (the fused credit reads its
     attention: flow -> gamma, eq. 1-6), the loss (eq. 5), backward; then the optimizer step. gamma, scores
     (B, R) are filled in place by the fused credit. `phase(name)` marks where each part begins (grpo.train's
-    clock; evaluation/memtrace.measure's memory tracker): one loop, what grpo.py runs is what is measured."""
+    clock; evaluation/memtrace.measure's memory tracker): what grpo.py runs is what is measured. Returns
+    the step's stats: loss, clip counts, entropies, credit fallbacks (+ `fallback`, of a separate pass)."""
+    stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [],
+             "credit/fallback": fallback}
     cfg, model, P = run.cfg, run.model, batch.prompt_width
     resp = batch.response_mask[:, P:]                                                            # (B, R)
     phase("update forward")
@@ -219,6 +218,7 @@ def update(run, batch, trained, adv, gamma, scores, stats, phase=lambda name: No
         if not optimizer_step(run, stats):                 # clip; a non-finite step is skipped
             break
     phase(None)
+    return stats
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -256,7 +256,8 @@ def grpo_loss(logp, old_logp, adv, gamma, mask, cfg, denom, ref_logp=None):
 
 
 def denominator(cfg, resp):
-    """The loss divisor of the whole batch: B rows (seq-mean) or its response tokens (token-mean)."""
+    """The loss divisor of the whole batch: B rows (seq-mean) or its response tokens (token-mean). B counts
+    the rows of the update batch: with --dynamic-filter the rows kept, without it every row (A = 0 too)."""
     return resp.shape[0] if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()
 
 

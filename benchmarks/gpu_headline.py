@@ -125,9 +125,8 @@ def update(run, tok, batch, signal):
     B, resp = batch.input_ids.shape[0], batch.response_mask[:, batch.prompt_width:]    # (B, R)
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
     gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)         # (B, R)
-    stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
     clock = runlog.Clock(run.device)
-    grpo.update(run, batch, list(range(B)), adv, gamma, scores, stats, clock.phase)
+    grpo.update(run, batch, list(range(B)), adv, gamma, scores, clock.phase)
     return sum(clock.seconds.values())
 
 

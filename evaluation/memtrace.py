@@ -137,8 +137,7 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None) -> d
             tr.phase("credit")
             with torch.no_grad(), run.autocast:
                 gamma = credit.assign(model, tok, batch, adv, cfg).gamma
-        stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
-        update(run, batch, every, adv, gamma, scores, stats, tr.phase)
+        update(run, batch, every, adv, gamma, scores, tr.phase)
 
     step(SimpleNamespace(phase=lambda name: None))
     with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:

@@ -131,3 +131,44 @@ def test_nothing_imports_an_old_flat_module_name():
                          text=True)
     hits = [h for h in out.stdout.splitlines() if "test_imports.py" not in h]
     assert hits == [], "\n".join(hits)
+
+
+def pickled_globals(path) -> set:
+    """(module, name) of every class or function that the pickle inside a torch.save file names."""
+    import pickletools
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add(tuple(strings[-2:]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def test_a_checkpoint_names_no_project_module(tmp_path):
+    """Why a checkpoint written before the move resumes after it: trainer_state.pt's pickle names only torch's
+    and Python's own classes (weights_only=True could load nothing else), the weights are safetensors, the
+    tokenizer and config files JSON. So no module path of this project is stored, old or new."""
+    import torch
+
+    import grpo
+    from training import checkpoint, models
+    model, tok = models.load_model("tiny-qwen3")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--out-dir", str(tmp_path / "run")])
+    checkpoint.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 3, cfg, 0)
+    names = pickled_globals(tmp_path / "ckpt" / "trainer_state.pt")
+    assert names and all(m.split(".")[0] in ("torch", "collections", "builtins", "_codecs") for m, _ in names)
+    project = set(OLD_NAMES) | SCRIPTS | set(FOLDERS)
+    for f in (tmp_path / "ckpt").rglob("*"):
+        if f.suffix in (".json", ".txt", "") and f.is_file():
+            assert not any(f"{m}." in f.read_text(errors="replace") for m in ("training", "evaluation", "tasks"))
+    assert not {m.split(".")[0] for m, _ in names} & project
