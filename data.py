@@ -65,8 +65,9 @@ def read_rows(path):
     with the file (missing, a directory, CSV, unreadable, not UTF-8, bad JSON, corrupt parquet) is a DataError
     naming it; an empty file yields nothing (load_task then says "no rows")."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
+    if not path.exists():        # a symlink loop or a dangling symlink does not exist either
+        raise DataError(f"{path}: " + (f"a symlink to {os.readlink(path)}, which cannot be read (a loop or a "
+                                       "missing file)" if path.is_symlink() else "no such file"))
     if not path.is_file():   # a directory; or a FIFO, device or socket, which open() would wait on forever
         raise DataError(f"{path}: " + ("a directory, not a data file" if path.is_dir() else
                                        "not a regular file (a FIFO, socket or device?); not read"))
@@ -272,10 +273,12 @@ def hub_rows(name, t, split):
         import datasets
         ds = datasets.load_dataset(hub, config, split=splits[split])
     except Exception as e:
-        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub "
-                        f"({type(e).__name__}: {e}). The hub may be unreachable: download the data and pass "
-                        f"load_task({name!r}, path='file.jsonl' or 'file.parquet'), or put it at "
-                        f"$FLOWTRACER_DATA/{t.local}/{split}.jsonl") from e
+        where = Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}.jsonl"
+        why = " ".join(str(e).split())[:300]                           # one line
+        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: "
+                        f"{why}). Offline: download its {split} split as JSONL or parquet and pass it with "
+                        f"--data-path FILE, or put it at {where} (eval.py reads it there; $FLOWTRACER_DATA "
+                        f"moves it)") from e
     return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
 
 

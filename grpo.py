@@ -376,8 +376,9 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
-CHOICES = {**credit.CHOICES, "dataset": data.TASKS, "prompt_style": ("auto", *data.STYLES), "device": ("auto", "cpu",
-           "cuda"), "loss_agg": ("seq-mean", "token-mean"), "optimizer": ("auto", "kahan", "adamw")}   # --help
+CHOICES = {**credit.CHOICES, "dataset": data.TASKS, "prompt_style": ("auto", *data.STYLES),   # closed sets
+           "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
+           "optimizer": ("auto", "kahan", "adamw")}
 PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
 
 

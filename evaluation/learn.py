@@ -1,5 +1,5 @@
-"""The learning experiment (issue 21): does GRPO training help on held-out questions, and does flow credit
-beat plain GRPO (flowtracer.txt Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
+"""The learning experiment: does GRPO training help on held-out questions, and does flow credit beat plain
+GRPO (the FlowTracer paper, Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
 
   grid       arm-seed (a, s) = `python grpo.py <recipe> --credit a --seed s --out-dir <out>/runs/<a>-s<s>`, a
              subprocess run in segments ending at the evaluation steps. Each segment continues the last with
@@ -30,7 +30,6 @@ Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --datase
 """
 import argparse
 import contextlib
-import dataclasses
 import io
 import json
 import shutil
@@ -52,7 +51,7 @@ from evaluation.probes import markdown, pyplot
 from evaluation.stats import paired_bootstrap, sign_test, t_interval
 from tasks.answers import last_number_equal
 from training import checkpoint as ckpt_io
-from training import policy, signals
+from training import flags, policy, signals
 from training.models import ModelError, load_model
 from training.rollout import generate
 from training.runlog import metric_series, peak_ema
@@ -60,7 +59,7 @@ from training.runlog import metric_series, peak_ema
 
 @dataclass
 class LearnConfig:
-    arms: str = "none,flow,random"     # credit signals (signals.SIGNALS names), comma-separated
+    arms: str = "none,flow,random"     # credit signals (grpo.py --credit values), comma-separated
     seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
     out_dir: str = "results/learn"     # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
@@ -349,12 +348,12 @@ def parse(argv, prog):
     """(config, recipe, arms, seeds), checked; Grid runs grpo.py's own checks (before any model loads)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False,
-                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe")
+    p = argparse.ArgumentParser(prog=f"{prog} learn", description=__doc__, allow_abbrev=False,
+                                usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
+                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
+                                formatter_class=flags.Formatter)
     p.error = lambda msg: fail(prog, msg)                              # one line, no usage block
-    for f in dataclasses.fields(LearnConfig):
-        flag = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **flag)
+    flags.add_fields(p, LearnConfig)
     ns, rest = p.parse_known_args(argv[:cut])
     cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
     arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]

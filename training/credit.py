@@ -360,7 +360,8 @@ SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
             **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
             "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel,
             "entropy-adv": shape_entropy_adv, "identity": shape_identity}
-CHOICES = {"credit": SIGNALS, "shaping": SHAPINGS, "credit_pass": ("fused", "separate"), "oar_outcome": OUTCOMES}
+CHOICES = {"credit": SIGNALS, "shaping": SHAPINGS, "credit_pass": ("fused", "separate"),   # for --help
+           "oar_outcome": OUTCOMES}
 BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
 
 

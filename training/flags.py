@@ -22,7 +22,14 @@ import tokenize
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs as written (the docstrings' own line breaks); "(default: X)" after each help."""
+    """Descriptions and epilogs as written (the docstrings' own line breaks); "(default: X)" after each help
+    that does not name its default already (or whose default is None: not set)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return text + ' (default: "")' if action.default == "" else super()._get_help_string(action)
 
 
 def section_key(text):
@@ -30,7 +37,8 @@ def section_key(text):
 
 
 def comments(cls):
-    """({field: help}, [(section title, [fields])]) from the source of cls and its dataclass bases."""
+    """({field: help}, [(section title, [fields])]) from the source of cls and its dataclass bases; the fields
+    before any section comment come last, under the title None."""
     helps, sections = {}, {}                          # key -> [title, fields], in the order of appearance
     for klass in [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]:       # the derived class first
         try:
@@ -56,7 +64,7 @@ def comments(cls):
                     section[1].append(name)
     placed = {n for _, fields in sections.values() for n in fields}
     rest = [f.name for f in dataclasses.fields(cls) if f.name not in placed]
-    return helps, [(t, f) for t, f in sections.values() if f] + ([("other flags", rest)] if rest else [])
+    return helps, [(t, f) for t, f in sections.values() if f] + ([(None, rest)] if rest else [])
 
 
 def flag(name):
@@ -72,13 +80,14 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, skip=())
     helps, sections = comments(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for title, names in sections:
-        group = parser.add_argument_group(title)
+        group = parser.add_argument_group(title) if title else parser         # no section: "options"
         for name in (n for n in names if n not in skip):
             f = fields[name]
             text = helps.get(name, "").replace("%", "%%")
             notes = [f"{label}: {p[name]}" for label, p in presets.items() if name in p]
             if suppress:
-                text += f" (default: {f.default if f.default != '' else chr(34) * 2}" + "".join(f"; {n}" for n in notes) + ")"
+                shown = f.default if f.default != "" else '""'
+                text += f" (default: {shown}" + "".join(f"; {n}" for n in notes) + ")"
             elif notes:
                 text += f" ({'; '.join(notes)})"
             kw = dict(default=argparse.SUPPRESS if suppress else f.default, help=text.strip())
@@ -95,15 +104,15 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, skip=())
 
 def commands(doc):
     """{name: (summary, description)} from a docstring's table of subcommands: a line `  name   text` starts
-    an entry (its text is the one-line summary), deeper-indented lines continue it (the description)."""
-    out, name, indent = {}, None, 0
+    an entry (its text is the one-line summary), the more-indented lines after it continue the description."""
+    out, name = {}, None
     for line in doc.splitlines():
-        m = re.match(r"^  ([a-z][\w-]*)(\s{2,})(\S.*)$", line)
+        m = re.match(r"^  ([a-z][\w-]*) {2,}(\S.*)$", line)
         if m:
-            name, indent = m.group(1), 2 + len(m.group(1)) + len(m.group(2))
-            out[name] = [m.group(3).strip(), m.group(3).strip()]
-        elif name and line.strip() and len(line) - len(line.lstrip()) >= indent:
-            out[name][1] += " " + line.strip()
+            name = m.group(1)
+            out[name] = [m.group(2).strip(), m.group(2).strip()]
+        elif name and line.startswith("   ") and line.strip():
+            out[name][1] += "\n" + line.strip()
         else:
             name = None
     return {k: tuple(v) for k, v in out.items()}
