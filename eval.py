@@ -269,6 +269,7 @@ def parse(argv=None):
         p = sub.add_parser(name, allow_abbrev=False, help=CMDS[name][0].replace("%", "%%"),
                            description=CMDS[name][1], formatter_class=flags.Formatter,
                            usage="%(prog)s [--flag VALUE ...]", **kw)
+        p.error = ap.error                                 # every error reads "eval.py: error: ..."
         return p.set_defaults(func=fn) or p
 
     def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):
@@ -334,13 +335,12 @@ def parse(argv=None):
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
     p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
     p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),
-                   help="answer forms to compare with answer-only (highflow.FORMS)")
+                   help="answer forms to compare with answer-only")
     p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
-    sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)     # listed; main hands it to learn.py
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
-    p.add_argument("--measure", action="store_true",
-                   help="also run one real step (GPU if present) and compare")
+    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)     # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
