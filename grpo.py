@@ -1,6 +1,6 @@
 """GRPO with FlowTracer token credit, on one device: rollout -> reward -> credit -> update -> log.
 
-Implements the training loop of the paper (flowtracer.txt §3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
+Implements the training loop of the FlowTracer paper (§3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3); each prompt read once
   reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
   credit    credit.assign: a signal (signals.py) and a shaping rule (credit.py) give gamma (B, R); the

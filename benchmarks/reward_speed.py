@@ -26,7 +26,7 @@ from tasks import (
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--n", type=int, default=1000)         # completions per reward
-# seconds allowed for the n math completions (the issue)
+# seconds allowed for the n math completions (the target)
 ap.add_argument("--budget", type=float, default=10.0)
 ap.add_argument("--seed", type=int, default=0)         # which completions are drawn
 args = ap.parse_args()
