@@ -378,14 +378,22 @@ def score(record, completion):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Print a few records, their prompts and a self-check.")
-    ap.add_argument("--task", default="arithmetic", choices=list(TASKS))  # which task
-    ap.add_argument("--split", default="test")                            # train | test
-    ap.add_argument("--path", default=None)                               # a local JSONL/parquet file
-    ap.add_argument("--limit", type=int, default=3)                       # how many records
-    ap.add_argument("--style", default="plain", choices=STYLES)           # prompt style (no tokenizer here)
+    ap = argparse.ArgumentParser(prog="data.py", allow_abbrev=False,
+                                 description="Print a few records of a task, their prompts, a self-check.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--task", default="arithmetic", choices=list(TASKS), help="which task")
+    ap.add_argument("--split", default="test", choices=["train", "test"], help="which split")
+    ap.add_argument("--path", default=None, help="a local JSONL/parquet file of the task instead")
+    ap.add_argument("--limit", type=int, default=3, help="how many records")
+    ap.add_argument("--style", default="plain", choices=STYLES, help="prompt style (no tokenizer here)")
     args = ap.parse_args()
-    for r in load_task(args.task, args.split, args.path, args.limit):
-        good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
-                else f"\\boxed{{{r['answer']}}}")
-        print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good), "\n")
+    if args.limit < 1:
+        ap.error("--limit must be >= 1")
+    try:                     # a bad --path, a split the task lacks, a style that does not fit: one line
+        for r in load_task(args.task, args.split, args.path, args.limit):
+            good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
+                    else f"\\boxed{{{r['answer']}}}")
+            print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good),
+                  "\n")
+    except ValueError as e:
+        ap.error(str(e))

@@ -81,11 +81,12 @@ def resolve_model(name):
         (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
     path = Path(name).expanduser()
     if looks_local and not path.exists():
-        fail(f"checkpoint {name!r} not found (a run directory, its ckpt/, a save_pretrained dir or a .gguf)")
+        fail(f"--model {ckpt_io.link_problem(path) or name + ': not found'} (give a run directory, its "
+             "ckpt/, a save_pretrained directory or a .gguf file)")
     if (path / "ckpt" / "config.json").is_file():
         return str(path / "ckpt")
     if path.is_dir() and not (path / "config.json").is_file():
-        fail(f"{name!r} is a directory without config.json: not a checkpoint")
+        fail(f"--model {name}: a directory without config.json, not a checkpoint or run directory")
     return str(path) if looks_local else name
 
 
@@ -123,7 +124,7 @@ def setup(args, task):
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
     except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
-        fail(f"cannot load model {args.model!r}: {e}")
+        fail(f"--model {args.model}: cannot be loaded: {e}")
     try:
         select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
     except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
@@ -230,8 +231,8 @@ def metrics_runs(args):
         fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
     runs = {}
     for p in args.metrics:
-        if not Path(p).is_file():
-            fail(f"metrics file {p!r} not found")
+        if ckpt_io.file_problem(p):                     # missing, a directory, a symlink loop or dangling
+            fail(f"--metrics {ckpt_io.file_problem(p)} (give a run's metrics.jsonl)")
         runs[Path(p).parent.name or p] = figures.metrics_rows(p)
         if not runs[Path(p).parent.name or p]:
             fail(f"empty result set: {p} has no metrics rows", 1)
@@ -326,8 +327,7 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
-    p.add_argument("--token", type=int, default=None,
-                   help="response position for inout (default: highest throughput)")
+    p.add_argument("--token", type=int, default=None, help="inout's response position (default: highest flow)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2,
                    help="top / bottom share per response for the token charts")

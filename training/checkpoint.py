@@ -260,6 +260,13 @@ def link_problem(path):
     return None
 
 
+def file_problem(path):
+    """Why `path` is not a file to read, as one sentence naming it, or None."""
+    p = Path(path)
+    return None if p.is_file() else link_problem(p) or f"{path}: " + ("a directory, not a file" if p.is_dir()
+                                                                       else "no such file")
+
+
 def dir_problem(out):
     """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front)."""
     if link_problem(out):

@@ -75,7 +75,7 @@ EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 @dataclass
 class CreditConfig:
     """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
-    # credit: the signal, the shaping rule and their knobs (signals.py, this file, oar.py)
+    # credit: the signal, the shaping rule and their knobs (training/credit.py)
     credit: str = "flow"               # signal: none | flow | random | entropy | attention | ... (signals.py)
     shaping: str = "topk"              # rule: topk | bottomk | raw | ... | bilevel | entropy-adv (SHAPINGS)
     credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
