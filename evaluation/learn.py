@@ -375,6 +375,7 @@ def parse(argv, prog):
                      (cfg.eval_task and cfg.eval_task.lower() not in data.TASKS,
                       f"--eval-task {cfg.eval_task}: unknown; tasks: {', '.join(data.TASKS)}"),
                      (not 0 < cfg.alpha <= 1, "--alpha must be in (0, 1]"),
+                     (ckpt_io.dir_problem(cfg.out_dir), f"--out-dir {ckpt_io.dir_problem(cfg.out_dir)}"),
                      *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
                        for k in ("eval_size", "eval_k", "eval_batch", "bootstrap"))):
         if bad:
