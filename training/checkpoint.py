@@ -274,7 +274,7 @@ def dir_problem(out):
     path = Path(out).absolute()
     there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
     if not there.is_dir():
-        return f"{out}: " + ("a file" if there == path else f"{there} is a file") + ", not a directory"
+        return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
     return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
 
 
