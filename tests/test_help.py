@@ -76,8 +76,8 @@ def test_every_flag_has_help_and_every_command_is_listed(name, monkeypatch):
 def test_grpo_help_shows_defaults_choices_and_groups(monkeypatch):
     text = " ".join(parser_of(monkeypatch, lambda: grpo.parse_args([])).format_help().split())   # unwrapped
     for s in ("--credit {none,flow", "(default: flow)", "--gamma FLOAT", "(default: 1.5)",
-              "(default: 500; no --model: 6)", "model and task:", "rollout (App. C.3):", "credit (", "update:",
-              "run:"):
+              "(default: 500; no --model: 6)", "model and task:", "rollout (App. C.3):", "credit (",
+              "update:", "run:"):
         assert s in text, s
     assert text.index("reward and advantages:") < text.index("--credit {") < text.index("update:")
     helps, _ = flags.comments(grpo.Config)

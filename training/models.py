@@ -206,7 +206,8 @@ def from_hub_or_dir(name, dtype, attn_implementation):
     local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
         what = ("a symlink that leads nowhere (a loop or a missing target)" if path.is_symlink() and not
-                path.exists() else "a file, not a model directory" if path.exists() else "no such model directory")
+                path.exists() else "a file, not a model directory" if path.exists() else
+                "no such model directory")
         raise ModelError(f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
                          f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})")
     try:
