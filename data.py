@@ -65,8 +65,9 @@ def read_rows(path):
     with the file (missing, a directory, CSV, unreadable, not UTF-8, bad JSON, corrupt parquet) is a DataError
     naming it; an empty file yields nothing (load_task then says "no rows")."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
+    if not path.exists():        # a symlink loop or a dangling symlink does not exist either
+        raise DataError(f"{path}: " + (f"a symlink to {os.readlink(path)}, which cannot be read (a loop or a "
+                                       "missing file)" if path.is_symlink() else "no such file"))
     if not path.is_file():   # a directory; or a FIFO, device or socket, which open() would wait on forever
         raise DataError(f"{path}: " + ("a directory, not a data file" if path.is_dir() else
                                        "not a regular file (a FIFO, socket or device?); not read"))
@@ -272,10 +273,12 @@ def hub_rows(name, t, split):
         import datasets
         ds = datasets.load_dataset(hub, config, split=splits[split])
     except Exception as e:
-        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub "
-                        f"({type(e).__name__}: {e}). The hub may be unreachable: download the data and pass "
-                        f"load_task({name!r}, path='file.jsonl' or 'file.parquet'), or put it at "
-                        f"$FLOWTRACER_DATA/{t.local}/{split}.jsonl") from e
+        where = Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}.jsonl"
+        why = " ".join(str(e).split())[:300]                           # one line
+        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: "
+                        f"{why}). Offline: download its {split} split as JSONL or parquet and pass it with "
+                        f"--data-path FILE, or put it at {where} (eval.py reads it there; $FLOWTRACER_DATA "
+                        f"moves it)") from e
     return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
 
 
@@ -375,14 +378,22 @@ def score(record, completion):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Print a few records, their prompts and a self-check.")
-    ap.add_argument("--task", default="arithmetic", choices=list(TASKS))  # which task
-    ap.add_argument("--split", default="test")                            # train | test
-    ap.add_argument("--path", default=None)                               # a local JSONL/parquet file
-    ap.add_argument("--limit", type=int, default=3)                       # how many records
-    ap.add_argument("--style", default="plain", choices=STYLES)           # prompt style (no tokenizer here)
+    ap = argparse.ArgumentParser(prog="data.py", allow_abbrev=False,
+                                 description="Print a few records of a task, their prompts, a self-check.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--task", default="arithmetic", choices=list(TASKS), help="which task")
+    ap.add_argument("--split", default="test", choices=["train", "test"], help="which split")
+    ap.add_argument("--path", default=None, help="a local JSONL/parquet file of the task instead")
+    ap.add_argument("--limit", type=int, default=3, help="how many records")
+    ap.add_argument("--style", default="plain", choices=STYLES, help="prompt style (no tokenizer here)")
     args = ap.parse_args()
-    for r in load_task(args.task, args.split, args.path, args.limit):
-        good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
-                else f"\\boxed{{{r['answer']}}}")
-        print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good), "\n")
+    if args.limit < 1:
+        ap.error("--limit must be >= 1")
+    try:                     # a bad --path, a split the task lacks, a style that does not fit: one line
+        for r in load_task(args.task, args.split, args.path, args.limit):
+            good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
+                    else f"\\boxed{{{r['answer']}}}")
+            print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good),
+                  "\n")
+    except ValueError as e:
+        ap.error(str(e))

@@ -1,15 +1,23 @@
 """Evaluation and the paper's experiments, one subcommand each; each writes <out>/<cmd>.json and .md.
 
-  bench      Tables 2-4: pass@1 (mean over n samples), unbiased pass@k, greedy accuracy (evaluation/stats.py)
-  intervene  Table 1 / App. E.1: mask 20% of the tokens before a random truncation point by flow (high, low)
-             or at random, regenerate, count answer changes and correctness reversals   (probes.py)
-  recall     OAR §5.1, Fig. 5a, 5b: recall@K% of the Oracle's causal tokens per credit signal (probes.py)
-  memory     the bytes of each phase of grpo.py's step and its peak (memory.py), from grpo.py's flags
-  plot       Fig. 2 (token heatmap of flow throughput, PNG + HTML), Fig. 7 (inflow / outflow of one token),
-             Fig. 3 (most frequent high- and low-flow tokens), training curves, peak-tracking EMA (figures.py)
-  learn      issue 21: credit arms x seeds of grpo.py runs, held-out gains with CIs, paired tests (learn.py)
-  answer-forms  Table 11a: overlap of the high-flow sets when a response's answer is rewritten in other
-             forms (full line, with explanation, multiple-choice)                              (highflow.py)
+  bench      pass@1 (mean over n samples), unbiased pass@k and greedy accuracy per benchmark (Tables 2-4)
+             Samples with the training settings of App. C.3 (departure 2); the formulas: evaluation/stats.py.
+  intervene  mask tokens by flow (high, low) or at random, regenerate, count changed answers (Table 1)
+             App. E.1: 20% of the tokens before a random truncation point are masked, the response is
+             regenerated, answer changes and correctness reversals are counted (evaluation/probes.py).
+  recall     recall@K% of the Oracle's causal tokens per credit signal (OAR §5.1, Fig. 5a, 5b)
+             A token is causal when replacing it by the next most probable token, then decoding greedily,
+             makes a correct answer wrong (OAR eq. 19); recall@K% = their share in a signal's top K%.
+  memory     the bytes of each phase of grpo.py's step and its peak, from grpo.py's flags
+             An estimate from the model's config (evaluation/memory.py); --measure also runs one step and
+             compares (evaluation/memtrace.py). Any grpo.py flag may follow memory's own.
+  plot       flow heatmap (Fig. 2), a token's inflow / outflow (Fig. 7), high-flow tokens (Fig. 3), curves
+             Fig. 2 draws the flow throughput of one response's tokens (PNG + HTML), Fig. 3 the most frequent
+             high- and low-flow tokens; curves draws --metrics runs with a peak-tracking EMA (figures.py).
+  learn      the learning experiment: credit arms x seeds of grpo.py runs, held-out gains, paired tests
+             Its own flags: `python eval.py learn --help` (evaluation/learn.py).
+  answer-forms  overlap of the high-flow sets when the answer is rewritten in other forms (Table 11a)
+             The forms: the full answer line, with an explanation, multiple-choice (evaluation/highflow.py).
 
 Formulas (pass@k: evaluation/stats.py):
   EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
@@ -52,10 +60,11 @@ import data
 from evaluation import figures, highflow, probes, stats
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
-from training import signals
+from training import flags, signals
 from training.models import ModelError, device_problem, load_model
 from training.rollout import generate
 
+CMDS = flags.commands(__doc__)   # {name: (summary, description)}: the subcommands' --help
 BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown",
               "crossthinkqa"]
 
@@ -72,11 +81,12 @@ def resolve_model(name):
         (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
     path = Path(name).expanduser()
     if looks_local and not path.exists():
-        fail(f"checkpoint {name!r} not found (a run directory, its ckpt/, a save_pretrained dir or a .gguf)")
+        fail(f"--model {ckpt_io.link_problem(path) or name + ': not found'} (give a run directory, its "
+             "ckpt/, a save_pretrained directory or a .gguf file)")
     if (path / "ckpt" / "config.json").is_file():
         return str(path / "ckpt")
     if path.is_dir() and not (path / "config.json").is_file():
-        fail(f"{name!r} is a directory without config.json: not a checkpoint")
+        fail(f"--model {name}: a directory without config.json, not a checkpoint or run directory")
     return str(path) if looks_local else name
 
 
@@ -114,7 +124,7 @@ def setup(args, task):
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
     except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
-        fail(f"cannot load model {args.model!r}: {e}")
+        fail(f"--model {args.model}: cannot be loaded: {e}")
     try:
         select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
     except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
@@ -144,9 +154,6 @@ def inputs(args, tok, style, sample=False):
 
 # ------------------------------------------------------------------- bench (Tables 2-4; evaluation/stats.py)
 def bench(args):
-    unknown = [b for b in args.benchmarks if b not in data.TASKS]
-    if unknown:
-        fail(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS} (and any data.TASKS name)")
     model, tok, _ = setup(args, args.benchmarks[0])
     ks, n = [k for k in args.ks if k <= args.n], args.n
     results, rows = {}, []
@@ -224,8 +231,8 @@ def metrics_runs(args):
         fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
     runs = {}
     for p in args.metrics:
-        if not Path(p).is_file():
-            fail(f"metrics file {p!r} not found")
+        if ckpt_io.file_problem(p):                     # missing, a directory, a symlink loop or dangling
+            fail(f"--metrics {ckpt_io.file_problem(p)} (give a run's metrics.jsonl)")
         runs[Path(p).parent.name or p] = figures.metrics_rows(p)
         if not runs[Path(p).parent.name or p]:
             fail(f"empty result set: {p} has no metrics rows", 1)
@@ -255,52 +262,60 @@ def memory_table(args):
 
 # ----------------------------------------------------------------------------- command line
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False,
+                                 epilog="eval.py CMD --help: its flags", formatter_class=flags.Formatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, title="commands", metavar="CMD")
+
+    def command(name, fn, **kw):                          # the summary and description: the docstring's table
+        p = sub.add_parser(name, allow_abbrev=False, help=CMDS[name][0].replace("%", "%%"),
+                           description=CMDS[name][1], formatter_class=flags.Formatter,
+                           usage="%(prog)s [--flag VALUE ...]", **kw)
+        p.error = ap.error                                 # every error reads "eval.py: error: ..."
+        return p.set_defaults(func=fn) or p
 
     def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):
-        p = sub.add_parser(name, allow_abbrev=False)
-        p.set_defaults(func=fn)
+        p = command(name, fn)
         p.add_argument("--out", default=f"results/{name}", help="output directory")
         p.add_argument("--seed", type=int, default=0, help="seed for sampling, truncation points, selections")
         if model:
             p.add_argument("--model", default="smollm2-135m",
                            help="any name grpo.py accepts, or a checkpoint directory")
-            p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+            p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
             p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                           help="default: models.py's")
+                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
                            help="prompt style (auto: as grpo.py)")
             if task:
-                p.add_argument("--task", default=task, help="a data.py task name")
+                p.add_argument("--task", default=task, choices=list(data.TASKS), help="the test split's task")
             p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split "
                            "(None: all); intervene, answer-forms: a seeded random sample, others: the first")
             p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
             p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate")
         if model and task:
-            p.add_argument("--layers", default="middle", help="flow graph's attention layers (select_layers)")
-            p.add_argument("--responses", default=None, help="JSONL of fixed responses {question, answer, "
-                           "response} instead of sampling (probes.load_responses)")
+            p.add_argument("--layers", default="middle",
+                           help="the flow graph's attention layers: middle, early, late, all or A:B")
+            p.add_argument("--responses", default=None,
+                           help="JSONL of fixed responses {question, answer, response} instead of sampling")
         return p
 
     p = cmd("bench", bench, task=None, max_new=1024)
-    p.add_argument("--benchmarks", nargs="+", default=BENCHMARKS, help="benchmark names")
+    p.add_argument("--benchmarks", nargs="+", default=BENCHMARKS, choices=list(data.TASKS), metavar="TASK",
+                   help=f"tasks: {', '.join(data.TASKS)}")
     p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
     p.add_argument("--ks", type=int, nargs="+", default=None, help="k values for pass@k, each <= n "
                    "(default: 1 2 4 8 16 up to n)")
     for flag, v in (("--temperature", 0.99), ("--top-p", 1.0), ("--top-k", 100)):
         p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3")
     p = cmd("intervene", intervene, problems=200)
-    p.add_argument("--temperature", type=float, default=0.7,
-                   help="App. E.1: responses and regeneration at T = 0.7")
+    p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses, regeneration at T")
     p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded)")
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
-                   help="signals.SIGNALS names to rank tokens by")
+                   choices=list(signals.SIGNALS), help="credit signals to rank tokens by")
     p.add_argument("--oar-outcomes", nargs="+", choices=probes.OUTCOMES,
                    default=[probes.CreditConfig.oar_outcome],
                    help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
@@ -312,8 +327,7 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
-    p.add_argument("--token", type=int, default=None,
-                   help="response position for inout (default: highest throughput)")
+    p.add_argument("--token", type=int, default=None, help="inout: response position (default: top flow)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2,
                    help="top / bottom share per response for the token charts")
@@ -321,13 +335,12 @@ def parse(argv=None):
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
     p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
     p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),
-                   help="answer forms to compare with answer-only (highflow.FORMS)")
+                   help="answer forms to compare with answer-only")
     p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
-    p = sub.add_parser("memory", allow_abbrev=False, help="grpo.py's step in memory; takes grpo.py's flags")
-    p.set_defaults(func=memory_table)
+    p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
-    p.add_argument("--measure", action="store_true",
-                   help="also run one real step (GPU if present) and compare")
+    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)     # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -365,15 +378,6 @@ def check_ranges(ap, args):
                           ("--out", getattr(args, "out", None) and ckpt_io.dir_problem(args.out))):
         if problem:                      # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")
-    if getattr(args, "task", None) is not None and args.task not in data.TASKS:
-        ap.error(f"--task {args.task}: unknown; tasks: {', '.join(data.TASKS)}")
-    unknown = [b for b in getattr(args, "benchmarks", None) or [] if b not in data.TASKS]
-    if unknown:
-        ap.error(f"--benchmarks {' '.join(unknown)}: unknown; known: {' '.join(BENCHMARKS)} "
-                 "(or a data.py task)")
-    unknown = [s for s in getattr(args, "signals", None) or [] if s not in signals.SIGNALS]
-    if unknown:
-        ap.error(f"--signals {' '.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}")
     try:                                 # the spec's syntax here; whether it fits the model's depth: setup
         select_layers(getattr(args, "layers", None), 1000)
     except ValueError as e:

@@ -1,6 +1,7 @@
 """FlowTracer: answer-targeted information flow on the attention DAG, and the credit it gives.
 
-Paper: "FlowTracer" (../shared/papers/flowtracer.txt), §3.1-3.3 and App. C.2.
+Paper (FlowTracer): "How Does Reasoning Flow? Tracing Attention-Induced Information Flow for Targeted RL in
+LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 and App. C.2.
 
     attention_graph   one no-grad forward pass -> head/layer-mean attention (§3.3, App. C.2)
     capture           the same maps, taken inside a forward that runs anyway (grpo.py's fused credit pass)

@@ -74,7 +74,7 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import capture, select_layers
-from training import credit, runlog, signals
+from training import credit, flags, runlog, signals
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, answer_token_range, build_batch, take
 
@@ -279,17 +279,18 @@ def parse_args(argv=None):
     """(ours, CreditConfig, GRPOConfig). Our flags and the credit flags as grpo.py spells them; the rest go
     to HfArgumentParser as GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...)."""
     p = argparse.ArgumentParser(prog="flowtracer_trl.py", description=__doc__.splitlines()[0],
-                                allow_abbrev=False, epilog="Any other flag is a trl.GRPOConfig field.")
+                                allow_abbrev=False, formatter_class=flags.Formatter,
+                                usage="%(prog)s [--flag VALUE ...] [trl.GRPOConfig flags]",
+                                epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
+                                       "--per-device-train-batch-size, ...: see TRL's GRPOConfig).")
     p.add_argument("--model", default="smollm2-135m", help="a models.py name, a local directory, a hub name")
-    p.add_argument("--dataset", default="arithmetic", help=f"a data.py task: {', '.join(data.TASKS)}")
+    p.add_argument("--dataset", default="arithmetic", choices=list(data.TASKS), help="a data.py task")
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
-    p.add_argument("--prompt-style", default="auto", help="auto | " + " | ".join(data.STYLES))
+    p.add_argument("--prompt-style", default="auto", choices=["auto", *data.STYLES], help="prompt style")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
     own = {"seed"}                       # --seed is GRPOConfig's
     fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
-    for f in fields:
-        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    flags.add_fields(p, credit.CreditConfig, credit.CHOICES, skip=own)        # help: the fields' comments
     args, rest = p.parse_known_args(argv)
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
     hf.set_defaults(**DEFAULTS)

@@ -1,6 +1,6 @@
 """GRPO with FlowTracer token credit, on one device: rollout -> reward -> credit -> update -> log.
 
-Implements the training loop of the paper (flowtracer.txt §3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
+Implements the training loop of the FlowTracer paper (§3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3); each prompt read once
   reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
   credit    credit.assign: a signal (signals.py) and a shaping rule (credit.py) give gamma (B, R); the
@@ -58,7 +58,7 @@ from tqdm import tqdm
 import data
 from flowtracer import capture
 from training import checkpoint as ckpt_io
-from training import credit, policy, runlog, signals
+from training import credit, flags, policy, runlog, signals
 from training.policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
 from training.rollout import build_batch, generate, take
 
@@ -87,6 +87,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     dynamic_filter: bool = False       # App. C.3: groups with accuracy in [low, high], no cut-off responses
     filter_low: float = 0.1            # App. C.3
     filter_high: float = 0.95          # App. C.3
+    # credit (inherited from training/credit.py's CreditConfig)
     # update
     lr: float = 1e-6                   # App. C.3
     optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) on CUDA, adamw (fp32) on CPU
@@ -111,7 +112,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     rollouts_every: int = 10           # save rollouts with per-token credit every N steps
     max_bad_steps: int = 3             # stop after this many consecutive NaN/inf steps
     resume: str = ""                   # a run directory (or its ckpt/) to continue from
-    allow_config_change: bool = False  # let --resume change flags that change the run (ckpt_io.BOOKKEEPING)
+    allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
 # Departure 5: the embedded default runs on a CPU in minutes. Applied when --model is not given;
@@ -367,13 +368,11 @@ def check(cfg):
 
 
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(prog="grpo.py", description="GRPO with FlowTracer credit", allow_abbrev=False)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            p.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(prog="grpo.py", usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0], epilog=__doc__[__doc__.index("Run:"):],
+                                formatter_class=flags.Formatter)
+    flags.add_fields(p, Config, CHOICES, suppress=True,
+                     presets={"no --model": EMBEDDED, "paper models": PAPER, "--paper-batch": PAPER_BATCH})
     given = vars(p.parse_args(argv))                     # unknown flags are errors
     try:
         if given.get("resume"):                          # the saved run's config, then the flags given now
@@ -392,6 +391,9 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
+CHOICES = {**credit.CHOICES, "dataset": data.TASKS, "prompt_style": ("auto", *data.STYLES),   # closed sets
+           "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
+           "optimizer": ("auto", "kahan", "adamw")}
 PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
 
 

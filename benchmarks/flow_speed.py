@@ -60,10 +60,13 @@ def time_loop(attn, q, a, budget_s=20.0):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])  # T values to time
-    p.add_argument("--device", default="cpu")                                  # cpu or cuda
+    p = argparse.ArgumentParser(prog="flow_speed.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="lengths T to time")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the vectorised flow runs")
     args = p.parse_args()
+    if min(args.sizes) < 2:
+        p.error("--sizes must be >= 2")
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}")
     print(f"{'T':>6} {'fast (s)':>10} {'loop (s)':>12} {'loop run at T':>14} {'speed-up':>10}")
     for T in args.sizes:

@@ -18,7 +18,7 @@ are not counted): s/step (wall time of one optimizer step: generation, reward, c
 tokens/s (tokens generated in the step / s/step), the credit's own seconds (time/credit of grpo.py and
 flowtracer_trl.py), the rows with A != 0 per step (the rows whose update is not zero: grpo.py's rows/trained,
 TRL's rows outside zero-std groups), and s/step / s/step of trl:stock; then grpo:flow / trl:flow.
-The issue's goals: grpo:flow <= 0.55x trl:stock, and trl:flow <= 1.05x trl:stock.
+The targets: grpo:flow <= 0.55x trl:stock, and trl:flow <= 1.05x trl:stock.
 --every-row-trained swaps the verifier for a toy reward that varies in every group (the fraction of digits),
 so that every row has A != 0 and is credited: the worst case for the credit's cost, in both engines.
 

@@ -21,12 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from tasks import answers, countdown  # noqa: E402
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("--n", type=int, default=1000)         # completions per reward
-# seconds allowed for the n math completions (the issue)
-ap.add_argument("--budget", type=float, default=10.0)
-ap.add_argument("--seed", type=int, default=0)         # which completions are drawn
+ap = argparse.ArgumentParser(prog="reward_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False,
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+ap.add_argument("--n", type=int, default=1000, help="completions per reward")
+ap.add_argument("--budget", type=float, default=10.0, help="seconds allowed for n math completions")
+ap.add_argument("--seed", type=int, default=0, help="which completions are drawn")
 args = ap.parse_args()
+if args.n < 1 or not args.budget > 0:
+    ap.error("--n must be >= 1 and --budget > 0")
 rng = random.Random(args.seed)
 
 

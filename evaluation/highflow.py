@@ -16,8 +16,8 @@ Per answer format (FORMATS, answer_format): the responses grouped by how they gi
 
 Departures (numbered):
  1. The paper compares formats of one model prompted for each (its Acc. column differs per format) and does
-    not say how it pairs the tokens of different responses. Here one response is rewritten into each form (the
-    issue's protocol), so the reasoning tokens are the same tokens and the sets compare position by position;
+    not say how it pairs the tokens of different responses. Here one response is rewritten into each form (our
+    protocol), so the reasoning tokens are the same tokens and the sets compare position by position;
     no accuracy per form is measured. Top-100% is then 1 by construction (a check, not a finding).
     Table 11a's Acc. column is given per answer format instead (departure 4).
  2. The forms, our reading of the row names: answer-only "a"; full line "The final answer is a."; with

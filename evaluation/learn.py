@@ -34,7 +34,6 @@ Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --datase
 """
 import argparse
 import contextlib
-import dataclasses
 import io
 import json
 import shutil
@@ -56,7 +55,7 @@ from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, 
                               two_level, variance_parts)
 from tasks.answers import last_number_equal
 from training import checkpoint as ckpt_io
-from training import policy, signals
+from training import flags, policy, signals
 from training.models import ModelError, load_model
 from training.rollout import generate
 from training.runlog import metric_series
@@ -64,7 +63,7 @@ from training.runlog import metric_series
 
 @dataclass
 class LearnConfig:
-    arms: str = "none,flow,random"     # credit signals (signals.SIGNALS names), comma-separated
+    arms: str = "none,flow,random"     # credit signals (grpo.py --credit values), comma-separated
     seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
     out_dir: str = "results/learn"     # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
@@ -398,12 +397,12 @@ def parse(argv, prog):
     """(config, recipe, arms, seeds), checked; Grid runs grpo.py's own checks (before any model loads)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], allow_abbrev=False,
-                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe")
+    p = argparse.ArgumentParser(prog=f"{prog} learn", description=__doc__, allow_abbrev=False,
+                                usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
+                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
+                                formatter_class=flags.Formatter)
     p.error = lambda msg: fail(prog, msg)                              # one line, no usage block
-    for f in dataclasses.fields(LearnConfig):
-        flag = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **flag)
+    flags.add_fields(p, LearnConfig)
     ns, rest = p.parse_known_args(argv[:cut])
     cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
     arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
@@ -425,6 +424,7 @@ def parse(argv, prog):
                      (cfg.eval_task and cfg.eval_task.lower() not in data.TASKS,
                       f"--eval-task {cfg.eval_task}: unknown; tasks: {', '.join(data.TASKS)}"),
                      (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
+                     (ckpt_io.dir_problem(cfg.out_dir), f"--out-dir {ckpt_io.dir_problem(cfg.out_dir)}"),
                      *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
                        for k in ("eval_size", "eval_batch", "bootstrap"))):
         if bad:

@@ -22,7 +22,8 @@ Numbers (the rule, both directions tested in tests/test_reliability.py):
 Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
 thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
 timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
-rejects those first (they score 0 even if equal). A parse that comes back empty (math-verify's answer to a
+rejects those first. No guard makes an answer wrong by itself: stopped, the check still counts the same
+string (up to spaces) as equal, and only that. A parse that comes back empty (math-verify's answer to a
 timeout, as to an unparseable string) is never cached: one slow moment under load must not zero a problem
 for the rest of a run.
 
@@ -154,7 +155,7 @@ def math_verify_equal(gold, pred, timeout):
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
     exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
     if any(size(x) > MAX_DIGITS for x in exprs):
-        return squash(gold) == squash(pred)   # too big to evaluate: only the same string is equal
+        return same_string(gold, pred)        # too big to evaluate: only the same string is equal
     undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]   # 0/0, 1/0; or a misparse (\gamma^{2})
     try:               # sympy's evaluations under the timeout
         if any(alarm(timeout)(false_equation)(x) for x in exprs):
@@ -167,24 +168,29 @@ def math_verify_equal(gold, pred, timeout):
         if g and p and "%" not in gold + pred:   # (percentages: math-verify's rule, 9\% == 9 == 0.09)
             same = alarm(timeout)(numbers_equal)(g[0], p[0])   # two numbers: ours, not 6 decimals
     except (Exception, TimeoutException):                      # TimeoutException is a BaseException
-        return False
+        return same_string(gold, pred)                         # unchecked: only the same string is equal
     if same is not None:
         return same
     return verify(g, p, float_rounding=FLOAT_DIGITS, timeout_seconds=timeout)
 
 
 def equivalent(gold, pred):
-    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout. Never raises:
-    an error of the parser or of Decimal is "not equal"."""
+    """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout. Never raises.
+    The guards (length, size, timeout, an error of the parser or of Decimal) only decline to prove different
+    strings equal: the same string (up to spaces, squash) stays equal whatever stops the check."""
     try:
         return compare(gold, pred)
     except Exception:
-        return False
+        return same_string(gold, pred)
+
+
+def same_string(gold, pred):
+    return isinstance(gold, str) and isinstance(pred, str) and squash(gold) == squash(pred)
 
 
 def compare(gold, pred):
     if len(gold) > MAX_ANSWER_CHARS or len(pred) > MAX_ANSWER_CHARS:   # the limit first: no pattern runs on
-        return squash(pred) == squash(gold)                            # a long string; compared as strings
+        return same_string(gold, pred)                                 # a long string; compared as strings
     if not_finite(gold) or not_finite(pred):  # not a number: equals nothing, not itself
         return False
     g, p = number(gold), number(pred)
@@ -199,12 +205,12 @@ def compare(gold, pred):
     def work():
         try:
             box.append(math_verify_equal(gold, pred, None))
-        except Exception:  # leaves box empty: not equal
+        except Exception:  # leaves box empty: the same string only
             pass
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
     worker.join(4 * TIMEOUT_S)  # one parse each for gold and pred, the comparison, and slack
-    return bool(box and box[0])
+    return bool(box[0]) if box else same_string(gold, pred)      # timed out: only the same string is equal
 
 
 # ----------------------------------------------------------------------------- where the answer is

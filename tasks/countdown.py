@@ -219,6 +219,16 @@ def generate(n, split="train", seed=0):
 
 
 if __name__ == "__main__":
-    for p in generate(5, "test", seed=0):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m tasks.countdown", allow_abbrev=False,
+                                 description="Print generated Countdown problems, a solution, its reward.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--n", type=int, default=5, help="how many problems")
+    ap.add_argument("--split", default="test", choices=["train", "test"], help="which split")
+    ap.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    args = ap.parse_args()
+    if args.n < 1:
+        ap.error("--n must be >= 1")
+    for p in generate(args.n, args.split, seed=args.seed):
         print(p["nums"], "->", p["target"], ":", p["solution"],
               reward(f"<answer>{p['solution']}</answer>", p))

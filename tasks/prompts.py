@@ -21,7 +21,7 @@ Prompt styles, and the model families that use them (default_style):
   Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...".
 
 Departures (numbered; data.py goes on from 4):
-  1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (the issue's choice,
+  1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (our choice,
      the Qwen math convention and the shape of the App. C.3 exemplars).
   2. App. C.3's second exemplar lost its line breaks in the PDF; it is laid out like the first.
   3. "fewshot3" adds a third exemplar, ours (EXTRA_EXEMPLAR), for SmolLM2 only: a one-step problem in the

@@ -1,4 +1,4 @@
-"""The papers' baselines under the papers' names (issue: paper fidelity): FlowTracer Table 2's Gradient and
+"""The papers' baselines under the papers' names (paper fidelity): FlowTracer Table 2's Gradient and
 Correlation signals, OAR's Random Credit (--shaping identity), OAR's AS-Joint outcome, and Fig. 6's layer
 presets.
 Each against a direct reference on the tiny random models."""

@@ -112,7 +112,7 @@ def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
         raise ConnectionError("no network")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setenv("FLOWTRACER_DATA", str(tmp_path))
-    with pytest.raises(DataError, match=r"BytedTsinghua-SIA/DAPO-Math-17k.*unreachable.*path="):
+    with pytest.raises(DataError, match=r"BytedTsinghua-SIA/DAPO-Math-17k.*Offline: .* --data-path FILE"):
         load_task("dapo-math-17k", "train")
 
 

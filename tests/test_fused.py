@@ -1,4 +1,4 @@
-"""The fused credit pass and the one-pass on-policy update equal their two-pass references (issue: one forward
+"""The fused credit pass and the one-pass on-policy update equal their two-pass references (one forward
 for loss and credit). Tiny random Qwen3 / Llama in fp32 on the CPU, gradient checkpointing on and off."""
 import dataclasses
 import zlib

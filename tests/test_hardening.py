@@ -1,4 +1,4 @@
-"""Issue 22: hostile or malformed input gets one clear line and exit 2, never code execution, a traceback, a
+"""Hardening: hostile or malformed input gets one clear line and exit 2, never code execution, a traceback, a
 hang or a wrong score. One section per finding; each test failed before its fix.
 
   1-4   checkpoints and the run directory: a crafted trainer_state.pt runs no code, two runs never share an
@@ -248,7 +248,7 @@ def test_a_full_disk_while_logging_names_the_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 5-7. rewards
-MATH = [  # (gold, \boxed{} content, reward): the issue's wrong answers, then neighbours that stay right
+MATH = [  # (gold, \boxed{} content, reward): wrong answers a probe found, then neighbours that stay right
     ("1, 100", "1100", 0), ("12", "1 2", 0), ("6", "5 = 6", 0), (r"\frac{0}{0}", r"\frac{0}{0}", 0),
     ("6", "y = 5 = 6", 0), ("1", "1e99999999999999999999", 0), ("1e99999999999999999999", "1", 0),
     ("0", r"\frac{1}{0}", 0), ("1100", "1 100", 0),

@@ -78,7 +78,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
 
 
 def test_estimate_within_10_percent_at_the_issues_tiny_shape():
-    """Shape (a) of issue 24: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
+    """The first GPU memory target shape: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
     est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
@@ -191,7 +191,7 @@ def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
 
 
 def test_autocast_caches_a_bf16_copy_of_each_weight_for_the_region():
-    """The issue's question: inside one autocast region the bf16 casts of fp32 leaf weights stay alive
+    """The question: inside one autocast region the bf16 casts of fp32 leaf weights stay alive
     (here on the CPU; CUDA's autocast uses the same cache), so generation under autocast holds them all."""
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     cast = sum(p.numel() for p in model.parameters() if p.ndim == 2 and p is not model.model.embed_tokens.weight)
@@ -231,7 +231,7 @@ def cumulative_updates(steps=20, lr=1e-6):
 
 def test_kahan_keeps_lr_1e6_updates_and_plain_bf16_loses_them():
     rel = cumulative_updates()
-    assert rel["kahan"] < 0.05                                            # the issue's bar
+    assert rel["kahan"] < 0.05                                            # the bar: within 5%
     assert rel["bf16"] > 0.5                                              # rounding drops the update
 
 

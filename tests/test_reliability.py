@@ -435,3 +435,32 @@ def test_a_trainer_state_of_another_kind_names_the_file(tmp_path, tiny_state):
     other_sched = torch.optim.lr_scheduler.LambdaLR(other, lambda _: 1)
     with pytest.raises(ValueError, match=r"trainer_state\.pt: does not fit"):
         ckpt_io.load_checkpoint(tmp_path / "ckpt", other, other_sched)
+
+
+# ----------------------------------------------------------------------------- guards never fail the same string
+LONG = " + ".join(f"x_{{{i}}}" for i in range(100))[:600]          # ~600 characters with spaces
+
+
+def test_identical_long_answers_are_equal():
+    from tasks import answers
+    assert len(LONG) > answers.MAX_ANSWER_CHARS and " " in LONG
+    assert answers.equivalent(LONG, LONG) and answers.equivalent(LONG, LONG.replace(" ", "  "))
+    assert not answers.equivalent(LONG, LONG[:-1] + "9")                # a guard never proves different ones
+
+
+def test_a_stopped_check_keeps_the_same_string_equal(monkeypatch):
+    """Whatever stops the check (a timeout in this thread or in the worker thread, a parser error), the same
+    string stays equal and a different one is not proven equal."""
+    import threading
+    from tasks import answers
+    s = LONG[:400]
+    monkeypatch.setattr(answers, "false_equation", lambda e: (_ for _ in ()).throw(TimeoutError("slow")))
+    assert answers.equivalent(s, s) and not answers.equivalent(s, s + "+1")
+    monkeypatch.setattr(answers, "TIMEOUT_S", 1e-4)                       # the worker thread's wait runs out
+    out = []
+    t = threading.Thread(target=lambda: out.append((answers.equivalent(s, s), answers.equivalent(s, s + "+1"))))
+    t.start()
+    t.join()
+    assert out == [(True, False)]
+    monkeypatch.setattr(answers, "compare", lambda g, p: 1 / 0)         # an error anywhere in the check
+    assert answers.equivalent(s, s) and not answers.equivalent(s, s + "+1")

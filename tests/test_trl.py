@@ -226,7 +226,7 @@ def test_rows_without_advantage_get_gamma_1_and_the_pass_still_runs(tmp_path, mo
 
 @pytest.mark.parametrize("flags, says", [(["--top-frac", "2"], "--top-frac must be in (0, 1]"),
                                          (["--num-generations", "1"], "at least 2 generations"),
-                                         (["--dataset", "nope"], "--dataset must be one of"),
+                                         (["--dataset", "nope"], "--dataset: invalid choice"),
                                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag")])
 def test_bad_flags_are_one_line_and_exit_2(flags, says, capsys):
     with pytest.raises(SystemExit) as e:

@@ -129,6 +129,9 @@ def complete(d):
 def find_checkpoint(resume):
     """--resume takes a run directory or its ckpt/ folder: the first complete of ckpt, ckpt.tmp, ckpt.old."""
     base = Path(resume)
+    problem = link_problem(base) or (f"{resume}: a file, not a run directory" if base.is_file() else None)
+    if problem:
+        raise RunError(f"--resume {problem}")
     roots = [base / "ckpt", base] if base.name != "ckpt" else [base]
     for root in roots:
         for d in (root, root.with_name(root.name + ".tmp"), root.with_name(root.name + ".old")):
@@ -243,12 +246,35 @@ def unlock_out_dir(out):
         f.close()                # closing the file releases the lock
 
 
+def link_problem(path):
+    """A symlink loop or a dangling symlink on the way to `path` (it or a parent): one sentence, or None."""
+    for p in (Path(path), *Path(path).parents):
+        if p.is_symlink() and not p.exists():
+            try:
+                os.stat(p)
+                continue                                                   # created meanwhile: fine
+            except OSError as e:
+                why = "a symlink loop" if e.errno == errno.ELOOP else \
+                    f"a symlink to {os.readlink(p)}, which does not exist"
+            return f"{path}: {why}" if p == Path(path) else f"{path}: {p} is {why}"
+    return None
+
+
+def file_problem(path):
+    """Why `path` is not a file to read, as one sentence naming it, or None."""
+    p = Path(path)
+    return None if p.is_file() else link_problem(p) or f"{path}: " + ("a directory, not a file" if p.is_dir()
+                                                                       else "no such file")
+
+
 def dir_problem(out):
     """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front)."""
+    if link_problem(out):
+        return link_problem(out)
     path = Path(out).absolute()
     there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
     if not there.is_dir():
-        return f"{out}: {there} is a file, not a directory"
+        return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
     return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
 
 
@@ -256,7 +282,9 @@ def check_out_dir(out, resume, overwrite):
     """Lock out_dir (lock_out_dir); then a new run never silently replaces an old one: an out_dir holding
     metrics or a checkpoint needs --resume (continue it) or --overwrite (delete it first). RunError naming
     both flags otherwise."""
-    out = Path(out)
+    out, problem = Path(out), dir_problem(out)
+    if problem:                  # a file, a symlink loop, a dangling link, no write permission: one line
+        raise RunError(f"--out-dir {problem}")
     lock_out_dir(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:

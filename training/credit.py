@@ -75,6 +75,7 @@ EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 @dataclass
 class CreditConfig:
     """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
+    # credit: the signal, the shaping rule and their knobs (training/credit.py)
     credit: str = "flow"               # signal: none | flow | random | entropy | attention | ... (signals.py)
     shaping: str = "topk"              # rule: topk | bottomk | raw | ... | bilevel | entropy-adv (SHAPINGS)
     credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
@@ -359,6 +360,8 @@ SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
             **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
             "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel,
             "entropy-adv": shape_entropy_adv, "identity": shape_identity}
+CHOICES = {"credit": SIGNALS, "shaping": SHAPINGS, "credit_pass": ("fused", "separate"),   # for --help
+           "oar_outcome": OUTCOMES}
 BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
 
 

@@ -205,7 +205,11 @@ def looks_local(name):
 def from_hub_or_dir(name, dtype, attn_implementation):
     local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
-        raise ModelError(f"{name}: no such model directory" + (" (it is a file)" if path.is_file() else ""))
+        what = ("a symlink that leads nowhere (a loop or a missing target)" if path.is_symlink() and not
+                path.exists() else "a file, not a model directory" if path.exists() else
+                "no such model directory")
+        raise ModelError(f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
+                         f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})")
     try:
         model = AutoModelForCausalLM.from_pretrained(path if local else name, dtype=dtype,
                                                      attn_implementation=attn_implementation)
@@ -213,7 +217,8 @@ def from_hub_or_dir(name, dtype, attn_implementation):
     except Exception as e:        # corrupted weights, a missing config, no network: one message naming it
         where = (f"the directory {name}" if local else
                  f"the Hugging Face hub ({name!r}: no local directory of that name; unreachable offline?)")
-        raise ModelError(f"could not load the model from {where}: {type(e).__name__}: {str(e)[:300]}. "
+        why = " ".join(str(e).split())[:300]                                  # one line
+        raise ModelError(f"could not load the model from {where}: {type(e).__name__}: {why}. "
                          f"Pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
                          f"({SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
     return model, tok
@@ -247,7 +252,9 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     elif name == "smollm2-135m" or str(name).endswith(".gguf"):
         path = smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
         if not path.is_file():
-            raise ModelError(f"{path}: no such GGUF file")
+            raise ModelError(f"--model {path}: " + ("a symlink that leads nowhere" if path.is_symlink() and
+                             not path.exists() else "a directory, not a .gguf file" if path.is_dir() else
+                             "no such file"))
         model, tok = load_gguf(path, attn_implementation)
     else:
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)

@@ -1,4 +1,6 @@
-"""Outcome-grounded token importance: OAR-P and OAR-G (OAR paper, ../shared/papers/oar.txt, §3.1-3.2, §6.2).
+"""Outcome-grounded token importance: OAR-P and OAR-G (§3.1-3.2, §6.2 of the OAR paper: "Outcome-Grounded
+Advantage Reshaping for Fine-Grained Credit Assignment in Mathematical Reasoning", Li, Kang et al., ACL 2026;
+arXiv 2601.07408).
 
 Both ask how much a response token moves the model's *outcome* phi(x, y) (OAR §6.2, cfg.oar_outcome):
 

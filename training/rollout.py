@@ -306,7 +306,9 @@ def take(batch: Batch, rows) -> Batch:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m training.rollout", description=__doc__.splitlines()[0] +
+                                 " Samples a few responses to one prompt.", allow_abbrev=False,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="a name accepted by load_model")
     ap.add_argument("--prompt", default="What is 12 * 7?", help="user message, wrapped by the chat template")
     ap.add_argument("--n", type=int, default=2, help="samples per prompt")
@@ -314,8 +316,13 @@ if __name__ == "__main__":
     ap.add_argument("--greedy", action="store_true", help="argmax decoding instead of App. C.3 sampling")
     ap.add_argument("--seed", type=int, default=0, help="torch global seed")
     args = ap.parse_args()
+    if min(args.n, args.max_new_tokens) < 1:
+        ap.error("--n and --max-new-tokens must be >= 1")
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model)
+    try:
+        model, tok = load_model(args.model)
+    except (ValueError, OSError, ImportError) as e:            # models.ModelError names the file
+        ap.error(str(e))
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                    add_generation_prompt=True)
     g = generate(model, tok, [text], n=args.n, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
