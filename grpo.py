@@ -1,6 +1,7 @@
 """GRPO with FlowTracer token credit, on one device: rollout -> reward -> credit -> update -> log.
 
-Implements the training loop of the FlowTracer paper (§3.3, eq. 5-6, App. A.2 eq. 10-11, App. C):
+Implements the training loop of the FlowTracer paper ("How Does Reasoning Flow?", §3.3, eq. 5-6, App. A.2
+eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3); each prompt read once
   reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
   credit    credit.assign: a signal (signals.py) and a shaping rule (credit.py) give gamma (B, R); the
@@ -10,29 +11,31 @@ Implements the training loop of the FlowTracer paper (§3.3, eq. 5-6, App. A.2 e
             plus dual-clip (c = 3) for A < 0 and an optional k3 KL term (beta = 0 by default: no reference)
   log       one JSONL line of metrics per step, rollouts with their per-token credit, a PNG of the curves
 
-One forward per micro-batch does it all (--credit-pass fused, the default): the training forward returns the
-log-probs, captures the middle layers' attention on the way (flowtracer.capture; detached, once per forward),
-and gives the entropy from its own logits; then flow -> gamma -> loss -> backward. On-policy (num_iterations
-1) the old log-probs are the detached current ones, so no separate old-log-prob pass runs. Signals that need a
-forward of their own (fai, gradient, correlation, OAR) and the batch-wide 80-20 rule run as a separate pass
-before the update.
+One forward per micro-batch (--credit-pass fused): it gives the log-probs, the entropy, and the middle
+layers' attention captured on the way (flowtracer.capture); then flow -> gamma -> loss -> backward. On-policy
+the old log-probs are the detached current ones. Signals with a forward of their own (fai, gradient,
+correlation, OAR) and the batch-wide 80-20 rule run as a separate pass before the update.
+
+Reading path: this file top to bottom (train's loop, then update and the GRPO math), then what the loop calls,
+in order: training/rollout.py (generate, build_batch), data.py (score), training/credit.py (assign) and
+training/signals.py, flowtracer.py (capture, trace_flow, flow_credit), training/policy.py (token_logprobs
+under gradient checkpointing, optimizer_step). Setup and logging: training/checkpoint.py, training/runlog.py.
 
 Departures from the paper (numbered):
  1. One device and HF `generate` instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation over
     micro-batches stands in for data parallelism: --paper-batch (PAPER_BATCH) is the paper's 64 prompts x 8.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist.
- 3. On CUDA (--optimizer auto = kahan) the weights, gradients and AdamW states are bf16 and the optimizer
-    keeps a bf16 Kahan compensation of each weight (torch-optimi): lr 1e-6 updates, below bf16's resolution,
-    are kept, and Qwen3-4B's 1K step fits in ~48 GB (policy.py; `python eval.py memory`). The paper's
-    Megatron keeps fp32 master weights. On the CPU everything is fp32 with torch's AdamW.
+ 3. On CUDA (--optimizer auto = kahan) weights, gradients and AdamW states are bf16 with a bf16 Kahan
+    compensation of each weight (torch-optimi), so lr 1e-6 updates are kept and Qwen3-4B's 1K step fits in
+    ~48 GB (policy.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights. CPU: fp32.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. Running `python grpo.py` with no model named trains the embedded SmolLM2-135M-Instruct on the offline
     arithmetic task with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU.
  6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
-    rule. --dynamic-filter reads it as DAPO's overlong filter: a response cut at max_new_tokens (no EOS) is
-    dropped from the update, as are groups whose accuracy is outside [0.1, 0.95]. Off by default for the
-    embedded run (its tiny batch would often be empty); on by default for the paper's models (PAPER below).
+    rule. --dynamic-filter drops groups with accuracy outside [0.1, 0.95] and, as DAPO's overlong filter,
+    responses cut at max_new_tokens. Off for the embedded run (its tiny batch would often be empty), on for
+    the paper's models (PAPER below).
  7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
     credit. The logged entropy is therefore over the rows that were trained.
 
@@ -41,13 +44,10 @@ Run:  python grpo.py                                                    # embedd
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
 """
 import argparse
-import contextlib
 import dataclasses
 import math
 import random
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,7 +56,6 @@ import torch
 from tqdm import tqdm
 
 import data
-from flowtracer import capture
 from training import checkpoint as ckpt_io
 from training import credit, flags, policy, runlog, signals
 from training.policy import old_logprobs, optimizer_step, ref_logprobs, token_logprobs
@@ -196,7 +195,7 @@ def update(run, batch, trained, adv, gamma, scores, phase=lambda name: None, fal
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)
             phase("update forward")
-            with run.autocast, capturing(run, sub, it) as cap:                 # the micro-batch's forward
+            with run.autocast, credit.capturing(model, cfg, sub, it == 0) as cap:    # the forward
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix)
             if it == 0 and not credit.separate_pass(cfg):                      # fused: flow -> gamma, eq. 1-6
@@ -273,13 +272,6 @@ def kept_rows(rewards, truncated, cfg, m):
     return [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
 
 
-def capturing(run, sub, it):
-    """The fused pass's attention capture around the micro-batch forward, when the signal reads the maps."""
-    if it == 0 and not credit.separate_pass(run.cfg) and signals.NEEDS.get(run.cfg.credit) == "attn":
-        return capture(run.model, sub.attention_mask, run.cfg.layers)
-    return contextlib.nullcontext(SimpleNamespace(attn=None))
-
-
 # ----------------------------------------------------------------------------- setup and bookkeeping
 def setup(cfg):
     """Everything before the first step, cheapest checks first: the run directory and the data are read
@@ -302,13 +294,7 @@ def setup(cfg):
                           autocast=policy.autocast(device), order=order, records=records, style=style,
                           out=out, start=start, bad=bad, stop=False, history=[],
                           metrics=ckpt_io.open_metrics(out, start if ckpt else None))
-
-    def on_signal(signum, _frame):  # first Ctrl-C / SIGTERM: finish this step, save, exit; a second one: now
-        run.stop = True
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, on_signal)
+    runlog.stop_on_signals(run)      # first Ctrl-C / SIGTERM: finish this step, save, exit; a second: now
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping} "
           f"({'separate' if credit.separate_pass(cfg) else 'fused'} pass), "
           f"{cfg.prompts_per_step}x{cfg.group_size} rollouts/step, device={device}, out={out}")
@@ -331,7 +317,8 @@ def step_prompts(run, step, m):
 
 # ----------------------------------------------------------------------------- command line
 def check(cfg):
-    """The first bad flag as one sentence naming it, or None. Runs before anything loads."""
+    """The first bad flag as one sentence naming it, or None. Runs before anything loads (argparse's choices
+    have checked the closed sets: --dataset, --prompt-style, --device, --optimizer, --loss-agg, --credit, ...)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
     rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
              *[(f"--{k.replace('_', '-')}", getattr(cfg, k) >= 1, "must be >= 1")
@@ -353,13 +340,8 @@ def check(cfg):
              ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
              ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
              ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
-             ("--loss-agg", cfg.loss_agg in ("seq-mean", "token-mean"), "must be seq-mean or token-mean"),
-             ("--dataset", cfg.dataset.lower() in data.TASKS, f"must be one of {', '.join(data.TASKS)}"),
-             ("--prompt-style", cfg.prompt_style in ("auto", *data.STYLES), "must be auto or in data.STYLES"),
              ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
               f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
-             ("--device", cfg.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
-             ("--optimizer", cfg.optimizer in ("auto", "kahan", "adamw"), "must be auto, kahan or adamw"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
     for flag, ok, why in rules:
         if not ok:

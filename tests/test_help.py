@@ -164,5 +164,5 @@ def test_eval_path_flags(argv, name, says, paths, capsys, monkeypatch):
                                         ("file.jsonl", "not a directory")])
 def test_learn_out_dir(name, says, paths, capsys):
     line = one_line(capsys, lambda: learn.main(["--out-dir", str(paths / name), "--arms", "none", "--seeds",
-                                                "1"]), "eval.py")
+                                                "1"], grpo), "eval.py")
     assert says in line, line

@@ -58,16 +58,18 @@ Time them:     python benchmarks/credit_overhead.py
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import unicodedata
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from flowtracer import Credit, flow_credit, select_layers
+from flowtracer import Credit, capture, flow_credit, select_layers
 from training.oar import OUTCOMES
-from training.signals import FUSED, SIGNALS
+from training.signals import FUSED, NEEDS, SIGNALS
 
 EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 
@@ -327,6 +329,14 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 
 # ----------------------------------------------------------------------------- the credit step, one call
+def capturing(model, cfg, batch, first):
+    """Around the training forward of the fused pass: flowtracer.capture of the chosen layers' head-mean
+    attention when the signal reads the maps and this is the batch's first update iteration; else nothing."""
+    if first and not separate_pass(cfg) and NEEDS.get(cfg.credit) == "attn":
+        return capture(model, batch.attention_mask, cfg.layers)
+    return contextlib.nullcontext(SimpleNamespace(attn=None))
+
+
 class Assignment(NamedTuple):
     gamma: torch.Tensor     # (B, R) weight on each response token's surrogate term (eq. 5); 0 on padding
     scores: torch.Tensor    # (B, R) the signal's scores on the response columns

@@ -8,6 +8,7 @@
   metric_series  [step, value] of one metric from metrics.jsonl (learn.py's training curves)
   peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
   bookkeep       the end of every grpo.py step: the metrics line, rollouts, the checkpoint when due
+  stop_on_signals  Ctrl-C / SIGTERM: finish the step, save, exit
   finish         the end of a run: metrics closed, the out-dir released, signal handlers back, curves.png
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
@@ -181,6 +182,17 @@ def bookkeep(run, step, m, rollout=None, skipped=None):
         save()
     if run.stop:
         print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
+
+
+def stop_on_signals(run):
+    """The first Ctrl-C or SIGTERM sets run.stop (the step finishes, a checkpoint is saved, the run exits);
+    a second one stops at once. finish() puts the default handlers back."""
+    def on_signal(signum, _frame):
+        run.stop = True
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
 
 
 def finish(run):
