@@ -317,8 +317,8 @@ def step_prompts(run, step, m):
 
 # ----------------------------------------------------------------------------- command line
 def check(cfg):
-    """The first bad flag as one sentence naming it, or None. Runs before anything loads (argparse's choices
-    have checked the closed sets: --dataset, --prompt-style, --device, --optimizer, --loss-agg, --credit, ...)."""
+    """The first bad flag as one sentence naming it, or None. Runs before anything loads (argparse's
+    choices have checked the closed sets: --dataset, --prompt-style, --device, --optimizer, --credit, ...)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
     rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
              *[(f"--{k.replace('_', '-')}", getattr(cfg, k) >= 1, "must be >= 1")

@@ -7,8 +7,8 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               torch.cuda.max_memory_allocated and max_memory_reserved, beside memory.estimate (what
               `python eval.py memory` prints) and the ratio estimate / allocated
   overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.update on it
-              (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss, backward,
-              optimizer_step), with --credit none and flow alternating for --rounds rounds (medians);
+              (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss,
+              backward, optimizer_step), --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
   generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens, which turns its prefix
               sharing off, so each row pays its prompt's prefill; the decode is grpo.py's) beside the
@@ -33,8 +33,8 @@ Departures (numbered):
  1. The prompts are random printable text of about --prompt-tokens tokens (the byte tokenizer of the random
     models: exactly), and the answer region is the last 8 response tokens of every row, so that every row is
     trained (A = +-1) and credited: the worst step, as memory.py counts it.
- 2. The overhead's update runs grpo.update, grpo.train's micro-batch loop, on a fixed batch (the same rows for both
-    signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
+ 2. The overhead's update runs grpo.update, grpo.train's micro-batch loop, on a fixed batch (the same rows
+    for both signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
  3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
     perfectly bandwidth-bound decoder, not a prediction.
 

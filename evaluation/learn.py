@@ -10,8 +10,8 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              answer in the required format); lenient = strict, or answers.last_number_equal (math).
              Step 0 (the recipe's model, the same weights for every arm-seed) is evaluated once, shared.
   statistics (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step - step 0) +- a
-             95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a two-level
-             bootstrap (seeds, then questions) and the exact sign-flip test (its smallest p is 2 / 2^S), for
+             95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a
+             two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p 2 / 2^S), for
              the last step and the area under the held-out curve; the seeds that a half-width of 0.05 would
              need. A question-level table follows, labelled: conditional on the trained models.
   outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve with
@@ -78,6 +78,7 @@ class LearnConfig:
 
 
 SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite")
+QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")   # per question, right of 1 / k
 SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
 
 
@@ -102,7 +103,8 @@ def evaluate(model, tok, recs, style, cfg, rc):
     res = {"ids": [r["id"] for r in recs], "greedy": [], "greedy_lenient": [], "samples": [],
            "samples_lenient": []}
     for i, r in enumerate(recs):
-        for key, texts in (("greedy", g.texts[i:i + 1]), ("samples", s.texts[i * k:(i + 1) * k] if k else [])):
+        for key, texts in (("greedy", g.texts[i:i + 1]),
+                           ("samples", s.texts[i * k:(i + 1) * k] if k else [])):
             strict = [data.score(r, t) >= 1 for t in texts]
             res[key].append(sum(strict))
             loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))     # departure 1
@@ -279,22 +281,23 @@ def collect(g):
                 **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
                 "auc": float(np.mean([x["acc"] for x in ev[1:]])),            # held-out area, steps > 0
                 "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
-                "questions": {str(e): {k: x[k] for k in ("greedy", "greedy_lenient", "samples",
-                                                         "samples_lenient")} for e, x in zip([0, *g.eval_steps], ev)},
+                "questions": {str(e): {q: x[q] for q in QUESTION_KEYS}
+                              for e, x in zip([0, *g.eval_steps], ev)},
                 "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
     return runs, finals
 
 
 def summarize(g):
     """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown. Every interval and
-    p-value of the headline is over seeds (stats.py); the question-level tests are conditional on the models."""
+    p-value of the headline is over seeds (stats.py); the question-level tests are conditional on the
+    trained models."""
     runs, finals = collect(g)
     per_arm, vs_none, Q, B = {}, {}, len(g.recs), g.cfg.bootstrap
     for arm, rs in runs.items():
         per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES],
                         "final_acc": variance_parts([r["after"] for r in rs], Q)}
         for sfx in SCORES.values():
-            if rs[0]["after" + sfx] is not None:
+            if rs[0]["after" + sfx] is not None and rs[0]["after" + sfx] == rs[0]["after" + sfx]:  # no NaN
                 m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
                 per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
     for arm in (a for a in runs if a != "none" and "none" in runs):
@@ -329,40 +332,40 @@ def report(setting, summary):
     head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
             f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`\n\n"
             "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
-            "Gain = last - step 0, mean over seeds ± 95% t interval; sd of the final accuracy over seeds, and the "
-            "part of it that the binomial noise of the held-out questions alone gives:\n\n")
+            "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over seeds,"
+            " "
+            "and (in brackets) the sd that the binomial noise of the held-out questions alone gives:\n\n")
     cols = [c for c, x in zip(["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"],
                               SCORES.values()) if k or "mean" not in x]
-    arms = markdown(["arm", "seeds", *cols, "sd (binomial part)"],
+    arms = markdown(["arm", "seeds", *cols, "sd (binomial)"],
                     [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values()
                                        if f"gain{x}" in r),
                       f"{r['final_acc']['sd']:.3f} ({r['final_acc']['binomial_sd']:.3f})"]
                      for a, r in summary["per_arm"].items()])
     rows, cond, power = [], [], []
-    for a, v in summary["vs_none"].items():
-        for sc in ("strict", "lenient", "auc"):
-            if v["seeds"]:
-                x = v[sc] if sc == "auc" else v[sc]
-                rows.append([f"{a} - none", "greedy " + sc if sc != "auc" else "area (mean over steps > 0)",
-                             len(v["seeds"]), f"{x['diff']:+.3f}", iv(x["ci95"]), fmt_p(x["p_t"]),
-                             iv(x.get("two_level_ci95")), f"{fmt_p(x['p_signflip'])} (min {x['p_signflip_min']:.3g})"])
+    names = {"strict": "greedy strict", "lenient": "greedy lenient", "auc": "area (mean of steps > 0)"}
+    for a, v in ((a, v) for a, v in summary["vs_none"].items() if v["seeds"]):
+        for sc, name in names.items():
+            x = v[sc]
+            rows.append([f"{a} - none", name, len(v["seeds"]), f"{x['diff']:+.3f}", iv(x["ci95"]),
+                         fmt_p(x["p_t"]), iv(x.get("two_level_ci95")),
+                         f"{fmt_p(x['p_signflip'])} (min {x['p_signflip_min']:.3g})"])
         for sc in ("strict", "lenient"):
-            if v["seeds"]:
-                q = v[sc]["per_question"]
-                cond.append([f"{a} - none", sc, f"{q['diff']:+.3f}", iv(q["ci95"]), fmt_p(q["p_bootstrap"], B),
-                             f"{q['arm_only']} : {q['none_only']}", fmt_p(q["p_sign"])])
+            q = v[sc]["per_question"]
+            cond.append([f"{a} - none", sc, f"{q['diff']:+.3f}", iv(q["ci95"]), fmt_p(q["p_bootstrap"], B),
+                         f"{q['arm_only']} : {q['none_only']}", fmt_p(q["p_sign"])])
         if "power" in v:
             pw = v["power"]
-            power.append(f"{a} - none: sd of the per-seed difference {pw['sd_diff']:.3f}; seeds per arm for a "
-                         f"95% half-width of 0.05: {pw['seeds_for_half_width_0.05']}; for 80% power to detect "
-                         f"+0.05: {pw['seeds_for_80pct_power_at_0.05']}.")
-    paired = markdown(["arms", "score", "seeds", "Δ", "95% t interval", "p (paired t)", "two-level bootstrap 95%",
-                       "p (exact sign flip)"], rows)
+            power.append(f"{a} - none: sd of the per-seed difference {pw['sd_diff']:.3f}; seeds per arm for "
+                         f"a 95% half-width of 0.05: {pw['seeds_for_half_width_0.05']}; for 80% power to "
+                         f"detect +0.05: {pw['seeds_for_80pct_power_at_0.05']}.")
+    paired = markdown(["arms", "score", "seeds", "Δ", "95% t interval", "p (paired t)",
+                       "two-level bootstrap 95%", "p (exact sign flip)"], rows)
     second = markdown(["arms", "score", "Δ", "bootstrap 95% CI", "p (bootstrap)", "arm only : none only",
                        "p (sign test)"], cond)
-    return (head + arms + "\nPaired by seed, last step (and the area under the held-out curve):\n\n" + paired +
-            ("\n" + "\n".join(power) + "\n" if power else "") +
-            "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
+    return (head + arms + "\nPaired by seed, last step (and the area under the held-out curve):\n\n"
+            + paired + ("\n" + "\n".join(power) + "\n" if power else "")
+            + "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
             "method:\n\n" + second)
 
 

@@ -110,7 +110,7 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None) -> d
     policy.load_policy builds for grpo.setup: rollout.generate, the separate credit pass if the signal needs
     one, then `update` (grpo.update: grpo.py's own micro-batch loop, fused credit inside), which marks the
     phases. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
-    prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: torch.cuda.max_memory_allocated,
+    prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: max_memory_allocated,
     and max_memory_reserved into `reserved` (a dict) where one is given."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)

@@ -17,7 +17,7 @@ the questions of one run share its weights, so every interval and p-value of a c
 ("Deep RL at the Edge of the Statistical Precipice", Agarwal et al., NeurIPS 2021; "A Sober Look at Progress
 in Language Model Reasoning", Hochlehnert et al., 2025):
   t_interval        mean +- t_{0.975, n-1} sd / sqrt(n) over n seeds (scipy.stats.t); none for n = 1
-  seed_test         paired by seed, d_s = a_s - b_s: the mean, its 95% t interval and p (scipy.stats.ttest_rel),
+  seed_test         paired by seed, d_s = a_s - b_s: the mean, its 95% t interval and p (scipy ttest_rel),
                     and the exact sign-flip test over the 2^S sign patterns (scipy.stats.permutation_test);
                     its smallest attainable two-sided p is 2 / 2^S (0.125 at S = 4)
   two_level         a two-level bootstrap of the mean paired difference: resample seeds, then questions
@@ -108,7 +108,8 @@ def variance_parts(acc, n_questions):
     acc = np.asarray(acc, dtype=float)
     var = float(acc.var(ddof=1)) if len(acc) > 1 else float("nan")
     binom = float(np.mean(acc * (1 - acc)) / n_questions)
-    return {"sd": math.sqrt(var), "binomial_sd": math.sqrt(binom), "training_sd": math.sqrt(max(0.0, var - binom))}
+    return {"sd": math.sqrt(var), "binomial_sd": math.sqrt(binom),
+            "training_sd": math.sqrt(max(0.0, var - binom))}
 
 
 def fmt_p(p, n_boot=None):
