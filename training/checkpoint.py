@@ -23,7 +23,9 @@ an exclusive lock (fcntl.flock on <out_dir>/.lock, held while the process lives)
 
 Untrusted files. trainer_state.pt is read with torch.load(weights_only=True): tensors and plain types only, so
 a crafted file cannot run code (a pickle of anything else is refused, naming the file); its fields are type-
-checked. A --resume that changes a flag that changes the run's meaning is refused (check_resume_config), and a
+checked. It is read onto the CPU (map_location, mmap), whatever device saved it: the optimizer's tensors
+(24 GB for Qwen3-4B) reach the GPU only through load_state_dict. The run's flags are also kept in
+run_config.json, so parse_args reads them before CUDA starts without touching the tensors. A --resume that changes a flag that changes the run's meaning is refused (check_resume_config), and a
 full disk during a save is one line with the space needed, the last complete checkpoint untouched.
 
 What grpo.py calls, in order:
@@ -50,6 +52,7 @@ from pathlib import Path
 import torch
 
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
+RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
 
 
 class RunError(ValueError):
@@ -78,6 +81,7 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "rng": rng,
                     "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
+        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
         (tmp / MARK).write_text(str(step))                              # 1. complete
     except Exception as e:
         if not no_space(e):
@@ -94,10 +98,18 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
     discard(old)                                                         # 4.
 
 
+# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or, for a small file,
+# "basic_ios::clear: iostream error"); older versions "PytorchStreamWriter failed writing file".
+ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
+
+
 def no_space(e):
-    """A full disk or quota: OSError ENOSPC / EDQUOT, or safetensors' own error (os error 28) for the same."""
+    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
+    zip writer failing to write (ZIP_WRITER)."""
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            or "No space left on device" in str(e) or "os error 28" in str(e))
+            or "No space left on device" in str(e) or "os error 28" in str(e)
+            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
 
 
 @contextlib.contextmanager
@@ -145,7 +157,7 @@ def read_state(ckpt):
     """trainer_state.pt, safely: weights_only=True unpickles tensors and plain types only, never code."""
     f = Path(ckpt) / "trainer_state.pt"
     try:
-        state = torch.load(f, weights_only=True)
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)   # never onto a GPU
     except pickle.UnpicklingError:   # a pickle of other objects (a crafted file, another program's state)
         raise RunError(f"{f}: not a grpo.py trainer state (it holds objects other than tensors and plain "
                        f"types; not loaded)") from None
@@ -164,7 +176,18 @@ def read_state(ckpt):
 
 
 def saved_config(ckpt):
-    return read_state(ckpt)["config"]
+    """The saved run's flags from run_config.json, without reading the tensors (grpo.parse_args runs before
+    CUDA is set up); a checkpoint written before that file existed: from trainer_state.pt, on the CPU."""
+    f = Path(ckpt) / RUN_CONFIG
+    if not f.is_file():
+        return read_state(ckpt)["config"]
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, ValueError) as e:   # unreadable, cut short, not JSON
+        raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(config, dict):
+        raise RunError(f"{f}: not a grpo.py run config (a JSON object of flags)")
+    return config
 
 
 def load_checkpoint(path, opt, sched):
