@@ -98,3 +98,51 @@ def test_the_real_zip_writer_error_is_a_full_disk():
         torch.save({"a": torch.zeros(10 ** 5)}, "/dev/full")
     assert ckpt_io.no_space(e.value), str(e.value)
     assert not ckpt_io.no_space(RuntimeError("a bug"))
+
+
+def disk_with(monkeypatch, free):
+    """shutil.disk_usage as a disk with `free` bytes free, wherever checkpoint.py asks."""
+    monkeypatch.setattr(ckpt_io.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 15, 0, free))
+
+
+def tiny_run(tmp_path, *flags):
+    return ["--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "4",
+            "--out-dir", str(tmp_path / "run"), *flags]
+
+
+@pytest.mark.parametrize("steps, copies", [(4, 2), (1, 1)])
+def test_a_disk_too_small_for_the_checkpoints_stops_before_the_first_step(tmp_path, monkeypatch, capsys,
+                                                                          steps, copies):
+    model = load_model("tiny-qwen3")[0]
+    one = ckpt_io.checkpoint_bytes(sum(p.numel() for p in model.parameters()), "adamw")
+    assert one == sum(p.numel() for p in model.parameters()) * (4 + 8)                  # fp32 weights, m, v
+    disk_with(monkeypatch, copies * one - 1)
+    monkeypatch.setattr(grpo, "generate", lambda *a, **k: pytest.fail("a step began"))
+    with pytest.raises(SystemExit) as e:
+        grpo.main(tiny_run(tmp_path, "--steps", str(steps), "--save-every", "2"))
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("grpo.py: error: ") and "Traceback" not in line, line
+    assert f"need about {ckpt_io.gb(copies * one)}" in line, line
+    assert all(w in line for w in ("--out-dir", "--optimizer kahan", "--save-every")), line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()                   # a rerun needs no --overwrite
+
+
+def test_a_disk_just_large_enough_runs(tmp_path, monkeypatch):
+    """Enough for one checkpoint beside the one a resumed run already has."""
+    model = load_model("tiny-qwen3")[0]
+    one = ckpt_io.checkpoint_bytes(sum(p.numel() for p in model.parameters()), "adamw")
+    grpo.main(tiny_run(tmp_path, "--steps", "1"))
+    held = sum(f.stat().st_size for f in (tmp_path / "run" / "ckpt").iterdir())
+    disk_with(monkeypatch, 2 * one - held)
+    grpo.main(tiny_run(tmp_path, "--steps", "2", "--resume", str(tmp_path / "run")))
+    assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_eval_memory_names_the_disk_a_checkpoint_needs(capsys):
+    import eval as ev
+    from evaluation import memory
+    ev.main(["memory", "--model", "qwen3-4b-random"])
+    out = capsys.readouterr().out.splitlines()
+    n = memory.param_counts(memory.model_config("qwen3-4b-random"))[0]
+    disk = [x for x in out if x.startswith("disk:")]
+    assert len(disk) == 1 and f"{n * 8 / 1e9:.2f} GB" in disk[0] and out[-1].startswith("peak"), disk

@@ -130,6 +130,35 @@ def state_bytes(model, opt):
     return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
 
 
+# Bytes per parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32) and the optimizer's
+# state (AdamW's m and v, bf16 + a bf16 Kahan compensation | fp32); the tokenizer and scalars are small.
+WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4}, {"kahan": 6, "adamw": 8}
+
+
+def checkpoint_bytes(n_params, scheme):
+    """About the bytes of one checkpoint of an n_params model under `scheme` (memory.py counts the same
+    optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB."""
+    return n_params * (WEIGHT_BYTES[scheme] + STATE_BYTES[scheme])
+
+
+def check_disk(out, model, scheme, start, steps, save_every):
+    """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
+    checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
+    a ckpt/ already there holds. The message says how much is needed and how to need less."""
+    one = checkpoint_bytes(sum(p.numel() for p in model.parameters()), scheme)
+    saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
+    held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
+    need = one * (2 if saves > 1 or held else 1) - held
+    free = shutil.disk_usage(out).free
+    smaller = "" if scheme == "kahan" else (f"a smaller optimizer state (--optimizer kahan: "
+                                            f"{checkpoint_bytes(1, 'kahan')} B/param, not "
+                                            f"{checkpoint_bytes(1, scheme)}), ")
+    if saves and free < need:
+        raise RunError(f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
+                       f"({gb(one)} each, weights + optimizer state; from the second save ckpt/ and ckpt.tmp/ "
+                       f"coexist): choose another --out-dir, {smaller}or save once (--save-every >= --steps)")
+
+
 def gb(n):
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
