@@ -20,8 +20,9 @@ memtrace.py measures a real step (track_peak counts its live tensor storages on 
 torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
 On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
 allocator's fragmentation, up to one more KV cache (12 GB at 1K) when the cache grows by concatenation
-(policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB. The disk: a checkpoint holds the weights and the optimizer state
-(checkpoint.checkpoint_bytes), and from the second save two coexist (grpo.py checks the free space at setup).
+(policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB.
+The disk: a checkpoint holds the weights and the optimizer state (checkpoint.checkpoint_bytes), and from the
+second save two coexist (grpo.py checks the free space at setup).
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): policy.py.

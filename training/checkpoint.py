@@ -25,8 +25,9 @@ Untrusted files. trainer_state.pt is read with torch.load(weights_only=True): te
 a crafted file cannot run code (a pickle of anything else is refused, naming the file); its fields are type-
 checked. It is read onto the CPU (map_location, mmap), whatever device saved it: the optimizer's tensors
 (24 GB for Qwen3-4B) reach the GPU only through load_state_dict. The run's flags are also kept in
-run_config.json, so parse_args reads them before CUDA starts without touching the tensors. A --resume that changes a flag that changes the run's meaning is refused (check_resume_config), and a
-full disk during a save is one line with the space needed, the last complete checkpoint untouched.
+run_config.json, so parse_args reads them before CUDA starts without touching the tensors. A --resume that
+changes a flag that changes the run's meaning is refused (check_resume_config). A full disk during a save is
+one line with the space needed, the last complete checkpoint untouched; check_disk finds it at setup.
 
 What grpo.py calls, in order:
   check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
@@ -155,8 +156,9 @@ def check_disk(out, model, scheme, start, steps, save_every):
                                             f"{checkpoint_bytes(1, scheme)}), ")
     if saves and free < need:
         raise RunError(f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
-                       f"({gb(one)} each, weights + optimizer state; from the second save ckpt/ and ckpt.tmp/ "
-                       f"coexist): choose another --out-dir, {smaller}or save once (--save-every >= --steps)")
+                       f"({gb(one)} each, weights + optimizer state; from the second save ckpt/ and "
+                       f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
+                       f"(--save-every >= --steps)")
 
 
 def gb(n):
