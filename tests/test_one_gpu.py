@@ -3,6 +3,7 @@ device or a fake where the CPU cannot show it. One section per finding; each tes
 
   checkpoints   read onto the CPU, the run's flags from a small JSON file; a full disk found at setup, and
                 torch.save's own full-disk error is one line like the others
+  bf16 weights  the rotary frequencies stay fp32 on every load path, as from_pretrained(dtype=bf16) keeps them
 """
 import json
 import shutil
@@ -12,6 +13,7 @@ import torch
 
 import grpo
 from training import checkpoint as ckpt_io
+from training import models
 from training.models import load_model
 
 
@@ -146,3 +148,39 @@ def test_eval_memory_names_the_disk_a_checkpoint_needs(capsys):
     n = memory.param_counts(memory.model_config("qwen3-4b-random"))[0]
     disk = [x for x in out if x.startswith("disk:")]
     assert len(disk) == 1 and f"{n * 8 / 1e9:.2f} GB" in disk[0] and out[-1].startswith("peak"), disk
+
+
+# ----------------------------------------------------------------------------- bf16 weights: RoPE stays fp32
+def rope_buffers(model):
+    return {n: b for n, b in model.named_buffers() if "inv_freq" in n}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "dir"])
+def test_bf16_loads_equal_from_pretrained_with_fp32_rope(tmp_path, name):
+    """A bf16 load by load_model (a random model, or a save_pretrained directory) has what a plain
+    from_pretrained(dtype=bf16) of the same weights has: fp32 inverse frequencies, and equal logits."""
+    src = tmp_path / "model"
+    m, tok = load_model("tiny-qwen3" if name == "dir" else name, device="cpu",
+                        dtype=torch.float32 if name == "dir" else torch.bfloat16)     # dir: an fp32 save
+    m.save_pretrained(src)
+    tok.save_pretrained(src)
+    if name == "dir":
+        m, _ = load_model(str(src), device="cpu", dtype=torch.bfloat16)
+    plain = models.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    ours, ref = rope_buffers(m), rope_buffers(plain)
+    assert ours and ours.keys() == ref.keys()
+    assert all(b.dtype == torch.float32 and torch.equal(b, ref[n]) for n, b in ours.items()), \
+        {n: b.dtype for n, b in ours.items()}
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, plain(ids).logits)
+
+
+def test_the_gguf_model_in_bf16_keeps_fp32_rope():
+    """SmolLM2 from its GGUF (de-quantized fp32, then cast): the fp32 load's frequencies, exactly."""
+    fp32, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    bf16, _ = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    want, got = rope_buffers(fp32), rope_buffers(bf16)
+    assert got and all(b.dtype == torch.float32 and torch.equal(b, want[n]) for n, b in got.items())
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
