@@ -234,7 +234,7 @@ def device_problem(device):
 
 
 def to_dtype(model, device, dtype):
-    """The model on `device` with its weights in `dtype`, its fp32 buffers kept fp32, as from_pretrained(dtype)
+    """The model on `device` with its weights in `dtype`, its fp32 buffers kept fp32 as from_pretrained(dtype)
     leaves them: `.to(dtype=bf16)` would also cast the rotary embedding's inverse frequencies (inv_freq), and
     RoPE angles from bf16 frequencies drift with position (SmolLM2 at 900 tokens: 0.5-1% argmax flips)."""
     fp32 = {n: b for n, b in model.named_buffers() if b.dtype == torch.float32}
