@@ -250,3 +250,39 @@ def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel):
     assert torch.isfinite(attn).all() and torch.isfinite(cap.attn).all()
     torch.testing.assert_close(cap.attn, attn)
     assert sum(nan_kernel) == 0, nan_kernel
+
+
+# ----------------------------------------------------------------------------- the optimizer's kernel
+@pytest.mark.parametrize("device, triton, compilers, want", [
+    ("cuda", True, {"gcc": "/usr/bin/gcc"}, "triton"), ("cuda", True, {"clang": "/usr/bin/clang"}, "triton"),
+    ("cuda", True, {}, "foreach"), ("cuda", False, {"gcc": "/usr/bin/gcc"}, "foreach"),
+    ("cpu", True, {"gcc": "/usr/bin/gcc"}, "for-loop")])
+def test_the_optimizer_step_is_chosen_at_setup(monkeypatch, device, triton, compilers, want):
+    """Triton only where its launcher can be built (a C compiler, as Triton looks for one), else foreach."""
+    import optimi.utils
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(policy.shutil, "which", compilers.get)
+    monkeypatch.setattr(optimi.utils, "HAS_TRITON", triton)
+    assert policy.optimi_kernel(device) == want
+
+
+@pytest.mark.parametrize("kernel", ["foreach", "for-loop"])
+def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
+    """The choice reaches optimi (one printed line), and its foreach step equals the for-loop on the CPU."""
+    monkeypatch.setattr(policy, "optimi_kernel", lambda device: kernel)
+    cfg = grpo.Config(model="tiny-qwen3", optimizer="kahan", lr=1e-3)
+    model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    opt = policy.make_optimizer(model, cfg, "cpu")
+    assert f"its {kernel} step" in capsys.readouterr().out
+    g = opt.param_groups[0]
+    assert (g["foreach"], g["triton"]) == (kernel == "foreach", False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 1e-2
+    opt.step()
+    monkeypatch.setattr(policy, "optimi_kernel", lambda device: "for-loop")
+    ref_model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    ref = policy.make_optimizer(ref_model, cfg, "cpu")
+    for p in ref_model.parameters():
+        p.grad = torch.ones_like(p) * 1e-2
+    ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
