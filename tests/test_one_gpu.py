@@ -286,3 +286,31 @@ def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
         p.grad = torch.ones_like(p) * 1e-2
     ref.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+# ----------------------------------------------------------------------------- prefill: one position's logits
+def test_the_prefill_keeps_one_positions_logits():
+    """A model whose logits dominate (a 20,000-token vocabulary): the prefill of a shared prefix and of the
+    rows' prompts stays below the bytes of the logits of every prompt position (which nothing reads), and
+    the greedy rollouts still equal HF generate's."""
+    from evaluation.memtrace import track_peak
+    model = models.AutoModelForCausalLM.from_config(models.tiny_config("tiny-qwen3", 20000)).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 256, 259
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 250, (200,), generator=g).tolist() for _ in range(2)]
+    ids[1][:100] = ids[0][:100]                                           # a shared prefix of 100 tokens
+    with torch.no_grad(), track_peak(model) as tr:
+        tr.phase("prefix")
+        prefix = rollout.shared_prefix(model, ids, room=8)
+        tr.phase("rows")
+        rollout.prefill_rows(model, prefix, [ids[0], ids[0], ids[1], ids[1]], 256)
+        tr.phase(None)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert prefix[0] == 100
+    assert tr.peak["prefix"] - weights < 100 * 20000 * 4, tr.peak                     # (1, 100, V) fp32
+    assert tr.peak["rows"] - weights < 2 * 99 * 20000 * 4, tr.peak                    # (2, 99, V) fp32
+    tok = load_model("tiny-qwen3")[1]
+    texts = [tok.decode(p) for p in ids]
+    run = lambda share: rollout.generate(model, tok, texts, n=2, max_new_tokens=5, greedy=True,  # noqa: E731
+                                         share_prefix=share).response_ids
+    assert run(True) == run(False)
