@@ -314,3 +314,42 @@ def test_the_prefill_keeps_one_positions_logits():
     run = lambda share: rollout.generate(model, tok, texts, n=2, max_new_tokens=5, greedy=True,  # noqa: E731
                                          share_prefix=share).response_ids
     assert run(True) == run(False)
+
+
+# ----------------------------------------------------------------------------- dropping finished rows
+class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that touch data inside the block (views are free) and the bytes they write."""
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.__name__.startswith(("_local_scalar_dense", "lift_fresh")):
+            return out
+        self.ops += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_flatten(out)[0]
+                          if isinstance(t, torch.Tensor))
+        return out
+
+
+def dropped(rows, room, keep, filled=5):
+    """(ops, bytes written) of a ReservedLayer dropping all rows but `keep`, and whether the rows kept
+    hold what they held, in place."""
+    layer = rollout.ReservedLayer(room)
+    k, v = torch.randn(rows, 2, filled, 4), torch.randn(rows, 2, filled, 4)
+    layer.update(k, v)
+    ptr = layer.buf[0].data_ptr()
+    with CountCopies() as c:
+        layer.batch_select_indices(torch.tensor(keep))
+    ok = torch.equal(layer.keys, k[keep]) and torch.equal(layer.values, v[keep]) and layer.keys.data_ptr() == ptr
+    return c.ops, c.bytes, ok
+
+
+def test_dropping_rows_copies_the_filled_part_once_per_tensor():
+    row = 2 * 5 * 4 * 4                                                   # one row's filled keys, fp32
+    ops, nbytes, ok = dropped(rows=8, room=1000, keep=[0, 2, 5, 7])
+    assert ok and nbytes <= 2 * 2 * 3 * row, nbytes     # keys, values: gather + copy of the 3 rows that move
+    assert (ops, nbytes) == dropped(rows=8, room=10, keep=[0, 2, 5, 7])[:2]          # not the spare room
+    assert ops == dropped(rows=64, room=10, keep=list(range(0, 64, 2)))[0]          # not a loop over rows
+    assert dropped(rows=8, room=10, keep=[0, 1, 2])[:2] == (0, 0)                   # the tail leaves: free

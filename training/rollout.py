@@ -195,16 +195,18 @@ class ReservedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices):
         """Rows leaving (indices ascending, a subset: decode's finished rows) move up in place, so dropping
-        rows never allocates a second cache; any other selection (prefill_rows' copy of each prompt to its
-        rows) is DynamicLayer's, which makes new tensors that the next update re-seats."""
+        rows never allocates a second cache: one indexed copy of the filled positions of the rows that move (the
+        spare room holds nothing yet), for keys and for values (a transient the size of those rows' filled
+        part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its rows) is
+        DynamicLayer's, which makes new tensors that the next update re-seats."""
         keep = indices.tolist()
         if self.buf is None or self.keys is not self.buf[2] or keep != sorted(set(keep)) \
                 or keep[-1] >= self.keys.shape[0]:
             return super().batch_select_indices(indices)
-        for j, i in enumerate(keep):                      # i >= j: each row moves up over a row that left
-            if i != j:
-                self.buf[0][j], self.buf[1][j] = self.buf[0][i], self.buf[1][i]
         t, b = self.get_seq_length(), len(keep)
+        f = next((j for j, i in enumerate(keep) if i != j), b)    # rows f.. move up over rows that left
+        for s in self.buf[:2] if f < b else []:
+            s[f:b, :, :t] = s[indices[f:], :, :t]         # (b - f, H, t, d): the gather, then one copy
         self.buf = [self.buf[0][:b], self.buf[1][:b], None]
         self.keys, self.values = self.buf[0][..., :t, :], self.buf[1][..., :t, :]     # (b, H, t, d)
         self.buf[2] = self.keys
