@@ -195,9 +195,9 @@ class ReservedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices):
         """Rows leaving (indices ascending, a subset: decode's finished rows) move up in place, so dropping
-        rows never allocates a second cache: one indexed copy of the filled positions of the rows that move (the
-        spare room holds nothing yet), for keys and for values (a transient the size of those rows' filled
-        part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its rows) is
+        rows never allocates a second cache: one indexed copy of the filled positions of the rows that move
+        (the spare room holds nothing yet), for keys and for values (a transient the size of those rows'
+        filled part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its rows) is
         DynamicLayer's, which makes new tensors that the next update re-seats."""
         keep = indices.tolist()
         if self.buf is None or self.keys is not self.buf[2] or keep != sorted(set(keep)) \
