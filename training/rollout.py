@@ -197,8 +197,8 @@ class ReservedLayer(DynamicLayer):
         """Rows leaving (indices ascending, a subset: decode's finished rows) move up in place, so dropping
         rows never allocates a second cache: one indexed copy of the filled positions of the rows that move
         (the spare room holds nothing yet), for keys and for values (a transient the size of those rows'
-        filled part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its rows) is
-        DynamicLayer's, which makes new tensors that the next update re-seats."""
+        filled part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its
+        rows) is DynamicLayer's, which makes new tensors that the next update re-seats."""
         keep = indices.tolist()
         if self.buf is None or self.keys is not self.buf[2] or keep != sorted(set(keep)) \
                 or keep[-1] >= self.keys.shape[0]:
