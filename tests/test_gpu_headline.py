@@ -74,8 +74,8 @@ def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):
     """--quick: short rollouts padded to R, the update timed with and without flow; no memory step, no
     generation speed, no maps. The help names the time of both modes."""
     out = tmp_path / "quick.json"
-    p = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", *SMALL, "--quick", "--quick-tokens", "3",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", *SMALL, "--quick", "--quick-tokens",
+                        "3", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["args"]["prompts_per_step"] == 2 and [r["max_new_tokens"] for r in res["results"]] == [8, 24]
@@ -86,6 +86,6 @@ def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):
         assert real(o["update_none_s"]) and real(o["update_flow_s"]) and o["fraction"] is None
         assert o["of_update"] == (o["update_flow_s"] - o["update_none_s"]) / o["update_none_s"]
     assert p.stdout.count("% of the update") == 2 and "estimate/allocated" not in p.stdout
-    h = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", "--help"], cwd=ROOT, capture_output=True,
-                       text=True).stdout
+    h = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", "--help"], cwd=ROOT,
+                       capture_output=True, text=True).stdout
     assert "--quick" in h and "2 hours" in h and "10 minutes" in h
