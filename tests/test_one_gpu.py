@@ -6,6 +6,8 @@ device or a fake where the CPU cannot show it. One section per finding; each tes
   bf16 weights  the rotary frequencies stay fp32 on every load path, as from_pretrained(dtype=bf16) keeps them
   padding rows  no attention row is fully masked: under a kernel that gives NaN for such rows (some GPU
                 kernels; torch's CPU kernels give 0) the log-probs, the gradient, rollouts and maps are finite
+  optimizer     torch-optimi's step chosen at setup: Triton only with a C compiler for its launcher
+  rollouts      the prefill keeps one position's logits; dropping finished rows copies their filled part once
 """
 import json
 import shutil
