@@ -96,7 +96,7 @@ def auto_style(model_name, task, style):
         return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
     state = Path(model_name) / "trainer_state.pt"     # a grpo checkpoint: the style of the model it began as
     if state.is_file():
-        model_name = ckpt_io.saved_config(model_name)["model"]               # RunError naming the file
+        model_name = ckpt_io.read_state(model_name)["config"]["model"]     # checked whole (CPU), or RunError
     return data.default_style(model_name, task)
 
 

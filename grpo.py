@@ -288,6 +288,7 @@ def setup(cfg):
     model, tok, ref, opt = policy.load_policy(cfg, device, str(ckpt) if ckpt else None)   # departure 3
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     start, bad = ckpt_io.load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
+    ckpt_io.check_disk(out, model, policy.scheme(cfg, device), start, cfg.steps, cfg.save_every)   # 2 ckpts
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, sched=sched, device=device,

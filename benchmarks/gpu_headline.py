@@ -38,7 +38,16 @@ Departures (numbered):
  3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
     perfectly bandwidth-bound decoder, not a prediction.
 
+Time on one H100 (estimated from the work, not measured: no GPU was lent): the 1K table takes minutes, the
+8K one about 2 hours at the defaults, nearly all of it three rollouts of 8 chunks x 8,192 sequential decode
+steps. --quick measures the flow overhead alone at 1K and 8K in under 10 minutes: the overhead is a
+training-forward figure (update with flow credit vs without, on the same batch), so its rollouts are short
+(--quick-tokens new tokens, then random tokens up to R: the update reads the same shapes) and its batch is
+2 prompts x G rows unless --prompts-per-step says otherwise; no memory measurement, no generation speed, no
+attention maps. It reports the overhead as a share of the update; its share of the step needs a full rollout.
+
 Run:  python benchmarks/gpu_headline.py                                  # one 80 GB GPU: the headline
+      python benchmarks/gpu_headline.py --quick                          # the flow overhead, < 10 minutes
       python benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 5 # the 1K step only
       python benchmarks/gpu_headline.py --model tiny-qwen3 --device cpu --max-new-tokens 16 32 \\
           --prompt-tokens 16 --prompts-per-step 2 --group-size 2 --micro-batch 2 --gen-chunk 4 --rounds 1
@@ -99,18 +108,22 @@ def load(cfg, device):
     return run, tok
 
 
-def rollout(run, tok, P):
-    """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens)."""
+def rollout(run, tok, P, short=0):
+    """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens).
+    short > 0 (--quick): `short` tokens are sampled, then random printable ones fill each row up to R."""
     cfg, g = run.cfg, torch.Generator().manual_seed(0)
     lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
     texts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]   # dep. 1
     run.model.eval()
     t0 = synced(run.device)
     with torch.no_grad(), run.autocast:
-        gen = generate(run.model, tok, texts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                       chunk_size=cfg.gen_chunk, min_new_tokens=cfg.max_new_tokens)
+        n = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
+        gen = generate(run.model, tok, texts, n=cfg.group_size, max_new_tokens=n, temperature=cfg.temperature,
+                       top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk, min_new_tokens=n)
     seconds = synced(run.device) - t0
+    if short:                                                                       # up to R: the shapes
+        gen = gen._replace(response_ids=[r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),),
+                                                           generator=g).tolist() for r in gen.response_ids])
     batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(run.device)
     n = batch.response_mask.sum(-1, keepdim=True)                                   # (B, 1)
     col = torch.arange(batch.input_ids.shape[1], device=run.device) - batch.prompt_width      # (T,)
@@ -182,15 +195,16 @@ def headline(args, R, device):
     P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
     res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
                micro_batch=cfg.micro_batch)
-    est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
-    reserved = {}
-    measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved)
-    res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
-                              reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
-                     for ph in memory.PHASES}
-    free(device)
+    if not args.quick:
+        est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
+        reserved = {}
+        measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved)
+        res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
+                                  reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
+                         for ph in memory.PHASES}
+        free(device)
     run, tok = load(cfg, device)
-    batch, gen_s, tokens = rollout(run, tok, P)
+    batch, gen_s, tokens = rollout(run, tok, P, args.quick_tokens if args.quick else 0)
     times = {"none": [], "flow": []}
     update(run, tok, batch, "none")                                                # warm-up, not counted
     for r in range(args.rounds):
@@ -198,7 +212,13 @@ def headline(args, R, device):
             times[s].append(update(run, tok, batch, s))
     off, on = (statistics.median(times[s]) for s in ("none", "flow"))
     res["overhead"] = dict(generate_s=gen_s, update_none_s=off, update_flow_s=on, step_none_s=gen_s + off,
-                           step_flow_s=gen_s + on, fraction=(on - off) / (gen_s + off), rounds=args.rounds)
+                           step_flow_s=gen_s + on, fraction=(on - off) / (gen_s + off), rounds=args.rounds,
+                           of_update=(on - off) / off, response_tokens=batch.input_ids.shape[1] - P)
+    if args.quick:                                         # a short rollout: no step share, no generation
+        res["overhead"].update(generate_s=None, step_none_s=None, step_flow_s=None, fraction=None)
+        del run, batch
+        free(device)
+        return res
     bound = bandwidth_bound(run.model, cfg, P, args.bandwidth)
     res["generation"] = dict(tokens=tokens, seconds=gen_s, tok_s=tokens / gen_s, bound_tok_s=bound,
                              of_bound=tokens / gen_s / bound, bandwidth=args.bandwidth)
@@ -231,14 +251,19 @@ def show(args, res, device):
     """One table as text: GB on a GPU, MB on the CPU."""
     unit, name = (1e9, "GB") if device.type == "cuda" else (1e6, "MB")
     f = lambda v: f"{v / unit:10.2f}" if v is not None else f"{'-':>10s}"  # noqa: E731
-    m = res["memory"]
+    m = res.get("memory", {})
     print(f"\n== {args.model} on {device.type}: {res['rows']} rows ({args.prompts_per_step} prompts x "
           f"{args.group_size}), {res['prompt_tokens']} + {res['max_new_tokens']} tokens, gen_chunk "
           f"{res['gen_chunk']}, micro_batch {res['micro_batch']} ==")
-    print(f"memory ({name})     estimate  allocated   reserved  estimate/allocated")
+    if m:
+        print(f"memory ({name})     estimate  allocated   reserved  estimate/allocated")
     for ph, d in m.items():
         print(f"  {ph:15s}{f(d['estimate'])} {f(d['allocated'])} {f(d['reserved'])} {d['ratio']:10.3f}")
     o = res["overhead"]
+    if args.quick:
+        print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow): "
+              f"+{100 * o['of_update']:.2f}% of the update (rounds: {o['rounds']}; --quick: no step share)")
+        return
     print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow); "
           f"generate {o['generate_s']:.3f} s; {100 * o['fraction']:.2f}% of the step (rounds: {o['rounds']})")
     g = res["generation"]
@@ -258,13 +283,16 @@ def show(args, res, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="gpu_headline.py", description=__doc__.splitlines()[0],
-                                 allow_abbrev=False)
+                                 allow_abbrev=False, epilog="Time on one H100 (estimated): the 1K table "
+                                 "minutes, the 8K table about 2 hours (three 8K rollouts); --quick, the flow "
+                                 "overhead alone at 1K and 8K: under 10 minutes.")
     ap.add_argument("--model", default="qwen3-4b-random",
                     help="a models.py name (qwen3-4b-random: no download)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[1024, 8192], help="one table each")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt width (memory.py's default)")
-    ap.add_argument("--prompts-per-step", type=int, default=16, help="the paper's 1K step on one GPU: 16")
+    ap.add_argument("--prompts-per-step", type=int, default=None,
+                    help="the paper's 1K step on one GPU: 16 (--quick: 2)")
     ap.add_argument("--group-size", type=int, default=8, help="G rollouts per prompt (App. C.3)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward (CUDA: fitted into 80 GB)")
     ap.add_argument("--gen-chunk", type=int, default=64, help="rows per generate call (CUDA: fitted)")
@@ -272,8 +300,14 @@ def main(argv=None):
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
     ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
     ap.add_argument("--json", default="", help="also write every number here")
+    ap.add_argument("--quick", action="store_true",
+                    help="the flow overhead alone, short rollouts: < 10 minutes on an H100 (docstring)")
+    ap.add_argument("--quick-tokens", type=int, default=16, help="--quick: tokens sampled per row")
     args = ap.parse_args(argv)
-    counts = ("prompt_tokens", "prompts_per_step", "micro_batch", "gen_chunk", "rounds", "attn_rows")
+    if args.prompts_per_step is None:
+        args.prompts_per_step = 2 if args.quick else 16
+    counts = ("prompt_tokens", "prompts_per_step", "micro_batch", "gen_chunk", "rounds", "attn_rows",
+              "quick_tokens")
     for flag, ok in [*((k, getattr(args, k) >= 1) for k in counts),
                      ("max_new_tokens", min(args.max_new_tokens) >= 1), ("group_size", args.group_size >= 2),
                      ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0)]:

@@ -21,6 +21,8 @@ torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within
 On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
 allocator's fragmentation, up to one more KV cache (12 GB at 1K) when the cache grows by concatenation
 (policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB.
+The disk: a checkpoint holds the weights and the optimizer state (checkpoint.checkpoint_bytes), and from the
+second save two coexist (grpo.py checks the free space at setup).
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): policy.py.
@@ -46,6 +48,7 @@ import torch
 from flowtracer import auto_chunk
 from flowtracer import select_layers as select
 from training import credit, models, signals
+from training.checkpoint import STATE_BYTES, checkpoint_bytes
 from training.policy import scheme
 
 GB, GiB = 1e9, 2 ** 30
@@ -100,7 +103,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     maps = signals.NEEDS.get(cfg.credit) == "attn"                  # the signal reads attention maps
     layers = maps and not separate                                  # the fused pass captures the maps
     cast = 2 * N_cast if cuda and not kahan else 0                  # autocast's bf16 copies of fp32 weights
-    w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * (6 if kahan else 8),
+    state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
+    w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * state,
              **{"cast cache": cast})                                # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
@@ -155,7 +159,9 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
     grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
     step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
     T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (rollout.generate
-    frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32."""
+    frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32. The prefills
+    keep one position's logits (logits_to_keep=1), (k, 1, V), made after the layers' peak has passed: the
+    full (k, P, V) ones, 0.3 GB a 1K prompt for Qwen3 in bf16, are never made."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
@@ -285,6 +291,9 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
         out.append(f"budget {GPU / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
                    + (f"gen_chunk <= {g}, micro_batch <= {mb}" if g and mb else "no chunks fit"))
+    disk = checkpoint_bytes(param_counts(mc)[0], scheme(cfg, device))
+    out.append(f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
+               f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)")
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
     return "\n".join(out)
 

@@ -68,3 +68,24 @@ def test_bandwidth_bound_by_hand():
                             parameters=lambda: [torch.zeros(10)])
     cfg = SimpleNamespace(max_new_tokens=2, prompts_per_step=1, group_size=2, gen_chunk=2)
     assert gpu_headline.bandwidth_bound(model, cfg, 3, bandwidth=192.0) == 4.0
+
+
+def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):
+    """--quick: short rollouts padded to R, the update timed with and without flow; no memory step, no
+    generation speed, no maps. The help names the time of both modes."""
+    out = tmp_path / "quick.json"
+    p = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", *SMALL, "--quick", "--quick-tokens",
+                        "3", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["args"]["prompts_per_step"] == 2 and [r["max_new_tokens"] for r in res["results"]] == [8, 24]
+    for r in res["results"]:
+        assert not {"memory", "generation", "attention"} & r.keys(), r.keys()
+        o = r["overhead"]
+        assert o["response_tokens"] == r["max_new_tokens"]               # the update reads R tokens a row
+        assert real(o["update_none_s"]) and real(o["update_flow_s"]) and o["fraction"] is None
+        assert o["of_update"] == (o["update_flow_s"] - o["update_none_s"]) / o["update_none_s"]
+    assert p.stdout.count("% of the update") == 2 and "estimate/allocated" not in p.stdout
+    h = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", "--help"], cwd=ROOT,
+                       capture_output=True, text=True).stdout
+    assert "--quick" in h and "2 hours" in h and "10 minutes" in h

@@ -351,7 +351,7 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state):
     with pytest.raises(ValueError, match="trainer_state.pt"):
         ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), opt, sched)
     p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", str(tmp_path)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd=tmp_path)      # its out_dir, runs/grpo, unlocked
     assert p.returncode == 2 and "trainer_state.pt" in p.stderr and "Traceback" not in p.stderr
 
 

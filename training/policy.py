@@ -10,8 +10,12 @@ CUDA default) allocates a fp32 copy of v in the step (+16 GB). Peak 80.5 GB befo
 
 The scheme (--optimizer auto = kahan on CUDA): bf16 weights and gradients, AdamW with bf16 m and v and a
 bf16 Kahan compensation buffer (torch-optimi's AdamW, kahan_sum=True): 2 + 2 + 6 = 10 B/param = 40.2 GB,
-no autocast cache (the weights are bf16 already), no optimizer temporaries (optimi's Triton kernel, or its
-for-loop on the CPU). The compensation c keeps what bf16 rounding drops from each update: p + c is the
+no autocast cache (the weights are bf16 already), no optimizer temporaries on CUDA (optimi's Triton kernel or
+its foreach step, which uses the gradients as scratch; the CPU runs its for-loop: one temporary the size of
+the largest weight). The step is chosen at setup, not left to optimi (optimi_kernel, one printed line):
+Triton compiles a launcher with the host C compiler at the first step, after the first full rollout, and
+runtime images often have none, so without $CC / gcc / clang (or without Triton) CUDA runs the foreach
+step, the same arithmetic. The compensation c keeps what bf16 rounding drops from each update: p + c is the
 weight the optimizer tracks (master_weights). At lr 1e-6 a plain bf16 AdamW loses the update (|dw| ~ 1e-6 is
 below half a bf16 ulp of |w| ~ 0.02, so w + dw rounds back to w); the Kahan sum keeps it.
 Why optimi: maintained, pure PyTorch (its import and the CPU test need no GPU), one call, no fp32 master copy
@@ -45,6 +49,8 @@ Run: python eval.py memory --model qwen3-4b-random        # the accounting this 
 """
 import math
 import os
+import shutil
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +86,21 @@ def weight_dtype(cfg, device) -> torch.dtype:
     return torch.bfloat16 if scheme(cfg, device) == "kahan" else torch.float32
 
 
+def c_compiler():
+    """The host C compiler Triton builds its launcher with, or None: $CC, else gcc, else clang, the order of
+    triton/runtime/build.py (which raises "Failed to find C compiler" at the first kernel without one)."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
+def optimi_kernel(device) -> str:
+    """Which torch-optimi step runs (see the docstring): 'triton' on CUDA with Triton and a C compiler,
+    'foreach' on CUDA without either, 'for-loop' on the CPU."""
+    if torch.device(device).type != "cuda":
+        return "for-loop"
+    from optimi.utils import HAS_TRITON
+    return "triton" if HAS_TRITON and c_compiler() else "foreach"
+
+
 def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice."""
     if scheme(cfg, device) == "adamw":
@@ -88,8 +109,14 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
         raise ValueError(f"--optimizer kahan needs a bf16 model (policy.weight_dtype), got {bad}")
-    return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
-                        weight_decay=cfg.weight_decay, kahan_sum=True)
+    kernel = optimi_kernel(device)
+    why = " (no Triton, or no C compiler for its launcher: $CC, gcc, clang)" if kernel == "foreach" else ""
+    print(f"optimizer: torch-optimi AdamW with Kahan summation, its {kernel} step{why}")
+    with warnings.catch_warnings():     # optimi calls foreach deprecated in favour of Triton: chosen here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=cfg.weight_decay, kahan_sum=True, triton=kernel == "triton",
+                            foreach=kernel == "foreach")
 
 
 def master_weights(model, opt) -> dict:
