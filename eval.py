@@ -31,10 +31,9 @@ Departures (numbered; probes.py lists those of intervene and recall):
  4. intervene and answer-forms take a seeded random sample of --n-problems test problems (App. E.1: "randomly
     sampled"); bench, recall and plot take the first N.
 
-Bad input: one line `eval.py: error: ...` and exit 2. Every flag (--device, --out too) is checked before a
-model loads (parse, check_ranges); a bad data file, model or checkpoint (data.DataError, models.ModelError,
-checkpoint.RunError: ValueErrors naming the file) is caught around the command in main. Exit 1 when there is
-nothing to report (e.g. no response has an answer), after writing the counts.
+Bad input: one line `eval.py: error: ...`, exit 2. Every flag is checked before a model loads (parse,
+check_ranges); a bad data file, model or checkpoint (ValueErrors naming the file) is caught around the command
+in main. Exit 1 when there is nothing to report (no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 \
