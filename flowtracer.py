@@ -69,8 +69,8 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # layers only, it also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and
 # sums over heads as it goes into one (B, T, T) buffer. attention_graph then raises after the last chosen
 # layer (later layers and lm_head never run); capture lets the forward run on, and takes each layer once (a
-# backward recomputation adds nothing; a prompt pass with a KV cache, policy.response_states, is one more).
-# Q and K arrive after q/k-norm (Qwen3) and RoPE; GQA is handled by grouping the query heads of each KV head.
+# backward recomputation adds nothing; a shared prompt's pass, expand_prompts, is one more). Q and K arrive
+# after q/k-norm (Qwen3) and RoPE; GQA: the query heads of a KV head are rows of one product.
 IMPL = "flowtracer"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
                "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
@@ -106,7 +106,7 @@ class _Capture:
     def __init__(self, layers, chunk, stop):
         self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop
         self.buf, self.seen, self.calls = None, set(), 0   # (B, T, T) sum of head means; layers done; count
-        self.passes = 1   # forwards that each take every layer (2: a shared prompt, policy.response_states)
+        self.passes = 1   # forwards that each take every layer (2 with a shared prompt: expand_prompts)
 
 
 class _Stop(Exception):
@@ -116,24 +116,34 @@ class _Stop(Exception):
 _capture = None  # the active _Capture, or None: then the attention function is plain sdpa
 
 
+def expand_prompts(which, width):
+    """Between policy.response_states' two passes: the active capture's (k, P, P) prompt maps become the top
+    left of the rows' (B, T, T) maps (row b read prompt which[b]); the response pass fills the rows below."""
+    if _capture is not None and _capture.buf is not None:
+        P, buf = _capture.buf.shape[-1], _capture.buf.new_zeros(len(which), width, width)   # (B, T, T)
+        buf[:, :P, :P] = _capture.buf[which]                                                # (B, P, P)
+        _capture.buf, _capture.seen, _capture.passes = buf, set(), _capture.passes + 1
+
+
 def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
     """buf (B,T,S) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32.
-    The T queries are the last T of the S keys (S > T: the first S - T come from a KV cache)."""
-    B, H, T, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    The T queries are the last T of the S keys (S > T: the first S - T come from a KV cache). GQA: the G
+    query heads of a KV head are folded into the rows, (G c, D) @ (D, S), so no key is copied G times."""
+    (B, H, T, D), (Hkv, S) = query.shape, key.shape[1:3]
     q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
-    kT = key.float().transpose(-1, -2)[:, :, None]  # (B, Hkv, 1, D, S)
+    kT = key.float().mT                             # (B, Hkv, D, S), a view
     with torch.autocast(query.device.type, enabled=False):    # fp32 also under the run's bf16 autocast
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
-            score = (q[:, :, :, s:e] @ kT) * scaling  # (B, Hkv, G, c, S)
+            score = (q[:, :, :, s:e].reshape(B, Hkv, -1, D) @ kT).view(B, Hkv, H // Hkv, e - s, S)
+            score.mul_(scaling)                                                     # (B, Hkv, G, c, S)
             if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
                 allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s + S - T)  # (c, S)
-                score = score.masked_fill(~allowed, torch.finfo(score.dtype).min)
+                score.masked_fill_(~allowed, torch.finfo(score.dtype).min)
             elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
-                score = score.masked_fill(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
+                score.masked_fill_(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
             else:  # additive float mask (0 / large negative)
-                score = score + attention_mask[:, :, None, s:e].float()
+                score.add_(attention_mask[:, :, None, s:e].float())
             p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
             buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
 
@@ -227,8 +237,7 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
     forward that runs anyway.
     """
     _check_inputs(input_ids, attention_mask, chunk)
-    cfg = model.config
-    idx = select_layers(layers, cfg.num_hidden_layers)
+    cfg, idx = model.config, select_layers(layers, model.config.num_hidden_layers)
     mask = attention_mask.to(input_ids.device).long()  # (B, T)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
     global _capture
@@ -251,8 +260,7 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
         if old_impl != IMPL:
             model.set_attn_implementation(old_impl)
         model.train(was_training)
-    buf = state.buf / len(idx)  # layer mean
-    return buf * (mask[:, :, None] * mask[:, None, :]).float()  # zero padding query rows and key columns
+    return state.buf / len(idx) * (mask[:, :, None] * mask[:, None, :]).float()  # layer mean, zero on padding
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow
@@ -299,8 +307,7 @@ def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 def _check(attn, question_mask, answer_mask, valid_mask):
     if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:
         raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
-    masks = {"question_mask": question_mask, "answer_mask": answer_mask, "valid_mask": valid_mask}
-    for name, m in masks.items():
+    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask, valid_mask=valid_mask).items():
         if m is not None and tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
     if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
@@ -332,8 +339,7 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
     flow_credit then falls back to uniform credit.
     """
     single = attn.dim() == 2
-    if valid_mask is None:
-        valid_mask = torch.ones_like(question_mask, dtype=torch.bool)
+    valid_mask = torch.ones_like(question_mask, dtype=torch.bool) if valid_mask is None else valid_mask
     _check(attn, question_mask, answer_mask, valid_mask)
     if single:
         attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in

@@ -25,6 +25,8 @@ Run:  python benchmarks/credit_overhead.py                      # SmolLM2, 4 pro
       python benchmarks/credit_overhead.py --signals none flow oar-g oar-p --rounds 1 --steps 3
       python benchmarks/credit_overhead.py --grpo /tmp/before/grpo.py --signals none flow --every-row-trained
       python benchmarks/credit_overhead.py --same-batch --every-row-trained --rounds 5
+      python benchmarks/credit_overhead.py --same-batch --cpu-clock --rounds 6 --prompt-style fewshot3 \
+          --no-grad-checkpointing --lr 1e-12                  # flow/none at the embedded shape
 Any other flag is passed on to grpo.py.
 """
 import argparse
@@ -69,14 +71,19 @@ def same_batch(args, flags):
     import grpo
     torch.set_num_threads(args.threads)
     cached, real = {}, grpo.generate
+    now = time.process_time if args.cpu_clock else time.perf_counter
 
     def generate_once(*a, **k):                   # the first call generates; every later step reuses it
         if "gen" not in cached:
-            t0 = time.perf_counter()
+            t0 = now()
             cached["gen"] = real(*a, **k)
-            cached["s"] = time.perf_counter() - t0
+            cached["s"] = now() - t0
         return cached["gen"]
     grpo.generate = generate_once
+    if args.cpu_clock:                            # phases in CPU seconds of this process (runlog.Clock's now)
+        from training import runlog
+        wall = runlog.Clock
+        grpo.runlog.Clock = lambda device: wall(device, now=time.process_time)
     if args.every_row_trained:
         grpo.data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))
     rows = {s: [] for s in args.signals}
@@ -100,7 +107,8 @@ def same_batch(args, flags):
         sweep = (d["time/credit"] + d["time/update"]) / (med[base]["time/credit"] + med[base]["time/update"])
         print(f"{s:<14}{d['time/credit']:>8.2f}{d['time/update']:>8.2f}{step[s]:>8.2f}"
               f"{step[s] / step[base]:>12.3f}{sweep:>13.3f}")
-    print(f"(medians of {args.rounds} alternating rounds on one batch, {args.threads} thread(s); "
+    print(f"(medians of {args.rounds} alternating rounds on one batch, {args.threads} thread(s), "
+          f"{'CPU seconds of this process' if args.cpu_clock else 'wall seconds'}; "
           f"load {os.getloadavg()[0]:.1f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"generate_s": cached["s"], "median": med, "rows": rows},
@@ -121,10 +129,15 @@ def main(argv=None):
                     help="a toy reward that varies in every group: every row trained and credited (DRIVER)")
     ap.add_argument("--same-batch", action="store_true", help="one process, one cached rollout batch, each "
                     "signal's step on it in turn (same_batch above)")
+    ap.add_argument("--cpu-clock", action="store_true", help="with --same-batch: time the phases in CPU "
+                    "seconds of this process (time.process_time), which other jobs on a shared machine do "
+                    "not stretch")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args, flags = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps <= args.warmup or args.warmup < 0 or args.threads < 1:
         ap.error("need --rounds >= 1, --steps > --warmup >= 0, --threads >= 1")
+    if args.cpu_clock and not args.same_batch:
+        ap.error("--cpu-clock needs --same-batch (one process; the runs of the other mode are subprocesses)")
     if args.same_batch:
         return same_batch(args, flags)
     configs = [(ROOT / "grpo.py", s, s) for s in args.signals]

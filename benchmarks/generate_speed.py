@@ -14,13 +14,19 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
 
 --profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
 --update times the update's forward + backward instead (policy.token_logprobs, policy.py departure 1): one
-micro-batch of the first prompt's G rows with random responses of 100 - 3j tokens (row j), each prompt read
-once (shared) against one pass over every row's [prompt | response] (plain); the log-probs agree to 1e-4.
+micro-batch of the first prompt's G rows (its first --prompt-tokens, if given) with random responses of
+R - 3j tokens (row j, R = --response-tokens), each prompt read once (shared) against one pass over every
+row's [prompt | response] (plain); the log-probs agree to 1e-4. --grad-checkpointing runs it with the decoder
+layers checkpointed (non-reentrant, as grpo.py's GPU runs). After the timed rounds, one more call of each
+path under memtrace.track_peak gives its peak live tensor bytes (weights and gradients included).
 
 Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
       python benchmarks/generate_speed.py --shape long --rounds 1
       python benchmarks/generate_speed.py --rounds 1 --profile
       python benchmarks/generate_speed.py --update --rounds 5           # the update's micro-batch
+      python benchmarks/generate_speed.py --update --grad-checkpointing --response-tokens 64 --rounds 4
+      python benchmarks/generate_speed.py --update --grad-checkpointing --prompt-tokens 150 \
+          --response-tokens 512 --rounds 2                              # a DAPO-like prompt, long responses
 """
 import argparse
 import os
@@ -65,15 +71,37 @@ def run(model, tok, prompts, s, share, seed):
 
 def update(model, tok, prompts, s, share, seed):
     """--update: (wall seconds, CPU seconds, the log-probs) of one update micro-batch, forward + backward."""
-    g, vocab = torch.Generator().manual_seed(seed), min(len(tok), model.config.vocab_size)
-    resp = [torch.randint(vocab, (100 - 3 * j,), generator=g).tolist() for j in range(s["group_size"])]
-    b = build_batch(tok, [tok(prompts[0]).input_ids] * s["group_size"], resp)
+    b = update_batch(model, tok, prompts, s, seed)
     model.train()
     model.zero_grad(set_to_none=True)
     t0, c0 = time.perf_counter(), time.process_time()
     lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
     (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
     return time.perf_counter() - t0, time.process_time() - c0, lp.detach()
+
+
+def update_batch(model, tok, prompts, s, seed):
+    """The G rows of the first prompt (cut to s["prompt_tokens"] if set) with random responses of R - 3j."""
+    g, R = torch.Generator().manual_seed(seed), s["response_tokens"]
+    vocab = min(len(tok), model.config.vocab_size)
+    prompt = tok(prompts[0]).input_ids[:s["prompt_tokens"] or None]
+    resp = [torch.randint(vocab, (R - 3 * j,), generator=g).tolist() for j in range(s["group_size"])]
+    return build_batch(tok, [prompt] * s["group_size"], resp)
+
+
+def update_peak(model, tok, prompts, s, share):
+    """Peak live tensor bytes of one update micro-batch (memtrace.track_peak), weights and gradients in."""
+    from evaluation.memtrace import track_peak
+    b = update_batch(model, tok, prompts, s, 0)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with track_peak(model) as tr:
+        tr.phase("update")
+        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width,
+                                      share_prompt=share)
+        (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
+        del lp
+    return tr.peak["update"]
 
 
 def profile(model, tok, prompts, s):
@@ -95,12 +123,22 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
     ap.add_argument("--update", action="store_true", help="time the update's micro-batch instead (above)")
+    ap.add_argument("--grad-checkpointing", action="store_true", help="with --update: checkpointed layers")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="with --update: cut the prompt to this many "
+                    "tokens (0: the shape's whole prompt)")
+    ap.add_argument("--response-tokens", type=int, default=100, help="with --update: R, row j has R - 3j")
     args = ap.parse_args(argv)
-    if min(args.rounds, args.threads) < 1:
-        ap.error("--rounds and --threads must be >= 1")
+    if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0:
+        ap.error("--rounds and --threads must be >= 1, --prompt-tokens >= 0")
+    if args.response_tokens < 3 * SHAPES[args.shape]["group_size"]:
+        ap.error(f"--response-tokens must be >= {3 * SHAPES[args.shape]['group_size']} (row j has R - 3j)")
+    if not args.update and (args.grad_checkpointing or args.prompt_tokens or args.response_tokens != 100):
+        ap.error("--grad-checkpointing, --prompt-tokens and --response-tokens need --update")
     torch.set_num_threads(args.threads)
-    s = SHAPES[args.shape]
+    s = {**SHAPES[args.shape], "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens}
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
+    if args.grad_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     prompts = shape_prompts(tok, args.shape, s["prompts"])
     lens = [len(tok(p).input_ids) for p in prompts]
     times, cpu, same = {"plain": [], "shared": []}, {"plain": [], "shared": []}, True
@@ -118,7 +156,9 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
     mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     if args.update:
-        shape = f"update: {s['group_size']} rows of a {lens[0]}-token prompt, 100 - 3j response tokens"
+        P = min(lens[0], args.prompt_tokens or lens[0])
+        shape = (f"update: {s['group_size']} rows of a {P}-token prompt, {args.response_tokens} - 3j "
+                 f"response tokens{', gradient checkpointing' if args.grad_checkpointing else ''}")
     else:
         shape = (f"{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-"
                  f"{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}")
@@ -127,9 +167,14 @@ def main(argv=None):
         print(f"{what:<5} {'full pass' if args.update else 'plain HF'} {m['plain']:8.2f} s   shared "
               f"{m['shared']:8.2f} s   ratio shared/plain {m['shared'] / m['plain']:.3f}")
     print(f"same {'log-probs' if args.update else 'tokens'} in every round: {same}")
+    peak = {}
+    if args.update:
+        peak = {name: update_peak(model, tok, prompts, s, name == "shared") for name in ("plain", "shared")}
+        print(f"peak  full pass {peak['plain'] / 1e6:8.1f} MB   shared {peak['shared'] / 1e6:8.1f} MB   "
+              f"ratio shared/plain {peak['shared'] / peak['plain']:.3f}")
     if args.profile:
         profile(model, tok, prompts, s)
-    return {"wall": med, "cpu": mcpu, "same": same}
+    return {"wall": med, "cpu": mcpu, "same": same, "peak": peak}
 
 
 if __name__ == "__main__":

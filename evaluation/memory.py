@@ -110,7 +110,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
     ls, ckpt = layer_saved(mc, T, cb, rb), cfg.grad_checkpointing          # update: what the forward keeps
-    k = b if ckpt else prefill_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
+    k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
     acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt)
     Tq = T - P if k < b else T                                            # queries of the last pass, a row
     old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
@@ -142,7 +142,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0)
     final = b * Tq * (4 * D + 2 * D * rb)
     paths = [(acts, max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb), 0),
-             (acts - final, 0, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)),
+             (acts - final, 0, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)
+              + ckpt * (Tq < T) * b * P * 2 * cb * hd * max(Hq, Hkv)),   # + its replay's prompt K, V
              (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
     bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 8 if layers else 0,
@@ -198,12 +199,15 @@ def kept(mc, n, ls, rb, checkpointed):
 def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
-    pass over b x (T - P) queries, and the keys and values of the b x P prompt columns it reads per layer."""
+    pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
+    the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
+    which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer)."""
     if k == b:
         return b * T * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed)
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv = 2 * cb * hd * max(mc.num_attention_heads, mc.num_key_value_heads)   # sdpa's K, V (GQA: repeated)
-    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb), rb, checkpointed) + n * b * P * kv
+    kv = (2 * cb * hd * k * mc.num_key_value_heads if checkpointed      # PromptKV's K, V of the k prompts
+          else 2 * cb * hd * b * max(mc.num_attention_heads, mc.num_key_value_heads))  # sdpa's, each row's
+    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb), rb, checkpointed) + n * P * kv
             + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed))
 
 

@@ -134,6 +134,32 @@ def test_maps_stay_fp32_under_bf16_autocast():
     torch.testing.assert_close(cap.attn, ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
+    """add_head_mean folds the G query heads of a KV head into the rows of one product: the maps equal a
+    reference with the keys repeated per query head (4 queries over 12 cached + 24 own keys, in chunks of
+    5), and its extra peak of live tensor bytes (memtrace.track_peak) stays below the bytes of the G-fold
+    expanded fp32 keys alone, which a broadcast Q K^T materialises."""
+    from evaluation.memtrace import track_peak
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, S, D = 2, 8, 2, 24, 36, 32
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    keep = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(B, 1, T, S).clone()   # causal, cached prefix
+    keep[0, :, :, :3] = False                                                             # left padding
+    mask = {"none": None, "bool": keep,
+            "float": torch.zeros(B, 1, T, S).masked_fill(~keep, torch.finfo(torch.float32).min)}[mask_kind]
+    ref_keep = keep if mask is not None else torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    score = (q @ k.repeat_interleave(H // Hkv, dim=1).mT) * 0.3                          # (B, H, T, S)
+    ref = torch.softmax(score.masked_fill(~ref_keep, torch.finfo(score.dtype).min), -1).sum(1) / H
+    buf = torch.zeros(B, T, S)
+    with track_peak(buf, q, k, mask) as tr:
+        base = tr.now
+        tr.phase("maps")
+        flowtracer.add_head_mean(buf, q, k, mask, 0.3, 5)
+    torch.testing.assert_close(buf, ref, atol=1e-6, rtol=0)
+    assert tr.peak["maps"] - base < B * H * D * S * 4                # < the expanded fp32 keys alone
+
+
 # ----------------------------------------------------------------------------- pass-through, restore, early stop
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):

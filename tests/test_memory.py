@@ -102,17 +102,23 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     L, D, b, B, T, R = 36, 2560, 8, 128, 1280, 1024
     N = memory.param_counts(mc)[0]
     # --no-grad-checkpointing (one pass over every row): each layer keeps its layer_saved, not its bf16 input
+    unshared, _ = qwen3_4b("--no-share-prefix")
     off, _ = qwen3_4b("--no-grad-checkpointing", "--no-share-prefix")
     extra = b * T * L * (memory.layer_saved(mc, T, 2, 2) - D * 2)
-    assert off["credit"]["activations"] - base["credit"]["activations"] == extra
+    assert off["credit"]["activations"] - unshared["credit"]["activations"] == extra
     for phase in ("update forward", "backward"):                     # the peak may move within the phase
-        assert abs(total(off, phase) - total(base, phase) - extra) < 0.05 * extra
+        assert abs(total(off, phase) - total(unshared, phase) - extra) < 0.05 * extra
+    # checkpointed and shared (the default): each layer keeps its bf16 input of the 1 x P prompt and the
+    # 8 x R responses, and the prompt's K, V (8 KV heads of 128, bf16) that the responses' replays read
+    P = T - R
+    prompt, resp = (memory.kept(mc, L, memory.layer_saved(mc, t, 2, 2), 2, True) for t in (P, T))
+    assert base["credit"]["activations"] == P * prompt + b * R * resp + L * P * 2 * 2 * 8 * 128
+    assert base["credit"]["activations"] < unshared["credit"]["activations"]
     assert 60e9 < b * T * L * memory.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
     # and with the micro-batch's one prompt read once (--share-prefix, policy.response_states): the prompt
     # pass keeps 1 x P tokens, the response pass 8 x R queries and the prompt's K, V (bf16, repeated to the
     # 32 query heads) of each of its 8 rows in each layer
     shared, _ = qwen3_4b("--no-grad-checkpointing")
-    P = T - R
     prompt, resp = (memory.kept(mc, L, memory.layer_saved(mc, t, 2, 2), 2, False) for t in (P, T))
     assert shared["credit"]["activations"] == P * prompt + b * R * resp + L * b * P * 2 * 2 * 32 * 128
     assert shared["credit"]["activations"] < off["credit"]["activations"]

@@ -35,15 +35,19 @@ grown step by step leaves no trail of freed blocks too small to reuse (memory.py
 Departures (numbered):
  1. Each prompt read once in the update (response_states, grpo.py --share-prefix, on by default): the G rows
     of a group carry the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once
-    into a KV cache (with grad), copies it to the prompt's rows (a differentiable index) and reads only the
-    responses on top. The same arithmetic on the same tokens (the log-probs equal the full forward's to
-    float noise, and the gradient too: every row's gradient reaches the weights through the shared keys and
-    values). At the embedded run's micro-batch (4 rows of a 380-token prompt, ~100-token responses, one
-    thread) forward + backward take 0.51x the full pass's time (benchmarks/generate_speed.py --update; the
-    LM head over the responses is the same in both). Fallback to one pass over every row's
-    [prompt | response]: under gradient checkpointing in training (transformers' checkpointed layers drop
-    the KV cache; the GPU Qwen3-4B runs keep it on), when no two rows of the micro-batch share a prompt,
-    and when the prompt or the response is empty.
+    (with grad), keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer
+    taking its prompt's keys (a differentiable index). The same arithmetic on the same tokens (the log-probs
+    equal the full forward's to float noise, and the gradient too: every row's gradient reaches the weights
+    through the shared keys and values). At the embedded run's micro-batch (4 rows of a 380-token prompt,
+    ~100-token responses, one thread) forward + backward take 0.51x the full pass's time
+    (benchmarks/generate_speed.py --update; the LM head over the responses is the same in both). Under
+    gradient checkpointing (the GPU runs) as well: the layers are told they may keep the cache (transformers'
+    _can_checkpoint_with_cache), which PromptKV makes safe, since a layer replayed in backward reads the same
+    prompt keys and writes nothing new; at 4 rows of a 380-token prompt and 64 new tokens the checkpointed
+    update takes 0.41x the full pass's CPU time at the same peak memory (benchmarks/generate_speed.py --update
+    --grad-checkpointing). Fallback to one pass over every row's [prompt | response]: under reentrant
+    checkpointing (no gradient reaches keys read from outside a layer's arguments), when no two rows of the
+    micro-batch share a prompt, and when the prompt or the response is empty.
 
 Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
 """
@@ -57,6 +61,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import flowtracer
 from flowtracer import select_layers
@@ -172,40 +177,71 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, sh
 def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True):
     """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
 
-    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), into a KV cache with
-    grad; the cache is copied to their rows and the responses (B, R) are read on top of it. Else, and in the
-    fallbacks, one pass over every row's [prompt | response]. A flowtracer.capture around it gets the same
-    (B, T, T) maps either way (expand_capture)."""
+    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
+    and values (PromptKV) are read by the rows' responses (B, R) on top. Else, and in the fallbacks, one pass
+    over every row's [prompt | response]. A flowtracer.capture around it gets the same (B, T, T) maps either
+    way (flowtracer.expand_prompts). Under gradient checkpointing the decoder layers keep the cache: PromptKV
+    gives a layer replayed in backward what it read in the forward. Both passes' tokens are embedded in one
+    lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
+    prompt pass's kept tensors are gone (a lookup per pass: the response pass's sum ran beside them, a
+    higher peak)."""
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
-    checkpointed = model.training and getattr(model, "is_activation_checkpointing", False)  # drops caches
-    shared = share_prompt and not checkpointed and 0 < P < T
+    shared = share_prompt and 0 < P < T and not reentrant(dec)
     if shared:
         prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                       return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
     if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
         return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                    use_cache=False).last_hidden_state[:, P - 1:-1]       # (B, R, D)
-    cache, ids, mask = DynamicCache(config=model.config), prompts[:, :P], prompts[:, P:]   # (k, P) each
-    first = dec(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-                past_key_values=cache, use_cache=True).last_hidden_state  # (k, P, D): the prompt pass
-    expand_capture(which, T)
-    cache.batch_select_indices(which)                                # (B, Hkv, P, hd) a layer, differentiable
-    rest = dec(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
-               past_key_values=cache, use_cache=True).last_hidden_state   # (B, R, D)
+    layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:                        # checkpointed layers keep the cache: PromptKV is replay-safe
+        m._can_checkpoint_with_cache = True
+    try:
+        kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)   # (k, P)
+        x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))  # (kP+BR, D)
+        first = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
+                    position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False
+                    ).last_hidden_state                                   # (k, P, D): the prompt pass
+        flowtracer.expand_prompts(which, T)
+        rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
+                   position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which),
+                   use_cache=False).last_hidden_state                     # (B, R, D): the response pass
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache
     return torch.cat([first[which, P - 1:], rest[:, :-1]], dim=1)         # (B, R, D)
 
 
-def expand_capture(which, width):
-    """Between response_states' two passes, an active flowtracer.capture's (k, P, P) maps of the prompts
-    become the top-left corner of the rows' (B, T, T) buffer, which the response pass fills below it (its
-    R queries are the last rows, over all T keys); each chosen layer is then taken once more."""
-    cap = flowtracer._capture
-    if cap is None or cap.buf is None:
-        return
-    P, buf = cap.buf.shape[-1], cap.buf.new_zeros(len(which), width, width)   # (B, T, T)
-    buf[:, :P, :P] = cap.buf[which]                                       # (B, P, P)
-    cap.buf, cap.seen, cap.passes = buf, set(), cap.passes + 1
+class PromptKV(DynamicCache):
+    """The shared prompts' keys and values, read the same by a layer that gradient checkpointing replays in
+    backward (update() never grows the cache). Prompt pass (no `which`): each layer's (k, Hkv, P, hd) keys
+    and values are kept (a replay keeps its own again). Response pass (`prompts`, `which`: row -> prompt):
+    layer l reads [keys of row b's prompt | its own] and keeps nothing; the row selection runs inside the
+    layer, so only the k prompts' keys and values wait for backward, not B copies."""
+    def __init__(self, config, prompts=None, which=None):
+        super().__init__(config=config)
+        self.which = which
+        for layer, old in zip(self.layers, prompts.layers if prompts is not None else []):
+            layer.lazy_initialization(old.keys, old.values)
+            layer.keys, layer.values = old.keys, old.values
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if self.which is None:
+            layer.lazy_initialization(key_states, value_states)
+            layer.keys, layer.values = key_states, value_states
+            return key_states, value_states
+        return (torch.cat([layer.keys[self.which], key_states], dim=-2),
+                torch.cat([layer.values[self.which], value_states], dim=-2))
+
+
+def reentrant(decoder):
+    """True when the decoder's layers are checkpointed with use_reentrant=True: that checkpoint passes no
+    gradient to tensors a layer reads from outside its arguments (the shared prompt's keys), so no sharing."""
+    fn = next((getattr(m, "_gradient_checkpointing_func", None) for m in decoder.modules()
+               if getattr(m, "gradient_checkpointing", False)), None)
+    return fn is not None and getattr(fn, "keywords", {}).get("use_reentrant", True) is not False
 
 
 def old_logprobs(run, batch, trained):
