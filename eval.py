@@ -59,7 +59,7 @@ import data
 from evaluation import figures, highflow, probes, stats
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
-from training import flags, signals
+from training import flags, oar, signals
 from training.models import ModelError, device_problem, load_model
 from training.rollout import generate
 
@@ -315,7 +315,7 @@ def parse(argv=None):
     p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
                                                      "correlation", "random", "oar-p", "oar-g"],
                    choices=list(signals.SIGNALS), help="credit signals to rank tokens by")
-    p.add_argument("--oar-outcomes", nargs="+", choices=probes.OUTCOMES,
+    p.add_argument("--oar-outcomes", nargs="+", choices=oar.OUTCOMES,
                    default=[probes.CreditConfig.oar_outcome],
                    help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
     p = cmd("plot", plot, problems=8)

@@ -182,7 +182,7 @@ def attention_peaks(model, cfg, rows, T):
             except torch.OutOfMemoryError:
                 out[name] = None
             finally:
-                kept = None
+                kept = None                          # noqa: F841  the next phase starts empty
                 model.set_attn_implementation(impl)
         tr.phase(None)
     return {k: tr.peak[k] if ok else None for k, ok in out.items()}

@@ -62,7 +62,6 @@ from transformers import DynamicCache
 import data
 from training import signals
 from training.credit import CreditConfig
-from training.oar import OUTCOMES
 from training.rollout import build_batch, eos_ids
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
