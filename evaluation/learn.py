@@ -332,9 +332,9 @@ def report(setting, summary):
     head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
             f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`\n\n"
             "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
-            "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over seeds,"
-            " "
-            "and (in brackets) the sd that the binomial noise of the held-out questions alone gives:\n\n")
+            "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over "
+            "seeds, and (in brackets) the sd that the binomial noise of the held-out questions alone "
+            "gives:\n\n")
     cols = [c for c, x in zip(["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"],
                               SCORES.values()) if k or "mean" not in x]
     arms = markdown(["arm", "seeds", *cols, "sd (binomial)"],
