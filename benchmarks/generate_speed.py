@@ -72,12 +72,18 @@ def run(model, tok, prompts, s, share, seed):
 def update(model, tok, prompts, s, share, seed):
     """--update: (wall seconds, CPU seconds, the log-probs) of one update micro-batch, forward + backward."""
     b = update_batch(model, tok, prompts, s, seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    lp = forward_backward(model, b, share)
+    return time.perf_counter() - t0, time.process_time() - c0, lp
+
+
+def forward_backward(model, b, share):
+    """One update micro-batch from zero gradients, forward + backward: the (B, R) log-probs, detached."""
     model.train()
     model.zero_grad(set_to_none=True)
-    t0, c0 = time.perf_counter(), time.process_time()
     lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
     (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
-    return time.perf_counter() - t0, time.process_time() - c0, lp.detach()
+    return lp.detach()
 
 
 def update_batch(model, tok, prompts, s, seed):
@@ -93,14 +99,10 @@ def update_peak(model, tok, prompts, s, share):
     """Peak live tensor bytes of one update micro-batch (memtrace.track_peak), weights and gradients in."""
     from evaluation.memtrace import track_peak
     b = update_batch(model, tok, prompts, s, 0)
-    model.train()
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)                  # the previous call's gradients are not this call's
     with track_peak(model) as tr:
         tr.phase("update")
-        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width,
-                                      share_prompt=share)
-        (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
-        del lp
+        forward_backward(model, b, share)
     return tr.peak["update"]
 
 

@@ -187,14 +187,14 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prompt
     higher peak)."""
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
-    shared = share_prompt and 0 < P < T and not reentrant(dec)
+    layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
+    shared = share_prompt and 0 < P < T and not reentrant(layers)
     if shared:
         prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                       return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
     if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
         return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                    use_cache=False).last_hidden_state[:, P - 1:-1]       # (B, R, D)
-    layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
     for m in layers:                        # checkpointed layers keep the cache: PromptKV is replay-safe
         m._can_checkpoint_with_cache = True
     try:
@@ -236,11 +236,11 @@ class PromptKV(DynamicCache):
                 torch.cat([layer.values[self.which], value_states], dim=-2))
 
 
-def reentrant(decoder):
+def reentrant(layers):
     """True when the decoder's layers are checkpointed with use_reentrant=True: that checkpoint passes no
     gradient to tensors a layer reads from outside its arguments (the shared prompt's keys), so no sharing."""
-    fn = next((getattr(m, "_gradient_checkpointing_func", None) for m in decoder.modules()
-               if getattr(m, "gradient_checkpointing", False)), None)
+    fn = next((getattr(m, "_gradient_checkpointing_func", None) for m in layers if m.gradient_checkpointing),
+              None)
     return fn is not None and getattr(fn, "keywords", {}).get("use_reentrant", True) is not False
 
 
