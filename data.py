@@ -32,7 +32,8 @@ Departures (numbered; 1-3, on the prompts, are prompts.py's):
   5. (answers.py) math-verify's timeout uses signal.alarm (main thread only). In other threads the check
      runs in a daemon thread that is abandoned after 4 * TIMEOUT_S. In both, a size guard first rejects
      values such as 9^{9^{9}} or (10^{10})! whose evaluation no timeout can interrupt (they score 0 even if
-     equal).
+     equal), and an answer longer than answers.MAX_ANSWER_CHARS is never parsed: it equals only as a plain
+     number or in normal form (the same spelling up to spaces and TeX spacing), as a short one does first.
 
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
 Test: python -m pytest -q tests/test_data.py      Time the rewards: python benchmarks/reward_speed.py

@@ -68,9 +68,12 @@ BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", 
               "crossthinkqa"]
 
 
+class EvalError(Exception):
+    """(msg, code): main prints `eval.py: error: msg` and exits with code (2: bad input, 1: no result)."""
+
+
 def fail(msg, code=2):
-    print(f"eval.py: error: {msg}", file=sys.stderr)
-    sys.exit(code)
+    raise EvalError(msg, code)
 
 
 # ----------------------------------------------------------------------------- model, prompts, output
@@ -392,8 +395,10 @@ def main(argv=None):
     args = parse(argv)
     try:
         args.func(args)
-    except (data.DataError, ModelError, ckpt_io.RunError) as e:   # the user's files: one line, never a bug's
-        fail(str(e))
+    except (EvalError, data.DataError, ModelError, ckpt_io.RunError) as e:   # one line, never a bug's
+        msg, code = e.args if isinstance(e, EvalError) else (e, 2)
+        print(f"eval.py: error: {msg}", file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

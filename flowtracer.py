@@ -4,7 +4,8 @@ Paper (FlowTracer): "How Does Reasoning Flow? Tracing Attention-Induced Informat
 LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 and App. C.2.
 
     attention_graph   one no-grad forward pass -> head/layer-mean attention (§3.3, App. C.2)
-    capture           the same maps, taken inside a forward that runs anyway (grpo.py's fused credit pass)
+    Capture           the same maps, taken inside a forward that runs anyway: grpo.py's training forward is
+                      given one (policy.token_logprobs(..., capture=cap)); `capture` does it for TRL's forward
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
     The batch and its question, response and answer tokens: training/rollout.py (Batch, build_batch, take).
@@ -35,14 +36,13 @@ Departures from the paper (numbered):
     (plain GRPO) and a fallback flag, instead of undefined flow.
  4. "Middle layers (L/3 ~ 2L/3)" is read as range(L // 3, 2L // 3): layers 10..19 of the 30-layer SmolLM2,
     12..23 of the 36-layer Qwen3-4B; 2L/3 is excluded so that early, middle and late partition the layers.
-    The paper contradicts itself here: §4.3 / Fig. 6 split Qwen3-4B into early 0-15, middle 15-25 and late
-    25-35, so Fig. 6's "middle" is 15..24, not C.2's 12..23, and 15 and 25 are listed twice. The presets
-    fig6-early | fig6-middle | fig6-late reproduce Fig. 6: [0, 15), [15, 25), [25, 36), each shared boundary
-    going to the later stage (35 is the last layer, so "25-35" is inclusive): 15 + 10 + 11 = 36 layers, a
-    partition. On an L-layer model the boundaries 15 and 25 scale to round(15 L / 36), round(25 L / 36)
-    (halves up): 13 and 21 of SmolLM2's 30. The default stays C.2's "middle", the one the main runs use.
+    The paper contradicts itself: §4.3 / Fig. 6 split Qwen3-4B into early 0-15, middle 15-25, late 25-35
+    (15 and 25 listed twice). The presets fig6-early | fig6-middle | fig6-late read them as [0, 15), [15, 25),
+    [25, 36), a partition, the boundaries scaled to round(15 L / 36), round(25 L / 36) on an L-layer model
+    (13 and 21 of SmolLM2's 30). The default stays C.2's "middle", the one the main runs use.
  5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
-    layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below).
+    layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below), on CUDA
+    in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py).
     Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
@@ -58,19 +58,19 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+try:                 # CUDA: the head-mean map in two fused Triton kernels (gpu_kernels/head_mean.py)
+    from gpu_kernels.head_mean import head_mean_triton
+except ImportError:  # no Triton: add_head_mean, the reference, serves every device
+    head_mean_triton = None
+
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
 
 # ----------------------------------------------------------------------------- eq. 1: the graph from a model
-# How, without the L*H*T*T tensor that output_attentions=True (eager attention) materialises: an attention
-# function "flowtracer" is registered with transformers' AttentionInterface (and sdpa's mask builder under the
-# same name). It always returns sdpa's output, so outside a capture it is an exact pass-through and a policy
-# may keep attn_implementation="flowtracer" permanently. Inside attention_graph or capture, for the chosen
-# layers only, it also recomputes softmax(Q K^T * scaling + mask) in fp32, a chunk of queries at a time, and
-# sums over heads as it goes into one (B, T, T) buffer. attention_graph then raises after the last chosen
-# layer (later layers and lm_head never run); capture lets the forward run on, and takes each layer once (a
-# backward recomputation adds nothing; a shared prompt's pass, expand_prompts, is one more). Q and K arrive
-# after q/k-norm (Qwen3) and RoPE; GQA: the query heads of a KV head are rows of one product.
+# How, without the L*H*T*T tensor of eager attention's output_attentions=True: an attention function
+# "flowtracer" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
+# Capture, recomputes the chosen layers' softmax(Q K^T * scaling + mask) in fp32 and sums its heads into one
+# (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE.
 IMPL = "flowtracer"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
                "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
@@ -100,29 +100,65 @@ def select_layers(spec, num_layers):
     return layers
 
 
-class _Capture:
-    """State of one capture, read by the attention function. `stop`: raise after the last chosen layer
-    (attention_graph's own pass); otherwise the forward runs on (the fused training forward)."""
-    def __init__(self, layers, chunk, stop):
-        self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop
-        self.buf, self.seen, self.calls = None, set(), 0   # (B, T, T) sum of head means; layers done; count
-        self.passes = 1   # forwards that each take every layer (2 with a shared prompt: expand_prompts)
+class Capture:
+    """The chosen layers' head-mean attention of one forward, handed to that forward as a keyword argument:
+
+        cap = Capture(select_layers("middle", L))
+        model(input_ids, attention_mask=mask, flow_capture=cap)    # transformers passes it to every layer
+        cap.maps(mask)                                             # (B, T, T) layer mean, zero on padding
+
+    The attention function calls `take` on each layer; the maps travel on this object, by value. Gradient
+    checkpointing's replay rule lives here: backward replays a checkpointed layer with the same keywords, and
+    a layer already taken in this pass adds nothing (`seen`). `stop_after_last`: raise after the last chosen
+    layer (attention_graph's own pass needs neither the later layers nor the LM head)."""
+    def __init__(self, layers, chunk=None, stop_after_last=False):
+        self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop_after_last
+        self.buf = None         # (B, T, T) fp32: sum over the layers taken of their head means
+        self.seen = set()       # layers taken in this pass (the replay rule)
+        self.calls = 0          # layers taken in all passes
+        self.passes = 1         # forwards that each take every chosen layer (2 with a shared prompt)
+
+    def take(self, layer, query, key, attention_mask, scaling):
+        """Called by flowtracer_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
+        if layer not in self.layers or layer in self.seen:
+            return
+        (B, H, T, _), S = query.shape, key.shape[2]       # T queries: the last T of S (a cached prefix)
+        if self.buf is None:
+            self.buf = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)
+        if self.buf.shape[0] != B or self.buf.shape[-1] < S:
+            raise RuntimeError(f"a forward of {B} x {S} tokens reached a Capture of {tuple(self.buf.shape)}: "
+                               "between a shared prompt's two passes call Capture.expand_prompts")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        fill = head_mean_triton if query.is_cuda and head_mean_triton is not None else add_head_mean
+        fill(self.buf[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
+             self.chunk or auto_chunk(B, H, S))
+        self.seen.add(layer)
+        self.calls += 1
+        if self.stop and layer == self.last:
+            raise _Stop
+
+    def expand_prompts(self, which, width):
+        """Between policy.response_states' two passes: the (k, P, P) maps of the k distinct prompts become
+        the top left of the rows' (B, T, T) maps (row b read prompt which[b]); the response pass fills the
+        rest."""
+        if self.buf is not None:
+            P, buf = self.buf.shape[-1], self.buf.new_zeros(len(which), width, width)   # (B, T, T)
+            buf[:, :P, :P] = self.buf[which]                                            # (B, P, P)
+            self.buf, self.seen, self.passes = buf, set(), self.passes + 1
+
+    def maps(self, attention_mask):
+        """(B, T, T) the layer mean of the head means, zero on padding rows and columns: eq. 1's W. Made in
+        place from the buffer (no second (B, T, T) exists), so it can be read once."""
+        if self.calls != len(self.layers) * self.passes or self.buf is None:
+            raise RuntimeError(f"captured {self.calls} of {len(self.layers)} chosen layers x "
+                               f"{self.passes} forward(s), or the maps were read already")
+        m = attention_mask.to(self.buf.device).float()                                  # (B, T) 0 / 1
+        W, self.buf = self.buf, None
+        return W.div_(len(self.layers)).mul_(m[:, :, None]).mul_(m[:, None, :])          # (B, T, T)
 
 
 class _Stop(Exception):
     """Raised after the last chosen layer to end the forward pass early."""
-
-
-_capture = None  # the active _Capture, or None: then the attention function is plain sdpa
-
-
-def expand_prompts(which, width):
-    """Between policy.response_states' two passes: the active capture's (k, P, P) prompt maps become the top
-    left of the rows' (B, T, T) maps (row b read prompt which[b]); the response pass fills the rows below."""
-    if _capture is not None and _capture.buf is not None:
-        P, buf = _capture.buf.shape[-1], _capture.buf.new_zeros(len(which), width, width)   # (B, T, T)
-        buf[:, :P, :P] = _capture.buf[which]                                                # (B, P, P)
-        _capture.buf, _capture.seen, _capture.passes = buf, set(), _capture.passes + 1
 
 
 def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
@@ -148,21 +184,12 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
             buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
 
 
-def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """AttentionInterface function: sdpa's output; while capturing, also the chosen layers' head-mean maps,
-    once per layer: gradient checkpointing's recomputation in backward adds nothing."""
-    cap, layer = _capture, getattr(module, "layer_idx", None)
-    if cap is not None and layer in cap.layers and layer not in cap.seen:
-        (B, H, T, _), S = query.shape, key.shape[2]       # T queries: the last T of S (a cached prefix)
-        if cap.buf is None:
-            cap.buf = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        add_head_mean(cap.buf[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
-                      cap.chunk or auto_chunk(B, H, S))
-        cap.seen.add(layer)
-        cap.calls += 1
-        if cap.stop and layer == cap.last:
-            raise _Stop
+def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
+                         **kwargs):
+    """AttentionInterface function: sdpa's output, and the head-mean map of this layer into `flow_capture`
+    when the forward was given one (Capture.take)."""
+    if flow_capture is not None:
+        flow_capture.take(getattr(module, "layer_idx", None), query, key, attention_mask, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -187,44 +214,43 @@ def _check_inputs(input_ids, attention_mask, chunk):
 
 
 class capture:
-    """Context manager: every chosen layer's head-mean attention of the next forward pass of `model`, captured
-    on the way (detached) while the forward runs on; the fused credit pass of grpo.py. After the block,
-    `.attn` is the (B, T, T) layer mean, zero on padding, exactly as attention_graph returns it.
+    """Context manager for a forward that you do not call yourself (TRL's training forward): `model`'s next
+    decoder forwards are given a Capture (a pre-hook adds flow_capture=...), under the "flowtracer" attention.
+    After the block, `.attn` is the (B, T, T) layer mean, zero on padding, as attention_graph returns it.
 
         with capture(model, mask, "middle") as cap:
             out = model(input_ids, attention_mask=mask, ...)   # the training forward, with grad
-        cap.attn  # (B, T, T), cap.calls == number of chosen layers (x 2 when a prompt pass is shared)
-    """
+        cap.attn  # (B, T, T), cap.calls == number of chosen layers
+    Where you call the forward yourself, pass a Capture instead (policy.token_logprobs(..., capture=cap))."""
     def __init__(self, model, attention_mask, layers=None, chunk=None):
-        self.model, self.mask, self.chunk = model, attention_mask.long(), chunk
-        self.idx = select_layers(layers, model.config.num_hidden_layers)
+        self.model, self.mask = model, attention_mask.long()
+        self.state = Capture(select_layers(layers, model.config.num_hidden_layers), chunk)
         self.attn, self.calls = None, 0
 
     def __enter__(self):
-        global _capture
-        if _capture is not None:
-            raise RuntimeError("attention captures cannot nest")
-        self.old = self.model.config._attn_implementation
-        if self.old != IMPL:
-            self.model.set_attn_implementation(IMPL)
-        if self.model.config._attn_implementation != IMPL:
-            raise ValueError(f"{type(self.model).__name__} cannot switch to a custom attention function")
-        self.state = _capture = _Capture(self.idx, self.chunk, stop=False)
+        self.old = use_flowtracer_attention(self.model)
+        give = lambda module, args, kwargs: (args, {**kwargs, "flow_capture": self.state})  # noqa: E731
+        self.hook = self.model.get_decoder().register_forward_pre_hook(give, with_kwargs=True)
         return self
 
     def __exit__(self, *exc):
-        global _capture
-        _capture = None
+        self.hook.remove()
         if self.old != IMPL:
             self.model.set_attn_implementation(self.old)
         self.calls = self.state.calls
         if exc[0] is None:
-            if self.calls != len(self.idx) * self.state.passes:
-                raise RuntimeError(f"captured {self.calls} of {len(self.idx)} chosen layers x "
-                                   f"{self.state.passes} forward(s)")
-            m = self.mask.to(self.state.buf.device).float()                 # (B, T) 0 / 1
-            self.attn = self.state.buf / len(self.idx) * (m[:, :, None] * m[:, None, :])   # layer mean
+            self.attn = self.state.maps(self.mask)
         return False
+
+
+def use_flowtracer_attention(model):
+    """Switch `model` to the "flowtracer" attention function (sdpa + the capture); returns the old name."""
+    old = model.config._attn_implementation
+    if old != IMPL:
+        model.set_attn_implementation(IMPL)
+    if model.config._attn_implementation != IMPL:
+        raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
+    return old
 
 
 @torch.no_grad()
@@ -233,34 +259,25 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
 
     out[b, k, i] = weight of query k on key i; zero for i > k, for padding keys and for padding query rows.
     `layers`: a spec for select_layers (default: middle layers). `chunk`: query rows per softmax block.
-    Its own no-grad forward, which stops after the last chosen layer; `capture` does the same inside a
-    forward that runs anyway.
-    """
+    Its own no-grad forward, which stops after the last chosen layer (a Capture with stop_after_last);
+    the training forward takes the same maps on its way (grpo.update)."""
     _check_inputs(input_ids, attention_mask, chunk)
-    cfg, idx = model.config, select_layers(layers, model.config.num_hidden_layers)
+    cap = Capture(select_layers(layers, model.config.num_hidden_layers), chunk, stop_after_last=True)
     mask = attention_mask.to(input_ids.device).long()  # (B, T)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
-    global _capture
-    old_impl, was_training = cfg._attn_implementation, model.training
-    if _capture is not None:
-        raise RuntimeError("attention captures cannot nest")
-    state = _capture = _Capture(idx, chunk, stop=True)
+    old_impl, was_training = use_flowtracer_attention(model), model.training
     try:
-        if old_impl != IMPL:
-            model.set_attn_implementation(IMPL)
-        if cfg._attn_implementation != IMPL:
-            raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
         model.eval()
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+              flow_capture=cap)
         raise RuntimeError("the forward pass ended without reaching the last chosen layer")
     except _Stop:
         pass
     finally:
-        _capture = None
         if old_impl != IMPL:
             model.set_attn_implementation(old_impl)
         model.train(was_training)
-    return state.buf / len(idx) * (mask[:, :, None] * mask[:, None, :]).float()  # layer mean, zero on padding
+    return cap.maps(mask)  # layer mean, zero on padding
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow
@@ -284,11 +301,6 @@ def _neg_dag(attn, answer_mask, valid_mask):
     if not bool(valid_mask.all()):
         A.mul_(valid_mask.to(A.dtype).unsqueeze(-1))                # query k: padding reads nothing
     return A
-
-
-def reachability(M: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor:
-    """h from eq. 2 in one triangular solve: (I - M) h = 1_A. Returns (B, T) fp64."""
-    return _solve_h(-M, answer_mask)
 
 
 def _solve_h(negM, answer_mask):

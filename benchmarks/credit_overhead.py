@@ -93,7 +93,7 @@ def same_batch(args, flags):
                 out = Path(tmp) / f"{s}-{r}"
                 cfg = grpo.parse_args([*SHAPE, *flags, "--credit", s, "--shaping", PAIRING.get(s, "topk"),
                                        "--steps", "1", "--out-dir", str(out)])
-                m = grpo.train(cfg)[0]
+                m = grpo.train(cfg).history[0]
                 rows[s].append(m)
                 print(f"round {r + 1}: {s:<14} credit {m['time/credit']:.2f} s  "
                       f"update {m['time/update']:.2f} s  rows trained {m['rows/trained']}", flush=True)

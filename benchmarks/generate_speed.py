@@ -1,4 +1,4 @@
-"""Rollout speed on the CPU: plain HF generate on the G-times-repeated rows against shared-prefix rollouts.
+"""Rollout speed: plain HF generate against shared-prefix rollouts (CPU), the decode engine against HF (GPU).
 
 rollout.generate(share_prefix=True) prefills the prefix that all prompts share once, each prompt's own suffix
 once, copies the cache to the prompt's G rows and decodes into a preallocated cache, dropping each row from
@@ -13,6 +13,18 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
              tokens, gen_chunk 64
 
 --profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
+--device cuda (or --engine on the CPU) times the GPU's decoders instead, in one run on the same rows:
+training/engine.py (rollout.generate's path on CUDA: static cache, CUDA graphs, sampling without a sync;
+on the CPU rollout.generate(graphs=False), eager), HF
+generate with its dynamic cache and HF generate with cache_implementation="static" (compiled on CUDA by HF;
+every decoder is called once before timing, so compilation and graph capture are not timed). For each:
+tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill
+included) and its share of the bandwidth bound (gpu_headline.bandwidth_bound: weights + KV bytes per step /
+HBM bandwidth); then how many greedy rows each equals HF generate's (dynamic), in fp32 and in bf16. The
+timing runs in bf16, greedy (--sampled: App. C.3 sampling), at the shape
+  gpu        8 prompts x 8 rows, 256-token prompts (a shared 224-token preamble, then 32 of the question),
+             256 new tokens (--max-new-tokens), gen_chunk 64: ../shared/gpu/README.md's decode table
+  tiny       2 prompts x 4 rows, 32-token prompts, 16 new tokens, gen_chunk 8: the CPU smoke test
 --update times the update's forward + backward instead (policy.token_logprobs, policy.py departure 1): one
 micro-batch of the first prompt's G rows (its first --prompt-tokens, if given) with random responses of
 R - 3j tokens (row j, R = --response-tokens), each prompt read once (shared) against one pass over every
@@ -21,6 +33,10 @@ layers checkpointed (non-reentrant, as grpo.py's GPU runs). After the timed roun
 path under memtrace.track_peak gives its peak live tensor bytes (weights and gradients included).
 
 Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
+      python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2   # the GPU table
+      python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --max-new-tokens 1024 \
+          --sampled --rounds 1                                          # the 1K table's sampled shape
+      python benchmarks/generate_speed.py --device cpu --engine --model tiny-qwen3 --shape tiny --rounds 1
       python benchmarks/generate_speed.py --shape long --rounds 1
       python benchmarks/generate_speed.py --rounds 1 --profile
       python benchmarks/generate_speed.py --update --rounds 5           # the update's micro-batch
@@ -29,10 +45,12 @@ Run:  python benchmarks/generate_speed.py                          # embedded sh
           --response-tokens 512 --rounds 2                              # a DAPO-like prompt, long responses
 """
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -44,18 +62,22 @@ from training.models import load_model  # noqa: E402
 from training.rollout import build_batch, generate  # noqa: E402
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
-          "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64)}
+          "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64),
+          "gpu": dict(prompts=8, group_size=8, max_new_tokens=256, gen_chunk=64),
+          "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8)}
+WIDTH = {"long": 512, "gpu": 256, "tiny": 32}           # prompt tokens: a shared preamble, then the question
+DECODERS = ("engine", "HF dynamic", "HF static")
 
 
 def shape_prompts(tok, shape, n):
-    """The embedded run's few-shot prompts, or 512-token prompts: a shared preamble of exemplars repeated to
-    448 tokens, then each question (cut or padded with its own words to 64 tokens)."""
+    """The embedded run's few-shot prompts, or WIDTH[shape]-token prompts (512 for long): a shared preamble
+    of exemplars repeated to 3/4 of the width, then each question (cut or padded with its own words)."""
     recs = data.load_task("arithmetic", split="train", seed=0)[:n]
     if shape == "embedded":
         return [data.make_prompt(r, tok, "fewshot3") for r in recs]
-    shot = data.make_prompt(recs[0], tok, "fewshot3")
-    pre = tok.decode((tok(shot).input_ids * 2)[:448])
-    own = [tok(" ".join([r["question"]] * 8)).input_ids[:64] for r in recs]
+    shot, w = data.make_prompt(recs[0], tok, "fewshot3"), WIDTH[shape]
+    pre = tok.decode((tok(shot).input_ids * 2)[:w - w // 8])
+    own = [tok(" ".join([r["question"]] * 8)).input_ids[:w // 8] for r in recs]
     return [pre + tok.decode(q) for q in own]
 
 
@@ -106,6 +128,76 @@ def update_peak(model, tok, prompts, s, share):
     return tr.peak["update"]
 
 
+def decoders(model, tok, prompts, s, greedy):
+    """{name: call} of the GPU table's three decoders on the same rows, each giving Generations."""
+    kw = dict(n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99, top_p=1.0, top_k=100,
+              greedy=greedy, chunk_size=s["gen_chunk"])
+    on = {} if model.device.type == "cuda" else {"graphs": False}      # CUDA: rollout.generate's own choice
+    return {"engine": lambda: generate(model, tok, prompts, **on, **kw),
+            "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
+            "HF static": lambda: generate(model, tok, prompts, share_prefix=False,
+                                          cache_implementation="static", **kw)}
+
+
+def timed(call, device):
+    """(wall seconds, generations) of one call, the device's queue drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, g
+
+
+def compare(args, s):
+    """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
+    from benchmarks.gpu_headline import H100_BANDWIDTH, bandwidth_bound
+    device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in DECODERS}, None, None
+    torch.backends.cuda.matmul.allow_tf32 = False                        # fp32 means fp32 (README)
+    for dtype in (torch.bfloat16, torch.float32):
+        model, tok = load_model(args.model, device=device, dtype=dtype)
+        prompts = shape_prompts(tok, args.shape, s["prompts"])
+        lens = [len(tok(p).input_ids) for p in prompts]
+        torch.manual_seed(0)
+        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True).items()}   # + warm-up
+        ref = greedy["HF dynamic"].response_ids
+        equal[str(dtype)[6:]] = {k: sum(a == b for a, b in zip(g.response_ids, ref))
+                                 for k, g in greedy.items()}
+        if dtype == torch.bfloat16:
+            calls = decoders(model, tok, prompts, s, not args.sampled)
+            for r in range(args.rounds):
+                for k in DECODERS if r % 2 == 0 else DECODERS[::-1]:
+                    torch.manual_seed(r)
+                    sec, g = timed(calls[k], device)
+                    c = s["gen_chunk"]
+                    steps = sum(max(map(len, g.response_ids[i:i + c])) for i in range(0, len(ref), c))
+                    speed[k].append((sec, sum(map(len, g.response_ids)), steps))
+                    print(f"round {r + 1}: {k:<11}{sec:8.2f} s  {speed[k][-1][1]} tokens  {steps} steps",
+                          flush=True)
+            cfg = SimpleNamespace(max_new_tokens=s["max_new_tokens"], prompts_per_step=s["prompts"],
+                                  group_size=s["group_size"], gen_chunk=s["gen_chunk"])
+            bound = bandwidth_bound(model, cfg, max(lens), H100_BANDWIDTH)
+        model = greedy = calls = None                                   # the next dtype's model: alone
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rows = s["prompts"] * s["group_size"]
+    print(f"\n{args.model} on {device.type}: {s['prompts']} prompts x {s['group_size']}, prompt tokens "
+          f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
+          f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)")
+    print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
+    print(f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x HF static':>13}"
+          f"{'greedy = HF fp32':>18}{'bf16':>6}")
+    res = {k: dict(tok_s=statistics.median(t / sec for sec, t, _ in v),
+                   ms_step=statistics.median(1e3 * sec / n for sec, _, n in v)) for k, v in speed.items()}
+    for k, d in res.items():
+        print(f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
+              f"{d['tok_s'] / res['HF static']['tok_s']:>13.2f}{equal['float32'][k]:>12}/{rows}"
+              f"{equal['bfloat16'][k]:>3}/{rows}")
+    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows}
+
+
 def profile(model, tok, prompts, s):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -119,8 +211,14 @@ def profile(model, tok, prompts, s):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="generate_speed.py", description=__doc__.splitlines()[0],
                                  allow_abbrev=False)
-    ap.add_argument("--shape", default="embedded", choices=SHAPES, help="embedded or long (see above)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of plain and shared")
+    ap.add_argument("--shape", default=None, choices=SHAPES,
+                    help="embedded or long; with --engine: gpu or tiny (default embedded; gpu with --engine)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the GPU table (--engine)")
+    ap.add_argument("--engine", action="store_true", help="the engine beside HF generate, dynamic and static "
+                    "cache (the default with --device cuda)")
+    ap.add_argument("--sampled", action="store_true", help="with --engine: time App. C.3 sampling")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="with --engine: override the shape's")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
@@ -130,14 +228,24 @@ def main(argv=None):
                     "tokens (0: the shape's whole prompt)")
     ap.add_argument("--response-tokens", type=int, default=100, help="with --update: R, row j has R - 3j")
     args = ap.parse_args(argv)
-    if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0:
-        ap.error("--rounds and --threads must be >= 1, --prompt-tokens >= 0")
+    args.engine |= args.device == "cuda"
+    args.shape = args.shape or ("gpu" if args.engine else "embedded")
+    if args.engine and (args.update or args.profile or args.shape not in ("gpu", "tiny")):
+        ap.error("--device cuda / --engine: --shape gpu or tiny, without --update or --profile")
+    if not args.engine and (args.sampled or args.max_new_tokens or args.shape in ("gpu", "tiny")):
+        ap.error("--sampled, --max-new-tokens and --shape gpu / tiny need --engine (or --device cuda)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU is visible (--device cpu --engine --shape tiny shows the format)")
+    if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0 or args.max_new_tokens < 0:
+        ap.error("--rounds and --threads must be >= 1, --prompt-tokens and --max-new-tokens >= 0")
     if args.response_tokens < 3 * SHAPES[args.shape]["group_size"]:
         ap.error(f"--response-tokens must be >= {3 * SHAPES[args.shape]['group_size']} (row j has R - 3j)")
     if not args.update and (args.grad_checkpointing or args.prompt_tokens or args.response_tokens != 100):
         ap.error("--grad-checkpointing, --prompt-tokens and --response-tokens need --update")
     torch.set_num_threads(args.threads)
     s = {**SHAPES[args.shape], "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens}
+    if args.engine:
+        return compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     if args.grad_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})

@@ -10,8 +10,9 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss,
               backward, optimizer_step), --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
-  generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens, which turns its prefix
-              sharing off, so each row pays its prompt's prefill; the decode is grpo.py's) beside the
+  generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens; on CUDA rollout.generate
+              takes it to training/engine.py, grpo.py's decode, prefix sharing on; on the CPU it turns
+              sharing off: HF generate, each row pays its prompt's prefill) beside the
               memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
                         (weight bytes + g t 2 L Hkv hd kv_bytes)
@@ -25,9 +26,9 @@ Qwen3-4B): an out-of-memory error is reported as such, with that size.
 The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
 keeps under 80 GB with its margin (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
 Generation dominates the run time at 8K: three rollouts (memtrace.measure's two steps and the one here) of
-8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Untested on a
-GPU: no GPU was lent to this project when it was written. On the CPU, `allocated` is memtrace.track_peak's
-count of live tensor bytes and there is no reserved pool ("-").
+8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Run on one H100
+on 2026-11-25 (main at 9550070, before the decode engine; docs/gpu.md has the table). On the CPU,
+`allocated` is memtrace.track_peak's count of live tensor bytes and there is no reserved pool ("-").
 
 Departures (numbered):
  1. The prompts are random printable text of about --prompt-tokens tokens (the byte tokenizer of the random
@@ -36,12 +37,13 @@ Departures (numbered):
  2. The overhead's update runs grpo.update, grpo.train's micro-batch loop, on a fixed batch (the same rows
     for both signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
  3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
-    perfectly bandwidth-bound decoder, not a prediction.
+    perfectly bandwidth-bound decoder, not a prediction. Each row reads its keys up to its own length; the
+    engine reads keys up to its key-length bucket (at most an eighth of P + R more), masked.
 
-Time on one H100 (estimated from the work, not measured: no GPU was lent): the 1K table takes minutes, the
-8K one about 2 hours at the defaults, nearly all of it three rollouts of 8 chunks x 8,192 sequential decode
-steps. --quick measures the flow overhead alone at 1K and 8K in under 10 minutes: the overhead is a
-training-forward figure (update with flow credit vs without, on the same batch), so its rollouts are short
+Time on one H100 (estimated from the work, before the decode engine; not measured since): the 1K table
+takes minutes, the 8K one about 2 hours at the defaults, nearly all of it three rollouts of 8 chunks x 8,192
+sequential decode steps. --quick measures the flow overhead alone at 1K and 8K in under 10 minutes: the
+overhead is a training-forward figure (update with flow credit vs without, on the same batch), so its rollouts are short
 (--quick-tokens new tokens, then random tokens up to R: the update reads the same shapes) and its batch is
 2 prompts x G rows unless --prompts-per-step says otherwise; no memory measurement, no generation speed, no
 attention maps. It reports the overhead as a share of the update; its share of the step needs a full rollout.
@@ -135,12 +137,11 @@ def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
-    B, resp = batch.input_ids.shape[0], batch.response_mask[:, batch.prompt_width:]    # (B, R)
+    B = batch.input_ids.shape[0]
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
-    gamma, scores = resp.float(), torch.zeros(resp.shape, device=run.device)         # (B, R)
-    clock = runlog.Clock(run.device)
-    grpo.update(run, batch, list(range(B)), adv, gamma, scores, clock.phase)
-    return sum(clock.seconds.values())
+    run.clock = runlog.Clock(run.device)                                             # grpo.update marks it
+    grpo.update(run, batch, list(range(B)), adv)
+    return sum(run.clock.seconds.values())
 
 
 def bandwidth_bound(model, cfg, P, bandwidth):

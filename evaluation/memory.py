@@ -8,8 +8,8 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
                   Qwen3-4B at 1K; a prompt its rows share once, update_kept) + either the attention capture
                   (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25 floats, flowtracer.auto_chunk) or
                   the log-prob chunks (3 x (b, 128, V))
-  credit          fused: + the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy, (b, T, T)
-                  each; a separate pass (credit.separate_pass): before the update, the signal's own forward
+  credit          fused: + the captured maps (one buffer: Capture.maps works in place) and trace_flow's fp64
+                  copy, (b, T, T) each; a separate pass (credit.separate_pass): before the update, the signal's own forward
                   over all B rows and its (B, T, T) maps
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
@@ -33,8 +33,20 @@ Departures (numbered):
  2. Every response is taken at max_new_tokens and every row trained (the worst step); the padded prompt
     width is --prompt-tokens (default 256, a math problem with its template), not max_prompt_tokens.
  3. On CUDA, trace_flow's triangular solve is given one more fp64 (b, T, T) copy than on the CPU (cuBLAS
-    trsm layout; not measured here). The autocast (fp32 weights) path is counted, not validated. The
-    margin (context, workspace, fragmentation) is assumed, not measured: no GPU was lent.
+    trsm layout). The autocast (fp32 weights) path is counted, not validated. The margin (context,
+    workspace, fragmentation) is assumed, not measured.
+ 4. Validated on one H100 (2026-11-25, main at 9550070, `python benchmarks/gpu_headline.py --max-new-tokens
+    1024 --rounds 2`, docs/gpu.md): every phase within 0.2% of torch.cuda.max_memory_allocated but the
+    backward, 44.24 GB against 50.39. Two terms it held are counted since (estimate, backward: `held`, `dq`):
+    the tied head's (V, D) gradient through the decoder backward (+0.78 GB; the CPU's tiny V hid it) and the
+    fused attention backward's fp32 dQ buffer (+0.13 GB): 45.10 GB, 0.895. The other ~5.2 GB are not pinned
+    down, and no factor stands in for them. Ruled out by reading and by the phases that do match: the SDPA
+    math fallback (its (b, H, T, T) fp32 scores would show in the forward too, which matches), the autocast
+    cache (bf16 weights: nothing to cast), fp32 gradients (they would show in every phase). Not ruled out:
+    the workspace cuDNN's attention backward takes from the caching allocator (the H100's default backend
+    for a masked bf16 sdpa with grad; its size is cuDNN's choice, up to b H Tq T 2 = 0.67 GB a layer for a
+    dP workspace, not known here). To pin it: torch.cuda.memory._record_memory_history() before
+    memtrace.measure's counted step and torch.cuda.memory._snapshot() in the backward phase, on the GPU.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
@@ -119,12 +131,11 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
-    # layers, the last layer's forward, the capture of the last captured layer (its fp32 score blocks), or
-    # the capture's layer mean at its end (the mean, the (b, T, T) padding mask and their product)
+    # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks);
+    # the layer mean at the capture's end is made in place (Capture.maps), in the buffer counted below
     last = max(select(cfg.layers, L)) + 1
     paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt), 0, layer_fwd),
-             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt), 0, layers * cap_ws),
-             (acts, 0, layers * 3 * b * T * T * 4)]
+             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt), 0, layers * cap_ws)]
     a_fwd, l_fwd, ws_fwd = max(paths, key=sum)
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
@@ -134,19 +145,30 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
                                              maps * capture_workspace(B, T, Hq, Hkv, hd))   # layer, capture
         credit_ph = {**zero, **w, "grads": 0, "attention": maps * B * T * T * 4,       # the maps, (B, T, T)
                      "workspace": B * T * 19 + max(own, maps * B * T * T * fp64)}      # forward or trace_flow
-    else:            # the captured maps twice (buffer, layer mean) and trace_flow's fp64 copy, (b, T, T)
+    else:            # the captured maps (Capture.maps: in place) and trace_flow's fp64 copy, (b, T, T)
         credit_ph = {**zero, **w, "cast cache": 0, "activations": acts,
-                     "attention": layers * b * T * T * (4 + 4 + fp64), "workspace": batch}
+                     "attention": layers * b * T * T * (4 + fp64), "workspace": batch}
     # backward's peak, (activations, logits, workspace) of the largest: one log-prob chunk recomputed, its
     # gradient and the head's; the last layer (recomputed under checkpointing) and its gradients beside what
-    # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0)
+    # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0). The maps
+    # (b, T, T) wait for the next micro-batch beside it.
+    # `held`: autograd sums the LM head's gradient over the log-prob chunks in one (V, D) buffer, which the
+    # weight's AccumulateGrad takes only once every use of the weight has delivered its part: after the last
+    # chunk, so from the second chunk on; and with a tied embedding (Qwen3-4B, SmolLM2) only after the
+    # embedding's backward, the graph's last node, so through the whole decoder backward too (0.78 GB for
+    # Qwen3-4B in bf16; counted on the CPU: tests/test_memory.py, test_the_tied_head_gradient_waits_...).
+    # `dq`: on CUDA a fused attention backward (cuDNN's, FlashAttention's, the memory-efficient one) sums dQ
+    # over the key blocks in an fp32 buffer of the queries' size (cuDNN frontend: dQ_accum), 0.13 GB here.
+    held, tied = V * D * wb, bool(getattr(mc, "tie_word_embeddings", False))
+    dq = cuda * b * Hq * Tq * hd * 4
     final = b * Tq * (4 * D + 2 * D * rb)
-    paths = [(acts, max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb), 0),
-             (acts - final, 0, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)
-              + ckpt * (Tq < T) * b * P * 2 * cb * hd * max(Hq, Hkv)),   # + its replay's prompt K, V
+    chunk = max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb) + (R > c) * held
+    paths = [(acts, chunk, 0),
+             (acts - final, tied * held, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)
+              + dq + ckpt * (Tq < T) * b * P * 2 * cb * hd * max(Hq, Hkv)),   # + its replay's prompt K, V
              (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
-    bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 8 if layers else 0,
+    bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 4 if layers else 0,
            "logits": l_bwd, "workspace": batch + ws_bwd}
     temp = 0 if kahan and cuda else N_max * wb if kahan else N * 4 if cuda else 3 * N_max * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v

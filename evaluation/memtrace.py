@@ -115,13 +115,14 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None) -> d
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
     model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device, bad=0,
-                          autocast=policy.autocast(device))
+    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
+                          autocast=policy.autocast(device), clock=None)
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
     model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
 
     def step(tr):
+        run.clock = tr                                           # grpo.update marks its phases on it
         tr.phase("generation")
         model.eval()
         with torch.no_grad(), run.autocast:
@@ -131,13 +132,12 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None) -> d
         tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
-        resp, every = batch.response_mask[:, batch.prompt_width:], list(range(B))              # (B, R)
-        gamma, scores = resp.float(), torch.zeros(resp.shape, device=device)                   # (B, R)
+        every, given = list(range(B)), None
         if credit.separate_pass(cfg):
             tr.phase("credit")
             with torch.no_grad(), run.autocast:
-                gamma = credit.assign(model, tok, batch, adv, cfg).gamma
-        update(run, batch, every, adv, gamma, scores, tr.phase)
+                given = credit.assign(model, tok, batch, adv, cfg)
+        update(run, batch, every, adv, given)
 
     step(SimpleNamespace(phase=lambda name: None))
     with (cuda_peak(reserved=reserved) if device.type == "cuda" else track_peak(model, ref, opt)) as tr:

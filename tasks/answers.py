@@ -19,33 +19,41 @@ Numbers (the rule, both directions tested in tests/test_reliability.py):
     ((2, \\infty) == (2, \\infty));
   - spaces: "1 2" is not 12 and "1, 100" (a list) is not 1100; only ",", "\\," and "{,}" group thousands;
   - an equation between two different numbers answers nothing: \\boxed{5 = 6} is not 6 (x = 6 is).
+The same spelling (normal_form) is equal at every length, before any symbolic work: spaces are dropped
+except where they part two tokens ("1 2", "\\pi r"); SPACING (\\left, \\right, \\, \\! \\quad, $, ...) is
+space; \\dfrac and \\tfrac are \\frac. math-verify ignores all of these too: short answers are judged alike.
 Why the guards (departure 5 of data.py): math-verify's timeout uses signal.alarm, which works in the main
 thread only, so elsewhere the check runs in a daemon thread that is abandoned after the timeout; and no
 timeout can interrupt sympy evaluating 9^{9^{9}} or (10^{10})!, so a size bound on the parsed expression
-rejects those first. No guard makes an answer wrong by itself: stopped, the check still counts the same
-string (up to spaces) as equal, and only that. A parse that comes back empty (math-verify's answer to a
-timeout, as to an unparseable string) is never cached: one slow moment under load must not zero a problem
-for the rest of a run.
+rejects those first; an answer longer than MAX_ANSWER_CHARS is never parsed (compare). No guard makes an
+answer wrong by itself: stopped, the check still counts the same normal form as equal, and only that. A
+parse that comes back empty (math-verify's answer to a timeout, as to an unparseable string) is never
+cached: one slow moment under load must not zero a problem for the rest of a run.
 
 Run the tests: python -m pytest -q tests/test_data.py tests/test_reliability.py
 """
+import functools
 import math
 import re
 import threading
 from decimal import Decimal
 
-MAX_ANSWER_CHARS = 512  # a longer \boxed{} content is compared as a string only, never parsed
+MAX_ANSWER_CHARS = 512  # a longer answer is never parsed: equal only as a plain number or a normal form
 TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
 MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
 REL_TOL = 1e-9          # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
 FLOAT_DIGITS = 12       # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
-# Every pattern below is linear in its input (no two quantifiers can trade the same characters), and
-# equivalent() cuts answers longer than MAX_ANSWER_CHARS before any of them runs.
+# Every pattern below is linear in its input (no two quantifiers can trade the same characters): they run
+# on answers of any length (tests/test_hardening.py times 20,000 digits and 60,000 spaces).
 NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")
 LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")      # learn.py's lenient score
 SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")   # LaTeX thousands separators: 1\,000, 1{,}000
+TEX_TOKEN = re.compile(r"\\\\|\\[a-zA-Z]+|\\.|\$", re.DOTALL)  # a line break \\ first: in \\, a comma
+GAP = re.compile(r"(\\[a-zA-Z]+ (?=[^\W\d_])|\d (?=\d))| ")  # a space parting tokens ("\pi r", "1 2"), or not
+SPACING = frozenset({"\\left", "\\right", "\\,", "\\:", "\\;", "\\!", "\\quad", "\\qquad", "\\displaystyle",
+                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as data.answer_text)
 
 
 def not_finite(s):
@@ -101,16 +109,25 @@ def size(e):
     return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
 
 
-_PARSED = {}  # text -> math-verify's parse; only non-empty parses are kept (an empty one may be a timeout)
+class EmptyParse(Exception):
+    """math-verify parsed nothing: the answer to a timeout too, so it is not cached."""
 
 
 def parse_boxed(text, timeout):
-    if text in _PARSED:
-        return _PARSED[text]
+    """math-verify's parse of \\boxed{text}; non-empty parses are memoized (kept_parse), empty ones are not:
+    one slow moment under load must not zero a problem for the rest of a run."""
+    try:
+        return kept_parse(text, timeout)
+    except EmptyParse:
+        return []
+
+
+@functools.lru_cache(maxsize=8192)
+def kept_parse(text, timeout):
     from math_verify import LatexExtractionConfig, parse
     out = parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
-    if out and len(_PARSED) < 8192:
-        _PARSED[text] = out
+    if not out:
+        raise EmptyParse                                   # an exception is not cached by lru_cache
     return out
 
 
@@ -142,9 +159,20 @@ def false_equation(e):
     return isinstance(e, sympy.Basic) and any(numbers_equal(q.lhs, q.rhs) is False for q in e.atoms(sympy.Eq))
 
 
-def squash(s):
-    """s without the spaces that do not part two words or numbers: "x = 6" -> "x=6", but "1 2" stays."""
-    return re.sub(r" (?!\w)|(?<!\w) ", "", re.sub(r"\s+", " ", s).strip())
+def respell(m):
+    """One TeX token (a TEX_TOKEN match) as normal_form writes it."""
+    t = m.group()
+    if t in ("\\dfrac", "\\tfrac"):
+        return "\\frac"
+    return " " if t in SPACING or t[1:].isspace() else t        # "\\ " is a space too
+
+
+def normal_form(s):
+    """s as it reads in math mode, one spelling per meaning: "x y = 6" -> "xy=6", "\\left( x \\right)" ->
+    "(x)", "\\dfrac{1}{2}\\," -> "\\frac{1}{2}". A space stays only where it parts two tokens: two digits
+    ("1 2" is not 12, a list), or a command and a letter ("\\pi r" is not "\\pir"). Linear in len(s)."""
+    s = re.sub(r"\s+", " ", TEX_TOKEN.sub(respell, s)).strip()
+    return GAP.sub(lambda m: m.group(1) or "", s)
 
 
 def math_verify_equal(gold, pred, timeout):
@@ -160,7 +188,7 @@ def math_verify_equal(gold, pred, timeout):
     try:               # sympy's evaluations under the timeout
         if any(alarm(timeout)(false_equation)(x) for x in exprs):
             return False                                       # \boxed{5 = 6} does not answer 6
-        if squash(gold) == squash(pred):       # the same string: equal, unless it is a number that is not one
+        if same_string(gold, pred):      # the same normal form: equal, unless it is a number that is not one
             return not any(getattr(x, "is_number", False) for x in undefined)   # \frac{0}{0}
         if undefined:
             return False
@@ -177,7 +205,7 @@ def math_verify_equal(gold, pred, timeout):
 def equivalent(gold, pred):
     """gold == pred as math: decimals for plain numbers, math-verify otherwise, under a timeout. Never raises.
     The guards (length, size, timeout, an error of the parser or of Decimal) only decline to prove different
-    strings equal: the same string (up to spaces, squash) stays equal whatever stops the check."""
+    strings equal: the same string (up to spelling, normal_form) stays equal whatever stops the check."""
     try:
         return compare(gold, pred)
     except Exception:
@@ -185,19 +213,39 @@ def equivalent(gold, pred):
 
 
 def same_string(gold, pred):
-    return isinstance(gold, str) and isinstance(pred, str) and squash(gold) == squash(pred)
+    return isinstance(gold, str) and isinstance(pred, str) and normal_form(gold) == normal_form(pred)
+
+
+def written(n):
+    """A plain number in LaTeX, one spelling: "4.5e33" -> 4500...0 (e is not Euler's number), "1,000" -> 1000;
+    past 10^{+-100} "1.5 \\times 10^{200}" (exact: from the digits, no rounding). Never "1,000": that is also
+    the normal form of the list "1, 000"."""
+    if abs(n.adjusted()) <= 100:
+        return format(n, "f")
+    sign, digits, _ = n.as_tuple()
+    d = "".join(map(str, digits)).rstrip("0") or "0"
+    mantissa = d[0] + ("." + d[1:] if d[1:] else "")                  # d.ddd: 1.5e200 -> 1.5, 1e200 -> 1
+    return f"{'-' * sign}{mantissa} \\times 10^{{{n.adjusted()}}}"
 
 
 def compare(gold, pred):
-    if len(gold) > MAX_ANSWER_CHARS or len(pred) > MAX_ANSWER_CHARS:   # the limit first: no pattern runs on
-        return same_string(gold, pred)                                 # a long string; compared as strings
+    """The cheap exact comparisons first, at every length: not a number, two plain numbers (any number of
+    digits), the same normal form. The length guard applies only to what would reach math-verify and sympy:
+    an answer longer than MAX_ANSWER_CHARS (512 characters; the longest gold answer of the eval sets has
+    198, in OlympiadBench) is never parsed, so it equals only its own normal form (an equal value spelled
+    otherwise scores 0, and the 5 = 6 and 0/0 checks, which need the parse, are skipped). Why: parse and
+    simplify time grow with the expression; outside the main thread nothing interrupts them (the worker is
+    abandoned at the timeout and keeps its core as long as the call runs), and in it signal.alarm cannot
+    stop work in C (big integers). Below the limit the normal form is compared in math_verify_equal, after
+    the parse has looked for 5 = 6 and 0/0."""
     if not_finite(gold) or not_finite(pred):  # not a number: equals nothing, not itself
         return False
     g, p = number(gold), number(pred)
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
         return g[0] == p[0]
-    gold, pred = (format(n[0], "f") if n and abs(n[0].adjusted()) <= 100 else s  # "4.5e33": e is not Euler's
-                  for s, n in ((gold, g), (pred, p)))
+    gold, pred = (s if n is None else written(n[0]) for s, n in ((gold, g), (pred, p)))
+    if max(len(gold), len(pred)) > MAX_ANSWER_CHARS:     # the guard, after the numbers: the normal form only
+        return same_string(gold, pred)
     if threading.current_thread() is threading.main_thread():
         return math_verify_equal(gold, pred, TIMEOUT_S)  # math-verify's own signal.alarm timeouts
     box = []  # departure 5: no signals in this thread, so run in a daemon thread; stop waiting at the timeout

@@ -1,4 +1,7 @@
-"""Tests for flowtracer.attention_graph: attention_graph against eager output_attentions, pass-through, early stop."""
+"""Tests for flowtracer.attention_graph: attention_graph against eager output_attentions, pass-through, early
+stop. The tiny models run in fp32 on each device present (cpu, and cuda where there is one:
+conftest.on_devices), inputs on model.device; eager attention is the reference, to 1e-5 (sums of
+probabilities over 4 layers)."""
 import importlib.util
 
 import pytest
@@ -10,16 +13,20 @@ import flowtracer
 from flowtracer import attention_graph, select_layers
 from training.models import load_model
 
+from conftest import DEVICES, on_devices
+
 TEXTS = ["hello world, this is a test", "hi", "abc def"]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+@pytest.fixture(scope="module", params=on_devices(["tiny-qwen3", "tiny-llama"]))
 def tiny(request):
-    return load_model(request.param, device="cpu")
+    name, device = request.param
+    return load_model(name, device=device, dtype=torch.float32)
 
 
-def batch(tok, texts=TEXTS, right_pad=(0, 3, 1)):
-    """Left-padded texts, then `right_pad[b]` extra padding tokens on the right (the prompt+response layout)."""
+def batch(tok, texts=TEXTS, right_pad=(0, 3, 1), device="cpu"):
+    """Left-padded texts, then `right_pad[b]` extra padding tokens on the right (the prompt+response layout),
+    on `device`."""
     enc = tok(list(texts), return_tensors="pt", padding=True)
     R = max(right_pad)
     ids = torch.cat([enc.input_ids, torch.full((len(texts), R), tok.pad_token_id)], 1)
@@ -27,7 +34,7 @@ def batch(tok, texts=TEXTS, right_pad=(0, 3, 1)):
     for b, r in enumerate(right_pad):  # fill R - r of the right slots with real tokens
         ids[b, enc.input_ids.shape[1]:ids.shape[1] - r] = ord("z")
         mask[b, enc.input_ids.shape[1]:ids.shape[1] - r] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def eager_reference(model, ids, mask, spec):
@@ -73,7 +80,7 @@ def test_named_specs_partition_the_layers(L):
 @pytest.mark.parametrize("spec", [None, "all", "early", "late", "1:3"])
 def test_equals_eager_output_attentions(tiny, spec):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     assert (mask[:, 0] == 0).any() and (mask[:, -1] == 0).any()  # both paddings present
     W = attention_graph(model, ids, mask, spec)
     assert W.dtype == torch.float32 and W.shape == (3, ids.shape[1], ids.shape[1])
@@ -98,10 +105,11 @@ def test_equals_eager_random_batches(lens, chunk, spec, seed):
 
 def test_rows_sum_to_one_causal_and_padding_zero(tiny):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     W = attention_graph(model, ids, mask, "all")
     valid = mask.bool()
-    torch.testing.assert_close(W.sum(-1)[valid], torch.ones(int(valid.sum())), atol=1e-5, rtol=0)
+    ones = torch.ones(int(valid.sum()), device=W.device)
+    torch.testing.assert_close(W.sum(-1)[valid], ones, atol=1e-5, rtol=0)
     assert (W.sum(-1)[~valid] == 0).all() and (W.sum(-2)[~valid] == 0).all()  # pad rows and columns
     assert (W.triu(1) == 0).all() and (W >= 0).all()
 
@@ -114,22 +122,25 @@ def test_bf16_model_gives_fp32_graph():
     torch.testing.assert_close(W.sum(-1)[mask.bool()], torch.ones(int(mask.sum())), atol=1e-5, rtol=0)
 
 
-def test_maps_stay_fp32_under_bf16_autocast():
-    """The run's autocast (bf16 on CUDA; CPU bf16 here) must not turn the capture's fp32 score matmul into
-    bf16: with the same Q and K the maps equal the fp32 ones to 1e-6 (a bf16 matmul is off by ~1e-3)."""
-    q, k = torch.randn(2, 4, 30, 16), torch.randn(2, 2, 30, 16)            # (B, H, T, d), (B, Hkv, T, d)
-    keep = torch.ones(2, 1, 30, 30, dtype=torch.bool).tril()
+@pytest.mark.parametrize("device", DEVICES)
+def test_maps_stay_fp32_under_bf16_autocast(device):
+    """The run's autocast (bf16 on CUDA, the device the run uses it on; CPU bf16 too) must not turn the
+    capture's fp32 score matmul into bf16: with the same Q and K the maps equal the fp32 ones to 1e-6 (a
+    bf16 matmul is off by ~1e-3)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(*s, generator=g).to(device) for s in ((2, 4, 30, 16), (2, 2, 30, 16)))  # (B, H, T, d)
+    keep = torch.ones(2, 1, 30, 30, dtype=torch.bool, device=device).tril()
     keep[0, :, :, :5] = False                                              # left padding in row 0
     for mask in (None, keep):
-        ref, out = torch.zeros(2, 30, 30), torch.zeros(2, 30, 30)
+        ref, out = torch.zeros(2, 30, 30, device=device), torch.zeros(2, 30, 30, device=device)
         flowtracer.add_head_mean(ref, q, k, mask, 0.25, 7)
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast(device, torch.bfloat16):
             flowtracer.add_head_mean(out, q, k, mask, 0.25, 7)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
-    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)  # autocast keeps its Q, K
-    ids, mask = batch(tok)
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.bfloat16)  # autocast keeps its Q, K
+    ids, mask = batch(tok, device=model.device)
     ref = attention_graph(model, ids, mask)
-    with torch.autocast("cpu", torch.bfloat16), flowtracer.capture(model, mask) as cap:  # fused pass
+    with torch.autocast(device, torch.bfloat16), flowtracer.capture(model, mask) as cap:  # fused pass
         model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
     torch.testing.assert_close(cap.attn, ref, atol=1e-6, rtol=0)
 
@@ -164,7 +175,7 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
         model.set_attn_implementation(flowtracer.IMPL)
@@ -180,20 +191,19 @@ def test_registered_impl_is_exact_sdpa_passthrough(tiny):
 
 def test_restores_impl_and_training_mode(tiny):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     model.train()
     try:
         attention_graph(model, ids, mask)
         assert model.training and model.config._attn_implementation == "sdpa"
     finally:
         model.eval()
-    assert flowtracer._capture is None
 
 
 @pytest.mark.parametrize("spec", ["early", "1:3", "all"])
 def test_stops_after_last_chosen_layer(tiny, spec):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     idx = select_layers(spec, model.config.num_hidden_layers)
     fired = []
     mods = {f"layer{l}": model.model.layers[l] for l in range(model.config.num_hidden_layers)}
@@ -209,7 +219,7 @@ def test_stops_after_last_chosen_layer(tiny, spec):
 
 def test_query_chunks_bound_the_score_blocks(tiny, monkeypatch):
     model, tok = tiny
-    ids, mask = batch(tok)
+    ids, mask = batch(tok, device=model.device)
     shapes, softmax = [], torch.softmax
     monkeypatch.setattr(torch, "softmax", lambda x, *a, **k: shapes.append(x.shape) or softmax(x, *a, **k))
     W = attention_graph(model, ids, mask, "all", chunk=3)

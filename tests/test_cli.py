@@ -1,5 +1,6 @@
 """Every user error of grpo.py is one line, `grpo.py: error: ...`, exit status 2, naming the flag or file, and
 comes before any model loads. Table-driven; no model is loaded, so the table runs in seconds."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 import grpo
-from training import policy
+from training import models, policy
 
 ROOT = grpo.Path(grpo.__file__).resolve().parent
 
@@ -98,3 +99,37 @@ def test_subprocess_error_is_one_line_without_traceback(tmp_path):
                        text=True, cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --group-size")
+
+
+# ----------------------------------------------------------------------------- presets and the run directory
+def test_naming_the_embedded_model_runs_the_same_demo():
+    """The preset follows what --model means, not whether it appeared: the embedded model, named or not, or
+    as its .gguf file, gets the 6-step demo; a paper model gets the paper's preset; another, the defaults."""
+    demo = grpo.parse_args([])
+    assert (demo.model, demo.steps, demo.out_dir) == ("smollm2-135m", grpo.EMBEDDED["steps"], "runs/embedded")
+    assert grpo.parse_args(["--model", "smollm2-135m"]) == demo
+    assert grpo.parse_args(["--model=smollm2-135m"]) == demo
+    gguf = grpo.parse_args(["--model", f"/models/{models.SMOLLM2_GGUF}"])
+    assert dataclasses.replace(gguf, model=demo.model) == demo
+    paper = grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"])
+    assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **grpo.PAPER)
+    assert grpo.parse_args(["--model", "tiny-qwen3"]) == grpo.Config(model="tiny-qwen3")
+    assert grpo.parse_args(["--steps", "2"]).steps == 2                       # a flag given wins
+
+
+def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    """The run directory (and its .lock) is made once the model has loaded; --overwrite deletes the old run
+    only then, so a failed load keeps it."""
+    def fails(cfg, *a, **k):
+        raise models.ModelError(f"--model {cfg.model}: not in the local hub cache")
+    monkeypatch.setattr(policy, "load_policy", fails)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--model", "org/name", "--out-dir", str(tmp_path / "run")])
+    assert e.value.code == 2 and "org/name" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--model", "org/name", "--out-dir", str(old), "--overwrite"])
+    assert e.value.code == 2 and sorted(p.name for p in old.iterdir()) == ["metrics.jsonl"]

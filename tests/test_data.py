@@ -4,10 +4,14 @@ Run: pytest -x -q tests/test_data.py
 """
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -106,7 +110,8 @@ def test_local_data_dir_is_used_before_the_hub(tmp_path, monkeypatch):
 
 
 def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the hub's loader, datasets, is not installed "
+                                   "(pip install -r requirements.txt)")
 
     def offline(*a, **k):
         raise ConnectionError("no network")
@@ -114,6 +119,31 @@ def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWTRACER_DATA", str(tmp_path))
     with pytest.raises(DataError, match=r"BytedTsinghua-SIA/DAPO-Math-17k.*Offline: .* --data-path FILE"):
         load_task("dapo-math-17k", "train")
+
+
+HUB_CASES = {  # how the hub is out of reach -> (environment, what the line says, what it says to do)
+    "unreachable": ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hugging Face hub is unreachable",   # port 9:
+                    "connect to the network")}                                                      # refused
+# HF_HUB_OFFLINE set takes the same path with its own words: tests/test_models.py, in this process
+
+
+@pytest.mark.parametrize("case", HUB_CASES)
+def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case):
+    """`grpo.py --model <hub id>` with no hub (or HF_HUB_OFFLINE) and the model not in the hub's cache: no
+    request that retries (huggingface_hub's backoff printed 11 lines over ~25 s, then a 590-character error),
+    one line under 200 characters that says what to do, exit 2, and no run directory created."""
+    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+    env = {k: v for k, v in os.environ.items() if k.upper() not in drop}
+    env.update(HUB_CASES[case][0], HF_HOME=str(tmp_path / "hf"))            # an empty hub cache
+    grpo = Path(data.__file__).resolve().parent / "grpo.py"
+    argv = [sys.executable, str(grpo), "--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "run")]
+    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, lines
+    line, says, todo = lines[0], *HUB_CASES[case][1:]
+    assert line.startswith("grpo.py: error: --model nobody/no-such-model: ") and len(line) < 200, line
+    assert says in line and todo in line and "local model directory" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -40,3 +40,32 @@ def test_readme_is_short_and_opens_with_the_three_commands():
     block = lines[lines.index("```bash") + 1:lines.index("```")]
     assert [x.split("#")[0].split()[:2] for x in block] == [["pip", "install"], ["python", "grpo.py"],
                                                            ["python", "-m"]]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert block[2].split("#")[0].strip() in ci.splitlines(), "CI runs the README's test command"
+
+
+def test_requirements_ask_only_for_extras_their_packages_provide():
+    """pip warned "math-verify 0.9.0 does not provide the extra 'antlr4_13_2'": it spells its extras
+    antlr4-13-2, and a fresh venv's pip (23.2) compares them as written. Every extra asked for is one the
+    installed distribution declares (Provides-Extra), spelled as it declares it."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    reqs = [Requirement(line.split("#")[0]) for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.split("#")[0].strip()]
+    missing = [f"{r.name}[{x}]" for r in reqs for x in sorted(r.extras)
+               if x not in (metadata.distribution(r.name).metadata.get_all("Provides-Extra") or [])]
+    assert missing == []
+    assert "math-verify" in {r.name for r in reqs}
+
+
+def test_learn_writes_under_runs_and_the_committed_grid_names_its_directory():
+    """`eval.py learn` writes into runs/learn/ (git ignores runs/), not into the tracked results/learn/; the
+    commands and the report of the committed grid name --out-dir results/learn."""
+    from evaluation import learn
+    assert Path(learn.LearnConfig.out_dir).parts[0] == "runs" and "runs/" in (ROOT / ".gitignore").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "results" / "README.md").read_text(), re.S)
+    committed = [b.replace("\\\n", " ") for b in blocks if "eval.py learn" in b][0]      # the CPU grid's
+    assert "--out-dir results/learn " in committed
+    report = (ROOT / "results" / "learn" / "learn.md").read_text().splitlines()
+    assert "--out-dir `results/learn`" in report[0]

@@ -8,6 +8,7 @@ hang or a wrong score. One section per finding; each test failed before its fix.
         data file, a lone surrogate
   11-12 eval.py and grpo.py flags refused before any model loads
 """
+import dataclasses
 import errno
 import json
 import os
@@ -33,7 +34,7 @@ from training import policy
 from training.models import load_model
 from training.rollout import find_answer_span
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import subprocess_env
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ ENTRIES = {  # how a user reaches trainer_state.pt: (argv, main, its prog)
 def test_a_crafted_trainer_state_runs_no_code(tmp_path, tiny_state, capsys, entry):
     model, tok, opt, sched, cfg = tiny_state
     run, marker = tmp_path / "run", tmp_path / "code-ran"
+    cfg = dataclasses.replace(cfg, out_dir=str(run))        # not runs/grpo of the cwd: tests may run at once
     ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     state = {"optimizer": Payload(marker), "scheduler": {}, "step": 1, "rng": {}, "config": {},
              "bad_steps": 0}
@@ -126,7 +128,7 @@ HOLD = ("import sys; from training import checkpoint; checkpoint.lock_out_dir(sy
 def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
         no_model(monkeypatch)
@@ -234,9 +236,10 @@ def test_full_disk_turns_only_a_full_disk_into_one_line(tmp_path, error, full):
 
 def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Path, "write_text", enospc)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ev.EvalError) as e:                     # eval.main prints it as one line, exit 2
         ev.save(ev.argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
-    assert e.value.code == 2 and "cannot write the results" in last_line(capsys)
+    msg, code = e.value.args
+    assert code == 2 and "cannot write the results (No space left on device)" in msg
 
 
 def test_a_full_disk_while_logging_names_the_file(tmp_path):

@@ -5,6 +5,8 @@ flag must carry help text, every subcommand must be listed with a summary, and t
 a symlink loop, a dangling link, a file where a directory is expected and the reverse end in one
 `<script>: error: ...` line naming the flag, exit 2, never a traceback."""
 import argparse
+import dataclasses
+import re
 import runpy
 import subprocess
 import sys
@@ -59,7 +61,10 @@ def script(path, *argv):
 
 SCRIPTS = {"grpo.py": lambda: grpo.parse_args([]), "eval.py": lambda: ev.parse(["bench"]),
            "eval.py learn": lambda: learn.parse([], "eval.py"),
-           "flowtracer_trl.py": lambda: __import__("flowtracer_trl").parse_args([]),
+           "flowtracer_trl.py": lambda: [pytest.importorskip(m, reason=f"flowtracer_trl.py needs {m}: "
+                                                             "pip install -r requirements.txt")
+                                         for m in ("datasets", "trl")]
+           and __import__("flowtracer_trl").parse_args([]),
            "data.py": script(ROOT / "data.py"),
            "training/rollout.py": script(ROOT / "training" / "rollout.py"),
            "tasks/countdown.py": script(ROOT / "tasks" / "countdown.py"),
@@ -76,12 +81,69 @@ def test_every_flag_has_help_and_every_command_is_listed(name, monkeypatch):
 def test_grpo_help_shows_defaults_choices_and_groups(monkeypatch):
     text = " ".join(parser_of(monkeypatch, lambda: grpo.parse_args([])).format_help().split())   # unwrapped
     for s in ("--credit {none,flow", "(default: flow)", "--gamma FLOAT", "(default: 1.5)",
-              "(default: 500; no --model: 6)", "model and task:", "rollout (App. C.3):", "credit (",
-              "update:", "run:"):
+              "--steps INT", "(default: 6, set by the embedded model; without a preset: 500)",
+              "model and task:", "rollout (App. C.3):", "credit (", "update:", "run:"):
         assert s in text, s
     assert text.index("reward and advantages:") < text.index("--credit {") < text.index("update:")
     helps, _ = flags.comments(grpo.Config)
-    assert set(helps) == {f.name for f in grpo.dataclasses.fields(grpo.Config)}     # one comment per field
+    assert set(helps) == {f.name for f in dataclasses.fields(grpo.Config)}     # one comment per field
+
+
+def grpo_help(monkeypatch, argv):
+    return " ".join(parser_of(monkeypatch, lambda: grpo.parse_args(argv)).format_help().split())
+
+
+@pytest.mark.parametrize("argv, in_force, steps, dynamic_filter", [
+    ([], "the embedded model", "(default: 6, set by the embedded model; without a preset: 500)",
+     "(default: False; a paper model: True)"),
+    (["--model", "smollm2-135m"], "the embedded model", "(default: 6, set by the embedded model;",
+     "(default: False; a paper model: True)"),
+    (["--model=Qwen/Qwen3-4B-Base"], "a paper model", "(default: 500; the embedded model: 6)",
+     "(default: True, set by a paper model; without a preset: False)"),
+    (["--model", "tiny-qwen3"], "none", "(default: 500; the embedded model: 6)",
+     "(default: False; a paper model: True)")])
+def test_the_help_says_which_preset_is_in_force(argv, in_force, steps, dynamic_filter, monkeypatch):
+    text = grpo_help(monkeypatch, argv)
+    assert f"Presets in force: {in_force};" in text
+    assert f"--steps INT training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1) {steps}" in text
+    assert dynamic_filter in text[text.index("--dynamic-filter, --no-dynamic-filter"):]
+
+
+def test_value_in_reads_a_flag_as_argparse_would():
+    argv = ["--model", "a", "--steps", "3", "--model=b", "--paper-batch", "--no-paper-batch"]
+    assert flags.value_in(argv, "model", "default") == "b"                      # the last one wins
+    assert flags.value_in(argv, "paper_batch", False) is False
+    assert flags.value_in(["--paper-batch"], "paper_batch", False) is True
+    assert flags.value_in(["--steps", "3"], "model", "default") == "default"
+
+
+# Citations and the symbols of a closed set are not an explanation: "App. C.3", "(eq. 6, Table 7)",
+# "auto | cpu | cuda". What is left of a help line without them must hold words.
+CITATION = re.compile(r"App\.\s*[A-Z]\.\d+|eq\.\s*[\d-]+|Table\s*\d+\w?|Fig\.\s*\d+|§\s*[\d.]+"
+                      r"|\bOAR\b|\bDAPO\b")
+
+
+def words_beyond_citations(text, choices=()):
+    """The words of a help comment once citations, the flag's choices and its symbols are taken out."""
+    rest = CITATION.sub(" ", text)
+    return [w for w in re.findall(r"[A-Za-z][A-Za-z'-]+", rest) if w.lower() not in {str(c) for c in choices}]
+
+
+def test_words_beyond_citations_tells_an_explanation_from_a_citation():
+    assert words_beyond_citations("App. C.3") == []
+    assert words_beyond_citations("auto | cpu | cuda", ("auto", "cpu", "cuda")) == []
+    assert words_beyond_citations("gamma_flow (eq. 6, Table 7)") == ["gamma", "flow"]            # a symbol
+    explained = "sampling temperature of the rollouts (the paper's, §4.1, App. C.3)"
+    assert words_beyond_citations(explained)[:4] == ["sampling", "temperature", "of", "the"]
+
+
+def test_every_grpo_flag_is_explained_in_words():
+    """Each flag's comment (grpo.Config and credit.CreditConfig) says what the flag does in at least three
+    words besides citations and its choices, and writes no default (the help adds it, once)."""
+    helps, _ = flags.comments(grpo.Config)
+    short = {k: v for k, v in helps.items() if len(words_beyond_citations(v, grpo.CHOICES.get(k, ()))) < 3}
+    assert short == {}
+    assert [k for k, v in helps.items() if "default" in v.lower()] == []
 
 
 def test_eval_lists_every_command_with_its_usage(capsys):

@@ -116,9 +116,9 @@ def test_missing_wheel_message(monkeypatch):
 def test_hub_name_offline_clear_error(monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying
-    with pytest.raises(ValueError, match="hub.*someorg/not-a-model") as e:
+    with pytest.raises(ValueError, match="someorg/not-a-model.*HF_HUB_OFFLINE.*not in its cache") as e:
         load_model("someorg/not-a-model", device="cpu")
-    assert ".gguf" in str(e.value) and "directory" in str(e.value)
+    assert "local model directory" in str(e.value) and len(str(e.value)) < 200      # what to do, one line
 
 
 def test_local_dir_roundtrip(tmp_path):

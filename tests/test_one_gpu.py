@@ -6,11 +6,16 @@ device or a fake where the CPU cannot show it. One section per finding; each tes
   bf16 weights  the rotary frequencies stay fp32 on every load path, as from_pretrained(dtype=bf16) keeps them
   padding rows  no attention row is fully masked: under a kernel that gives NaN for such rows (some GPU
                 kernels; torch's CPU kernels give 0) the log-probs, the gradient, rollouts and maps are finite
-  optimizer     torch-optimi's step chosen at setup: Triton only with a C compiler for its launcher
+  optimizer     torch-optimi's step chosen at setup: Triton only with a C compiler for its launcher, and only
+                for CUDA weights (CPU weights under the CUDA scheme take the for-loop)
   rollouts      the prefill keeps one position's logits; dropping finished rows copies their filled part once
+Where the device matters, a test runs on each device present (conftest.DEVICES: cpu, and cuda where there is
+one), its inputs on model.device.
 """
+import copy
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,12 +27,15 @@ from training import checkpoint as ckpt_io
 from training import models
 from training.models import load_model
 
+from conftest import DEVICES, assert_to_rounding
 
-@pytest.fixture(scope="module")
-def tiny_state():
-    model, tok = load_model("tiny-llama")
+
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny_state(request):
+    """A model and an optimizer with state on each device: its checkpoint is read onto the CPU."""
+    model, tok = load_model("tiny-llama", device=request.param)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    model(torch.tensor([[1, 2, 3]], device=model.device)).logits.sum().backward()
     opt.step()                                                             # the optimizer has its state
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, tok, opt, sched, grpo.Config(model="tiny-llama", credit="entropy")
@@ -57,8 +65,11 @@ def test_resume_reads_the_flags_without_the_tensors(tmp_path, tiny_state, monkey
     assert (got.model, got.credit, got.steps) == ("tiny-llama", "entropy", 9)
     assert calls == [], "parse_args read trainer_state.pt"
     assert json.loads((tmp_path / "ckpt" / ckpt_io.RUN_CONFIG).read_text())["credit"] == "entropy"
+    device = next(model.parameters()).device
+    drawn = torch.rand(4, device=device)                                  # the RNG state saved was before it
     assert ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched) == (2, 0)
     assert [c.get("map_location") for c in calls] == ["cpu"] and calls[0]["weights_only"]
+    assert torch.equal(torch.rand(4, device=device), drawn)              # this device's RNG restored
 
 
 def test_a_checkpoint_without_the_json_still_resumes_on_the_cpu(tmp_path, tiny_state, monkeypatch):
@@ -119,20 +130,49 @@ def tiny_run(tmp_path, *flags):
 
 
 @pytest.mark.parametrize("steps, copies", [(4, 2), (1, 1)])
+@pytest.mark.parametrize("optimizer, per_param", [("adamw", 4 + 8), ("kahan", 2 + 6)])
 def test_a_disk_too_small_for_the_checkpoints_stops_before_the_first_step(tmp_path, monkeypatch, capsys,
+                                                                          device, optimizer, per_param,
                                                                           steps, copies):
-    model = load_model("tiny-qwen3")[0]
-    one = ckpt_io.checkpoint_bytes(sum(p.numel() for p in model.parameters()), "adamw")
-    assert one == sum(p.numel() for p in model.parameters()) * (4 + 8)                  # fp32 weights, m, v
+    """One byte short of the checkpoints the run will write, under each scheme (adamw: fp32 weights, m, v;
+    kahan, the CUDA default: bf16 weights, m, v and compensation), on each device: one line before the first
+    step. (On the H100 this test asked for the adamw size while the run, --optimizer auto on CUDA, was
+    kahan's: 12 B/param of disk minus a byte was more than kahan's 8, so the run rightly began.)"""
+    model = load_model("tiny-qwen3", device="cpu")[0]
+    n = sum(p.numel() for p in model.parameters())
+    one = ckpt_io.checkpoint_bytes(n, optimizer)
+    assert one == n * per_param
     disk_with(monkeypatch, copies * one - 1)
     monkeypatch.setattr(grpo, "generate", lambda *a, **k: pytest.fail("a step began"))
     with pytest.raises(SystemExit) as e:
-        grpo.main(tiny_run(tmp_path, "--steps", str(steps), "--save-every", "2"))
+        grpo.main(tiny_run(tmp_path, "--steps", str(steps), "--save-every", "2", "--optimizer", optimizer,
+                           "--device", device.type))
     line = last_line(capsys)
     assert e.value.code == 2 and line.startswith("grpo.py: error: ") and "Traceback" not in line, line
     assert f"need about {ckpt_io.gb(copies * one)}" in line, line
-    assert all(w in line for w in ("--out-dir", "--optimizer kahan", "--save-every")), line
+    assert all(w in line for w in ("--out-dir", "--save-every")), line
+    assert ("--optimizer kahan" in line) == (optimizer == "adamw"), line     # the smaller state, if not used
     assert not (tmp_path / "run" / "metrics.jsonl").exists()                   # a rerun needs no --overwrite
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "kahan"])
+def test_checkpoint_bytes_is_what_a_checkpoint_holds(tmp_path, optimizer):
+    """checkpoint_bytes (the disk check's estimate) against a checkpoint written under each scheme: its
+    weights and optimizer tensors (state_bytes), and the files on disk, which add only the tokenizer, the
+    config and the pickle's framing (under 2 MB at this size)."""
+    cfg = grpo.Config(model="tiny-qwen3", optimizer=optimizer, lr=1e-3)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=policy.weight_dtype(cfg, "cpu"))
+    opt = policy.make_optimizer(model, cfg, "cpu")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-2)
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    one = ckpt_io.checkpoint_bytes(sum(p.numel() for p in model.parameters()), optimizer)
+    scalars = 8 * len(opt.state)                                          # a step count per parameter
+    assert one <= ckpt_io.state_bytes(model, opt) <= one + scalars
+    held = sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir() if f.is_file())
+    assert one <= held < one + 2 * 2 ** 20, (held, one)
 
 
 def test_a_disk_just_large_enough_runs(tmp_path, monkeypatch):
@@ -183,6 +223,7 @@ def test_bf16_loads_equal_from_pretrained_with_fp32_rope(tmp_path, name):
         assert torch.equal(m(ids).logits, plain(ids).logits)
 
 
+@pytest.mark.smollm2
 def test_the_gguf_model_in_bf16_keeps_fp32_rope():
     """SmolLM2 from its GGUF (de-quantized fp32, then cast): the fp32 load's frequencies, exactly."""
     fp32, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
@@ -213,21 +254,25 @@ PROMPTS, RESPONSES = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [5, 6, 7]], [[20, 21, 2
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share):
+def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share, device):
     """The update's forward over left-padded prompts (build_batch): every log-prob and gradient finite, and
-    each row's log-probs those of the row alone, unpadded: the padding rows add nothing to the loss."""
-    model, tok = load_model("tiny-qwen3")
-    b = rollout.build_batch(tok, PROMPTS, RESPONSES)
+    each row's log-probs those of the row alone, unpadded, to rounding (fp32 against the padded batch in
+    float64: conftest.assert_to_rounding): the padding rows add nothing to the loss."""
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
+    b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
     logp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
     resp = b.response_mask[:, b.prompt_width:]
     (logp * resp).sum().backward()
     assert torch.isfinite(logp).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():
+        exact, _ = policy.token_logprobs(copy.deepcopy(model).double(), b.input_ids, b.attention_mask,
+                                         b.prompt_width, 2, share)
     assert nan_kernel and sum(nan_kernel) == 0, nan_kernel                 # no fully masked row was built
     for j, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):                    # each row alone, no padding
-        one = rollout.build_batch(tok, [p], [r])
+        one = rollout.build_batch(tok, [p], [r]).to(model.device)
         alone, _ = policy.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
-        torch.testing.assert_close(logp[j][resp[j]], alone[0][: len(r)], rtol=1e-5, atol=1e-5)
+        assert_to_rounding(alone[0][: len(r)], logp[j][resp[j]], exact[j][resp[j]], what=f"row {j}")
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -243,9 +288,9 @@ def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
     assert nan_kernel and sum(nan_kernel) == 0, nan_kernel
 
 
-def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel):
-    model, tok = load_model("tiny-qwen3")
-    b = rollout.build_batch(tok, PROMPTS, RESPONSES)
+def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel, device):
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
+    b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
     attn = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
     with flowtracer.capture(model, b.attention_mask, "all") as cap:
         policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
@@ -266,6 +311,28 @@ def test_the_optimizer_step_is_chosen_at_setup(monkeypatch, device, triton, comp
     monkeypatch.setattr(policy.shutil, "which", compilers.get)
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", triton)
     assert policy.optimi_kernel(device) == want
+
+
+def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, capsys):
+    """make_optimizer chooses optimi's step by where the weights are, not by the device asked for: bf16 CPU
+    weights under the scheme grpo.py uses on CUDA, on a machine with Triton and a C compiler, take the
+    for-loop step (asked for "cuda", it chose Triton, whose kernel cannot read CPU tensors: "Pointer argument
+    (at 0) cannot be accessed from Triton (cpu tensor?)", tests/test_memory.py on the H100)."""
+    import optimi.utils
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(policy.shutil, "which", {"gcc": "/usr/bin/gcc"}.get)
+    monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
+    assert policy.optimi_kernel("cuda") == "triton"                       # what "cuda" alone would choose
+    model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    opt = policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cuda")
+    assert "its for-loop step" in capsys.readouterr().out
+    assert (opt.param_groups[0]["triton"], opt.param_groups[0]["foreach"]) == (False, False)
+    before = policy.master_weights(model, opt)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-2)
+    opt.step()                                                             # runs, on the CPU
+    after = policy.master_weights(model, opt)                              # p + its Kahan compensation
+    assert all(not torch.equal(before[n], after[n]) for n in before)
 
 
 @pytest.mark.parametrize("kernel", ["foreach", "for-loop"])

@@ -72,7 +72,7 @@ def test_a_timeout_is_never_cached(monkeypatch):
         calls.append(text)
         return [] if len(calls) == 1 else real(text, *a, **k)
     monkeypatch.setattr(math_verify, "parse", slow_once)
-    answers._PARSED.clear()
+    answers.kept_parse.cache_clear()
     gold = "\\frac{3}{7}"
     assert not answers.equivalent(gold, "\\frac{6}{14}")      # the timed-out comparison scores 0 ...
     assert answers.equivalent(gold, "\\frac{6}{14}")          # ... but the next one parses again: 1
@@ -464,3 +464,66 @@ def test_a_stopped_check_keeps_the_same_string_equal(monkeypatch):
     assert out == [(True, False)]
     monkeypatch.setattr(answers, "compare", lambda g, p: 1 / 0)         # an error anywhere in the check
     assert answers.equivalent(s, s) and not answers.equivalent(s, s + "+1")
+
+
+# ----------------------------------------------------------------------------- the demo's footprint and plot
+def test_the_embedded_demo_saves_once_without_the_optimizer_state():
+    """The demo (SmolLM2-135M, fp32) saved AdamW's moments (2x the weights: 1.08 GB) twice; now once, at the
+    end, its weights alone. The paper's models keep the state (an exact --resume)."""
+    cfg = grpo.parse_args([])
+    assert [s for s in range(1, cfg.steps + 1) if s % cfg.save_every == 0 or s == cfg.steps] == [cfg.steps]
+    assert cfg.save_optimizer is False
+    assert grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"]).save_optimizer is True
+    assert grpo.parse_args(["--save-optimizer"]).save_optimizer is True                # asked for: kept
+
+
+def test_a_checkpoint_without_the_optimizer_state_resumes_and_says_the_optimizer_restarts(tmp_path, capsys):
+    model, tok = load_model("tiny-llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()                                                              # AdamW holds its moments now
+    sched.step()                                                            # lr = 1e-3 * 0.5
+    for keep in (True, False):
+        cfg = grpo.Config(model="tiny-llama", save_optimizer=keep)
+        ckpt_io.save_checkpoint(tmp_path / str(keep) / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    size = {k: (tmp_path / str(k) / "ckpt" / "trainer_state.pt").stat().st_size for k in (True, False)}
+    n = sum(p.numel() for p in model.parameters())
+    assert size[True] - size[False] >= 2 * n * 4                            # exp_avg and exp_avg_sq, fp32
+    capsys.readouterr()
+    for keep in (True, False):
+        fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5 ** s)
+        assert ckpt_io.load_checkpoint(tmp_path / str(keep) / "ckpt", fresh, fresh_sched) == (1, 0)
+        said = capsys.readouterr().out.strip().splitlines()
+        assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 5e-4        # the schedule goes on
+        if keep:                                                            # exact: the moments are back
+            assert said == [] and all(torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+                                      for p in model.parameters())
+        else:                                                               # one line: the optimizer restarts
+            assert len(fresh.state) == 0 and len(said) == 1 and "AdamW restarts" in said[0], said
+
+
+def test_a_save_prints_no_library_progress_bar(tmp_path, tiny_state, capfd):
+    from transformers.utils import logging as hf_logging
+    model, tok, opt, sched, cfg = tiny_state
+    assert hf_logging.is_progress_bar_enabled()
+    ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err and "it/s" not in err
+    assert hf_logging.is_progress_bar_enabled()                             # muted for the save alone
+
+
+def test_the_curves_show_whole_steps_a_y_label_per_panel_and_the_run(tmp_path):
+    rows = [{"step": s, "reward/mean": 0.1 * s, "acc": 0.25 * s, "entropy": 1.0 / s, "len/mean": 10 + s}
+            for s in (1, 2, 3)]                                 # 3 steps: matplotlib's own ticks are 1.5, 2.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = runlog.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png", "smollm2-135m",
+                             "arithmetic", "flow/topk")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert [ax.get_ylabel() for ax in fig.axes] == list(runlog.CURVES.values())
+    assert all(label.strip() for label in runlog.CURVES.values())
+    for ax in fig.axes:
+        ticks = ax.get_xticks()
+        assert ax.get_xlabel() == "step" and all(float(t).is_integer() for t in ticks), ticks
+    assert all(s in fig.get_suptitle() for s in ("smollm2-135m", "arithmetic", "flow/topk"))

@@ -6,7 +6,6 @@ with the weights that generated it, and a second iteration keeps the first's gam
 grpo.py's credit metrics; an unknown TRL is one line; a real 2-process `accelerate launch` run (gloo) where
 one rank has only A = 0 enters the same collectives on both ranks and applies a single process's gamma, on
 both passes, and three mutated gammas fail that check."""
-import contextlib
 import functools
 import json
 import os
@@ -16,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 
-trl = pytest.importorskip("trl")
+ABSENT = "TRL's plug-in needs {}: pip install -r requirements.txt"
+Dataset = pytest.importorskip("datasets", reason=ABSENT.format("datasets")).Dataset
+trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
 import flowtracer_trl as ft  # noqa: E402
 import grpo  # noqa: E402
-from flowtracer import attention_graph, capture, flow_credit, trace_flow  # noqa: E402
+from flowtracer import attention_graph, flow_credit, trace_flow, use_flowtracer_attention  # noqa: E402
 from training import (
     credit,  # noqa: E402
     runlog,  # noqa: E402
@@ -115,11 +115,12 @@ def reference_gamma(keys, A, cfg, fused=False):
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
     if fused:
-        attn = signals.NEEDS.get(cfg.credit) == "attn"
-        with torch.no_grad(), (capture(model, batch.attention_mask, cfg.layers) if attn
-                               else contextlib.nullcontext()) as cap:
-            _, ent = grpo.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width)
-        got = signals.Captured(cap.attn if attn else None, ent)
+        use_flowtracer_attention(model)                                       # as policy.load_policy
+        cap = credit.new_capture(model, cfg)                                  # None: the signal reads no map
+        with torch.no_grad():
+            _, ent = grpo.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width,
+                                         capture=cap)
+        got = signals.Captured(cap.maps(batch.attention_mask) if cap is not None else None, ent)
     with torch.no_grad():
         c = credit.assign(model, tok, batch, torch.tensor(A), cfg, got)                  # (B, R)
     return [g[:len(c_ids)] for g, (_, c_ids) in zip(c.gamma, rows)]

@@ -5,7 +5,10 @@ A checkpoint holds weights, tokenizer, optimizer, scheduler, RNG states, step an
 <out_dir>/ckpt every --save-every steps, at the end, on Ctrl-C / SIGTERM and before stopping on repeated NaN
 steps. `python grpo.py --resume <out_dir>` continues from it: on the CPU with the same seed the next step's
 metrics equal those of an uninterrupted run (tests/test_grpo.py). The data order is a function of (seed,
-step), so only the RNG states and the step need saving for the batches to line up.
+step), so only the RNG states and the step need saving for the batches to line up. --no-save-optimizer (the
+embedded demo's preset) leaves out AdamW's moments, twice the fp32 weights (SmolLM2-135M: 1.08 GB of 1.6 GB);
+such a checkpoint resumes with the optimizer restarted (zero moments; lr, schedule, RNG, step kept), and the
+resume says so in one line.
 
 The save, and why a kill at any point of it leaves a checkpoint that --resume loads:
   1. write everything to ckpt.tmp/, then the marker file COMPLETE last (a directory without it is partial);
@@ -32,7 +35,8 @@ one line with the space needed, the last complete checkpoint untouched; check_di
 What grpo.py calls, in order:
   check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
   ckpt = find_checkpoint(cfg.resume) if cfg.resume else None     # RunError: no complete checkpoint there
-  check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)   # locks out_dir first
+  check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # creates nothing
+  ... the model loads, then the same with claim=True: out_dir created and locked
   step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
   metrics = open_metrics(out, step if ckpt else None); write_metrics(metrics, m) each step
   save_checkpoint(out / "ckpt", model, tok, opt, sched, step, cfg, bad)
@@ -67,8 +71,23 @@ def discard(d):
     shutil.rmtree(d, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def quiet_bars():
+    """transformers' (and huggingface_hub's) progress bars off inside the block, as they were after it:
+    save_pretrained prints a "Writing model shards" bar at every save otherwise."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
-    """Weights, tokenizer, optimizer, scheduler, RNG, step, config into `path` (ckpt/), atomically (above)."""
+    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG, step, config
+    into `path` (ckpt/), atomically (above)."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
@@ -76,11 +95,13 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
         tmp.rename(path)                                                 #    newest, maybe resumed) is kept
     discard(tmp)
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with quiet_bars():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         rng = {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "rng": rng,
+        optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
+        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
                     "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
         (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
         (tmp / MARK).write_text(str(step))                              # 1. complete
@@ -89,7 +110,8 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
             raise
         discard(tmp)                                                     # the partial copy goes; ckpt/ stays
         raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
-                       f"about {gb(state_bytes(model, opt))}, {gb(shutil.disk_usage(path.parent).free)} are "
+                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
+                       f"{gb(shutil.disk_usage(path.parent).free)} are "
                        f"free); the last complete checkpoint is kept") from None
     if complete(path):
         discard(old)
@@ -125,9 +147,10 @@ def full_disk(path, what):
         raise RunError(f"{path}: no space left on the device to write {what}") from None
 
 
-def state_bytes(model, opt):
+def state_bytes(model, opt, with_optimizer=True):
     """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
-    ts = [*model.state_dict().values(), *(v for st in opt.state.values() for v in st.values())]
+    moments = [v for st in opt.state.values() for v in st.values()] if with_optimizer else []
+    ts = [*model.state_dict().values(), *moments]
     return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
 
 
@@ -136,27 +159,29 @@ def state_bytes(model, opt):
 WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4}, {"kahan": 6, "adamw": 8}
 
 
-def checkpoint_bytes(n_params, scheme):
+def checkpoint_bytes(n_params, scheme, with_optimizer=True):
     """About the bytes of one checkpoint of an n_params model under `scheme` (memory.py counts the same
-    optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB."""
-    return n_params * (WEIGHT_BYTES[scheme] + STATE_BYTES[scheme])
+    optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB; without the optimizer's
+    state (--no-save-optimizer) the weights alone."""
+    return n_params * (WEIGHT_BYTES[scheme] + (STATE_BYTES[scheme] if with_optimizer else 0))
 
 
-def check_disk(out, model, scheme, start, steps, save_every):
+def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True):
     """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
     checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
     a ckpt/ already there holds. The message says how much is needed and how to need less."""
-    one = checkpoint_bytes(sum(p.numel() for p in model.parameters()), scheme)
+    one = checkpoint_bytes(sum(p.numel() for p in model.parameters()), scheme, with_optimizer)
     saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
     held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
     need = one * (2 if saves > 1 or held else 1) - held
     free = shutil.disk_usage(out).free
-    smaller = "" if scheme == "kahan" else (f"a smaller optimizer state (--optimizer kahan: "
-                                            f"{checkpoint_bytes(1, 'kahan')} B/param, not "
-                                            f"{checkpoint_bytes(1, scheme)}), ")
+    smaller = "" if scheme == "kahan" or not with_optimizer else (
+        f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
+        f"{checkpoint_bytes(1, scheme)}), ")
+    what = "weights + optimizer state" if with_optimizer else "weights"
     if saves and free < need:
         raise RunError(f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
-                       f"({gb(one)} each, weights + optimizer state; from the second save ckpt/ and "
+                       f"({gb(one)} each, {what}; from the second save ckpt/ and "
                        f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
                        f"(--save-every >= --steps)")
 
@@ -225,8 +250,13 @@ def saved_config(ckpt):
 
 
 def load_checkpoint(path, opt, sched):
-    """Restore optimizer, scheduler and RNG states from a checkpoint directory; returns (step, bad_steps)."""
+    """Restore optimizer, scheduler and RNG states from a checkpoint directory; returns (step, bad_steps).
+    A checkpoint saved without the optimizer's moments (--no-save-optimizer) restores its hyperparameters
+    and says in one line that the optimizer restarts: the continued run is not the uninterrupted one."""
     state = read_state(path)
+    if not state["config"].get("save_optimizer", True):
+        print(f"resume: {path} was saved without the optimizer's state (--no-save-optimizer): AdamW restarts "
+              f"from zero moments; weights, schedule, RNG and step continue")
     try:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -248,7 +278,7 @@ def load_checkpoint(path, opt, sched):
 # unless --allow-config-change. A flag added later is a meaning flag until it is listed here.
 BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
                "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
-               "oar_prefix_cache", "allow_config_change"}
+               "oar_prefix_cache", "allow_config_change", "save_optimizer"}
 
 
 def check_resume_config(saved, given):
@@ -281,17 +311,36 @@ def lock_out_dir(out):
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"
-        f.close()
-        raise RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end "
-                       f"or choose another --out-dir") from None
+        raise in_use(out, f) from None
     except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
         print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()
     _held[out.resolve()] = f
+
+
+def in_use(out, f):
+    """The RunError of an out_dir whose lock another run holds (f: its lock file, open; closed here)."""
+    f.seek(0)
+    pid = f.read().strip() or "unknown"
+    f.close()
+    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
+                    f"choose another --out-dir")
+
+
+def check_unlocked(out):
+    """RunError when another run holds out_dir's lock (taken here and let go at once); creates nothing."""
+    lock = Path(out) / LOCK
+    if Path(out).resolve() in _held or not lock.is_file():
+        return
+    with open(lock) as f:                                                  # closing it lets the lock go
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use(out, f) from None
+        except OSError:          # a file system without flock: lock_out_dir warns
+            pass
 
 
 def unlock_out_dir(out):
@@ -332,20 +381,24 @@ def dir_problem(out):
     return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
 
 
-def check_out_dir(out, resume, overwrite):
-    """Lock out_dir (lock_out_dir); then a new run never silently replaces an old one: an out_dir holding
-    metrics or a checkpoint needs --resume (continue it) or --overwrite (delete it first). RunError naming
-    both flags otherwise."""
+def check_out_dir(out, resume, overwrite, claim=True):
+    """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
+    --resume (continue it) or --overwrite (delete it first); RunError naming both flags otherwise, or the PID
+    of another run writing there. claim=False checks only and creates nothing (grpo.setup, before the model
+    loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
+    (lock_out_dir) and, with --overwrite, deletes the old run."""
     out, problem = Path(out), dir_problem(out)
     if problem:                  # a file, a symlink loop, a dangling link, no write permission: one line
         raise RunError(f"--out-dir {problem}")
-    lock_out_dir(out)
+    lock_out_dir(out) if claim else check_unlocked(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:
         return
     if not overwrite:
         raise RunError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
                        f"or start afresh with --overwrite")
+    if not claim:
+        return
     for p in held + ["rollouts", "curves.png"]:
         discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
 

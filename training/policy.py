@@ -59,7 +59,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -114,7 +113,7 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
         raise ValueError(f"--optimizer kahan needs a bf16 model (policy.weight_dtype), got {bad}")
-    kernel = optimi_kernel(device)
+    kernel = optimi_kernel(next(model.parameters()).device)     # where the weights are: CPU weights, for-loop
     why = " (no Triton, or no C compiler for its launcher: $CC, gcc, clang)" if kernel == "foreach" else ""
     print(f"optimizer: torch-optimi AdamW with Kahan summation, its {kernel} step{why}")
     with warnings.catch_warnings():     # optimi calls foreach deprecated in favour of Triton: chosen here
@@ -140,24 +139,43 @@ def autocast(device):
 
 def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
-    cfg.model in the scheme's dtype, a --layers it lacks an error here; the frozen reference when beta > 0;
-    gradient checkpointing as --grad-checkpointing says."""
+    cfg.model in the scheme's dtype, under flowtracer's attention (sdpa, plus the head-mean maps when a
+    forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
+    beta > 0; gradient checkpointing as --grad-checkpointing says (checkpointing, below)."""
     dtype = weight_dtype(cfg, device)
-    model, tok = load_model(path or cfg.model, device=device, dtype=dtype)
+    model, tok = load_model(path or cfg.model, device=device, dtype=dtype,
+                            attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked
     select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
     ref = load_model(cfg.model, device=device, dtype=dtype)[0].eval() if cfg.beta > 0 else None
     if cfg.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        checkpointing(model)
     return model, tok, ref, make_optimizer(model, cfg, device)
 
 
+def checkpointing(model, reentrant=False):
+    """Gradient checkpointing of the decoder layers, with every rule its replay needs, in one place.
+    A checkpointed layer keeps only its inputs; backward replays its forward with the same arguments, so:
+      * the replay reads the shared prompt's keys and values again (PromptKV) and writes nothing new: the
+        layers may keep that cache (transformers' _can_checkpoint_with_cache, for caches that only read);
+      * a flowtracer.Capture given to the forward sees the replayed layer again and adds nothing
+        (Capture.take: a layer already taken in this pass is skipped).
+    reentrant=True (a test's reference): that checkpoint passes no gradient to the prompt keys a layer reads
+    from outside its arguments, so response_states reads every row whole under it (replay_safe)."""
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    for m in model.get_decoder().modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m._can_checkpoint_with_cache = not reentrant
+
+
 # ----------------------------------------------------------------------------- log-probs and the step
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True):
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True,
+                   capture=None):
     """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
     both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
     share_prompt); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
-    backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once."""
-    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt)  # (B, R, D)
+    backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once. `capture`: a
+    flowtracer.Capture that the decoder's forward fills with the chosen layers' head-mean maps, or None."""
+    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt, capture)  # (B, R, D)
     head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
 
     def piece(h, y):
@@ -174,42 +192,37 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, sh
     return lp, ent.detach()
 
 
-def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True):
+def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True, capture=None):
     """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
 
     share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
     and values (PromptKV) are read by the rows' responses (B, R) on top. Else, and in the fallbacks, one pass
-    over every row's [prompt | response]. A flowtracer.capture around it gets the same (B, T, T) maps either
-    way (flowtracer.expand_prompts). Under gradient checkpointing the decoder layers keep the cache: PromptKV
-    gives a layer replayed in backward what it read in the forward. Both passes' tokens are embedded in one
-    lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
-    prompt pass's kept tensors are gone (a lookup per pass: the response pass's sum ran beside them, a
-    higher peak)."""
+    over every row's [prompt | response]. A `capture` (flowtracer.Capture) given to it gets the same
+    (B, T, T) maps either way (Capture.expand_prompts between the two passes). Under gradient checkpointing
+    PromptKV gives a layer replayed in backward what it read in the forward (checkpointing, above). Both
+    passes' tokens are embedded in one lookup: its one backward, a dense (V, D) gradient summed into the
+    embedding's, runs at the end, when the prompt pass's kept tensors are gone (a lookup per pass: the
+    response pass's sum ran beside them, a higher peak)."""
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
     layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
-    shared = share_prompt and 0 < P < T and not reentrant(layers)
+    shared = share_prompt and 0 < P < T and replay_safe(layers)
     if shared:
         prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                       return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
     if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
-        return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                   use_cache=False).last_hidden_state[:, P - 1:-1]       # (B, R, D)
-    for m in layers:                        # checkpointed layers keep the cache: PromptKV is replay-safe
-        m._can_checkpoint_with_cache = True
-    try:
-        kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)   # (k, P)
-        x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))  # (kP+BR, D)
-        first = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
-                    position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False
-                    ).last_hidden_state                                   # (k, P, D): the prompt pass
-        flowtracer.expand_prompts(which, T)
-        rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
-                   position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which),
-                   use_cache=False).last_hidden_state                     # (B, R, D): the response pass
-    finally:
-        for m in layers:
-            del m._can_checkpoint_with_cache
+        return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
+                   flow_capture=capture).last_hidden_state[:, P - 1:-1]  # (B, R, D)
+    kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)       # (k, P)
+    x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))      # (kP+BR, D)
+    first = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
+                position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False,
+                flow_capture=capture).last_hidden_state                   # (k, P, D): the prompt pass
+    if capture is not None:
+        capture.expand_prompts(which, T)                                  # (k, P, P) maps -> (B, T, T)
+    rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
+               position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which), use_cache=False,
+               flow_capture=capture).last_hidden_state                    # (B, R, D): the response pass
     return torch.cat([first[which, P - 1:], rest[:, :-1]], dim=1)         # (B, R, D)
 
 
@@ -236,12 +249,11 @@ class PromptKV(DynamicCache):
                 torch.cat([layer.values[self.which], value_states], dim=-2))
 
 
-def reentrant(layers):
-    """True when the decoder's layers are checkpointed with use_reentrant=True: that checkpoint passes no
-    gradient to tensors a layer reads from outside its arguments (the shared prompt's keys), so no sharing."""
-    fn = next((getattr(m, "_gradient_checkpointing_func", None) for m in layers if m.gradient_checkpointing),
-              None)
-    return fn is not None and getattr(fn, "keywords", {}).get("use_reentrant", True) is not False
+def replay_safe(layers):
+    """True when a shared prompt's keys survive gradient checkpointing: no layer is checkpointed, or every
+    checkpointed one was set up by `checkpointing` (non-reentrant, allowed to keep the read-only cache).
+    Else the rows are read whole: transformers drops the cache of a checkpointed layer by default."""
+    return all(m._can_checkpoint_with_cache for m in layers if m.gradient_checkpointing)
 
 
 def old_logprobs(run, batch, trained):
@@ -268,19 +280,15 @@ def ref_logprobs(run, sub):
                               run.cfg.logprob_chunk, run.cfg.share_prefix)[0]
 
 
-def optimizer_step(run, stats):
-    """Clip, then step; a non-finite loss or gradient skips the update. Returns True when it stepped."""
-    for p in run.model.parameters():                     # AdamW still steps on a zero gradient, as GRPO would
+def optimizer_step(model, opt, max_grad_norm, loss):
+    """Clip, then step; a non-finite loss or gradient skips the update (grpo.py counts the streak).
+    Returns (stepped, grad_norm)."""
+    for p in model.parameters():                         # AdamW still steps on a zero gradient, as GRPO would
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.max_grad_norm).item()
-    if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-        run.bad += 1
-        run.opt.zero_grad(set_to_none=True)
-        tqdm.write(f"non-finite loss {stats['loss']} / grad norm {stats['grad_norm']}: update skipped "
-                   f"({run.bad} in a row)")
-        return False
-    run.bad = 0
-    run.opt.step()
-    run.opt.zero_grad(set_to_none=True)                  # the gradients are not kept through the next rollout
-    return True
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    if stepped:
+        opt.step()
+    opt.zero_grad(set_to_none=True)                      # the gradients are not kept through the next rollout
+    return stepped, grad_norm

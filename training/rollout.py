@@ -13,6 +13,7 @@ How (share_prefix=True, the default):
      at a 1K prompt of Qwen3's 151,936-token vocabulary the unread ones would be 0.3 GB a prompt, in bf16.
   3. `decode`: transformers' sampling loop (GenerationMixin._sample) with HF's own warpers, except that a row
      that has emitted EOS leaves the forward batch. New keys and values go into spare room (`ReservedLayer`).
+     On CUDA, training/engine.py decodes instead: a static cache, CUDA graphs, sampling without a host sync.
 
 Departures from the paper's setup (numbered; models.py departure 1 covers vLLM against HF):
   1. Shared-prefix rollouts. HF generate on G copies of a prompt prefills each copy, its KV cache grows by
@@ -53,6 +54,7 @@ from transformers.generation.logits_process import (
 )
 
 from tasks.answers import boxed_span
+from training import engine
 from training.models import load_model
 
 
@@ -79,7 +81,12 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     prompts' own suffixes once on top of it and copies each prompt's KV cache to its rows; `decode` then
     samples every row of the chunk from there. share_prefix=False: HF generate on the n-times-repeated,
     left-padded rows (the reference the shared path is tested against, and a fallback).
-    `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static")."""
+    `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static").
+    On CUDA the shared path decodes with engine.Engine instead of `decode` (static cache, CUDA graphs,
+    sampling without a host sync; engine.py departure 1: HF's distribution, not HF's samples for a seed);
+    `extra` may then hold the engine's options (engine.OPTIONS: min_new_tokens, which it honours as HF
+    generate does, also from the model's generation_config; graphs, which takes the engine path on any
+    device, graphs=False on the CPU; check_every)."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
     if n < 1 or max_new_tokens < 1 or chunk_size < 1:
@@ -97,8 +104,14 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
                                                    (TopPLogitsWarper(top_p), top_p < 1.0)) if on]) \
         if not greedy else None                                           # HF's sampling warpers, HF's order
     ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
-    share = share_prefix and not extra and min(map(len, ids)) > 0
-    prefix = shared_prefix(model, ids, room=max_new_tokens + 1) if share else None
+    eng = None                                                            # the CPU: decode, below
+    if share_prefix and min(map(len, ids)) > 0 and (model.device.type == "cuda" or extra) \
+            and engine.wanted(model, extra):                              # CUDA: the engine decodes
+        warp = None if greedy else (temperature, top_k, top_p)
+        eng = engine.Engine(model, min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens,
+                            max_new_tokens, eos, pad, warp, **extra)
+    share = share_prefix and (not extra or eng is not None) and min(map(len, ids)) > 0
+    prefix = shared_prefix(model, ids, room=0 if eng else max_new_tokens + 1) if share else None
     out = Generations([], [], [], [])
     for c in range(0, len(prompts) * n, chunk_size):
         rows = range(c, min(c + chunk_size, len(prompts) * n))            # row r holds prompt r // n
@@ -106,6 +119,11 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
             enc = tokenizer([prompts[r // n] for r in rows], return_tensors="pt", padding=True)
             inp, mask, cache = enc.input_ids.to(model.device), enc.attention_mask.to(model.device), None
             seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, inp.shape[1]:]
+        elif eng is not None:                                             # each prompt once, K/V to its rows
+            uniq = list(dict.fromkeys(r // n for r in rows))
+            inp, mask, cache = prefill_rows(model, prefix, [ids[j] for j in uniq], pad)
+            which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)    # row -> its prompt
+            seq = eng.decode(inp, mask, cache, which)
         else:
             inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
             seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)

@@ -7,16 +7,17 @@
   plot_curves    reward, accuracy, entropy and length against the step (curves.png)
   metric_series  [step, value] of one metric from metrics.jsonl (learn.py's training curves)
   peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
-  bookkeep       the end of every grpo.py step: the metrics line, rollouts, the checkpoint when due
-  stop_on_signals  Ctrl-C / SIGTERM: finish the step, save, exit
-  finish         the end of a run: metrics closed, the out-dir released, signal handlers back, curves.png
+  end_step       the end of every grpo.py step: the metrics line, rollouts, the checkpoint when due
+  Interrupt      Ctrl-C / SIGTERM as a value the loop reads: finish the step, save, stop
+  finish         the end of a run: metrics closed, the out-dir released, curves.png
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
 not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
 loss, grad_norm, clip/* (fraction of trained tokens clipped), credit/* (gamma statistics over the trained
 rows), time/* (seconds per phase), mem/peak_gb.
 
-Run: python -c "from training import runlog; runlog.plot_curves('runs/embedded/metrics.jsonl', 'curves.png')"
+Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
+                'smollm2-135m', 'arithmetic', 'flow/topk')"
 """
 import json
 import resource
@@ -32,9 +33,11 @@ from tqdm import tqdm
 from training import checkpoint as ckpt_io
 
 
-def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, sec):
-    """One step's metrics; sec: Clock.seconds. time/credit = the separate pass + the fused flow/shaping (the
-    capture itself runs inside the update's forward and is counted in time/update)."""
+def step_metrics(run, rewards, zero_std, gen, batch, adv, up, sec, bad):
+    """One step's metrics; up: grpo.Update; sec: Clock.seconds; bad: the non-finite streak. time/credit = the
+    separate pass + the fused flow/shaping (the capture itself runs inside the update's forward and is
+    counted in time/update)."""
+    resp, gamma, stats = batch.response_mask[:, batch.prompt_width:], up.gamma, up.stats          # (B, R)
     trained = (adv != 0) if run.cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)   # (B,)
     n_tok = resp.sum().clamp_min(1).item() * run.cfg.num_iterations
     ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
@@ -45,7 +48,7 @@ def step_metrics(run, rewards, zero_std, gen, resp, adv, gamma, stats, sec):
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
             "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
-            "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": run.bad,
+            "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": bad,
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
             "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
@@ -64,12 +67,16 @@ def phase_times(sec):
 
 
 class Clock:
-    """Seconds per phase of a step. `phase(name)` ends the running phase and starts `name` (None: stop). On
-    CUDA each mark first waits for the queued kernels (torch.cuda.synchronize): a phase is charged its own GPU
-    time, not the time of the forward whose result its first host sync waits for."""
+    """Seconds per phase of a step. `phase(name)` ends the running phase and starts `name` (None: stop);
+    `reset()` starts a new step. On CUDA each mark first waits for the queued kernels
+    (torch.cuda.synchronize): a phase is charged its own GPU time, not the time of the forward whose result
+    its first host sync waits for. The run holds one (run.clock); grpo.update marks its phases on it."""
     def __init__(self, device, now=time.perf_counter, sync=None):
         self.sync = sync or (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
         self.now, self.seconds, self.name, self.t = now, {}, None, None
+
+    def reset(self):
+        self.seconds, self.name, self.t = {}, None, None
 
     def phase(self, name):
         self.sync()
@@ -115,24 +122,35 @@ def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
                                  "gamma": gamma[b, :n].tolist()}) + "\n")
 
 
-def plot_curves(metrics_path, png_path):
+CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # metric -> its y label
+          "entropy": "policy entropy (nats/token)", "len/mean": "response length (tokens)"}
+
+
+def plot_curves(metrics_path, png_path, model, task, credit):
+    """curves.png: reward, accuracy, entropy and length against the step (integer ticks), one panel each with
+    its y label, under a title naming the run (model, task, credit). Returns the figure (closed), or None when
+    no step has any of them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     rows = [json.loads(line) for line in open(metrics_path)]
-    keys = ["reward/mean", "acc", "entropy", "len/mean"]
-    if not any(r.get(k) is not None for r in rows for k in keys):
-        return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
-    for ax, k in zip(axes, keys):
+    if not any(r.get(k) is not None for r in rows for k in CURVES):
+        return None
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.3))
+    for ax, (k, label) in zip(axes, CURVES.items()):
         pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
         ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o")
         ax.set_title(k)
         ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))             # steps are whole: no 1.5, 2.5
+    fig.suptitle(f"{model} on {task}, credit {credit}")
     fig.tight_layout()
     with ckpt_io.full_disk(png_path, "the curves"):
         fig.savefig(png_path, dpi=80)
     plt.close(fig)
+    return fig
 
 
 def metric_series(path, key):
@@ -159,52 +177,70 @@ def peak_ema(xs, alpha=0.2):
 
 
 # ----------------------------------------------------------------------------- the end of a step, of a run
-def bookkeep(run, step, m, rollout=None, skipped=None):
-    """The end of every step, skipped or not: the metrics line, rollouts, the checkpoint when due."""
+def end_step(run, step, m, rollout, bad, stopping=False):
+    """The end of every step, skipped or not: the metrics line, the rollouts when due, the checkpoint when due
+    or when the run stops here. Returns None, or the one-line reason when the disk is full (checkpoint.py's
+    RunError): the loop stops on it, and the last complete checkpoint stands."""
     cfg = run.cfg
-    if skipped:
-        m["skipped"] = skipped
-        tqdm.write(f"step {step + 1}: {skipped}; no update")
+    if "skipped" in m:
+        tqdm.write(f"step {step + 1}: {m['skipped']}; no update")
+    elif bad:
+        tqdm.write(f"step {step + 1}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}: "
+                   f"update skipped ({bad} in a row)")
     else:
         tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
                    f"len {m['len/mean']:.0f} boosted {m['credit/boosted_frac']:.2f} "
                    f"trained {m['rows/trained']} {m['time/step']:.1f}s")
-    ckpt_io.write_metrics(run.metrics, m)
-    run.history.append(m)
-    if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
-        save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
-    save = lambda: ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched,  # noqa
-                                           step + 1, cfg, run.bad)
-    if run.bad >= cfg.max_bad_steps:
-        save()
-        sys.exit(f"stopping: {run.bad} consecutive steps with a non-finite loss or gradient (lower --lr?)")
-    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or run.stop:
-        save()
-    if run.stop:
-        print(f"interrupted: checkpoint saved after step {step + 1}; continue with --resume {run.out}")
+    try:
+        ckpt_io.write_metrics(run.metrics, m)
+        if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
+            save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
+            ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg,
+                                    bad)
+    except ckpt_io.RunError as e:
+        return str(e)
+    return None
 
 
-def stop_on_signals(run):
-    """The first Ctrl-C or SIGTERM sets run.stop (the step finishes, a checkpoint is saved, the run exits);
-    a second one stops at once. finish() puts the default handlers back."""
-    def on_signal(signum, _frame):
-        run.stop = True
+class Interrupt:
+    """Ctrl-C and SIGTERM as a value the loop reads: the first sets `requested` (the step finishes, is saved,
+    and the loop stops); a second stops at once (the default handler). A context manager: the default
+    handlers are back after the block. Outside the main thread (a test's thread) nothing is installed."""
+    def __init__(self):
+        self.requested = False
+
+    def on_signal(self, signum, _frame):
+        self.requested = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, on_signal)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, self.on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return False
 
 
-def finish(run):
-    """The end of a run: close the metrics, release the out-dir, restore the signal handlers, plot."""
+def finish(run, stop=None):
+    """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics, release the
+    out-dir, plot, say where everything is. A plot that a full disk refuses is a warning: the run's data is
+    saved already."""
     run.metrics.close()
     ckpt_io.unlock_out_dir(run.out)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    try:
+        plot_curves(run.out / "metrics.jsonl", run.out / "curves.png", run.cfg.model, run.cfg.dataset,
+                    f"{run.cfg.credit}/{run.cfg.shaping}")
+    except ckpt_io.RunError as e:
+        print(f"warning: {e}", file=sys.stderr)
     print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\n"
           f"rollouts: {run.out / 'rollouts'}")
     if (run.out / "ckpt").is_dir():
         print(f"checkpoint: {run.out / 'ckpt'}")
-    return run.history
+    if stop == "interrupted":
+        print(f"interrupted: checkpoint saved; continue with --resume {run.out}")

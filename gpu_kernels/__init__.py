@@ -1,0 +1,1 @@
+"""Triton kernels: head_mean.py, the fused head-mean attention map that flowtracer.Capture runs on CUDA."""

@@ -1,0 +1,323 @@
+"""training/engine.py, the GPU decode behind rollout.generate, run here through its own API (graphs=False on
+the CPU, graphs on CUDA when one is present): the static cache holds what a full forward computes, greedy
+rows equal HF generate's (fp32), the sampler draws HF's warped distribution (chi-square), and the decode step
+reads nothing back to the host."""
+import pytest
+import torch
+from scipy import stats
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import Qwen3Config
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from evaluation import memory
+from evaluation.memtrace import track_peak
+from training import engine, rollout
+from training.models import load_model
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
+PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module", params=[(m, d) for m in ("tiny-qwen3", "tiny-llama") for d in DEVICES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def tiny(request):
+    """fp32 on every device (load_model's CUDA default is bf16): greedy rows are compared in fp32."""
+    name, device = request.param
+    return load_model(name, device=device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def prefill(model, ids, pad):
+    """rollout's prefill of the distinct prompts `ids` (all the shared prefix, then each suffix once)."""
+    return rollout.prefill_rows(model, rollout.shared_prefix(model, ids, 0), ids, pad)
+
+
+def stop_spreading_eos(model, tok, prompts, n, N):
+    """A token that HF's greedy rows emit mid-response at the most different steps: made the EOS, rows stop
+    at different times (the tiny models' own EOS rarely comes)."""
+    free = rollout.generate(model, tok, prompts, n=n, max_new_tokens=N, greedy=True, share_prefix=False)
+    rows = free.response_ids
+    stops = {t: {r.index(t) if t in r else -1 for r in rows} for t in {t for r in rows for t in r[1:-1]}}
+    return max(sorted(stops), key=lambda t: len(stops[t]))
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
+                         ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"])
+def test_greedy_rows_equal_hf_generate(tiny, prompts):
+    """Prompts of different lengths (left padding), one token, one prompt; chunks of 5 rows (a last chunk of
+    3 runs in a bucket of 4, with an idle slot); a mid-response token as EOS, so rows stop at different
+    steps and leave their bucket (check_every 2): prompt ids, responses, texts and truncation flags equal
+    HF generate's, and rollout.decode's."""
+    model, tok = tiny
+    eos = stop_spreading_eos(model, tok, prompts, 2, 40)
+    old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
+    kw = dict(n=2, max_new_tokens=40, greedy=True, chunk_size=5)
+    try:
+        ref = rollout.generate(model, tok, prompts, share_prefix=False, **kw)
+        got = rollout.generate(model, tok, prompts, graphs=model.device.type == "cuda", check_every=2, **kw)
+        assert got == ref
+        assert got == rollout.generate(model, tok, prompts, **kw)
+    finally:
+        model.generation_config.eos_token_id = old
+    if len(prompts) > 2:
+        assert len({len(r) for r in ref.response_ids}) >= 2 and not all(ref.truncated)
+
+
+def test_pad_after_eos_and_min_new_tokens(tiny):
+    """The engine's raw rows: HF generate's tokens, then pad after each row's EOS to max_new_tokens; with
+    min_new_tokens, HF's too (no EOS before it, rollout.generate passes it through on CUDA)."""
+    model, tok = tiny
+    eos = stop_spreading_eos(model, tok, PROMPTS[:3], 1, 16)
+    old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
+    try:
+        ids = tok(PROMPTS[:3]).input_ids
+        pad = tok.pad_token_id
+        enc = tok(PROMPTS[:3], return_tensors="pt", padding=True).to(model.device)
+        for low in (None, 6):
+            kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=rollout.eos_ids(model, tok),
+                      pad_token_id=pad, **({"min_new_tokens": low} if low else {}))
+            hf = model.generate(**enc, **kw)[:, enc.input_ids.shape[1]:]        # (3, <= 16), pad after EOS
+            eng = engine.Engine(model, 3, max(map(len, ids)) - 1 + 16, 16, rollout.eos_ids(model, tok), pad,
+                                None, low or 0, check_every=4)
+            inp, mask, cache = prefill(model, ids, pad)
+            seq = eng.decode(inp, mask, cache, torch.arange(3, device=model.device))    # (3, 16)
+            w = hf.shape[1]
+            assert torch.equal(seq[:, :w], hf) and (seq[:, w:] == pad).all()
+            if low is None:                                                  # a row stopped, then pad
+                assert ((seq == eos).any(-1) & (seq[:, -1] == pad)).any()
+            else:
+                assert not (seq[:, :low] == eos).any()
+    finally:
+        model.generation_config.eos_token_id = old
+
+
+def test_static_cache_holds_the_full_forwards_keys(tiny):
+    """After N greedy steps the buffers hold, at every position the mask shows (real prompt tokens, then
+    each generated token fed back), the keys and values of one full forward over the same rows, also past
+    the first key-length bucket (128); the buffers never move (same storage), positions past the last
+    written one stay zero, the mask is the prompt's padding then ones. fp32: the full forward sums the
+    same products in another order, so the tolerance is the rounding of a D-term dot product through each
+    of the L layers, on the largest key."""
+    model, tok = tiny
+    ids, pad, N = tok(PROMPTS[:3]).input_ids, tok.pad_token_id, 100
+    eng = engine.Engine(model, 4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None,
+                        check_every=N)                   # one check, at the end: no row moves (compaction)
+    inp, mask, cache = prefill(model, ids, pad)
+    which = torch.tensor([0, 1, 2, 2], device=model.device)                  # prompt 2 has two rows
+    eng.allocate(cache)
+    ptr = eng.keys.data_ptr()
+    seq = eng.decode(inp, mask, cache, which)                                # (4, N)
+    W = inp.shape[1]
+    full_ids = torch.cat([inp[which], seq[:, :-1]], 1)                       # (4, W + N - 1) what was fed
+    full_mask = torch.cat([mask[which], torch.ones_like(seq[:, :-1])], 1)
+    with torch.no_grad():
+        ref = model(input_ids=full_ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1)
+                    .clamp_min(0), use_cache=True).past_key_values
+    seen = eng.mask[:4, 0, 0, :W + N - 1]                                    # (4, W + N - 1)
+    assert torch.equal(seen, full_mask.bool()) and not eng.mask[:4, ..., W + N - 1:].any()
+    tol = model.config.hidden_size * model.config.num_hidden_layers * EPS32
+    for i, layer in enumerate(ref.layers):
+        for got, want in ((eng.keys[i, :4], layer.keys), (eng.values[i, :4], layer.values)):
+            cols = got[:, :, :W + N - 1].transpose(1, 2)[seen]              # (real positions, Hkv, d)
+            torch.testing.assert_close(cols, want.transpose(1, 2)[seen], rtol=0,
+                                       atol=tol * want.abs().max().item())
+            assert not got[:, :, W + N - 1:].any()                          # nothing written past the end
+    assert eng.keys.data_ptr() == ptr and int(eng.at) == W - 1 + N and int(eng.t) == N and eng.S > 128
+
+
+def test_slot_layer_writes_one_column_in_place():
+    """SlotLayer.update: the new (b, Hkv, 1, d) key goes to column `at` of the buffer and nowhere else, and
+    the layer hands back the buffer itself (the same storage: no copy, no concatenation)."""
+    keys, values = torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4)
+    before = keys.clone()
+    layer = engine.SlotLayer(keys, values, torch.tensor([5]))
+    k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    K, Vv = layer.update(k, v)
+    assert K.data_ptr() == keys.data_ptr() and Vv.data_ptr() == values.data_ptr()
+    assert torch.equal(keys[:, :, 5:6], k) and torch.equal(values[:, :, 5:6], v)
+    assert torch.equal(keys[:, :, :5], before[:, :, :5]) and torch.equal(keys[:, :, 6:], before[:, :, 6:])
+    assert layer.get_mask_sizes(1) == (8, 0) and int(layer.get_seq_length()) == 5
+
+
+def warped(logits, T, k, p):
+    """HF's own warpers, HF's order, in fp64: the exact distribution the engine must draw from."""
+    x = logits.double()[None]
+    for w, on in ((TemperatureLogitsWarper(T), T != 1.0), (TopKLogitsWarper(k) if k else None, bool(k)),
+                  (TopPLogitsWarper(p), p < 1.0)):
+        x = w(None, x) if on else x
+    return torch.softmax(x, -1)[0]                                          # (V,)
+
+
+def draw_counts(logits, T, k, p, n, device):
+    """Counts over the vocabulary of n draws of engine.sample on one row of logits, repeated."""
+    torch.manual_seed(0)
+    rows = logits.to(device).expand(n, -1)                                  # (n, V)
+    return torch.bincount(engine.sample(rows, T, k, p).cpu(), minlength=logits.shape[-1]).double()
+
+
+def chi2_pvalue(counts, probs):
+    """Pearson's goodness-of-fit p-value on the support (scipy); 0 if a token outside it was drawn."""
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return 0.0
+    exp = probs[keep] / probs[keep].sum() * counts.sum()
+    return stats.chisquare(counts[keep].numpy(), exp.numpy()).pvalue
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,k,p", [(0.7, 20, 0.9), (1.3, 6, 1.0), (1.0, 0, 0.8), (0.99, 100, 1.0)],
+                         ids=["T-k-p", "T-k", "p", "app-c3"])
+def test_sampler_draws_hfs_warped_distribution(device, T, k, p):
+    """100,000 draws of the engine's sampler (exponential race) on fixed logits fit HF's warped
+    distribution (chi-square, p > 1e-3: a correct sampler fails 1 run in 1,000); the same counts are
+    rejected (p < 1e-6) against the distributions without the temperature, and with another top-k or top-p,
+    so the test can fail."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 2.0      # (V,)
+    counts = draw_counts(logits, T, k, p, 100_000, device)
+    want = warped(logits, T, k, p)
+    assert (want > 0).sum() >= 4                                             # a real choice
+    assert chi2_pvalue(counts, want) > 1e-3
+    for other in ((1.6 * T, k, p), (T, k // 2 if k else 3, p), (T, k, 0.5 * p)):
+        assert chi2_pvalue(counts, warped(logits, *other)) < 1e-6, other
+
+
+def test_first_tokens_through_the_engine_fit_hfs_warpers():
+    """End to end on tiny-qwen3: 3,000 first tokens from the engine fit HF's warpers on the prompt's
+    last logits (the sampler reads the right logits, of the right rows)."""
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    ids = torch.tensor([tok(PROMPTS[0]).input_ids])
+    with torch.no_grad():
+        want = warped(model(ids).logits[0, -1], 0.7, 20, 0.9)
+    torch.manual_seed(0)
+    g = rollout.generate(model, tok, PROMPTS[:1], n=3000, max_new_tokens=1, temperature=0.7, top_k=20,
+                         top_p=0.9, chunk_size=1000, graphs=False)
+    counts = torch.bincount(torch.tensor([r[0] for r in g.response_ids]), minlength=len(tok)).double()
+    assert (want > 0).sum() >= 3 and chi2_pvalue(counts, want) > 1e-3
+
+
+BUFFERS = ("mask", "x", "pos", "done", "out", "at", "t", "keys", "values", "ends", "ban")
+
+
+def run_step_without_data(model, tok):
+    """Engine.step with every engine buffer a fake tensor (shapes, no values): any read of a value on the
+    host (.item(), bool(), int(), .tolist(), nonzero) raises instead of syncing."""
+    ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
+    eng = engine.Engine(model, 4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9), 3)
+    inp, mask, cache = prefill(model, ids, pad)
+    eng.allocate(cache)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for name in BUFFERS:
+            setattr(eng, name, mode.from_tensor(getattr(eng, name)))
+        with torch.no_grad():
+            eng.step(4, eng.S)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
+    """The step (forward, top-k/top-p sampling, min_new_tokens, pad after EOS, the counters) runs on tensors
+    whose values do not exist: it never reads one back. Reading one, as HF's per-step stop check does, or
+    a sampler calling .item() / .tolist(), fails the same check. On CUDA, the eager step also runs under
+    torch.cuda.set_sync_debug_mode("error"), and the graph path captures (a sync inside a capture is an
+    error) and replays."""
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
+    run_step_without_data(model, tok)
+    real = engine.sample
+    for bad in (lambda lg, *w: real(lg, *w) + int(lg.argmax(-1)[0]) * 0,
+                lambda lg, *w: torch.tensor(real(lg, *w).tolist(), device=lg.device)):
+        monkeypatch.setattr(engine, "sample", bad)
+        with pytest.raises(Exception, match="data-dependent|_local_scalar_dense|DataDependent|tolist"):
+            run_step_without_data(model, tok)
+    monkeypatch.setattr(engine, "sample", real)
+    if device == "cuda":
+        ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
+        eng = engine.Engine(model, 4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9), 3,
+                            graphs=False)
+        with torch.no_grad():
+            inp, mask, cache = prefill(model, ids, pad)
+            eng.allocate(cache)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with eng.scope():
+                    eng.step(4, eng.S)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9, chunk_size=6)
+        g = rollout.generate(model, tok, PROMPTS, graphs=True, **kw)
+        assert len(g.response_ids) == 12 and any(len(r) > 1 for r in g.response_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphs_only_on_cuda_and_equal_to_eager(device):
+    """graphs=None means CUDA graphs on a CUDA model; on the CPU asking for them is an error. On CUDA the
+    replayed graphs give the eager step's greedy rows."""
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
+    eng = engine.Engine(model, 4, 32, 8, [tok.eos_token_id], tok.pad_token_id, None)
+    assert eng.graphs == (device == "cuda")
+    if device == "cpu":
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+            engine.Engine(model, 4, 32, 8, [tok.eos_token_id], tok.pad_token_id, None, graphs=True)
+        return
+    kw = dict(n=3, max_new_tokens=100, greedy=True, chunk_size=5, check_every=4)   # several buckets
+    assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == \
+        rollout.generate(model, tok, PROMPTS, graphs=False, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rollout_generate_takes_the_engine_on_cuda_only(device, monkeypatch):
+    """rollout.generate's dispatch, each decoder replaced by a recorder: on CUDA the shared path (also with
+    min_new_tokens) decodes with the engine; on the CPU with rollout.decode unless graphs is given; with
+    share_prefix=False or an HF-only option, HF generate (neither)."""
+    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
+    used, pad = [], tok.pad_token_id
+    monkeypatch.setattr(engine.Engine, "decode", lambda self, inp, mask, cache, which: used.append("engine")
+                        or torch.full((len(which), 4), pad, device=inp.device))
+    monkeypatch.setattr(rollout, "decode", lambda model, inp, *a: used.append("decode")
+                        or torch.full((len(inp), 4), pad, device=inp.device))
+    kw = dict(n=2, max_new_tokens=4, greedy=True)
+    for extra in ({}, {"min_new_tokens": 2}, {"share_prefix": False}, {"repetition_penalty": 1.0},
+                  {"graphs": False}):
+        rollout.generate(model, tok, PROMPTS[:2], **kw, **extra)
+    assert used == (["engine", "engine", "engine"] if device == "cuda" else ["decode", "engine"])
+
+
+def test_supports_full_attention_only():
+    model = lambda cfg: type("M", (), {"config": cfg})()                     # noqa: E731
+    assert engine.supports(model(Qwen3Config()))
+    assert not engine.supports(model(Qwen3Config(use_sliding_window=True, sliding_window=8,
+                                                  max_window_layers=1, num_hidden_layers=2)))
+
+
+def test_peak_memory_within_the_generation_estimate():
+    """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what
+    memory.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache and
+    the prefill), within the 10% that tests/test_memory.py allows."""
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    P, R, G, g = 80, 48, 4, 16
+    prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(P - (i * 7) % 16)) for i in range(4)]
+    est = sum(memory.generation(model.config, g, G, P, R, 4, 4).values())
+    with torch.no_grad(), track_peak(model) as tr:
+        w = tr.now
+        tr.phase("generation")
+        rollout.generate(model, tok, prompts, n=G, max_new_tokens=R, chunk_size=g, min_new_tokens=R,
+                         graphs=False)
+    assert 0.9 < est / (tr.peak["generation"] - w) < 1.1
+
+
+def test_generate_speed_gpu_table_runs_on_the_cpu():
+    """benchmarks/generate_speed.py's GPU table (--engine; --device cuda on a GPU) end to end at the tiny
+    shape: the three decoders timed, the bound, and in fp32 the engine's greedy rows all equal HF's."""
+    import importlib.util as iu
+    from pathlib import Path
+    spec = iu.spec_from_file_location("generate_speed", Path(__file__).parents[1] / "benchmarks" /
+                                      "generate_speed.py")
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--engine", "--model", "tiny-qwen3", "--shape", "tiny", "--rounds", "1"])
+    assert set(out["speed"]) == {"engine", "HF dynamic", "HF static"} and out["bound_tok_s"] > 0
+    assert all(d["tok_s"] > 0 and d["ms_step"] > 0 for d in out["speed"].values())
+    assert out["equal"]["float32"]["engine"] == out["equal"]["float32"]["HF dynamic"] == out["rows"] == 8
+    with pytest.raises(SystemExit):
+        bench.main(["--sampled"])                                             # needs --engine

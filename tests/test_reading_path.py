@@ -1,0 +1,45 @@
+"""docs/method.md's count of the reading path is true: the project files and functions that one default
+GRPO step runs through (grpo.train, one step of tiny-qwen3 with the fused flow credit, every group trained,
+the log and the checkpoint included; setup excluded), measured with a profiler, not read off the source."""
+import os
+import re
+import sys
+import zlib
+from pathlib import Path
+
+import grpo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def step_calls(tmp_path, monkeypatch):
+    """{(file relative to the root, function qualname)} of the project code one step of grpo.train calls."""
+    real = grpo.data.score        # the real verifier runs; a toy reward on top makes every group train
+    monkeypatch.setattr(grpo.data, "score",
+                        lambda rec, txt: (real(rec, txt), zlib.crc32(txt.encode()) % 4 / 3)[1])
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4",
+                           "--max-new-tokens", "10", "--steps", "1", "--out-dir", str(tmp_path / "run")])
+    run = grpo.setup(cfg)
+    calls = set()
+
+    def profile(frame, event, arg):
+        path, name = os.path.abspath(frame.f_code.co_filename), frame.f_code.co_qualname
+        if event == "call" and path.startswith(f"{ROOT}/") and path.endswith(".py") and "<" not in name:
+            calls.add((str(Path(path).relative_to(ROOT)), name))
+    sys.setprofile(profile)
+    try:
+        out = grpo.train(cfg, run)
+    finally:
+        sys.setprofile(None)
+    assert out.history[0]["rows/trained"] > 0                    # a real step: the update and its credit ran
+    return calls
+
+
+def test_the_documented_reading_path_is_what_one_step_runs(tmp_path, monkeypatch):
+    calls = step_calls(tmp_path, monkeypatch)
+    files = sorted({f for f, _ in calls})
+    doc = (ROOT / "docs" / "method.md").read_text()
+    m = re.search(r"passes\s+through\s+(\d+)\s+project\s+files\s+and\s+(\d+)\s+of\s+their\s+functions:\s*(.*?)\.\n", doc, re.S)
+    assert m, "docs/method.md must state the reading path's count"
+    listed = sorted(re.findall(r"`([\w/]+\.py)`", m.group(3)))
+    assert (int(m.group(1)), int(m.group(2)), listed) == (len(files), len(calls), files), sorted(calls)

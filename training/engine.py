@@ -1,0 +1,277 @@
+"""The one-GPU decode engine: rollout.generate's shared-prefix rollouts at the speed of the GPU.
+
+rollout.generate decodes with Engine on CUDA (shared prefix, no HF-only option: `wanted`); the CPU keeps
+rollout.decode, and rollout.generate(..., graphs=False) runs the engine there, eagerly (the tests). Each
+prompt is still read once (rollout.shared_prefix, then rollout.prefill_rows on the chunk's distinct prompts);
+Engine.decode copies its keys and values to its G rows in static buffers, and decodes on three ideas. The
+reasons are measured on one H100 (qwen3-4b-random, 64 rows, 256 new tokens, bf16; ../shared/gpu/README.md):
+rollout.decode made 501 tok/s, HF generate 658, HF generate with a compiled static cache 2,666, and the 1K
+table's generation 1,030 tok/s = 7.3% of the bandwidth bound (14,024 tok/s). A decode step took 110 ms, of
+which the GPU was busy 11 ms: the decode was bound by the host, not by the GPU's memory, whose ceiling is
+reading the weights (8 GB) and the rows' KV cache once a step, about 5 ms for 64 rows at 1K.
+
+  1. A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the call's widest prompt + max_new_tokens, and a
+     (rows, 1, 1, S) boolean mask, written in place at the step's position `at` (SlotLayer, a transformers
+     cache layer): no concatenation, no mask grown by a column, and the same shapes at every step. Why: with a
+     new key length every step, cuDNN's attention built a new plan each time (51% of the step's CPU time,
+     1.3 ms a call); turning cuDNN off alone gave 1,108 tok/s. Fixed shapes are also what a graph needs.
+     Attention reads the first s keys, s a multiple of S / 8 or of 128 (masked beyond each row's own), so a
+     step reads the cache that exists, not all of S.
+  2. Graph replay. On CUDA the whole step (forward, sampling, bookkeeping) is captured once per (rows bucket,
+     key-length bucket) as a torch.cuda.CUDAGraph (warmed up on a side stream first) and replayed: one launch
+     instead of ~1,860 kernel launches a step, each a few microseconds of Python and driver. Decode
+     attention runs on flash / memory-efficient SDPA (sdpa_kernel around capture); cuDNN stays for
+     training's long sequences, where its plans are reused. Rows are bucketed by powers of two: when the
+     rows still writing fit a smaller bucket, they move to the front and its graph takes over.
+  3. Sampling without a sync. Temperature, top-k and top-p on the GPU, and the draw by an exponential race
+     (argmax p / E, E ~ Exp(1): the chosen token is j with probability p_j), not torch.multinomial; a
+     finished row writes pad inside the step; the host reads EOS every `check_every` steps (16). Why:
+     rollout.decode (and HF's loop) read EOS on the host every step, so the CPU waited for the GPU to finish
+     each step before it could launch the next, and the GPU then waited for the CPU's launches.
+
+Memory: the static buffers are the KV cache that evaluation/memory.py's `generation` counts for a chunk
+(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it.
+Not measured yet: no GPU was at hand when it was written. `benchmarks/generate_speed.py --device cuda` prints
+the engine beside HF generate (dynamic and static cache), the bound and the greedy rows equal to HF's.
+
+Departures from rollout.decode / HF generate (numbered):
+  1. Same distribution, other samples. The draw is an exponential race over HF's warped distribution
+     (temperature, then top-k, then top-p, HF's order and cut rule), so a seed no longer gives HF's samples;
+     tests/test_engine.py checks the distribution by a chi-square test instead. Greedy rows equal HF's
+     (fp32, tested): the same forward, reading extra keys that are masked.
+  2. Top-k keeps exactly k tokens; HF keeps every token tied with the k-th logit.
+  3. A finished row keeps its place (writing pad) until the next check; then it leaves when the rows still
+     writing fit a smaller bucket. Rows of the bucket beyond the chunk's are idle rows.
+  4. Graphs live for one call: each rollout.generate call captures what it uses (at most 8 key lengths x
+     log2(rows) + 1 row counts, lazily; a capture costs one warm-up step and one captured step).
+  5. Under autocast, a captured step casts fp32 weights every replay (autocast's weight cache is off in a
+     capture); bf16 weights, as policy.py's kahan scheme loads them on CUDA, need no cast.
+
+Run: python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random   # beside HF generate, a GPU
+     python benchmarks/generate_speed.py --engine --model tiny-qwen3 --shape tiny --rounds 1   # CPU, eager
+     python -m pytest -q tests/test_engine.py
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+ALIGN = 64          # S and the key-length buckets are multiples of this (mem-efficient SDPA copies a mask
+                    # whose length is not a multiple of 16)
+LENGTHS = 8         # key-length buckets per call, at most (each one a graph to capture)
+OPTIONS = frozenset({"min_new_tokens", "graphs", "check_every"})   # Engine options rollout.generate passes
+
+
+def supports(model):
+    """Whether the engine can decode this model: full attention in every layer (no sliding window)."""
+    types = getattr(model.config, "layer_types", None)
+    if types:
+        return set(types) == {"full_attention"}
+    return getattr(model.config, "sliding_window", None) is None
+
+
+def wanted(model, extra):
+    """rollout.generate's choice for its shared-prefix path: the engine on CUDA unless `extra` holds an
+    HF-only option; anywhere when `extra` names `graphs` (graphs=False: the CPU tests' way in)."""
+    return set(extra) <= OPTIONS and supports(model) and (model.device.type == "cuda" or "graphs" in extra)
+
+
+def sample(logits, temperature, top_k, top_p):
+    """(B,) one token per row drawn from HF's warped distribution of logits (B, V): p = softmax of
+    logits / T over the top-k, less the tail that top-p cuts; drawn as argmax_j p_j / E_j, E_j ~ Exp(1)
+    (departure 1). Tensor work only: no host sync, so a CUDA graph can hold it."""
+    k = min(top_k or logits.shape[-1], logits.shape[-1])
+    v, i = torch.topk(logits / temperature, k)                            # (B, k), descending
+    if top_p < 1.0:
+        p = torch.softmax(v, dim=-1)                                      # (B, k)
+        tail = p.flip(-1).cumsum(-1).flip(-1)                             # (B, k) mass of j and all below it
+        cut = tail <= 1 - top_p                                           # HF's rule, in descending order
+        cut[:, 0] = False                                                 # the top token always stays
+        v = v.masked_fill(cut, float("-inf"))
+    p = torch.softmax(v, dim=-1)                                          # (B, k)
+    e = torch.empty_like(p).exponential_().clamp_min_(torch.finfo(p.dtype).tiny)   # (B, k) Exp(1)
+    return i.gather(-1, (p / e).argmax(-1, keepdim=True)).squeeze(-1)     # (B,)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's static cache for transformers' models: keys and values (b, Hkv, s, d) are views of the
+    engine's buffers; each forward writes its one new position at `at` (a (1,) device tensor that the step
+    advances) in place and hands back the whole view: attention reads s keys, the mask hides the unused."""
+    is_compileable, is_sliding = True, False
+
+    def __init__(self, keys, values, at):
+        super().__init__()
+        self.keys, self.values, self.at, self.is_initialized = keys, values, at, True
+
+    def lazy_initialization(self, key_states, value_states):
+        raise RuntimeError("SlotLayer is built over the engine's buffers")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.at, key_states.to(self.keys.dtype))        # (b, Hkv, 1, d) at `at`
+        self.values.index_copy_(2, self.at, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return self.at                                    # a tensor, as transformers' StaticLayer returns
+
+    def get_mask_sizes(self, query_length):
+        return self.keys.shape[-2], 0
+
+    def get_max_length(self):
+        return self.keys.shape[-2]
+
+
+class Engine:
+    """Static buffers for up to `rows` rows of `width` positions and `new` generated tokens, the decode step
+    over them, and on CUDA its graphs. warp: (temperature, top_k, top_p), or None for greedy. min_new_tokens
+    None: the model's generation_config's (as HF generate); graphs None: on a CUDA model."""
+
+    def __init__(self, model, rows, width, new, eos, pad, warp, min_new_tokens=None, graphs=None,
+                 check_every=16):
+        dev, V = model.device, model.config.vocab_size
+        low = model.generation_config.min_new_tokens if min_new_tokens is None else min_new_tokens
+        self.model, self.rows, self.new, self.pad, self.warp = model, rows, new, pad, warp
+        self.graphs = dev.type == "cuda" if graphs is None else graphs
+        if self.graphs and dev.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA model")
+        self.S = ALIGN * math.ceil(width / ALIGN)                        # cache positions
+        self.span = ALIGN * max(2, math.ceil(self.S / LENGTHS / ALIGN))  # key-length bucket, >= 128
+        self.buckets = sorted({2 ** j for j in range(rows.bit_length()) if 2 ** j < rows} | {rows})
+        self.check_every, self.min_new = check_every, low or 0
+        self.ends = torch.tensor(eos, device=dev)                         # (e,) the EOS ids
+        self.ban = torch.zeros(V, dtype=torch.bool, device=dev)           # (V,) EOS, banned before min_new
+        self.ban[self.ends] = True
+        self.mask = torch.zeros(rows, 1, 1, self.S, dtype=torch.bool, device=dev)  # (rows, 1, 1, S) visible
+        self.x = torch.full((rows,), pad, dtype=torch.long, device=dev)   # (rows,) the token to read next
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)     # (rows, 1) its position
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)        # (rows,) EOS emitted (or idle)
+        self.out = torch.full((rows, new), pad, dtype=torch.long, device=dev)      # (rows, N) tokens
+        self.at = torch.zeros(1, dtype=torch.long, device=dev)           # the cache column written next
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)            # the step, = column of out
+        self.keys = self.values = None                                   # (L, rows, Hkv, S, d): first chunk
+        self.caches, self.graph, self.pool, self.side = {}, {}, None, None
+
+    def state(self):
+        return [self.mask, self.x, self.pos, self.done, self.out, self.at, self.t]
+
+    def allocate(self, cache):
+        """The K, V buffers, zero (a masked key still enters attention as 0 * value: no NaN garbage), in the
+        dtypes the prefill wrote (autocast may make keys and values differ), else the model's."""
+        mc, first = self.model.config, cache.layers[0] if cache.layers else None
+        hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        shape = (mc.num_hidden_layers, self.rows, mc.num_key_value_heads, self.S, hd)
+        self.keys, self.values = (torch.zeros(shape, device=self.model.device, dtype=getattr(
+            getattr(first, name, None), "dtype", self.model.dtype)) for name in ("keys", "values"))
+
+    def cache(self, b, s):
+        """transformers' Cache over rows :b and keys :s of the buffers (views: one Cache per graph)."""
+        if (b, s) not in self.caches:
+            self.caches[b, s] = Cache(layers=[SlotLayer(self.keys[i, :b, :, :s], self.values[i, :b, :, :s],
+                                                        self.at) for i in range(len(self.keys))])
+        return self.caches[b, s]
+
+    def scope(self):
+        """Decode attention on flash / memory-efficient SDPA (not cuDNN: idea 2), and the caller's autocast
+        without its weight cache, which a graph capture must not keep (departure 5)."""
+        dev, stack = self.model.device.type, contextlib.ExitStack()
+        if dev == "cuda":
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                             SDPBackend.MATH], set_priority=True))
+        stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False,
+                                           enabled=torch.is_autocast_enabled(dev)))
+        return stack
+
+    def step(self, b, s):
+        """One decode step of rows :b reading keys :s. Tensor work only, no host sync: a graph captures it.
+        Reads x at pos, writes its K, V at `at`, samples y, then x = y, pos, at and t advance by one."""
+        m = self.mask[:b]
+        m.index_fill_(-1, self.at, True)                                  # (b, 1, 1, S) column `at` visible
+        logits = self.model(input_ids=self.x[:b, None], attention_mask=m[..., :s], position_ids=self.pos[:b],
+                            past_key_values=self.cache(b, s), use_cache=True,
+                            logits_to_keep=1).logits[:, -1].float()      # (b, V) as HF: an fp32 copy
+        if self.min_new:                                                  # HF's min_new_tokens: no EOS yet
+            logits.masked_fill_(self.ban & (self.t < self.min_new), float("-inf"))
+        y = logits.argmax(-1) if self.warp is None else sample(logits, *self.warp)   # (b,)
+        y = torch.where(self.done[:b], self.pad, y)                       # finished rows write pad
+        self.out[:b].index_copy_(1, self.t, y[:, None])                   # (b, N) column t
+        self.done[:b].logical_or_((y[:, None] == self.ends).any(-1))
+        self.x[:b] = y
+        self.pos[:b] += 1
+        self.at += 1
+        self.t += 1
+
+    def run(self, b, s):
+        """The step, eager or as the replay of its graph (captured the first time it is needed)."""
+        if not self.graphs:
+            return self.step(b, s)
+        if (b, s) not in self.graph:
+            saved = [x.clone() for x in self.state()]
+            side = self.side = self.side or torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):                       # warm-up: lazy inits, kernel choice
+                self.step(b, s)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):                      # recorded, not run
+                self.step(b, s)
+            self.pool, self.graph[b, s] = g.pool(), g
+            for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
+                x.copy_(v)                                                 # is rewritten before it is read)
+        self.graph[b, s].replay()
+
+    @torch.no_grad()
+    def decode(self, inp, mask, cache, which):
+        """(g, new) tokens of a chunk, pad after each row's EOS. inp, mask (k, W): the chunk's k distinct
+        prompts laid out by rollout.prefill_rows, cache their K, V (all but the last prompt token), which (g,)
+        each row's prompt. Copies each prompt's K, V to its rows, then steps until every row is done."""
+        g, W, N = len(which), inp.shape[1], self.new
+        if self.keys is None:
+            self.allocate(cache)
+        for i, layer in enumerate(cache.layers if W > 1 else []):        # (g, Hkv, W - 1, d) per layer
+            self.keys[i, :g, :, :W - 1] = layer.keys[which]
+            self.values[i, :g, :, :W - 1] = layer.values[which]
+        self.mask.zero_()
+        self.mask[:g, 0, 0, :W] = mask[which].bool()
+        self.x.fill_(self.pad)
+        self.x[:g] = inp[which, -1]                                       # each row's last prompt token
+        self.pos.zero_()
+        self.pos[:g] = mask[which].sum(-1, keepdim=True) - 1              # positions count real tokens
+        self.done.fill_(True)
+        self.done[:g] = False
+        self.out.fill_(self.pad)
+        self.at.fill_(W - 1)
+        self.t.zero_()
+        res = torch.full((g, N), self.pad, dtype=torch.long, device=inp.device)    # (g, N)
+        rows, b = torch.arange(g, device=inp.device), self.bucket(g)     # rows[j]: the chunk row in slot j
+        with self.scope():
+            for t in range(N):
+                self.run(b, min(self.S, self.span * math.ceil((W + t) / self.span)))   # keys :W + t needed
+                if (t + 1) % self.check_every and t + 1 < N:
+                    continue
+                res[rows] = self.out[:len(rows)]                # host sync: every check_every steps
+                live = (~self.done[:len(rows)]).nonzero().squeeze(1)      # (n,) slots still writing
+                if len(live) == 0:
+                    break
+                if self.bucket(len(live)) < b and t + 1 < N:
+                    rows, b = rows[live], self.compact(live, W + t)
+        return res
+
+    def bucket(self, n):
+        return next(b for b in self.buckets if b >= n)
+
+    def compact(self, live, filled):
+        """Move the slots still writing (live, ascending) to the front, so that a smaller bucket decodes them:
+        one layer at a time, only the rows that move and the positions filled. Returns the new bucket."""
+        n, moved = len(live), live.tolist()
+        f = next((j for j, i in enumerate(moved) if i != j), n)          # slots f.. move up
+        for buf in (self.keys, self.values):
+            for i in range(len(buf)) if f < n else []:
+                buf[i, f:n, :, :filled] = buf[i, live[f:], :, :filled]   # (n - f, Hkv, filled, d)
+        for x in (self.mask, self.x, self.pos, self.done, self.out):
+            x[:n] = x[live]
+        self.done[n:] = True                                              # the new bucket's idle slots
+        return self.bucket(n)
