@@ -259,11 +259,11 @@ def update(run, batch, rows, adv, given=None) -> Update:
             break
     clock.phase(None)
     stats["credit/fallback"] = sum(int(c.fallback.sum()) for c in parts)
-    idx = torch.tensor(rows, dtype=torch.long, device=resp.device)                            # (b,)
-    gamma = resp.float().index_copy(0, idx, torch.cat([c.gamma.float() for c in parts])) if parts \
-        else resp.float()                                                                      # (B, R)
-    scores = torch.zeros(resp.shape, device=resp.device)
-    scores = scores.index_copy(0, idx, torch.cat([c.scores.float() for c in parts])) if parts else scores
+    gamma, scores = resp.float(), torch.zeros(resp.shape, device=resp.device)     # (B, R): untrained rows
+    if parts:                                                                      # the trained rows' credit
+        idx = torch.tensor(rows, dtype=torch.long, device=resp.device)             # (b,)
+        gamma = gamma.index_copy(0, idx, torch.cat([c.gamma.float() for c in parts]))
+        scores = scores.index_copy(0, idx, torch.cat([c.scores.float() for c in parts]))
     return Update(gamma, scores, stats, stepped)
 
 
