@@ -43,10 +43,11 @@ Departures (numbered):
 Time on one H100 (estimated from the work, before the decode engine; not measured since): the 1K table
 takes minutes, the 8K one about 2 hours at the defaults, nearly all of it three rollouts of 8 chunks x 8,192
 sequential decode steps. --quick measures the flow overhead alone at 1K and 8K in under 10 minutes: the
-overhead is a training-forward figure (update with flow credit vs without, on the same batch), so its rollouts are short
-(--quick-tokens new tokens, then random tokens up to R: the update reads the same shapes) and its batch is
-2 prompts x G rows unless --prompts-per-step says otherwise; no memory measurement, no generation speed, no
-attention maps. It reports the overhead as a share of the update; its share of the step needs a full rollout.
+overhead is a training-forward figure (update with flow credit vs without, on the same batch), so its
+rollouts are short (--quick-tokens new tokens, then random tokens up to R: the update reads the same
+shapes) and its batch is 2 prompts x G rows unless --prompts-per-step says otherwise; no memory
+measurement, no generation speed, no attention maps. It reports the overhead as a share of the update;
+its share of the step needs a full rollout.
 
 Run:  python benchmarks/gpu_headline.py                                  # one 80 GB GPU: the headline
       python benchmarks/gpu_headline.py --quick                          # the flow overhead, < 10 minutes

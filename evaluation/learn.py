@@ -439,10 +439,9 @@ def parse(argv, prog):
 def main(argv, grpo, prog="eval.py"):
     """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs)."""
     try:
-        cfg, recipe, arms, seeds = parse(argv, prog)
         if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        run_grid(Grid(cfg, recipe, arms, seeds, grpo))
+        run_grid(Grid(*parse(argv, prog), grpo))                      # parse: config, recipe, arms, seeds
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -151,15 +151,15 @@ def check(cfg):
     anything loads (argparse's choices have checked the closed sets: --dataset, --device, --credit, ...)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
     rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
-             *[(f"--{k.replace('_', '-')}", getattr(cfg, k) >= 1, "must be >= 1")
+             *[(flag(k), getattr(cfg, k) >= 1, "must be >= 1")
                for k in ("prompts_per_step", "max_new_tokens", "gen_chunk", "micro_batch", "num_iterations",
                          "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
                          "max_prompt_tokens", "top_k")],
-             *[(f"--{k.replace('_', '-')}", finite(getattr(cfg, k)), "must be a finite number")
+             *[(flag(k), finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
              ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
-             *[(f"--{f.name.replace('_', '-')}", abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
+             *[(flag(f.name), abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
                for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature > 0, "must be > 0"),
              ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
@@ -173,7 +173,7 @@ def check(cfg):
              ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
               f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
-    for flag, ok, why in rules:
+    for name, ok, why in rules:
         if not ok:
-            return f"{flag} {why}"
+            return f"{name} {why}"
     return credit.check(cfg)

@@ -105,8 +105,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
         if not greedy else None                                           # HF's sampling warpers, HF's order
     ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
     eng = None                                                            # the CPU: decode, below
-    if share_prefix and min(map(len, ids)) > 0 and (model.device.type == "cuda" or extra) \
-            and engine.wanted(model, extra):                              # CUDA: the engine decodes
+    if share_prefix and min(map(len, ids)) > 0 and engine.wanted(model, extra):   # CUDA: the engine decodes
         warp = None if greedy else (temperature, top_k, top_p)
         eng = engine.Engine(model, min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens,
                             max_new_tokens, eos, pad, warp, **extra)
