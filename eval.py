@@ -256,8 +256,13 @@ def memory_table(args):
         if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
             fail("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate is "
                  f"{memory.peak(est)[1] / 1e9:.0f} GB")
-        measured = memtrace.measure(cfg, args.prompt_tokens, grpo.update, device) if args.measure else None
+        if args.snapshot and not (args.measure and device == "cuda"):
+            fail("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
+        measured = (memtrace.measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot)
+                    if args.measure else None)
         print(memory.report(cfg, args.prompt_tokens, measured, device))
+        if args.snapshot:
+            print(memtrace.report_held(args.snapshot, sum(est["backward"].values())))
     except (ValueError, OSError) as e:
         fail(str(e))
 
@@ -342,6 +347,9 @@ def parse(argv=None):
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
     p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    p.add_argument("--snapshot", metavar="PATH", default=None,
+                   help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
+                        "stack) to PATH and print what its peak holds, by site")
     sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)     # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args

@@ -9,8 +9,8 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
                   (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25 floats, flowtracer.auto_chunk) or
                   the log-prob chunks (3 x (b, 128, V))
   credit          fused: + the captured maps (one buffer: Capture.maps works in place) and trace_flow's fp64
-                  copy, (b, T, T) each; a separate pass (credit.separate_pass): before the update, the signal's own forward
-                  over all B rows and its (B, T, T) maps
+                  copy, (b, T, T) each; a separate pass (credit.separate_pass): before the update, the
+                  signal's own forward over all B rows and its (B, T, T) maps
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
@@ -45,8 +45,9 @@ Departures (numbered):
     cache (bf16 weights: nothing to cast), fp32 gradients (they would show in every phase). Not ruled out:
     the workspace cuDNN's attention backward takes from the caching allocator (the H100's default backend
     for a masked bf16 sdpa with grad; its size is cuDNN's choice, up to b H Tq T 2 = 0.67 GB a layer for a
-    dP workspace, not known here). To pin it: torch.cuda.memory._record_memory_history() before
-    memtrace.measure's counted step and torch.cuda.memory._snapshot() in the backward phase, on the GPU.
+    dP workspace, not known here). To pin it, on the GPU: `python eval.py memory --model qwen3-4b-random
+    --measure --snapshot runs/backward.pickle` (memtrace.cuda_peak records the backward, held_at_peak
+    prints the blocks live at its peak by site).
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4

@@ -3,6 +3,7 @@ memory), the flags' derived amounts, the Kahan scheme against fp32 AdamW, the au
 CUDA allocator setting, and `eval.py memory`."""
 import copy
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -304,3 +305,46 @@ def test_eval_memory_command():
     assert last.startswith("peak") and "GB" in last and float(last.split()[1]) <= 70
     p = run("--model", "qwen3-4b-random", "--micro-batch", "0")
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --micro-batch")
+    p = run("--model", "tiny-qwen3", "--snapshot", "x.pickle")                # no --measure, no GPU here
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--snapshot" in p.stderr
+    assert not (ROOT / "x.pickle").exists()
+
+
+def event(action, addr, size, *names, py=None):
+    """One allocator trace entry as torch.cuda.memory._snapshot() writes it (frames innermost first)."""
+    frames = ([{"filename": py[0], "line": py[1], "name": py[2]}] if py else []) + \
+        [{"filename": "??", "line": 0, "name": n} for n in names]
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+def test_held_at_peak_replays_the_allocators_count():
+    """A hand-made trace: 1000 bytes at the start, 200 of them freed in the window; the count peaks at
+    1550, when B, C and D (750 bytes) are the window's live blocks, grouped by where they were made."""
+    node = "torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)"
+    snap = {"base_allocated": 1000, "device_traces": [[
+        event("alloc", 1, 100, py=("/x/modeling_qwen3.py", 80, "forward")),               # A  1100
+        event("alloc", 2, 300, "at::native::mm_out(at::Tensor const&)", node),            # B  1400
+        event("free_requested", 1, 100),                                                  #    1300
+        event("free_completed", 1, 100),                                                  #    (no change)
+        event("segment_alloc", 99, 2 ** 21),                                              #    (reserved)
+        event("alloc", 3, 50, "at::native::mm_out(at::Tensor const&)", node),             # C  1350
+        event("free_requested", 7, 200),                                                  # X  1150 (older)
+        event("alloc", 4, 400, py=("/x/policy.py", 183, "piece")),                        # D  1550 peak
+        event("free_requested", 4, 400),                                                  #    1150
+        event("alloc", 5, 300, py=("/x/policy.py", 183, "piece"))]]}                      # E  1450
+    peak, before, rows = memtrace.held_at_peak(snap)
+    assert (peak, before) == (1550, 800)
+    assert rows == [(400, 1, "- | - | policy.py:183 piece"), (350, 2, "MmBackward0 | at::native::mm_out | -")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history needs a CUDA device")
+def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
+    """On a GPU: the recorded window of a real tiny step, replayed, peaks where the allocator's own count
+    did, and holds blocks made by autograd nodes (the backward's own)."""
+    cfg = grpo.parse_args(SMALL)
+    path = tmp_path / "backward.pickle"
+    measured = memtrace.measure(cfg, 32, grpo.update, "cuda", snapshot=str(path))
+    snap = pickle.loads(path.read_bytes())
+    peak, before, rows = memtrace.held_at_peak(snap, top=1000)
+    assert peak == snap["window_peak"] <= measured["backward"]
+    assert 0 < before <= snap["base_allocated"] and any("Backward" in s.split(" | ")[0] for _, _, s in rows)
