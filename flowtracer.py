@@ -182,6 +182,7 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
                 score.add_(attention_mask[:, :, None, s:e].float())
             p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
             buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
+            del score, p  # freed before the next chunk's score is made: two blocks at most, not three
 
 
 def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,

@@ -6,8 +6,8 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   update forward  + gradients (from the 2nd micro-batch on) + what the forward keeps for backward (kept:
                   each layer's input under --grad-checkpointing, else its layer_saved: 68 GB more for
                   Qwen3-4B at 1K; a prompt its rows share once, update_kept) + either the attention capture
-                  (a (b, T, T) fp32 buffer and fp32 score blocks of <= 2^25 floats, flowtracer.auto_chunk) or
-                  the log-prob chunks (3 x (b, 128, V))
+                  (a (b, T, T) fp32 buffer; on the CPU fp32 score blocks of <= 2^25 floats, auto_chunk; on
+                  CUDA the fused kernel's row statistics) or the log-prob chunks (3 x (b, 128, V))
   credit          fused: + the captured maps (one buffer: Capture.maps works in place) and trace_flow's fp64
                   copy, (b, T, T) each; a separate pass (credit.separate_pass): before the update, the
                   signal's own forward over all B rows and its (B, T, T) maps
@@ -129,7 +129,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
     layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
-    cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq)
+    cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq, fused=cuda)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
     # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks);
@@ -142,8 +142,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
            "workspace": batch + ws_fwd}
     fp64 = (8 + 8 * cuda) * (cfg.credit == "flow")                         # trace_flow's fp64 copies
     if separate:     # credit.assign on all B rows before the update, no grad: the signal's own forward
-        own = B * T * (3 * D * rb + T) + max(B * T * (3 * I * cb + T * cb),        # hidden, bool mask; a
-                                             maps * capture_workspace(B, T, Hq, Hkv, hd))   # layer, capture
+        cap_all = maps * capture_workspace(B, T, Hq, Hkv, hd, fused=cuda)           # every row's capture
+        own = B * T * (3 * D * rb + T) + max(B * T * (3 * I * cb + T * cb), cap_all)    # hidden, bool mask
         credit_ph = {**zero, **w, "grads": 0, "attention": maps * B * T * T * 4,       # the maps, (B, T, T)
                      "workspace": B * T * 19 + max(own, maps * B * T * T * fp64)}      # forward or trace_flow
     else:            # the captured maps (Capture.maps: in place) and trace_flow's fp64 copy, (b, T, T)
@@ -234,9 +234,13 @@ def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed):
             + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed))
 
 
-def capture_workspace(b, T, Hq, Hkv, hd, Tq=None):
-    """Bytes flowtracer.add_head_mean holds beside its (b, T, T) buffer: fp32 q (Tq queries: T, or R after
-    a shared prompt), k, two fp32 score blocks of <= 2^25 floats (flowtracer.auto_chunk), a (b, c, T) sum."""
+def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
+    """Bytes flowtracer.Capture.take holds beside its (b, T, T) buffer. add_head_mean (the CPU's): fp32 q
+    (Tq queries: T, or R after a shared prompt), k, two fp32 score blocks of <= 2^25 floats (auto_chunk; a
+    chunk's are freed before the next chunk's are made), two (b, c, T) sums. fused (CUDA: the Triton kernel
+    of gpu_kernels/head_mean.py): its two (b, Hq, Tq) fp32 row statistics, no score block."""
+    if fused:
+        return 2 * b * Hq * (Tq or T) * 4
     c = min(Tq or T, auto_chunk(b, Hq, T))                                # query rows per block
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 

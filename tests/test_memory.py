@@ -348,3 +348,23 @@ def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
     peak, before, rows = memtrace.held_at_peak(snap, top=1000)
     assert peak == snap["window_peak"] <= measured["backward"]
     assert 0 < before <= snap["base_allocated"] and any("Backward" in s.split(" | ")[0] for _, _, s in rows)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
+    """flowtracer.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
+    fp32, two (B, H, c, S) fp32 blocks (score, softmax) and two (B, c, S) sums; the previous chunk's blocks
+    are freed before the next is made (they were not: a third block, found at Qwen3-4B's T on the CPU)."""
+    import flowtracer
+    B, H, Hkv, T, D = 2, 4, 2, 64, 8
+    q, k = torch.randn(B, H, T, D, dtype=torch.bfloat16), torch.randn(B, Hkv, T, D, dtype=torch.bfloat16)
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()                 # (B, 1, T, T) True = attend
+    buf = torch.zeros(B, T, T)
+    with memtrace.track_peak(q, k, mask, buf) as tr:
+        base = tr.now
+        tr.phase("capture")
+        flowtracer.add_head_mean(buf, q, k, mask, D ** -0.5, chunk)
+    c = min(chunk, T)
+    counted = 4 * (B * T * H * D + B * T * Hkv * D + 2 * B * H * T * c + 2 * B * T * c)   # capture_workspace
+    blocks = 2 * 4 * B * H * c * T
+    assert blocks < tr.peak["capture"] - base <= counted
