@@ -149,8 +149,9 @@ def held_at_peak(snap, top=12):
             live.pop(e["addr"], None)
     sites = {}
     for e in live.values():
-        n, b = sites.get(site(e["frames"]), (0, 0))
-        sites[site(e["frames"])] = (n + e["size"], b + 1)
+        s = site(e["frames"])
+        n, b = sites.get(s, (0, 0))
+        sites[s] = (n + e["size"], b + 1)
     rows = sorted(((n, b, s) for s, (n, b) in sites.items()), reverse=True)
     return best, best - sum(n for n, _, _ in rows), rows[:top]
 

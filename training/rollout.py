@@ -104,12 +104,12 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
                                                    (TopPLogitsWarper(top_p), top_p < 1.0)) if on]) \
         if not greedy else None                                           # HF's sampling warpers, HF's order
     ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
-    eng = None                                                            # the CPU: decode, below
-    if share_prefix and min(map(len, ids)) > 0 and engine.wanted(model, extra):   # CUDA: the engine decodes
+    eng, shareable = None, share_prefix and min(map(len, ids)) > 0        # the CPU: decode, below
+    if shareable and engine.wanted(model, extra):                         # CUDA: the engine decodes
         warp = None if greedy else (temperature, top_k, top_p)
         eng = engine.Engine(model, min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens,
                             max_new_tokens, eos, pad, warp, **extra)
-    share = share_prefix and (not extra or eng is not None) and min(map(len, ids)) > 0
+    share = shareable and (not extra or eng is not None)
     prefix = shared_prefix(model, ids, room=0 if eng else max_new_tokens + 1) if share else None
     out = Generations([], [], [], [])
     for c in range(0, len(prompts) * n, chunk_size):
