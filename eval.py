@@ -32,8 +32,9 @@ Departures (numbered; probes.py lists those of intervene and recall):
     sampled"); bench, recall and plot take the first N.
 
 Bad input: one line `eval.py: error: ...`, exit 2. Every flag is checked before a model loads (parse,
-check_ranges); a bad data file, model or checkpoint (ValueErrors naming the file) is caught around the command
-in main. Exit 1 when there is nothing to report (no response has an answer), after writing the counts.
+check_ranges; whether --layers and --max-new-tokens fit the model: setup, once it loaded); a bad data file,
+model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1 when there is
+nothing to report (no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 \
@@ -131,6 +132,9 @@ def setup(args, task):
         select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
     except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
         fail(f"--layers: {e}")
+    context = getattr(model.config, "max_position_embeddings", None) or float("inf")
+    if args.max_new_tokens > context:                           # positions the model has no embedding for
+        fail(f"--max-new-tokens {args.max_new_tokens}: more than the model's {context} positions")
     kind = data.TASKS[task].task if task in data.TASKS else task
     return model, tok, auto_style(model_name, kind, args.style)
 
@@ -164,7 +168,8 @@ def bench(args):
         style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
         prompts = [data.make_prompt(r, tok, style) for r in recs]
         smp = generate(model, tok, prompts, n=n, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       temperature=args.temperature, top_p=args.top_p,
+                       top_k=args.top_k or model.config.vocab_size,     # 0: off (k = every token)
                        chunk_size=args.batch_size)
         grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True,
                        chunk_size=args.batch_size)
@@ -211,7 +216,12 @@ def plot(args):
     result = {"figures": figs}
     try:
         if "curves" in figs:
-            result["curves"] = figures.curves(metrics_runs(args), args.keys, args.alpha, out / "curves.png")
+            if not args.metrics:
+                fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
+            runs = figures.metrics_runs(args.metrics)               # a bad file, a bad line: ValueError
+            if not all(runs.values()):
+                fail(f"empty result set: {next(n for n, r in runs.items() if not r)} has no metrics rows", 1)
+            result["curves"] = figures.curves(runs, args.keys, args.alpha, out / "curves.png")
         if set(figs) & {"heatmap", "inout", "tokens"}:
             model, tok, style = setup(args, args.task)
             rows = inputs(args, tok, style)
@@ -227,42 +237,13 @@ def plot(args):
     save(args, result, probes.markdown(["figure", "files"], [[f, f"{f}.png"] for f in figs]))
 
 
-def metrics_runs(args):
-    """{run name: metrics rows} of the --metrics files; an empty one is an empty result set (exit 1)."""
-    if not args.metrics:
-        fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
-    runs = {}
-    for p in args.metrics:
-        if ckpt_io.file_problem(p):                     # missing, a directory, a symlink loop or dangling
-            fail(f"--metrics {ckpt_io.file_problem(p)} (give a run's metrics.jsonl)")
-        runs[Path(p).parent.name or p] = figures.metrics_rows(p)
-        if not runs[Path(p).parent.name or p]:
-            fail(f"empty result set: {p} has no metrics rows", 1)
-    return runs
-
-
 # ----------------------------------------------------------------------------- memory (memory.py)
 def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
     import grpo
-    from evaluation import memory, memtrace
-    cfg = grpo.parse_args(args.grpo_flags)                 # grpo.py's model and shape flags, its errors
-    if args.prompt_tokens < 1:
-        fail("--prompt-tokens must be >= 1")
-    gpu = cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure)
-    device = "cuda" if gpu else "cpu"
+    from evaluation import memtrace
     try:
-        est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
-        if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
-            fail("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate is "
-                 f"{memory.peak(est)[1] / 1e9:.0f} GB")
-        if args.snapshot and not (args.measure and device == "cuda"):
-            fail("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
-        measured = (memtrace.measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot)
-                    if args.measure else None)
-        print(memory.report(cfg, args.prompt_tokens, measured, device))
-        if args.snapshot:
-            print(memtrace.report_held(args.snapshot, sum(est["backward"].values())))
+        print(memtrace.command(args, grpo))                # grpo.py's flags: its parser, its errors
     except (ValueError, OSError) as e:
         fail(str(e))
 
@@ -312,8 +293,8 @@ def parse(argv=None):
     p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
     p.add_argument("--ks", type=int, nargs="+", default=None, help="k values for pass@k, each <= n "
                    "(default: 1 2 4 8 16 up to n)")
-    for flag, v in (("--temperature", 0.99), ("--top-p", 1.0), ("--top-k", 100)):
-        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3")
+    for flag, v, off in (("--temperature", 0.99, ""), ("--top-p", 1.0, ""), ("--top-k", 100, " (0: off)")):
+        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3" + off)
     p = cmd("intervene", intervene, problems=200)
     p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses, regeneration at T")
     p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")
@@ -329,7 +310,7 @@ def parse(argv=None):
     p = cmd("plot", plot, problems=8)
     p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
                    help="default: curves with --metrics, else heatmap inout tokens")
-    p.add_argument("--metrics", nargs="*", default=None, help="metrics.jsonl files of runs to compare")
+    p.add_argument("--metrics", nargs="+", default=None, help="metrics.jsonl files of runs to compare")
     p.add_argument("--keys", nargs="+", default=["acc", "reward/mean"], help="metrics to plot")
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
@@ -355,34 +336,36 @@ def parse(argv=None):
     if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     args.grpo_flags = rest
-    for flag in ("n_problems", "n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top"):
-        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1 (leave --n-problems out for every problem)")
+    check_ranges(ap, args)
     if args.cmd == "bench" and args.ks is None:
         args.ks = [k for k in (1, 2, 4, 8, 16) if k <= args.n]
     if args.cmd == "bench" and any(k < 1 or k > args.n for k in args.ks):
         ap.error(f"--ks must be in 1..--n ({args.n}): pass@k needs k <= n samples, got {args.ks}")
-    if getattr(args, "frac", None) is not None and not 0 < args.frac <= 1:
-        ap.error(f"--frac must be in (0, 1], got {args.frac}")
-    if any(not 0 < k <= 100 for k in getattr(args, "percents", None) or []):
-        ap.error(f"--percents must be in 1..100, got {args.percents}")
-    check_ranges(ap, args)
     return args
 
 
 def check_ranges(ap, args):
-    """The rest of the flags, each checked before any model loads: one line `eval.py: error: ...`, exit 2."""
+    """Every flag's range (each value of a list), checked before any model loads: one line `eval.py: error:
+    ...`, exit 2. An integer must first fit in int64: torch's integers, range()'s (no OverflowError later)."""
+    each = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
+    for name, v in vars(args).items():
+        if any(isinstance(x, int) and abs(x) >= 2 ** 63 for x in each(v)):
+            ap.error(f"--{name.replace('_', '-')} must fit in int64 (|value| < 2**63), got {v}")
     sampling = args.cmd == "bench"                                   # bench samples; the others may be greedy
-    for flag, ok, rule in (("threads", lambda v: 1 <= v <= (os.cpu_count() or 1), f"in 1..{os.cpu_count()}"),
-                           ("seed", lambda v: 0 <= v < 2 ** 63, "in [0, 2**63) (torch seeds are 64-bit)"),
-                           ("temperature", (lambda v: v > 0) if sampling else (lambda v: v >= 0),
-                            "> 0" if sampling else ">= 0 (0: greedy)"),
-                           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-                           ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
-                           ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
-                           ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")):
+    counts = ("n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top", "prompt_tokens")
+    rules = [*((name, lambda v: v >= 1, ">= 1") for name in counts),
+             ("n_problems", lambda v: v >= 1, ">= 1 (leave it out for every problem)"),
+             ("threads", lambda v: 1 <= v <= (os.cpu_count() or 1), f"in 1..{os.cpu_count()}"),
+             ("seed", lambda v: 0 <= v < 2 ** 63, "in [0, 2**63) (torch seeds are 64-bit)"),
+             ("temperature", (lambda v: v > 0) if sampling else (lambda v: v >= 0),
+              "> 0" if sampling else ">= 0 (0: greedy)"),
+             ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+             ("frac", lambda v: 0 < v <= 1, "in (0, 1]"), ("percents", lambda v: 0 < v <= 100, "in 1..100"),
+             ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
+             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")]
+    for flag, ok, rule in rules:
         v = getattr(args, flag, None)
-        if v is not None and not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
+        if v is not None and not all((isinstance(x, int) or math.isfinite(x)) and ok(x) for x in each(v)):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
     for flag, problem in (("--device", getattr(args, "device", None) and device_problem(args.device)),
                           ("--out", getattr(args, "out", None) and ckpt_io.dir_problem(args.out))):

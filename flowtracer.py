@@ -3,12 +3,14 @@
 Paper (FlowTracer): "How Does Reasoning Flow? Tracing Attention-Induced Information Flow for Targeted RL in
 LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 and App. C.2.
 
-    attention_graph   one no-grad forward pass -> head/layer-mean attention (§3.3, App. C.2)
-    Capture           the same maps, taken inside a forward that runs anyway: grpo.py's training forward is
-                      given one (policy.token_logprobs(..., capture=cap)); `capture` does it for TRL's forward
+    Capture           eq. 1's maps, taken inside a forward that runs anyway: grpo.py's training forward is
+                      given one (token_logprobs(..., capture=cap)), then cap.maps(mask) is W (B, T, T)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
-    The batch and its question, response and answer tokens: training/rollout.py (Batch, build_batch, take).
+    The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
+    you do not call yourself (capturing: TRL's): training/attention.py.
+One default micro-batch of grpo.py reads, in order: Capture -> token_logprobs -> cap.maps -> trace_flow ->
+flow_credit -> the loss. The batch and its question, response and answer tokens: training/rollout.py.
 
 The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
 
@@ -42,8 +44,10 @@ Departures from the paper (numbered):
     (13 and 21 of SmolLM2's 30). The default stays C.2's "middle", the one the main runs use.
  5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
     layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below), on CUDA
-    in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py).
-    Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
+    in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py), chosen once
+    per run where they can run (head_mean_kernel: CUDA, Triton, a C compiler; else add_head_mean, the
+    reference, and one line saying why). Padding query rows and padding keys are zero (eager gives padding
+    queries uniform rows).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
 Time it:       python benchmarks/flow_speed.py
@@ -58,10 +62,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-try:                 # CUDA: the head-mean map in two fused Triton kernels (gpu_kernels/head_mean.py)
-    from gpu_kernels.head_mean import head_mean_triton
-except ImportError:  # no Triton: add_head_mean, the reference, serves every device
-    head_mean_triton = None
+from gpu_kernels import availability
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -101,59 +102,58 @@ def select_layers(spec, num_layers):
 
 
 class Capture:
-    """The chosen layers' head-mean attention of one forward, handed to that forward as a keyword argument:
+    """The chosen layers' head-mean attention of ONE forward, handed to that forward as a keyword argument:
 
         cap = Capture(select_layers("middle", L))
         model(input_ids, attention_mask=mask, flow_capture=cap)    # transformers passes it to every layer
-        cap.maps(mask)                                             # (B, T, T) layer mean, zero on padding
+        W = cap.maps(mask)                                         # (B, T, T) layer mean, zero on padding
 
-    The attention function calls `take` on each layer; the maps travel on this object, by value. Gradient
-    checkpointing's replay rule lives here: backward replays a checkpointed layer with the same keywords, and
-    a layer already taken in this pass adds nothing (`seen`). `stop_after_last`: raise after the last chosen
-    layer (attention_graph's own pass needs neither the later layers nor the LM head)."""
-    def __init__(self, layers, chunk=None, stop_after_last=False):
+    The attention function calls `take` on each layer; the maps travel on this object. Gradient checkpointing
+    replays a checkpointed layer in backward with the same keywords: a layer taken already adds nothing then.
+    A second forward given the same Capture is refused: make a new one per forward. `head_mean`: the function
+    that sums a layer's head means into the buffer (add_head_mean, or head_mean_kernel's choice on CUDA).
+    `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
+    def __init__(self, layers, chunk=None, stop_after_last=False, head_mean=None):
+        if not layers:
+            raise ValueError("a Capture needs at least one layer (select_layers gives them)")
         self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop_after_last
-        self.buf = None         # (B, T, T) fp32: sum over the layers taken of their head means
-        self.seen = set()       # layers taken in this pass (the replay rule)
-        self.calls = 0          # layers taken in all passes
-        self.passes = 1         # forwards that each take every chosen layer (2 with a shared prompt)
+        self.head_mean = head_mean or add_head_mean
+        self.W = None           # (B, T, T) fp32: sum over the layers taken of their head means
+        self.seen = set()       # layers taken (a replay in backward takes nothing new)
 
     def take(self, layer, query, key, attention_mask, scaling):
         """Called by flowtracer_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
-        if layer not in self.layers or layer in self.seen:
+        if layer not in self.layers:
             return
+        if layer in self.seen:
+            if torch._C._current_graph_task_id() >= 0:  # inside backward: gradient checkpointing's replay
+                return
+            raise RuntimeError("this Capture has taken a forward already: make a new Capture for each "
+                               "forward")
         (B, H, T, _), S = query.shape, key.shape[2]       # T queries: the last T of S (a cached prefix)
-        if self.buf is None:
-            self.buf = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)
-        if self.buf.shape[0] != B or self.buf.shape[-1] < S:
-            raise RuntimeError(f"a forward of {B} x {S} tokens reached a Capture of {tuple(self.buf.shape)}: "
-                               "between a shared prompt's two passes call Capture.expand_prompts")
+        if self.W is None:
+            self.W = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)     # (B, S, S)
+        if tuple(self.W.shape) != (B, S, S):
+            raise RuntimeError(f"a forward of {B} x {S} tokens reached a Capture of {tuple(self.W.shape)}: "
+                               "make a new Capture for each forward")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        fill = head_mean_triton if query.is_cuda and head_mean_triton is not None else add_head_mean
-        fill(self.buf[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
-             self.chunk or auto_chunk(B, H, S))
+        self.head_mean(self.W[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
+                       self.chunk or auto_chunk(B, H, S))
         self.seen.add(layer)
-        self.calls += 1
         if self.stop and layer == self.last:
             raise _Stop
-
-    def expand_prompts(self, which, width):
-        """Between policy.response_states' two passes: the (k, P, P) maps of the k distinct prompts become
-        the top left of the rows' (B, T, T) maps (row b read prompt which[b]); the response pass fills the
-        rest."""
-        if self.buf is not None:
-            P, buf = self.buf.shape[-1], self.buf.new_zeros(len(which), width, width)   # (B, T, T)
-            buf[:, :P, :P] = self.buf[which]                                            # (B, P, P)
-            self.buf, self.seen, self.passes = buf, set(), self.passes + 1
 
     def maps(self, attention_mask):
         """(B, T, T) the layer mean of the head means, zero on padding rows and columns: eq. 1's W. Made in
         place from the buffer (no second (B, T, T) exists), so it can be read once."""
-        if self.calls != len(self.layers) * self.passes or self.buf is None:
-            raise RuntimeError(f"captured {self.calls} of {len(self.layers)} chosen layers x "
-                               f"{self.passes} forward(s), or the maps were read already")
-        m = attention_mask.to(self.buf.device).float()                                  # (B, T) 0 / 1
-        W, self.buf = self.buf, None
+        if self.seen != self.layers or self.W is None:
+            raise RuntimeError(f"captured {len(self.seen)} of {len(self.layers)} chosen layers, or the maps "
+                               "were read already")
+        if tuple(attention_mask.shape) != tuple(self.W.shape[:2]):
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not fit the captured "
+                             f"forward {tuple(self.W.shape[:2])}")
+        m = attention_mask.to(self.W.device).float()                                    # (B, T) 0 / 1
+        W, self.W = self.W, None
         return W.div_(len(self.layers)).mul_(m[:, :, None]).mul_(m[:, None, :])          # (B, T, T)
 
 
@@ -194,91 +194,43 @@ def flowtracer_attention(module, query, key, value, attention_mask, scaling=None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
+    """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
+    always read its own key. A left-padding query (rollout.build_batch, HF generate's prompts) reads no key
+    otherwise: the row is fully masked, and transformers 5.23 no longer repairs it. torch's CPU kernels give 0
+    for such a row, some GPU kernels NaN, which reaches the gradient through 0 * NaN. A real token reads its
+    own key already, so its row, and every output that is read, is unchanged; a padding row's output (its
+    own value) is never read."""
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
+    if mask is None:
+        return None
+    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset    # (q, 1) positions in the cache
+    kv = torch.arange(kv_length, device=mask.device)[None, :] + kv_offset  # (1, kv)
+    return mask | (q == kv)                                                # (B, 1, q, kv)
+
+
 AttentionInterface.register(IMPL, flowtracer_attention)
-AttentionMaskInterface.register(IMPL, sdpa_mask)  # the model builds sdpa's masks for "flowtracer"
+for _impl in ("sdpa", IMPL):   # every model of the process: HF generate, the policy, OAR, the captures
+    AttentionMaskInterface.register(_impl, sdpa_mask_no_empty_rows)
+
+
+def head_mean_kernel(device):
+    """The function a Capture sums each layer's head means with on `device`, chosen once (grpo.setup) and
+    said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
+    add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
+    why = availability.unavailable(device)
+    if why is None:
+        from gpu_kernels.head_mean import head_mean_triton
+        print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
+        return head_mean_triton
+    if torch.device(device).type == "cuda":
+        print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
+    return add_head_mean
 
 
 def auto_chunk(B, H, T, budget=2 ** 25):
     """Query rows per chunk so that one (B, H, chunk, T) fp32 score block stays under `budget` floats."""
     return max(1, min(T, budget // max(1, B * H * T)))
-
-
-def _check_inputs(input_ids, attention_mask, chunk):
-    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
-        raise ValueError("attention capture needs input_ids and attention_mask, both (B, T)")
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 and 1")
-    if (attention_mask.sum(-1) == 0).any():
-        raise ValueError("attention capture got a row with no valid token (attention_mask all zero)")
-    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be a positive number of query rows (or None), got {chunk!r}")
-
-
-class capture:
-    """Context manager for a forward that you do not call yourself (TRL's training forward): `model`'s next
-    decoder forwards are given a Capture (a pre-hook adds flow_capture=...), under the "flowtracer" attention.
-    After the block, `.attn` is the (B, T, T) layer mean, zero on padding, as attention_graph returns it.
-
-        with capture(model, mask, "middle") as cap:
-            out = model(input_ids, attention_mask=mask, ...)   # the training forward, with grad
-        cap.attn  # (B, T, T), cap.calls == number of chosen layers
-    Where you call the forward yourself, pass a Capture instead (policy.token_logprobs(..., capture=cap))."""
-    def __init__(self, model, attention_mask, layers=None, chunk=None):
-        self.model, self.mask = model, attention_mask.long()
-        self.state = Capture(select_layers(layers, model.config.num_hidden_layers), chunk)
-        self.attn, self.calls = None, 0
-
-    def __enter__(self):
-        self.old = use_flowtracer_attention(self.model)
-        give = lambda module, args, kwargs: (args, {**kwargs, "flow_capture": self.state})  # noqa: E731
-        self.hook = self.model.get_decoder().register_forward_pre_hook(give, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.hook.remove()
-        if self.old != IMPL:
-            self.model.set_attn_implementation(self.old)
-        self.calls = self.state.calls
-        if exc[0] is None:
-            self.attn = self.state.maps(self.mask)
-        return False
-
-
-def use_flowtracer_attention(model):
-    """Switch `model` to the "flowtracer" attention function (sdpa + the capture); returns the old name."""
-    old = model.config._attn_implementation
-    if old != IMPL:
-        model.set_attn_implementation(IMPL)
-    if model.config._attn_implementation != IMPL:
-        raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
-    return old
-
-
-@torch.no_grad()
-def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
-    """(B, T, T) float32: attention probabilities averaged over all heads of the chosen layers (Eq. 1).
-
-    out[b, k, i] = weight of query k on key i; zero for i > k, for padding keys and for padding query rows.
-    `layers`: a spec for select_layers (default: middle layers). `chunk`: query rows per softmax block.
-    Its own no-grad forward, which stops after the last chosen layer (a Capture with stop_after_last);
-    the training forward takes the same maps on its way (grpo.update)."""
-    _check_inputs(input_ids, attention_mask, chunk)
-    cap = Capture(select_layers(layers, model.config.num_hidden_layers), chunk, stop_after_last=True)
-    mask = attention_mask.to(input_ids.device).long()  # (B, T)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
-    old_impl, was_training = use_flowtracer_attention(model), model.training
-    try:
-        model.eval()
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-              flow_capture=cap)
-        raise RuntimeError("the forward pass ended without reaching the last chosen layer")
-    except _Stop:
-        pass
-    finally:
-        if old_impl != IMPL:
-            model.set_attn_implementation(old_impl)
-        model.train(was_training)
-    return cap.maps(mask)  # layer mean, zero on padding
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow
@@ -304,29 +256,10 @@ def _neg_dag(attn, answer_mask, valid_mask):
     return A
 
 
-def _solve_h(negM, answer_mask):
-    rhs = answer_mask.to(negM.dtype).unsqueeze(-1)                                # (B, T, 1)
-    # unitriangular=True reads only the strict upper part of -M and takes the diagonal as 1: that is I - M.
-    h = torch.linalg.solve_triangular(negM, rhs, upper=True, unitriangular=True).squeeze(-1)  # (B, T)
-    return torch.where(h > H_FLOOR, h, torch.zeros_like(h))
-
-
 def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """W'_ik = W_ik h(k) / h(i) where h(i) > 0, else 0 (eq. 3). For inspection; trace_flow never builds it."""
     inv = torch.where(h > 0, 1.0 / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T)
     return M * inv.unsqueeze(-1) * h.unsqueeze(-2)                             # (B, T, T)
-
-
-def _check(attn, question_mask, answer_mask, valid_mask):
-    if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:
-        raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
-    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask, valid_mask=valid_mask).items():
-        if m is not None and tuple(m.shape) != tuple(attn.shape[:-1]):
-            raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
-    if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
-        if torch.isnan(attn).any():
-            raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
-        raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
 
 
 def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
@@ -351,16 +284,28 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
     If no question token reaches the answer (no answer, answer before the question, T = 1), all flow is 0;
     flow_credit then falls back to uniform credit.
     """
+    if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:           # the inputs, checked first
+        raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
     single = attn.dim() == 2
     valid_mask = torch.ones_like(question_mask, dtype=torch.bool) if valid_mask is None else valid_mask
-    _check(attn, question_mask, answer_mask, valid_mask)
+    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask, valid_mask=valid_mask).items():
+        if tuple(m.shape) != tuple(attn.shape[:-1]):
+            raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
+    if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
+        if torch.isnan(attn).any():
+            raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
+        raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
     if single:
         attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in
                                                         (attn, question_mask, answer_mask, valid_mask))
     q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
 
     A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
-    h = _solve_h(A.mT, a)                                           # (B, T) eq. 2: (I - M) h = 1_A
+    # eq. 2: (I - M) h = 1_A. unitriangular=True reads only the strict upper part of -M (A.mT) and takes
+    # the diagonal as 1: that is I - M. Below H_FLOOR, h counts as 0 (departure 1).
+    h = torch.linalg.solve_triangular(A.mT, a.to(A.dtype).unsqueeze(-1), upper=True,
+                                      unitriangular=True).squeeze(-1)                  # (B, T)
+    h = torch.where(h > H_FLOOR, h, torch.zeros_like(h))
 
     src = (q & v & (h > 0)).to(h.dtype)                                # (B, T) question tokens that reach A
     s = src / src.sum(-1, keepdim=True).clamp_min(1.0)              # (B, T) unit injection, 1/|Q'| each
@@ -401,13 +346,18 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
         raise ValueError("throughput contains NaN")
     n = resp.sum(-1)                                                    # (B,)
     k = torch.ceil(top_frac * n.double() - 1e-9).long()                 # (B,) ceil without float fuzz
-    key = tau.double() if largest else -tau.double()
-    key = torch.where(resp, key, torch.full_like(key, -math.inf))       # (B, T) off-response ranks last
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # (B, T) stable: earlier wins ties
-    ar = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(-1, order, ar)              # (B, T) rank of each token
-    chosen = (rank < k.unsqueeze(-1)) & resp                            # (B, T)
+    r, _ = rank(tau.double() if largest else -tau.double(), resp)     # (B, T) 0 = the highest
+    chosen = (r < k.unsqueeze(-1)) & resp                               # (B, T)
     fallback = ~((tau > 0) & resp).any(-1)                              # (B,) no flow reaches the response
     chosen &= ~fallback.unsqueeze(-1)
     w = resp.to(torch.float32) + (gamma - 1.0) * chosen.to(torch.float32)  # (B, T)
     return Credit(w.squeeze(0), fallback.squeeze(0)) if single else Credit(w, fallback)
+
+
+def rank(key, m):
+    """((B, T) rank of each token of m by descending key within its row, 0 the highest, ties to the earlier
+    token; (B, T) the order, token ids by rank). Tokens off m rank after every token of m."""
+    key = torch.where(m, key, torch.full_like(key, -math.inf))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # (B, T) stable: earlier wins ties
+    ar = torch.arange(key.shape[-1], device=key.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ar), order

@@ -19,7 +19,7 @@ Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
     sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
  2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none,
-    random): TRL's own training forward captures the attention (flowtracer.capture) and gives the entropy;
+    random): TRL's own training forward captures the attention (attention.capturing) and gives the entropy;
     gamma is computed from them right after that forward and multiplies the batch's advantages before TRL's
     loss reads them (TRL 1.16's _compute_loss reads inputs["advantages"] after
     _get_per_token_logps_and_entropies: trl is pinned, and trl_problem() checks it). --credit-pass separate
@@ -73,10 +73,11 @@ except ImportError as e:                                         # no TRL: one l
     sys.exit(2)
 
 import data
-from flowtracer import capture, select_layers
+from flowtracer import select_layers
 from training import credit, flags, runlog, signals
+from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
-from training.rollout import Batch, answer_token_range, build_batch, take
+from training.rollout import Batch, answer_token_range, build_batch, prompt_ids, take
 
 TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
@@ -86,13 +87,14 @@ def trl_problem(trainer=None):
     GRPOTrainer internals (README: "When one GPU is not enough"): _generate_and_score_completions returns
     the rank's rows with 1-D "advantages"; _compute_loss keeps 2-D advantages as they are and reads them
     after _get_per_token_logps_and_entropies(..., compute_entropy=...); _prepare_inputs buffers a generation
-    batch in steps_per_generation slices (_buffered_inputs, _step); and on an instance (trainer):
-    _dist.summon_full_params, _metrics, temperature, num_iterations."""
+    batch in steps_per_generation slices (_buffered_inputs, _step); _tokenize_prompts(prompts) gives
+    (ids, images, fields); and on an instance (trainer): _dist.summon_full_params, _metrics, temperature,
+    num_iterations."""
     if trl.__version__ != TRL_VERSION:
         return (f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
                 f"{TRL_VERSION} only: pip install -r requirements.txt")
     need = ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies",
-            "_prepare_inputs")
+            "_prepare_inputs", "_tokenize_prompts")
     if not all(callable(getattr(GRPOTrainer, n, None)) for n in need):
         return f"trl's GRPOTrainer lacks one of {', '.join(need)}"
     loss, prep = inspect.getsource(GRPOTrainer._compute_loss), inspect.getsource(GRPOTrainer._prepare_inputs)
@@ -151,6 +153,14 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             return f"TRL's entropy is at temperature {self.temperature}, grpo.py's of the untempered logits"
         return ""
 
+    def _tokenize_prompts(self, prompts):
+        """TRL's, but a text prompt gets rollout.prompt_ids' ids, as rollout.generate's: one BOS (TRL adds the
+        tokenizer's special tokens also to a prompt whose chat template wrote the BOS). Chat prompts:
+        TRL's."""
+        if isinstance(prompts[0], str):
+            return prompt_ids(self.processing_class, prompts), None, {}
+        return super()._tokenize_prompts(prompts)
+
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)   # TRL: generate, reward, A (B,) of this rank
         if not self.model.training or self.fused:               # departure 4: eval keeps plain advantages
@@ -180,7 +190,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             return forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         self._loss_inputs, policy = None, self.accelerator.unwrap_model(model)
         attn = signals.NEEDS.get(self.credit_cfg.credit) == "attn"
-        with (capture(policy, attention_mask, self.credit_cfg.layers) if attn
+        with (capturing(policy, attention_mask, self.credit_cfg.layers) if attn
               else contextlib.nullcontext(argparse.Namespace(attn=None))) as cap:
             out = forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         t = time.perf_counter()
@@ -210,7 +220,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
         if len(rows):
             batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
-            got = signals.Captured(attn[rows] if attn is not None else None,
+            got = signals.ForwardOutputs(attn[rows] if attn is not None else None,
                                    entropy[rows].detach() if entropy is not None else None)
             c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
             gamma[rows], fallback[rows] = c.gamma.float(), c.fallback.to(cm.device)
@@ -323,7 +333,7 @@ def main(argv=None):
         else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
         rows = [{"prompt": data.make_prompt(r, tok, style), "record": json.dumps(r)} for r in records]
-        n = [len(ids) for ids in tok([r["prompt"] for r in rows]).input_ids]
+        n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]   # as TRL will get them
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")

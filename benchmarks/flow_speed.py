@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from flowtracer import _neg_dag, _solve_h, trace_flow  # noqa: E402
-
 from test_flowtracer import reference_flow  # noqa: E402
+
+from flowtracer import _neg_dag, trace_flow  # noqa: E402
 
 
 def synthetic_attention(T, device):
@@ -88,7 +88,9 @@ def timed(fn, device, repeats):
 
 def solve_pieces(A, a, q, device, repeats):
     """Seconds of trace_flow's two solves on -M^T = A (its dtype), and h: (t_h, t_g, h)."""
-    t_h, h = timed(lambda: _solve_h(A.mT, a), device, repeats)              # (B, T) (I - M) h = 1_A
+    t_h, h = timed(lambda: torch.linalg.solve_triangular(A.mT, a.to(A.dtype).unsqueeze(-1), upper=True,
+                                                         unitriangular=True).squeeze(-1),
+                   device, repeats)                                         # (B, T) (I - M) h = 1_A (eq. 2)
     src = (q & (h > 0)).to(A.dtype)                                         # (B, T)
     s_over_h = src / src.sum(-1, keepdim=True).clamp_min(1) / h.clamp_min(torch.finfo(A.dtype).tiny)
     rhs = torch.where(h > 0, s_over_h, torch.zeros_like(h)).unsqueeze(-1)   # (B, T, 1) s / h

@@ -15,22 +15,24 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
 --profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
 --device cuda (or --engine on the CPU) times the GPU's decoders instead, in one run on the same rows:
 training/engine.py (rollout.generate's path on CUDA: static cache, CUDA graphs, sampling without a sync;
-on the CPU rollout.generate(graphs=False), eager), HF
-generate with its dynamic cache and HF generate with cache_implementation="static" (compiled on CUDA by HF;
-every decoder is called once before timing, so compilation and graph capture are not timed). For each:
+one engine.Engine kept for the run, eager on the CPU), HF generate with its dynamic cache and HF generate
+with cache_implementation="static" (compiled on CUDA by HF; every decoder is called once before timing, so
+compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed). For each:
 tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill
 included) and its share of the bandwidth bound (gpu_headline.bandwidth_bound: weights + KV bytes per step /
 HBM bandwidth); then how many greedy rows each equals HF generate's (dynamic), in fp32 and in bf16. The
 timing runs in bf16, greedy (--sampled: App. C.3 sampling), at the shape
   gpu        8 prompts x 8 rows, 256-token prompts (a shared 224-token preamble, then 32 of the question),
-             256 new tokens (--max-new-tokens), gen_chunk 64: ../shared/gpu/README.md's decode table
+             256 new tokens (--max-new-tokens), gen_chunk 64: docs/gpu.md's decode table
   tiny       2 prompts x 4 rows, 32-token prompts, 16 new tokens, gen_chunk 8: the CPU smoke test
---update times the update's forward + backward instead (policy.token_logprobs, policy.py departure 1): one
+--update times the update's forward + backward instead (token_logprobs, each prompt read once): one
 micro-batch of the first prompt's G rows (its first --prompt-tokens, if given) with random responses of
 R - 3j tokens (row j, R = --response-tokens), each prompt read once (shared) against one pass over every
 row's [prompt | response] (plain); the log-probs agree to 1e-4. --grad-checkpointing runs it with the decoder
-layers checkpointed (non-reentrant, as grpo.py's GPU runs). After the timed rounds, one more call of each
-path under memtrace.track_peak gives its peak live tensor bytes (weights and gradients included).
+layers checkpointed by `checkpointing`, as grpo.py sets them up. The decoder's passes are counted: a shared
+call that fell back to the full pass (one pass, not two) prints one line, and its ratio is no measurement.
+After the timed rounds, one more call of each path under memtrace.track_peak gives its peak live tensor bytes
+(weights and gradients included).
 
 Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
       python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2   # the GPU table
@@ -50,16 +52,17 @@ import os
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from training import policy  # noqa: E402
+from training.engine import Engine  # noqa: E402
+from training.logprobs import checkpointing, token_logprobs  # noqa: E402
 from training.models import load_model  # noqa: E402
-from training.rollout import build_batch, generate  # noqa: E402
+from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 
 SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
           "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64),
@@ -92,27 +95,34 @@ def run(model, tok, prompts, s, share, seed):
 
 
 def update(model, tok, prompts, s, share, seed):
-    """--update: (wall seconds, CPU seconds, the log-probs) of one update micro-batch, forward + backward."""
+    """--update: (wall seconds, CPU seconds, (the log-probs, the decoder's passes)) of one update micro-batch,
+    forward + backward."""
     b = update_batch(model, tok, prompts, s, seed)
     t0, c0 = time.perf_counter(), time.process_time()
-    lp = forward_backward(model, b, share)
-    return time.perf_counter() - t0, time.process_time() - c0, lp
+    out = forward_backward(model, b, share)
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def forward_backward(model, b, share):
-    """One update micro-batch from zero gradients, forward + backward: the (B, R) log-probs, detached."""
+    """One update micro-batch from zero gradients, forward + backward: the (B, R) log-probs, detached, and
+    how many times the decoder ran forward (shared: 2, the prompts then the responses; the full pass: 1)."""
     model.train()
     model.zero_grad(set_to_none=True)
-    lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
+    passes = []
+    hook = model.get_decoder().register_forward_hook(lambda *_: passes.append(1))
+    try:
+        lp, _ = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
+    finally:
+        hook.remove()
     (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
-    return lp.detach()
+    return lp.detach(), len(passes)
 
 
 def update_batch(model, tok, prompts, s, seed):
     """The G rows of the first prompt (cut to s["prompt_tokens"] if set) with random responses of R - 3j."""
     g, R = torch.Generator().manual_seed(seed), s["response_tokens"]
     vocab = min(len(tok), model.config.vocab_size)
-    prompt = tok(prompts[0]).input_ids[:s["prompt_tokens"] or None]
+    prompt = prompt_ids(tok, prompts[:1])[0][:s["prompt_tokens"] or None]
     resp = [torch.randint(vocab, (R - 3 * j,), generator=g).tolist() for j in range(s["group_size"])]
     return build_batch(tok, [prompt] * s["group_size"], resp)
 
@@ -128,12 +138,12 @@ def update_peak(model, tok, prompts, s, share):
     return tr.peak["update"]
 
 
-def decoders(model, tok, prompts, s, greedy):
-    """{name: call} of the GPU table's three decoders on the same rows, each giving Generations."""
+def decoders(model, tok, prompts, s, greedy, eng):
+    """{name: call} of the GPU table's three decoders on the same rows, each giving Generations; the engine
+    decodes through `eng`, kept for the run (graphs on CUDA; eager on the CPU)."""
     kw = dict(n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99, top_p=1.0, top_k=100,
               greedy=greedy, chunk_size=s["gen_chunk"])
-    on = {} if model.device.type == "cuda" else {"graphs": False}      # CUDA: rollout.generate's own choice
-    return {"engine": lambda: generate(model, tok, prompts, **on, **kw),
+    return {"engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
             "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
             "HF static": lambda: generate(model, tok, prompts, share_prefix=False,
                                           cache_implementation="static", **kw)}
@@ -154,18 +164,23 @@ def compare(args, s):
     """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
     from benchmarks.gpu_headline import H100_BANDWIDTH, bandwidth_bound
     device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in DECODERS}, None, None
+    captures = None
     torch.backends.cuda.matmul.allow_tf32 = False                        # fp32 means fp32 (README)
     for dtype in (torch.bfloat16, torch.float32):
         model, tok = load_model(args.model, device=device, dtype=dtype)
         prompts = shape_prompts(tok, args.shape, s["prompts"])
-        lens = [len(tok(p).input_ids) for p in prompts]
+        lens = [len(p) for p in prompt_ids(tok, prompts)]
         torch.manual_seed(0)
-        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True).items()}   # + warm-up
+        eng = Engine(model, graphs=device.type == "cuda")                 # kept: captures are not timed
+        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True, eng).items()}  # + warm-up
         ref = greedy["HF dynamic"].response_ids
         equal[str(dtype)[6:]] = {k: sum(a == b for a, b in zip(g.response_ids, ref))
                                  for k, g in greedy.items()}
         if dtype == torch.bfloat16:
-            calls = decoders(model, tok, prompts, s, not args.sampled)
+            calls = decoders(model, tok, prompts, s, not args.sampled, eng)
+            for call in calls.values() if args.sampled else []:          # warm-up: sampling's graphs
+                call()
+            warm = eng.captures
             for r in range(args.rounds):
                 for k in DECODERS if r % 2 == 0 else DECODERS[::-1]:
                     torch.manual_seed(r)
@@ -178,7 +193,8 @@ def compare(args, s):
             cfg = SimpleNamespace(max_new_tokens=s["max_new_tokens"], prompts_per_step=s["prompts"],
                                   group_size=s["group_size"], gen_chunk=s["gen_chunk"])
             bound = bandwidth_bound(model, cfg, max(lens), H100_BANDWIDTH)
-        model = greedy = calls = None                                   # the next dtype's model: alone
+            captures = (warm, eng.captures - warm, eng.graphs)
+        model = greedy = calls = eng = None                             # the next dtype's model: alone
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -187,6 +203,8 @@ def compare(args, s):
           f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
           f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)")
     print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
+    print(f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
+          f"{'' if captures[2] else ' (eager: the captures it would make)'}")
     print(f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x HF static':>13}"
           f"{'greedy = HF fp32':>18}{'bf16':>6}")
     res = {k: dict(tok_s=statistics.median(t / sec for sec, t, _ in v),
@@ -195,7 +213,7 @@ def compare(args, s):
         print(f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
               f"{d['tok_s'] / res['HF static']['tok_s']:>13.2f}{equal['float32'][k]:>12}/{rows}"
               f"{equal['bfloat16'][k]:>3}/{rows}")
-    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows}
+    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows, "captures": captures[:2]}
 
 
 def profile(model, tok, prompts, s):
@@ -248,16 +266,22 @@ def main(argv=None):
         return compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     if args.grad_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        checkpointing(model)                                  # as grpo.py: the shared prompt's keys survive
     prompts = shape_prompts(tok, args.shape, s["prompts"])
-    lens = [len(tok(p).input_ids) for p in prompts]
-    times, cpu, same = {"plain": [], "shared": []}, {"plain": [], "shared": []}, True
+    lens = [len(p) for p in prompt_ids(tok, prompts)]
+    times, cpu, same, fell = {"plain": [], "shared": []}, {"plain": [], "shared": []}, True, False
     for r in range(args.rounds):
         outs = {}
         for name in (("plain", "shared") if r % 2 == 0 else ("shared", "plain")):
             sec, c, outs[name] = (update if args.update else run)(model, tok, prompts, s, name == "shared", r)
             times[name].append(sec)
             cpu[name].append(c)
+            if args.update:
+                outs[name], passes = outs[name]
+                if name == "shared" and passes < 2 and not fell:                    # said once
+                    print("generate_speed.py: the shared-prompt update fell back to the full pass (one "
+                          "decoder pass): shared/full below is no measurement of sharing")
+                    fell = True
             made = (f"log-probs {tuple(outs[name].shape)}" if args.update
                     else f"{sum(map(len, outs[name].response_ids))} tokens")
             print(f"round {r + 1}: {name:<7}{sec:8.2f} s wall {c:8.2f} s CPU  {made}", flush=True)
@@ -276,7 +300,8 @@ def main(argv=None):
     for what, m in (("wall", med), ("CPU", mcpu)):
         print(f"{what:<5} {'full pass' if args.update else 'plain HF'} {m['plain']:8.2f} s   shared "
               f"{m['shared']:8.2f} s   ratio shared/plain {m['shared'] / m['plain']:.3f}")
-    print(f"same {'log-probs' if args.update else 'tokens'} in every round: {same}")
+    print(f"same {'log-probs' if args.update else 'tokens'} in every round: {same}"
+          f"{'; the shared update FELL BACK to the full pass' if fell else ''}")
     peak = {}
     if args.update:
         peak = {name: update_peak(model, tok, prompts, s, name == "shared") for name in ("plain", "shared")}
@@ -284,7 +309,7 @@ def main(argv=None):
               f"ratio shared/plain {peak['shared'] / peak['plain']:.3f}")
     if args.profile:
         profile(model, tok, prompts, s)
-    return {"wall": med, "cpu": mcpu, "same": same, "peak": peak}
+    return {"wall": med, "cpu": mcpu, "same": same, "peak": peak, "fell_back": fell}
 
 
 if __name__ == "__main__":

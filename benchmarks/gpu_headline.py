@@ -18,7 +18,7 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
                         (weight bytes + g t 2 L Hkv hd kv_bytes)
                 bound tok/s = generated tokens * bandwidth / bytes   (--bandwidth: H100 SXM's 3.35 TB/s)
 and once, at the largest R, the memory of the attention maps: the peak of one no-grad forward of
---attn-rows rows of P + R tokens, plain (sdpa), under flowtracer.capture (the middle layers' head mean,
+--attn-rows rows of P + R tokens, plain (sdpa), under attention.capturing (the middle layers' head mean,
 (b, T, T) fp32) and with eager attention and output_attentions (every layer's (b, H, T, T)); the extra is
 each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (~164 GB for one row of
 Qwen3-4B): an out-of-memory error is reported as such, with that size.
@@ -65,16 +65,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 from evaluation import memory, memtrace  # noqa: E402
-from flowtracer import capture, select_layers  # noqa: E402
-from training import policy, runlog  # noqa: E402
+from flowtracer import head_mean_kernel, select_layers  # noqa: E402
+from training import credit, runlog  # noqa: E402
+from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate  # noqa: E402
+from training.run import for_update  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -105,10 +106,8 @@ def synced(device):
 def load(cfg, device):
     """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
     functions read."""
-    model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, opt=opt, device=device, bad=0, ref=ref,
-                          autocast=policy.autocast(device))
-    return run, tok
+    run = for_update(cfg, device)                                  # grpo.setup's policy and credit
+    return run, run.tok
 
 
 def rollout(run, tok, P, short=0):
@@ -138,11 +137,14 @@ def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
+    run.flowtracer = credit.is_flowtracer(run.cfg)                                  # as grpo.setup decides
+    if credit.reads_maps(run.cfg) and run.head_mean is None:
+        run.head_mean = head_mean_kernel(run.device)
     B = batch.input_ids.shape[0]
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
-    run.clock = runlog.Clock(run.device)                                             # grpo.update marks it
-    grpo.update(run, batch, list(range(B)), adv)
-    return sum(run.clock.seconds.values())
+    clock = runlog.Clock(run.device)                                                 # grpo.update marks it
+    grpo.update(run, batch, list(range(B)), adv, clock)
+    return sum(clock.seconds.values())
 
 
 def bandwidth_bound(model, cfg, P, bandwidth):
@@ -171,7 +173,7 @@ def attention_peaks(model, cfg, rows, T):
             tr.phase(name)
             try:
                 if name == "capture":
-                    with capture(model, mask, cfg.layers) as cap:
+                    with capturing(model, mask, cfg.layers) as cap:
                         model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
                     kept = cap.attn                                                 # (b, T, T) fp32
                 elif name == "eager":
@@ -276,7 +278,7 @@ def show(args, res, device):
     if a:
         print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
               f"peak / extra over plain")
-        for k, why in (("plain", "sdpa"), ("capture", f"flowtracer.capture, mean of {a['layers']} layer(s)"),
+        for k, why in (("plain", "sdpa"), ("capture", f"attention.capturing, mean of {a['layers']} layer(s)"),
                        ("eager", "eager, output_attentions")):
             oom = f"out of memory (the maps alone: {a['eager_maps_bytes'] / unit:.2f} {name})"
             print(f"  {k:8s} {f(a['peak'][k]) if a['peak'][k] is not None else oom:>10s}"

@@ -6,6 +6,7 @@
       tokens    Fig. 3: the most frequent high- and low-flow tokens, as two bar charts
   curves(runs, keys, alpha, png)     training curves, raw and smoothed by the peak-tracking EMA (App. C.3)
   metrics_rows(path)                 the rows of a metrics.jsonl that a killed run may have cut short
+  metrics_runs(paths)                {run name: rows} of several metrics.jsonl files (eval.py plot --metrics)
   token_figure(path, tokens, colors, title)   tokens as text on coloured boxes: <path>.png and <path>.html
   log_scale(x)                       throughput -> colour values in [0, 1]
 
@@ -28,7 +29,9 @@ from pathlib import Path
 import torch
 
 from evaluation import highflow, probes
-from flowtracer import attention_graph, dag_weights, reweight, trace_flow
+from flowtracer import dag_weights, reweight, trace_flow
+from training.attention import attention_graph
+from training.checkpoint import file_problem
 from training.runlog import peak_ema
 
 
@@ -84,8 +87,23 @@ def metrics_rows(path):
             raise ValueError(f"{path}, line {i}: not a JSON metrics line ({e})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
+        step = row.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:       # null, "3", 1.5, -1
+            raise ValueError(f"{path}, line {i}: step {json.dumps(step)[:40]} is not a step (an int >= 0)")
         rows += [row] if row else []
     return rows
+
+
+def metrics_runs(paths):
+    """{run name: metrics rows} of metrics.jsonl files, each named by its directory (the whole path where two
+    directories share a name); a file that cannot be read is a ValueError naming it."""
+    names = [Path(p).parent.name or str(p) for p in paths]
+    runs = {}
+    for p, name in zip(paths, names):
+        if file_problem(p):                              # missing, a directory, a symlink loop or dangling
+            raise ValueError(f"--metrics {file_problem(p)} (give a run's metrics.jsonl)")
+        runs[name if names.count(name) == 1 else str(p)] = metrics_rows(p)
+    return runs
 
 
 def curves(runs, keys, alpha, png):

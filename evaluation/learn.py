@@ -1,14 +1,14 @@
 """The learning experiment: does GRPO training help on held-out questions, and does flow credit beat
 plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs with one shared recipe.
 
-  grid       arm-seed (a, s) = `python grpo.py <recipe> --credit a --seed s --out-dir <out>/runs/<a>-s<s>`, a
-             subprocess run in segments ending at the evaluation steps. Each segment continues the last with
-             grpo.py --resume: exact (RNG, --save-optimizer, schedule; the warmup does not depend on --steps).
-  held out   the first --eval-size questions of the task's test split: the same for every seed, checked to
-             share no question with the training split. Greedy accuracy and mean@k (k samples at the recipe's
-             temperature, top-p, top-k), scored two ways: strict = the task's reward is 1 (data.score, the
-             answer in the required format); lenient = strict, or answers.last_number_equal (math).
-             Step 0 (the recipe's model, the same weights for every arm-seed) is evaluated once, shared.
+  grid       arm-seed (a, s) = one grpo.py process, `python grpo.py <recipe> --credit a --seed s --eval-every
+             N --eval-size M --eval-dataset T --out-dir <out>/runs/<a>-s<s>`, which evaluates the policy it
+             trains at steps N, 2N, ... and the last (training/heldout.py: no reload, no restart) into its
+             metrics.jsonl, where learn reads them. A killed run continues with grpo.py --resume: exact.
+  held out   heldout.records: the first --eval-size questions of the task's test split, the same for every
+             seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
+             strict (data.score: reward 1) and lenient (or answers.last_number_equal: math); step 0 (the
+             recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
   statistics (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step - step 0) +- a
              95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a
              two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p 2 / 2^S), for
@@ -19,15 +19,16 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              learn.md (the tables), learn.png (held-out accuracy and training reward against step: each arm's
              mean over seeds with a 95% t band, the seeds faintly).
 
-Resumable: one run directory per arm-seed (<out>/runs/), one file per finished evaluation (<out>/eval/,
-written atomically after the result: the done-marker; per-question results for the paired tests). Killed
-anywhere, the same command skips what is done and continues a run from its checkpoint. Arms and seeds may be
-added later to the same --out-dir; another recipe or evaluation setting there is an error (or --overwrite).
+Resumable: one run directory per arm-seed (<out>/runs/), one file per evaluation (<out>/eval/, atomic, the
+last step's last: the done-marker; per-question results for the paired tests). Killed anywhere, the same
+command skips what is done and continues a run from its checkpoint. Arms and seeds may be added later to the
+same --out-dir; another recipe or evaluation setting there is an error (or --overwrite).
 
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
- 2. --eval-k 0 evaluates greedily only (a third of the cost at k = 2): more seeds for the same time.
+ 2. --eval-k 0 evaluates greedily only: no checkpoint is loaded after training, more seeds for the same time.
  3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
+ 4. mean@k at step 0 and the last step only, from the base model and the final checkpoint (grpo.py: greedy).
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
      (learn's flags, then after -- grpo.py's: the shared recipe; it writes runs/learn/, --out-dir elsewhere)
@@ -53,11 +54,9 @@ import data
 from evaluation.probes import markdown, pyplot
 from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
                               two_level, variance_parts)
-from tasks.answers import last_number_equal
 from training import checkpoint as ckpt_io
-from training import flags, policy, signals
+from training import flags, heldout, policy, signals
 from training.models import ModelError, load_model
-from training.rollout import generate
 from training.runlog import metric_series
 
 
@@ -67,17 +66,17 @@ class LearnConfig:
     seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
     out_dir: str = "runs/learn"        # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
-    eval_every: int = 0                # evaluate every N steps and at the last; 0: at 1/4, 1/2, 3/4, 1
-    eval_task: str = ""                # the held-out task ("": the recipe's --dataset); its test split
+    eval_every: int = 0                # evaluate every N steps and at the last; 0: every steps/4 (rounded up)
+    eval_dataset: str = ""             # the held-out task ("": the recipe's --dataset); its test split
     eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
-    eval_k: int = 4                    # samples per question for mean@k; 0: greedy only (cheaper seeds)
-    eval_batch: int = 32               # sequences per generate call
-    eval_max_new_tokens: int = 0       # response budget of the evaluation; 0: the recipe's --max-new-tokens
+    eval_k: int = 4                    # samples per question for mean@k (step 0, last); 0: greedy only
     eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
     bootstrap: int = 10_000            # paired bootstrap resamples
 
 
-SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite")
+SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite",
+                "--eval-every", "--eval-size", "--eval-dataset")
+MAX_SEEDS = 1000   # --seeds N: at most this many (each seed is one grpo.py run per arm)
 QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")   # per question, right of 1 / k
 SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
 
@@ -91,31 +90,6 @@ def refuse(msg):
     raise LearnError(msg)
 
 
-# ----------------------------------------------------------------------------- held-out evaluation
-def evaluate(model, tok, recs, style, cfg, rc):
-    """Per question: greedy right (0/1) and samples right (0..k), strict and lenient; then the four means."""
-    prompts, k = [data.make_prompt(r, tok, style) for r in recs], cfg.eval_k
-    budget = cfg.eval_max_new_tokens or rc.max_new_tokens
-    torch.manual_seed(cfg.eval_seed)
-    g = generate(model, tok, prompts, n=1, max_new_tokens=budget, greedy=True, chunk_size=cfg.eval_batch)
-    s = generate(model, tok, prompts, n=k, max_new_tokens=budget, temperature=rc.temperature,
-                 top_p=rc.top_p, top_k=rc.top_k, chunk_size=cfg.eval_batch) if k else None
-    res = {"ids": [r["id"] for r in recs], "greedy": [], "greedy_lenient": [], "samples": [],
-           "samples_lenient": []}
-    for i, r in enumerate(recs):
-        for key, texts in (("greedy", g.texts[i:i + 1]),
-                           ("samples", s.texts[i * k:(i + 1) * k] if k else [])):
-            strict = [data.score(r, t) >= 1 for t in texts]
-            res[key].append(sum(strict))
-            loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))     # departure 1
-                     for t, x in zip(texts, strict)]
-            res[key + "_lenient"].append(sum(loose))
-    for score, key, n in (("acc", "greedy", 1), ("mean@k", "samples", k)):
-        res[score] = sum(res[key]) / (len(recs) * n) if n else None                # k = 0: no samples
-        res[score + "_lenient"] = sum(res[key + "_lenient"]) / (len(recs) * n) if n else None
-    return res
-
-
 # ----------------------------------------------------------------------------- the grid
 class Grid:
     """What the grid needs before a model loads: flags, recipe, evaluation steps, held-out questions."""
@@ -124,20 +98,19 @@ class Grid:
         self.cfg, self.recipe, self.arms, self.seeds, self.out = cfg, recipe, arms, seeds, Path(cfg.out_dir)
         self.grpo = grpo                                   # the grpo.py module, passed in by eval.py
         self.rc = rc = [recipe_config(grpo, recipe, a, seeds[0], self.out / "runs") for a in arms][0]
-        every = range(cfg.eval_every, rc.steps + 1, cfg.eval_every) if cfg.eval_every else \
-            [max(1, round(rc.steps * i / 4)) for i in range(1, 4)]
-        self.eval_steps = sorted({*every, rc.steps})
-        task = (cfg.eval_task or rc.dataset).lower()
-        try:
-            self.recs = data.load_task(task, split="test", seed=0)[:cfg.eval_size]
-        except ValueError as e:                       # e.g. dapo-math-17k has no test split
-            raise LearnError(f"the held-out split of {task}: {e} (choose another with --eval-task)") from None
+        self.every = cfg.eval_every or (rc.steps + 3) // 4                # 0: four evaluations
+        self.eval_steps = sorted({*range(self.every, rc.steps + 1, self.every), rc.steps})
+        self.task = (cfg.eval_dataset or rc.dataset).lower()
+        try:                                               # the same questions as grpo.py's (heldout.py)
+            self.recs = heldout.records(rc.dataset, self.task, cfg.eval_size, seeds, rc.data_path)
+        except ValueError as e:                            # no test split; a held-out question in training
+            raise LearnError(str(e)) from None
         self.style = rc.prompt_style if rc.prompt_style != "auto" else \
             data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)   # grpo.py's rule
-        self.check_disjoint()
-        self.setting = {"recipe": recipe, "eval_task": task, "eval_size": len(self.recs), "style": self.style,
-                        "eval_steps": self.eval_steps, "eval_k": cfg.eval_k, "eval_seed": cfg.eval_seed,
-                        "eval_max_new_tokens": cfg.eval_max_new_tokens or rc.max_new_tokens}
+        self.setting = {"recipe": recipe, "eval_task": self.task, "eval_size": len(self.recs),
+                        "style": self.style, "eval_steps": self.eval_steps, "eval_k": cfg.eval_k,
+                        "eval_seed": cfg.eval_seed, "eval_max_new_tokens": rc.max_new_tokens,
+                        "eval_chunk": rc.gen_chunk}
         f = self.out / "grid.json"
         if f.is_file() and json.loads(f.read_text()) != self.setting:
             if not cfg.overwrite:
@@ -146,17 +119,6 @@ class Grid:
             for d in ("runs", "eval", "logs"):
                 shutil.rmtree(self.out / d, ignore_errors=True)
         ckpt_io.write_atomic(f, json.dumps(self.setting, indent=1))
-
-    def check_disjoint(self):
-        """No held-out question is a training question of any seed (the generated tasks vary by seed)."""
-        held, seen, rc = {r["question"] for r in self.recs}, {}, self.rc
-        for seed in self.seeds:
-            key = seed if data.TASKS[rc.dataset.lower()].generate and not rc.data_path else None
-            if key not in seen:
-                train = data.load_task(rc.dataset, split="train", path=rc.data_path or None, seed=seed)
-                seen[key] = len(held & {r["question"] for r in train})
-            if seen[key]:
-                raise LearnError(f"{seen[key]} held-out question(s) are training questions too (seed {seed})")
 
     def eval_file(self, run, step):
         """The done-marker and result of one evaluation; step 0 is shared by every arm-seed."""
@@ -178,48 +140,45 @@ def recipe_config(grpo, recipe, arm, seed, out):
 
 
 def run_grid(g):
-    """Seed-major (the arms of a seed finish together, so a stopped grid still has pairs); progress in steps,
-    an evaluation counting as the training steps that generate as many tokens."""
+    """Seed-major (the arms of a seed finish together, so a stopped grid still has pairs); progress in
+    training steps (grpo.py's evaluations are inside them)."""
     runs, steps = [f"{a}-s{s}" for s in g.seeds for a in g.arms], g.rc.steps
-    w = max(1, round(len(g.recs) * (1 + g.cfg.eval_k) / (g.rc.prompts_per_step * g.rc.group_size)))
-    done = sum(w for r in runs for e in g.eval_steps if g.done(r, e)) + w * g.done("", 0) + \
-        sum(min(steps, steps_logged(g.out / "runs" / r)) for r in runs)
-    bar = tqdm(total=len(runs) * (steps + w * len(g.eval_steps)) + w, initial=done, desc="learn", unit="step")
-    if not g.done("", 0):
-        evaluate_checkpoint(g, g.rc.model, g.eval_file("", 0))
-        bar.update(w)
+    done = sum(min(steps, steps_logged(g.out / "runs" / r)) for r in runs)
+    bar = tqdm(total=len(runs) * steps, initial=done, desc="learn", unit="step")
+    if not g.done("", 0):                                  # step 0: the recipe's model, shared
+        res = result(g, evaluate_model(g, g.rc.model))
+        ckpt_io.write_atomic(g.eval_file("", 0), json.dumps(res))
+        tqdm.write(f"learn: step 0: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
     for run in runs:
-        if all(g.done(run, e) for e in g.eval_steps):
+        if g.done(run, g.eval_steps[-1]):
             tqdm.write(f"learn: {run} finished earlier: skipped")
             continue
-        for e in (e for e in g.eval_steps if not g.done(run, e)):
-            ckpt = train_to(g, run, e, bar)
-            res = evaluate_checkpoint(g, str(ckpt), g.eval_file(run, e))
-            bar.update(w)
-            tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
-        summarize(g)                                   # partial results after every arm-seed
+        train(g, run, bar)
+        for e in g.eval_steps:                             # the last step's file last: the done-marker
+            if not g.done(run, e):
+                res = record_evaluation(g, run, e)
+                tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
+        summarize(g)                                       # partial results after every arm-seed
     bar.close()
     print(summarize(g) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
 
 
-def train_to(g, run, step, bar):
-    """Train the arm-seed up to `step` (a grpo.py subprocess, --resume from its checkpoint if it has one);
-    returns the checkpoint. A checkpoint already at `step` (killed before its evaluation) is returned."""
+def train(g, run, bar):
+    """The arm-seed's grpo.py process, evaluating as it trains; --resume from its checkpoint if it has one.
+    A run whose checkpoint is at the last step (killed before learn read its evaluations) is not rerun."""
     arm, seed = run.rsplit("-s", 1)
     d, log = g.out / "runs" / run, g.out / "logs" / f"{run}.log"
     try:
         ckpt = ckpt_io.find_checkpoint(d)
     except ckpt_io.RunError:                           # not started, or stopped before its first save
         ckpt = None
-    at = ckpt_io.read_state(ckpt)["step"] if ckpt else 0
-    if at > step:
-        raise LearnError(f"{d}: checkpoint at step {at}, past the evaluation at step {step}; delete the run")
-    if ckpt and at == step:
-        return ckpt
+    if ckpt and ckpt_io.read_state(ckpt)["step"] >= g.rc.steps:
+        return
     script = str(Path(g.grpo.__file__))
-    cmd = ([sys.executable, script, "--resume", str(d), "--steps", str(step)] if ckpt else
+    cmd = ([sys.executable, script, "--resume", str(d)] if ckpt else
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
-            "--steps", str(step), "--overwrite", "--save-optimizer"])          # exact segments
+            "--overwrite", "--save-optimizer", "--eval-every", str(g.every), "--eval-size",
+            str(g.cfg.eval_size), "--eval-dataset", g.task])                   # an exact --resume
     log.parent.mkdir(parents=True, exist_ok=True)
     seen = steps_logged(d)
     with open(log, "a") as fh:
@@ -234,10 +193,10 @@ def train_to(g, run, step, bar):
                 seen = max(seen, now)
         finally:
             stop(proc)
+    bar.update(max(0, min(g.rc.steps, steps_logged(d)) - seen))
     if proc.returncode != 0:
         tail = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
         raise LearnError(f"{run}: grpo.py exited with status {proc.returncode} ({tail}); see {log}")
-    return ckpt_io.find_checkpoint(d)
 
 
 def steps_logged(run_dir):
@@ -255,15 +214,55 @@ def stop(proc):
         raise
 
 
-def evaluate_checkpoint(g, name, path):
-    rc, t0 = g.rc, time.perf_counter()
-    device = policy.device_of(rc.device)
+def evaluations(path):
+    """{step: metrics line} of a metrics.jsonl's lines that hold an evaluation (a step's last line wins)."""
+    rows = {}
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):                         # a line cut by a kill
+            row = json.loads(line)
+            rows |= {row["step"]: row} if "eval/accuracy" in row else {}
+    return rows
+
+
+def result(g, right):
+    """One evaluation's file: per question (right; samples None where not sampled), then the four means."""
+    k, n = g.cfg.eval_k, len(g.recs)
+    res = {"ids": [r["id"] for r in g.recs], "samples": None, "samples_lenient": None, **right}
+    return res | {score + sfx: sum(res[key + sfx]) / (n * m) if res[key + sfx] is not None and m else None
+                  for score, key, m in (("acc", "greedy", 1), ("mean@k", "samples", k))
+                  for sfx in ("", "_lenient")}
+
+
+def record_evaluation(g, run, step):
+    """`step`'s evaluation from grpo.py's metrics.jsonl (+ the final checkpoint's mean@k), into its file."""
+    path = g.out / "runs" / run / "metrics.jsonl"
+    m = evaluations(path).get(step, {})
+    if len(m.get("eval/right") or []) != len(g.recs):
+        raise LearnError(f"{path}: no evaluation of {len(g.recs)} questions at step {step} (eval/right); "
+                         f"delete {path.parent} to run it again")
+    right = {"greedy": m["eval/right"], "greedy_lenient": m["eval/right_lenient"]}
+    if step == g.eval_steps[-1] and g.cfg.eval_k:
+        ckpt = ckpt_io.find_checkpoint(path.parent)
+        if ckpt_io.read_state(ckpt)["step"] != step:
+            raise LearnError(f"{ckpt}: not the checkpoint of step {step}; delete {path.parent} to rerun it")
+        right |= evaluate_model(g, str(ckpt), greedy=False)
+    res = result(g, right)
+    ckpt_io.write_atomic(g.eval_file(run, step), json.dumps(res))
+    return res
+
+
+def evaluate_model(g, name, greedy=True):
+    """The model `name` (the recipe's, a checkpoint) loaded as grpo.py loads it: its greedy results (if
+    greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
+    rc, cfg, device = g.rc, g.cfg, policy.device_of(g.rc.device)
     model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
-    res = {**evaluate(model, tok, g.recs, g.style, g.cfg, rc), "time/s": time.perf_counter() - t0}
+    args = (model, tok, g.recs, g.style, rc.max_new_tokens, rc.gen_chunk)
+    res = heldout.greedy(*args) if greedy else {}
+    if cfg.eval_k:
+        res |= heldout.sampled(*args, cfg.eval_k, rc.temperature, rc.top_p, rc.top_k, cfg.eval_seed)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()                       # the next grpo.py run gets the GPU's memory back
-    ckpt_io.write_atomic(path, json.dumps(res))                # the done-marker of this evaluation
     return res
 
 
@@ -413,7 +412,7 @@ def parse(argv, prog):
     unknown = [a for a in arms if a not in signals.SIGNALS]
     try:
         seeds = [int(s) for s in cfg.seeds.split(",") if s.strip()] if "," in cfg.seeds else \
-            list(range(int(cfg.seeds)))
+            list(range(min(int(cfg.seeds), MAX_SEEDS + 1)))            # no list of 10**20 seeds
     except ValueError:
         p.error(f"--seeds {cfg.seeds!r}: give a number of seeds N (0..N-1) or a comma list like 0,1,2")
     taken = [f for f in recipe if f.split("=")[0] in SET_BY_LEARN]
@@ -421,16 +420,17 @@ def parse(argv, prog):
                      (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}"),
                      (len(set(arms)) < len(arms), f"--arms {cfg.arms}: an arm twice"),
                      (not seeds, f"--seeds {cfg.seeds}: zero seeds; give N >= 1 or a comma list"),
+                     (len(seeds) > MAX_SEEDS, f"--seeds {cfg.seeds}: at most {MAX_SEEDS} (a run each)"),
+                     (any(not 0 <= s < 2 ** 63 for s in seeds), f"--seeds {cfg.seeds}: each in [0, 2**63)"),
                      (len(set(seeds)) < len(seeds), f"--seeds {cfg.seeds}: a seed twice"),
-                     (taken, f"{' '.join(taken)}: set by learn per arm-seed (--arms, --seeds, --out-dir)"),
+                     (taken, f"{' '.join(taken)}: set by learn per arm-seed (its --arms, --seeds, --eval-*)"),
                      (cfg.eval_every < 0, "--eval-every must be >= 0 (0: four evaluations)"),
-                     (cfg.eval_max_new_tokens < 0, "--eval-max-new-tokens must be >= 0 (0: the recipe's)"),
-                     (cfg.eval_task and cfg.eval_task.lower() not in data.TASKS,
-                      f"--eval-task {cfg.eval_task}: unknown; tasks: {', '.join(data.TASKS)}"),
+                     (cfg.eval_dataset and cfg.eval_dataset.lower() not in data.TASKS,
+                      f"--eval-dataset {cfg.eval_dataset}: unknown; tasks: {', '.join(data.TASKS)}"),
                      (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
                      (ckpt_io.dir_problem(cfg.out_dir), f"--out-dir {ckpt_io.dir_problem(cfg.out_dir)}"),
                      *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
-                       for k in ("eval_size", "eval_batch", "bootstrap"))):
+                       for k in ("eval_size", "bootstrap"))):
         if bad:
             p.error(why)
     return cfg, recipe, arms, seeds

@@ -14,7 +14,9 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
---num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update.
+--num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update. On CUDA the decode engine
+(training/engine.py) is kept for the run with its graphs, so its K, V buffers, 2 L Hkv hd S g bf16 (S: the
+widest prompt + R, in multiples of 64), stay resident in every phase after the first generation.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
 memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
 torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
@@ -25,10 +27,10 @@ The disk: a checkpoint holds the weights and the optimizer state (checkpoint.che
 second save two coexist (grpo.py checks the free space at setup).
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
-10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): policy.py.
+10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): docs/method.md.
 
 Departures (numbered):
- 1. A separate credit pass is counted as flowtracer.attention_graph's forward and trace_flow (flow,
+ 1. A separate credit pass is counted as attention.attention_graph's forward and trace_flow (flow,
     attention) or a plain forward (other signals); the own forwards of OAR, fai and gradient are not.
  2. Every response is taken at max_new_tokens and every row trained (the worst step); the padded prompt
     width is --prompt-tokens (default 256, a math problem with its template), not max_prompt_tokens.
@@ -117,8 +119,10 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     layers = maps and not separate                                  # the fused pass captures the maps
     cast = 2 * N_cast if cuda and not kahan else 0                  # autocast's bf16 copies of fp32 weights
     state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
+    S = 64 * -(-(P - 1 + R) // 64)                                  # the decode engine's positions (ALIGN)
+    engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * g * cb  # its K, V buffers, kept for the run
     w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * state,
-             **{"cast cache": cast})                                # (+ the reference policy when beta > 0)
+             **{"cast cache": cast, "KV cache": engine})            # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
@@ -152,7 +156,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     # backward's peak, (activations, logits, workspace) of the largest: one log-prob chunk recomputed, its
     # gradient and the head's; the last layer (recomputed under checkpointing) and its gradients beside what
     # the layers keep (the final norm's backward has run); the reference model's forward (beta > 0). The maps
-    # (b, T, T) wait for the next micro-batch beside it.
+    # (b, T, T) are gone by then: grpo.update hands them to trace_flow and keeps only gamma.
     # `held`: autograd sums the LM head's gradient over the log-prob chunks in one (V, D) buffer, which the
     # weight's AccumulateGrad takes only once every use of the weight has delivered its part: after the last
     # chunk, so from the second chunk on; and with a tied embedding (Qwen3-4B, SmolLM2) only after the
@@ -169,8 +173,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
               + dq + ckpt * (Tq < T) * b * P * 2 * cb * hd * max(Hq, Hkv)),   # + its replay's prompt K, V
              (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
-    bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": b * T * T * 4 if layers else 0,
-           "logits": l_bwd, "workspace": batch + ws_bwd}
+    bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": 0, "logits": l_bwd,
+           "workspace": batch + ws_bwd}
     temp = 0 if kahan and cuda else N_max * wb if kahan else N * 4 if cuda else 3 * N_max * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
@@ -284,8 +288,9 @@ def margin(cfg, mc, prompt_tokens=256) -> dict:
 
 
 def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
-    """The largest gen_chunk, then micro_batch with it (powers of two up to cfg's), whose phases and margin
-    stay under `budget`, or None where even 1 does not fit."""
+    """The largest gen_chunk (every phase fitting at micro_batch 1: on CUDA the engine's buffers are kept),
+    then micro_batch with it (powers of two up to cfg's), whose phases and margin stay under `budget`, or None
+    where even 1 does not fit."""
     def largest(cfg, field, phases):
         n = getattr(cfg, field)
         while n >= 1:
@@ -295,7 +300,8 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
         return None
-    g = largest(cfg, "gen_chunk", PHASES[:1])
+    one = SimpleNamespace(**{**vars(cfg), "micro_batch": 1})        # the decode engine's buffers stay
+    g = largest(one, "gen_chunk", PHASES)                           # through the update: all phases count
     return g, largest(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
 
 

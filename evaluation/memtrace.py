@@ -7,23 +7,29 @@ grpo.update, passed in) twice and counts the second one, in memory.PHASES:
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
 tests/test_memory.py holds memory.estimate within 10% of what this counts; `eval.py memory --measure` prints
 both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
-block with its stack (cuda_peak), and held_at_peak prints it by site: what memory.py's backward misses there.
+block with its stack (cuda_peak), and held_at_peak sums it by site: what memory.py's backward misses there
+(PATH: the pickle for memory_viz; PATH.json: the sums, which report_held prints; no pickle is read back).
+command() is `eval.py memory`: the estimate, and with --measure the measured step beside it.
 
 Run: python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
      python eval.py memory --model qwen3-4b-random --measure --snapshot runs/backward.pickle   # on a GPU
 """
+import contextlib
+import json
 import os
 import pickle
 import re
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from training import credit, policy, rollout
+from training import policy, rollout
 from training.rollout import build_batch
+from training.run import for_update
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
@@ -88,7 +94,7 @@ class cuda_peak:
     max_memory_reserved of each phase goes to `reserved` (a dict given, or a new one). `snapshot` (a path):
     the allocator's history of the second "backward" phase (the first micro-batch whose gradients exist) is
     recorded, every allocation with its Python and C++ stack, and saved there with the bytes allocated when
-    it began (held_at_peak reads it; https://pytorch.org/memory_viz draws it)."""
+    it began (https://pytorch.org/memory_viz draws it), its held_at_peak beside it (save_snapshot)."""
     def __init__(self, *resident, reserved=None, snapshot=None):
         self.peak, self.name, self.reserved = {}, None, {} if reserved is None else reserved
         self.snapshot, self.entered, self.base = snapshot, {}, None
@@ -112,9 +118,7 @@ class cuda_peak:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
             snap.update(base_allocated=self.base, window_peak=torch.cuda.max_memory_allocated())
-            os.makedirs(os.path.dirname(self.snapshot) or ".", exist_ok=True)
-            with open(self.snapshot, "wb") as f:
-                pickle.dump(snap, f)
+            save_snapshot(snap, self.snapshot)
             self.base = None
 
     def __enter__(self):
@@ -156,16 +160,35 @@ def held_at_peak(snap, top=12):
     return best, best - sum(n for n, _, _ in rows), rows[:top]
 
 
-def report_held(path, estimated):
-    """held_at_peak of the snapshot cuda_peak saved at `path`, as the lines under `eval.py memory`'s table."""
-    with open(path, "rb") as f:
-        snap = pickle.load(f)
-    peak, before, rows = held_at_peak(snap)
+def save_snapshot(snap, path):
+    """The allocator's snapshot to `path` (a pickle, as https://pytorch.org/memory_viz reads it) and its
+    held_at_peak, every site, to path + ".json": the summary report_held reads back. Only JSON is read back:
+    unpickling a file can run code, and a path the user names may hold anything by the time it is read."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    peak, before, rows = held_at_peak(snap, top=None)
+    summary = {"peak": peak, "before": before, "rows": rows, "window_peak": snap["window_peak"],
+               "base_allocated": snap["base_allocated"]}
+    Path(str(path) + ".json").write_text(json.dumps(summary))
+
+
+def report_held(path, estimated, top=12):
+    """The lines under `eval.py memory`'s table: the `top` sites of the summary save_snapshot wrote beside
+    the snapshot at `path` (path + ".json"; the pickle itself is never loaded). ValueError naming the file
+    when it is not such a summary."""
+    f = Path(str(path) + ".json")
+    try:
+        s = json.loads(f.read_text())
+        peak, before, window, rows = s["peak"], s["before"], s["window_peak"], [tuple(r) for r in s["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a snapshot summary of eval.py memory --snapshot ({type(e).__name__}: "
+                         f"{str(e)[:120]})") from None
     out = [f"the 2nd micro-batch's backward ({path}): peak {peak / 1e9:.2f} GB allocated (replayed; the "
-           f"allocator's {snap['window_peak'] / 1e9:.2f}), estimated {estimated / 1e9:.2f}; "
+           f"allocator's {window / 1e9:.2f}), estimated {estimated / 1e9:.2f}; "
            f"{before / 1e9:.2f} GB of it from before the phase; the phase's own blocks live at the peak:",
            f"  {'GB':>7s} {'blocks':>6s}  autograd node | ATen function | Python line"]
-    out += [f"  {n / 1e9:7.3f} {b:6d}  {s}" for n, b, s in rows]
+    out += [f"  {n / 1e9:7.3f} {b:6d}  {site}" for n, b, site in rows[:top]]
     return "\n".join(out)
 
 
@@ -182,43 +205,49 @@ def site(frames):
 # ----------------------------------------------------------------------------- one real step, measured
 def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for grpo.setup: rollout.generate, the separate credit pass if the signal needs
-    one, then `update` (grpo.update: grpo.py's own micro-batch loop, fused credit inside), which marks the
-    phases. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
+    policy.load_policy builds for grpo.setup: rollout.generate, then `update` (grpo.update: grpo.py's own
+    micro-batch loop, the credit inside, a credit's own pass too), which marks the phases on the clock it is
+    given. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
     prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: max_memory_allocated,
     and max_memory_reserved into `reserved` (a dict) where one is given; `snapshot`: cuda_peak's."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
-    model, tok, ref, opt = policy.load_policy(cfg, device)
-    run = SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
-                          autocast=policy.autocast(device), clock=None)
+    run = for_update(cfg, device)                                # grpo.setup's policy and credit
+    model, tok, ref, opt = run.model, run.tok, run.ref, run.opt
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
     model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
 
-    def step(tr):
-        run.clock = tr                                           # grpo.update marks its phases on it
-        tr.phase("generation")
-        model.eval()
-        with torch.no_grad(), run.autocast:
+    def step(clock):
+        with clock.phase("generation"), torch.no_grad(), run.autocast:
+            model.eval()
             gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
                                    temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
                                    share_prefix=cfg.share_prefix)
-        tr.phase(None)
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
-        every, given = list(range(B)), None
-        if credit.separate_pass(cfg):
-            tr.phase("credit")
-            with torch.no_grad(), run.autocast:
-                given = credit.assign(model, tok, batch, adv, cfg)
-        update(run, batch, every, adv, given)
+        update(run, batch, list(range(B)), adv, clock)
 
-    step(SimpleNamespace(phase=lambda name: None))
+    step(Phases(SimpleNamespace(phase=lambda name: None)))
     cuda = device.type == "cuda"
     with (cuda_peak(reserved=reserved, snapshot=snapshot) if cuda else track_peak(model, ref, opt)) as tr:
-        step(tr)
+        step(Phases(tr))
     return tr.peak
+
+
+class Phases:
+    """grpo.update's clock (`with clock.phase(name): ...`) over a tracker's marks (tr.phase(name) starts a
+    phase, tr.phase(None) ends it)."""
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        self.tracker.phase(name)
+        try:
+            yield
+        finally:
+            self.tracker.phase(None)
 
 
 def random_prompts(tok, n, width, seed=0):
@@ -231,3 +260,24 @@ def random_prompts(tok, n, width, seed=0):
     pool, g = words if len(words) >= 100 else singles, torch.Generator().manual_seed(seed)
     return [tok.decode([pool[j] for j in torch.randint(len(pool), (width - (i * 7) % max(1, width // 4),),
                                                        generator=g)]) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- the command
+def command(args, grpo):
+    """`eval.py memory`: the estimate of each phase of grpo.py's step (memory.py) from grpo.py's flags
+    (args.grpo_flags, checked by its parser), with --measure one real step beside it, with --snapshot the
+    backward's peak by site (report_held). grpo: the grpo.py module (its parser and its update). Bad input is
+    a ValueError."""
+    from evaluation import memory
+    cfg = grpo.parse_args(args.grpo_flags)
+    device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
+    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
+    if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
+        raise ValueError("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
+                         f"is {memory.peak(est)[1] / 1e9:.0f} GB")
+    if args.snapshot and not (args.measure and device == "cuda"):
+        raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
+    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot) \
+        if args.measure else None
+    table = memory.report(cfg, args.prompt_tokens, measured, device)
+    return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

@@ -45,7 +45,7 @@ Departures from add_head_mean (numbered):
     it once for its G heads.
  5. `chunk` is taken for add_head_mean's signature and ignored: the tiles (block_m, block_n) bound memory.
  6. Under the interpreter, bf16 and fp16 operands are cast to fp32 before tl.dot: its dot multiplies
-    bf16's raw bit patterns (triton-lang/triton#11584, not supported upstream). The products are the
+    bf16's raw bit patterns (an interpreter limit that upstream Triton does not fix). The products are the
     same exact values; compiled, the tensor cores take bf16 as it is.
 
 The kernels run compiled on CUDA tensors, and on CPU tensors only under Triton's interpreter, which takes

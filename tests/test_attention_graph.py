@@ -1,4 +1,4 @@
-"""Tests for flowtracer.attention_graph: attention_graph against eager output_attentions, pass-through, early
+"""Tests for attention.attention_graph: attention_graph against eager output_attentions, pass-through, early
 stop. The tiny models run in fp32 on each device present (cpu, and cuda where there is one:
 conftest.on_devices), inputs on model.device; eager attention is the reference, to 1e-5 (sums of
 probabilities over 4 layers)."""
@@ -6,14 +6,14 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import DEVICES, on_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowtracer
-from flowtracer import attention_graph, select_layers
+from flowtracer import select_layers
+from training.attention import attention_graph, capturing
 from training.models import load_model
-
-from conftest import DEVICES, on_devices
 
 TEXTS = ["hello world, this is a test", "hi", "abc def"]
 
@@ -140,7 +140,7 @@ def test_maps_stay_fp32_under_bf16_autocast(device):
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.bfloat16)  # autocast keeps its Q, K
     ids, mask = batch(tok, device=model.device)
     ref = attention_graph(model, ids, mask)
-    with torch.autocast(device, torch.bfloat16), flowtracer.capture(model, mask) as cap:  # fused pass
+    with torch.autocast(device, torch.bfloat16), capturing(model, mask) as cap:  # fused pass
         model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
     torch.testing.assert_close(cap.attn, ref, atol=1e-6, rtol=0)
 

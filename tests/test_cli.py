@@ -4,13 +4,15 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 import grpo
 from training import models, policy
 
-ROOT = grpo.Path(grpo.__file__).resolve().parent
+ROOT = Path(grpo.__file__).resolve().parent
 
 BAD_FLAGS = [  # (argv, a word the one line must contain)
     (["--adv-clip", "-1"], "--adv-clip"), (["--loss-agg", "bogus"], "--loss-agg"),
@@ -45,7 +47,7 @@ def test_bad_flag_is_one_line_exit_2(argv, word, capsys):
 
 
 def test_cuda_without_gpu_is_an_error(capsys):
-    if grpo.torch.cuda.is_available():
+    if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(SystemExit) as e:
         grpo.parse_args(["--device", "cuda"])

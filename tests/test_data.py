@@ -18,7 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import data
-from data import DataError, choice_reward, countdown_reward, load_task, make_prompt, math_reward, score
+from data import (
+    DataError,
+    choice_reward,
+    countdown_reward,
+    load_task,
+    make_prompt,
+    math_reward,
+    score,
+)
 from tasks import answers, arithmetic, countdown, prompts
 
 COUNTS = {("gsm8k", "test"): 1319, ("gsm8k", "train"): 7473, ("math500", "test"): 500, ("aime24", "test"): 30,

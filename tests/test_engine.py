@@ -7,7 +7,11 @@ import torch
 from scipy import stats
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import Qwen3Config
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from evaluation import memory
 from evaluation.memtrace import track_peak
@@ -79,8 +83,8 @@ def test_pad_after_eos_and_min_new_tokens(tiny):
             kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=rollout.eos_ids(model, tok),
                       pad_token_id=pad, **({"min_new_tokens": low} if low else {}))
             hf = model.generate(**enc, **kw)[:, enc.input_ids.shape[1]:]        # (3, <= 16), pad after EOS
-            eng = engine.Engine(model, 3, max(map(len, ids)) - 1 + 16, 16, rollout.eos_ids(model, tok), pad,
-                                None, low or 0, check_every=4)
+            eng = engine.Engine(model, low or 0, check_every=4).reserve(
+                3, max(map(len, ids)) - 1 + 16, 16, rollout.eos_ids(model, tok), pad, None)
             inp, mask, cache = prefill(model, ids, pad)
             seq = eng.decode(inp, mask, cache, torch.arange(3, device=model.device))    # (3, 16)
             w = hf.shape[1]
@@ -102,8 +106,8 @@ def test_static_cache_holds_the_full_forwards_keys(tiny):
     of the L layers, on the largest key."""
     model, tok = tiny
     ids, pad, N = tok(PROMPTS[:3]).input_ids, tok.pad_token_id, 100
-    eng = engine.Engine(model, 4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None,
-                        check_every=N)                   # one check, at the end: no row moves (compaction)
+    eng = engine.Engine(model, check_every=N).reserve(    # one check, at the end: no row moves (compaction)
+        4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None)
     inp, mask, cache = prefill(model, ids, pad)
     which = torch.tensor([0, 1, 2, 2], device=model.device)                  # prompt 2 has two rows
     eng.allocate(cache)
@@ -204,7 +208,8 @@ def run_step_without_data(model, tok):
     """Engine.step with every engine buffer a fake tensor (shapes, no values): any read of a value on the
     host (.item(), bool(), int(), .tolist(), nonzero) raises instead of syncing."""
     ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-    eng = engine.Engine(model, 4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9), 3)
+    eng = engine.Engine(model, 3).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad,
+                                          (0.9, 10, 0.9))
     inp, mask, cache = prefill(model, ids, pad)
     eng.allocate(cache)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -232,8 +237,8 @@ def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
     monkeypatch.setattr(engine, "sample", real)
     if device == "cuda":
         ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-        eng = engine.Engine(model, 4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9), 3,
-                            graphs=False)
+        eng = engine.Engine(model, 3, graphs=False).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id],
+                                                            pad, (0.9, 10, 0.9))
         with torch.no_grad():
             inp, mask, cache = prefill(model, ids, pad)
             eng.allocate(cache)
@@ -254,11 +259,10 @@ def test_graphs_only_on_cuda_and_equal_to_eager(device):
     """graphs=None means CUDA graphs on a CUDA model; on the CPU asking for them is an error. On CUDA the
     replayed graphs give the eager step's greedy rows."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    eng = engine.Engine(model, 4, 32, 8, [tok.eos_token_id], tok.pad_token_id, None)
-    assert eng.graphs == (device == "cuda")
+    assert engine.Engine(model).graphs == (device == "cuda")
     if device == "cpu":
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
-            engine.Engine(model, 4, 32, 8, [tok.eos_token_id], tok.pad_token_id, None, graphs=True)
+            engine.Engine(model, graphs=True)
         return
     kw = dict(n=3, max_new_tokens=100, greedy=True, chunk_size=5, check_every=4)   # several buckets
     assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == \
@@ -308,7 +312,8 @@ def test_peak_memory_within_the_generation_estimate():
 
 def test_generate_speed_gpu_table_runs_on_the_cpu():
     """benchmarks/generate_speed.py's GPU table (--engine; --device cuda on a GPU) end to end at the tiny
-    shape: the three decoders timed, the bound, and in fp32 the engine's greedy rows all equal HF's."""
+    shape: the three decoders timed, the bound, in fp32 the engine's greedy rows all equal HF's, and the
+    engine, kept for the run, captures nothing in the timed rounds."""
     import importlib.util as iu
     from pathlib import Path
     spec = iu.spec_from_file_location("generate_speed", Path(__file__).parents[1] / "benchmarks" /
@@ -319,5 +324,119 @@ def test_generate_speed_gpu_table_runs_on_the_cpu():
     assert set(out["speed"]) == {"engine", "HF dynamic", "HF static"} and out["bound_tok_s"] > 0
     assert all(d["tok_s"] > 0 and d["ms_step"] > 0 for d in out["speed"].values())
     assert out["equal"]["float32"]["engine"] == out["equal"]["float32"]["HF dynamic"] == out["rows"] == 8
+    assert out["captures"][0] >= 1 and out["captures"][1] == 0                # the engine kept: none timed
     with pytest.raises(SystemExit):
         bench.main(["--sampled"])                                             # needs --engine
+
+
+def engine_rows(model, tok, eng, **kw):
+    """The greedy rows of rollout.generate through `eng` (kept by the caller), 3 rows a prompt."""
+    return rollout.generate(model, tok, PROMPTS, n=3, max_new_tokens=20, greedy=True, chunk_size=5,
+                            engine=eng, **kw)
+
+
+@pytest.mark.parametrize("what", ["capture", "replay"])
+def test_a_failing_graph_falls_back_to_the_eager_step_once(what, monkeypatch, capsys):
+    """A capture (or a replay) that raises: the engine turns graphs off for the rest of its life with one line
+    naming the error, and the rows are the eager engine's. On the CPU the graph path is entered by hand,
+    its CUDA parts replaced by the failure."""
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    want = engine_rows(model, tok, engine.Engine(model, graphs=False))
+    capsys.readouterr()
+    boom = RuntimeError("operation not permitted when stream is capturing")
+
+    def fail(*_):
+        raise boom
+    graph = type("Graph", (), {"replay": fail})()                          # captured; its replay raises
+    monkeypatch.setattr(engine.Engine, "capture", (lambda self, b, s: graph) if what == "replay" else fail)
+    eng = engine.Engine(model, graphs=False)
+    eng.graphs = True                                                        # as on CUDA
+    got = engine_rows(model, tok, eng)
+    assert got == want and not eng.graphs
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("engine:")]
+    assert lines == [(f"engine: CUDA graph {what} failed (RuntimeError: {boom}); the decode step runs "
+                      "eagerly from here on")]
+
+
+def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monkeypatch, capsys):
+    """Decode attention: flash / memory-efficient when torch's own checks pass for the step's shapes, without
+    SDPA's math kernel; when neither can run, the math kernel with one line (torch's checks replaced)."""
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    eng = engine.Engine(model).reserve(4, 100, 8, [tok.eos_token_id], tok.pad_token_id, None)
+    ids = tok(PROMPTS[:2]).input_ids
+    eng.allocate(prefill(model, ids, tok.pad_token_id)[2])
+    seen = []
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda p, debug=False: False)
+    for ok in (True, False):
+        monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention",
+                            lambda p, debug=False, ok=ok: seen.append(p) or ok)
+        kernels = eng.attention_kernels(4, 128)
+        assert (torch.nn.attention.SDPBackend.MATH in kernels) != ok
+        assert ("math kernel" in capsys.readouterr().out) != ok
+    assert isinstance(seen[0], torch.backends.cuda.SDPAParams)
+
+
+def test_an_engine_kept_for_a_run_captures_each_shape_once():
+    """An engine passed to every call keeps its buffers and graphs: a second call of the same shapes captures
+    nothing new (eagerly, `captures` counts what the step would capture) and gives the rows of a fresh
+    engine; a call with more rows grows it (new buffers, graphs dropped, counted again); other sampling
+    parameters (constants of the graphs) rebuild it too."""
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    eng = engine.Engine(model, graphs=False, check_every=2)
+    first = engine_rows(model, tok, eng)
+    n, keys = eng.captures, eng.keys
+    assert n >= 2 and set(eng.graph) and eng.rows == 5
+    assert engine_rows(model, tok, eng) == first == engine_rows(model, tok, engine.Engine(model, graphs=False,
+                                                                                          check_every=2))
+    assert eng.captures == n and eng.keys is keys                           # the same buffers, no capture
+    wide = dict(n=3, max_new_tokens=20, greedy=True, chunk_size=8, engine=eng)
+    rollout.generate(model, tok, PROMPTS, **wide)
+    assert eng.rows == 8 and eng.keys is not keys and eng.captures > n      # grown: graphs captured again
+    grown, keys = eng.captures, eng.keys
+    rollout.generate(model, tok, PROMPTS, **wide)
+    assert eng.captures == grown and eng.keys is keys
+    assert engine_rows(model, tok, eng) == first and eng.keys is keys       # 5 rows fit in the 8
+    rollout.generate(model, tok, PROMPTS, n=3, max_new_tokens=20, temperature=0.5, chunk_size=5, engine=eng)
+    assert eng.keys is not keys and eng.warp == (0.5, 100, 1.0)
+    with pytest.raises(ValueError, match="engine= decodes the shared-prefix path"):
+        rollout.generate(model, tok, PROMPTS, engine=eng, share_prefix=False)
+
+
+def test_row_buckets_go_by_eight_below_the_chunk():
+    assert engine.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert engine.row_buckets(5) == [1, 2, 4, 5] and engine.row_buckets(1) == [1]
+    assert engine.row_buckets(12) == [1, 2, 4, 8, 12]
+
+
+def trace_one_step(model, tok):
+    """Engine.step of tiny-qwen3 (4 rows, top-k/top-p sampling, min_new_tokens) through torch.compile's
+    tracer, fullgraph=True: any graph break (a Python branch on a value, a host read) raises."""
+    ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
+    eng = engine.Engine(model, 3).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad,
+                                          (0.9, 10, 0.9))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eng.allocate(prefill(model, ids, pad)[2])
+            torch.compile(lambda: eng.step(4, eng.S), backend="eager", fullgraph=True)()
+    finally:
+        torch._dynamo.reset()
+    return eng
+
+
+def test_the_decode_step_traces_as_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) traces the whole step (forward, sampling, bookkeeping) of tiny-qwen3:
+    no data-dependent Python branch, no host read. A sampler that branches on a value breaks the trace."""
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    assert int(trace_one_step(model, tok).t) == 1                          # the step ran, traced
+    real = engine.sample
+    monkeypatch.setattr(engine, "sample", lambda lg, *w: real(lg, *w) if lg.max() > 0 else lg.argmax(-1))
+    with pytest.raises(Exception, match="[Dd]ata-dependent|[Gg]raph break|Unsupported"):
+        trace_one_step(model, tok)
+
+
+def test_check_every_must_be_at_least_one():
+    model, _ = load_model("tiny-qwen3", device="cpu")
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="check_every must be an integer >= 1"):
+            engine.Engine(model, check_every=bad)

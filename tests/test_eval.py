@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import task_data_missing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,6 @@ from evaluation import highflow, probes, stats
 from training.models import load_model
 from training.rollout import generate
 from training.runlog import peak_ema
-
-from conftest import task_data_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)

@@ -7,21 +7,20 @@ kernels from the same weights, once in a training forward and once in a no-grad 
 another kernel for each); the credit scores of the two are held to rounding against the scores of the
 same batch in float64 (conftest.assert_to_rounding)."""
 import copy
-import dataclasses
 import zlib
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_to_rounding
 
 import flowtracer
 import grpo
-from flowtracer import Capture, capture, select_layers
-from training import credit, policy, signals
+from flowtracer import Capture, select_layers
+from training import credit, logprobs, signals
+from training.attention import attention_graph, capturing, use_flowtracer_attention
 from training.models import load_model
 from training.rollout import build_batch
-
-from conftest import assert_to_rounding
 
 
 def batch_with_answers(tok):
@@ -49,22 +48,22 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     sep = credit.assign(model, tok, b, adv, cfg)                                 # its own no-grad pass
     exact = credit.assign(copy.deepcopy(model).double(), tok, b, adv, cfg)      # the same pass in fp64
     if ckpt:
-        policy.checkpointing(model)
+        logprobs.checkpointing(model)
     model.train()
     calls = []
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        flowtracer.use_flowtracer_attention(model)                                 # as policy.load_policy
+        use_flowtracer_attention(model)                                 # as policy.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers))   # as grpo.update
         logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, capture=cap)
         with torch.no_grad():
-            fused = credit.assign(model, tok, b, adv, cfg, signals.Captured(cap.maps(b.attention_mask), ent))
+            fused = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(cap.maps(b.attention_mask), ent))
         (logp * b.response_mask[:, b.prompt_width:]).sum().backward()        # recomputation, if checkpointing
     finally:
         flowtracer.add_head_mean = real
     n_layers = len(select_layers(cfg.layers, model.config.num_hidden_layers))
-    assert cap.calls == n_layers and len(calls) == n_layers      # once per layer, not in backward
+    assert len(cap.seen) == n_layers and len(calls) == n_layers  # once per layer, not in backward
     assert not sep.fallback.any()
     assert_to_rounding(fused.scores, sep.scores, exact.scores, what=f"{name} scores")
     assert torch.equal(fused.gamma, sep.gamma) and torch.equal(fused.fallback, sep.fallback)
@@ -76,11 +75,11 @@ def test_capture_equals_attention_graph_and_leaves_output_unchanged(tiny):
     maps; and the capture leaves the model's output as sdpa gives it: equal logits (the same kernels)."""
     model, tok = tiny
     b = batch_with_answers(tok).to(model.device)
-    ref = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, "all")
+    ref = attention_graph(model, b.input_ids, b.attention_mask, "all")
     pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         plain = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits
-        with capture(model, b.attention_mask, "all") as cap:
+        with capturing(model, b.attention_mask, "all") as cap:
             captured = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits
     # 1e-6: the maps are means of probabilities in [0, 1]; the two passes run the same fp32 ops on the same
     # inputs (eval mode, no grad, both), so they differ at most by a few roundings of 1 (eps = 1.2e-7)
@@ -93,9 +92,9 @@ def test_capture_equals_attention_graph_and_leaves_output_unchanged(tiny):
 def test_attention_graph_rejects_bad_masks(bad, match):
     model, _ = load_model("tiny-qwen3")
     with pytest.raises(ValueError, match=match):
-        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), bad)
+        attention_graph(model, torch.tensor([[5, 6, 7]]), bad)
     with pytest.raises(ValueError, match="chunk"):
-        flowtracer.attention_graph(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long),
+        attention_graph(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long),
                                    chunk=0)
 
 
@@ -105,23 +104,19 @@ SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4"
 
 
 def one_step(tmp_path, monkeypatch, two_pass, extra=()):
-    """Loss and every gradient of one grpo.train step; two_pass forces the old-log-prob pass of
-    num_iterations > 1 while keeping one iteration (today's reference)."""
-    grads, real_step, real_old = {}, grpo.optimizer_step, grpo.old_logprobs
+    """Loss and every gradient of one grpo.train step; two_pass runs --num-iterations 2, whose old-log-prob
+    pass comes first, and stops after the first epoch's gradients (the optimizer does not step): the same
+    update as on-policy's one pass, with old log pi from a pass of its own."""
+    grads, real_step = {}, grpo.optimizer_step
 
     def spy(model, opt, max_grad_norm, loss):
         grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        return real_step(model, opt, max_grad_norm, loss)
-
-    def forced(run, batch, trained):
-        two = dataclasses.replace(run.cfg, num_iterations=2)
-        return real_old(SimpleNamespace(**{**vars(run), "cfg": two}), batch, trained)
+        return (False, 0.0) if two_pass else real_step(model, opt, max_grad_norm, loss)
     monkeypatch.setattr(grpo, "optimizer_step", spy)
     monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies
-    if two_pass:
-        monkeypatch.setattr(grpo, "old_logprobs", forced)
     out = tmp_path / ("two" if two_pass else "one")
-    m = grpo.train(grpo.parse_args([*SMOKE, *extra, "--out-dir", str(out)])).history[0]
+    two = ["--num-iterations", "2"] if two_pass else []
+    m = grpo.train(grpo.parse_args([*SMOKE, *extra, *two, "--out-dir", str(out)])).history[0]
     return m, grads
 
 
@@ -159,7 +154,7 @@ def test_fused_and_separate_pass_train_the_same(tmp_path, monkeypatch):
 def test_credit_overhead_benchmark_runs_alternating(tmp_path, capsys):
     """The Table 6 tool end to end on the tiny model: every configuration timed, ratios against the first."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("credit_overhead", grpo.Path(grpo.__file__).parent /
+    spec = importlib.util.spec_from_file_location("credit_overhead", Path(grpo.__file__).parent /
                                                   "benchmarks" / "credit_overhead.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

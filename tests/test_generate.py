@@ -188,3 +188,82 @@ def test_generate_speed_benchmark_runs_and_both_paths_agree():
     spec.loader.exec_module(bench)
     out = bench.main(["--model", "tiny-qwen3", "--rounds", "1"])
     assert out["same"] and all(v > 0 for k in ("wall", "cpu") for v in out[k].values())
+
+
+PATHS = {"decode": {}, "engine": {"graphs": False}, "hf": {"share_prefix": False}}   # the CPU's three ways
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_generate_decodes_in_eval_mode_and_gives_the_mode_back(path):
+    """A model handed over in train mode with gradient checkpointing (which would drop the KV cache, and
+    breaks a CUDA graph's capture) decodes in eval mode: the rows of the eval-mode model; then it is in
+    train mode again."""
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    kw = dict(n=2, max_new_tokens=12, greedy=True, chunk_size=3, **PATHS[path])
+    want = generate(model, tok, PROMPTS, **kw)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    modes = []
+    hook = model.register_forward_pre_hook(lambda m, a: modes.append(m.training))
+    try:
+        got = generate(model, tok, PROMPTS, **kw)
+    finally:
+        hook.remove()
+    assert got == want and modes and not any(modes) and model.training
+    assert all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_sampling_and_empty_prompts_are_refused_at_the_door(path):
+    """On every path: a temperature so small that logits / T overflows (1e-300: HF's warper and the engine's
+    sampler would draw from NaN) is a ValueError, as is top_k < 0 or top_p outside [0, 1]; an empty prompt,
+    or one without tokens, is one ValueError naming its index and text."""
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    kw = dict(n=2, max_new_tokens=4, **PATHS[path])
+    for bad in (dict(temperature=1e-300), dict(temperature=0.0), dict(top_k=-1), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match="use greedy=True"):
+            generate(model, tok, PROMPTS[:2], **kw, **bad)
+    assert len(generate(model, tok, PROMPTS[:2], temperature=1e-300, greedy=True, **kw).texts) == 4
+    for prompts, j in (([PROMPTS[0], ""], 1), (["", "a"], 0)):
+        with pytest.raises(ValueError, match=rf"^prompt {j} \(''\) is empty or has no tokens$"):
+            generate(model, tok, prompts, **kw)
+
+
+def test_the_cpu_path_never_calls_into_the_engine():
+    """On the CPU without engine options, generate runs no function of training/engine.py (a profiler over
+    the call); with graphs=False it does."""
+    import sys
+    from pathlib import Path
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    engine_py = str(Path(rollout.__file__).with_name("engine.py"))
+
+    def run(**kw):
+        files = set()
+        sys.setprofile(lambda frame, event, _: files.add(frame.f_code.co_filename) if event == "call" else 0)
+        try:
+            generate(model, tok, PROMPTS[:2], n=2, max_new_tokens=4, greedy=True, **kw)
+        finally:
+            sys.setprofile(None)
+        return engine_py in files
+
+    assert not run() and not run(share_prefix=False)
+    assert run(graphs=False)
+
+
+def test_generate_speed_update_says_when_sharing_fell_back(monkeypatch, capsys):
+    """benchmarks/generate_speed.py --update --grad-checkpointing sets the layers up as grpo.py does (the
+    shared update then runs two decoder passes); checkpointing switched on HF's way instead drops the prompt's
+    keys, the update falls back to the full pass, and the benchmark says so in one line."""
+    import importlib.util as iu
+    from pathlib import Path
+    spec = iu.spec_from_file_location("generate_speed", Path(__file__).parents[1] / "benchmarks" /
+                                      "generate_speed.py")
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--update", "--grad-checkpointing", "--model", "tiny-qwen3", "--rounds", "2",
+            "--response-tokens", "16"]
+    assert not bench.main(argv)["fell_back"] and "fell back" not in capsys.readouterr().out
+    monkeypatch.setattr(bench, "checkpointing", lambda m: m.activation_checkpointing_enable(
+        {"use_reentrant": False}))
+    assert bench.main(argv)["fell_back"]
+    assert capsys.readouterr().out.count("the shared-prompt update fell back to the full pass") == 1

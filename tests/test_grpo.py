@@ -15,12 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 import grpo
 from grpo import compute_advantages, grpo_loss, parse_args, token_logprobs
 from training.models import load_model
-
-from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -272,17 +271,17 @@ def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeyp
     """A crash after step 3's metrics line but before its checkpoint: --resume redoes step 3 from the step-2
     checkpoint, and metrics.jsonl holds each step exactly once."""
     monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
-    real = grpo.ckpt_io.save_checkpoint
+    real = grpo.runlog.save_checkpoint
 
-    def dies_at_3(path, model, tok, opt, sched, step, *a):
+    def dies_at_3(path, model, tok, opt, sched, step, *a, **k):
         if step == 3:
             raise KeyboardInterrupt("killed while saving")
-        real(path, model, tok, opt, sched, step, *a)
-    monkeypatch.setattr(grpo.ckpt_io, "save_checkpoint", dies_at_3)
+        real(path, model, tok, opt, sched, step, *a, **k)
+    monkeypatch.setattr(grpo.runlog, "save_checkpoint", dies_at_3)
     with pytest.raises(KeyboardInterrupt):
         grpo.train(parse_args([*SMOKE, "--steps", "3", "--save-every", "2", "--out-dir", str(tmp_path)]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    monkeypatch.setattr(grpo.ckpt_io, "save_checkpoint", real)
+    monkeypatch.setattr(grpo.runlog, "save_checkpoint", real)
     grpo.train(parse_args(["--resume", str(tmp_path), "--steps", "4"]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 
@@ -376,12 +375,11 @@ def test_clock_charges_queued_gpu_work_to_the_phase_that_queued_it():
                            (False, {"update forward": 0.0, "credit": 6.0})):
         now, queued, sync = fake_gpu()
         clock = runlog.Clock(torch.device("cpu"), now=lambda: now[0], sync=sync if synced else lambda: None)
-        clock.phase("update forward")
-        queued[0] += 5.0                                    # the training forward, queued
-        clock.phase("credit")
-        sync()                                              # credit's first .item(): waits for the forward
-        now[0] += 1.0                                       # the credit's own second
-        clock.phase(None)
+        with clock.phase("update forward"):
+            queued[0] += 5.0                                # the training forward, queued
+        with clock.phase("credit"):
+            sync()                                          # credit's first .item(): waits for the forward
+            now[0] += 1.0                                   # the credit's own second
         assert clock.seconds == expect
 
 
@@ -390,7 +388,22 @@ def test_clock_synchronizes_on_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
     clock = runlog.Clock(torch.device("cuda"))
-    clock.phase("generation")
-    clock.phase(None)
+    with clock.phase("generation"):
+        pass
     assert len(calls) == 2 and set(clock.seconds) == {"generation"}
-    assert runlog.phase_times({"generation": 2.0, "credit": 1.0, "backward": 1.0})["time/credit_share"] == 0.25
+
+
+def test_credit_share_is_the_credits_part_of_the_step():
+    """time/credit_share = time/credit / time/step, time/update = forward + backward + optimizer step."""
+    from training import runlog
+    from training.rollout import Batch
+    resp = torch.tensor([[False, True, True], [False, True, False]])                # (B, T), P = 1
+    batch = Batch(torch.zeros(2, 3, dtype=torch.long), resp.long(), ~resp, resp, resp & False, 1)
+    up = SimpleNamespace(gamma=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,
+                                                           "clip/low": 0, "clip/high": 0, "clip/dual": 0})
+    gen = SimpleNamespace(truncated=[False, False], response_ids=[[1, 2], [3]])
+    cfg = SimpleNamespace(beta=0.0, num_iterations=1)
+    m = runlog.step_metrics(cfg, torch.tensor([1.0, 0.0]), torch.tensor([False]), gen, batch,
+                            torch.tensor([1.0, -1.0]), up, {"generation": 2.0, "credit": 1.0, "backward": 1.0,
+                                                            "update forward": 0.5}, 0, 1e-6, "cpu")
+    assert m["time/credit_share"] == 1.0 / 4.5 and m["time/update"] == 1.5 and m["time/step"] == 4.5

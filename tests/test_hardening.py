@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import subprocess_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,8 +34,6 @@ from training import checkpoint as ckpt_io
 from training import policy
 from training.models import load_model
 from training.rollout import find_answer_span
-
-from conftest import subprocess_env
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ a fresh import of gpu_kernels/head_mean.py is not enough: test_through_the_inter
 in a child pytest with TRITON_INTERPRET=1, where the 'cpu' cases run (in this process they are skipped, saying
 so). `TRITON_INTERPRET=1 python -m pytest tests/test_head_mean_kernel.py` runs them in one process.
 
-Tolerances (fp32): 1e-5 absolute, the issue's criterion, over an error scale of about 5e-6: the kernel
+Tolerances (fp32): 1e-5 absolute (docs/gpu.md's criterion), over an error scale of about 5e-6: the kernel
 takes p = 2^(s log2 e - m) where torch takes e^(s - m), rounding an exponent argument of |s| log2 e < 40 here
 to fp32 (p moves by <= 40 * 2^-24 = 2.4e-6 relative), and both sum at most S < 64 terms of a row in
 another order (< 64 * 2^-24 = 3.8e-6 relative); every p <= 1. bf16: see test_bf16_inputs.
@@ -26,11 +26,13 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed (requirements.txt; a CUDA torch ships its own)",
                 allow_module_level=True)
 
+import triton  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
+
 import flowtracer  # noqa: E402
 import gpu_kernels.head_mean as head_mean  # noqa: E402
-import triton  # noqa: E402
-from flowtracer import add_head_mean, attention_graph, select_layers  # noqa: E402
-from transformers.masking_utils import sdpa_mask  # noqa: E402
+from flowtracer import add_head_mean, select_layers  # noqa: E402
+from training.attention import attention_graph  # noqa: E402
 from training.models import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +200,7 @@ def test_bf16_inputs(kernel, hd):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
 def test_attention_graph_equals_eager(kernel, name, monkeypatch):
-    """flowtracer.attention_graph with the kernel in place of add_head_mean, on layers 0 and 1 of a tiny
+    """attention.attention_graph with the kernel in place of add_head_mean, on layers 0 and 1 of a tiny
     Qwen3 / Llama (GQA 4:2, head_dim 16, fp32), left and right padding, against eager attention's
     output_attentions averaged over heads and layers (padding rows and columns zeroed, as the capture)."""
     fill, device = kernel

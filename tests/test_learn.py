@@ -1,17 +1,20 @@
-"""learn.py (`python eval.py learn`): the grid end to end on tiny-qwen3, resuming without redoing, the
-statistics against hand computations, and a bad grid as one line. tiny-qwen3 is random: its rewards are 0,
-so these tests check the mechanics, not learning."""
+"""learn.py (`python eval.py learn`): the grid end to end on tiny-qwen3 (one grpo.py process per arm-seed),
+resuming without redoing, its evaluations equal to those of runs stopped and restarted at each evaluation
+step, the statistics against hand computations, and a bad grid as one line. tiny-qwen3 is random: its
+rewards are 0, so the grid tests check the mechanics, not learning."""
 import json
 import math
 
 import numpy as np
 import pytest
 
+import data
 import grpo
-from evaluation import learn
-from evaluation import stats
+from evaluation import learn, stats
 from evaluation.stats import paired_bootstrap, sign_test, t_interval
 from tasks.answers import last_number_equal
+from training import heldout
+from training.models import load_model
 
 RECIPE = ["--model", "tiny-qwen3", "--dataset", "arithmetic", "--steps", "2", "--prompts-per-step", "2",
           "--group-size", "2", "--max-new-tokens", "8"]
@@ -144,6 +147,12 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
         assert len(json.loads((out / "eval" / f"{arm}-s0" / "step00002.json").read_text())["greedy"]) == 4
         assert [len(r["questions"][e]["greedy"]) for e in ("0", "2")] == [4, 4]   # per question, per evaluation
     assert res["summary"]["vs_none"]["flow"]["seeds"] == [0]
+    for arm in ("none", "flow"):                 # one grpo.py process per arm-seed; its evaluation, read back
+        assert (out / "logs" / f"{arm}-s0.log").read_text().count("\n$ ") == 1
+        line = learn.evaluations(out / "runs" / f"{arm}-s0" / "metrics.jsonl")[2]
+        ev = json.loads((out / "eval" / f"{arm}-s0" / "step00002.json").read_text())
+        assert ev["greedy"] == line["eval/right"] and ev["acc"] == line["eval/accuracy"]
+        assert len(ev["samples"]) == 4 and ev["mean@k"] is not None       # mean@k: the final checkpoint
     md = (out / "learn.md").read_text()
     assert "flow - none" in md and "not a test of the method" in md and (out / "learn.png").stat().st_size > 1000
     assert "skipped" not in first
@@ -177,6 +186,8 @@ def test_grid_end_to_end_then_resume_skips_what_is_done(tmp_path, capsys):
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3"),
     (["--", "--seed", "3"], "--seed: set by learn"),
     (["--eval-k", "-1"], "--eval-k must be >= 0"),
+    (["--eval-dataset", "nope"], "--eval-dataset nope: unknown"),
+    (["--", "--eval-every", "3"], "--eval-every: set by learn per arm-seed (its --arms, --seeds, --eval-*)"),
 ])
 def test_bad_grid_is_one_line(argv, says, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -185,6 +196,46 @@ def test_bad_grid_is_one_line(argv, says, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error: ") and says in err[0]
     assert not (tmp_path / "x").exists()                               # nothing written, nothing loaded
+
+
+def test_evaluation_steps_and_the_questions_are_grpos(tmp_path):
+    def grid(*flags):
+        return learn.Grid(*learn.parse([*flags, "--", *RECIPE, "--steps", "6"], "eval.py"), grpo)
+    g = grid("--eval-size", "3", "--out-dir", str(tmp_path / "a"))
+    assert g.every == 2 and g.eval_steps == [2, 4, 6]                  # 0: every steps/4, rounded up
+    assert g.recs == heldout.records("arithmetic", "", 3, seed=0)
+    assert grid("--eval-every", "4", "--out-dir", str(tmp_path / "b")).eval_steps == [4, 6]   # and the last
+
+
+def even_length(record, text):                # a stand-in reward: right when the response has even length
+    return float(len(text) % 2 == 0)
+
+
+def test_one_process_evaluates_as_the_restarted_runs_did(tmp_path, monkeypatch):
+    """learn's former grid stopped grpo.py at each evaluation step, loaded its checkpoint, evaluated it, and
+    resumed. One process evaluating the policy it trains gives the same numbers, step by step (CPU, greedy).
+    The reward is even_length, so that tiny-qwen3 is trained and its held-out counts are not all zero."""
+    monkeypatch.setattr(data, "score", even_length)
+    recipe = [*RECIPE, "--lr", "3e-2", "--warmup-steps", "1", "--save-optimizer"]
+    grpo.main([*recipe, "--eval-every", "1", "--eval-size", "6", "--out-dir", str(tmp_path / "one")])
+    got = learn.evaluations(tmp_path / "one" / "metrics.jsonl")
+    recs, style = heldout.records("arithmetic", "", 6, seed=0), data.default_style("tiny-qwen3", "math")
+    seg = tmp_path / "seg"
+    cfg, want = grpo.parse_args(RECIPE), {}
+    for step in (1, 2):                                                 # the former segments
+        grpo.main([*recipe, "--steps", "1", "--out-dir", str(seg)] if step == 1 else
+                  ["--resume", str(seg), "--steps", "2"])
+        model, tok = load_model(str(seg / "ckpt"))
+        want[step] = heldout.greedy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk)
+    model, tok = load_model("tiny-qwen3")
+    base = heldout.greedy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert got[step]["eval/right"] == want[step]["greedy"] and got[step]["eval/total"] == 6
+        assert got[step]["eval/right_lenient"] == want[step]["greedy_lenient"]
+        assert got[step]["eval/correct"] == sum(want[step]["greedy"])
+    assert 0 < sum(base["greedy"]) < 6                                  # the stand-in reward: some right
+    assert base["greedy"] != got[1]["eval/right"] != got[2]["eval/right"]   # each step: its own model
 
 
 def test_eval_py_dispatches_learn(capsys):

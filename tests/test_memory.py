@@ -2,8 +2,8 @@
 memory), the flags' derived amounts, the Kahan scheme against fp32 AdamW, the autocast weight cache, the
 CUDA allocator setting, and `eval.py memory`."""
 import copy
+import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRotaryEmbedding,
+)
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3DecoderLayer,
+    Qwen3RotaryEmbedding,
+)
 
 import grpo
 from evaluation import memory, memtrace
-from training import policy
+from training import logprobs, policy
 from training.models import load_model, qwen3_4b_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,9 +105,10 @@ def total(est, phase):
 
 def live_at_the_first_layers_backward(tied, device):
     """Live tensor bytes (track_peak) when backward reaches decoder layer 0 of a checkpointed, shared-prompt
-    update (policy.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
+    update (logprobs.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
     the second micro-batch on)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from training.rollout import build_batch
     _, tok = load_model("tiny-qwen3", device="cpu")
     torch.manual_seed(0)
@@ -111,13 +118,13 @@ def live_at_the_first_layers_backward(tied, device):
                                          eos_token_id=259)).to(device)
     b = build_batch(tok, [list(range(3, 43))] * 4, [list(range(50, 82))] * 4).to(device)
     model.train()
-    policy.checkpointing(model)
+    logprobs.checkpointing(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     seen = []
     with memtrace.track_peak(model) as tr:
         hook = model.model.layers[0].register_full_backward_pre_hook(lambda mod, g: seen.append(tr.now))
-        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, True)
+        lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, True)
         after = tr.now
         (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
         hook.remove()
@@ -157,7 +164,7 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     assert base["credit"]["activations"] == P * prompt + b * R * resp + L * P * 2 * 2 * 8 * 128
     assert base["credit"]["activations"] < unshared["credit"]["activations"]
     assert 60e9 < b * T * L * memory.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
-    # and with the micro-batch's one prompt read once (--share-prefix, policy.response_states): the prompt
+    # and with the micro-batch's one prompt read once (--share-prefix, logprobs.response_states): the prompt
     # pass keeps 1 x P tokens, the response pass 8 x R queries and the prompt's K, V (bf16, repeated to the
     # 32 query heads) of each of its 8 rows in each layer
     shared, _ = qwen3_4b("--no-grad-checkpointing")
@@ -204,9 +211,10 @@ def test_margin_is_printed_and_counted_in_the_fit():
     assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in memory.report(cfg)
     tight = SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192})
     g, _ = memory.fit(tight, mc, "cuda")
-    for n, fits in ((g, True), (2 * g, False)):
-        c = SimpleNamespace(**{**vars(tight), "gen_chunk": n})
-        assert (total(memory.estimate(c, mc, "cuda"), "generation") + sum(memory.margin(c, mc).values())
+    for n, fits in ((g, True), (2 * g, False)):          # every phase at micro_batch 1: the engine stays
+        c = SimpleNamespace(**{**vars(tight), "gen_chunk": n, "micro_batch": 1})
+        est = memory.estimate(c, mc, "cuda")
+        assert (max(total(est, ph) for ph in memory.PHASES) + sum(memory.margin(c, mc).values())
                 <= 80e9) == fits
 
 
@@ -344,10 +352,11 @@ def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
     cfg = grpo.parse_args(SMALL)
     path = tmp_path / "backward.pickle"
     measured = memtrace.measure(cfg, 32, grpo.update, "cuda", snapshot=str(path))
-    snap = pickle.loads(path.read_bytes())
-    peak, before, rows = memtrace.held_at_peak(snap, top=1000)
-    assert peak == snap["window_peak"] <= measured["backward"]
-    assert 0 < before <= snap["base_allocated"] and any("Backward" in s.split(" | ")[0] for _, _, s in rows)
+    s = json.loads(Path(str(path) + ".json").read_text())              # save_snapshot's summary, every site
+    assert path.is_file() and s["peak"] == s["window_peak"] <= measured["backward"]
+    assert 0 < s["before"] <= s["base_allocated"]
+    assert any("Backward" in site.split(" | ")[0] for _, _, site in s["rows"])      # the backward's own blocks
+    assert memtrace.report_held(str(path), measured["backward"]).count("\n") == 1 + min(12, len(s["rows"]))
 
 
 @pytest.mark.parametrize("chunk", [16, 64])

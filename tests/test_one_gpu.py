@@ -19,15 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DEVICES, assert_to_rounding
 
 import flowtracer
 import grpo
-from training import policy, rollout
+from gpu_kernels import availability
+from training import attention, logprobs, models, policy, rollout
 from training import checkpoint as ckpt_io
-from training import models
 from training.models import load_model
-
-from conftest import DEVICES, assert_to_rounding
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -260,18 +259,18 @@ def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share
     float64: conftest.assert_to_rounding): the padding rows add nothing to the loss."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
-    logp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
+    logp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
     resp = b.response_mask[:, b.prompt_width:]
     (logp * resp).sum().backward()
     assert torch.isfinite(logp).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
-        exact, _ = policy.token_logprobs(copy.deepcopy(model).double(), b.input_ids, b.attention_mask,
+        exact, _ = logprobs.token_logprobs(copy.deepcopy(model).double(), b.input_ids, b.attention_mask,
                                          b.prompt_width, 2, share)
     assert nan_kernel and sum(nan_kernel) == 0, nan_kernel                 # no fully masked row was built
     for j, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):                    # each row alone, no padding
         one = rollout.build_batch(tok, [p], [r]).to(model.device)
-        alone, _ = policy.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
+        alone, _ = logprobs.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
         assert_to_rounding(alone[0][: len(r)], logp[j][resp[j]], exact[j][resp[j]], what=f"row {j}")
 
 
@@ -291,9 +290,9 @@ def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
 def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel, device):
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
-    attn = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
-    with flowtracer.capture(model, b.attention_mask, "all") as cap:
-        policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
+    attn = attention.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
+    with attention.capturing(model, b.attention_mask, "all") as cap:
+        logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
     assert torch.isfinite(attn).all() and torch.isfinite(cap.attn).all()
     torch.testing.assert_close(cap.attn, attn)
     assert sum(nan_kernel) == 0, nan_kernel
@@ -308,7 +307,7 @@ def test_the_optimizer_step_is_chosen_at_setup(monkeypatch, device, triton, comp
     """Triton only where its launcher can be built (a C compiler, as Triton looks for one), else foreach."""
     import optimi.utils
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(policy.shutil, "which", compilers.get)
+    monkeypatch.setattr(availability.shutil, "which", compilers.get)
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", triton)
     assert policy.optimi_kernel(device) == want
 
@@ -320,7 +319,7 @@ def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, c
     (at 0) cannot be accessed from Triton (cpu tensor?)", tests/test_memory.py on the H100)."""
     import optimi.utils
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(policy.shutil, "which", {"gcc": "/usr/bin/gcc"}.get)
+    monkeypatch.setattr(availability.shutil, "which", {"gcc": "/usr/bin/gcc"}.get)
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
     assert policy.optimi_kernel("cuda") == "triton"                       # what "cuda" alone would choose
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
@@ -422,3 +421,25 @@ def test_dropping_rows_copies_the_filled_part_once_per_tensor():
     assert (ops, nbytes) == dropped(rows=8, room=10, keep=[0, 2, 5, 7])[:2]          # not the spare room
     assert ops == dropped(rows=64, room=10, keep=list(range(0, 64, 2)))[0]          # not a loop over rows
     assert dropped(rows=8, room=10, keep=[0, 1, 2])[:2] == (0, 0)                   # the tail leaves: free
+
+
+# ----------------------------------------------------------------------------- the head-mean kernel's choice
+@pytest.mark.parametrize("device, triton, compilers, chosen, line", [
+    ("cuda", True, {"gcc": "/usr/bin/gcc"}, "head_mean_triton", "by the fused Triton kernel"),
+    ("cuda", False, {"gcc": "/usr/bin/gcc"}, "add_head_mean", "Triton is not installed"),
+    ("cuda", True, {}, "add_head_mean", "no C compiler for Triton's launcher"),
+    ("cpu", True, {"gcc": "/usr/bin/gcc"}, "add_head_mean", None)])
+def test_the_head_mean_kernel_is_chosen_where_it_can_run(monkeypatch, capsys, device, triton, compilers,
+                                                         chosen, line):
+    """flowtracer.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
+    launcher (Triton's first call fails without one); else add_head_mean, and on CUDA one line saying why."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(availability.shutil, "which", compilers.get)
+    monkeypatch.setattr(availability.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" and not triton else real(name, *a))
+    fn = flowtracer.head_mean_kernel(device)
+    out = capsys.readouterr().out.splitlines()
+    assert fn.__name__ == chosen
+    assert (out == []) if line is None else (len(out) == 1 and line in out[0])

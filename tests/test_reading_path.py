@@ -24,7 +24,8 @@ def step_calls(tmp_path, monkeypatch):
 
     def profile(frame, event, arg):
         path, name = os.path.abspath(frame.f_code.co_filename), frame.f_code.co_qualname
-        if event == "call" and path.startswith(f"{ROOT}/") and path.endswith(".py") and "<" not in name:
+        if event == "call" and path.startswith(f"{ROOT}/") and "site-packages" not in path \
+                and path.endswith(".py") and "<" not in name:
             calls.add((str(Path(path).relative_to(ROOT)), name))
     sys.setprofile(profile)
     try:

@@ -452,6 +452,7 @@ def test_a_stopped_check_keeps_the_same_string_equal(monkeypatch):
     """Whatever stops the check (a timeout in this thread or in the worker thread, a parser error), the same
     string stays equal and a different one is not proven equal."""
     import threading
+
     from tasks import answers
     s = LONG[:400]
     monkeypatch.setattr(answers, "false_equation", lambda e: (_ for _ in ()).throw(TimeoutError("slow")))

@@ -1,4 +1,4 @@
-"""Each prompt read once in the update (policy.response_states, share_prompt; policy.py departure 1) against
+"""Each prompt read once in the update (logprobs.response_states, share_prompt; logprobs.py departure 1) against
 one pass over every row's [prompt | response] (share_prompt=False): the same log-probs, entropies and
 parameter gradients, the same captured attention and flow credit, the fallbacks, and one grpo.py step with
 --share-prefix against --no-share-prefix. Tiny random Qwen3 / Llama in fp32, on each device present (cpu, and
@@ -15,15 +15,14 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_to_rounding, flat, grpo_steps
 
 import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
-from training import credit, policy, signals
+from training import attention, credit, logprobs, policy, signals
 from training.models import load_model
 from training.rollout import build_batch
-
-from conftest import assert_to_rounding, flat, grpo_steps
 
 # Three prompts of different lengths (so different left padding); A and B twice, not adjacent; C alone.
 PROMPTS = {"A": "Q: what is 12 + 30? Think, then answer.", "B": "Q: 7*8=?", "C": "Q: name 2+2."}
@@ -61,12 +60,14 @@ def decoder_calls(model, training=None):
 def forward(model, b, share, chunk=4, layers=None):
     """(log-probs, entropies, captured maps or None, capture calls) of token_logprobs, with grad."""
     if layers is None:
-        lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
+        lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    flowtracer.use_flowtracer_attention(model)                                  # as policy.load_policy
-    cap = Capture(select_layers(layers, model.config.num_hidden_layers))       # given to the forward
-    lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
-    return lp, ent, cap.maps(b.attention_mask), cap.calls
+    attention.use_flowtracer_attention(model)                                  # as policy.load_policy
+    calls = []                                                                  # head-mean maps summed
+    cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
+                  head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1])
+    lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
+    return lp, ent, cap.maps(b.attention_mask), len(calls)
 
 
 def test_logprobs_and_entropies_equal_one_full_pass(tiny):
@@ -125,31 +126,31 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
         lp64, ent64, attn64, _ = forward(ref, b, False, layers=layers)
     assert calls_f == n and calls_s == 2 * n                          # each chosen layer once in each pass
     assert_to_rounding(attn_s, attn_f, attn64, what="maps")
-    alone = flowtracer.attention_graph(model, b.input_ids, b.attention_mask, layers)   # its own pass
+    alone = attention.attention_graph(model, b.input_ids, b.attention_mask, layers)   # its own pass
     assert_to_rounding(alone, attn_f, attn64, what="attention_graph's maps")
     cfg = credit.CreditConfig(credit="flow", layers=layers)
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=model.device)
     with torch.no_grad():
-        full = credit.assign(model, tok, b, adv, cfg, signals.Captured(attn_f, ent_f))
-        shared = credit.assign(model, tok, b, adv, cfg, signals.Captured(attn_s, ent_s))
-        exact = credit.assign(ref, tok, b, adv, cfg, signals.Captured(attn64, ent64))
+        full = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_f, ent_f))
+        shared = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_s, ent_s))
+        exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
     assert not full.fallback.any() and (full.gamma == cfg.gamma).any()   # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
     assert torch.equal(shared.gamma, full.gamma)
 
 
 def test_a_layer_missing_from_a_pass_is_an_error(monkeypatch, device):
-    """If the response pass took no layer (here: its `seen` set is not reset), the capture says so."""
+    """If a pass takes not every chosen layer (here: the first chosen layer is skipped), the capture says so,
+    in the prompt pass (logprobs.response_states checks it) as in the response pass (Capture.maps)."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     b = mixed_batch(tok, model.device)
-
-    def expand_only(cap, which, width):
-        buf = cap.buf.new_zeros(len(which), width, width)
-        buf[:, :cap.buf.shape[-1], :cap.buf.shape[-1]] = cap.buf[which]
-        cap.buf, cap.passes = buf, cap.passes + 1
-    monkeypatch.setattr(flowtracer.Capture, "expand_prompts", expand_only)
-    with pytest.raises(RuntimeError, match=r"captured (\d+) of \1 chosen layers x 2 forward"):
-        forward(model, b, True, layers="middle")
+    real = flowtracer.Capture.take
+    skip = min(select_layers("middle", model.config.num_hidden_layers))
+    monkeypatch.setattr(flowtracer.Capture, "take", lambda cap, layer, *a: None if layer == skip
+                        else real(cap, layer, *a))
+    for share in (True, False):
+        with pytest.raises(RuntimeError, match=r"captured (\d+) of (\d+) chosen layers"):
+            forward(model, b, share, layers="middle")
 
 
 def test_fallbacks_run_one_full_pass(tiny):
@@ -163,7 +164,7 @@ def test_fallbacks_run_one_full_pass(tiny):
     ref = forward(model, b, False, layers="middle")
     with torch.no_grad():
         exact = forward(fp64(model), b, False, layers="middle")
-    policy.checkpointing(model, reentrant=True)
+    logprobs.checkpointing(model, reentrant=True)
     calls, handle = decoder_calls(model)
     got = forward(model, b, True, layers="middle")
     assert calls == [(5, T)] and got[3] == ref[3]                     # one pass, each layer captured once
@@ -224,13 +225,13 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     computes the same loss); checkpointed=False: the same values, computed once (the reference)."""
     model.train()
     if checkpointed:
-        policy.checkpointing(model)
+        logprobs.checkpointing(model)
     model.zero_grad(set_to_none=True)
     calls, handle = decoder_calls(model)
     lp, ent, attn, n = forward(model, b, share, layers="middle")
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=lp.device)
     with torch.no_grad():
-        c = credit.assign(model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.Captured(attn, ent))
+        c = credit.assign(model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent))
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
     loss, _ = grpo.grpo_loss(lp, old, adv, c.gamma if gamma is None else gamma,
                              b.response_mask[:, b.prompt_width:], grpo.Config(), 5)
@@ -282,13 +283,13 @@ def test_checkpointed_shared_update_holds_less_memory(device):
     b = build_batch(tok, [prompt] * 4, [torch.randint(3, 200, (20 - j,)).tolist() for j in range(4)])
     b = b.to(model.device)
     model.train()
-    policy.checkpointing(model)
+    logprobs.checkpointing(model)
     peak = {}
     for share in (False, True, False, True):
         model.zero_grad(set_to_none=True)
         with track_peak(model) as tr:
             tr.phase("update")
-            lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
+            lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
             (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
         peak[share] = tr.peak["update"]
         del lp
@@ -314,13 +315,13 @@ def test_checkpointed_shared_update_peak_not_above_the_full_pass_with_tied_embed
     prompt = torch.randint(3, 200, (160,)).tolist()
     b = build_batch(tok, [prompt] * 4, [torch.randint(3, 200, (12 - j,)).tolist() for j in range(4)])
     model.train()
-    policy.checkpointing(model)
+    logprobs.checkpointing(model)
     peak = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
         with track_peak(model) as tr:
             tr.phase("update")
-            lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
+            lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
             (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
             del lp
         peak[share] = tr.peak["update"]

@@ -22,12 +22,13 @@ trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
 import flowtracer_trl as ft  # noqa: E402
 import grpo  # noqa: E402
-from flowtracer import attention_graph, flow_credit, trace_flow, use_flowtracer_attention  # noqa: E402
+from flowtracer import Capture, flow_credit, select_layers, trace_flow  # noqa: E402
 from training import (
     credit,  # noqa: E402
     runlog,  # noqa: E402
     signals,  # noqa: E402
 )
+from training.attention import attention_graph, use_flowtracer_attention  # noqa: E402
 from training.credit import CreditConfig  # noqa: E402
 from training.models import load_model  # noqa: E402
 from training.rollout import answer_token_range, build_batch  # noqa: E402
@@ -116,11 +117,12 @@ def reference_gamma(keys, A, cfg, fused=False):
     got = None
     if fused:
         use_flowtracer_attention(model)                                       # as policy.load_policy
-        cap = credit.new_capture(model, cfg)                                  # None: the signal reads no map
+        cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers)) if credit.reads_maps(cfg) \
+            else None                                                         # None: the signal reads no map
         with torch.no_grad():
             _, ent = grpo.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width,
                                          capture=cap)
-        got = signals.Captured(cap.maps(batch.attention_mask) if cap is not None else None, ent)
+        got = signals.ForwardOutputs(cap.maps(batch.attention_mask) if cap is not None else None, ent)
     with torch.no_grad():
         c = credit.assign(model, tok, batch, torch.tensor(A), cfg, got)                  # (B, R)
     return [g[:len(c_ids)] for g, (_, c_ids) in zip(c.gamma, rows)]
@@ -211,7 +213,7 @@ def test_rows_without_advantage_get_gamma_1_and_the_pass_still_runs(tmp_path, mo
                                   train_dataset=Dataset.from_list([{"prompt": "x"}] * 2))
     calls = []
 
-    def assign(model, tok, batch, adv, cfg, captured=None):
+    def assign(model, tok, batch, adv, cfg, outputs=None):
         calls.append(len(adv))
         return credit.Assignment(2 * batch.response_mask[:, batch.prompt_width:].float(), None,
                                  torch.ones(len(adv), dtype=torch.bool))

@@ -1,52 +1,37 @@
-"""Run data that is never lost: checkpoints that resume a GRPO run exactly, and a metrics log that never
-duplicates or drops a step.
+"""Reading a run back: the checkpoint --resume continues from, the config it was run with, and the checks
+that a run directory can be used (training/runlog.py writes them; its docstring says how a save survives a
+kill at any point).
 
-A checkpoint holds weights, tokenizer, optimizer, scheduler, RNG states, step and config. grpo.py saves one to
-<out_dir>/ckpt every --save-every steps, at the end, on Ctrl-C / SIGTERM and before stopping on repeated NaN
-steps. `python grpo.py --resume <out_dir>` continues from it: on the CPU with the same seed the next step's
-metrics equal those of an uninterrupted run (tests/test_grpo.py). The data order is a function of (seed,
-step), so only the RNG states and the step need saving for the batches to line up. --no-save-optimizer (the
-embedded demo's preset) leaves out AdamW's moments, twice the fp32 weights (SmolLM2-135M: 1.08 GB of 1.6 GB);
-such a checkpoint resumes with the optimizer restarted (zero moments; lr, schedule, RNG, step kept), and the
-resume says so in one line.
-
-The save, and why a kill at any point of it leaves a checkpoint that --resume loads:
-  1. write everything to ckpt.tmp/, then the marker file COMPLETE last (a directory without it is partial);
-  2. rename ckpt/ -> ckpt.old/;   3. rename ckpt.tmp/ -> ckpt/;   4. delete ckpt.old/.
-find_checkpoint takes the first complete one of ckpt/, ckpt.tmp/ (killed between 2 and 3), ckpt.old/. A
-directory is deleted marker first (`discard`), so a half-deleted one is never taken for complete, and a save
-first finishes one that was killed between 2 and 3 (step 0), so the newest checkpoint is never the one lost.
-tests/test_reliability.py kills the save at each point and loads what is left.
-
-metrics.jsonl gets one line per step, flushed and fsynced (write_metrics). On --resume it is first cut back
-to the checkpoint's step, one line per step (atomically: a temp file, then os.replace), so a step redone
-after a kill appears once and no step before it is lost. A new run refuses an out_dir that already holds a
-run unless --overwrite is given (check_out_dir), and an out_dir another run is writing to: check_out_dir takes
-an exclusive lock (fcntl.flock on <out_dir>/.lock, held while the process lives) and names the PID holding it.
+`python grpo.py --resume <out_dir>` continues from <out_dir>/ckpt in <out_dir> itself (the out_dir saved in
+run_config.json is a record of where the run began, not a destination: a moved run continues where it is).
+On the CPU with the same seed the next step's metrics equal those of an uninterrupted run
+(tests/test_grpo.py).
+The data order is a function of (seed, step), so only the RNG states and the step need saving for the batches
+to line up. A checkpoint saved with --no-save-optimizer resumes with the optimizer restarted (zero moments;
+lr, schedule, RNG, step kept), and the resume says so in one line. find_checkpoint takes the first complete
+one of ckpt/, ckpt.tmp/ (killed between renames), ckpt.old/. On --resume metrics.jsonl is first cut back to
+the checkpoint's step, one line per step (atomically: a temp file, then os.replace), so a step redone after a
+kill appears once and no step before it is lost. A new run refuses an out_dir that already holds a run unless
+--overwrite is given (check_out_dir), and an out_dir another run is writing to (its lock names the PID).
 
 Untrusted files. trainer_state.pt is read with torch.load(weights_only=True): tensors and plain types only, so
 a crafted file cannot run code (a pickle of anything else is refused, naming the file); its fields are type-
 checked. It is read onto the CPU (map_location, mmap), whatever device saved it: the optimizer's tensors
-(24 GB for Qwen3-4B) reach the GPU only through load_state_dict. The run's flags are also kept in
-run_config.json, so parse_args reads them before CUDA starts without touching the tensors. A --resume that
-changes a flag that changes the run's meaning is refused (check_resume_config). A full disk during a save is
-one line with the space needed, the last complete checkpoint untouched; check_disk finds it at setup.
+reach the GPU only through load_state_dict. The run's flags are also kept in run_config.json, so parse_args
+reads them before CUDA starts without touching the tensors, and checks each value as a flag given on the
+command line (flags.read_config). A --resume that changes a flag that changes the run's meaning is refused
+(check_resume_config). check_disk finds at setup a disk too small for the run's checkpoints.
 
 What grpo.py calls, in order:
   check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
   ckpt = find_checkpoint(cfg.resume) if cfg.resume else None     # RunError: no complete checkpoint there
   check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # creates nothing
-  ... the model loads, then the same with claim=True: out_dir created and locked
+  ... the model loads, then the same with claim=True: out_dir created and locked (runlog.lock_out_dir)
   step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
-  metrics = open_metrics(out, step if ckpt else None); write_metrics(metrics, m) each step
-  save_checkpoint(out / "ckpt", model, tok, opt, sched, step, cfg, bad)
-  unlock_out_dir(out)                                            # at the end (or when the process ends)
+  metrics = open_metrics(out, step if ckpt else None)            # then runlog.RunLog writes each step
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
-import contextlib
-import dataclasses
 import errno
-import fcntl
 import json
 import os
 import pickle
@@ -56,103 +41,24 @@ from pathlib import Path
 
 import torch
 
-MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
-RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
-
-
-class RunError(ValueError):
-    """A run directory or checkpoint the user pointed at that cannot be used; the message names it."""
-
-
-def discard(d):
-    """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
-    "complete" one with files missing."""
-    Path(d, MARK).unlink(missing_ok=True)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def quiet_bars():
-    """transformers' (and huggingface_hub's) progress bars off inside the block, as they were after it:
-    save_pretrained prints a "Writing model shards" bar at every save otherwise."""
-    from transformers.utils import logging as hf_logging
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
-def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps):
-    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG, step, config
-    into `path` (ckpt/), atomically (above)."""
-    path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
-        discard(path)                                                    #    finish it, so that ckpt.tmp (the
-        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
-    discard(tmp)
-    try:
-        with quiet_bars():
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
-        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
-                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
-        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
-        (tmp / MARK).write_text(str(step))                              # 1. complete
-    except Exception as e:
-        if not no_space(e):
-            raise
-        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
-        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
-                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
-                       f"{gb(shutil.disk_usage(path.parent).free)} are "
-                       f"free); the last complete checkpoint is kept") from None
-    if complete(path):
-        discard(old)
-        path.rename(old)                                                 # 2. keep the previous one ...
-    discard(path)                                                        # (a partial ckpt/ is garbage)
-    tmp.rename(path)                                                     # 3. ... until the new one is in
-    discard(old)                                                         # 4.
-
-
-# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
-# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or, for a small file,
-# "basic_ios::clear: iostream error"); older versions "PytorchStreamWriter failed writing file".
-ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
-
-
-def no_space(e):
-    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
-    zip writer failing to write (ZIP_WRITER)."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            or "No space left on device" in str(e) or "os error 28" in str(e)
-            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
-
-
-@contextlib.contextmanager
-def full_disk(path, what):
-    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
-    it as one line); every other error passes."""
-    try:
-        yield
-    except Exception as e:
-        if not no_space(e):
-            raise
-        raise RunError(f"{path}: no space left on the device to write {what}") from None
-
-
-def state_bytes(model, opt, with_optimizer=True):
-    """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
-    moments = [v for st in opt.state.values() for v in st.values()] if with_optimizer else []
-    ts = [*model.state_dict().values(), *moments]
-    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
-
+from training.runlog import (  # noqa: F401
+    MARK,
+    RUN_CONFIG,
+    RunError,
+    check_unlocked,
+    complete,
+    discard,
+    full_disk,
+    gb,
+    lock_out_dir,
+    no_space,
+    quiet_bars,
+    save_checkpoint,
+    state_bytes,
+    unlock_out_dir,
+    write_atomic,
+    write_metrics,
+)
 
 # Bytes per parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32) and the optimizer's
 # state (AdamW's m and v, bf16 + a bf16 Kahan compensation | fp32); the tokenizer and scalars are small.
@@ -184,14 +90,6 @@ def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True
                        f"({gb(one)} each, {what}; from the second save ckpt/ and "
                        f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
                        f"(--save-every >= --steps)")
-
-
-def gb(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def complete(d):
-    return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
 
 
 def find_checkpoint(resume):
@@ -278,7 +176,8 @@ def load_checkpoint(path, opt, sched):
 # unless --allow-config-change. A flag added later is a meaning flag until it is listed here.
 BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
                "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
-               "oar_prefix_cache", "allow_config_change", "save_optimizer"}
+               "oar_prefix_cache", "allow_config_change", "save_optimizer", "keep_checkpoints", "report_to",
+               "eval_every", "eval_dataset", "eval_size", "config"}
 
 
 def check_resume_config(saved, given):
@@ -293,62 +192,6 @@ def check_resume_config(saved, given):
 
 
 # ----------------------------------------------------------------------------- the run directory and metrics
-LOCK = ".lock"   # in out_dir; holds the PID of the run that has it locked
-_held = {}       # resolved out_dir -> this process's open lock file (the flock lasts while it is open)
-
-
-def lock_out_dir(out):
-    """An exclusive lock on out_dir for the life of this process's run, so two runs never write into one
-    directory; RunError naming the PID that holds it. Taking it again in the same process is a no-op."""
-    out = Path(out)
-    if out.resolve() in _held:
-        return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK, "a+")
-    except OSError as e:
-        raise RunError(f"{out}: cannot be the run directory ({e.strerror})") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise in_use(out, f) from None
-    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
-        print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _held[out.resolve()] = f
-
-
-def in_use(out, f):
-    """The RunError of an out_dir whose lock another run holds (f: its lock file, open; closed here)."""
-    f.seek(0)
-    pid = f.read().strip() or "unknown"
-    f.close()
-    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
-                    f"choose another --out-dir")
-
-
-def check_unlocked(out):
-    """RunError when another run holds out_dir's lock (taken here and let go at once); creates nothing."""
-    lock = Path(out) / LOCK
-    if Path(out).resolve() in _held or not lock.is_file():
-        return
-    with open(lock) as f:                                                  # closing it lets the lock go
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise in_use(out, f) from None
-        except OSError:          # a file system without flock: lock_out_dir warns
-            pass
-
-
-def unlock_out_dir(out):
-    f = _held.pop(Path(out).resolve(), None)
-    if f is not None:
-        f.close()                # closing the file releases the lock
-
-
 def link_problem(path):
     """A symlink loop or a dangling symlink on the way to `path` (it or a parent): one sentence, or None."""
     for p in (Path(path), *Path(path).parents):
@@ -381,15 +224,41 @@ def dir_problem(out):
     return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
 
 
+# What a run writes in its out_dir, and of which kind: a path of the other kind there (a directory named
+# curves.png, a file named ckpt) would stop the run when it first writes, after the model loaded, or mid-run.
+WRITES = {"metrics.jsonl": "file", "curves.png": "file", ".lock": "file", "rollouts": "directory",
+          "ckpt": "directory", "ckpt.tmp": "directory", "ckpt.old": "directory"}
+
+
+def kind_problem(out):
+    """The first path the run writes in `out` that holds the other kind of thing (WRITES) or is a broken
+    symlink, as one sentence naming it, or None. --overwrite deletes only what a run wrote, so it is no
+    way out: the user moves the path away."""
+    for name, kind in WRITES.items():
+        p = Path(out) / name
+        what = link_problem(p) or (p.exists() and p.is_dir() != (kind == "directory")
+                                   and f"{p}: a {'directory' if p.is_dir() else 'file'}")
+        if what:
+            return f"{what}, where the run writes a {kind}: move it away or choose another --out-dir"
+    return None
+
+
+def run_dir(ckpt):
+    """The run directory of a checkpoint find_checkpoint found: the one that holds ckpt/ (ckpt.tmp/ and
+    ckpt.old/ beside it), where --resume continues the run (the out_dir in run_config.json is where it
+    began: a moved run continues where it is now)."""
+    return Path(ckpt).parent
+
+
 def check_out_dir(out, resume, overwrite, claim=True):
     """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
     --resume (continue it) or --overwrite (delete it first); RunError naming both flags otherwise, or the PID
     of another run writing there. claim=False checks only and creates nothing (grpo.setup, before the model
     loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
     (lock_out_dir) and, with --overwrite, deletes the old run."""
-    out, problem = Path(out), dir_problem(out)
-    if problem:                  # a file, a symlink loop, a dangling link, no write permission: one line
-        raise RunError(f"--out-dir {problem}")
+    out, problem = Path(out), dir_problem(out) or kind_problem(out)
+    if problem:                  # a file, a symlink loop, a dangling link, no write permission, a directory
+        raise RunError(f"--out-dir {problem}")       # named metrics.jsonl, a file named ckpt: one line
     lock_out_dir(out) if claim else check_unlocked(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:
@@ -426,23 +295,3 @@ def open_metrics(out, resume_step):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return open(path, "a")                               # check_out_dir made sure a new run starts empty
-
-
-def write_atomic(path, text):
-    """A small file written whole or not at all (a temp file, fsync, os.replace): learn.py's results."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_metrics(fh, record):
-    """One JSON line, on disk before the next step starts; a full disk is a RunError naming the file."""
-    with full_disk(fh.name, f"step {record.get('step')}'s metrics"):
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())

@@ -67,8 +67,10 @@ from typing import NamedTuple
 import torch
 
 from flowtracer import Capture, Credit, flow_credit, select_layers
+from flowtracer import rank as ranks
 from training.oar import OUTCOMES
-from training.signals import FUSED, NEEDS, SIGNALS
+from training.rollout import take
+from training.signals import FUSED, NEEDS, SIGNALS, ForwardOutputs
 
 EPS = 1e-6  # the smoothing constant of OAR eq. 14 and 16 (departure 4)
 
@@ -199,14 +201,6 @@ def shape_continuous(kind):
     return rule
 
 
-def rank_desc(key, m):
-    """(B, T) rank of each token of m by descending key within its row; ties to the earlier token."""
-    key = torch.where(m, key, torch.full_like(key, -math.inf))
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    ar = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, ar), order
-
-
 def shape_soft(scores, batch, cfg, eligible=None):
     """Table 7 "soft dynamic thresholding": gamma on the fewest top-scored tokens whose scores hold at least
     soft_mass (0.2/0.4/0.6/0.8) of the sequence's score mass, 1 on the rest. Ties to the earlier token."""
@@ -216,7 +210,7 @@ def shape_soft(scores, batch, cfg, eligible=None):
         raise ValueError(f"soft_mass must be in (0, 1], got {p}")
     s, sel, fallback = prepare(scores, batch, eligible)
     nonnegative(s, sel, "soft")
-    rank, order = rank_desc(s.double(), sel)
+    rank, order = ranks(s.double(), sel)
     srt = s.double().gather(-1, order)                                         # (B, T) descending, 0 off sel
     before = srt.cumsum(-1) - srt                                              # mass ranked strictly above
     total = srt.sum(-1, keepdim=True)
@@ -235,7 +229,7 @@ def shape_8020(scores, batch, cfg, eligible=None):
     s, sel, fallback = prepare(scores, batch, eligible)
     pool = sel & ~fallback.unsqueeze(-1)                                       # (B, T)
     k = math.ceil(frac * int(pool.sum()) - 1e-9)
-    rank, _ = rank_desc(s.double().flatten()[None], pool.flatten()[None])      # one row: the whole batch
+    rank, _ = ranks(s.double().flatten()[None], pool.flatten()[None])      # one row: the whole batch
     kept = (rank.view_as(s) < k) & pool
     return finish(kept.float(), sel, fallback, batch)
 
@@ -326,25 +320,17 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 
 # ----------------------------------------------------------------------------- the credit step, one call
-def new_capture(model, cfg):
-    """What the fused pass gives the training forward: a flowtracer.Capture of cfg.layers when the signal
-    reads the attention maps (flow, attention), else None (the forward then computes no map)."""
-    if separate_pass(cfg) or NEEDS.get(cfg.credit) != "attn":
-        return None
-    return Capture(select_layers(cfg.layers, model.config.num_hidden_layers))
-
-
 class Assignment(NamedTuple):
     gamma: torch.Tensor     # (B, R) weight on each response token's surrogate term (eq. 5); 0 on padding
     scores: torch.Tensor    # (B, R) the signal's scores on the response columns
     fallback: torch.Tensor  # (B,) bool: no ranking, so all-1 gamma (plain GRPO)
 
 
-def assign(model, tok, batch, adv, cfg, captured=None):
+def assign(model, tok, batch, adv, cfg, outputs=None):
     """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
     additive entropy bonus (entropy-adv), and the response columns [:, P:]. batch: rollout.Batch of B rows;
-    adv: (B,) sequence advantages; captured: what the training forward computed (fused pass) or None."""
-    scores = SIGNALS[cfg.credit](model, batch, cfg, captured)                      # (B, T)
+    adv: (B,) sequence advantages; outputs: what the training forward computed (fused pass) or None."""
+    scores = SIGNALS[cfg.credit](model, batch, cfg, outputs)                      # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
     c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)  # gamma (B, T), fallback (B,)
     P, resp = batch.prompt_width, batch.response_mask
@@ -360,6 +346,48 @@ def separate_pass(cfg):
     """True when credit needs its own pass before the update: asked for (--credit-pass separate), a signal
     that runs its own forwards (attention, OAR), or a rule that needs every row's scores first (80-20)."""
     return cfg.credit_pass == "separate" or cfg.credit not in FUSED or cfg.shaping in BATCH_RULES
+
+
+def is_flowtracer(cfg):
+    """True for the paper's credit, which grpo.update computes in plain lines: flow, top-k (eq. 6), every
+    response token eligible, fused into the training forward. Every other setting goes through Baseline."""
+    return (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == ("flow", "topk", "", "fused")
+
+
+def reads_maps(cfg):
+    """True when the training forward must capture the attention maps (flow or attention, fused)."""
+    return not separate_pass(cfg) and NEEDS.get(cfg.credit) == "attn"
+
+
+class Baseline:
+    """Every credit but the paper's default, behind one call per micro-batch (grpo.update):
+
+        baseline = Baseline(run, batch, trained, adv)      # a credit with a pass of its own runs it here
+        cap = baseline.capture()                           # a Capture for the training forward, or None
+        c = baseline(mb, sub, cap, entropy)                # Assignment of the micro-batch's rows (b, R)
+
+    Fused or separate is decided here, not in the update: a signal with forwards of its own (fai, gradient,
+    correlation, OAR), the batch-wide 80-20 rule and --credit-pass separate run `assign` once over the
+    trained rows, before the first micro-batch (no grad); the others read what the training forward computed
+    (its captured maps and entropy). run: grpo's Run (model, tok, cfg, autocast, layers, head_mean)."""
+    def __init__(self, run, batch, trained, adv):
+        self.run, self.adv, self.given = run, adv, None
+        if separate_pass(run.cfg) and trained:
+            with torch.no_grad(), run.autocast:
+                self.given = assign(run.model, run.tok, take(batch, trained), adv[trained], run.cfg)  # (b, R)
+            self.where = {r: i for i, r in enumerate(trained)}           # batch row -> row of `given`
+
+    def capture(self):
+        if not reads_maps(self.run.cfg):
+            return None
+        return Capture(self.run.layers, head_mean=self.run.head_mean)
+
+    def __call__(self, mb, sub, cap, entropy):
+        if self.given is not None:
+            i = torch.tensor([self.where[r] for r in mb], device=self.given.gamma.device)
+            return Assignment(*(x[i] for x in self.given))
+        outputs = ForwardOutputs(cap.maps(sub.attention_mask) if cap is not None else None, entropy)
+        return assign(self.run.model, self.run.tok, sub, self.adv[mb], self.run.cfg, outputs)
 
 
 # ----------------------------------------------------------------------------- registries (--shaping)

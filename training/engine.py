@@ -4,13 +4,13 @@ rollout.generate decodes with Engine on CUDA (shared prefix, no HF-only option: 
 rollout.decode, and rollout.generate(..., graphs=False) runs the engine there, eagerly (the tests). Each
 prompt is still read once (rollout.shared_prefix, then rollout.prefill_rows on the chunk's distinct prompts);
 Engine.decode copies its keys and values to its G rows in static buffers, and decodes on three ideas. The
-reasons are measured on one H100 (qwen3-4b-random, 64 rows, 256 new tokens, bf16; ../shared/gpu/README.md):
+reasons are measured on one H100 (qwen3-4b-random, 64 rows, 256 new tokens, bf16; docs/gpu.md):
 rollout.decode made 501 tok/s, HF generate 658, HF generate with a compiled static cache 2,666, and the 1K
 table's generation 1,030 tok/s = 7.3% of the bandwidth bound (14,024 tok/s). A decode step took 110 ms, of
 which the GPU was busy 11 ms: the decode was bound by the host, not by the GPU's memory, whose ceiling is
 reading the weights (8 GB) and the rows' KV cache once a step, about 5 ms for 64 rows at 1K.
 
-  1. A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the call's widest prompt + max_new_tokens, and a
+  1. A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the widest prompt + max_new_tokens, and a
      (rows, 1, 1, S) boolean mask, written in place at the step's position `at` (SlotLayer, a transformers
      cache layer): no concatenation, no mask grown by a column, and the same shapes at every step. Why: with a
      new key length every step, cuDNN's attention built a new plan each time (51% of the step's CPU time,
@@ -20,8 +20,9 @@ reading the weights (8 GB) and the rows' KV cache once a step, about 5 ms for 64
   2. Graph replay. On CUDA the whole step (forward, sampling, bookkeeping) is captured once per (rows bucket,
      key-length bucket) as a torch.cuda.CUDAGraph (warmed up on a side stream first) and replayed: one launch
      instead of ~1,860 kernel launches a step, each a few microseconds of Python and driver. Decode
-     attention runs on flash / memory-efficient SDPA (sdpa_kernel around capture); cuDNN stays for
-     training's long sequences, where its plans are reused. Rows are bucketed by powers of two: when the
+     attention runs on flash / memory-efficient SDPA (sdpa_kernel around the step, checked once: the math
+     kernel only where neither can run it, and then with one line); cuDNN stays for training's
+     long sequences, where its plans are reused. Rows are bucketed by 1, 2, 4, then multiples of 8: when the
      rows still writing fit a smaller bucket, they move to the front and its graph takes over.
   3. Sampling without a sync. Temperature, top-k and top-p on the GPU, and the draw by an exponential race
      (argmax p / E, E ~ Exp(1): the chosen token is j with probability p_j), not torch.multinomial; a
@@ -29,10 +30,20 @@ reading the weights (8 GB) and the rows' KV cache once a step, about 5 ms for 64
      rollout.decode (and HF's loop) read EOS on the host every step, so the CPU waited for the GPU to finish
      each step before it could launch the next, and the GPU then waited for the CPU's launches.
 
+An Engine lives for a run: a caller that passes one to every rollout.generate call (engine=...) keeps its
+buffers and graphs while the calls fit them (`reserve`); a call that needs more rows, positions or new tokens
+grows them (new buffers, graphs dropped), as does one with other EOS ids, pad or sampling parameters (each a
+constant of the graphs). `captures` counts the graphs captured (eagerly: those the step would capture). At
+128 rows, chunk 64, 256 + 1,024 tokens: 11 row buckets x 6 key lengths, at most 66 graphs a run, 16 a chunk
+(docs/gpu.md: the counts, and why multiples of 8).
+A capture or a replay that raises turns the graphs off for the engine's life, with one line: the step runs
+eagerly from there on, and the run goes on.
+
 Memory: the static buffers are the KV cache that evaluation/memory.py's `generation` counts for a chunk
-(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it.
-Not measured yet: no GPU was at hand when it was written. `benchmarks/generate_speed.py --device cuda` prints
-the engine beside HF generate (dynamic and static cache), the bound and the greedy rows equal to HF's.
+(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. An engine
+kept for a run holds the largest call's. Not measured yet: no GPU was at hand when it was written.
+`benchmarks/generate_speed.py --device cuda` prints the engine beside HF generate (dynamic and static cache),
+the bound and the greedy rows equal to HF's.
 
 Departures from rollout.decode / HF generate (numbered):
   1. Same distribution, other samples. The draw is an exponential race over HF's warped distribution
@@ -42,8 +53,8 @@ Departures from rollout.decode / HF generate (numbered):
   2. Top-k keeps exactly k tokens; HF keeps every token tied with the k-th logit.
   3. A finished row keeps its place (writing pad) until the next check; then it leaves when the rows still
      writing fit a smaller bucket. Rows of the bucket beyond the chunk's are idle rows.
-  4. Graphs live for one call: each rollout.generate call captures what it uses (at most 8 key lengths x
-     log2(rows) + 1 row counts, lazily; a capture costs one warm-up step and one captured step).
+  4. Graphs are captured lazily, the first time a (rows, key length) pair comes (a capture costs one
+     warm-up step and one captured step), and kept for the engine's life (above).
   5. Under autocast, a captured step casts fp32 weights every replay (autocast's weight cache is off in a
      capture); bf16 weights, as policy.py's kahan scheme loads them on CUDA, need no cast.
 
@@ -62,8 +73,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 ALIGN = 64          # S and the key-length buckets are multiples of this (mem-efficient SDPA copies a mask
                     # whose length is not a multiple of 16)
-LENGTHS = 8         # key-length buckets per call, at most (each one a graph to capture)
+LENGTHS = 8         # key-length buckets, at most (each one a graph to capture per row bucket)
 OPTIONS = frozenset({"min_new_tokens", "graphs", "check_every"})   # Engine options rollout.generate passes
+FAST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]   # decode attention's kernels
 
 
 def supports(model):
@@ -78,6 +90,11 @@ def wanted(model, extra):
     """rollout.generate's choice for its shared-prefix path: the engine on CUDA unless `extra` holds an
     HF-only option; anywhere when `extra` names `graphs` (graphs=False: the CPU tests' way in)."""
     return set(extra) <= OPTIONS and supports(model) and (model.device.type == "cuda" or "graphs" in extra)
+
+
+def row_buckets(rows):
+    """The row counts a step runs at: 1, 2, 4, then the multiples of 8 below `rows`, and `rows`."""
+    return sorted({b for b in (1, 2, 4) if b < rows} | set(range(8, rows, 8)) | {rows})
 
 
 def sample(logits, temperature, top_k, top_p):
@@ -126,34 +143,52 @@ class SlotLayer(CacheLayerMixin):
 
 
 class Engine:
-    """Static buffers for up to `rows` rows of `width` positions and `new` generated tokens, the decode step
-    over them, and on CUDA its graphs. warp: (temperature, top_k, top_p), or None for greedy. min_new_tokens
-    None: the model's generation_config's (as HF generate); graphs None: on a CUDA model."""
+    """A run's decoder: static buffers, the decode step over them, and on CUDA its graphs, kept across calls
+    while they fit (`reserve` sizes it for a call; rollout.generate calls it). min_new_tokens None: the
+    model's generation_config's (as HF generate); graphs None: on a CUDA model; check_every: steps between
+    the host's reads of EOS (>= 1)."""
 
-    def __init__(self, model, rows, width, new, eos, pad, warp, min_new_tokens=None, graphs=None,
-                 check_every=16):
-        dev, V = model.device, model.config.vocab_size
+    def __init__(self, model, min_new_tokens=None, graphs=None, check_every=16):
+        if not (isinstance(check_every, int) and check_every >= 1):
+            raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")
+        if not supports(model):
+            raise ValueError("the engine decodes full attention only; this model has sliding-window layers")
         low = model.generation_config.min_new_tokens if min_new_tokens is None else min_new_tokens
-        self.model, self.rows, self.new, self.pad, self.warp = model, rows, new, pad, warp
-        self.graphs = dev.type == "cuda" if graphs is None else graphs
-        if self.graphs and dev.type != "cuda":
+        self.model, self.check_every, self.min_new = model, check_every, low or 0
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA model")
-        self.S = ALIGN * math.ceil(width / ALIGN)                        # cache positions
-        self.span = ALIGN * max(2, math.ceil(self.S / LENGTHS / ALIGN))  # key-length bucket, >= 128
-        self.buckets = sorted({2 ** j for j in range(rows.bit_length()) if 2 ** j < rows} | {rows})
-        self.check_every, self.min_new = check_every, low or 0
+        self.rows = self.S = self.width = self.new = self.captures = 0
+        self.settings, self.kernels, self.keys, self.values = None, None, None, None
+        self.graph, self.caches, self.pool, self.side = {}, {}, None, None
+
+    def reserve(self, rows, width, new, eos, pad, warp):
+        """Room for `rows` rows of `width` positions (prompt and new tokens), `new` tokens a call, decoded
+        with these EOS ids, pad and warp ((temperature, top_k, top_p), or None for greedy). Kept while the
+        call fits and these are the same; else new buffers, at least as large, and the graphs dropped."""
+        S = ALIGN * math.ceil(width / ALIGN)                              # cache positions
+        settings = (tuple(eos), pad, warp)
+        self.new = new
+        if rows <= self.rows and S <= self.S and new <= self.width and settings == self.settings:
+            return self
+        dev, V = self.model.device, self.model.config.vocab_size
+        rows, S, self.width = max(rows, self.rows), max(S, self.S), max(new, self.width)
+        self.rows, self.S, self.settings, self.pad, self.warp = rows, S, settings, pad, warp
+        self.span = ALIGN * max(2, math.ceil(S / LENGTHS / ALIGN))       # key-length bucket, >= 128
+        self.buckets = row_buckets(rows)
         self.ends = torch.tensor(eos, device=dev)                         # (e,) the EOS ids
         self.ban = torch.zeros(V, dtype=torch.bool, device=dev)           # (V,) EOS, banned before min_new
         self.ban[self.ends] = True
-        self.mask = torch.zeros(rows, 1, 1, self.S, dtype=torch.bool, device=dev)  # (rows, 1, 1, S) visible
+        self.mask = torch.zeros(rows, 1, 1, S, dtype=torch.bool, device=dev)      # (rows, 1, 1, S) visible
         self.x = torch.full((rows,), pad, dtype=torch.long, device=dev)   # (rows,) the token to read next
         self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)     # (rows, 1) its position
         self.done = torch.ones(rows, dtype=torch.bool, device=dev)        # (rows,) EOS emitted (or idle)
-        self.out = torch.full((rows, new), pad, dtype=torch.long, device=dev)      # (rows, N) tokens
+        self.out = torch.full((rows, self.width), pad, dtype=torch.long, device=dev)   # (rows, N) tokens
         self.at = torch.zeros(1, dtype=torch.long, device=dev)           # the cache column written next
         self.t = torch.zeros(1, dtype=torch.long, device=dev)            # the step, = column of out
         self.keys = self.values = None                                   # (L, rows, Hkv, S, d): first chunk
-        self.caches, self.graph, self.pool, self.side = {}, {}, None, None
+        self.graph, self.caches, self.pool = {}, {}, None
+        return self
 
     def state(self):
         return [self.mask, self.x, self.pos, self.done, self.out, self.at, self.t]
@@ -166,6 +201,7 @@ class Engine:
         shape = (mc.num_hidden_layers, self.rows, mc.num_key_value_heads, self.S, hd)
         self.keys, self.values = (torch.zeros(shape, device=self.model.device, dtype=getattr(
             getattr(first, name, None), "dtype", self.model.dtype)) for name in ("keys", "values"))
+        self.graph, self.caches, self.pool = {}, {}, None                # graphs of the old buffers: gone
 
     def cache(self, b, s):
         """transformers' Cache over rows :b and keys :s of the buffers (views: one Cache per graph)."""
@@ -174,13 +210,32 @@ class Engine:
                                                         self.at) for i in range(len(self.keys))])
         return self.caches[b, s]
 
+    def attention_kernels(self, b, s):
+        """The SDPA kernels of the decode step, checked once per engine with torch's own tests on its shapes
+        (transformers' decode query, (b, Hkv, H / Hkv, d) over (b, Hkv, s, d) keys, a (b, 1, 1, s) mask):
+        flash and memory-efficient; the math kernel only when neither can run, with one line (and torch's
+        warnings saying why)."""
+        mc, dt, dev = self.model.config, self.keys.dtype, self.model.device
+        H, Hkv, d = mc.num_attention_heads, mc.num_key_value_heads, self.keys.shape[-1]
+        q = torch.zeros(b, Hkv, H // Hkv, d, dtype=dt, device=dev)       # (b, Hkv, H / Hkv, d)
+        k = torch.zeros(b, Hkv, s, d, dtype=dt, device=dev)              # (b, Hkv, s, d)
+        p = torch.backends.cuda.SDPAParams(q, k, k, torch.ones(b, 1, 1, s, dtype=torch.bool, device=dev),
+                                           0.0, False, False)
+        cuda = torch.backends.cuda
+        if cuda.can_use_flash_attention(p) or cuda.can_use_efficient_attention(p):
+            return FAST
+        cuda.can_use_flash_attention(p, True)                            # again, debug on: torch says why
+        cuda.can_use_efficient_attention(p, True)
+        print(f"engine: neither flash nor memory-efficient attention can run the decode step ({dt}, head dim "
+              f"{d}): it runs on SDPA's math kernel, slower", flush=True)
+        return FAST + [SDPBackend.MATH]
+
     def scope(self):
-        """Decode attention on flash / memory-efficient SDPA (not cuDNN: idea 2), and the caller's autocast
-        without its weight cache, which a graph capture must not keep (departure 5)."""
+        """Decode attention on the kernels `attention_kernels` allows (not cuDNN: idea 2), and the caller's
+        autocast without its weight cache, which a graph capture must not keep (departure 5)."""
         dev, stack = self.model.device.type, contextlib.ExitStack()
         if dev == "cuda":
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH], set_priority=True))
+            stack.enter_context(sdpa_kernel(self.kernels or FAST, set_priority=True))
         stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False,
                                            enabled=torch.is_autocast_enabled(dev)))
         return stack
@@ -204,24 +259,45 @@ class Engine:
         self.at += 1
         self.t += 1
 
+    def capture(self, b, s):
+        """The step's CUDA graph: warmed up on a side stream (lazy inits, kernel choice), then recorded."""
+        side = self.side = self.side or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(b, s)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):                          # recorded, not run
+            self.step(b, s)
+        self.pool = g.pool()
+        return g
+
     def run(self, b, s):
-        """The step, eager or as the replay of its graph (captured the first time it is needed)."""
-        if not self.graphs:
-            return self.step(b, s)
+        """The step, eager or as the replay of its graph, captured the first time (b, s) comes (`captures`
+        counts them on either path). A capture or replay that raises: eager from then on (fall_back)."""
         if (b, s) not in self.graph:
-            saved = [x.clone() for x in self.state()]
-            side = self.side = self.side or torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):                       # warm-up: lazy inits, kernel choice
-                self.step(b, s)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):                      # recorded, not run
-                self.step(b, s)
-            self.pool, self.graph[b, s] = g.pool(), g
+            self.captures += 1
+            self.graph[b, s] = None
+            saved = [x.clone() for x in self.state()] if self.graphs else []
+            try:
+                self.graph[b, s] = self.capture(b, s) if self.graphs else None
+            except Exception as e:                                        # noqa: BLE001 (the run goes on)
+                self.fall_back("capture", e)
             for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
                 x.copy_(v)                                                 # is rewritten before it is read)
-        self.graph[b, s].replay()
+        if self.graph[b, s] is None or not self.graphs:
+            return self.step(b, s)
+        try:
+            self.graph[b, s].replay()
+        except Exception as e:                                            # noqa: BLE001
+            self.fall_back("replay", e)
+            self.step(b, s)
+
+    def fall_back(self, what, error):
+        """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
+        self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
+        print(f"engine: CUDA graph {what} failed ({type(error).__name__}: {error}); the decode step runs "
+              f"eagerly from here on", flush=True)
 
     @torch.no_grad()
     def decode(self, inp, mask, cache, which):
@@ -229,7 +305,8 @@ class Engine:
         prompts laid out by rollout.prefill_rows, cache their K, V (all but the last prompt token), which (g,)
         each row's prompt. Copies each prompt's K, V to its rows, then steps until every row is done."""
         g, W, N = len(which), inp.shape[1], self.new
-        if self.keys is None:
+        first = cache.layers[0].keys if W > 1 else None                   # (k, Hkv, W - 1, d) the prefill's
+        if self.keys is None or (first is not None and first.dtype != self.keys.dtype):
             self.allocate(cache)
         for i, layer in enumerate(cache.layers if W > 1 else []):        # (g, Hkv, W - 1, d) per layer
             self.keys[i, :g, :, :W - 1] = layer.keys[which]
@@ -247,12 +324,14 @@ class Engine:
         self.t.zero_()
         res = torch.full((g, N), self.pad, dtype=torch.long, device=inp.device)    # (g, N)
         rows, b = torch.arange(g, device=inp.device), self.bucket(g)     # rows[j]: the chunk row in slot j
+        if self.kernels is None and inp.device.type == "cuda":          # once per engine
+            self.kernels = self.attention_kernels(b, min(self.S, self.span))
         with self.scope():
             for t in range(N):
                 self.run(b, min(self.S, self.span * math.ceil((W + t) / self.span)))   # keys :W + t needed
                 if (t + 1) % self.check_every and t + 1 < N:
                     continue
-                res[rows] = self.out[:len(rows)]                # host sync: every check_every steps
+                res[rows] = self.out[:len(rows), :N]            # host sync: every check_every steps
                 live = (~self.done[:len(rows)]).nonzero().squeeze(1)      # (n,) slots still writing
                 if len(live) == 0:
                     break

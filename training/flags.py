@@ -11,18 +11,25 @@ tokenize, for each dataclass in the MRO (grpo.Config inherits credit.CreditConfi
 with no fields under it places a base class's section of the same name there, so `# credit` in grpo.Config
 puts CreditConfig's flags between the reward and the update flags, in the order of the loop.
 
+`read_config` reads a YAML or JSON file of the same flags (`lr: 1e-5`, `top-k: 50`; a run's run_config.json
+too): each value goes through the parser add_fields builds, as the word the command line would give, so a file
+and a command line are checked by the same code (an int field refuses 1.5 as --seed 1.5 is refused).
 `commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
 `check` holds grpo.py's rules on its flags' values (one error line each, before anything loads).
 """
 import argparse
 import dataclasses
+import difflib
 import inspect
 import io
+import json
 import math
 import re
 import tokenize
+from pathlib import Path
 
 import torch
+import yaml
 
 import data
 from training import credit
@@ -130,6 +137,56 @@ def value_in(argv, name, default):
     return value
 
 
+def read_config(path, cls, choices=None):
+    """{field: value} from a YAML or JSON file (.json: JSON, else YAML) of `cls`'s flags, its keys the field
+    names with dashes or underscores (top-k, top_k). Each value is checked exactly as the same flag on the
+    command line: it goes through add_fields' parser as its word (`--seed=1.5`: an error; a bool field takes
+    true / false: --flag / --no-flag). ValueError, one sentence naming the file and the key, for an unknown
+    key or a bad value; an empty file sets nothing."""
+    try:
+        text = Path(path).read_text()
+        raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    except (ValueError, yaml.YAMLError) as e:                        # json's errors are ValueErrors
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"{path}: not a {'JSON' if str(path).endswith('.json') else 'YAML'} file ({why})") \
+            from None
+    if not isinstance(raw, dict) and raw is not None:
+        raise ValueError(f"{path}: expected a mapping of flags (lr: 1e-5), got a {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    parser = add_fields(argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False),
+                        cls, choices, suppress=True)                   # the command line's parser
+    out = {}
+    for key, value in (raw or {}).items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields, n=1)
+            raise ValueError(f"{path}: unknown key {key!r} (not a flag of {cls.__name__}"
+                             + (f"; did you mean {near[0]!r}?)" if near else ")"))
+        if name in out:
+            raise ValueError(f"{path}: the key {key!r} is given twice (with dashes and with underscores)")
+        try:
+            args = [config_word(fields[name], value)]
+            out.update(vars(parser.parse_known_args(args)[0]))
+        except (argparse.ArgumentError, ValueError) as e:
+            raise ValueError(f"{path}: {key}: {getattr(e, 'message', e)}") from None
+    return out
+
+
+def config_word(f, value):
+    """The command-line argument a config file's value stands for: --flag / --no-flag for a bool, else
+    `--flag=<the value as written>` (a str as is, a number as JSON writes it); ValueError for a value no
+    flag takes (null, a list, a mapping, a bool for a field that is not one, a number for a bool)."""
+    if f.type in (bool, "bool"):
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return flag(f.name) if value else "--no-" + flag(f.name)[2:]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"expected {type(f.default).__name__}, got {json.dumps(value, default=str)[:80]}")
+    return f"{flag(f.name)}={value if isinstance(value, str) else json.dumps(value)}"
+
+
 def commands(doc):
     """{name: (summary, description)} from a docstring's table of subcommands: a line `  name   text` starts
     an entry (its text is the one-line summary), the more-indented lines after it continue the description."""
@@ -177,3 +234,41 @@ def check(cfg):
         if not ok:
             return f"{name} {why}"
     return credit.check(cfg)
+
+
+def parse(cls, argv, doc, choices, presets, in_force, prog):
+    """A `cls` (grpo.Config) from a command line: the defaults, the presets in force (in_force(model,
+    paper_batch): names of `presets`), a --config file, then the flags given; or, with --resume, the saved
+    run's run_config.json (each value checked as the same flag on the command line) and the flags given. A
+    resumed run continues in its own directory, wherever it was moved. Bad flags: argparse's one error
+    line."""
+    from training import checkpoint as ckpt_io
+    active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False))
+    head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(active) or 'none'}; each default "
+                                   f"below says what it sets, and the flags given win.")
+    p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
+                                description=head, epilog=doc[doc.index("Run:"):], formatter_class=Formatter)
+    add_fields(p, cls, choices, suppress=True, presets=presets, active=active)
+    given = vars(p.parse_args(argv))                     # unknown flags are errors
+    try:
+        if given.get("resume"):                          # the saved run's config, then the flags given now
+            ckpt = ckpt_io.find_checkpoint(given["resume"])
+            saved = read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices) \
+                if (ckpt / ckpt_io.RUN_CONFIG).is_file() else ckpt_io.saved_config(ckpt)
+            ckpt_io.check_resume_config(saved, given)    # another --model, --credit ...: refused
+            here = ckpt.parent                           # the run directory: where its checkpoint is
+            if "out_dir" in given and Path(given["out_dir"]).resolve() != here.resolve():
+                raise ValueError(f"--resume continues the run in its own directory, {here}: leave out "
+                                 f"--out-dir (copy the directory to continue a copy elsewhere)")
+            cfg = cls(**{**saved, **given, "out_dir": str(here)})
+        else:                                            # presets, a --config file, then the flags given
+            file = read_config(given["config"], cls, choices) if given.get("config") else {}
+            base = in_force(given.get("model", file.get("model", cls.model)),
+                            given.get("paper_batch", file.get("paper_batch", False)))
+            cfg = cls(**{k: v for name in base for k, v in presets[name].items()} | file | given)
+    except ValueError as e:
+        p.error(str(e))
+    problem = check(cfg)
+    if problem:
+        p.error(problem)
+    return cfg

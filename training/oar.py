@@ -198,7 +198,7 @@ def masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores,
 
 
 @torch.no_grad()
-def signal_oar_p(model, batch, cfg, captured=None):
+def signal_oar_p(model, batch, cfg, outputs=None):
     """I_t = KL(P_final || P_final^(t)) for every response token t (eq. 8); (B, T) float32, 0 off the
     response. Cost: sum_b n_b masked copies, oar_chunk of them per forward (departure 3)."""
     chunk = int(cfg.oar_chunk)
@@ -233,7 +233,7 @@ def signal_oar_p(model, batch, cfg, captured=None):
 
 
 # ----------------------------------------------------------------------------- OAR-G (eq. 9-13)
-def signal_oar_g(model, batch, cfg, captured=None):
+def signal_oar_g(model, batch, cfg, outputs=None):
     """I_t = |<grad_{e_t} KL(P_0 || P_eps), e_t>| (eq. 13) with one backward pass; (B, T) float32."""
     sigma = float(cfg.oar_sigma)
     if not sigma > 0:

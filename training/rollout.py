@@ -13,7 +13,10 @@ How (share_prefix=True, the default):
      at a 1K prompt of Qwen3's 151,936-token vocabulary the unread ones would be 0.3 GB a prompt, in bf16.
   3. `decode`: transformers' sampling loop (GenerationMixin._sample) with HF's own warpers, except that a row
      that has emitted EOS leaves the forward batch. New keys and values go into spare room (`ReservedLayer`).
-     On CUDA, training/engine.py decodes instead: a static cache, CUDA graphs, sampling without a host sync.
+     On CUDA, training/engine.py decodes instead: a static cache, CUDA graphs, sampling without a host sync;
+     a caller that keeps one engine.Engine for its run (generate(..., engine=...)) keeps its graphs.
+Prompts become ids by `prompt_ids`: one BOS, also where a chat template wrote it (a Llama 3 template,
+tokenized again with the tokenizer's special tokens, gives two); flowtracer_trl.py tokenizes with it too.
 
 Departures from the paper's setup (numbered; models.py departure 1 covers vLLM against HF):
   1. Shared-prefix rollouts. HF generate on G copies of a prompt prefills each copy, its KV cache grows by
@@ -45,6 +48,7 @@ import copy
 from typing import NamedTuple
 
 import torch
+from tqdm import tqdm
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -54,7 +58,9 @@ from transformers.generation.logits_process import (
 )
 
 from tasks.answers import boxed_span
-from training import engine
+from training.engine import OPTIONS as ENGINE_OPTIONS
+from training.engine import Engine
+from training.engine import wanted as engine_wanted
 from training.models import load_model
 
 
@@ -71,9 +77,21 @@ def eos_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
+MIN_TEMPERATURE = 1e-5   # below, sampling is argmax but for logit gaps < 1e-3 (weighed e^-100), and far below
+                         # logits / T overflows fp32 (T = 1e-300: inf, then NaN): greedy=True is argmax
+
+
+def prompt_ids(tokenizer, prompts):
+    """list[list[int]]: each prompt's token ids with one BOS. The tokenizer's special tokens are added only
+    when the text does not already begin with its BOS (a chat template that writes it, as Llama 3's: TRL
+    tokenizes chat prompts with add_special_tokens=False); a tokenizer without a BOS adds them as usual."""
+    bos = tokenizer.bos_token
+    return [tokenizer(p, add_special_tokens=not (bos and p.startswith(bos))).input_ids for p in prompts]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
-             greedy=False, chunk_size=16, share_prefix=True, **extra):
+             greedy=False, chunk_size=16, share_prefix=True, engine=None, **extra):
     """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
 
     share_prefix (default, departure 1): each prompt is read once, not n times. The token prefix that all the
@@ -86,15 +104,27 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     sampling without a host sync; engine.py departure 1: HF's distribution, not HF's samples for a seed);
     `extra` may then hold the engine's options (engine.OPTIONS: min_new_tokens, which it honours as HF
     generate does, also from the model's generation_config; graphs, which takes the engine path on any
-    device, graphs=False on the CPU; check_every)."""
+    device, graphs=False on the CPU; check_every). engine: an engine.Engine(model, ...) that the caller
+    keeps for its run and passes to every call: its buffers and graphs are reused while the calls fit.
+    prompts: texts, tokenized by `prompt_ids` (one BOS), or their token-id lists (grpo.py tokenizes its
+    prompts once, at setup). The model decodes in eval mode, then gets its mode back. With more rows than one
+    chunk a progress bar counts the rows generated and their rate (tqdm, stderr, gone when the call returns).
+    Refused with a ValueError: an empty prompt, or one without tokens; sampling at a temperature below
+    MIN_TEMPERATURE (logits / T would overflow), top_k < 0 or top_p outside [0, 1]."""
     if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of strings")
+        raise ValueError("prompts must be a non-empty list of strings (or of token-id lists)")
     if n < 1 or max_new_tokens < 1 or chunk_size < 1:
         raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {max_new_tokens}, {chunk_size}")
-    if not greedy and not temperature > 0:
-        raise ValueError(f"sampling needs temperature > 0, got {temperature}; use greedy=True for argmax")
-    if tokenizer.padding_side != "left":
-        raise ValueError("generate needs a left-padding tokenizer (load_model sets padding_side='left')")
+    if not greedy and not (temperature >= MIN_TEMPERATURE and top_k >= 0 and 0 <= top_p <= 1):
+        raise ValueError(f"sampling needs temperature >= {MIN_TEMPERATURE}, top_k >= 0, 0 <= top_p <= 1; got "
+                         f"{temperature}, {top_k}, {top_p}; use greedy=True for argmax")
+    if engine is not None and (extra or not share_prefix):
+        raise ValueError("engine= decodes the shared-prefix path with the engine's own options; got "
+                         f"share_prefix={share_prefix}, options {sorted(extra)}")
+    ids = prompt_ids(tokenizer, prompts) if isinstance(prompts[0], str) else [list(p) for p in prompts]
+    empty = next((j for j, (p, q) in enumerate(zip(prompts, ids)) if not p or not q), None)
+    if empty is not None:
+        raise ValueError(f"prompt {empty} ({prompts[empty]!r}) is empty or has no tokens")
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     sample = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
               else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
@@ -103,38 +133,57 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
                                                    (TopKLogitsWarper(top_k), bool(top_k)),
                                                    (TopPLogitsWarper(top_p), top_p < 1.0)) if on]) \
         if not greedy else None                                           # HF's sampling warpers, HF's order
-    ids = tokenizer(list(prompts)).input_ids                              # the token ids of each prompt
-    eng, shareable = None, share_prefix and min(map(len, ids)) > 0        # the CPU: decode, below
-    if shareable and engine.wanted(model, extra):                         # CUDA: the engine decodes
-        warp = None if greedy else (temperature, top_k, top_p)
-        eng = engine.Engine(model, min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens,
-                            max_new_tokens, eos, pad, warp, **extra)
-    share = shareable and (not extra or eng is not None)
-    prefix = shared_prefix(model, ids, room=0 if eng else max_new_tokens + 1) if share else None
-    out = Generations([], [], [], [])
-    for c in range(0, len(prompts) * n, chunk_size):
-        rows = range(c, min(c + chunk_size, len(prompts) * n))            # row r holds prompt r // n
-        if prefix is None:
-            enc = tokenizer([prompts[r // n] for r in rows], return_tensors="pt", padding=True)
-            inp, mask, cache = enc.input_ids.to(model.device), enc.attention_mask.to(model.device), None
-            seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, inp.shape[1]:]
-        elif eng is not None:                                             # each prompt once, K/V to its rows
-            uniq = list(dict.fromkeys(r // n for r in rows))
-            inp, mask, cache = prefill_rows(model, prefix, [ids[j] for j in uniq], pad)
-            which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)    # row -> its prompt
-            seq = eng.decode(inp, mask, cache, which)
-        else:
-            inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
-            seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)
-        for r, gen in zip(rows, seq.tolist()):
-            stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after the first EOS
-            resp = gen[:stop]  # stop is None: no EOS, all max_new_tokens tokens (no padding in such a row)
-            out.prompt_ids.append(ids[r // n])
-            out.response_ids.append(resp)
-            out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
-            out.truncated.append(stop is None)
-        del seq, cache                  # this chunk's KV cache is gone before the next chunk's prefill
+    asked = model.device.type == "cuda" or set(extra) & ENGINE_OPTIONS  # CPU: no call into engine.py
+    eng = engine or (Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra)
+                     else None)
+    if eng is not None:
+        eng.reserve(min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens, max_new_tokens,
+                    eos, pad, None if greedy else (temperature, top_k, top_p))
+    share = share_prefix and (not extra or eng is not None)
+    modes, out = [m.training for m in model.modules()], Generations([], [], [], [])
+    model.eval()                                   # no dropout, no checkpointing (it would drop the cache)
+    try:
+        room = 0 if eng is not None else max_new_tokens + 1                # decode's spare cache positions
+        prefix = shared_prefix(model, ids, room) if share else None
+        bar = tqdm(total=len(ids) * n, desc="rollout", unit="row", leave=False,
+                   disable=len(ids) * n <= chunk_size)                   # one chunk: no bar
+        for c in range(0, len(prompts) * n, chunk_size):
+            rows = range(c, min(c + chunk_size, len(prompts) * n))        # row r holds prompt r // n
+            if prefix is None:                                            # HF generate, the same ids
+                inp, mask = left_pad([ids[r // n] for r in rows], pad, model.device)           # (B, T)
+                cache = None
+                seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, mask.shape[1]:]
+            elif eng is not None:                                         # each prompt once, K/V to its rows
+                uniq = list(dict.fromkeys(r // n for r in rows))
+                inp, mask, cache = prefill_rows(model, prefix, [ids[j] for j in uniq], pad)
+                which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)   # row -> prompt
+                seq = eng.decode(inp, mask, cache, which)
+            else:
+                inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
+                seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)
+            for r, gen in zip(rows, seq.tolist()):
+                stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)   # cut after 1st EOS
+                resp = gen[:stop]  # stop None: no EOS, all max_new_tokens tokens (no padding in such a row)
+                out.prompt_ids.append(ids[r // n])
+                out.response_ids.append(resp)
+                out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
+                out.truncated.append(stop is None)
+            del seq, cache              # this chunk's KV cache is gone before the next chunk's prefill
+            bar.update(len(rows))
+        bar.close()
+    finally:
+        for m, mode in zip(model.modules(), modes):                      # each module's mode, as it came
+            m.training = mode
     return out
+
+
+def left_pad(rows, pad, device):
+    """(input_ids, attention_mask), both (B, T): the rows' token ids left-padded with pad, as HF generate
+    takes them (what a left-padding tokenizer makes of the same ids)."""
+    T = max(map(len, rows))
+    inp = torch.tensor([[pad] * (T - len(r)) + list(r) for r in rows], device=device)           # (B, T)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=device)       # (B, T)
+    return inp, mask
 
 
 def decode(model, inp, mask, cache, max_new_tokens, eos, pad, warpers):
@@ -293,8 +342,8 @@ class Batch(NamedTuple):
 
 
 def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                  question_special: bool = False) -> Batch:
-    """Lay out prompts + responses as HF generate does and mark the three regions.
+                question_special: bool = False, device=None) -> Batch:
+    """Lay out prompts + responses as HF generate does and mark the three regions (on `device`, else the CPU).
 
     question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
     attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
@@ -316,7 +365,7 @@ def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[
         rng = answer_token_range(tokenizer, list(r)) if r else None
         if rng is not None:
             ans[b, P + rng[0]:P + rng[1]] = True
-    return Batch(ids, attn_mask, q, resp, ans, P)
+    return Batch(*(x.to(device) for x in (ids, attn_mask, q, resp, ans)), P)
 
 
 def take(batch: Batch, rows) -> Batch:

@@ -1,28 +1,45 @@
-"""The log phase of grpo.py: what one GRPO step reports and keeps.
+"""What a GRPO run writes, and the run directory while it writes: never lost, never split.
 
-  step_metrics   one JSONL line of metrics per step (checkpoint.write_metrics appends it to metrics.jsonl)
-  Clock          seconds per phase of a step, synchronized on CUDA (time/*)
-  credit_stats   OAR App. A.3's diagnostics of the credit: ESS ratio of gamma, top-10% mass of |A_t|
-  save_rollouts  every rollout with its per-token text, answer mask, score and gamma (rollouts/step_N.jsonl)
-  plot_curves    reward, accuracy, entropy and length against the step (curves.png)
-  metric_series  [step, value] of one metric from metrics.jsonl (learn.py's training curves)
-  peak_ema       the paper's peak-tracking EMA of a curve (App. C.3, "Plot Settings"; eval.py departure 1)
-  end_step       the end of every grpo.py step: the metrics line, rollouts, the checkpoint when due
-  Interrupt      Ctrl-C / SIGTERM as a value the loop reads: finish the step, save, stop
-  finish         the end of a run: metrics closed, the out-dir released, curves.png
+    log = RunLog(out, cfg, model, tok, opt, sched, metrics)   # grpo.setup: the directory is locked already
+    with log.clock.phase("credit"): ...                       # grpo's phases, timed (time/*)
+    log.step(step, m, rollout, bad, stopping)                 # grpo.train, after every step
+    log.finish(stop)                                          # the end of the run, however it ended
+
+  step        the metrics line (metrics.jsonl, and the tracker of --report-to), the rollouts with their
+              per-token credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, and the
+              last --keep-checkpoints of them) with curves.png redrawn
+  Clock       seconds per phase of a step, synchronized on CUDA (time/*)
+  A first Ctrl-C or SIGTERM sets log.stop_requested (the loop finishes the step, saves and stops); a second
+  stops at once.
+  step_metrics, credit_stats   one step's metrics; OAR App. A.3's diagnostics of the credit
 
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
 not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
 loss, grad_norm, clip/* (fraction of trained tokens clipped), credit/* (gamma statistics over the trained
-rows), time/* (seconds per phase), mem/peak_gb.
+rows), time/* (seconds per phase), mem/peak_gb, eval/* (held-out greedy accuracy, --eval-every).
+
+The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py
+reads it back): 1. everything is written to ckpt.tmp/, the marker file COMPLETE last (a directory without it
+is partial); 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/; 4. ckpt.old/ is deleted (or kept as ckpt-<step>/
+under --keep-checkpoints K > 1, the K - 1 newest). A directory is deleted marker first (`discard`), so a
+half-deleted one is never taken for complete, and a save first finishes one that was killed between 2 and 3.
+metrics.jsonl gets one line per step, flushed and fsynced. The run directory is locked (fcntl.flock on
+<out_dir>/.lock, held while the process lives), so two runs never write into one. A full disk is one line with
+the space needed, and the last complete checkpoint stands.
 
 Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
                 'smollm2-135m', 'arithmetic', 'flow/topk')"
 """
+import contextlib
+import dataclasses
+import errno
+import fcntl
 import json
+import os
+import random
 import resource
+import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,60 +47,126 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from training import checkpoint as ckpt_io
+MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
+RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
+LOCK = ".lock"      # in out_dir; holds the PID of the run that has it locked
 
 
-def step_metrics(run, rewards, zero_std, gen, batch, adv, up, sec, bad):
-    """One step's metrics; up: grpo.Update; sec: Clock.seconds; bad: the non-finite streak. time/credit = the
-    separate pass + the fused flow/shaping (the capture itself runs inside the update's forward and is
-    counted in time/update)."""
+# ----------------------------------------------------------------------------- the run's log
+class RunLog:
+    """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
+    alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
+    def __init__(self, out, cfg, model, tok, opt, sched, metrics, tracker=None):
+        self.out, self.cfg, self.model, self.tok = Path(out), cfg, model, tok
+        self.opt, self.sched = opt, sched
+        self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
+        self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, self.on_signal)
+
+    def on_signal(self, signum, _frame):
+        """The first Ctrl-C or SIGTERM sets stop_requested; a second stops at once (the default handler)."""
+        self.stop_requested = True
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    def step(self, step, m, rollout, bad, stopping=False):
+        """The end of every step, skipped or not: its line, the tracker, the rollouts when due, the checkpoint
+        when due or when the run stops here. Returns None, or the one-line reason when the disk is full: the
+        loop stops on it, and the last complete checkpoint stands."""
+        cfg, done, self.clock.seconds = self.cfg, step + 1, {}      # the next step's phases start at 0
+        if "skipped" in m:
+            tqdm.write(f"step {done}: {m['skipped']}; no update")
+        elif bad:
+            tqdm.write(f"step {done}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}: "
+                       f"update skipped ({bad} in a row)")
+        else:
+            held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+            tqdm.write(f"step {done}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
+                       f"len {m['len/mean']:.0f} "
+                       f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
+                       f"{m['time/step']:.1f}s")
+        try:
+            write_metrics(self.metrics, m)
+            if self.tracker is not None:
+                self.tracker.log(m, done)
+            if rollout is not None and done % cfg.rollouts_every == 0:
+                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, *rollout)
+            if done % cfg.save_every == 0 or done == cfg.steps or stopping:
+                save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
+                                keep=getattr(cfg, "keep_checkpoints", 1))
+                plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
+                            f"{cfg.credit}/{cfg.shaping}")
+        except RunError as e:
+            return str(e)
+        return None
+
+    def finish(self, stop=None):
+        """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics and the tracker,
+        release the directory, say where everything is (curves.png was drawn at the last save)."""
+        self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.close()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        unlock_out_dir(self.out)
+        print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
+              f"rollouts: {self.out / 'rollouts'}")
+        if (self.out / "ckpt").is_dir():
+            print(f"checkpoint: {self.out / 'ckpt'}")
+        if stop == "interrupted":
+            print(f"interrupted: checkpoint saved; continue with --resume {self.out}")
+
+
+class Clock:
+    """Seconds per phase of a step: `with clock.phase("credit"): ...` adds the block's time to
+    seconds["credit"]. On CUDA each mark first waits for the queued kernels (torch.cuda.synchronize): a phase
+    is charged its own GPU time, not the time of the forward whose result its first host sync waits for."""
+    def __init__(self, device, now=time.perf_counter, sync=None):
+        cuda = torch.device(device).type == "cuda"
+        self.sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
+        self.now, self.seconds = now, {}
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        self.sync()
+        t = self.now()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + self.now() - t
+
+
+# ----------------------------------------------------------------------------- one step's metrics
+def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, device):
+    """One step's metrics; up: grpo.Update; sec: Clock.seconds; bad: the non-finite streak; lr: the step's.
+    time/credit is the credit after the forward (the capture runs inside the update's forward: time/update);
+    time/credit_share is its share of the step (FlowTracer's Table 6: ~2%)."""
     resp, gamma, stats = batch.response_mask[:, batch.prompt_width:], up.gamma, up.stats          # (B, R)
-    trained = (adv != 0) if run.cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)   # (B,)
-    n_tok = resp.sum().clamp_min(1).item() * run.cfg.num_iterations
+    trained = (adv != 0) if cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)       # (B,)
+    n_tok = resp.sum().clamp_min(1).item() * cfg.num_iterations
     ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
     on = resp & trained[:, None]                                                             # (B, R)
+    update = sum(sec.get(k, 0.0) for k in ("update forward", "backward", "optimizer step"))
+    step = sum(sec.values())
+    peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
     return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
             "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
             "len/mean": resp.sum(-1).float().mean().item(),
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
             "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
-            "grad_norm": stats.get("grad_norm", 0.0), "lr": run.sched.get_last_lr()[0], "bad_steps": bad,
+            "grad_norm": stats.get("grad_norm", 0.0), "lr": lr, "bad_steps": bad,
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
             "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
             **credit_stats(gamma, adv, on),
-            **phase_times(sec), "mem/peak_gb": peak_memory_gb(run.device)}
-
-
-def phase_times(sec):
-    """time/* of a step from the clock's seconds per phase (grpo.update's phases make up time/update), and
-    the credit's share of the step (the paper's Table 6 puts FlowTracer at ~2% of a step)."""
-    update = sum(sec.get(k, 0.0) for k in ("update forward", "backward", "optimizer step"))
-    step = sum(sec.values())
-    return {"time/generate": sec.get("generation", 0.0), "time/reward": sec.get("reward", 0.0),
+            "time/generate": sec.get("generation", 0.0), "time/reward": sec.get("reward", 0.0),
             "time/credit": sec.get("credit", 0.0), "time/update": update, "time/step": step,
-            "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0}
-
-
-class Clock:
-    """Seconds per phase of a step. `phase(name)` ends the running phase and starts `name` (None: stop);
-    `reset()` starts a new step. On CUDA each mark first waits for the queued kernels
-    (torch.cuda.synchronize): a phase is charged its own GPU time, not the time of the forward whose result
-    its first host sync waits for. The run holds one (run.clock); grpo.update marks its phases on it."""
-    def __init__(self, device, now=time.perf_counter, sync=None):
-        self.sync = sync or (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
-        self.now, self.seconds, self.name, self.t = now, {}, None, None
-
-    def reset(self):
-        self.seconds, self.name, self.t = {}, None, None
-
-    def phase(self, name):
-        self.sync()
-        t = self.now()
-        if self.name is not None:
-            self.seconds[self.name] = self.seconds.get(self.name, 0.0) + t - self.t
-        self.name, self.t = name, t
+            "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0, "mem/peak_gb": peak}
 
 
 def credit_stats(gamma, adv, on):
@@ -101,16 +184,11 @@ def credit_stats(gamma, adv, on):
     return {"credit/ess_ratio": mean(ess), "credit/top10_adv_mass": mean(mass)}
 
 
-def peak_memory_gb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB -> GiB, peak RSS
-
-
+# ----------------------------------------------------------------------------- files a step writes
 def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
     """One JSON line per rollout: text, reward, advantage, and per response token: text, score, gamma."""
     P = batch.prompt_width
-    with ckpt_io.full_disk(path, "the rollouts"), open(path, "w") as fh:
+    with full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rows):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
@@ -147,7 +225,7 @@ def plot_curves(metrics_path, png_path, model, task, credit):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))             # steps are whole: no 1.5, 2.5
     fig.suptitle(f"{model} on {task}, credit {credit}")
     fig.tight_layout()
-    with ckpt_io.full_disk(png_path, "the curves"):
+    with full_disk(png_path, "the curves"):
         fig.savefig(png_path, dpi=80)
     plt.close(fig)
     return fig
@@ -176,71 +254,185 @@ def peak_ema(xs, alpha=0.2):
     return out
 
 
-# ----------------------------------------------------------------------------- the end of a step, of a run
-def end_step(run, step, m, rollout, bad, stopping=False):
-    """The end of every step, skipped or not: the metrics line, the rollouts when due, the checkpoint when due
-    or when the run stops here. Returns None, or the one-line reason when the disk is full (checkpoint.py's
-    RunError): the loop stops on it, and the last complete checkpoint stands."""
-    cfg = run.cfg
-    if "skipped" in m:
-        tqdm.write(f"step {step + 1}: {m['skipped']}; no update")
-    elif bad:
-        tqdm.write(f"step {step + 1}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}: "
-                   f"update skipped ({bad} in a row)")
-    else:
-        tqdm.write(f"step {m['step']}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
-                   f"len {m['len/mean']:.0f} boosted {m['credit/boosted_frac']:.2f} "
-                   f"trained {m['rows/trained']} {m['time/step']:.1f}s")
+# ----------------------------------------------------------------------------- checkpoints, atomically
+def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1):
+    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG, step, config
+    into `path` (ckpt/), atomically (above). keep > 1: the previous checkpoint stays as ckpt-<its step>/,
+    and the keep - 1 newest of those are kept."""
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
+        discard(path)                                                    #    finish it, so that ckpt.tmp (the
+        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
+    discard(tmp)
     try:
-        ckpt_io.write_metrics(run.metrics, m)
-        if rollout is not None and (step + 1) % cfg.rollouts_every == 0:
-            save_rollouts(run.out / "rollouts" / f"step_{step + 1:05d}.jsonl", run.tok, *rollout)
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stopping:
-            ckpt_io.save_checkpoint(run.out / "ckpt", run.model, run.tok, run.opt, run.sched, step + 1, cfg,
-                                    bad)
-    except ckpt_io.RunError as e:
-        return str(e)
-    return None
+        with quiet_bars():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
+        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
+                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
+        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
+        (tmp / MARK).write_text(str(step))                              # 1. complete
+    except Exception as e:
+        if not no_space(e):
+            raise
+        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
+        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
+                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
+                       f"{gb(shutil.disk_usage(path.parent).free)} are "
+                       f"free); the last complete checkpoint is kept") from None
+    if complete(path):
+        discard(old)
+        path.rename(old)                                                 # 2. keep the previous one ...
+    discard(path)                                                        # (a partial ckpt/ is garbage)
+    tmp.rename(path)                                                     # 3. ... until the new one is in
+    if keep > 1 and complete(old):                                       # 4. the old one kept, or deleted
+        old.rename(path.with_name(f"{path.name}-{int((old / MARK).read_text()):05d}"))
+        for d in sorted(path.parent.glob(f"{path.name}-*"))[:-(keep - 1)]:
+            discard(d)
+    discard(old)
 
 
-class Interrupt:
-    """Ctrl-C and SIGTERM as a value the loop reads: the first sets `requested` (the step finishes, is saved,
-    and the loop stops); a second stops at once (the default handler). A context manager: the default
-    handlers are back after the block. Outside the main thread (a test's thread) nothing is installed."""
-    def __init__(self):
-        self.requested = False
-
-    def on_signal(self, signum, _frame):
-        self.requested = True
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(s, self.on_signal)
-        return self
-
-    def __exit__(self, *exc):
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        return False
+# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or, for a small file,
+# "basic_ios::clear: iostream error"); older versions "PytorchStreamWriter failed writing file".
+ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
 
 
-def finish(run, stop=None):
-    """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics, release the
-    out-dir, plot, say where everything is. A plot that a full disk refuses is a warning: the run's data is
-    saved already."""
-    run.metrics.close()
-    ckpt_io.unlock_out_dir(run.out)
+def no_space(e):
+    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
+    zip writer failing to write (ZIP_WRITER)."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            or "No space left on device" in str(e) or "os error 28" in str(e)
+            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
+
+
+@contextlib.contextmanager
+def full_disk(path, what):
+    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
+    it as one line); every other error passes."""
     try:
-        plot_curves(run.out / "metrics.jsonl", run.out / "curves.png", run.cfg.model, run.cfg.dataset,
-                    f"{run.cfg.credit}/{run.cfg.shaping}")
-    except ckpt_io.RunError as e:
-        print(f"warning: {e}", file=sys.stderr)
-    print(f"metrics: {run.out / 'metrics.jsonl'}\nplots:   {run.out / 'curves.png'}\n"
-          f"rollouts: {run.out / 'rollouts'}")
-    if (run.out / "ckpt").is_dir():
-        print(f"checkpoint: {run.out / 'ckpt'}")
-    if stop == "interrupted":
-        print(f"interrupted: checkpoint saved; continue with --resume {run.out}")
+        yield
+    except Exception as e:
+        if not no_space(e):
+            raise
+        raise RunError(f"{path}: no space left on the device to write {what}") from None
+
+
+def state_bytes(model, opt, with_optimizer=True):
+    """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
+    moments = [v for st in opt.state.values() for v in st.values()] if with_optimizer else []
+    ts = [*model.state_dict().values(), *moments]
+    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+
+def gb(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def complete(d):
+    return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
+
+
+class RunError(ValueError):
+    """A run directory or checkpoint the user pointed at that cannot be used; the message names it."""
+
+
+def discard(d):
+    """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
+    "complete" one with files missing."""
+    Path(d, MARK).unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_bars():
+    """transformers' (and huggingface_hub's) progress bars off inside the block, as they were after it:
+    save_pretrained prints a "Writing model shards" bar at every save otherwise."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def write_atomic(path, text):
+    """A small file written whole or not at all (a temp file, fsync, os.replace): learn.py's results."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_metrics(fh, record):
+    """One JSON line, on disk before the next step starts; a full disk is a RunError naming the file."""
+    with full_disk(fh.name, f"step {record.get('step')}'s metrics"):
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# ----------------------------------------------------------------------------- the run directory's lock
+_held = {}       # resolved out_dir -> this process's open lock file (the flock lasts while it is open)
+
+
+def lock_out_dir(out):
+    """An exclusive lock on out_dir for the life of this process's run, so two runs never write into one
+    directory; RunError naming the PID that holds it. Taking it again in the same process is a no-op."""
+    out = Path(out)
+    if out.resolve() in _held:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK, "a+")
+    except OSError as e:
+        raise RunError(f"{out}: cannot be the run directory ({e.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise in_use(out, f) from None
+    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
+        print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _held[out.resolve()] = f
+
+
+def in_use(out, f):
+    """The RunError of an out_dir whose lock another run holds (f: its lock file, open; closed here)."""
+    f.seek(0)
+    pid = f.read().strip() or "unknown"
+    f.close()
+    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
+                    f"choose another --out-dir")
+
+
+def check_unlocked(out):
+    """RunError when another run holds out_dir's lock (taken here and let go at once); creates nothing."""
+    lock = Path(out) / LOCK
+    if Path(out).resolve() in _held or not lock.is_file():
+        return
+    with open(lock) as f:                                                  # closing it lets the lock go
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use(out, f) from None
+        except OSError:          # a file system without flock: lock_out_dir warns
+            pass
+
+
+def unlock_out_dir(out):
+    f = _held.pop(Path(out).resolve(), None)
+    if f is not None:
+        f.close()                # closing the file releases the lock

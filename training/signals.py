@@ -1,6 +1,6 @@
 """Credit signals: how much each response token matters, one function per criterion the papers compare.
 
-    scores = SIGNALS[name](model, batch, cfg, captured=None)   -> (B, T) float32, 0 off the response
+    scores = SIGNALS[name](model, batch, cfg, outputs=None)   -> (B, T) float32, 0 off the response
 
 `batch` is a rollout.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
 rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
@@ -16,10 +16,10 @@ Table 2; OAR §4.2, Table 1):
   fai            Li et al. 2025d's own score, FAI (global-anchor attention over a window, per-head maps)
   oar-p, oar-g   OAR's outcome-grounded scores (oar.py)
 
-The fused credit pass. grpo.py's training forward can hand a signal what it computed anyway, as `captured`:
-the cfg.layers head-mean attention maps (flowtracer.capture) and each response token's entropy from the
+The fused credit pass. grpo.py's training forward can hand a signal what it computed anyway, as `outputs`:
+the cfg.layers head-mean attention maps (a flowtracer.Capture) and each response token's entropy from the
 logits of the same forward. The FUSED signals then need no forward of their own: none and random need no
-model at all; flow and attention read captured.attn; entropy reads captured.entropy. fai (per-head maps under
+model at all; flow and attention read outputs.attn; entropy reads outputs.entropy. fai (per-head maps under
 eager attention), gradient (a backward pass), correlation (the final hidden states) and OAR-P / OAR-G (their
 own perturbed forwards) always run their own passes.
 
@@ -57,40 +57,48 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from flowtracer import attention_graph, select_layers, trace_flow
-from training.oar import batch_seed, eval_mode, hidden, lm_logits, signal_oar_g, signal_oar_p
+from flowtracer import select_layers, trace_flow
+from training.attention import attention_graph
+from training.oar import (
+    batch_seed,
+    eval_mode,
+    hidden,
+    lm_logits,
+    signal_oar_g,
+    signal_oar_p,
+)
 
 
-class Captured(NamedTuple):
+class ForwardOutputs(NamedTuple):
     """What the training forward already computed, for the fused signals. Either field may be None."""
     attn: torch.Tensor | None     # (B, T, T) head/layer-mean attention of cfg.layers, detached
     entropy: torch.Tensor | None  # (B, R) entropy of the distribution that predicts response column P + j
 
 
-def signal_none(model, batch, cfg, captured=None):
+def signal_none(model, batch, cfg, outputs=None):
     """All-1 on the response: no token is preferred, so every shaping rule gives plain GRPO (departure 2)."""
     return batch.response_mask.float()
 
 
-def signal_random(model, batch, cfg, captured=None):
+def signal_random(model, batch, cfg, outputs=None):
     """Uniform [0, 1) scores on the response, the neutral lower bound of Table 2 ("Random")."""
     g = torch.Generator().manual_seed(batch_seed(batch.input_ids, cfg.seed))
     u = torch.rand(batch.input_ids.shape, generator=g)                       # (B, T) drawn on the CPU
     return u.to(batch.response_mask.device) * batch.response_mask.float()
 
 
-def graph(model, batch, cfg, captured):
+def graph(model, batch, cfg, outputs):
     """The (B, T, T) attention DAG of cfg.layers: the captured maps if the training forward took them,
-    else one forward of its own (flowtracer.attention_graph)."""
-    if captured is not None and captured.attn is not None:
-        return captured.attn
+    else one forward of its own (attention.attention_graph)."""
+    if outputs is not None and outputs.attn is not None:
+        return outputs.attn
     dev = model.device
     return attention_graph(model, batch.input_ids.to(dev), batch.attention_mask.to(dev), cfg.layers)
 
 
-def signal_flow(model, batch, cfg, captured=None):
+def signal_flow(model, batch, cfg, outputs=None):
     """FlowTracer: throughput tau of the answer-targeted flow on the middle layers' attention DAG (§3.3)."""
-    attn = graph(model, batch, cfg, captured)                                  # (B, T, T)
+    attn = graph(model, batch, cfg, outputs)                                  # (B, T, T)
     dev = attn.device
     valid = batch.attention_mask.to(dev).bool()
     q, a = batch.question_mask.to(dev), batch.answer_mask.to(dev)
@@ -100,15 +108,15 @@ def signal_flow(model, batch, cfg, captured=None):
 
 
 @torch.no_grad()
-def signal_entropy(model, batch, cfg, captured=None, rows_per_block=None):
+def signal_entropy(model, batch, cfg, outputs=None, rows_per_block=None):
     """H_t = -sum_v pi(v | x, y_<t) log pi(v | x, y_<t) (OAR eq. 5) for each response token t, from one
     no-grad forward. The logits of the response positions only, rows_per_block of them at a time, so the
     (B, T, V) fp32 logits never exist (default: about 2^25 floats per block). Temperature 1.
-    With captured.entropy (the training forward's own logits), no forward runs."""
-    if captured is not None and captured.entropy is not None:
+    With outputs.entropy (the training forward's own logits), no forward runs."""
+    if outputs is not None and outputs.entropy is not None:
         P, resp = batch.prompt_width, batch.response_mask
-        out = torch.zeros(resp.shape, dtype=torch.float32, device=captured.entropy.device)
-        out[:, P:] = captured.entropy.float().clamp_min(0.0)
+        out = torch.zeros(resp.shape, dtype=torch.float32, device=outputs.entropy.device)
+        out[:, P:] = outputs.entropy.float().clamp_min(0.0)
         return out.to(resp.device) * resp.float()
     dev = model.device
     mask = batch.attention_mask.to(dev)
@@ -129,17 +137,17 @@ def signal_entropy(model, batch, cfg, captured=None, rows_per_block=None):
     return out.to(batch.response_mask.device)
 
 
-def signal_attention(model, batch, cfg, captured=None):
+def signal_attention(model, batch, cfg, outputs=None):
     """FlowTracer's "Attention" baseline ("using maximum attention scores as a proxy for importance", §4.1):
     max over later queries t > s of the head- and layer-mean attention a(t, s) of cfg.layers (departure 5).
     Li et al.'s own score, which §4.1 cites for it, is signal_fai."""
-    A = graph(model, batch, cfg, captured)                                     # (B, T, T)
+    A = graph(model, batch, cfg, outputs)                                     # (B, T, T)
     dev = A.device
     received = A.tril(-1).amax(-2)                                             # (B, T) max over queries t > s
     return (received * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
 
 
-def signal_gradient(model, batch, cfg, captured=None, rows_per_block=None):
+def signal_gradient(model, batch, cfg, outputs=None, rows_per_block=None):
     """Green et al.'s "Gradient" baseline as read in departure 3: score_t = ||d L / d e_t||_2 with
     L = sum over response tokens u of log pi(y_u | x, y_<u) and e_t the input embedding of response token t.
     One forward and one backward (gradients to the embeddings only, never to the parameters), in full
@@ -168,7 +176,7 @@ def signal_gradient(model, batch, cfg, captured=None, rows_per_block=None):
 
 
 @torch.no_grad()
-def signal_correlation(model, batch, cfg, captured=None):
+def signal_correlation(model, batch, cfg, outputs=None):
     """Nie et al.'s "Correlation" baseline as read in departure 4: (1 + r_t) / 2 with r_t the mean Pearson
     correlation of h_t with h_s over the other response tokens s, h the final hidden states (B, T, D).
     With z_t = (h_t - mean h_t) / ||h_t - mean h_t|| (mean over the D units), corr(h_t, h_s) = <z_t, z_s>, so
@@ -193,7 +201,7 @@ class _Done(Exception):
 
 
 @torch.no_grad()
-def signal_fai(model, batch, cfg, captured=None):
+def signal_fai(model, batch, cfg, outputs=None):
     """Li et al. 2025d (arXiv 2510.13554) global-anchor score FAI_s: the mean attention token s receives from
     the tokens t with s + w0 <= t <= s + w1 (attn_window = (10, 100) or "10:100"), averaged over the
     "global" heads: the top attn_global_frac (30%) of the heads of the chosen layers (cfg.layers, default
@@ -249,5 +257,5 @@ def signal_fai(model, batch, cfg, captured=None):
 SIGNALS = {"none": signal_none, "flow": signal_flow, "random": signal_random, "entropy": signal_entropy,
            "gradient": signal_gradient, "correlation": signal_correlation, "attention": signal_attention,
            "fai": signal_fai, "oar-p": signal_oar_p, "oar-g": signal_oar_g}
-FUSED = {"none", "random", "flow", "entropy", "attention"}   # can read `captured` instead of a forward
+FUSED = {"none", "random", "flow", "entropy", "attention"}   # can read `outputs` instead of a forward
 NEEDS = {"flow": "attn", "attention": "attn", "entropy": "entropy"}   # what each fused signal reads

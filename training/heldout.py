@@ -1,0 +1,118 @@
+"""Held-out evaluation: greedy accuracy on questions that training never sees, inside the training process.
+
+grpo.py --eval-every N evaluates the policy it is training every N steps and at the last (`accuracy`: no
+checkpoint reloaded, no process restarted); eval.py learn reads those evaluations from metrics.jsonl and adds
+its own at step 0 and mean@k at the last step (`greedy`, `sampled`). One implementation for both:
+
+  records    the held-out questions: the first `eval_size` of the test split of `eval_dataset` (default:
+             the training task), generated with seed 0 whatever the run's seed, so that every run of a
+             comparison answers the same questions; refused (ValueError) when one of them is a training
+             question of the run's seed (the generated tasks draw another training split per seed).
+  greedy     per question 1 if the greedy response gets reward 1 (data.score: the answer in the task's
+             format), strict; and lenient = strict, or answers.last_number_equal (math tasks, departure 1).
+  sampled    the same counts over k samples per question at the training temperature, top-p and top-k,
+             with torch's global RNG seeded first (learn.py's process only: it would move the training's RNG).
+  accuracy   greedy, as the metrics of a metrics.jsonl line: eval/accuracy, eval/correct, eval/total,
+             eval/accuracy_lenient, and eval/right, eval/right_lenient (per question 0/1, in record order:
+             learn.py's paired tests; trackers skip them, tracking.py departure 1).
+
+Responses come from training.rollout.generate, the rollout path of training, with the prompt of training
+(data.make_prompt in the run's style); `max_new_tokens` and `chunk_size` (rows per generate call) are given:
+greedy decoding with the same records, order, budget and chunking gives the same responses in or out of the
+training process. The model is put in eval mode for the evaluation and left in the mode it had.
+
+Departures (numbered):
+ 1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
+
+Wiring (grpo.py): once at setup
+      recs = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path, records)
+  and at step s when s % cfg.eval_every == 0 or s == cfg.steps (after the update, before the metrics line)
+      m.update(heldout.accuracy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk))
+
+Run: python -c "from training import heldout, models; m, t = models.load_model('tiny-qwen3');
+                print(heldout.accuracy(m, t, heldout.records('arithmetic', '', 4, 0), 'plain', 8, 4))"
+"""
+import contextlib
+
+import torch
+
+import data
+from tasks.answers import last_number_equal
+from training.rollout import generate
+
+
+def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None):
+    """The first `eval_size` questions of the held-out task's test split (all, if fewer). seed: the training
+    run's seed, or a list of them (learn.py's grid); train: the training records when the caller has them
+    (one seed). ValueError: the task has no test split, or a held-out question is a training question."""
+    task = (eval_dataset or dataset).lower()
+    try:
+        recs = data.load_task(task, split="test", seed=0)[:eval_size]
+    except ValueError as e:                        # e.g. dapo-math-17k has no test split
+        raise ValueError(f"the held-out split of {task}: {e} (choose another with --eval-dataset)") from None
+    held, seen = {r["question"] for r in recs}, {}
+    generated = data.TASKS[dataset.lower()].generate is not None and not data_path
+    for s in ([seed] if isinstance(seed, int) else seed):
+        key = s if generated else None             # a fixed training split is checked once
+        if key not in seen:
+            rows = train if train is not None else \
+                data.load_task(dataset, split="train", path=data_path or None, seed=s)
+            seen[key] = len(held & {r["question"] for r in rows})
+        if seen[key]:
+            raise ValueError(f"{seen[key]} held-out question(s) of {task} are training questions of "
+                             f"{dataset} too (seed {s})")
+    return recs
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """model.eval() inside, the mode it had (train or eval) after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
+
+
+def right(recs, texts, n):
+    """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n]) are right."""
+    strict, lenient = [], []
+    for i, r in enumerate(recs):
+        ok = [data.score(r, t) >= 1 for t in texts[i * n:(i + 1) * n]]
+        loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))        # departure 1
+                 for t, x in zip(texts[i * n:(i + 1) * n], ok)]
+        strict.append(sum(ok))
+        lenient.append(sum(loose))
+    return strict, lenient
+
+
+def greedy(model, tok, recs, style, max_new_tokens, chunk_size):
+    """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers."""
+    prompts = [data.make_prompt(r, tok, style) for r in recs]
+    with evaluating(model):
+        g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
+                     chunk_size=chunk_size)
+    strict, lenient = right(recs, g.texts, 1)
+    return {"greedy": strict, "greedy_lenient": lenient}
+
+
+def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature, top_p, top_k, seed):
+    """{"samples": [0..k right per record], "samples_lenient": [...]}; torch's RNG is seeded with `seed`."""
+    prompts = [data.make_prompt(r, tok, style) for r in recs]
+    torch.manual_seed(seed)
+    with evaluating(model):
+        s = generate(model, tok, prompts, n=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, chunk_size=chunk_size)
+    strict, lenient = right(recs, s.texts, k)
+    return {"samples": strict, "samples_lenient": lenient}
+
+
+def accuracy(model, tok, recs, style, max_new_tokens, chunk_size):
+    """Greedy held-out accuracy as metrics (see the docstring); the model's mode and the RNG are left as
+    they were."""
+    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size)
+    n = len(recs)
+    return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
+            "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,
+            "eval/right": g["greedy"], "eval/right_lenient": g["greedy_lenient"]}

@@ -1,0 +1,160 @@
+"""Per-token log-probs for the GRPO update, each prompt read once, and gradient checkpointing's one switch.
+
+    token_logprobs(model, batch, ..., capture=cap) -> (log pi(y_t), entropy)   both (B, R), the response
+                                                                                columns; cap gets eq. 1's maps
+    checkpointing(model)                                                        every caller switches it here
+
+grpo.py's micro-batch calls token_logprobs once; everything below is how it is made fast and small, and a
+student may stop at its signature. The arithmetic is the plain one: the decoder's last hidden states h_{t-1},
+the LM head and a log-softmax, gathered at y_t.
+
+Departures (numbered; grpo.py's departure 2 is the chunked log-softmax):
+ 1. Each prompt read once (share_prompt, grpo.py --share-prefix, on by default). The G rows of a group carry
+    the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once (with grad),
+    keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer taking its
+    prompt's keys (a differentiable index). The same arithmetic on the same tokens: the log-probs equal the
+    full forward's to float noise, and so does the gradient (tests/test_shared_update.py). The time saved
+    is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]` (results/README.md).
+    A Capture given to the forward gets the same (B, T, T) maps: the prompt pass fills a Capture of its own,
+    whose (k, P, P) maps become the top left of each row's, and the response pass fills the rest.
+ 2. Fallback to one pass over every row's [prompt | response] when nothing is shared (no two rows of the
+    micro-batch share a prompt, an empty prompt or response: the same work either way) and when the layers
+    are checkpointed in a way that drops the prompt's keys (reentrant, or switched on other than by
+    `checkpointing`): `sharing_problem` names that case, and grpo.py says it in one line at setup.
+
+Run: python -m pytest -q tests/test_shared_update.py
+"""
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from flowtracer import Capture
+
+
+def checkpointing(model, reentrant=False):
+    """Gradient checkpointing of the decoder layers, with every rule its replay needs, in one place: grpo.py,
+    the benchmarks and the memory tools all switch it on here. A checkpointed layer keeps only its inputs;
+    backward replays its forward with the same arguments, so:
+      * the replay reads the shared prompt's keys and values again (PromptKV) and writes nothing new: the
+        layers may keep that cache (transformers' _can_checkpoint_with_cache, for caches that only read);
+      * a flowtracer.Capture given to the forward sees the replayed layer again and adds nothing.
+    reentrant=True (a test's reference): that checkpoint passes no gradient to the prompt keys a layer reads
+    from outside its arguments, so the rows are read whole under it (departure 2)."""
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    for m in model.get_decoder().modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m._can_checkpoint_with_cache = not reentrant
+
+
+def sharing_problem(model):
+    """Why the update cannot read each prompt once on this model (departure 2), or None: checkpointed
+    layers that would drop the prompt's keys in their replay."""
+    layers = [m for m in model.get_decoder().modules() if isinstance(m, GradientCheckpointingLayer)]
+    if replay_safe(layers):
+        return None
+    return "its layers are checkpointed other than by training.logprobs.checkpointing (reentrant, or HF's)"
+
+
+def replay_safe(layers):
+    """True when a shared prompt's keys survive gradient checkpointing: no layer is checkpointed, or every
+    checkpointed one was set up by `checkpointing` (non-reentrant, allowed to keep the read-only cache)."""
+    return all(m._can_checkpoint_with_cache for m in layers if m.gradient_checkpointing)
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True,
+                   capture=None):
+    """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
+    both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
+    share_prompt); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
+    backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once. `capture`: a
+    flowtracer.Capture that the decoder's forward fills with the chosen layers' head-mean maps, or None."""
+    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt, capture)  # (B, R, D)
+    head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
+
+    def piece(h, y):
+        logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
+        lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
+        with torch.no_grad():
+            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy: credit, logs
+        return lp, ent
+
+    outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
+            if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
+            for s in range(0, tgt.shape[1], chunk)]
+    lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
+    return lp, ent.detach()
+
+
+def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True, capture=None):
+    """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
+
+    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
+    and values (PromptKV) are read by the rows' responses (B, R) on top. Else, and in the fallbacks
+    (departure 2), one pass over every row's [prompt | response]. Both passes' tokens are embedded in one
+    lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
+    prompt pass's kept tensors are gone."""
+    P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
+    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
+    layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
+    shared = share_prompt and 0 < P < T and replay_safe(layers)
+    if shared:
+        prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
+                                      return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
+    if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
+        return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
+                   flow_capture=capture).last_hidden_state[:, P - 1:-1]  # (B, R, D)
+    kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)       # (k, P)
+    x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))      # (kP+BR, D)
+    first = None if capture is None else Capture(capture.layers, capture.chunk, head_mean=capture.head_mean)
+    out = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
+              position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False,
+              flow_capture=first).last_hidden_state                       # (k, P, D): the prompt pass
+    if capture is not None:                                               # (k, P, P) sums -> (B, T, T)
+        if first.seen != first.layers:
+            raise RuntimeError(f"the prompt pass captured {len(first.seen)} of {len(first.layers)} chosen "
+                               "layers")
+        capture.W = torch.zeros(B, T, T, dtype=first.W.dtype, device=first.W.device)
+        capture.W[:, :P, :P] = first.W[which]
+        first.W = None                                                    # freed before the response pass
+    rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
+               position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which), use_cache=False,
+               flow_capture=capture).last_hidden_state                    # (B, R, D): the response pass
+    return torch.cat([out[which, P - 1:], rest[:, :-1]], dim=1)           # (B, R, D)
+
+
+class PromptKV(DynamicCache):
+    """The shared prompts' keys and values, read the same by a layer that gradient checkpointing replays in
+    backward (update() never grows the cache). Prompt pass (no `which`): each layer's (k, Hkv, P, hd) keys
+    and values are kept (a replay keeps its own again). Response pass (`prompts`, `which`: row -> prompt):
+    layer l reads [keys of row b's prompt | its own] and keeps nothing; the row selection runs inside the
+    layer, so only the k prompts' keys and values wait for backward, not B copies."""
+    def __init__(self, config, prompts=None, which=None):
+        super().__init__(config=config)
+        self.which = which
+        for layer, old in zip(self.layers, prompts.layers if prompts is not None else []):
+            layer.lazy_initialization(old.keys, old.values)
+            layer.keys, layer.values = old.keys, old.values
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if self.which is None:
+            layer.lazy_initialization(key_states, value_states)
+            layer.keys, layer.values = key_states, value_states
+            return key_states, value_states
+        return (torch.cat([layer.keys[self.which], key_states], dim=-2),
+                torch.cat([layer.values[self.which], value_states], dim=-2))
+
+
+@torch.no_grad()
+def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prompt=True):
+    """(B, R) fp32 log-probs of `model` on the `rows` of `batch`, no grad, 0 on the other rows: the pre-update
+    policy's for --num-iterations > 1 (PPO's old log pi), or the frozen reference's for the k3 KL term."""
+    P = batch.prompt_width
+    out = torch.zeros(batch.response_mask[:, P:].shape, device=batch.input_ids.device)           # (B, R)
+    for s in range(0, len(rows), micro_batch):
+        mb = rows[s:s + micro_batch]
+        out[mb] = token_logprobs(model, batch.input_ids[mb], batch.attention_mask[mb], P, chunk,
+                                 share_prompt)[0].float()                                          # (b, R)
+    return out

@@ -1,0 +1,105 @@
+"""The run: everything a grpo.py step reads, made once before the first step (`setup` -> Run).
+
+setup's order is cheapest checks first: the run directory is checked and the data read before the model
+loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
+(and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
+and tokenized once here; a step picks among them by (seed, step), so --resume lines up.
+
+Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
+"""
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import data
+import flowtracer
+from training import checkpoint as ckpt_io
+from training import credit, heldout, policy, runlog, tracking
+from training.logprobs import sharing_problem
+from training.engine import Engine, supports
+from training.rollout import prompt_ids
+
+
+@dataclass
+class Run:
+    """Everything a step reads, made once by `setup`."""
+    cfg: object                 # grpo.Config
+    model: torch.nn.Module
+    tok: object                 # the tokenizer (left padding)
+    ref: torch.nn.Module | None  # the frozen reference of the k3 KL term (beta > 0), else None
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+    autocast: torch.autocast    # bf16 on CUDA, off on the CPU (policy.autocast)
+    records: list               # the task's training records
+    prompt_ids: list            # record i's prompt (data.make_prompt in `style`) as token ids, one BOS
+    style: str                  # the prompt style in force
+    order: list                 # the records' order, a permutation seeded by --seed
+    layers: list                # the layers FlowTracer reads (select_layers of --layers)
+    head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
+    flowtracer: bool            # the paper's credit (flow, top-k, fused); False: credit.Baseline's
+    engine: object              # the CUDA decode engine, its graphs kept for the run, or None
+    eval_records: list          # the held-out questions of --eval-every (empty when off)
+    log: runlog.RunLog          # the run directory: metrics, rollouts, checkpoints, curves
+    start: int                  # the first step to run (the checkpoint's, on --resume)
+    bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
+
+
+def setup(cfg) -> Run:
+    """Everything before the first step, cheapest checks first: the run directory is checked and the data read
+    before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the run
+    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing."""
+    ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
+    done = int((ckpt / runlog.MARK).read_text()) if ckpt else 0          # the checkpoint's step
+    if ckpt and done >= cfg.steps:
+        raise ValueError(f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
+                         f"{cfg.steps}: nothing to run (give --steps more than {done})")
+    out = Path(cfg.out_dir)
+    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
+    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
+    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
+                                                                                  records[0]["task"])
+    evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
+                            records) if cfg.eval_every else []
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
+    u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
+    ids = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style) for r in records])   # once: a step picks ids
+    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
+    sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    start, bad = ckpt_io.load_checkpoint(ckpt, u.opt, sched) if ckpt else (0, 0)
+    ckpt_io.check_disk(out, u.model, policy.scheme(cfg, device), start, cfg.steps, cfg.save_every,  # 2 ckpts
+                       cfg.save_optimizer)
+    (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
+                                                                 resume_step=start or None)
+    metrics = ckpt_io.open_metrics(out, start if ckpt else None)
+    log = runlog.RunLog(out, cfg, u.model, u.tok, u.opt, sched, metrics, tracker)
+    print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
+          f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
+          f"rollouts/step, device={device}, out={out}")
+    engine = Engine(u.model) if device.type == "cuda" and cfg.share_prefix and supports(u.model) else None
+    return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, ids, style, order,
+               u.layers, u.head_mean, u.flowtracer, engine, evals, log, start, bad)
+
+
+def for_update(cfg, device, path=None):
+    """What grpo.update reads of a Run, made as setup makes it: the policy (policy.load_policy: the model from
+    `path`, a checkpoint, or cfg.model), its tokenizer, reference and optimizer, the autocast, and the
+    credit's layers, head-mean kernel (said in one line on CUDA) and kind. memtrace.measure and
+    benchmarks/gpu_headline.py run grpo.update on this, so what they measure is what grpo.py runs. A model
+    whose update cannot read each prompt once says so here, once (logprobs.sharing_problem)."""
+    model, tok, ref, opt = policy.load_policy(cfg, device, path)
+    problem = sharing_problem(model) if cfg.share_prefix else None
+    if problem:
+        print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
+    return SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
+                           autocast=policy.autocast(device), flowtracer=credit.is_flowtracer(cfg),
+                           layers=flowtracer.select_layers(cfg.layers, model.config.num_hidden_layers),
+                           head_mean=flowtracer.head_mean_kernel(device) if credit.reads_maps(cfg) else None)
