@@ -355,3 +355,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():    # before the interpreter ends: gloo's threads may abort it
+        torch.distributed.destroy_process_group()

@@ -162,8 +162,7 @@ def grpo_step(run, step, bad):
     """One GRPO step. Returns (its metrics, what the rollouts file shows or None, the non-finite streak)."""
     cfg, model, G, clock = run.cfg, run.model, run.cfg.group_size, run.log.clock   # times the phases
     n = cfg.prompts_per_step
-    picked = [run.order[(step * n + j) % len(run.order)] for j in range(n)]     # a function of (seed, step)
-    ids = [i for i in picked if len(run.prompt_ids[i]) <= cfg.max_prompt_tokens]
+    ids = [i for i in run.order[step * n:(step + 1) * n] if len(run.prompt_ids[i]) <= cfg.max_prompt_tokens]
     m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}
     if len(ids) < n:
         tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
@@ -221,7 +220,7 @@ def update(run, batch, trained, adv, clock) -> Update:
     denom = resp.shape[0] if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()   # 1/G, 1/sum N
     with clock.phase("credit"):                # a credit other than FlowTracer's: training/credit.py decides
         baseline = None if run.flowtracer else credit.Baseline(run, batch, trained, adv)   # how, in one call
-    with clock.phase("update forward"):
+    with clock.phase("update forward"), run.autocast:
         old = old_logprobs(run, batch, trained) if cfg.num_iterations > 1 else None  # (B, R); on-policy: logp
         ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch)  # (B, R)
     model.train()
@@ -229,8 +228,9 @@ def update(run, batch, trained, adv, clock) -> Update:
         for s in range(0, len(trained), cfg.micro_batch):
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)                                                           # b rows
-            cap = None if epoch else (Capture(run.layers, head_mean=run.head_mean) if baseline is None
-                                      else baseline.capture())                             # eq. 1, on the way
+            cap = None                               # eq. 1's maps, taken on the way (the first epoch's)
+            if epoch == 0:
+                cap = Capture(run.layers, head_mean=run.head_mean) if baseline is None else baseline.capture()
             with clock.phase("update forward"), run.autocast:
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix, capture=cap)                  # (b, R)
@@ -253,9 +253,16 @@ def update(run, batch, trained, adv, clock) -> Update:
             stats["entropy"].append(ent[resp[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
-        with clock.phase("optimizer step"):
-            stepped, stats["grad_norm"] = optimizer_step(model, run.opt, cfg.max_grad_norm, stats["loss"])
-        if not stepped:
+        with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
+            for p in model.parameters():             # AdamW still steps on a zero gradient, as GRPO would
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
+            stepped = math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+            if stepped:
+                run.opt.step()
+            run.opt.zero_grad(set_to_none=True)      # the gradients are not kept through the next rollout
+        if not stepped:                              # train counts the streak of non-finite steps
             break
     return Update(gamma, scores, stats, stepped)
 
@@ -300,23 +307,8 @@ def old_logprobs(run, batch, trained):
     they equal the detached log-probs of the training forward, which update uses instead: one pass, not two
     (tests/test_fused.py)."""
     run.model.eval()
-    with run.autocast:
-        return fixed_logprobs(run.model, batch, trained, run.cfg.micro_batch, run.cfg.logprob_chunk,
-                              run.cfg.share_prefix)
-
-
-def optimizer_step(model, opt, max_grad_norm, loss):
-    """Clip, then step; a non-finite loss or gradient skips the update (train counts the streak).
-    Returns (stepped, grad_norm)."""
-    for p in model.parameters():                         # AdamW still steps on a zero gradient, as GRPO would
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
-    if stepped:
-        opt.step()
-    opt.zero_grad(set_to_none=True)                      # the gradients are not kept through the next rollout
-    return stepped, grad_norm
+    return fixed_logprobs(run.model, batch, trained, run.cfg.micro_batch, run.cfg.logprob_chunk,
+                          run.cfg.share_prefix)
 
 
 def kept_rows(rewards, truncated, cfg):

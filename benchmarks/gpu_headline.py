@@ -8,7 +8,7 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               `python eval.py memory` prints) and the ratio estimate / allocated
   overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.update on it
               (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss,
-              backward, optimizer_step), --credit none and flow alternating for --rounds rounds (medians);
+              backward, the optimizer step), --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
   generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens; on CUDA rollout.generate
               takes it to training/engine.py, grpo.py's decode, prefix sharing on; on the CPU it turns

@@ -31,7 +31,7 @@ Departures (numbered):
  4. mean@k at step 0 and the last step only, from the base model and the final checkpoint (grpo.py: greedy).
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
-     (learn's flags, then after -- grpo.py's: the shared recipe; it writes runs/learn/, --out-dir elsewhere)
+     (learn's flags, then after -- grpo.py's, or -- --config recipe.yaml: the shared recipe; runs/learn/)
 """
 import argparse
 import contextlib

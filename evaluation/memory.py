@@ -225,7 +225,7 @@ def kept(mc, n, ls, rb, checkpointed):
 
 def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
-    with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
+    with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
     the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
     which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer)."""

@@ -1,4 +1,4 @@
-"""answers.equivalent judges a long answer by the rule of a short one (issue 41): the cheap exact comparisons
+"""answers.equivalent judges a long answer by the rule of a short one: the cheap exact comparisons
 (plain numbers, the same normal form) run at every length, and the length guard stops only what would be
 parsed. The normal form is checked against math-verify itself on short answers, where it still parses.
 

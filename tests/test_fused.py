@@ -104,20 +104,25 @@ SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4"
 
 
 def one_step(tmp_path, monkeypatch, two_pass, extra=()):
-    """Loss and every gradient of one grpo.train step; two_pass runs --num-iterations 2, whose old-log-prob
-    pass comes first, and stops after the first epoch's gradients (the optimizer does not step): the same
-    update as on-policy's one pass, with old log pi from a pass of its own."""
-    grads, real_step = {}, grpo.optimizer_step
+    """Loss and every gradient of the first epoch of one grpo.train step; two_pass runs --num-iterations 2,
+    whose old-log-prob pass comes first, at an lr too small to move a weight between the two epochs: the
+    first epoch is then on-policy's one pass, with old log pi from a pass of its own."""
+    grads, real_clip = {}, torch.nn.utils.clip_grad_norm_
 
-    def spy(model, opt, max_grad_norm, loss):
-        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        return (False, 0.0) if two_pass else real_step(model, opt, max_grad_norm, loss)
-    monkeypatch.setattr(grpo, "optimizer_step", spy)
+    def spy(params, *a, **k):                         # the first clip of the step: the first epoch's gradients
+        params = list(params)
+        if not grads:
+            grads.update({n: p.grad.detach().clone() for n, p in zip(names, params)})
+        return real_clip(params, *a, **k)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
     monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies
     out = tmp_path / ("two" if two_pass else "one")
-    two = ["--num-iterations", "2"] if two_pass else []
-    m = grpo.train(grpo.parse_args([*SMOKE, *extra, *two, "--out-dir", str(out)])).history[0]
-    return m, grads
+    cfg = grpo.parse_args([*SMOKE, *extra, "--out-dir", str(out)] +
+                          (["--num-iterations", "2", "--lr", "1e-30"] if two_pass else []))
+    run = grpo.setup(cfg)
+    names = [n for n, _ in run.model.named_parameters()]
+    m = grpo.train(cfg, run).history[0]
+    return {**m, "loss": m["loss"] / cfg.num_iterations}, grads       # the epochs' mean: the first's, here
 
 
 @pytest.mark.parametrize("extra", [("--credit", "none"), ("--credit", "flow", "--grad-checkpointing")])

@@ -381,6 +381,8 @@ for name, flags, mutation[0] in [("separate", ["--credit-pass", "separate"], Non
     with open(OUT + f"/{{name}}-{{RANK}}.json", "w") as f:
         json.dump({{"fused": trainer.fused, "entered": entered, **rec}}, f)
     entered.clear(), rec["A"].clear(), rec["loss"].clear()
+if torch.distributed.is_initialized():            # gloo's threads end before the interpreter does: a process
+    torch.distributed.destroy_process_group()     # left to exit with them running may abort at teardown
 """
 
 

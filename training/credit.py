@@ -7,8 +7,9 @@ between runs, everything else stays fixed (§4.1). So credit is two swappable st
     c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> Credit(gamma (B, T), fallback (B,))
 
 and GRPO multiplies each token's surrogate term by gamma (eq. 5: gamma_{i,t} * A_i). `assign` runs both, plus
-the token-class mask and the response-column slice: the one credit call of grpo.py and flowtracer_trl.py.
-`batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it, so the flags stay flat).
+the token-class mask and the response-column slice: the credit call of flowtracer_trl.py, and of grpo.py for
+every setting but the paper's default, through `Baseline` (grpo.update computes the default, flow with top-k,
+in plain lines). `batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
 
 Shaping rules (gamma is 1 off the selection, 0 off the response)
   topk / bottomk   eq. 6: gamma on the top (bottom) ceil(top_frac*n) tokens
@@ -23,7 +24,7 @@ Shaping rules (gamma is 1 off the selection, 0 off the response)
 Every rule: token_class ("structural" | "semantic" | "") restricts selection to one token class (Table 11b);
 tokens outside it keep gamma 1.
 
-Which credit is fused into the training forward (grpo.py --credit-pass fused, the default):
+Which credit is fused into the training forward (--credit-pass fused, the default; Baseline decides):
   fused     signals none, random, flow, attention, entropy (signals.FUSED) with a per-row rule: the
             micro-batch's training forward captures the attention maps / entropy, then flow -> gamma -> loss.
   separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20

@@ -41,7 +41,8 @@ eagerly from there on, and the run goes on.
 
 Memory: the static buffers are the KV cache that evaluation/memory.py's `generation` counts for a chunk
 (T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. An engine
-kept for a run holds the largest call's. Not measured yet: no GPU was at hand when it was written.
+kept for a run holds the largest call's, through the update too (grpo.py keeps one: memory.py counts its
+buffers in every phase on CUDA). Not measured yet: no GPU was at hand when it was written.
 `benchmarks/generate_speed.py --device cuda` prints the engine beside HF generate (dynamic and static cache),
 the bound and the greedy rows equal to HF's.
 

@@ -33,6 +33,7 @@ import yaml
 
 import data
 from training import credit
+from training.rollout import MIN_TEMPERATURE
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -211,14 +212,16 @@ def check(cfg):
              *[(flag(k), getattr(cfg, k) >= 1, "must be >= 1")
                for k in ("prompts_per_step", "max_new_tokens", "gen_chunk", "micro_batch", "num_iterations",
                          "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
-                         "max_prompt_tokens", "top_k")],
+                         "max_prompt_tokens", "top_k", "eval_size", "keep_checkpoints")],
+             ("--eval-every", cfg.eval_every >= 0, "must be >= 0 (0: off)"),
              *[(flag(k), finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
              ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
              *[(flag(f.name), abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
                for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
-             ("--temperature", cfg.temperature > 0, "must be > 0"),
+             ("--temperature", cfg.temperature >= MIN_TEMPERATURE,
+              f"must be >= {MIN_TEMPERATURE} (below, logits / T overflows; rollout.MIN_TEMPERATURE)"),
              ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
              ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
              ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),

@@ -3,7 +3,8 @@
 setup's order is cheapest checks first: the run directory is checked and the data read before the model
 loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
 (and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
-and tokenized once here; a step picks among them by (seed, step), so --resume lines up.
+and tokenized once here, those the run will read; which a step reads is a function of (seed, step), so
+--resume lines up.
 
 Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
@@ -36,9 +37,9 @@ class Run:
     device: torch.device
     autocast: torch.autocast    # bf16 on CUDA, off on the CPU (policy.autocast)
     records: list               # the task's training records
-    prompt_ids: list            # record i's prompt (data.make_prompt in `style`) as token ids, one BOS
-    style: str                  # the prompt style in force
-    order: list                 # the records' order, a permutation seeded by --seed
+    order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
+    prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
+    style: str                  # the prompt style in force (data.make_prompt)
     layers: list                # the layers FlowTracer reads (select_layers of --layers)
     head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
     flowtracer: bool            # the paper's credit (flow, top-k, fused); False: credit.Baseline's
@@ -69,14 +70,17 @@ def setup(cfg) -> Run:
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
-    ids = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style) for r in records])   # once: a step picks ids
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     start, bad = ckpt_io.load_checkpoint(ckpt, u.opt, sched) if ckpt else (0, 0)
     ckpt_io.check_disk(out, u.model, policy.scheme(cfg, device), start, cfg.steps, cfg.save_every,  # 2 ckpts
                        cfg.save_optimizer)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n = cfg.prompts_per_step
+    order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
+    todo = sorted(set(order[start * n:]))                            # the prompts left to read, tokenized once
+    ids = dict(zip(todo, prompt_ids(u.tok, [data.make_prompt(records[i], u.tok, style) for i in todo])))
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
     metrics = ckpt_io.open_metrics(out, start if ckpt else None)
@@ -85,7 +89,7 @@ def setup(cfg) -> Run:
           f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
     engine = Engine(u.model) if device.type == "cuda" and cfg.share_prefix and supports(u.model) else None
-    return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, ids, style, order,
+    return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, u.head_mean, u.flowtracer, engine, evals, log, start, bad)
 
 
