@@ -222,7 +222,8 @@ def update(run, batch, trained, adv, clock) -> Update:
         baseline = None if run.flowtracer else credit.Baseline(run, batch, trained, adv)   # how, in one call
     with clock.phase("update forward"), run.autocast:
         old = old_logprobs(run, batch, trained) if cfg.num_iterations > 1 else None  # (B, R); on-policy: logp
-        ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch)  # (B, R)
+        ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch,
+                                                          cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
         for s in range(0, len(trained), cfg.micro_batch):

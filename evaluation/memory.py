@@ -14,7 +14,7 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
---num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update. On CUDA the decode engine
+--num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's. On CUDA the decode engine
 (training/engine.py) is kept for the run with its graphs, so its K, V buffers, 2 L Hkv hd S g bf16 (S: the
 widest prompt + R, in multiples of 64), stay resident in every phase after the first generation.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
@@ -130,7 +130,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
     acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt)
     Tq = T - P if k < b else T                                            # queries of the last pass, a row
-    old = B * R * 4 * (cfg.num_iterations > 1)                           # old_logprobs (B, R) fp32
+    old = B * R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))       # old, reference log-probs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
     layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
     cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq, fused=cuda)

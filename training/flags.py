@@ -32,6 +32,7 @@ import torch
 import yaml
 
 import data
+from training import checkpoint as ckpt_io
 from training import credit
 from training.rollout import MIN_TEMPERATURE
 
@@ -245,7 +246,6 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
     run's run_config.json (each value checked as the same flag on the command line) and the flags given. A
     resumed run continues in its own directory, wherever it was moved. Bad flags: argparse's one error
     line."""
-    from training import checkpoint as ckpt_io
     active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False))
     head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(active) or 'none'}; each default "
                                    f"below says what it sets, and the flags given win.")

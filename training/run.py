@@ -79,7 +79,7 @@ def setup(cfg) -> Run:
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     n = cfg.prompts_per_step
     order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
-    todo = sorted(set(order[start * n:]))                            # the prompts left to read, tokenized once
+    todo = sorted(set(order[start * n:]))                            # the prompts left, tokenized once
     ids = dict(zip(todo, prompt_ids(u.tok, [data.make_prompt(records[i], u.tok, style) for i in todo])))
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
