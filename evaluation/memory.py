@@ -14,9 +14,10 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
---num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's. On CUDA the decode engine
-(training/engine.py) is kept for the run with its graphs, so its K, V buffers, 2 L Hkv hd S g bf16 (S: the
-widest prompt + R, in multiples of 64), stay resident in every phase after the first generation.
+--num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's.
+On CUDA the decode engine (training/engine.py) is kept for the run with its graphs, so its K, V buffers,
+2 L Hkv hd S g bf16 (S: the widest prompt + R, in multiples of 64), stay resident in every phase after the
+first generation.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
 memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
 torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
