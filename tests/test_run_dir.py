@@ -159,3 +159,26 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
         maps.append(cap.maps(mask))                                # read before backward, as grpo.update
         lp.sum().backward()                                        # the replay reaches cap.take again
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)
+
+
+def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path):
+    """grpo.py --report-to tensorboard --eval-every 2 --steps 3: the event files, read back with TensorBoard's
+    own reader, hold every numeric metric of metrics.jsonl at its step, eval/accuracy at steps 2 and 3."""
+    from tensorboard.backend.event_processing import event_accumulator
+    out = run(*SMOKE, "--steps", "3", "--report-to", "tensorboard", "--eval-every", "2", "--eval-size", "3",
+              "--out-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines if "eval/accuracy" in m] == [2, 3]
+    assert all(m["eval/total"] == 3 for m in lines if "eval/total" in m)
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    logged = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+    want = {}
+    for m in lines:
+        for k, v in m.items():
+            if k != "step" and isinstance(v, (int, float)):      # bools too, as 0 / 1
+                want.setdefault(k, {})[m["step"]] = float(v)
+    assert set(logged) == set(want)
+    for k in want:
+        assert logged[k] == pytest.approx(want[k], rel=1e-6), k   # TensorBoard stores fp32
