@@ -55,7 +55,8 @@ def setup(cfg) -> Run:
     before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the run
     directory is created (and locked) once the model has loaded, so a model that fails leaves nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
-    done = int((ckpt / runlog.MARK).read_text()) if ckpt else 0          # the checkpoint's step
+    mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
+    done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
     if ckpt and done >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
                          f"{cfg.steps}: nothing to run (give --steps more than {done})")
