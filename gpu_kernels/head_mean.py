@@ -11,11 +11,9 @@ reference). The T queries are the last T of the S keys: query t sits at key posi
 cached prompt precedes). The caller divides by the number of layers later.
 
 Why: add_head_mean materialises (B, H, chunk, S) fp32 probability blocks and loops over query chunks in
-Python. On one H100 (benchmarks/gpu_headline.py --quick, Qwen3-4B's shape) flow credit added +7.8% to the
-update at 1K and +40.2% at 8K (22.85 -> 32.03 s, 16 rows, micro-batch 4); FlowTracer's Table 6 gives 2.2%
-and 4.5%. The arithmetic is small: QK^T of 12 layers x 32 heads for 16 rows of 8.4K tokens is ~55 TFLOP,
-~0.1 s of H100 tensor cores. The rest is materialisation (probability blocks written and read back) and
-Python loops; here the probabilities live in registers and buf is read and written once per layer.
+Python, and on a GPU that, not the arithmetic, made flow credit cost far more of the update than FlowTracer's
+Table 6 reports (docs/gpu.md has the figures). The arithmetic is small (QK^T of the middle layers); here the
+probabilities live in registers and buf is read and written once per layer.
 
 Tiling (the recompute of FlashAttention's backward; FlagAttention's total_attention normalises a recomputed
 QK^T the same way, with the forward's log-sum-exp):

@@ -3,18 +3,16 @@
 rollout.generate decodes with Engine on CUDA (shared prefix, no HF-only option: `wanted`); the CPU keeps
 rollout.decode, and rollout.generate(..., graphs=False) runs the engine there, eagerly (the tests). Each
 prompt is still read once (rollout.shared_prefix, then rollout.prefill_rows on the chunk's distinct prompts);
-Engine.decode copies its keys and values to its G rows in static buffers, and decodes on three ideas. The
-reasons are measured on one H100 (qwen3-4b-random, 64 rows, 256 new tokens, bf16; docs/gpu.md):
-rollout.decode made 501 tok/s, HF generate 658, HF generate with a compiled static cache 2,666, and the 1K
-table's generation 1,030 tok/s = 7.3% of the bandwidth bound (14,024 tok/s). A decode step took 110 ms, of
-which the GPU was busy 11 ms: the decode was bound by the host, not by the GPU's memory, whose ceiling is
-reading the weights (8 GB) and the rows' KV cache once a step, about 5 ms for 64 rows at 1K.
+Engine.decode copies its keys and values to its G rows in static buffers, and decodes on three ideas. Why
+(measured on one H100, docs/gpu.md): a step of rollout.decode kept the GPU busy a tenth of its time; the
+decode was bound by the host (kernel launches, cuDNN plans, a host sync a step), not by the GPU's memory,
+whose ceiling is reading the weights and the rows' KV cache once a step.
 
   1. A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the widest prompt + max_new_tokens, and a
      (rows, 1, 1, S) boolean mask, written in place at the step's position `at` (SlotLayer, a transformers
      cache layer): no concatenation, no mask grown by a column, and the same shapes at every step. Why: with a
-     new key length every step, cuDNN's attention built a new plan each time (51% of the step's CPU time,
-     1.3 ms a call); turning cuDNN off alone gave 1,108 tok/s. Fixed shapes are also what a graph needs.
+     new key length every step, cuDNN's attention built a new plan each time (half the step's CPU time on
+     the H100: docs/gpu.md). Fixed shapes are also what a graph needs.
      Attention reads the first s keys, s a multiple of S / 8 or of 128 (masked beyond each row's own), so a
      step reads the cache that exists, not all of S.
   2. Graph replay. On CUDA the whole step (forward, sampling, bookkeeping) is captured once per (rows bucket,
