@@ -182,3 +182,19 @@ def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path
     assert set(logged) == set(want)
     for k in want:
         assert logged[k] == pytest.approx(want[k], rel=1e-6), k   # TensorBoard stores fp32
+
+
+def test_overwrite_deletes_the_kept_checkpoints_and_the_tracker_files_too(tmp_path):
+    """--overwrite starts afresh: the older saves of --keep-checkpoints and --report-to's event files go with
+    the metrics, so the new run's TensorBoard shows no step of the old one."""
+    from tensorboard.backend.event_processing import event_accumulator
+    old = run(*SMOKE, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--report-to", "tensorboard",
+              "--out-dir", str(tmp_path))
+    assert old.returncode == 0, old.stderr[-2000:]
+    assert (tmp_path / "ckpt-00002").is_dir() and (tmp_path / "tensorboard").is_dir()
+    new = run(*SMOKE, "--steps", "1", "--report-to", "tensorboard", "--overwrite", "--out-dir", str(tmp_path))
+    assert new.returncode == 0, new.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {e.step for e in acc.Scalars("loss")} == {1} and steps_in(tmp_path) == [1]

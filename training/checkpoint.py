@@ -268,7 +268,8 @@ def check_out_dir(out, resume, overwrite, claim=True):
                        f"or start afresh with --overwrite")
     if not claim:
         return
-    for p in held + ["rollouts", "curves.png"]:
+    kept = sorted(p.name for p in out.glob("ckpt-*"))                  # --keep-checkpoints' older saves
+    for p in held + kept + ["rollouts", "curves.png", "tensorboard", "wandb"]:   # + --report-to's files
         discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
 
 

@@ -259,7 +259,7 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
             saved = read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices) \
                 if (ckpt / ckpt_io.RUN_CONFIG).is_file() else ckpt_io.saved_config(ckpt)
             ckpt_io.check_resume_config(saved, given)    # another --model, --credit ...: refused
-            here = ckpt.parent                           # the run directory: where its checkpoint is
+            here = ckpt_io.run_dir(ckpt)                 # the run directory: where its checkpoint is
             if "out_dir" in given and Path(given["out_dir"]).resolve() != here.resolve():
                 raise ValueError(f"--resume continues the run in its own directory, {here}: leave out "
                                  f"--out-dir (copy the directory to continue a copy elsewhere)")
