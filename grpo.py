@@ -143,7 +143,7 @@ def train(cfg: Config, run=None) -> Outcome:
         m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             m.update(heldout.accuracy(run.model, run.tok, run.eval_records, run.style, cfg.max_new_tokens,
-                                      cfg.gen_chunk))           # held-out greedy accuracy, eval/*
+                                      cfg.gen_chunk, run.engine))   # held-out greedy accuracy, eval/*
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1

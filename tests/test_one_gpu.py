@@ -308,6 +308,7 @@ def test_the_optimizer_step_is_chosen_at_setup(monkeypatch, device, triton, comp
     import optimi.utils
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(availability.shutil, "which", compilers.get)
+    monkeypatch.setattr(availability, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])   # as on a GPU
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", triton)
     assert policy.optimi_kernel(device) == want
 
@@ -320,6 +321,7 @@ def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, c
     import optimi.utils
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(availability.shutil, "which", {"gcc": "/usr/bin/gcc"}.get)
+    monkeypatch.setattr(availability, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])   # as on a GPU
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
     assert policy.optimi_kernel("cuda") == "triton"                       # what "cuda" alone would choose
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
@@ -437,6 +439,7 @@ def test_the_head_mean_kernel_is_chosen_where_it_can_run(monkeypatch, capsys, de
     real = importlib.util.find_spec
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(availability.shutil, "which", compilers.get)
+    monkeypatch.setattr(availability, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])   # as on a GPU
     monkeypatch.setattr(availability.importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" and not triton else real(name, *a))
     fn = flowtracer.head_mean_kernel(device)

@@ -141,6 +141,10 @@ class SlotLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
+class Stopped(Exception):
+    """Engine.run's signal that the engine has stopped (Engine.stop said why); decode returns None."""
+
+
 class Engine:
     """A run's decoder: static buffers, the decode step over them, and on CUDA its graphs, kept across calls
     while they fit (`reserve` sizes it for a call; rollout.generate calls it). min_new_tokens None: the
@@ -158,21 +162,24 @@ class Engine:
         if self.graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA model")
         self.rows = self.S = self.width = self.new = self.captures = 0
-        self.settings, self.kernels, self.keys, self.values = None, None, None, None
+        self.settings, self.kernels, self.keys, self.values, self.warp = None, None, None, None, None
         self.graph, self.caches, self.pool, self.side = {}, {}, None, None
+        self.off = None             # why the engine stopped (its step failed in a warm-up), else None
 
     def reserve(self, rows, width, new, eos, pad, warp):
         """Room for `rows` rows of `width` positions (prompt and new tokens), `new` tokens a call, decoded
-        with these EOS ids, pad and warp ((temperature, top_k, top_p), or None for greedy). Kept while the
-        call fits and these are the same; else new buffers, at least as large, and the graphs dropped."""
+        with these EOS ids and pad, and this call's warp ((temperature, top_k, top_p), or None: greedy).
+        Kept while the call fits and eos, pad are the same; else new buffers, at least as large, and the
+        graphs dropped. The warp is not a reason to rebuild: each warp has its own graphs over the same
+        buffers (greedy evaluation beside sampled rollouts). grpo.py reserves its widest call at setup."""
         S = ALIGN * math.ceil(width / ALIGN)                              # cache positions
-        settings = (tuple(eos), pad, warp)
-        self.new = new
+        settings = (tuple(eos), pad)
+        self.new, self.warp = new, warp
         if rows <= self.rows and S <= self.S and new <= self.width and settings == self.settings:
             return self
         dev, V = self.model.device, self.model.config.vocab_size
         rows, S, self.width = max(rows, self.rows), max(S, self.S), max(new, self.width)
-        self.rows, self.S, self.settings, self.pad, self.warp = rows, S, settings, pad, warp
+        self.rows, self.S, self.settings, self.pad = rows, S, settings, pad
         self.span = ALIGN * max(2, math.ceil(S / LENGTHS / ALIGN))       # key-length bucket, >= 128
         self.buckets = row_buckets(rows)
         self.ends = torch.tensor(eos, device=dev)                         # (e,) the EOS ids
@@ -258,39 +265,61 @@ class Engine:
         self.at += 1
         self.t += 1
 
-    def capture(self, b, s):
-        """The step's CUDA graph: warmed up on a side stream (lazy inits, kernel choice), then recorded."""
+    def warm_up(self, b, s):
+        """The step run once on a side stream before its capture (lazy inits, kernel choice), as torch's
+        graph recipe does; it writes the state like any step (run undoes it)."""
         side = self.side = self.side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.step(b, s)
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):                          # recorded, not run
-            self.step(b, s)
+
+    def capture(self, b, s):
+        """The step's CUDA graph, recorded (not run) on the side stream: torch.cuda.graph's steps, written out
+        so that a failing capture still leaves the side stream (the `with`: torch.cuda.graph's __exit__
+        raises from capture_end before it leaves the stream) and the error raised is the first one (an
+        operation that synchronised, not capture_end's "invalidated" that follows it)."""
+        g, first = torch.cuda.CUDAGraph(), None
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.side):
+            g.capture_begin(pool=self.pool)
+            try:
+                self.step(b, s)                                            # recorded, not run
+            except Exception as e:                                         # noqa: BLE001 (raised below)
+                first = e
+            try:
+                g.capture_end()                                            # the capture always ends
+            except Exception as e:                                         # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
         self.pool = g.pool()
         return g
 
     def run(self, b, s):
-        """The step, eager or as the replay of its graph, captured the first time (b, s) comes (`captures`
-        counts them on either path). A capture or replay that raises: eager from then on (fall_back)."""
-        if (b, s) not in self.graph:
+        """The step, eager or as the replay of its graph, captured the first time (b, s, warp) comes
+        (`captures` counts them on either path). A capture that raises: graphs off, this step eager (its
+        warm-up ran; the capture is what failed). A warm-up that raises: the step itself fails, so running
+        it eagerly would repeat the failing call: the engine stops (Stopped; rollout.generate decodes)."""
+        key = (b, s, self.warp)                                            # greedy and sampling: two sets
+        if key not in self.graph:
             self.captures += 1
-            self.graph[b, s] = None
+            self.graph[key] = None
             saved = [x.clone() for x in self.state()] if self.graphs else []
-            try:
-                self.graph[b, s] = self.capture(b, s) if self.graphs else None
-            except Exception as e:                                        # noqa: BLE001 (the run goes on)
-                self.fall_back("capture", e)
+            if self.graphs:
+                try:
+                    self.warm_up(b, s)
+                except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                    raise self.stop(e) from e
+                try:
+                    self.graph[key] = self.capture(b, s)
+                except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                    self.fall_back("capture", e)
             for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
                 x.copy_(v)                                                 # is rewritten before it is read)
-        if self.graph[b, s] is None or not self.graphs:
+        if self.graph[key] is None or not self.graphs:
             return self.step(b, s)
-        try:
-            self.graph[b, s].replay()
-        except Exception as e:                                            # noqa: BLE001
-            self.fall_back("replay", e)
-            self.step(b, s)
+        self.graph[key].replay()                                          # a fault: decode's guard reads it
 
     def fall_back(self, what, error):
         """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
@@ -298,11 +327,41 @@ class Engine:
         print(f"engine: CUDA graph {what} failed ({type(error).__name__}: {error}); the decode step runs "
               f"eagerly from here on", flush=True)
 
+    def stop(self, error):
+        """The engine off for its life (`off`), said in one line: its step failed eagerly, in a warm-up."""
+        self.off = f"{type(error).__name__}: {error}"
+        self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
+        print(f"engine: the decode step failed in its warm-up ({self.off}); rollouts decode with "
+              f"rollout.decode, without the engine, from here on", flush=True)
+        return Stopped(self.off)
+
     @torch.no_grad()
     def decode(self, inp, mask, cache, which):
-        """(g, new) tokens of a chunk, pad after each row's EOS. inp, mask (k, W): the chunk's k distinct
-        prompts laid out by rollout.prefill_rows, cache their K, V (all but the last prompt token), which (g,)
-        each row's prompt. Copies each prompt's K, V to its rows, then steps until every row is done."""
+        """(g, new) tokens of a chunk, pad after each row's EOS, or None once the engine has stopped (`off`:
+        the caller decodes the chunk itself). inp, mask (k, W): the chunk's k distinct prompts laid out by
+        rollout.prefill_rows, cache their K, V (all but the last prompt token), which (g,) each row's prompt.
+        With graphs, the whole call is the guarded region: a replay's fault surfaces at a host read, so the
+        call ends with one sync inside it (once a call, not a step); a fault turns the graphs off and the
+        call is decoded again eagerly from its inputs (the prefill's cache is only read). A fault that
+        leaves the CUDA context unusable (an illegal address) fails the eager call too, and is raised."""
+        if self.off:
+            return None
+        if not self.graphs:
+            return self.steps(inp, mask, cache, which)
+        try:
+            res = self.steps(inp, mask, cache, which)
+            torch.cuda.current_stream().synchronize()                      # a replay's fault: here, guarded
+            return res
+        except Stopped:
+            return None
+        except Exception as e:                                             # noqa: BLE001 (the run goes on)
+            if not self.graphs:                                            # an eager step's own error
+                raise
+            self.fall_back("replay", e)
+        return self.steps(inp, mask, cache, which)
+
+    def steps(self, inp, mask, cache, which):
+        """decode's work: the prompts' K, V to their rows, then steps until every row is done."""
         g, W, N = len(which), inp.shape[1], self.new
         first = cache.layers[0].keys if W > 1 else None                   # (k, Hkv, W - 1, d) the prefill's
         if self.keys is None or (first is not None and first.dtype != self.keys.dtype):

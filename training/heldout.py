@@ -17,7 +17,9 @@ its own at step 0 and mean@k at the last step (`greedy`, `sampled`). One impleme
              learn.py's paired tests; trackers skip them, tracking.py departure 1).
 
 Responses come from training.rollout.generate, the rollout path of training, with the prompt of training
-(data.make_prompt in the run's style); `max_new_tokens` and `chunk_size` (rows per generate call) are given:
+(data.make_prompt in the run's style), through the run's decode engine on CUDA (`engine`: no second engine,
+no second KV cache, its greedy graphs captured once for the run; training/preflight.py reserves it for the
+held-out prompts too); `max_new_tokens` and `chunk_size` (rows per generate call) are given:
 greedy decoding with the same records, order, budget and chunking gives the same responses in or out of the
 training process. The model is put in eval mode for the evaluation and left in the mode it had.
 
@@ -27,7 +29,7 @@ Departures (numbered):
 Wiring (grpo.py): once at setup
       recs = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path, records)
   and at step s when s % cfg.eval_every == 0 or s == cfg.steps (after the update, before the metrics line)
-      m.update(heldout.accuracy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk))
+      m.update(heldout.accuracy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk, run.engine))
 
 Run: python -c "from training import heldout, models; m, t = models.load_model('tiny-qwen3');
                 print(heldout.accuracy(m, t, heldout.records('arithmetic', '', 4, 0), 'plain', 8, 4))"
@@ -87,12 +89,13 @@ def right(recs, texts, n):
     return strict, lenient
 
 
-def greedy(model, tok, recs, style, max_new_tokens, chunk_size):
-    """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers."""
+def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None):
+    """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers. engine: the run's
+    decode engine (greedy graphs beside its sampling ones, over the same buffers), or None."""
     prompts = [data.make_prompt(r, tok, style) for r in recs]
     with evaluating(model):
         g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, engine=engine)
     strict, lenient = right(recs, g.texts, 1)
     return {"greedy": strict, "greedy_lenient": lenient}
 
@@ -108,10 +111,10 @@ def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature,
     return {"samples": strict, "samples_lenient": lenient}
 
 
-def accuracy(model, tok, recs, style, max_new_tokens, chunk_size):
+def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None):
     """Greedy held-out accuracy as metrics (see the docstring); the model's mode and the RNG are left as
-    they were."""
-    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size)
+    they were. engine: the run's (grpo.py passes run.engine: one engine, one set of buffers, for the run)."""
+    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine)
     n = len(recs)
     return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
             "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,

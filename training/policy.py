@@ -25,7 +25,7 @@ import torch
 
 import flowtracer
 from flowtracer import select_layers
-from gpu_kernels.availability import c_compiler
+from gpu_kernels.availability import unavailable
 from training.logprobs import checkpointing
 from training.models import load_model
 
@@ -58,7 +58,7 @@ def optimi_kernel(device) -> str:
     if torch.device(device).type != "cuda":
         return "for-loop"
     from optimi.utils import HAS_TRITON
-    return "triton" if HAS_TRITON and c_compiler() else "foreach"
+    return "triton" if HAS_TRITON and unavailable(device) is None else "foreach"
 
 
 def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
@@ -70,7 +70,7 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     if bad:
         raise ValueError(f"--optimizer kahan needs a bf16 model (policy.weight_dtype), got {bad}")
     kernel = optimi_kernel(next(model.parameters()).device)     # where the weights are: CPU weights, for-loop
-    why = " (no Triton, or no C compiler for its launcher: $CC, gcc, clang)" if kernel == "foreach" else ""
+    why = f" ({unavailable(device) or 'no Triton'})" if kernel == "foreach" else ""
     print(f"optimizer: torch-optimi AdamW with Kahan summation, its {kernel} step{why}")
     with warnings.catch_warnings():     # optimi calls foreach deprecated in favour of Triton: chosen here
         warnings.simplefilter("ignore", DeprecationWarning)

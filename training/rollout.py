@@ -101,6 +101,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     left-padded rows (the reference the shared path is tested against, and a fallback).
     `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static").
     On CUDA the shared path decodes with engine.Engine instead of `decode` (static cache, CUDA graphs,
+    `decode` again for the chunk and the calls after it once the engine has stopped: Engine.stop;
     sampling without a host sync; engine.py departure 1: HF's distribution, not HF's samples for a seed);
     `extra` may then hold the engine's options (engine.OPTIONS: min_new_tokens, which it honours as HF
     generate does, also from the model's generation_config; graphs, which takes the engine path on any
@@ -136,6 +137,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     asked = model.device.type == "cuda" or set(extra) & ENGINE_OPTIONS  # CPU: no call into engine.py
     eng = engine or (Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra)
                      else None)
+    eng = None if eng is not None and eng.off else eng                    # a stopped engine: decode below
     if eng is not None:
         eng.reserve(min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens, max_new_tokens,
                     eos, pad, None if greedy else (temperature, top_k, top_p))
@@ -158,6 +160,10 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
                 inp, mask, cache = prefill_rows(model, prefix, [ids[j] for j in uniq], pad)
                 which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)   # row -> prompt
                 seq = eng.decode(inp, mask, cache, which)
+                if seq is None:                                           # the engine stopped (Engine.stop)
+                    cache.batch_select_indices(which)                     # each row: its prompt's K, V
+                    seq = decode(model, inp[which], mask[which], cache, max_new_tokens, eos, pad,
+                                 None if greedy else warpers)
             else:
                 inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
                 seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)

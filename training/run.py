@@ -19,9 +19,8 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, heldout, policy, runlog, tracking
+from training import credit, heldout, policy, preflight, runlog, tracking
 from training.logprobs import sharing_problem
-from training.engine import Engine, supports
 from training.rollout import prompt_ids
 
 
@@ -43,11 +42,12 @@ class Run:
     layers: list                # the layers FlowTracer reads (select_layers of --layers)
     head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
     flowtracer: bool            # the paper's credit (flow, top-k, fused); False: credit.Baseline's
-    engine: object              # the CUDA decode engine, its graphs kept for the run, or None
+    engine: object              # the CUDA decode engine, reserved and kept for the run (preflight.py)
     eval_records: list          # the held-out questions of --eval-every (empty when off)
     log: runlog.RunLog          # the run directory: metrics, rollouts, checkpoints, curves
     start: int                  # the first step to run (the checkpoint's, on --resume)
     bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
+    widest_prompt: int = 0      # tokens of the widest prompt the run decodes (training and held-out)
 
 
 def setup(cfg) -> Run:
@@ -89,9 +89,11 @@ def setup(cfg) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    engine = Engine(u.model) if device.type == "cuda" and cfg.share_prefix and supports(u.model) else None
+    held = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style) for r in evals]) if evals else []
+    widest = max([len(p) for p in ids.values() if len(p) <= cfg.max_prompt_tokens] + [*map(len, held), 1])
+    gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
-               u.layers, u.head_mean, u.flowtracer, engine, evals, log, start, bad)
+               u.layers, gpu.head_mean, u.flowtracer, gpu.engine, evals, log, start, bad, widest)
 
 
 def for_update(cfg, device, path=None):
