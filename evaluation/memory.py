@@ -16,14 +16,15 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
 --num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's.
 On CUDA the decode engine (training/engine.py) is kept for the run with its graphs, so its K, V buffers,
-2 L Hkv hd S g bf16 (S: the widest prompt + R, in multiples of 64), stay resident in every phase after the
-first generation.
+2 L Hkv hd S g bf16, stay resident in every phase: S is the run's widest prompt (`widest`: its training
+prompts after --max-prompt-tokens and its held-out ones, Run.widest_prompt) + R, in multiples of 64, reserved
+once at setup (training/preflight.py); held-out evaluation decodes in the same buffers (no second cache).
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
 memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
 torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
 On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
-allocator's fragmentation, up to one more KV cache (12 GB at 1K) when the cache grows by concatenation
-(policy.device_of sets expandable_segments against it); fit() keeps tensors + margin under 80 GB.
+allocator's fragmentation, up to one chunk's prompt cache (see margin); fit() keeps tensors + margin under
+80 GB.
 The disk: a checkpoint holds the weights and the optimizer state (checkpoint.checkpoint_bytes), and from the
 second save two coexist (grpo.py checks the free space at setup).
 
@@ -101,9 +102,10 @@ def param_counts(mc):
     return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps)
 
 
-def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
+def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
-    every row trained) on `device` under policy.scheme; nothing is allocated. The docstring has each term."""
+    every row trained) on `device` under policy.scheme; nothing is allocated. The docstring has each term.
+    widest: the widest prompt the decode engine is reserved for (Run.widest_prompt); None: prompt_tokens."""
     N, N_cast, N_max = param_counts(mc)
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -120,13 +122,14 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     layers = maps and not separate                                  # the fused pass captures the maps
     cast = 2 * N_cast if cuda and not kahan else 0                  # autocast's bf16 copies of fp32 weights
     state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
-    S = 64 * -(-(P - 1 + R) // 64)                                  # the decode engine's positions (ALIGN)
-    engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * g * cb  # its K, V buffers, kept for the run
+    S = 64 * -(-((widest or P) - 1 + R) // 64)                      # the decode engine's positions (ALIGN)
+    engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * g * cb  # its K, V buffers, reserved for the run
     w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * state,
              **{"cast cache": cast, "KV cache": engine})            # (+ the reference policy when beta > 0)
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
+    gen["KV cache"] += max(0, engine - 2 * L * Hkv * hd * T * g * cb)   # the engine wider than P + R
     ls, ckpt = layer_saved(mc, T, cb, rb), cfg.grad_checkpointing          # update: what the forward keeps
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
     acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt)
@@ -279,13 +282,16 @@ def table(est, title, unit=GB) -> str:
 
 def margin(cfg, mc, prompt_tokens=256) -> dict:
     """{cost: bytes} a GPU needs beyond the estimate's tensors (assumed, not measured): the CUDA context and
-    cuBLAS workspace, and the allocator's fragmentation, at most one more bf16 KV cache of a chunk (what a
-    cache grown by concatenation can leave in freed blocks too small to reuse; expandable_segments and a
-    cache reserved at T, as prefix sharing makes it, leave less)."""
+    cuBLAS workspace, and the allocator's fragmentation, at most one chunk's bf16 prompt cache (P wide). The
+    allowance was one whole KV cache (P + R) while the decode cache grew (by concatenation, or an engine
+    regrown by a wider prompt): freed blocks too small to reuse. The engine's buffers are now reserved once
+    for the run and never freed, so they leave none; what a chunk still allocates and frees is the
+    prefill's cache of its prompts, copied to its rows (P wide, freed before the next chunk), and under
+    expandable_segments (policy.device_of) its freed pages are reused."""
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     g = min(cfg.gen_chunk, cfg.prompts_per_step * cfg.group_size)
-    kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * (prompt_tokens + cfg.max_new_tokens) * g * 2
-    return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one KV cache": kv}
+    kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * prompt_tokens * g * 2
+    return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one prompt cache": kv}
 
 
 def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):

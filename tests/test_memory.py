@@ -207,7 +207,7 @@ def test_margin_is_printed_and_counted_in_the_fit():
     est, cfg = qwen3_4b()
     mc = qwen3_4b_config()
     m = memory.margin(cfg, mc)
-    assert sum(m.values()) == memory.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 1280     # + one bf16 KV cache
+    assert sum(m.values()) == memory.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 256      # + one bf16 prompt cache
     assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in memory.report(cfg)
     tight = SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192})
     g, _ = memory.fit(tight, mc, "cuda")
