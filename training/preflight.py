@@ -76,7 +76,7 @@ def head_mean_trial(fn, device):
     q = torch.randn(1, 4, 32, 16, generator=gen).to(device)               # (B, H, T, d)
     k = torch.randn(1, 2, 32, 16, generator=gen).to(device)               # (B, Hkv, S, d)
     got, want = (torch.zeros(1, 32, 32, device=device) for _ in range(2))  # (B, T, S)
-    fn(got, q, k, None, 0.25, None)
+    fn(got, q, k, None, 0.25, 32)
     add_head_mean(want, q, k, None, 0.25, 32)
     gap = (got - want).abs().max().item()                                 # a host read: the launch is done
     if not gap <= TOLERANCE:

@@ -1,0 +1,234 @@
+"""training/preflight.py and gpu_kernels/availability.py on the CPU: what Triton's launcher needs is found as the
+installed Triton finds it (a compiler, Python.h, libcuda), each preflight part forced to fail by a fake (the
+run goes on with its fallback and one line), one engine for a run with held-out evaluation (counted across
+two steps and two evaluations, its buffers reserved once), and an optimizer fallback that survives --resume."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import grpo
+from flowtracer import add_head_mean
+from gpu_kernels import availability
+from training import engine, heldout, policy, preflight, rollout
+from training.models import load_model
+
+LIB = "libcuda.so.1"
+
+
+# ----------------------------------------------------------------------------- what Triton's launcher needs
+@pytest.fixture
+def gpu_box(monkeypatch, tmp_path):
+    """A machine where everything Triton needs is present: gcc, Python.h, libcuda via TRITON_LIBCUDA_PATH."""
+    (tmp_path / "cuda").mkdir()
+    (tmp_path / "cuda" / LIB).write_bytes(b"")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(availability.shutil, "which", {"gcc": "/usr/bin/gcc"}.get)
+    monkeypatch.setattr(availability, "python_headers", lambda: "/usr/include/python3.11")
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path / "cuda"))
+    assert availability.unavailable("cuda") is None
+    return tmp_path
+
+
+def test_a_missing_compiler_headers_or_libcuda_is_named(gpu_box, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent")                              # Triton would take it, and fail
+    assert "no C compiler" in availability.unavailable("cuda")
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(availability, "python_headers", lambda: None)
+    assert "no Python.h" in availability.unavailable("cuda")
+
+
+def test_python_headers_are_looked_for_where_tritons_build_looks(monkeypatch, tmp_path):
+    """build.py's include directory: sysconfig's default scheme (posix_local read as posix_prefix)."""
+    seen = []
+    monkeypatch.setattr(availability.sysconfig, "get_default_scheme", lambda: "posix_local")
+    monkeypatch.setattr(availability.sysconfig, "get_paths",
+                        lambda scheme=None: seen.append(scheme) or {"include": str(tmp_path)})
+    assert availability.python_headers() is None and seen == ["posix_prefix"]
+    (tmp_path / "Python.h").write_text("")
+    assert availability.python_headers() == str(tmp_path)
+
+
+def fake_ldconfig(tmp_path, monkeypatch, listing):
+    script = tmp_path / "ldconfig"
+    script.write_text("#!/bin/sh\ncat <<'EOF'\n" + listing + "\nEOF\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(availability, "LDCONFIG", str(script))
+
+
+def test_libcuda_is_found_as_tritons_driver_finds_it(gpu_box, monkeypatch):
+    """TRITON_LIBCUDA_PATH first (a directory without the library: none), else the directories `ldconfig -p`
+    lists, else LD_LIBRARY_PATH's; without ldconfig at all, none (Triton's driver raises there)."""
+    cuda, other = str(gpu_box / "cuda"), str(gpu_box / "other")
+    os.mkdir(other)
+    assert availability.libcuda_dirs() == [cuda]
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", other)
+    assert availability.libcuda_dirs() == [] and "no libcuda.so.1" in availability.unavailable("cuda")
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH")
+    fake_ldconfig(gpu_box, monkeypatch, f"1 libs found\n\t{LIB} (libc6,x86-64) => {cuda}/{LIB}")
+    assert availability.libcuda_dirs() == [cuda]
+    fake_ldconfig(gpu_box, monkeypatch, "0 libs found")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{other}:{cuda}")
+    assert availability.libcuda_dirs() == [cuda]
+    monkeypatch.setattr(availability, "LDCONFIG", str(gpu_box / "no-ldconfig"))
+    assert availability.libcuda_dirs() == []
+
+
+def test_libcuda_dirs_agree_with_the_installed_triton(gpu_box, monkeypatch):
+    """The installed Triton's own libcuda_dirs (its /sbin/ldconfig, this machine's) against ours: the same
+    directories that hold the library (it returns $TRITON_LIBCUDA_PATH unchecked, and its link then fails),
+    none where it raises."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    if not os.path.exists(availability.LDCONFIG):
+        pytest.skip("no /sbin/ldconfig here")
+    cuda, other = str(gpu_box / "cuda"), str(gpu_box / "other")
+    os.mkdir(other)
+
+    def triton_dirs():
+        try:
+            return [d for d in driver.libcuda_dirs.__wrapped__() if os.path.exists(os.path.join(d, LIB))]
+        except (AssertionError, OSError):
+            return []
+    for env in ({"TRITON_LIBCUDA_PATH": cuda}, {"TRITON_LIBCUDA_PATH": other},
+                {"TRITON_LIBCUDA_PATH": None, "LD_LIBRARY_PATH": f"{other}:{cuda}"}):
+        for k, v in env.items():
+            monkeypatch.delenv(k) if v is None else monkeypatch.setenv(k, v)
+        assert availability.libcuda_dirs() == triton_dirs(), env
+
+
+# ----------------------------------------------------------------------------- each part's fallback
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+
+
+def cfg_of(**kw):
+    return SimpleNamespace(**{**dict(share_prefix=True, gen_chunk=8, prompts_per_step=2, group_size=2,
+                                     max_new_tokens=6, temperature=0.99, top_k=100, top_p=1.0), **kw})
+
+
+def kahan(model):
+    return policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cpu")
+
+
+def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
+    """A kernel whose launch fails, optimi's Triton step failing, the engine's trial failing: each replaced
+    by its fallback, one line each naming the part, the error and what runs instead, then the summary."""
+    model, tok = tiny
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    monkeypatch.setattr(policy, "optimi_kernel", lambda device: "triton")
+
+    def launch_fails(*a):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable\nmore")
+
+    def boom(*a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(preflight, "optimizer_trial", boom)
+    monkeypatch.setattr(preflight, "engine_trial", boom)
+    u = SimpleNamespace(model=model, tok=tok, opt=kahan(model), head_mean=launch_fails)
+    capsys.readouterr()
+    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    assert got.head_mean is add_head_mean and got.engine is None and got.optimizer == "foreach"
+    assert all((g["triton"], g["foreach"]) == (False, True) for g in u.opt.param_groups)
+    err = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert capsys.readouterr().out.splitlines() == got.lines == [
+        "preflight: the head-mean kernel failed (RuntimeError: Failed to find C compiler. Please specify via CC "
+        "environment variable); flow credit uses add_head_mean, the PyTorch reference",
+        f"preflight: the optimizer's Triton step failed ({err}); torch-optimi's foreach step runs instead "
+        "(the same arithmetic)",
+        f"preflight: the decode engine failed ({err}); rollouts decode with rollout.decode, without the engine",
+        got.lines[-1]]
+    assert got.lines[-1].startswith("preflight: no GPU part ran on cpu in ")
+
+
+def test_a_kernel_that_runs_but_differs_is_not_used(tiny, monkeypatch, capsys):
+    """A kernel that returns wrong maps (half the reference's) fails its trial; the real parts pass."""
+    model, tok = tiny
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+
+    def half(buf, q, k, mask, scale, chunk):
+        add_head_mean(buf, q, k, mask, scale, chunk)
+        buf.mul_(0.5)
+    u = SimpleNamespace(model=model, tok=tok, opt=torch.optim.AdamW(model.parameters()), head_mean=half)
+    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    assert got.head_mean is add_head_mean and got.optimizer == "" and isinstance(got.engine, engine.Engine)
+    assert "differs from add_head_mean by" in got.lines[0]
+    assert got.lines[1].startswith("preflight: decode engine ran on cpu") and len(got.lines) == 2
+    assert got.engine.captures == 1 and got.engine.S >= 20 - 1 + 6                # the trial: one step shape
+
+
+def test_a_long_prompt_mid_run_recaptures_nothing(tiny, monkeypatch):
+    """The engine reserved for the run's widest prompt: short calls, then one at the widest, keep the same
+    buffers and every graph (an engine sized by its first call regrows and drops them)."""
+    model, tok = tiny
+    short, long = [[1] + list(range(5, 12))] * 2, [[1] + list(range(5, 120))]
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    u = SimpleNamespace(model=model, tok=tok, opt=torch.optim.AdamW(model.parameters()), head_mean=None)
+    eng = preflight.check(cfg_of(), u, "cpu", widest=len(long[0])).engine
+    kw = dict(n=2, max_new_tokens=6, chunk_size=8, engine=eng)
+    rollout.generate(model, tok, short, **kw)
+    keys, graphs = eng.keys, set(eng.graph)
+    rollout.generate(model, tok, long, **kw)
+    assert eng.keys is keys and graphs <= set(eng.graph)
+    grown = engine.Engine(model)                                             # sized by its first call
+    rollout.generate(model, tok, short, **{**kw, "engine": grown})
+    keys = grown.keys
+    rollout.generate(model, tok, long, **{**kw, "engine": grown})
+    assert grown.keys is not keys
+
+
+# ----------------------------------------------------------------------------- one engine for the run
+def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
+    """grpo.py with --eval-every 1 for two steps, the preflight's path forced on the CPU: one engine made,
+    every rollout and evaluation through it, the same buffers throughout, and the second step and the second
+    evaluation capture nothing new (the greedy graphs sit beside the sampling ones)."""
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    made, calls = [], []
+    real_init, real_generate = engine.Engine.__init__, rollout.generate
+    monkeypatch.setattr(engine.Engine, "__init__", lambda self, *a, **k: made.append(self) or real_init(self, *a, **k))
+
+    def counted(model, tok, prompts, **kw):
+        out = real_generate(model, tok, prompts, **kw)
+        eng = kw.get("engine")
+        calls.append((eng, eng.captures if eng else None, id(eng.keys) if eng else None, kw.get("greedy")))
+        return out
+    monkeypatch.setattr(grpo, "generate", counted)
+    monkeypatch.setattr(heldout, "generate", counted)
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "2",
+                           "--max-new-tokens", "6", "--steps", "2", "--eval-every", "1", "--eval-size", "3",
+                           "--gen-chunk", "8", "--out-dir", str(tmp_path / "run")])
+    run = grpo.setup(cfg)
+    grpo.train(cfg, run)
+    assert len(made) == 1 and [c[3] for c in calls] == [None, True, None, True]  # step, eval, step, eval
+    assert all(c[0] is run.engine for c in calls) and len({c[2] for c in calls}) == 1
+    assert calls[1][1] == calls[3][1] and calls[0][1] < calls[1][1]        # nothing new after the first pair
+    assert run.engine.S >= run.widest_prompt - 1 + 6
+
+
+# ----------------------------------------------------------------------------- the optimizer's setting
+def test_an_optimizer_fallback_survives_resume(tmp_path, monkeypatch, capsys):
+    """A run saved where optimi's Triton step ran (its param groups say triton=True) resumes where the step
+    fails: the preflight's fallback is written after the checkpoint loads, so the foreach step runs (the
+    loaded triton=True would run Triton on these CPU tensors and fail) and the run finishes."""
+    out = str(tmp_path / "run")
+    args = ["--model", "tiny-qwen3", "--optimizer", "kahan", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "6", "--save-every", "1", "--out-dir", out]
+    grpo.train(grpo.parse_args(args + ["--steps", "1"]))
+    state_file = tmp_path / "run" / "ckpt" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    for g in state["optimizer"]["param_groups"]:
+        g["triton"], g["foreach"] = True, False                            # as a run on a GPU saved it
+    torch.save(state, state_file)
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    monkeypatch.setattr(policy, "optimi_kernel", lambda device: "triton")
+
+    def fails(device):
+        raise RuntimeError("Failed to find C compiler")
+    monkeypatch.setattr(preflight, "optimizer_trial", fails)
+    capsys.readouterr()
+    cfg = grpo.parse_args(args + ["--steps", "2", "--resume", out])
+    run = grpo.setup(cfg)
+    assert all((g["triton"], g["foreach"]) == (False, True) for g in run.opt.param_groups)
+    assert grpo.train(cfg, run).status == 0 and int(run.sched.last_epoch) == 2
+    assert capsys.readouterr().out.count("preflight: the optimizer's Triton step failed") == 1
