@@ -1,7 +1,8 @@
-"""training/preflight.py and gpu_kernels/availability.py on the CPU: what Triton's launcher needs is found as the
-installed Triton finds it (a compiler, Python.h, libcuda), each preflight part forced to fail by a fake (the
-run goes on with its fallback and one line), one engine for a run with held-out evaluation (counted across
-two steps and two evaluations, its buffers reserved once), and an optimizer fallback that survives --resume."""
+"""training/preflight.py and gpu_kernels/availability.py on the CPU: what Triton's launcher needs is found as
+the installed Triton finds it (a compiler, Python.h, libcuda), each preflight part forced to fail by a fake
+(the run goes on with its fallback and one line), one engine for a run with held-out evaluation (counted
+across two steps and two evaluations, its buffers reserved once), an optimizer fallback that survives
+--resume."""
 import os
 from types import SimpleNamespace
 
@@ -133,11 +134,12 @@ def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
     assert all((g["triton"], g["foreach"]) == (False, True) for g in u.opt.param_groups)
     err = "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert capsys.readouterr().out.splitlines() == got.lines == [
-        "preflight: the head-mean kernel failed (RuntimeError: Failed to find C compiler. Please specify via CC "
-        "environment variable); flow credit uses add_head_mean, the PyTorch reference",
+        "preflight: the head-mean kernel failed (RuntimeError: Failed to find C compiler. Please specify via "
+        "CC environment variable); flow credit uses add_head_mean, the PyTorch reference",
         f"preflight: the optimizer's Triton step failed ({err}); torch-optimi's foreach step runs instead "
         "(the same arithmetic)",
-        f"preflight: the decode engine failed ({err}); rollouts decode with rollout.decode, without the engine",
+        f"preflight: the decode engine failed ({err}); rollouts decode with rollout.decode, without the "
+        "engine",
         got.lines[-1]]
     assert got.lines[-1].startswith("preflight: no GPU part ran on cpu in ")
 
@@ -186,7 +188,8 @@ def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     made, calls = [], []
     real_init, real_generate = engine.Engine.__init__, rollout.generate
-    monkeypatch.setattr(engine.Engine, "__init__", lambda self, *a, **k: made.append(self) or real_init(self, *a, **k))
+    monkeypatch.setattr(engine.Engine, "__init__",
+                        lambda self, *a, **k: made.append(self) or real_init(self, *a, **k))
 
     def counted(model, tok, prompts, **kw):
         out = real_generate(model, tok, prompts, **kw)
