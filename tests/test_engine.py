@@ -419,3 +419,24 @@ def test_check_every_must_be_at_least_one():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="check_every must be an integer >= 1"):
             engine.Engine(model, check_every=bad)
+
+
+def test_the_estimate_counts_the_engines_reserved_buffers():
+    """evaluation/memory.py's engine term is the engine's own buffers, reserved at setup for the run's widest
+    prompt + max_new_tokens (the 1K step: --max-prompt-tokens 1024 + 1,024 new tokens, gen_chunk 64 rows): it
+    stays in every phase, and the generation phase of 256-token padded prompts holds at least it."""
+    from types import SimpleNamespace
+
+    import grpo
+    from training import preflight
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024", "--max-prompt-tokens", "1024"])
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    eng = preflight.make_engine(cfg, model, tok, widest=1024, n_eval=0)
+    eng.allocate(SimpleNamespace(layers=[]))                                # the model's dtype, bf16
+    reserved = eng.keys.nbytes + eng.values.nbytes
+    assert eng.keys.shape[1] == 64 and eng.keys.shape[3] == 1024 - 1 + 1024 + 1     # rows, S (ALIGN 64)
+    mc = memory.model_config(cfg.model)
+    for P in (1024, 256):
+        est = memory.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
+        assert all(0.9 < est[ph]["KV cache"] / reserved < 1.1 for ph in est if ph != "generation")
+        assert est["generation"]["KV cache"] >= reserved
