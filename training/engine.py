@@ -28,19 +28,29 @@ whose ceiling is reading the weights and the rows' KV cache once a step.
      rollout.decode (and HF's loop) read EOS on the host every step, so the CPU waited for the GPU to finish
      each step before it could launch the next, and the GPU then waited for the CPU's launches.
 
-An Engine lives for a run: a caller that passes one to every rollout.generate call (engine=...) keeps its
-buffers and graphs while the calls fit them (`reserve`); a call that needs more rows, positions or new tokens
-grows them (new buffers, graphs dropped), as does one with other EOS ids, pad or sampling parameters (each a
-constant of the graphs). `captures` counts the graphs captured (eagerly: those the step would capture). At
-128 rows, chunk 64, 256 + 1,024 tokens: 11 row buckets x 6 key lengths, at most 66 graphs a run, 16 a chunk
+An Engine lives for a run: grpo.py's is made at setup (training/preflight.py) and reserved once for the
+run's widest prompt + max_new_tokens, so no prompt met mid-run grows it; a caller that passes one to every
+rollout.generate call (engine=...) keeps its buffers and graphs while the calls fit them (`reserve`); a call
+that needs more rows, positions or new tokens grows them (new buffers, graphs dropped), as does one with other
+EOS ids or pad. The sampling parameters are not: each warp (greedy, or temperature / top-k / top-p) has its
+own graphs over the same buffers, so held-out evaluation's greedy decode shares the rollouts' engine.
+`captures` counts the graphs captured (eagerly: those the step would capture). At 128 rows, chunk 64,
+256 + 1,024 tokens: 11 row buckets x 6 key lengths, at most 66 graphs a warp and run, 16 a chunk
 (docs/gpu.md: the counts, and why multiples of 8).
-A capture or a replay that raises turns the graphs off for the engine's life, with one line: the step runs
-eagerly from there on, and the run goes on.
+Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
+  capture  fails: the side stream is left (`capture` enters it with `with`, around capture_begin/_end), the
+           line names the first error (not capture_end's "invalidated" after it), the graphs are off for the
+           engine's life and the step runs eagerly (its warm-up ran: the step itself works).
+  warm-up  fails: the step itself fails, so the eager step would repeat the failing call: the engine stops
+           (`off`, its buffers freed) and rollout.generate decodes with rollout.decode from there on.
+  replay   a fault surfaces at the next host read, not at replay(): with graphs the whole decode call is
+           the guarded region and ends with one sync (once a call, not a step); a fault turns the graphs off
+           and the call is decoded again eagerly from its inputs.
 
 Memory: the static buffers are the KV cache that evaluation/memory.py's `generation` counts for a chunk
-(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. An engine
-kept for a run holds the largest call's, through the update too (grpo.py keeps one: memory.py counts its
-buffers in every phase on CUDA). Not measured yet: no GPU was at hand when it was written.
+(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
+engine holds its reservation (the widest prompt + R) through the update too: memory.py counts its buffers in
+every phase on CUDA. Not measured yet: no GPU was at hand when it was written.
 `benchmarks/generate_speed.py --device cuda` prints the engine beside HF generate (dynamic and static cache),
 the bound and the greedy rows equal to HF's.
 
@@ -331,6 +341,8 @@ class Engine:
         """The engine off for its life (`off`), said in one line: its step failed eagerly, in a warm-up."""
         self.off = f"{type(error).__name__}: {error}"
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
+        self.keys = self.values = None                                     # rollout.decode needs the memory
+        self.caches = {}
         print(f"engine: the decode step failed in its warm-up ({self.off}); rollouts decode with "
               f"rollout.decode, without the engine, from here on", flush=True)
         return Stopped(self.off)
