@@ -9,8 +9,8 @@ update after minutes of generation:
             posix_local), which build.py passes to the compiler: a venv on a Python without its headers
             (python3-dev) has none
   libcuda   libcuda.so.1 in $TRITON_LIBCUDA_PATH when set, else in a directory that `/sbin/ldconfig -p`
-            lists, else in one of $LD_LIBRARY_PATH's (driver.py's libcuda_dirs; a container without
-            ldconfig's cache, or without /sbin/ldconfig, fails there)
+            lists, else in one of $LD_LIBRARY_PATH's (driver.py's libcuda_dirs, called itself where the
+            installed Triton has it; a container without ldconfig's cache fails there)
 Runtime images often lack one of them: a kernel is chosen only where `unavailable` finds nothing missing,
 and training/preflight.py still runs each chosen kernel once at setup (what this cannot see: a driver too
 old for the kernel, a compiler that fails).
@@ -45,10 +45,29 @@ def python_headers():
     return include if os.path.exists(os.path.join(include, "Python.h")) else None
 
 
+def has_libcuda(directory):
+    return os.path.exists(os.path.join(directory, "libcuda.so.1"))
+
+
 def libcuda_dirs():
-    """The directories Triton's driver would find libcuda.so.1 in ([] where it finds none): those of
-    $TRITON_LIBCUDA_PATH when set, else `/sbin/ldconfig -p`'s, else those of $LD_LIBRARY_PATH."""
-    has = lambda d: os.path.exists(os.path.join(d, "libcuda.so.1"))              # noqa: E731
+    """The directories that hold libcuda.so.1 among those the installed Triton's driver searches ([] where
+    its search raises): its own libcuda_dirs where it has one (triton.backends.nvidia.driver, Triton >= 3.0;
+    newer ones read $LD_LIBRARY_PATH when ldconfig is missing too), else `search`, its rule."""
+    try:
+        from triton.backends.nvidia.driver import libcuda_dirs as triton_search
+    except ImportError:
+        return search()
+    try:
+        found = triton_search.__wrapped__()                                # not its cache: the env may change
+    except Exception:                                                      # noqa: BLE001 (its assert, no ldconfig)
+        return []
+    return [d for d in found if has_libcuda(d)]            # $TRITON_LIBCUDA_PATH is returned unchecked
+
+
+def search():
+    """Triton's driver's search for libcuda.so.1 ([] where it finds none): $TRITON_LIBCUDA_PATH when set,
+    else the directories `/sbin/ldconfig -p` lists, else those of $LD_LIBRARY_PATH."""
+    has = has_libcuda
     env = os.environ.get("TRITON_LIBCUDA_PATH")
     if env:
         return [env] if has(env) else []

@@ -60,26 +60,28 @@ def fake_ldconfig(tmp_path, monkeypatch, listing):
 
 def test_libcuda_is_found_as_tritons_driver_finds_it(gpu_box, monkeypatch):
     """TRITON_LIBCUDA_PATH first (a directory without the library: none), else the directories `ldconfig -p`
-    lists, else LD_LIBRARY_PATH's; without ldconfig at all, none (Triton's driver raises there)."""
+    lists, else LD_LIBRARY_PATH's; without ldconfig at all, none (Triton's driver raises there). The rule
+    (`search`) with a fake ldconfig, and libcuda_dirs (the installed Triton's own search, else the rule)."""
     cuda, other = str(gpu_box / "cuda"), str(gpu_box / "other")
     os.mkdir(other)
-    assert availability.libcuda_dirs() == [cuda]
+    assert availability.search() == availability.libcuda_dirs() == [cuda]
     monkeypatch.setenv("TRITON_LIBCUDA_PATH", other)
-    assert availability.libcuda_dirs() == [] and "no libcuda.so.1" in availability.unavailable("cuda")
+    assert availability.search() == availability.libcuda_dirs() == []
+    assert "no libcuda.so.1" in availability.unavailable("cuda")
     monkeypatch.delenv("TRITON_LIBCUDA_PATH")
     fake_ldconfig(gpu_box, monkeypatch, f"1 libs found\n\t{LIB} (libc6,x86-64) => {cuda}/{LIB}")
-    assert availability.libcuda_dirs() == [cuda]
+    assert availability.search() == [cuda]
     fake_ldconfig(gpu_box, monkeypatch, "0 libs found")
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{other}:{cuda}")
-    assert availability.libcuda_dirs() == [cuda]
+    assert availability.search() == [cuda]
     monkeypatch.setattr(availability, "LDCONFIG", str(gpu_box / "no-ldconfig"))
-    assert availability.libcuda_dirs() == []
+    assert availability.search() == []
 
 
 def test_libcuda_dirs_agree_with_the_installed_triton(gpu_box, monkeypatch):
-    """The installed Triton's own libcuda_dirs (its /sbin/ldconfig, this machine's) against ours: the same
-    directories that hold the library (it returns $TRITON_LIBCUDA_PATH unchecked, and its link then fails),
-    none where it raises."""
+    """The installed Triton's own libcuda_dirs (its /sbin/ldconfig, this machine's) against the rule it is
+    written from (`search`, the fallback for a Triton without one): the same directories that hold the
+    library (it returns $TRITON_LIBCUDA_PATH unchecked, and its link then fails), none where it raises."""
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     if not os.path.exists(availability.LDCONFIG):
         pytest.skip("no /sbin/ldconfig here")
@@ -95,7 +97,7 @@ def test_libcuda_dirs_agree_with_the_installed_triton(gpu_box, monkeypatch):
                 {"TRITON_LIBCUDA_PATH": None, "LD_LIBRARY_PATH": f"{other}:{cuda}"}):
         for k, v in env.items():
             monkeypatch.delenv(k) if v is None else monkeypatch.setenv(k, v)
-        assert availability.libcuda_dirs() == triton_dirs(), env
+        assert availability.search() == triton_dirs() == availability.libcuda_dirs(), env
 
 
 # ----------------------------------------------------------------------------- each part's fallback

@@ -4,7 +4,8 @@ setup's order is cheapest checks first: the run directory is checked and the dat
 loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
 (and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
 and tokenized once here, those the run will read; which a step reads is a function of (seed, step), so
---resume lines up.
+--resume lines up. Last, one call to training/preflight.py: on CUDA each GPU part is tried once (or replaced
+by its fallback, one line each) and the decode engine is reserved for the widest prompt the run decodes.
 
 Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
