@@ -151,6 +151,11 @@ class SlotLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
+def one_line(error):
+    """An error as one line: its type and the first line of its message (CUDA's and Triton's run longer)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
 class Stopped(Exception):
     """Engine.run's signal that the engine has stopped (Engine.stop said why); decode returns None."""
 
@@ -334,12 +339,12 @@ class Engine:
     def fall_back(self, what, error):
         """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
-        print(f"engine: CUDA graph {what} failed ({type(error).__name__}: {error}); the decode step runs "
-              f"eagerly from here on", flush=True)
+        print(f"engine: CUDA graph {what} failed ({one_line(error)}); the decode step runs eagerly from here "
+              f"on", flush=True)
 
     def stop(self, error):
         """The engine off for its life (`off`), said in one line: its step failed eagerly, in a warm-up."""
-        self.off = f"{type(error).__name__}: {error}"
+        self.off = one_line(error)
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
         self.keys = self.values = None                                     # rollout.decode needs the memory
         self.caches = {}

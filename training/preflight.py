@@ -36,7 +36,7 @@ import torch
 
 from flowtracer import add_head_mean
 from training import policy
-from training.engine import Engine, supports
+from training.engine import Engine, one_line, supports
 from training.rollout import eos_ids, generate
 
 TOLERANCE = 1e-4    # the kernel against add_head_mean, fp32 (tests/test_head_mean_kernel.py holds 1e-5)
@@ -52,13 +52,6 @@ class Checked(NamedTuple):
 def on_gpu(device):
     """Whether `check` tries the parts: a CUDA device (the CPU tests force it)."""
     return torch.device(device).type == "cuda"
-
-
-def said(error):
-    """An error as one short line: its type and the first line of its message (Triton's compile errors
-    run to pages)."""
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first[:200]}"
 
 
 def settle(opt, kernel):
@@ -129,7 +122,7 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
             ran.append(part)
             return False
         except Exception as e:                                          # noqa: BLE001 (a fallback follows)
-            lines.append(f"preflight: the {part} failed ({said(e)}); {instead}")
+            lines.append(f"preflight: the {part} failed ({one_line(e)}); {instead}")
             print(lines[-1], flush=True)
             return True
     if head_mean not in (None, add_head_mean) and fails(
