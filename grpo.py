@@ -189,17 +189,17 @@ def grpo_step(run, step, bad):
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rewards = torch.tensor([run.reward(txt, run.records[ids[j // G]]) for j, txt in enumerate(gen.texts)])
-        found = [find_answer_span(t, cfg.answer_pattern) is not None                # eq. 2's sink, all rows
-                 for t, cut in zip(gen.texts, gen.truncated) if not cut]            # that reached an end
+        found = [find_answer_span(t, cfg.answer_pattern) is not None for t in gen.texts]   # eq. 2's sink
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
             (list(range(len(rewards))), {})                                                    # departure 6
     m.update(dropped, **{"answers/missing": found.count(False)})
     if 2 * found.count(False) > len(found) and "answers" not in run.warned:          # said once a run
         run.warned.add("answers")
-        tqdm.write(f"step {step + 1}: {found.count(False)} of {len(found)} finished responses have no answer "
-                   f"region, so their flow credit falls back to plain GRPO: give --answer-pattern REGEX for "
-                   f"this task's answer (now: {cfg.answer_pattern or 'the last boxed{} or <answer>'})")
+        rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
+        tqdm.write(f"step {step + 1}: {found.count(False)} of {len(found)} responses have no answer region "
+                   f"(eq. 2's sink; {rule}), so their flow credit falls back to plain GRPO: give "
+                   f"--answer-pattern REGEX, the form of this task's answer")
     if not kept:
         return {**m, "skipped": "the dynamic filter dropped every group"}, None, bad
     batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
