@@ -79,7 +79,7 @@ def test_build_batch_marks_the_pattern_s_tokens(tok):
 def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_data, monkeypatch):
     """data.reward (the one reward path) and the run's reward without --reward give every record of the
     offline data what its task's verifier (math_reward / choice_reward / countdown_reward, called as before:
-    (completion, answer)) gives: the boxed ground truth, a wrong box, an empty completion."""
+    (completion, answer)) gives: the boxed ground truth, an empty completion, and (every 20th) a wrong box."""
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
     run_reward = rewards.load(grpo.Config(), None)
     assert run_reward is data.reward
@@ -90,10 +90,11 @@ def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_da
             if not any((local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet")) \
                     or data.TASKS[name].generate is not None:
                 continue
-            for r in data.load_task(name, split):
+            for i, r in enumerate(data.load_task(name, split)):
                 verify = {"math": data.math_reward, "choice": data.choice_reward,
                           "countdown": data.countdown_reward}[r["task"]]
-                for text in (f"so \\boxed{{{r['answer']}}}", "\\boxed{\\frac{7919}{104729}}", ""):
+                wrong = ["\\boxed{\\frac{7919}{104729}}"] * (i % 20 == 0)       # math-verify: ~10 ms a call
+                for text in (f"so \\boxed{{{r['answer']}}}", "", *wrong):
                     assert run_reward(text, r) == verify(text, r["answer"]), (r["id"], text)
                 n += 1
     assert n > 10000                                                      # gsm8k's 8,792 and the others
