@@ -295,7 +295,13 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
     if key == custom.NAME:
         if path is None:
             raise DataError("--dataset custom reads a file: give --data-path FILE (JSONL or parquet)")
-        return custom.records(read_rows(path), split, path, limit, question_field, answer_field)
+        try:
+            records = custom.records(read_rows(path), split, path, limit, question_field, answer_field)
+        except custom.ColumnError as e:
+            raise DataError(str(e)) from None
+        for r in records:
+            unicode_text(f"{path}, row {r['id']!r}", question=r["question"], answer=r.get("answer"))
+        return records
     if key not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     t = TASKS[key]
@@ -323,7 +329,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
             q, a = t.normalise(custom.with_fields(row, key, question_field, answer_field))
             if t.task == "math" and (not a.strip() or not_finite(a)):  # e.g. [NaN], "#### nan"
                 raise DataError(f"the answer {a!r} is empty or not a finite value")
-        except DataError as e:
+        except (DataError, custom.ColumnError) as e:
             raise DataError(f"{where}: {e}") from None
         unicode_text(where, question=q, answer=a)
         if key == "dapo-math-17k" and q in seen:  # the hub file repeats every problem ~100 times

@@ -12,7 +12,8 @@ A custom record holds every column of its row as it is, plus:
   "task"      "custom" (a column named "task" is replaced: prompts.py and heldout.py read it)
 There is no built-in reward for it: grpo.py --dataset custom needs --reward (training/rewards.py), and its
 prompt is the question as written, through the model's chat template (prompts.py, style "question").
-A column that is missing is a DataError naming the row and listing the columns it has.
+A column that is missing is a ColumnError naming the row and listing the columns it has (data.py raises it as
+its DataError).
 
 Run: python -c "import data; print(data.load_task('custom', 'train', 'docs/your-task/train.jsonl')[0])"
 """
@@ -30,20 +31,23 @@ ANSWER_KEYS = ("answer", "Answer", "final_answer", "solution", "label", "answer_
                "reward_model")
 
 
+class ColumnError(ValueError):
+    """A row without the column a flag names, or a task without such a field: one sentence."""
+
+
 def missing(row, field, flag):
-    """The DataError message for a column the row lacks: it names the flag and lists the row's columns."""
+    """The message for a column the row lacks: it names the flag and lists the row's columns."""
     return f"no column {field!r} ({flag}); the row's columns: {', '.join(map(str, row)) or 'none'}"
 
 
 def with_fields(row, task, question_field="", answer_field=""):
     """The row with its question and answer moved to the columns task `task` reads (READS), the other
     candidate columns dropped so the normaliser cannot pick one of them first; the row itself when neither
-    field is given. DataError (data.py names the row) for a missing column, or a task without such a field."""
+    field is given. ColumnError (data.py names the row) for a missing column, or a task without the field."""
     if not question_field and not answer_field:
         return row
-    from data import DataError
     if task in READS and READS[task] is None:
-        raise DataError(f"task {task!r} builds its question from the columns nums and target: "
+        raise ColumnError(f"task {task!r} builds its question from the columns nums and target: "
                         f"--question-field / --answer-field do not apply")
     q_key, a_key = READS.get(task, ("question", "answer"))
     out = dict(row)
@@ -52,7 +56,7 @@ def with_fields(row, task, question_field="", answer_field=""):
         if not field:
             continue
         if field not in row:
-            raise DataError(missing(row, field, flag))
+            raise ColumnError(missing(row, field, flag))
         value = row[field]
         out = {k: v for k, v in out.items() if k not in keys}
         out[key] = {"ground_truth": value} if key == "reward_model" else value
@@ -60,30 +64,29 @@ def with_fields(row, task, question_field="", answer_field=""):
 
 
 def records(rows, split, path, limit=None, question_field="", answer_field=""):
-    """The records of a custom file (see the module docstring): rows = data.read_rows(path)."""
-    from data import DataError, unicode_text
+    """The records of a custom file (see the module docstring): rows = data.read_rows(path). ColumnError
+    naming the row for a missing column or a question that is not text."""
     out = []
     for where, row in rows:
         if limit and len(out) >= limit:
             break
         q_key = question_field or next((k for k in GUESS_QUESTION if k in row), None)
         if q_key is None or q_key not in row:
-            raise DataError(f"{where}: " + (missing(row, question_field, "--question-field") if question_field
-                                            else f"no question column (looked for {', '.join(GUESS_QUESTION)}"
-                                                 f"); the row's columns: {', '.join(map(str, row))}; name "
-                                                 f"it with --question-field"))
+            why = missing(row, question_field, "--question-field") if question_field else (
+                f"no question column (looked for {', '.join(GUESS_QUESTION)}); the row's columns: "
+                f"{', '.join(map(str, row))}; name it with --question-field")
+            raise ColumnError(f"{where}: {why}")
         q = row[q_key]
         if not isinstance(q, str) or not q.strip():
-            raise DataError(f"{where}: the question column {q_key!r} is {type(q).__name__} {str(q)[:40]!r}, "
-                            f"expected non-empty text")
+            raise ColumnError(f"{where}: the question column {q_key!r} is {type(q).__name__} "
+                              f"{str(q)[:40]!r}, expected non-empty text")
         if answer_field and answer_field not in row:
-            raise DataError(f"{where}: {missing(row, answer_field, '--answer-field')}")
+            raise ColumnError(f"{where}: {missing(row, answer_field, '--answer-field')}")
         a_key = answer_field or next((k for k in GUESS_ANSWER if k in row), None)
-        unicode_text(where, question=q, answer=row.get(a_key))
         rec = {"id": f"{NAME}/{split}/{len(out)}", **row, "question": q, "task": NAME}
         if a_key is not None:
             rec["answer"] = row[a_key]
         out.append(rec)
     if not out:
-        raise DataError(f"{path}: no rows")
+        raise ColumnError(f"{path}: no rows")
     return out

@@ -185,7 +185,8 @@ def test_a_reward_that_fails_mid_run_stops_it_and_the_checkpoint_stands(tmp_path
     bad = "raise ZeroDivisionError('boom')" if failure == "raise" else "return float('nan')"
     argv = task_files(tmp_path, "CALLS = []\n\n\ndef score(completion, record):\n    CALLS.append(1)\n"
                                 f"    if len(CALLS) > 9:\n        {bad}\n    return len(CALLS) % 2\n")
-    line = fails(capsys, [*TINY, *argv, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path / "r")])
+    line = fails(capsys, [*TINY, *argv, "--steps", "3", "--save-every", "1", "--out-dir",
+                          str(tmp_path / "r")])
     assert "reward.py:score" in line and "on row 'custom/train/" in line and "checkpoint stands" in line
     assert ("ZeroDivisionError" if failure == "raise" else "returned nan") in line
     assert (tmp_path / "r" / "ckpt" / "COMPLETE").read_text().strip() == "1"
@@ -203,7 +204,8 @@ def test_resume_refuses_an_edited_reward_file_unless_given_again(tmp_path, capsy
     grpo.main(["--resume", str(out), "--steps", "2", "--reward", f"{tmp_path / 'reward.py'}:score"])
     saved = json.loads((out / "ckpt" / "run_config.json").read_text())
     assert saved["reward_files"] != first and (out / "ckpt" / "COMPLETE").read_text().strip() == "2"
-    cfg = grpo.parse_args(["--config", str(out / "ckpt" / "run_config.json"), "--out-dir", str(tmp_path / "b")])
+    cfg = grpo.parse_args(["--config", str(out / "ckpt" / "run_config.json"), "--out-dir",
+                           str(tmp_path / "b")])
     assert cfg.reward == saved["reward"] and cfg.reward_files == saved["reward_files"]
     (tmp_path / "reward.py").rename(tmp_path / "moved.py")
     assert "gone" in fails(capsys, ["--resume", str(out), "--steps", "3"])
@@ -225,7 +227,7 @@ def test_chat_template_kwargs_reach_the_template_and_the_run_config(tok, tmp_pat
 
 
 def test_with_fields_refuses_countdown_and_names_the_columns():
-    with pytest.raises(data.DataError, match="nums and target"):
+    with pytest.raises(custom.ColumnError, match="nums and target"):
         custom.with_fields({"nums": [1], "target": 1}, "countdown", "q")
-    with pytest.raises(data.DataError, match=r"no column 'x' \(--answer-field\); the row's columns: p, s"):
+    with pytest.raises(custom.ColumnError, match=r"no column 'x' \(--answer-field\); the row's columns: p"):
         custom.with_fields({"p": 1, "s": 2}, "math500", "", "x")
