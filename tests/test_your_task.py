@@ -231,3 +231,20 @@ def test_with_fields_refuses_countdown_and_names_the_columns():
         custom.with_fields({"nums": [1], "target": 1}, "countdown", "q")
     with pytest.raises(custom.ColumnError, match=r"no column 'x' \(--answer-field\); the row's columns: p"):
         custom.with_fields({"p": 1, "s": 2}, "math500", "", "x")
+
+
+def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
+    import flowtracer_trl
+    args, _, _ = flowtracer_trl.parse_args(["--dataset", "custom", "--data-path", "rows.jsonl", "--reward",
+                                            "r.py:exact", "--answer-pattern", r"A: (\d+)"])
+    assert (args.dataset, args.reward, args.answer_pattern) == ("custom", "r.py:exact", r"A: (\d+)")
+    for bad, words in ((["--answer-pattern", "("], "does not compile"), (["--dataset", "custom"], "needs")):
+        with pytest.raises(SystemExit):
+            flowtracer_trl.parse_args(bad)
+        assert words in capsys.readouterr().err.strip().splitlines()[-1]
+
+    def exact(completion, record):
+        return float(completion == record["answer"])
+    fn = flowtracer_trl.trl_reward(rewards.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
+    assert fn.__name__ == "exact"
+    assert fn(None, ["7", "8"], [json.dumps({"id": "a", "answer": "7"})] * 2) == [1.0, 0.0]

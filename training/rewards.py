@@ -25,7 +25,7 @@ A reward file is code the run executes, and part of the experiment:
 Only the file named is hashed, not the modules it imports.
 
 Run: python grpo.py --dataset custom --data-path docs/your-task/train.jsonl \\
-         --reward docs/your-task/reward.py:reward --answer-pattern 'ANSWER: *(-?\\d+)'   (docs/your-task.md)
+         --reward docs/your-task/reward.py:exact_number --answer-pattern '(-?\\d+)\\D*$'   (docs/your-task.md)
 """
 import hashlib
 import importlib.util
