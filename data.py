@@ -2,7 +2,9 @@
 
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
-  score(record, completion)                  -> a float reward: a pure function of (completion, answer)
+  reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
+                                                --reward function (training/rewards.py); score(record,
+                                                completion) is the same in the older argument order
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
@@ -11,6 +13,7 @@ Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   countdown       countdown (generated, TinyZero's protocol: countdown.py), countdown-3to4 (TinyZero's data)
   math, offline   arithmetic: generated 1-3 step word problems (arithmetic.py), the default task of the
                   embedded SmolLM2-135M-Instruct
+  yours           custom: a JSONL/parquet file of any columns, rewarded by a --reward function (custom.py)
 Rows come from `path=` (a JSONL or parquet file) if given; else the generator; else
 $FLOWTRACER_DATA/<dir>/<split>.jsonl|.parquet (default: ../shared/data next to this repo); else the hub via
 `datasets.load_dataset` (offline, that raises an error saying how to pass a path). Quirks fixed on load:
@@ -47,7 +50,7 @@ import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from tasks import arithmetic, countdown, prompts
+from tasks import arithmetic, countdown, custom, prompts
 from tasks.answers import boxed_span, equivalent, not_finite, option_letter
 from tasks.prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface)
 
@@ -265,6 +268,7 @@ TASKS = {
                            countdown_row),
     "arithmetic": Task("math", "arithmetic", (), math_row, arithmetic.generate),
 }
+DATASETS = (*TASKS, custom.NAME)     # grpo.py's --dataset: the tasks, and your own file (custom.py)
 SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
 
 
@@ -283,9 +287,21 @@ def hub_rows(name, t, split):
     return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
 
 
-def load_task(name, split="test", path=None, limit=None, seed=0):
-    """The records of one task split. `seed` only matters for the generated tasks (countdown, arithmetic)."""
+def load_task(name, split="test", path=None, limit=None, seed=0, question_field="", answer_field=""):
+    """The records of one task split. `seed` only matters for the generated tasks (countdown, arithmetic).
+    question_field / answer_field: the columns holding the question and the answer, for a file whose columns
+    are not the ones the task reads (custom.with_fields); "custom" reads `path` (custom.py)."""
     key = str(name).lower()
+    if key == custom.NAME:
+        if path is None:
+            raise DataError("--dataset custom reads a file: give --data-path FILE (JSONL or parquet)")
+        try:
+            records = custom.records(read_rows(path), split, path, limit, question_field, answer_field)
+        except custom.ColumnError as e:
+            raise DataError(str(e)) from None
+        for r in records:
+            unicode_text(f"{path}, row {r['id']!r}", question=r["question"], answer=r.get("answer"))
+        return records
     if key not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     t = TASKS[key]
@@ -310,10 +326,10 @@ def load_task(name, split="test", path=None, limit=None, seed=0):
         if stop and len(records) >= stop:
             break
         try:
-            q, a = t.normalise(row)
+            q, a = t.normalise(custom.with_fields(row, key, question_field, answer_field))
             if t.task == "math" and (not a.strip() or not_finite(a)):  # e.g. [NaN], "#### nan"
                 raise DataError(f"the answer {a!r} is empty or not a finite value")
-        except DataError as e:
+        except (DataError, custom.ColumnError) as e:
             raise DataError(f"{where}: {e}") from None
         unicode_text(where, question=q, answer=a)
         if key == "dapo-math-17k" and q in seen:  # the hub file repeats every problem ~100 times
@@ -368,14 +384,20 @@ countdown_reward = countdown.reward  # TinyZero's 1.0 / 0.1 / 0.0 rule, see coun
 REWARDS = {"math": math_reward, "countdown": countdown_reward, "choice": choice_reward}
 
 
-def score(record, completion):
-    """The reward for one completion of one record. Never raises on any completion; an unknown
-    record["task"] is a programming error and raises ValueError."""
-    reward = REWARDS.get(record.get("task"))
-    if reward is None:
+def reward(completion, record):
+    """The built-in reward of one completion of one record, by record["task"] (REWARDS), as a --reward
+    function is called (training/rewards.py): grpo.py's default reward. Never raises on any completion; an
+    unknown record["task"] is a programming error and raises ValueError."""
+    verify = REWARDS.get(record.get("task"))
+    if verify is None:
         raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; "
                          f"known: {list(REWARDS)}")
-    return reward(completion, record["answer"])
+    return verify(completion, record["answer"])
+
+
+def score(record, completion):
+    """reward(completion, record), in the argument order evaluation/ calls it with."""
+    return reward(completion, record)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,8 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
+    p.add_argument("--answer-pattern", default=None, help="regex of the answer region, as grpo.py's "
+                   "(default: the last \\boxed{}, else <answer>...</answer>)")
     p.add_argument("--token", type=int, default=None, help="inout: response position (default: top flow)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2,

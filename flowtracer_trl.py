@@ -13,7 +13,8 @@ surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
 from the token ids themselves (rollout.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
-decoded completion), so response column j of Assignment.gamma is completion token j: TRL's column j.
+decoded completion, or --answer-pattern's last match), so response column j of Assignment.gamma is
+completion token j: TRL's column j.
 
 Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
@@ -74,7 +75,7 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import select_layers
-from training import credit, flags, runlog, signals
+from training import credit, flags, rewards, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, answer_token_range, build_batch, prompt_ids, take
@@ -125,8 +126,9 @@ def on_policy_credit(steps_per_generation, accumulation, iterations):
 class FlowTracerGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a credit.CreditConfig."""
 
-    def __init__(self, *args, credit_cfg=None, **kwargs):
+    def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
+        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (rollout.find_answer_span)
         problem = trl_problem() or credit.check(self.credit_cfg)
         if problem:
             raise ValueError(problem)
@@ -213,7 +215,8 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         resp = torch.cat([torch.zeros_like(pm), cm], 1)
         ans = torch.zeros_like(resp)
         for b in range(len(input_ids)):
-            k = answer_token_range(tok, input_ids[b, P:][cm[b]].tolist()) if cm[b].any() else None
+            k = answer_token_range(tok, input_ids[b, P:][cm[b]].tolist(), self.answer_pattern) \
+                if cm[b].any() else None
             if k:
                 ans[b, P + k[0]:P + k[1]] = True
         gamma, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
@@ -240,7 +243,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         pairs = ([(prompt_ids[i], completion_ids[i]) for i in rows] if rows else       # the placeholder:
                  [(prompt_ids[0], completion_ids[0] or [tok.eos_token_id])])           # its gamma is dropped
         A = adv[rows].to(dev).float() if rows else torch.ones(1, device=dev)
-        batch = build_batch(tok, *map(list, zip(*pairs))).to(dev)
+        batch = build_batch(tok, *map(list, zip(*pairs)), answer_pattern=self.answer_pattern).to(dev)
         a = self.args                                                 # the model as TRL's generation sees it
         with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                           gather_deepspeed3_params=a.ds3_gather_for_generation,
@@ -275,7 +278,19 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 # ----------------------------------------------------------------------------- command line
 def verifier(prompts, completions, record, **kwargs):
     """data.py's verified reward of each completion (grpo.py's reward); `record` is the dataset column."""
-    return [data.score(json.loads(r), c) for r, c in zip(record, completions)]
+    return [data.reward(c, json.loads(r)) for r, c in zip(record, completions)]
+
+
+def trl_reward(term):
+    """A --reward function (rewards.Term) as a TRL reward function of the same name (TRL logs
+    rewards/<name>): each completion's reward, with its record (every column of the row) as grpo.py gives
+    it; a raise or a non-finite value is a rewards.RewardError naming the function and the row."""
+    one = rewards.Rewards([term._replace(weight=1.0)])
+
+    def reward(prompts, completions, record, **kwargs):
+        return [one(c, json.loads(r)) for r, c in zip(record, completions)]
+    reward.__name__ = term.fn.__name__
+    return reward
 
 
 # GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
@@ -294,8 +309,17 @@ def parse_args(argv=None):
                                 epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
                                        "--per-device-train-batch-size, ...: see TRL's GRPOConfig).")
     p.add_argument("--model", default="smollm2-135m", help="a models.py name, a local directory, a hub name")
-    p.add_argument("--dataset", default="arithmetic", choices=list(data.TASKS), help="a data.py task")
+    p.add_argument("--dataset", default="arithmetic", choices=list(data.DATASETS),
+                   help="a data.py task; custom: your --data-path rows and --reward (docs/your-task.md)")
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
+    p.add_argument("--question-field", default="", help="the question's column (\"\": the task's, guessed)")
+    p.add_argument("--answer-field", default="", help="the answer's column (\"\": the task's, guessed)")
+    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float, as "
+                   "in grpo.py (\"\": the task's); weights: GRPOConfig's --reward-weights")
+    p.add_argument("--answer-pattern", default="", help="regex of eq. 2's answer region: its last match "
+                   "(group 1 if any); \"\": the last \\boxed{}, else <answer>...</answer>")
+    p.add_argument("--chat-template-kwargs", default="", help="JSON object for apply_chat_template, e.g. "
+                   "{\"enable_thinking\": false}")
     p.add_argument("--prompt-style", default="auto", choices=["auto", *data.STYLES], help="prompt style")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
     own = {"seed"}                       # --seed is GRPOConfig's
@@ -311,8 +335,8 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
-    problem = credit.check(ccfg) or (None if args.dataset.lower() in data.TASKS else
-                                     f"--dataset must be one of {', '.join(data.TASKS)}")
+    task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
+    problem = credit.check(ccfg) or rewards.check(task)
     if problem:
         p.error(problem)
     return args, ccfg, targs
@@ -325,27 +349,37 @@ def main(argv=None):
         sys.exit(2)
     args, ccfg, targs = parse_args(argv)
     try:
-        records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed)
+        records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed,
+                                 question_field=args.question_field, answer_field=args.answer_field)
+        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0])   # checked
+        funcs = [trl_reward(t) for t in mine.terms] if args.reward else [verifier]   # once, as grpo.py does
         style = (args.prompt_style if args.prompt_style != "auto"
                  else data.default_style(args.model, records[0]["task"]))
         if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
             model, tok = load_model(args.model, device="cpu", dtype=torch.float32)   # the Trainer places it
         else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-        rows = [{"prompt": data.make_prompt(r, tok, style), "record": json.dumps(r)} for r in records]
+        kwargs = rewards.template_kwargs(args)
+        rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
+                for r in records]
         n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]   # as TRL will get them
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=verifier, args=targs, processing_class=tok,
-                                        train_dataset=Dataset.from_list(rows), credit_cfg=ccfg)
+        trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
+                                        train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
+                                        answer_pattern=args.answer_pattern)
     except (ValueError, OSError) as e:
         print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
           f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
           f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}")
-    trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    except rewards.RewardError as e:                          # a --reward raised or gave NaN mid-run
+        print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     trainer.save_model(targs.output_dir)
     if trainer.accelerator.is_main_process:
         with open(Path(targs.output_dir) / "metrics.jsonl", "w") as f:

@@ -3,7 +3,8 @@
 Implements the training loop of the FlowTracer paper ("How Does Reasoning Flow?", §3.3, eq. 5-6, App. A.2
 eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3): rollout.generate, one call
-  reward    a verifier from data.py; group advantages A_i = (r_i - mean) / std (eq. 10), clipped to +-2
+  reward    a verifier from data.py (or --reward: rewards.py); group advantages A_i = (r_i - mean) / std
+            (eq. 10), clipped to +-2
   update    per micro-batch: the forward gives log pi and, on its way, the middle layers' attention (eq. 1,
             a flowtracer.Capture); trace_flow gives the flow (eq. 2-4); flow_credit puts gamma = 1.5 on the
             top 40% response tokens by throughput (eq. 6); the PPO clipped surrogate with gamma on each token
@@ -13,7 +14,7 @@ eq. 10-11, App. C):
   log       one JSONL line of metrics per step, rollouts with their per-token credit, a PNG of the curves
 
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
-(Capture, trace_flow, flow_credit), data.py (score), and the signature of training/rollout.py's `generate`.
+(Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/rollout.py's `generate`.
 Behind one call each (README, "The layout"): the other credit signals (training/credit.py), each prompt read
 once in the update (training/logprobs.py), the optimizer and the weights' dtype (training/policy.py), the
 run's files (training/runlog.py; resuming: training/checkpoint.py), held-out evaluation (training/heldout.py).
@@ -46,6 +47,7 @@ Run:  python grpo.py                                                    # embedd
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -55,7 +57,8 @@ import data
 from flowtracer import Capture, flow_credit, trace_flow
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
-from training.rollout import build_batch, generate, take
+from training.rewards import RewardError
+from training.rollout import build_batch, find_answer_span, generate, take
 from training.run import setup
 
 
@@ -63,9 +66,12 @@ from training.run import setup
 class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --shaping, --top-frac, --gamma
     # model and task
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file or alias (models.py); sets the preset
-    dataset: str = "arithmetic"        # a data.py task name (dapo-math-17k for the paper's math runs)
+    dataset: str = "arithmetic"        # a data.py task (dapo-math-17k: the paper's); custom: your own file
     data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
+    question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
+    answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
     prompt_style: str = "auto"         # how a question becomes a prompt; auto: by model and task (data.py)
+    chat_template_kwargs: str = ""     # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16         # prompts per step (the paper: 64 on 8 GPUs, App. C.3; 16 fit one GPU)
@@ -78,6 +84,10 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
     share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (logprobs.py)
     # reward and advantages
+    reward: str = ""                   # FILE.py:FUNCTION[,...], (completion, record) -> float; "": the task's
+    reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
+    reward_files: str = ""             # set by the run: each --reward file's path and SHA-256 (rewards.py)
+    answer_pattern: str = ""           # regex of eq. 2's answer: its last match (group 1); "": \boxed{}
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # clip each advantage A_i to [-x, x] (the paper's, App. C.3)
     dynamic_filter: bool = False       # train groups with accuracy in [low, high], uncut responses (App. C.3)
@@ -102,6 +112,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
     eval_every: int = 0                # evaluate every N steps and at the last (0: off); eval/* metrics
     eval_dataset: str = ""             # the held-out task ("": the training task's test split)
+    eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
     eval_size: int = 200               # held-out questions (the first N of the test split)
     # run
     steps: int = 500                   # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
@@ -143,7 +154,7 @@ def train(cfg: Config, run=None) -> Outcome:
         m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             m.update(heldout.accuracy(run.model, run.tok, run.eval_records, run.style, cfg.max_new_tokens,
-                                      cfg.gen_chunk, run.engine))   # held-out greedy accuracy, eval/*
+                                      cfg.gen_chunk, run.engine, run.reward, run.template_kwargs))   # eval/*
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
@@ -177,15 +188,22 @@ def grpo_step(run, step, bad):
                        engine=run.engine)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
-        rewards = torch.tensor([data.score(run.records[ids[j // G]], txt) for j, txt in enumerate(gen.texts)])
+        rewards = torch.tensor([run.reward(txt, run.records[ids[j // G]]) for j, txt in enumerate(gen.texts)])
+        found = [find_answer_span(t, cfg.answer_pattern) is not None for t in gen.texts]   # eq. 2's sink
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
             (list(range(len(rewards))), {})                                                    # departure 6
-    m.update(dropped)
+    m.update(dropped, **{"answers/missing": found.count(False)})
+    if 2 * found.count(False) > len(found) and "answers" not in run.warned:          # said once a run
+        run.warned.add("answers")
+        rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
+        tqdm.write(f"step {step + 1}: {found.count(False)} of {len(found)} responses have no answer region "
+                   f"(eq. 2's sink; {rule}), so their flow credit falls back to plain GRPO: give "
+                   f"--answer-pattern REGEX, the form of this task's answer")
     if not kept:
         return {**m, "skipped": "the dynamic filter dropped every group"}, None, bad
     batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
-                        device=run.device)                                                   # (B, T) masks
+                        device=run.device, answer_pattern=cfg.answer_pattern)                 # (B, T) masks
     adv = adv[kept].to(run.device)                                                           # (B,)
     trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(len(kept)))  # dep. 7
     # ---------------------------------------------------------- credit and update, micro-batch by micro-batch
@@ -337,7 +355,7 @@ def parse_args(argv=None) -> Config:
                        presets, "grpo.py")
 
 
-CHOICES = {**credit.CHOICES, "dataset": data.TASKS, "prompt_style": ("auto", *data.STYLES),   # closed sets
+CHOICES = {**credit.CHOICES, "dataset": data.DATASETS, "prompt_style": ("auto", *data.STYLES),   # closed sets
            "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
            "optimizer": ("auto", "kahan", "adamw"), "report_to": tracking.KINDS}
 PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
@@ -350,7 +368,15 @@ def main(argv=None):
     except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    out = train(cfg, run)
+    try:
+        out = train(cfg, run)
+    except RewardError as e:                          # a --reward raised or gave NaN: the last checkpoint
+        run.log.finish(str(e))
+        saved = (Path(cfg.out_dir) / "ckpt").is_dir()
+        print(f"grpo.py: error: {e}; " + (f"the last checkpoint stands (--resume {cfg.out_dir} continues "
+                                          f"from it)" if saved else "no checkpoint was saved yet"),
+              file=sys.stderr)
+        sys.exit(2)
     if out.status:                                    # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)
         sys.exit(out.status)

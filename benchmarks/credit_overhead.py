@@ -45,7 +45,7 @@ SHAPE = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64
 # that every row has A != 0 and gets credit, a forward and a backward: the worst case for the credit's
 # cost. The verifier's reward on a small model is often 0 for a whole group, and such rows skip all of it.
 DRIVER = ("import sys, data, grpo; "
-          "data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
+          "data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
           "grpo.train(grpo.parse_args(sys.argv[1:]))")
 PAIRING = {"oar-g": "bilevel", "oar-p": "bilevel"}      # each signal's shaping in the papers; topk otherwise
 
@@ -85,7 +85,7 @@ def same_batch(args, flags):
         wall = runlog.Clock
         grpo.runlog.Clock = lambda device: wall(device, now=time.process_time)
     if args.every_row_trained:
-        grpo.data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))
+        grpo.data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt))
     rows = {s: [] for s in args.signals}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = "import data; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt))\n"
+TOY = "import data; data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt))\n"
 GRPO = ["--group-size", "4", "--grad-checkpointing", "--prompt-style", "chat", "--lr", "1e-5",
         "--warmup-steps", "0", "--save-every", "1000", "--rollouts-every", "1000"]
 TRL = ["--num-generations", "4", "--per-device-train-batch-size", "4",

@@ -137,7 +137,7 @@ def curves(runs, keys, alpha, png):
 def flow_figures(model, tok, rows, args, figs, out):
     """The flow figures named in `figs` for rows with responses (probes.regions); returns their numbers. When
     no response has an answer it draws nothing and n_no_answer == n_responses."""
-    plt, batch = probes.pyplot(), probes.regions(tok, rows)
+    plt, batch = probes.pyplot(), probes.regions(tok, rows, getattr(args, "answer_pattern", None))
     dev, P = model.device, batch.prompt_width
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)

@@ -203,9 +203,10 @@ def load_responses(path, tok, style):
     for where, row in data.read_rows(path):
         if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
             raise data.DataError(f"{where}: needs the fields question, answer and response")
-        task = row.get("task", "math")
-        if not isinstance(task, str) or task not in data.REWARDS or not data.style_fits(style, task):
-            raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(data.REWARDS)} that the "
+        task = row.get("task", "math")     # "custom": your task's rows (no built-in reward: reward None)
+        kinds = (*data.REWARDS, "custom")
+        if not isinstance(task, str) or task not in kinds or not data.style_fits(style, task):
+            raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(kinds)} that the "
                                  f"{style!r} prompt style fits")
         data.unicode_text(where, question=row["question"], answer=row["answer"], response=row["response"])
         rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses",
@@ -215,14 +216,16 @@ def load_responses(path, tok, style):
             raise data.DataError(f"{where}: empty response")
         text = tok.decode(y, skip_special_tokens=True)
         rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y,
-                         text=text, reward=data.score(rec, text)))
+                         text=text, reward=data.score(rec, text) if task in data.REWARDS else None))
     if not rows:
         raise data.DataError(f"{path}: no rows")
     return rows
 
 
-def regions(tok, rows):
-    return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])
+def regions(tok, rows, answer_pattern=None):
+    """The rows' Batch; the answer region: rollout.find_answer_span's (eval.py plot --answer-pattern)."""
+    return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows],
+                       answer_pattern=answer_pattern)
 
 
 def last_token_answers(batch):

@@ -18,7 +18,11 @@ Prompt styles, and the model families that use them (default_style):
   plain      models named "...base..." (Qwen3-4B-Base): App. E.1's template as plain text (instruction,
              "Question: ...", "Answer:"); the paper gives no training prompt for them
   countdown  every model on Countdown: TinyZero's "User: ... Assistant: ... <think>" frame
-  Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...".
+  question   a custom task's records (--dataset custom), any model: the question as written, one user turn
+             of the chat template, no instruction (the task defines its own answer format)
+  Without a chat template (or with tokenizer=None), turns are rendered as "User: ...\\n\\nAssistant: ...",
+  and "question" is the question alone. template_kwargs (grpo.py --chat-template-kwargs, e.g.
+  {"enable_thinking": false} for Qwen3) go to apply_chat_template.
 
 Departures (numbered; data.py goes on from 4):
   1. App. E.1 puts the instruction in a system turn; "chat" ends the user turn with it (our choice,
@@ -48,13 +52,19 @@ EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many sticke
                   "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
 EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR],   # departure 3
              "oneshot": [EXTRA_EXEMPLAR]}
-STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown")
+STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown", "question")
 
 
-def render(messages, tokenizer):
-    """Chat turns through the tokenizer's chat template, or as "User: ..." text when it has none."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def has_template(tokenizer):
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render(messages, tokenizer, template_kwargs=None):
+    """Chat turns through the tokenizer's chat template (with template_kwargs), or as "User: ..." text when it
+    has none."""
+    if has_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
@@ -63,6 +73,8 @@ def default_style(model_name, task):
     App. C.3's few-shot for Llama-3.x non-instruct models, fewshot3 for SmolLM2 and GGUF files, plain for base
     models, chat otherwise."""
     name = str(model_name).lower()
+    if task == "custom":
+        return "question"
     if task == "countdown":
         return "countdown"
     if "llama-3" in name and "instruct" not in name:   # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
@@ -75,11 +87,12 @@ def default_style(model_name, task):
 def style_fits(style, task):
     """Whether make_prompt takes this style for records of this task ("countdown", "math" or "choice"; a
     data.TASKS name: data.style_fits): the countdown frame for Countdown only, the math exemplars never."""
-    return (style == "countdown") == (task == "countdown") or style in ("auto", "chat", "plain")
+    return (style == "countdown") == (task == "countdown") or style in ("auto", "chat", "plain", "question")
 
 
-def make_prompt(record, tokenizer=None, style="chat"):
-    """The prompt text for one record (see the module docstring for which style fits which model)."""
+def make_prompt(record, tokenizer=None, style="chat", template_kwargs=None):
+    """The prompt text for one record (see the module docstring for which style fits which model);
+    template_kwargs: extra arguments of apply_chat_template ({"enable_thinking": False})."""
     if style not in STYLES:
         raise ValueError(f"unknown prompt style {style!r}; styles: {', '.join(STYLES)}")
     q, is_countdown = record["question"], record["task"] == "countdown"
@@ -87,12 +100,17 @@ def make_prompt(record, tokenizer=None, style="chat"):
         raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records"
                          if is_countdown else "style 'countdown' is for countdown records; use chat, plain "
                          "or fewshot")
+    if style == "question":
+        as_written = [{"role": "user", "content": q}]
+        return render(as_written, tokenizer, template_kwargs) if has_template(tokenizer) else q
     if style == "countdown" or (style == "plain" and is_countdown):
         return countdown.frame(q)
     if style == "plain":
         return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
     if style == "chat":
-        return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer)
+        return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer,
+                      template_kwargs)
     turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
              for u, a in EXEMPLARS[style]]
-    return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer)
+    return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer,
+                  template_kwargs)

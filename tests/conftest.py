@@ -121,7 +121,7 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
             return (models.to_dtype(model, model.device, torch.float64) if wide else model), tok
         monkeypatch.setattr(policy, "load_model", load)
         rows = itertools.count()
-        monkeypatch.setattr(grpo.data, "score", lambda rec, txt: next(rows) % 4 / 3)
+        monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
         cfg = grpo.parse_args([*argv, "--device", torch.device(device).type, "--optimizer", "adamw"])
         run = grpo.setup(cfg)
         seen = watch(run)

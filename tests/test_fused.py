@@ -115,7 +115,7 @@ def one_step(tmp_path, monkeypatch, two_pass, extra=()):
             grads.update({n: p.grad.detach().clone() for n, p in zip(names, params)})
         return real_clip(params, *a, **k)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)  # varies
+    monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)  # varies
     out = tmp_path / ("two" if two_pass else "one")
     cfg = grpo.parse_args([*SMOKE, *extra, "--out-dir", str(out)] +
                           (["--num-iterations", "2", "--lr", "1e-30"] if two_pass else []))

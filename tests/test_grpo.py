@@ -189,7 +189,7 @@ SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "2"
 # A random tiny model never writes a \boxed{} answer, so every verifier reward is 0, every advantage is 0 and
 # nothing would train. The smoke driver swaps in a pure toy reward it can earn (the fraction of digits in
 # the response) and runs the real grpo.py command line otherwise unchanged.
-DRIVER = ("import sys, data, grpo; data.score = lambda rec, txt: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
+DRIVER = ("import sys, data, grpo; data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
           "grpo.train(grpo.parse_args(sys.argv[1:]))")
 
 
@@ -249,7 +249,7 @@ def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
     real = grpo.grpo_loss
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     rows = itertools.count()
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: float(next(rows) % 2))
+    monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: float(next(rows) % 2))
     cfg = parse_args([*SMOKE, "--steps", "5", "--out-dir", str(tmp_path), "--max-bad-steps", "2", "--max-new-tokens", "8"])
     out = grpo.train(cfg)
     assert out.status == 1 and out.stop.startswith("2 consecutive steps")      # main exits 1 with it
@@ -270,7 +270,7 @@ def test_prompts_longer_than_the_limit_are_skipped(tmp_path):
 def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeypatch):
     """A crash after step 3's metrics line but before its checkpoint: --resume redoes step 3 from the step-2
     checkpoint, and metrics.jsonl holds each step exactly once."""
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
+    monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
     real = grpo.runlog.save_checkpoint
 
     def dies_at_3(path, model, tok, opt, sched, step, *a, **k):

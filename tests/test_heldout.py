@@ -14,7 +14,7 @@ from training.models import load_model
 STYLE, BUDGET, CHUNK = "plain", 8, 2
 
 
-def even_length(record, text):                # a stand-in reward: right when the response has even length
+def even_length(text, record):                # a stand-in reward: right when the response has even length
     return float(len(text) % 2 == 0)
 
 
@@ -39,7 +39,7 @@ def former(model, tok, recs, style, budget, batch, k, rc, seed):
     res = {"greedy": [], "greedy_lenient": [], "samples": [], "samples_lenient": []}
     for i, r in enumerate(recs):
         for key, texts in (("greedy", g.texts[i:i + 1]), ("samples", s.texts[i * k:(i + 1) * k])):
-            strict = [data.score(r, t) >= 1 for t in texts]
+            strict = [data.reward(t, r) >= 1 for t in texts]
             res[key].append(sum(strict))
             res[key + "_lenient"].append(sum(x or (r["task"] == "math" and last_number_equal(t, r["answer"]))
                                              for t, x in zip(texts, strict)))
@@ -48,7 +48,7 @@ def former(model, tok, recs, style, budget, batch, k, rc, seed):
 
 def test_counts_add_up_and_equal_learns_former_path(tiny, recs, monkeypatch):
     model, tok = tiny
-    monkeypatch.setattr(data, "score", even_length)
+    monkeypatch.setattr(data, "reward", even_length)
     rc = {"temperature": 0.99, "top_p": 1.0, "top_k": 100}
     ref = former(model, tok, recs, STYLE, BUDGET, CHUNK, 2, rc, seed=3)
     m = heldout.accuracy(model, tok, recs, STYLE, BUDGET, CHUNK)

@@ -207,7 +207,7 @@ def test_evaluation_steps_and_the_questions_are_grpos(tmp_path):
     assert grid("--eval-every", "4", "--out-dir", str(tmp_path / "b")).eval_steps == [4, 6]   # and the last
 
 
-def even_length(record, text):                # a stand-in reward: right when the response has even length
+def even_length(text, record):                # a stand-in reward: right when the response has even length
     return float(len(text) % 2 == 0)
 
 
@@ -215,7 +215,7 @@ def test_one_process_evaluates_as_the_restarted_runs_did(tmp_path, monkeypatch):
     """learn's former grid stopped grpo.py at each evaluation step, loaded its checkpoint, evaluated it, and
     resumed. One process evaluating the policy it trains gives the same numbers, step by step (CPU, greedy).
     The reward is even_length, so that tiny-qwen3 is trained and its held-out counts are not all zero."""
-    monkeypatch.setattr(data, "score", even_length)
+    monkeypatch.setattr(data, "reward", even_length)
     recipe = [*RECIPE, "--lr", "3e-2", "--warmup-steps", "1", "--save-optimizer"]
     grpo.main([*recipe, "--eval-every", "1", "--eval-size", "6", "--out-dir", str(tmp_path / "one")])
     got = learn.evaluations(tmp_path / "one" / "metrics.jsonl")

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def step_calls(tmp_path, monkeypatch):
     """{(file relative to the root, function qualname)} of the project code one step of grpo.train calls."""
-    real = grpo.data.score        # the real verifier runs; a toy reward on top makes every group train
-    monkeypatch.setattr(grpo.data, "score",
-                        lambda rec, txt: (real(rec, txt), zlib.crc32(txt.encode()) % 4 / 3)[1])
+    real = grpo.data.reward       # the real verifier runs; a toy reward on top makes every group train
+    monkeypatch.setattr(grpo.data, "reward",
+                        lambda txt, rec: (real(txt, rec), zlib.crc32(txt.encode()) % 4 / 3)[1])
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4",
                            "--max-new-tokens", "10", "--steps", "1", "--out-dir", str(tmp_path / "run")])
     run = grpo.setup(cfg)

@@ -52,7 +52,7 @@ def test_the_command_lines_checkpoint_loads_with_from_pretrained_and_benches(cli
 def test_from_pretrained_gives_the_trained_models_logits(tmp_path, monkeypatch):
     """In process, with a reward that tiny-qwen3's responses sometimes meet (so the step changes the weights):
     the model the run holds at its end and the one from_pretrained loads from its ckpt/ give equal logits."""
-    monkeypatch.setattr(data, "score", lambda record, text: float(len(text) % 2 == 0))
+    monkeypatch.setattr(data, "reward", lambda text, record: float(len(text) % 2 == 0))
     cfg = grpo.parse_args([*RUN, "--lr", "1e-2", "--warmup-steps", "1", "--out-dir", str(tmp_path / "run")])
     run = grpo.setup(cfg)
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}

@@ -334,7 +334,7 @@ def test_changed_trl_internals_are_refused(monkeypatch):
 
 # ----------------------------------------------------------------------------- 2 processes
 # The real command line under `accelerate launch`, run once with five scenarios in the same two processes,
-# with two test stand-ins: the toy reward (data.score; 0 for every row of rank 1, so that rank has only
+# with two test stand-ins: the toy reward (data.reward; 0 for every row of rank 1, so that rank has only
 # A = 0) and the \boxed{} answer appended to each completion. Each rank writes, per scenario, the
 # collectives it entered (the credit's unwrap, summon_full_params, gather, and credit.assign, whose forward
 # is collective under FSDP), TRL's own A and the advantages its loss read (spy). Scenarios three to five
@@ -344,7 +344,7 @@ sys.path[:0] = [{root!r}, {tests!r}]
 import data, flowtracer_trl as ft, test_trl
 from training import credit
 RANK, OUT = int(os.environ["RANK"]), {out!r}
-data.score = lambda rec, txt: 0.0 if RANK == 1 else test_trl.toy_reward(None, [txt])[0]
+data.reward = lambda txt, rec: 0.0 if RANK == 1 else test_trl.toy_reward(None, [txt])[0]
 MUTATIONS = {{"shift": lambda g: g.roll(1, -1), "swap": lambda g: g.flip(0), "ones": torch.ones_like}}
 entered, mutation = [], [None]
 rec = test_trl.spy(setattr)

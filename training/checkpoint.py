@@ -177,7 +177,7 @@ def load_checkpoint(path, opt, sched):
 BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
                "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
                "oar_prefix_cache", "allow_config_change", "save_optimizer", "keep_checkpoints", "report_to",
-               "eval_every", "eval_dataset", "eval_size", "config"}
+               "eval_every", "eval_dataset", "eval_size", "eval_data_path", "config"}
 
 
 def check_resume_config(saved, given):

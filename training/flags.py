@@ -15,7 +15,8 @@ puts CreditConfig's flags between the reward and the update flags, in the order 
 too): each value goes through the parser add_fields builds, as the word the command line would give, so a file
 and a command line are checked by the same code (an int field refuses 1.5 as --seed 1.5 is refused).
 `commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
-`check` holds grpo.py's rules on its flags' values (one error line each, before anything loads).
+`check` holds grpo.py's rules on its flags' values (one error line each, before anything loads);
+`reward_record` records the --reward files' hashes and refuses a --resume whose reward file changed.
 """
 import argparse
 import dataclasses
@@ -33,7 +34,7 @@ import yaml
 
 import data
 from training import checkpoint as ckpt_io
-from training import credit
+from training import credit, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -237,7 +238,19 @@ def check(cfg):
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    return credit.check(cfg)
+    return credit.check(cfg) or rewards.check(cfg)
+
+
+def reward_record(cfg, given):
+    """cfg with --reward-files recording each --reward file's resolved path and SHA-256 (rewards.fingerprint);
+    ValueError for a file that cannot be read, or, on --resume without --reward on the command line, for a
+    reward file that moved or changed since the run recorded it (rewards.changed)."""
+    if cfg.reward and given.get("resume") and "reward" not in given:
+        why = rewards.changed(cfg.reward, cfg.reward_files)
+        if why:
+            raise ValueError(f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
+                             f"continue with the file as it is now (its new hash is recorded)")
+    return dataclasses.replace(cfg, reward_files=rewards.fingerprint(cfg.reward) if cfg.reward else "")
 
 
 def parse(cls, argv, doc, choices, presets, in_force, prog):
@@ -274,4 +287,7 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
     problem = check(cfg)
     if problem:
         p.error(problem)
-    return cfg
+    try:
+        return reward_record(cfg, given)
+    except ValueError as e:
+        p.error(str(e))

@@ -8,8 +8,9 @@ its own at step 0 and mean@k at the last step (`greedy`, `sampled`). One impleme
              the training task), generated with seed 0 whatever the run's seed, so that every run of a
              comparison answers the same questions; refused (ValueError) when one of them is a training
              question of the run's seed (the generated tasks draw another training split per seed).
-  greedy     per question 1 if the greedy response gets reward 1 (data.score: the answer in the task's
-             format), strict; and lenient = strict, or answers.last_number_equal (math tasks, departure 1).
+  greedy     per question 1 if the greedy response gets reward 1 (the run's reward: data.reward, the answer
+             in the task's format, or grpo.py --reward's), strict; and lenient = strict, or
+             answers.last_number_equal (math tasks, departure 1).
   sampled    the same counts over k samples per question at the training temperature, top-p and top-k,
              with torch's global RNG seeded first (learn.py's process only: it would move the training's RNG).
   accuracy   greedy, as the metrics of a metrics.jsonl line: eval/accuracy, eval/correct, eval/total,
@@ -43,22 +44,28 @@ from tasks.answers import last_number_equal
 from training.rollout import generate
 
 
-def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None):
-    """The first `eval_size` questions of the held-out task's test split (all, if fewer). seed: the training
-    run's seed, or a list of them (learn.py's grid); train: the training records when the caller has them
-    (one seed). ValueError: the task has no test split, or a held-out question is a training question."""
+def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None, eval_path="",
+            fields=("", "")):
+    """The first `eval_size` questions of the held-out task's test split (all, if fewer), or of the file
+    `eval_path` (grpo.py --eval-data-path; --dataset custom reads only that), its columns named by fields
+    (--question-field, --answer-field). seed: the training run's seed, or a list of them (learn.py's grid);
+    train: the training records when the caller has them (one seed). ValueError: the task has no test split,
+    or a held-out question is a training question."""
     task = (eval_dataset or dataset).lower()
     try:
-        recs = data.load_task(task, split="test", seed=0)[:eval_size]
+        recs = data.load_task(task, split="test", path=eval_path or None, seed=0, question_field=fields[0],
+                              answer_field=fields[1])[:eval_size]
     except ValueError as e:                        # e.g. dapo-math-17k has no test split
         raise ValueError(f"the held-out split of {task}: {e} (choose another with --eval-dataset)") from None
     held, seen = {r["question"] for r in recs}, {}
-    generated = data.TASKS[dataset.lower()].generate is not None and not data_path
+    generated = dataset.lower() in data.TASKS and data.TASKS[dataset.lower()].generate is not None \
+        and not data_path
     for s in ([seed] if isinstance(seed, int) else seed):
         key = s if generated else None             # a fixed training split is checked once
         if key not in seen:
-            rows = train if train is not None else \
-                data.load_task(dataset, split="train", path=data_path or None, seed=s)
+            rows = train if train is not None else data.load_task(
+                dataset, split="train", path=data_path or None, seed=s, question_field=fields[0],
+                answer_field=fields[1])
             seen[key] = len(held & {r["question"] for r in rows})
         if seen[key]:
             raise ValueError(f"{seen[key]} held-out question(s) of {task} are training questions of "
@@ -77,11 +84,12 @@ def evaluating(model):
         model.train(was)
 
 
-def right(recs, texts, n):
-    """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n]) are right."""
-    strict, lenient = [], []
+def right(recs, texts, n, reward=None):
+    """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n]) are right, by
+    `reward` (the run's: None is data.reward, or --reward's; right = reward >= 1)."""
+    strict, lenient, reward = [], [], reward or data.reward
     for i, r in enumerate(recs):
-        ok = [data.score(r, t) >= 1 for t in texts[i * n:(i + 1) * n]]
+        ok = [reward(t, r) >= 1 for t in texts[i * n:(i + 1) * n]]
         loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))        # departure 1
                  for t, x in zip(texts[i * n:(i + 1) * n], ok)]
         strict.append(sum(ok))
@@ -89,14 +97,15 @@ def right(recs, texts, n):
     return strict, lenient
 
 
-def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None):
+def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
+           template_kwargs=None):
     """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers. engine: the run's
     decode engine (greedy graphs beside its sampling ones, over the same buffers), or None."""
-    prompts = [data.make_prompt(r, tok, style) for r in recs]
+    prompts = [data.make_prompt(r, tok, style, template_kwargs) for r in recs]
     with evaluating(model):
         g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
                      chunk_size=chunk_size, engine=engine)
-    strict, lenient = right(recs, g.texts, 1)
+    strict, lenient = right(recs, g.texts, 1, reward)
     return {"greedy": strict, "greedy_lenient": lenient}
 
 
@@ -111,10 +120,12 @@ def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature,
     return {"samples": strict, "samples_lenient": lenient}
 
 
-def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None):
-    """Greedy held-out accuracy as metrics (see the docstring); the model's mode and the RNG are left as
-    they were. engine: the run's (grpo.py passes run.engine: one engine, one set of buffers, for the run)."""
-    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine)
+def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
+             template_kwargs=None):
+    """Greedy held-out accuracy as metrics (see the docstring), by `reward` (grpo.py: the run's) with prompts
+    through template_kwargs; the model's mode and the RNG are left as they were. engine: the run's (grpo.py
+    passes run.engine: one engine, one set of buffers, for the run)."""
+    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine, reward, template_kwargs)
     n = len(recs)
     return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
             "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,

@@ -28,7 +28,8 @@ Departures from the paper's setup (numbered; models.py departure 1 covers vLLM a
      repeated rows: the reference the tests compare against, and a fallback.
 
 The batch that the update reads: where the question, the response and the answer are, in text and in tokens.
-    find_answer_span    the characters of the final answer: the last \\boxed{...}, else <answer>...</answer>
+    find_answer_span    the characters of the final answer: the last \\boxed{...}, else <answer>...</answer>;
+                        or the last match of a regular expression (grpo.py --answer-pattern)
     answer_token_range  the tokens of that answer in a response, by bisection over the decoded prefixes
     Batch / build_batch [left-padded prompt | right-padded response] with the three masks, as HF generate
     take                some rows of a Batch
@@ -36,7 +37,8 @@ The batch that the update reads: where the question, the response and the answer
 These are the sets of FlowTracer's equations (flowtracer.py): the question is the source of the flow (eq. 4),
 the answer its sink (eq. 2), the response the tokens that get credit (eq. 6). Region boundaries are
 flowtracer.py's departure 2: the question is the prompt minus special tokens (BOS, chat markers), the answer
-the content of the last \\boxed{...} (else the last <answer>...</answer>).
+the content of the last \\boxed{...} (else the last <answer>...</answer>), or the last match of
+--answer-pattern (its first group, if it has one) for a task whose answer is not boxed.
 
 Run: python -m training.rollout --model tiny-qwen3 --prompt "2+2=" --n 2 --max-new-tokens 16
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import copy
+import re
 from typing import NamedTuple
 
 import torch
@@ -308,25 +311,34 @@ def prefill_rows(model, prefix, row_ids, pad):
 
 
 # ----------------------------------------------------------------------------- the batch and its regions
-def find_answer_span(text: str) -> tuple[int, int] | None:
-    """Character span (start, end) of the final answer: the content of the last closed \\boxed{...}
-    (nested braces allowed; answers.boxed_span), else of the last <answer>...</answer>, else None. Empty
-    content is None. Linear in len(text), however many braces or tags are left open."""
+def find_answer_span(text: str, pattern: str | None = None) -> tuple[int, int] | None:
+    """Character span (start, end) of the final answer, the sink of eq. 2, or None. Empty content is None.
+    pattern None (the default rule): the content of the last closed \\boxed{...} (nested braces allowed;
+    answers.boxed_span), else of the last <answer>...</answer>; linear in len(text), however many braces or
+    tags are left open. pattern (grpo.py --answer-pattern, a regular expression): the span of its last match
+    in the text, or of that match's first group when it has groups (a group that took no part: no answer).
+    answer_token_range matches it on the response decoded with its special tokens (an EOS's text ends it)."""
+    if pattern:
+        m = None
+        for m in re.finditer(pattern, text):                              # to the last match
+            pass
+        start, end = m.span(1 if m.re.groups else 0) if m else (-1, -1)
+        return (start, end) if start >= 0 and text[start:end].strip() else None
     best, tag, pos = boxed_span(text), None, 0
     while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
         tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
     return best or tag
 
 
-def answer_token_range(tokenizer, ids: list[int]) -> tuple[int, int] | None:
-    """Token positions [k0, k1) of the answer in a response, or None.
+def answer_token_range(tokenizer, ids: list[int], pattern: str | None = None) -> tuple[int, int] | None:
+    """Token positions [k0, k1) of the answer (find_answer_span, with `pattern`) in a response, or None.
 
     Token k spans characters [c_k, c_{k+1}) of the decoded text, with c_k = len(decode(ids[:k])); this
     follows the generated ids exactly (re-tokenising the text could split it differently). c_k is
     monotone, so the two boundary tokens are found by bisection: O(log T) decodes, not T.
     """
     text = tokenizer.decode(ids, skip_special_tokens=False)
-    span = find_answer_span(text)
+    span = find_answer_span(text, pattern)
     if span is None:
         return None
     c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
@@ -348,8 +360,9 @@ class Batch(NamedTuple):
 
 
 def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                question_special: bool = False, device=None) -> Batch:
+                question_special: bool = False, device=None, answer_pattern: str | None = None) -> Batch:
     """Lay out prompts + responses as HF generate does and mark the three regions (on `device`, else the CPU).
+    answer_pattern: the answer region's regular expression (find_answer_span; None: \\boxed{} / <answer>).
 
     question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
     attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
@@ -368,7 +381,7 @@ def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[
         attn_mask[b, P - len(p):P + len(r)] = 1
         q[b, P - len(p):P] = torch.tensor([question_special or t not in special for t in p], dtype=torch.bool)
         resp[b, P:P + len(r)] = True
-        rng = answer_token_range(tokenizer, list(r)) if r else None
+        rng = answer_token_range(tokenizer, list(r), answer_pattern) if r else None
         if rng is not None:
             ans[b, P + rng[0]:P + rng[1]] = True
     return Batch(*(x.to(device) for x in (ids, attn_mask, q, resp, ans)), P)

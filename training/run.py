@@ -11,7 +11,7 @@ Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
 import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +20,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, heldout, policy, preflight, runlog, tracking
+from training import credit, heldout, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -49,6 +49,9 @@ class Run:
     start: int                  # the first step to run (the checkpoint's, on --resume)
     bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
     widest_prompt: int = 0      # tokens of the widest prompt the run decodes (training and held-out)
+    reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
+    template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
+    warned: set = field(default_factory=set)   # the one-time warnings already given (grpo_step's answers)
 
 
 def setup(cfg) -> Run:
@@ -63,11 +66,15 @@ def setup(cfg) -> Run:
                          f"{cfg.steps}: nothing to run (give --steps more than {done})")
     out = Path(cfg.out_dir)
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
-    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed)
+    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed,
+                             question_field=cfg.question_field, answer_field=cfg.answer_field)
+    reward = rewards.load(cfg, records[0])        # --reward: imported and checked once, before anything loads
+    kwargs = rewards.template_kwargs(cfg)         # --chat-template-kwargs
     style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
                                                                                   records[0]["task"])
     evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
-                            records) if cfg.eval_every else []
+                            records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
+        if cfg.eval_every else []
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
@@ -82,7 +89,8 @@ def setup(cfg) -> Run:
     n = cfg.prompts_per_step
     order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
     todo = sorted(set(order[start * n:]))                            # the prompts left, tokenized once
-    ids = dict(zip(todo, prompt_ids(u.tok, [data.make_prompt(records[i], u.tok, style) for i in todo])))
+    ids = dict(zip(todo, prompt_ids(u.tok, [data.make_prompt(records[i], u.tok, style, kwargs)
+                                            for i in todo])))
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
     metrics = ckpt_io.open_metrics(out, start if ckpt else None)
@@ -90,11 +98,12 @@ def setup(cfg) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    held = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style) for r in evals]) if evals else []
+    held = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style, kwargs) for r in evals]) if evals else []
     widest = max([len(p) for p in ids.values() if len(p) <= cfg.max_prompt_tokens] + [*map(len, held), 1])
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
-               u.layers, gpu.head_mean, u.flowtracer, gpu.engine, evals, log, start, bad, widest)
+               u.layers, gpu.head_mean, u.flowtracer, gpu.engine, evals, log, start, bad, widest, reward,
+               kwargs)
 
 
 def for_update(cfg, device, path=None):
