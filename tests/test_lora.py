@@ -118,7 +118,8 @@ def test_bad_lora_flags_are_one_line(flag, capsys):
 
 def test_lora_targets_that_name_no_module_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        grpo.main([*TINY, "--lora-rank", "4", "--lora-targets", "nothing_here", "--out-dir", str(tmp_path / "o")])
+        grpo.main([*TINY, "--lora-rank", "4", "--lora-targets", "nothing_here", "--out-dir",
+                   str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("grpo.py: error: --lora-targets") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()

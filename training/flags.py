@@ -223,7 +223,7 @@ def check(cfg):
              ("--lora-alpha", finite(cfg.lora_alpha) and cfg.lora_alpha > 0, "must be a finite number > 0"),
              ("--lora-dropout", finite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "must be in [0, 1)"),
              ("--lora-targets", bool(cfg.lora_targets.strip(", ")), "must name modules (or all-linear)"),
-             ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0 (0: the card's)"),
+             ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0"),
              *[(flag(f.name), abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
                for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature >= MIN_TEMPERATURE,
