@@ -81,8 +81,9 @@ def setup(cfg) -> Run:
     todo = sorted(set(order[done * n:]))                             # the prompts left, tokenized once
     tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
     ids = dict(zip(todo, prompt_ids(tok, [data.make_prompt(records[i], tok, style) for i in todo])))
-    widest = max([len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens]
-                 + [len(x) for x in prompt_ids(tok, [data.make_prompt(r, tok, style) for r in evals])], default=1)
+    held_out = prompt_ids(tok, [data.make_prompt(r, tok, style) for r in evals])
+    widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
+    widest = max(widths, default=1)                              # the engine and the estimate are sized to it
     size_to_card(cfg, device, widest)                            # CUDA: gen_chunk, micro_batch, or the error
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
@@ -124,8 +125,8 @@ def size_to_card(cfg, device, widest):
     if plan.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
         print(f"budget: {total / memory.GB:.1f} GB GPU ({source}): gen_chunk {plan.gen_chunk}, micro_batch "
-              f"{plan.micro_batch} ({', '.join(sorted(free)) or 'as given'}: chosen; peak {plan.peak / memory.GB:.1f} GB "
-              f"in {plan.phase}, margin included)")
+              f"{plan.micro_batch} (chosen: {', '.join(sorted(free)) or 'none, as given'}; peak "
+              f"{plan.peak / memory.GB:.1f} GB in {plan.phase}, margin included)")
         return
     raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
                      f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
