@@ -142,3 +142,34 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path, monkeypatch):
     wa, wb = (load_file(str(d / "ckpt" / "adapter_model.safetensors")) for d in (a, b))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert json.loads((b / "ckpt" / "run_config.json").read_text())["lora_rank"] == 4
+
+
+@pytest.mark.parametrize("credit_pass", ["fused", "separate"])
+def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, tmp_path):
+    """flowtracer_trl.py's peft_config: TRL wraps the policy in peft, FlowTracer's capture and credit read it
+    (gamma != 1 on some tokens, no fallback), and the step moves the adapters alone."""
+    pytest.importorskip("trl")
+    from test_trl import one_step
+
+    import flowtracer_trl as ft
+    from training.credit import CreditConfig
+    args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
+    tr, _, init = one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=policy.lora_config(args),
+                           credit_cfg=CreditConfig(credit_pass=credit_pass))
+    assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
+    logged = next(m for m in tr.state.log_history if "loss" in m)
+    assert 0 < logged["credit/boosted_frac"] < 1 and logged["credit/fallback_frac"] == 0.0
+    moved = {n: p for n, p in tr.model.named_parameters() if "lora_B" in n}
+    assert moved and all(p.abs().max() > 0 for p in moved.values())
+    for n, p in tr.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, init[n.replace("base_model.model.", "").replace(".base_layer", "")]), n
+
+
+def test_flowtracer_trl_lora_flags_and_learning_rate():
+    import flowtracer_trl as ft
+    args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
+    assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
+    assert targs.learning_rate == pytest.approx(grpo.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
+    assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
+    assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
