@@ -173,3 +173,29 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
     assert targs.learning_rate == pytest.approx(grpo.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
     assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
     assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
+
+
+def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
+    """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
+    --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
+    run directory."""
+    import eval as ev
+    from conftest import task_data_missing
+    toy_reward(monkeypatch)
+    out = tmp_path / "run"
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--steps", "1", "--out-dir", str(out)])
+    run = grpo.setup(cfg)
+    assert grpo.train(cfg, run).history[0]["rows/trained"] > 0
+    merged, tok = models.load_model(str(out / "ckpt"), device="cpu")
+    base = models.load_model("tiny-qwen3", device="cpu")[0]
+    batch = batch_of(tok)
+    rows = list(range(batch.input_ids.shape[0]))
+    want = logprobs.fixed_logprobs(run.model.eval(), batch, rows, 4, 4)
+    assert torch.allclose(logprobs.fixed_logprobs(merged, batch, rows, 4, 4), want, atol=1e-4)
+    assert not torch.allclose(logprobs.fixed_logprobs(base, batch, rows, 4, 4), want, atol=1e-4)
+    assert ev.resolve_model(str(out)) == str(out / "ckpt")
+    if why := task_data_missing("gsm8k"):
+        pytest.skip(why)
+    ev.main(["bench", "--model", str(out), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1", "--ks",
+             "1", "--max-new-tokens", "3", "--out", str(tmp_path / "o")])
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
