@@ -291,7 +291,9 @@ def load_tokenizer(name="smollm2-135m"):
         else:
             offline = not looks_local(name) and (hub.HF_HUB_OFFLINE or not hub_reachable())
             tok = AutoTokenizer.from_pretrained(path if looks_local(name) else name, local_files_only=offline)
-    except Exception as e:        # a missing file or directory, no network: load_model says it in full
+    except Exception as e:        # a local path: load_model's one line says what is wrong with it
+        if looks_local(str(name)):
+            return load_model(name, device="cpu")[1]
         raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
     return fix_tokenizer(tok)
