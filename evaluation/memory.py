@@ -51,8 +51,18 @@ Departures (numbered):
     dP workspace, not known here). To pin it, on the GPU: `python eval.py memory --model qwen3-4b-random
     --measure --snapshot runs/backward.pickle` (memtrace.cuda_peak records the backward, held_at_peak
     prints the blocks live at its peak by site).
+ 5. LoRA (--lora-rank, scheme "lora"): the frozen base's weights (bf16 on CUDA, fp32 on the CPU), the fp32
+    adapters with their gradients and fp32 AdamW states, autocast's bf16 copies of the adapters on CUDA; no
+    (V, D) head or embedding gradient; per layer each adapter's A output (r) kept for backward, and the
+    normalised values the frozen RMSNorms no longer keep left out (layer_saved). Held within 10% of a CPU
+    step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
+    a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
+The card: fit() and report() budget one 80 GB GPU (GPU) unless --gpu-gb says otherwise; plan() picks the
+sizes grpo.py's setup uses on CUDA (training/run.py's size_to_card, before the weights load) and
+what_fits() names what would fit a card too small.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
+     python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # LoRA on a 24 GB card
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
@@ -163,6 +173,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256) -> dict:
     old = B * R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))       # old, reference log-probs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
     layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
+    layer_fwd += b * Tq * 2 * max([o for _, o in lin], default=0) * cb   # LoRA: B's output, scaled, transient
     cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq, fused=cuda)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the

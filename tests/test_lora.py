@@ -199,3 +199,23 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     ev.main(["bench", "--model", str(out), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1", "--ks",
              "1", "--max-new-tokens", "3", "--out", str(tmp_path / "o")])
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path):
+    """`python grpo.py --lora-rank 8` (two steps of it, shorter responses): rows are trained, the adapters
+    change, and every base weight is bit-equal to the embedded model's."""
+    cfg = grpo.parse_args(["--lora-rank", "8", "--steps", "2", "--max-new-tokens", "48", "--seed", "1",
+                           "--out-dir", str(tmp_path)])
+    assert cfg.lr == pytest.approx(1e-4) and cfg.model == "smollm2-135m"
+    run = grpo.setup(cfg)
+    out = grpo.train(cfg, run)
+    assert sum(m["rows/trained"] for m in out.history) > 0
+    init = dict(models.load_model("smollm2-135m", device="cpu")[0].named_parameters())
+    for name, p in run.model.named_parameters():
+        if "lora_B" in name:
+            assert p.abs().max() > 0, name
+        elif "lora_" not in name:
+            assert torch.equal(p, init[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
+    assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()

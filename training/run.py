@@ -106,8 +106,9 @@ def setup(cfg) -> Run:
 
 def size_to_card(cfg, device, widest):
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
-    alone, prompts `widest` tokens wide) against the card, memory.GPU_SIZING's rule: the GPU's total
-    (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context.
+    alone, prompts `widest` tokens wide, memory.plan) against the card: the GPU's total
+    (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context
+    (the context is counted once).
     A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
     (saved with the run) and said in one line; one given is kept. Flags that cannot fit, or nothing that
     fits: ValueError (grpo.py's one error line) naming the peak, the card's size and what would fit."""
@@ -120,7 +121,7 @@ def size_to_card(cfg, device, widest):
         free_now, total = torch.cuda.mem_get_info(device)
         held, source = total - free_now, "torch.cuda.mem_get_info"
     budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
-    mc, free = models.load_config(cfg.model), left_free(cfg)
+    mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
     plan = memory.plan(cfg, mc, device, widest, budget, free)
     if plan.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
