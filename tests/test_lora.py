@@ -24,6 +24,11 @@ def toy_reward(monkeypatch):
     monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
 
 
+def base_name(name):
+    """A peft-wrapped parameter's name in the plain model."""
+    return name.replace("base_model.model.", "").replace(".base_layer", "")
+
+
 def batch_of(tok):
     """Two prompts of 9 and 6 tokens, two responses each (a shared prompt), left-padded: (B = 4, T)."""
     prompts = [list(range(40, 49)), list(range(60, 66))]
@@ -79,8 +84,7 @@ def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
             if "lora_B" in name:
                 assert p.abs().max() > 0, name
         else:
-            key = name.replace("base_model.model.", "").replace(".base_layer", "")
-            assert not p.requires_grad and torch.equal(p, init[key]), name
+            assert not p.requires_grad and torch.equal(p, init[base_name(name)]), name
     saved = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
     assert saved and all("lora_" in k for k in saved)                  # the adapters, not the base
 
@@ -163,7 +167,7 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
     assert moved and all(p.abs().max() > 0 for p in moved.values())
     for n, p in tr.model.named_parameters():
         if "lora_" not in n:
-            assert torch.equal(p, init[n.replace("base_model.model.", "").replace(".base_layer", "")]), n
+            assert torch.equal(p, init[base_name(n)]), n
 
 
 def test_flowtracer_trl_lora_flags_and_learning_rate():
@@ -217,5 +221,5 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path):
         if "lora_B" in name:
             assert p.abs().max() > 0, name
         elif "lora_" not in name:
-            assert torch.equal(p, init[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
+            assert torch.equal(p, init[base_name(name)]), name
     assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()
