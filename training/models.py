@@ -278,7 +278,7 @@ def load_tokenizer(name="smollm2-135m"):
     """The tokenizer load_model(name) gives (fix_tokenizer's contract), without the weights: grpo.setup
     measures the run's widest prompt with it before the weights load. A LoRA checkpoint (adapter_dir) has
     its base model's tokenizer saved beside the adapters."""
-    path = Path(str(name)).expanduser()
+    path, offline = Path(str(name)).expanduser(), ""
     try:
         if name in RANDOM_MODELS:
             tok = byte_tokenizer()
@@ -289,13 +289,14 @@ def load_tokenizer(name="smollm2-135m"):
             tok = AutoTokenizer.from_pretrained(cache) if cached else \
                 AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         else:
-            offline = not looks_local(name) and (hub.HF_HUB_OFFLINE or not hub_reachable())
-            tok = AutoTokenizer.from_pretrained(path if looks_local(name) else name, local_files_only=offline)
+            offline = "" if looks_local(name) else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
+                "" if hub_reachable() else "the Hugging Face hub is unreachable"   # as from_hub_or_dir
+            tok = AutoTokenizer.from_pretrained(path if looks_local(name) else name,
+                                                local_files_only=bool(offline))
     except Exception as e:        # a local path: load_model's one line says what is wrong with it
-        if looks_local(str(name)):
+        if looks_local(str(name)) or str(name).endswith(".gguf") or name == "smollm2-135m":
             return load_model(name, device="cpu")[1]
-        raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+        raise ModelError(hub_problem(name, e, offline)) from None
     return fix_tokenizer(tok)
 
 
