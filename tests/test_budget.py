@@ -33,6 +33,16 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
 
 
+@pytest.mark.slow
+def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
+    """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
+    measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
+    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
+    for phase in memory.PHASES:
+        assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
+
+
 def test_a_24_gb_card_runs_qwen3_4b_at_1k_with_lora_16_and_80_gb_the_paper_batch():
     """16 prompts x 8 of 256 + 1,024 tokens: under --lora-rank 16 a 24 GB card keeps gen_chunk >= 16 and
     micro_batch >= 4 with the estimate and its margin under 24 GB; full fine-tuning does not fit it, and at
