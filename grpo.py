@@ -61,6 +61,7 @@ import torch
 from tqdm import tqdm
 
 import data
+from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
@@ -157,7 +158,7 @@ class Outcome(NamedTuple):
 
 
 def train(cfg: Config, run=None) -> Outcome:
-    run = run or setup(cfg)                  # data, model, optimizer, run directory (setup, below)
+    run = run or setup(cfg, memory)          # data, model, optimizer, run directory; sized to a GPU
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
@@ -370,7 +371,7 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 def main(argv=None):
     cfg = parse_args(argv)
     try:
-        run = setup(cfg)
+        run = setup(cfg, memory)                      # on CUDA: sized to the card before the weights load
     except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)

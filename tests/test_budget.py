@@ -114,12 +114,12 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"):
                         got.setdefault("widest", w) and real(c, m, d, widest, b, f))
     with pytest.raises(Loaded):
-        run_mod.setup(cfg)
+        run_mod.setup(cfg, memory)
     assert got["widest"] > 0
     assert (cfg.gen_chunk, cfg.micro_batch) != (64, 8)
     assert memory.plan(cfg, mc, "cuda", widest, card).peak <= card
     assert "budget:" in capsys.readouterr().out
     given = grpo.parse_args([*TINY, "--micro-batch", "4", "--out-dir", str(tmp_path / "b")])
     with pytest.raises(ValueError, match="--gen-chunk"):                        # 4 rows do not fit
-        run_mod.setup(given)
+        run_mod.setup(given, memory)
     assert given.micro_batch == 4

@@ -55,10 +55,12 @@ class Run:
                                 # held-out): what the decode engine and memory.py's estimate are sized to
 
 
-def setup(cfg) -> Run:
+def setup(cfg, memory=None) -> Run:
     """Everything before the first step, cheapest checks first: the run directory is checked and the data read
     before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the run
-    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing."""
+    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing.
+    memory: evaluation/memory.py, which sizes the step to a GPU before the weights load (size_to_card);
+    grpo.py passes it (training imports nothing of evaluation), None sizes nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
     mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
     done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
@@ -84,7 +86,8 @@ def setup(cfg) -> Run:
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style) for r in evals])
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)                              # the engine and the estimate are sized to it
-    size_to_card(cfg, device, widest)                            # CUDA: gen_chunk, micro_batch, or the error
+    if memory is not None:
+        size_to_card(cfg, device, widest, memory)                # CUDA: gen_chunk, micro_batch, or the error
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -104,7 +107,7 @@ def setup(cfg) -> Run:
                u.layers, u.head_mean, u.flowtracer, engine, evals, log, start, bad, widest)
 
 
-def size_to_card(cfg, device, widest):
+def size_to_card(cfg, device, widest, memory):
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
     alone, prompts `widest` tokens wide, memory.plan) against the card: the GPU's total
     (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context
@@ -114,7 +117,6 @@ def size_to_card(cfg, device, widest):
     fits: ValueError (grpo.py's one error line) naming the peak, the card's size and what would fit."""
     if device.type != "cuda":
         return
-    from evaluation import memory
     if cfg.gpu_gb:
         total, held, source = cfg.gpu_gb * memory.GB, 0, "--gpu-gb"
     else:
