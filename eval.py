@@ -61,7 +61,7 @@ from evaluation import figures, highflow, probes, stats
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import flags, oar, signals
-from training.models import ModelError, device_problem, load_model
+from training.models import ModelError, adapter_dir, device_problem, load_model
 from training.rollout import generate
 
 CMDS = flags.commands(__doc__)   # {name: (summary, description)}: the subcommands' --help
@@ -86,10 +86,11 @@ def resolve_model(name):
     if looks_local and not path.exists():
         fail(f"--model {ckpt_io.link_problem(path) or name + ': not found'} (give a run directory, its "
              "ckpt/, a save_pretrained directory or a .gguf file)")
-    if (path / "ckpt" / "config.json").is_file():
+    if (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt"):   # a run: full or LoRA
         return str(path / "ckpt")
-    if path.is_dir() and not (path / "config.json").is_file():
-        fail(f"--model {name}: a directory without config.json, not a checkpoint or run directory")
+    if path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
+        fail(f"--model {name}: a directory without config.json (or a LoRA checkpoint's adapter_config.json), "
+             f"not a checkpoint or run directory")
     return str(path) if looks_local else name
 
 

@@ -40,10 +40,13 @@ Departures from grpo.py (numbered):
     collective, and a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain
     advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
+ 6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
+    (policy.lora_config) and, without --learning-rate, ten times the learning rate (grpo.LORA_LR_FACTOR);
+    the credit reads TRL's peft-wrapped policy, adapters on, as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
-          --learning-rate 1e-5 --output-dir runs/trl-demo
+          --learning-rate 1e-5 --output-dir runs/trl-demo        # add --lora-rank 16 for LoRA (departure 6)
       (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
@@ -75,7 +78,7 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import select_layers
-from training import credit, flags, rewards, runlog, signals
+from training import credit, flags, policy, rewards, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, answer_token_range, build_batch, prompt_ids, take
@@ -293,6 +296,7 @@ def trl_reward(term):
     return reward
 
 
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")    # grpo.Config's, departure 6
 # GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
 DEFAULTS = dict(output_dir="runs/trl", num_generations=8, max_completion_length=1024, temperature=0.99,
                 top_p=1.0, top_k=100, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup",
@@ -325,9 +329,13 @@ def parse_args(argv=None):
     own = {"seed"}                       # --seed is GRPOConfig's
     fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
     flags.add_fields(p, credit.CreditConfig, credit.CHOICES, skip=own)        # help: the fields' comments
+    import grpo                          # grpo.py's LoRA flags, their defaults and help (departure 6)
+    flags.add_fields(p, grpo.Config, skip={f.name for f in dataclasses.fields(grpo.Config)} - set(LORA_FLAGS))
     args, rest = p.parse_known_args(argv)
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
-    hf.set_defaults(**DEFAULTS)
+    lr_given = any(a.split("=")[0] == "--learning-rate" for a in rest)
+    hf.set_defaults(**{**DEFAULTS, **({"learning_rate": grpo.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
+                                      if args.lora_rank > 0 and not lr_given else {})})
     try:
         targs, unknown = hf.parse_args_into_dataclasses(rest, return_remaining_strings=True)
     except ValueError as e:                                    # GRPOConfig's own checks
@@ -336,7 +344,10 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
     task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
-    problem = credit.check(ccfg) or rewards.check(task)
+    problem = credit.check(ccfg) or rewards.check(task) or \
+        ("--lora-rank must be >= 0" if args.lora_rank < 0 else
+         "--lora-alpha must be > 0" if not args.lora_alpha > 0 else
+         "--lora-dropout must be in [0, 1)" if not 0 <= args.lora_dropout < 1 else None)
     if problem:
         p.error(problem)
     return args, ccfg, targs
@@ -366,9 +377,10 @@ def main(argv=None):
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
+        lora = policy.lora_config(args) if args.lora_rank > 0 else None                # departure 6
         trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
                                         train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
-                                        answer_pattern=args.answer_pattern)
+                                        answer_pattern=args.answer_pattern, peft_config=lora)
     except (ValueError, OSError) as e:
         print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
         sys.exit(2)

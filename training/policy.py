@@ -16,7 +16,14 @@ Departures (numbered; grpo.py's departure 3 in full):
  3. On CUDA the caching allocator gets expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
     unless the variable is set): a KV cache grown step by step leaves no trail of freed blocks.
 
+ 4. LoRA (--lora-rank R > 0; grpo.py's departure 9): the base weights are frozen in bf16 on CUDA (fp32 on
+    the CPU), peft's adapters and their plain torch AdamW states are fp32 (scheme "lora": the Kahan sum is
+    for bf16 weights, and the adapters are not bf16). The reference of --beta > 0 is the same weights with
+    the adapters off (Reference): no second model. A checkpoint holds peft's adapter files; the base is
+    loaded again from the run's --model.
+
 Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
+     python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24
 """
 import os
 import warnings
@@ -40,7 +47,10 @@ def device_of(name="auto") -> torch.device:
 
 def scheme(cfg, device) -> str:
     """'kahan' (bf16 weights, bf16 AdamW states + Kahan compensation, torch-optimi) or 'adamw' (fp32 weights,
-    fp32 torch AdamW). --optimizer auto: kahan on CUDA, adamw on the CPU (the embedded path stays fp32)."""
+    fp32 torch AdamW). --optimizer auto: kahan on CUDA, adamw on the CPU (the embedded path stays fp32).
+    'lora' whenever --lora-rank > 0 (departure 4): frozen base weights, fp32 adapters and fp32 AdamW."""
+    if getattr(cfg, "lora_rank", 0) > 0:
+        return "lora"
     name = getattr(cfg, "optimizer", "auto")
     if name not in ("auto", "kahan", "adamw"):
         raise ValueError(f"--optimizer must be auto, kahan or adamw, got {name!r}")
@@ -48,8 +58,11 @@ def scheme(cfg, device) -> str:
 
 
 def weight_dtype(cfg, device) -> torch.dtype:
-    """The dtype the policy is loaded in: bf16 under the kahan scheme, fp32 under adamw."""
-    return torch.bfloat16 if scheme(cfg, device) == "kahan" else torch.float32
+    """The dtype the policy is loaded in: bf16 under the kahan scheme, fp32 under adamw; under lora the
+    frozen base's: bf16 on CUDA, fp32 on the CPU (its adapters are fp32 either way)."""
+    kind = scheme(cfg, device)
+    cuda = torch.device(device).type == "cuda"
+    return torch.bfloat16 if kind == "kahan" or kind == "lora" and cuda else torch.float32
 
 
 def optimi_kernel(device) -> str:
@@ -62,9 +75,11 @@ def optimi_kernel(device) -> str:
 
 
 def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
-    """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice."""
-    if scheme(cfg, device) == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice.
+    Only the trainable parameters enter it (under lora the adapters; otherwise every weight)."""
+    if scheme(cfg, device) in ("adamw", "lora"):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                 weight_decay=cfg.weight_decay)
     import optimi  # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
@@ -97,12 +112,71 @@ def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
     cfg.model in the scheme's dtype, under flowtracer's attention (sdpa, plus the head-mean maps when a
     forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
-    beta > 0; gradient checkpointing as --grad-checkpointing says (checkpointing, below)."""
-    dtype = weight_dtype(cfg, device)
-    model, tok = load_model(path or cfg.model, device=device, dtype=dtype,
+    beta > 0; gradient checkpointing as --grad-checkpointing says (checkpointing, below). Under LoRA
+    (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones (with_lora)."""
+    dtype, lora = weight_dtype(cfg, device), getattr(cfg, "lora_rank", 0) > 0
+    model, tok = load_model(cfg.model if lora else path or cfg.model, device=device, dtype=dtype,
                             attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked
     select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
-    ref = load_model(cfg.model, device=device, dtype=dtype)[0].eval() if cfg.beta > 0 else None
     if cfg.grad_checkpointing:
         checkpointing(model)                                      # logprobs.py: the one switch
+    if lora:
+        model = with_lora(model, cfg, path)
+    ref = None if cfg.beta == 0 else Reference(model) if lora else \
+        load_model(cfg.model, device=device, dtype=dtype)[0].eval()
     return model, tok, ref, make_optimizer(model, cfg, device)
+
+
+def lora_config(cfg):
+    """peft's LoraConfig of --lora-rank, --lora-alpha, --lora-targets (a comma list of module names, or
+    all-linear: every linear layer of attention and MLP, not the LM head) and --lora-dropout."""
+    from peft import LoraConfig
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
+        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                      lora_dropout=cfg.lora_dropout, bias="none", task_type="CAUSAL_LM")
+
+
+def with_lora(model, cfg, path=None):
+    """The frozen `model` with peft's LoRA adapters: new ones (B = 0: the same function as the base at
+    first), or those a checkpoint at `path` holds (trainable, to continue). The adapters are fp32 whatever
+    the base's dtype (peft's autocast_adapter_dtype); a --lora-targets that names no module: ValueError."""
+    from peft import PeftModel, get_peft_model
+    try:
+        if path is not None:
+            return PeftModel.from_pretrained(model, path, is_trainable=True)
+        return get_peft_model(model, lora_config(cfg))
+    except (ValueError, OSError) as e:          # no module of that name, a checkpoint without adapters
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"--lora-targets {cfg.lora_targets}: {why}" if path is None else
+                         f"{path}: cannot load its LoRA adapters ({why})") from None
+
+
+class Reference:
+    """The k3 term's reference under LoRA: the policy's own weights with its adapters off, read by
+    logprobs.fixed_logprobs as a model (its decoder, embeddings, head and config): no second copy."""
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def get_decoder(self):
+        return AdaptersOff(self.model)
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def eval(self):
+        return self
+
+
+class AdaptersOff(torch.nn.Module):
+    """The policy's decoder, run with the LoRA adapters disabled (peft's disable_adapter)."""
+    def __init__(self, model):
+        super().__init__()
+        self.decoder, self.off = model.get_decoder(), model.disable_adapter
+
+    def forward(self, *args, **kwargs):
+        with self.off():
+            return self.decoder(*args, **kwargs)

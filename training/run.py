@@ -3,14 +3,18 @@
 setup's order is cheapest checks first: the run directory is checked and the data read before the model
 loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
 (and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
-and tokenized once here, those the run will read; which a step reads is a function of (seed, step), so
---resume lines up. Last, one call to training/preflight.py: on CUDA each GPU part is tried once (or replaced
-by its fallback, one line each) and the decode engine is reserved for the widest prompt the run decodes.
+and tokenized once here, those the run will read, with the tokenizer alone before the weights load; which a
+step reads is a function of (seed, step), so --resume lines up. On CUDA the step is then sized to the card
+before the weights load (size_to_card): the estimate of evaluation/memory.py, from the model's config and
+the run's widest prompt, against the GPU's memory (or --gpu-gb). Last, one call to training/preflight.py: on
+CUDA each GPU part is tried once (or replaced by its fallback, one line each) and the decode engine is
+reserved for the widest prompt the run decodes.
 
 Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
 import dataclasses
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +24,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, heldout, policy, preflight, rewards, runlog, tracking
+from training import credit, heldout, models, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -48,16 +52,19 @@ class Run:
     log: runlog.RunLog          # the run directory: metrics, rollouts, checkpoints, curves
     start: int                  # the first step to run (the checkpoint's, on --resume)
     bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
-    widest_prompt: int = 0      # tokens of the widest prompt the run decodes (training and held-out)
+    widest_prompt: int          # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
+                                # held-out): what the decode engine and memory.py's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
     warned: set = field(default_factory=set)   # the one-time warnings already given (grpo_step's answers)
 
 
-def setup(cfg) -> Run:
+def setup(cfg, memory=None) -> Run:
     """Everything before the first step, cheapest checks first: the run directory is checked and the data read
     before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the run
-    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing."""
+    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing.
+    memory: evaluation/memory.py, which sizes the step to a GPU before the weights load (size_to_card);
+    grpo.py passes it (training imports nothing of evaluation), None sizes nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
     mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
     done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
@@ -78,6 +85,17 @@ def setup(cfg) -> Run:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
+    n = cfg.prompts_per_step
+    perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
+    todo = sorted(set(order[done * n:]))                             # the prompts left, tokenized once
+    tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
+    ids = dict(zip(todo, prompt_ids(tok, [data.make_prompt(records[i], tok, style, kwargs) for i in todo])))
+    held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
+    widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
+    widest = max(widths, default=1)                              # the engine and the estimate are sized to it
+    if memory is not None:
+        size_to_card(cfg, device, widest, memory)                # CUDA: gen_chunk, micro_batch, or the error
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -85,12 +103,6 @@ def setup(cfg) -> Run:
     ckpt_io.check_disk(out, u.model, policy.scheme(cfg, device), start, cfg.steps, cfg.save_every,  # 2 ckpts
                        cfg.save_optimizer)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
-    perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n = cfg.prompts_per_step
-    order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
-    todo = sorted(set(order[start * n:]))                            # the prompts left, tokenized once
-    ids = dict(zip(todo, prompt_ids(u.tok, [data.make_prompt(records[i], u.tok, style, kwargs)
-                                            for i in todo])))
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
     metrics = ckpt_io.open_metrics(out, start if ckpt else None)
@@ -98,12 +110,53 @@ def setup(cfg) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    held = prompt_ids(u.tok, [data.make_prompt(r, u.tok, style, kwargs) for r in evals]) if evals else []
-    widest = max([len(p) for p in ids.values() if len(p) <= cfg.max_prompt_tokens] + [*map(len, held), 1])
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, u.flowtracer, gpu.engine, evals, log, start, bad, widest, reward,
                kwargs)
+
+
+def size_to_card(cfg, device, widest, memory):
+    """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
+    alone, prompts `widest` tokens wide, memory.plan) against the card: the GPU's total
+    (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context
+    (the context is counted once).
+    A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
+    (saved with the run) and said in one line; one given is kept. Flags that cannot fit, or nothing that
+    fits: ValueError (grpo.py's one error line) naming the peak, the card's size and what would fit."""
+    if device.type != "cuda":
+        return
+    if cfg.gpu_gb:
+        total, held, source = cfg.gpu_gb * memory.GB, 0, "--gpu-gb"
+    else:
+        free_now, total = torch.cuda.mem_get_info(device)
+        held, source = total - free_now, "torch.cuda.mem_get_info"
+    budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
+    mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
+    plan = memory.plan(cfg, mc, device, widest, budget, free)
+    if plan.gen_chunk is not None:
+        cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
+        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}): gen_chunk {plan.gen_chunk}, micro_batch "
+              f"{plan.micro_batch} (chosen: {', '.join(sorted(free)) or 'none, as given'}; peak "
+              f"{plan.peak / memory.GB:.1f} GB in {plan.phase}, margin included)")
+        return
+    raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
+                     f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
+                     f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
+                     f"{total / memory.GB:.1f} GB ({source}): " + memory.what_fits(cfg, mc, device, widest,
+                                                                                   budget, free))
+
+
+def left_free(cfg):
+    """The sizes a run may choose ({"gen_chunk", "micro_batch"} or fewer): those at the value the defaults
+    and the presets in force give (grpo.presets, read from the module that defines cfg's class): a flag
+    given at its default value counts as left free."""
+    mod = sys.modules.get(type(cfg).__module__)
+    active = mod.presets(cfg.model, cfg.paper_batch, cfg.lora_rank) if hasattr(mod, "presets") else []
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in active:
+        defaults.update(mod.PRESETS[name])
+    return {k for k in ("gen_chunk", "micro_batch") if getattr(cfg, k) == defaults[k]}
 
 
 def for_update(cfg, device, path=None):

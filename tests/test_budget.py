@@ -1,0 +1,125 @@
+"""LoRA's memory and the budget sized to the card: memory.estimate under --lora-rank against live-storage
+counts of real steps, the sizes memory.plan picks for Qwen3-4B on a 24 GB card, and grpo.setup's sizing
+before the weights load on a faked GPU (torch.cuda.mem_get_info, or --gpu-gb): the sizes it picks where the
+flags left them free, and the one error line, with nothing written, where the flags given cannot fit."""
+import pytest
+import torch
+
+import grpo
+from evaluation import memory, memtrace
+from training import policy
+from training import run as run_mod
+from training.models import qwen3_4b_config
+
+SMALL = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "48",
+         "--gen-chunk", "8", "--micro-batch", "4", "--logprob-chunk", "16"]
+
+
+@pytest.mark.parametrize("flags", [["--lora-rank", "8"], ["--lora-rank", "64", "--no-grad-checkpointing"],
+                                   ["--lora-rank", "16", "--lora-targets", "q_proj,v_proj",
+                                    "--no-share-prefix"]])
+def test_lora_estimate_within_10_percent_of_a_real_step(flags):
+    """Every phase of a real tiny LoRA step against the estimate (frozen weights, adapter gradients and
+    states, the activations LoRA adds and those a frozen norm no longer keeps), as test_memory.py does for
+    full fine-tuning."""
+    cfg = grpo.parse_args(SMALL + flags)
+    measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
+    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
+    model = policy.load_policy(cfg, torch.device("cpu"))[0]
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert est["optimizer step"]["grads"] == 4 * adapters                          # fp32, the adapters only
+    for phase in memory.PHASES:
+        ratio = sum(est[phase].values()) / measured[phase]
+        assert 0.9 <= ratio <= 1.1, (phase, ratio)
+
+
+@pytest.mark.slow
+def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
+    """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
+    measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
+    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
+    for phase in memory.PHASES:
+        assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
+
+
+def test_a_24_gb_card_runs_qwen3_4b_at_1k_with_lora_16_and_80_gb_the_paper_batch():
+    """16 prompts x 8 of 256 + 1,024 tokens: under --lora-rank 16 a 24 GB card keeps gen_chunk >= 16 and
+    micro_batch >= 4 with the estimate and its margin under 24 GB; full fine-tuning does not fit it, and at
+    the paper's batch still fits 80 GB at the flags' own sizes."""
+    mc = qwen3_4b_config()
+    lora = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
+    p = memory.plan(lora, mc, "cuda", 256, 24 * memory.GB)
+    assert p.gen_chunk >= 16 and p.micro_batch >= 4 and p.peak <= 24 * memory.GB
+    full = grpo.parse_args(["--model", "qwen3-4b-random", "--gpu-gb", "24"])
+    assert memory.plan(full, mc, "cuda", 256, 24 * memory.GB).gen_chunk is None
+    paper = grpo.parse_args(["--model", "qwen3-4b-random", "--paper-batch"])
+    q = memory.plan(paper, mc, "cuda", 256, memory.GPU)
+    assert (q.gen_chunk, q.micro_batch) == (paper.gen_chunk, paper.micro_batch) and q.peak <= memory.GPU
+
+
+def fake_gpu(monkeypatch, total):
+    """A CUDA device of `total` bytes (card["total"]: changed later) as grpo.setup sees it before the weights
+    load, nothing held on it; loading them fails."""
+    card = {"total": total}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (card["total"], card["total"]))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")     # device_of leaves it
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights were loaded")
+    monkeypatch.setattr(policy, "load_model", no_weights)
+    return card
+
+
+TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "32",
+        "--device", "cuda", "--steps", "1"]
+
+
+@pytest.mark.parametrize("how", ["torch.cuda.mem_get_info", "--gpu-gb"])
+def test_a_card_too_small_for_the_flags_given_is_one_line_before_the_weights_load(how, tmp_path, monkeypatch,
+                                                                                capsys):
+    out = tmp_path / "run"
+    fake_gpu(monkeypatch, 10 * memory.GB if how == "--gpu-gb" else 0.9 * memory.GB)
+    flags = [*TINY, "--micro-batch", "4", "--out-dir", str(out)] + (["--gpu-gb", "0.9"] if how == "--gpu-gb"
+                                                                     else [])
+    with pytest.raises(SystemExit) as e:
+        grpo.main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("grpo.py: error: the step needs about")
+    assert f"the GPU has 0.9 GB ({how})" in err and "--lora-rank 16" in err and "smaller model" in err
+    assert not out.exists()                                                     # nothing written
+
+
+def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """A card that fits gen_chunk 4 and micro_batch 2 but not the defaults (64, 8): setup writes the sizes
+    memory.plan picks into the run's config before the weights load; a --micro-batch given is kept."""
+    box = fake_gpu(monkeypatch, 0)
+    cfg = grpo.parse_args([*TINY, "--out-dir", str(tmp_path / "a")])
+    mc, widest = memory.model_config(cfg.model), 200
+    small = type(cfg)(**{**vars(cfg), "gen_chunk": 4, "micro_batch": 2})
+    card = sum(memory.margin(small, mc, widest).values()) + memory.peak(memory.estimate(small, mc, "cuda",
+                                                                                        widest))[1]
+    box["total"] = card
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Loaded
+    monkeypatch.setattr(run_mod, "for_update", stop)
+    got = {}
+    real = memory.plan
+    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"):
+                        got.setdefault("widest", w) and real(c, m, d, widest, b, f))
+    with pytest.raises(Loaded):
+        run_mod.setup(cfg, memory)
+    assert got["widest"] > 0
+    assert (cfg.gen_chunk, cfg.micro_batch) != (64, 8)
+    assert memory.plan(cfg, mc, "cuda", widest, card).peak <= card
+    assert "budget:" in capsys.readouterr().out
+    given = grpo.parse_args([*TINY, "--micro-batch", "4", "--out-dir", str(tmp_path / "b")])
+    with pytest.raises(ValueError, match="--gen-chunk"):                        # 4 rows do not fit
+        run_mod.setup(given, memory)
+    assert given.micro_batch == 4

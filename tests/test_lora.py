@@ -1,0 +1,225 @@
+"""LoRA (grpo.py departure 9, policy.py departure 4): at initialisation the adapted model is the base model
+(log-probs, FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the
+reference of --beta is the base with the adapters off, the learning rate preset, and --resume continues a
+LoRA run exactly."""
+import json
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+from flowtracer import Capture, flow_credit, select_layers, trace_flow
+from training import logprobs, models, policy
+from training.rollout import build_batch
+
+TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
+        "--micro-batch", "4", "--warmup-steps", "1", "--save-every", "1", "--seed", "3"]
+
+
+def toy_reward(monkeypatch):
+    """A random tiny model never answers: every group would have A = 0. A reward it earns by the text's hash
+    (as tests/test_reading_path.py) makes rows train."""
+    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
+
+
+def base_name(name):
+    """A peft-wrapped parameter's name in the plain model."""
+    return name.replace("base_model.model.", "").replace(".base_layer", "")
+
+
+def batch_of(tok):
+    """Two prompts of 9 and 6 tokens, two responses each (a shared prompt), left-padded: (B = 4, T)."""
+    prompts = [list(range(40, 49)), list(range(60, 66))]
+    responses = [list(range(70, 80)), list(range(81, 86)), list(range(90, 97)), list(range(100, 110))]
+    return build_batch(tok, [prompts[0], prompts[0], prompts[1], prompts[1]], responses)
+
+
+def credit_of(model, batch, share, layers):
+    """(log-probs (B, R), captured maps (B, T, T), gamma (B, T)) of grpo.update's first micro-batch."""
+    cap = Capture(layers)
+    logp, _ = logprobs.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4,
+                                      share, capture=cap)
+    W = cap.maps(batch.attention_mask)
+    flow = trace_flow(W.clone(), batch.question_mask, batch.answer_mask, batch.attention_mask.bool())
+    return logp, W, flow_credit(flow.throughput, batch.response_mask, 0.4, 1.5).gamma
+
+
+@pytest.mark.parametrize("share,ckpt", [(True, True), (False, False)])
+def test_at_initialisation_lora_equals_the_base_exactly(share, ckpt):
+    """B = 0: the adapters add exact zeros, so log-probs, maps and gamma are the base model's bit for bit.
+    The base is frozen as LoRA leaves it (torch's matmul folds a 3-D input into another GEMM shape when the
+    weight needs no gradient: the head's log-probs would differ in the last bit either way, LoRA or not)."""
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "8"])
+    base, tok = models.load_model("tiny-qwen3", device="cpu", attn_implementation="flowtracer")
+    if ckpt:
+        logprobs.checkpointing(base)
+    batch, layers = batch_of(tok), select_layers(cfg.layers, base.config.num_hidden_layers)
+    base.train()
+    base.requires_grad_(False)
+    want = credit_of(base, batch, share, layers)
+    lora = policy.with_lora(base, cfg)
+    assert any("lora_A" in n for n, _ in lora.named_parameters())
+    lora.train()
+    for a, b in zip(want, credit_of(lora, batch, share, layers)):
+        assert torch.equal(a, b)
+
+
+def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
+    """One grpo.train step under --lora-rank: rows are trained, every lora_B moves off zero, and every base
+    weight is bit-equal to the loaded model's; the optimizer holds the adapters only."""
+    toy_reward(monkeypatch)
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--steps", "1", "--out-dir", str(tmp_path)])
+    run = grpo.setup(cfg)
+    assert policy.scheme(cfg, "cpu") == "lora"
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    assert {id(p) for g in run.opt.param_groups for p in g["params"]} == {id(p) for p in trainable}
+    out = grpo.train(cfg, run)
+    assert out.history[0]["rows/trained"] > 0 and out.history[0]["grad_norm"] > 0
+    init = dict(models.load_model("tiny-qwen3", device="cpu")[0].named_parameters())
+    for name, p in run.model.named_parameters():
+        if "lora_" in name:
+            assert p.dtype == torch.float32 and p.requires_grad
+            if "lora_B" in name:
+                assert p.abs().max() > 0, name
+        else:
+            assert not p.requires_grad and torch.equal(p, init[base_name(name)]), name
+    saved = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)                  # the adapters, not the base
+
+
+def test_the_reference_is_the_base_with_the_adapters_off():
+    """--beta > 0 under LoRA: policy.Reference's log-probs are the base model's, after the adapters moved."""
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--beta", "0.1"])
+    model, tok, ref, _ = policy.load_policy(cfg, torch.device("cpu"))
+    base = models.load_model("tiny-qwen3", device="cpu")[0]
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    batch = batch_of(tok)
+    rows = list(range(batch.input_ids.shape[0]))
+    want = logprobs.fixed_logprobs(base, batch, rows, 2, 4)
+    got = logprobs.fixed_logprobs(ref, batch, rows, 2, 4)
+    moved = logprobs.fixed_logprobs(model, batch, rows, 2, 4)
+    assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(moved, want, atol=1e-3)
+
+
+def test_lora_learning_rate_is_ten_times_the_presets_and_flags_win():
+    assert grpo.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"]).lr == pytest.approx(1e-5)
+    assert grpo.parse_args(["--lora-rank", "8"]).lr == pytest.approx(1e-4)        # the embedded model's 1e-5
+    assert grpo.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8", "--lr", "3e-5"]).lr == 3e-5
+    assert grpo.parse_args(["--model", "tiny-qwen3"]).lr == 1e-6
+
+
+@pytest.mark.parametrize("flag", ["--lora-rank=-1", "--lora-alpha=0", "--lora-dropout=1", "--gpu-gb=-2"])
+def test_bad_lora_flags_are_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.parse_args(["--model", "tiny-qwen3", flag])
+    assert e.value.code == 2 and "grpo.py: error: --" + flag[2:].split("=")[0] in capsys.readouterr().err
+
+
+def test_lora_targets_that_name_no_module_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*TINY, "--lora-rank", "4", "--lora-targets", "nothing_here", "--out-dir",
+                   str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("grpo.py: error: --lora-targets") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def stable(m):
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))}
+
+
+def test_a_resumed_lora_run_equals_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Three steps, or two then --resume for the third: the third step's metrics and adapters are equal."""
+    toy_reward(monkeypatch)
+    a, b = tmp_path / "a", tmp_path / "b"
+    flags = [*TINY, "--lora-rank", "4", "--lr", "1e-2"]
+    full = grpo.train(grpo.parse_args([*flags, "--steps", "3", "--out-dir", str(a)])).history
+    grpo.train(grpo.parse_args([*flags, "--steps", "2", "--out-dir", str(b)]))
+    more = grpo.train(grpo.parse_args(["--resume", str(b), "--steps", "3"])).history
+    assert any(m["rows/trained"] > 0 for m in full[:2])
+    assert stable(more[0]) == stable(full[2])
+    wa, wb = (load_file(str(d / "ckpt" / "adapter_model.safetensors")) for d in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert json.loads((b / "ckpt" / "run_config.json").read_text())["lora_rank"] == 4
+
+
+@pytest.mark.parametrize("credit_pass", ["fused", "separate"])
+def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, tmp_path):
+    """flowtracer_trl.py's peft_config: TRL wraps the policy in peft, FlowTracer's capture and credit read it
+    (gamma != 1 on some tokens, no fallback), and the step moves the adapters alone."""
+    pytest.importorskip("trl")
+    from test_trl import one_step
+
+    import flowtracer_trl as ft
+    from training.credit import CreditConfig
+    args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
+    tr, _, init = one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=policy.lora_config(args),
+                           credit_cfg=CreditConfig(credit_pass=credit_pass))
+    assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
+    logged = next(m for m in tr.state.log_history if "loss" in m)
+    assert 0 < logged["credit/boosted_frac"] < 1 and logged["credit/fallback_frac"] == 0.0
+    moved = {n: p for n, p in tr.model.named_parameters() if "lora_B" in n}
+    assert moved and all(p.abs().max() > 0 for p in moved.values())
+    for n, p in tr.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, init[base_name(n)]), n
+
+
+def test_flowtracer_trl_lora_flags_and_learning_rate():
+    import flowtracer_trl as ft
+    args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
+    assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
+    assert targs.learning_rate == pytest.approx(grpo.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
+    assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
+    assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
+
+
+def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
+    """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
+    --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
+    run directory."""
+    import eval as ev
+    from conftest import task_data_missing
+    toy_reward(monkeypatch)
+    out = tmp_path / "run"
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--steps", "1", "--out-dir", str(out)])
+    run = grpo.setup(cfg)
+    assert grpo.train(cfg, run).history[0]["rows/trained"] > 0
+    merged, tok = models.load_model(str(out / "ckpt"), device="cpu")
+    base = models.load_model("tiny-qwen3", device="cpu")[0]
+    batch = batch_of(tok)
+    rows = list(range(batch.input_ids.shape[0]))
+    want = logprobs.fixed_logprobs(run.model.eval(), batch, rows, 4, 4)
+    assert torch.allclose(logprobs.fixed_logprobs(merged, batch, rows, 4, 4), want, atol=1e-4)
+    assert not torch.allclose(logprobs.fixed_logprobs(base, batch, rows, 4, 4), want, atol=1e-4)
+    assert ev.resolve_model(str(out)) == str(out / "ckpt")
+    if why := task_data_missing("gsm8k"):
+        pytest.skip(why)
+    ev.main(["bench", "--model", str(out), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1", "--ks",
+             "1", "--max-new-tokens", "3", "--out", str(tmp_path / "o")])
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path):
+    """`python grpo.py --lora-rank 8` (two steps of it, shorter responses): rows are trained, the adapters
+    change, and every base weight is bit-equal to the embedded model's."""
+    cfg = grpo.parse_args(["--lora-rank", "8", "--steps", "2", "--max-new-tokens", "48", "--seed", "1",
+                           "--out-dir", str(tmp_path)])
+    assert cfg.lr == pytest.approx(1e-4) and cfg.model == "smollm2-135m"
+    run = grpo.setup(cfg)
+    out = grpo.train(cfg, run)
+    assert sum(m["rows/trained"] for m in out.history) > 0
+    init = dict(models.load_model("smollm2-135m", device="cpu")[0].named_parameters())
+    for name, p in run.model.named_parameters():
+        if "lora_B" in name:
+            assert p.abs().max() > 0, name
+        elif "lora_" not in name:
+            assert torch.equal(p, init[base_name(name)]), name
+    assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()
