@@ -21,7 +21,7 @@ TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4",
 def toy_reward(monkeypatch):
     """A random tiny model never answers: every group would have A = 0. A reward it earns by the text's hash
     (as tests/test_reading_path.py) makes rows train."""
-    monkeypatch.setattr(grpo.data, "score", lambda rec, txt: zlib.crc32(txt.encode()) % 4 / 3)
+    monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
 
 
 def base_name(name):
