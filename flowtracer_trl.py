@@ -13,7 +13,7 @@ surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
 from the token ids themselves (rollout.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
-decoded completion), so response column j of Assignment.gamma is completion token j: TRL's column j.
+decoded completion), so response column j of Credit.weight is completion token j: TRL's column j.
 
 Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
@@ -223,7 +223,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             got = signals.ForwardOutputs(attn[rows] if attn is not None else None,
                                    entropy[rows].detach() if entropy is not None else None)
             c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
-            gamma[rows], fallback[rows] = c.gamma.float(), c.fallback.to(cm.device)
+            gamma[rows], fallback[rows] = c.weight.float(), c.fallback.to(cm.device)
         return gamma, fallback
 
     def token_credit(self, prompt_ids, completion_ids, adv):
@@ -249,7 +249,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
               self.accelerator.autocast()):
             c = credit.assign(policy, tok, batch, A, self.credit_cfg)                          # (b, R')
         if rows:
-            gamma[rows, :c.gamma.shape[1]], fallback[rows] = c.gamma.float().cpu(), c.fallback.cpu()
+            gamma[rows, :c.weight.shape[1]], fallback[rows] = c.weight.float().cpu(), c.fallback.cpu()
         return gamma, fallback
 
     def log_credit(self, gamma, adv, mask, fallback):

@@ -140,7 +140,7 @@ def train(cfg: Config, run=None) -> Outcome:
     run = run or setup(cfg)                  # data, model, optimizer, run directory (setup, below)
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
-        m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
+        m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             m.update(heldout.accuracy(run.model, run.tok, run.eval_records, run.style, cfg.max_new_tokens,
                                       cfg.gen_chunk))           # held-out greedy accuracy, eval/*
@@ -149,7 +149,7 @@ def train(cfg: Config, run=None) -> Outcome:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
         elif run.log.stop_requested:         # a first Ctrl-C / SIGTERM: this step is saved, the run stops
             stop = "interrupted"
-        full = run.log.step(step, m, shown, bad, stopping=stop is not None)   # metrics, saves when due
+        full = run.log.step(step, m, rollouts, bad, stopping=stop is not None)   # metrics, saves when due
         if full:                             # a full disk: the message, and the last checkpoint stands
             stop, status = full, 2
         if stop:
@@ -158,8 +158,26 @@ def train(cfg: Config, run=None) -> Outcome:
     return Outcome(history, stop, status)
 
 
-def grpo_step(run, step, bad):
-    """One GRPO step. Returns (its metrics, what the rollouts file shows or None, the non-finite streak)."""
+class Rollouts(NamedTuple):
+    """What a step hands the run's files (grpo_step -> RunLog.step -> save_rollouts): the B rows it trained
+    on, of the N it sampled."""
+    batch: object               # rollout.Batch of the kept rows, (B, T)
+    gen: object                 # rollout.Generations of every sampled row (N)
+    kept: list                  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
+    rewards: torch.Tensor       # (N,) every sampled row's reward
+    adv: torch.Tensor           # (B,) A_i, eq. 10
+    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput tau)
+    weight: torch.Tensor        # (B, R) gamma_it on each response token (eq. 6)
+
+
+class Step(NamedTuple):
+    metrics: dict               # the step's metrics line (runlog.step_metrics), or why it was skipped
+    rollouts: Rollouts | None   # what rollouts/step_N.jsonl shows (runlog.save_rollouts); None: skipped
+    bad: int                    # consecutive steps with a non-finite loss or gradient, this one included
+
+
+def grpo_step(run, step, bad) -> Step:
+    """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
     cfg, model, G, clock = run.cfg, run.model, run.cfg.group_size, run.log.clock   # times the phases
     n = cfg.prompts_per_step
     ids = [i for i in run.order[step * n:(step + 1) * n] if len(run.prompt_ids[i]) <= cfg.max_prompt_tokens]
@@ -168,7 +186,7 @@ def grpo_step(run, step, bad):
         tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
                    f"{cfg.max_prompt_tokens} skipped")
     if not ids:
-        return {**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad
+        return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
     with clock.phase("generation"), torch.no_grad(), run.autocast:
         gen = generate(model, run.tok, [run.prompt_ids[i] for i in ids], n=G,
@@ -183,7 +201,7 @@ def grpo_step(run, step, bad):
             (list(range(len(rewards))), {})                                                    # departure 6
     m.update(dropped)
     if not kept:
-        return {**m, "skipped": "the dynamic filter dropped every group"}, None, bad
+        return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
     batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
                         device=run.device)                                                   # (B, T) masks
     adv = adv[kept].to(run.device)                                                           # (B,)
@@ -195,15 +213,25 @@ def grpo_step(run, step, bad):
         run.sched.step()
     m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad,
                                  run.sched.get_last_lr()[0], run.device))
-    return m, (batch, gen, kept, rewards, adv, up.scores, up.gamma), bad
+    return Step(m, Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
 # ----------------------------------------------------------------------------- policy math
 class Update(NamedTuple):
-    gamma: torch.Tensor         # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
+    weight: torch.Tensor        # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
     scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput) on trained rows, 0 elsewhere
     stats: dict                 # loss, grad_norm, clip counts, entropies, credit fallbacks
     stepped: bool               # False: a non-finite loss or gradient, and the optimizer did not step
+
+
+class Experience(NamedTuple):
+    """One micro-batch's inputs to the loss besides the log-probs (tiny-grpo's Experience), b rows."""
+    adv: torch.Tensor           # (b,) A_i, eq. 10
+    weight: torch.Tensor        # (b, R) gamma_it, the credit (eq. 6)
+    loss_mask: torch.Tensor     # (b, R) bool: the response tokens among the response columns
+    old_logp: torch.Tensor      # (b, R) PPO's old log pi (on-policy: the forward's own, detached)
+    ref_logp: torch.Tensor | None   # (b, R) the reference's log pi for the k3 KL term; None when beta = 0
+    denom: float                # the whole batch's normaliser: B rows (seq-mean) or its response tokens
 
 
 def update(run, batch, trained, adv, clock) -> Update:
@@ -214,44 +242,46 @@ def update(run, batch, trained, adv, clock) -> Update:
     then clip and one optimizer step, per PPO epoch (--num-iterations; departure 8). `clock` times the
     phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
     cfg, model, P = run.cfg, run.model, batch.prompt_width
-    resp = batch.response_mask[:, P:]                                                       # (B, R)
-    gamma, scores = resp.float(), torch.zeros(resp.shape, device=resp.device)    # (B, R) untrained rows: 1, 0
+    loss_mask = batch.response_mask[:, P:]                                                  # (B, R)
+    weight, scores = loss_mask.float(), torch.zeros(loss_mask.shape, device=loss_mask.device)   # untrained: 1, 0
     stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
-    denom = resp.shape[0] if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()   # 1/G, 1/sum N
-    with clock.phase("credit"):                # a credit other than FlowTracer's: training/credit.py decides
-        baseline = None if run.flowtracer else credit.Baseline(run, batch, trained, adv)   # how, in one call
+    denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
+    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
+    with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
+        baseline = None if paper else credit.Baseline(run, batch, trained, adv)    # call shape and record
     with clock.phase("update forward"), run.autocast:
         old = old_logprobs(run, batch, trained) if cfg.num_iterations > 1 else None  # (B, R); on-policy: logp
         ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch,
                                                           cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
+        first = epoch == 0                           # the first epoch's forward gives the credit (departure 8)
         for s in range(0, len(trained), cfg.micro_batch):
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)                                                           # b rows
-            cap = None                               # eq. 1's maps, taken on the way (the first epoch's)
-            if epoch == 0:
-                cap = Capture(run.layers, head_mean=run.head_mean) if baseline is None else baseline.capture()
+            cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1's maps
             with clock.phase("update forward"), run.autocast:
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix, capture=cap)                  # (b, R)
-            with clock.phase("credit"), torch.no_grad():
-                if epoch == 0 and baseline is None:               # FlowTracer's credit of this forward
-                    flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1 -> 2-4
-                                      sub.question_mask, sub.answer_mask, sub.attention_mask.bool())
-                    c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma)  # eq. 6
-                    gamma[mb], scores[mb] = c.gamma[:, P:], flow.throughput[:, P:].float()  # (b, R)
-                    stats["credit/fallback"] += int(c.fallback.sum())
-                elif epoch == 0:                                  # another credit (Tables 2, 5, 7; OAR)
-                    c = baseline(mb, sub, cap, ent)
-                    gamma[mb], scores[mb] = c.gamma, c.scores
-                    stats["credit/fallback"] += int(c.fallback.sum())
+            if first:
+                with clock.phase("credit"), torch.no_grad():
+                    if baseline is None:             # FlowTracer's credit of this forward, eq. 1-4 then 6
+                        flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1
+                                          sub.question_mask, sub.answer_mask, sub.attention_mask.bool())
+                        c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma,
+                                        prompt_width=P)                                     # (b, R) eq. 6
+                    else:                            # another credit (Tables 2, 5, 7; OAR): the same record
+                        c = baseline(mb, sub, cap, ent)
+                weight[mb], scores[mb] = c.weight, c.scores                                 # (b, R)
+                stats["credit/fallback"] += int(c.fallback.sum())
             with clock.phase("backward"):
-                loss, st = grpo_loss(logp, logp.detach() if old is None else old[mb], adv[mb], gamma[mb],
-                                     resp[mb], cfg, denom, None if ref is None else ref[mb])  # eq. 5
+                exp = Experience(adv=adv[mb], weight=weight[mb], loss_mask=loss_mask[mb],
+                                 old_logp=logp.detach() if old is None else old[mb],
+                                 ref_logp=None if ref is None else ref[mb], denom=denom)
+                loss, st = grpo_loss(logp, exp, cfg)                                        # eq. 5
                 loss.backward()
             stats["loss"] += loss.item()
-            stats["entropy"].append(ent[resp[mb]])
+            stats["entropy"].append(ent[loss_mask[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
@@ -265,7 +295,7 @@ def update(run, batch, trained, adv, clock) -> Update:
             run.opt.zero_grad(set_to_none=True)      # the gradients are not kept through the next rollout
         if not stepped:                              # train counts the streak of non-finite steps
             break
-    return Update(gamma, scores, stats, stepped)
+    return Update(weight, scores, stats, stepped)
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -279,23 +309,23 @@ def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     return adv.clamp(-clip, clip).view(-1), std.squeeze(-1) < 1e-8
 
 
-def grpo_loss(logp, old_logp, adv, gamma, mask, cfg, denom, ref_logp=None):
-    """Eq. 5 with dual-clip, summed over this micro-batch and divided by the whole batch's `denom` (B rows for
-    seq-mean, its response tokens for token-mean). logp, old_logp, gamma, mask: (b, R); adv: (b,).
+def grpo_loss(logp, exp: Experience, cfg):
+    """Eq. 5 with dual-clip, summed over this micro-batch and divided by the whole batch's exp.denom (B rows
+    for seq-mean, its response tokens for token-mean). logp: (b, R), the policy's log pi with grad.
     Returns (loss, stats of summed counts)."""
-    A = adv.unsqueeze(-1)                                                 # (b, 1)
-    ratio = torch.exp(logp - old_logp)                                    # (b, R)
+    A, mask = exp.adv.unsqueeze(-1), exp.loss_mask                       # (b, 1), (b, R)
+    ratio = torch.exp(logp - exp.old_logp)                                # (b, R)
     obj = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)
     obj = torch.where(A < 0, torch.max(obj, cfg.dual_clip * A), obj)      # dual-clip for A < 0
-    per_tok = -gamma * obj                                                # (b, R) eq. 5-6: gamma on each term
+    per_tok = -exp.weight * obj                                           # (b, R) eq. 5-6: gamma on each term
     if cfg.beta > 0:                                                      # k3 estimator of KL(pi || ref)
-        d = ref_logp - logp
+        d = exp.ref_logp - logp
         per_tok = per_tok + cfg.beta * (torch.exp(d) - d - 1)
     m = mask.float()
     if cfg.loss_agg == "seq-mean":                                        # 1/G sum_i 1/N_i sum_t
-        loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / denom
+        loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / exp.denom
     else:                                                                 # token-mean: sum_it / sum_i N_i
-        loss = (per_tok * m).sum() / denom
+        loss = (per_tok * m).sum() / exp.denom
     with torch.no_grad():
         stats = {"clip/low": ((ratio < 1 - cfg.eps_low) & (A < 0) & mask).sum().item(),
                  "clip/high": ((ratio > 1 + cfg.eps_high) & (A > 0) & mask).sum().item(),

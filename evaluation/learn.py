@@ -27,7 +27,7 @@ same --out-dir; another recipe or evaluation setting there is an error (or --ove
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
  2. --eval-k 0 evaluates greedily only: no checkpoint is loaded after training, more seeds for the same time.
- 3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
+ 3. The training reward is grpo.py's reward/mean per step (figures.metric_series); skipped steps have none.
  4. mean@k at step 0 and the last step only, from the base model and the final checkpoint (grpo.py: greedy).
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
@@ -51,13 +51,13 @@ import torch
 from tqdm import tqdm
 
 import data
+from evaluation.figures import metric_series
 from evaluation.probes import markdown, pyplot
 from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
                               two_level, variance_parts)
 from training import checkpoint as ckpt_io
 from training import flags, heldout, policy, signals
 from training.models import ModelError, load_model
-from training.runlog import metric_series
 
 
 @dataclass

@@ -17,7 +17,7 @@ import eval as ev
 from evaluation import highflow, probes, stats
 from training.models import load_model
 from training.rollout import generate
-from training.runlog import peak_ema
+from evaluation.figures import peak_ema
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)

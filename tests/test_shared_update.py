@@ -105,7 +105,7 @@ def test_parameter_gradients_equal_one_full_pass(tiny):
         m.zero_grad(set_to_none=True)
         lp = forward(m, b, share is True)[0]
         old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # != 1
-        loss, _ = grpo.grpo_loss(lp, old, adv, gamma, resp, cfg, 5)           # ratios in and out of the clip
+        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)   # ratios in, out of clip
         loss.backward()
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters()}
     for n, g in grads[False].items():
@@ -136,7 +136,7 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
         exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
     assert not full.fallback.any() and (full.gamma == cfg.gamma).any()   # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
-    assert torch.equal(shared.gamma, full.gamma)
+    assert torch.equal(shared.weight, full.weight)
 
 
 def test_a_layer_missing_from_a_pass_is_an_error(monkeypatch, device):
@@ -233,8 +233,9 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     with torch.no_grad():
         c = credit.assign(model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent))
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
-    loss, _ = grpo.grpo_loss(lp, old, adv, c.gamma if gamma is None else gamma,
-                             b.response_mask[:, b.prompt_width:], grpo.Config(), 5)
+    w = c.weight if gamma is None else gamma                                                       # (B, R)
+    loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, w, b.response_mask[:, b.prompt_width:], old, None, 5),
+                             grpo.Config())
     loss.backward()
     handle.remove()
     if checkpointed:
@@ -258,7 +259,7 @@ def test_checkpointed_update_shares_each_prompt_and_equals_one_full_pass(name, d
     lp_f, ent_f, attn_f, c_f, g_f, calls_f = update_under_checkpointing(model, tok, b, False)
     lp_s, ent_s, attn_s, c_s, g_s, calls_s = update_under_checkpointing(model, tok, b, True)
     assert calls_f == [(5, T)] and calls_s == [(3, P), (5, T - P)]   # shared under checkpointing too
-    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(fp64(model), tok, b, False, c_f.gamma,
+    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(fp64(model), tok, b, False, c_f.weight,
                                                                   checkpointed=False)
     del model
     assert_to_rounding(lp_s, lp_f, lp_x, what="log-probs")
@@ -266,7 +267,7 @@ def test_checkpointed_update_shares_each_prompt_and_equals_one_full_pass(name, d
     assert_to_rounding(attn_s, attn_f, attn_x, what="maps")
     assert not c_f.fallback.all() and (c_f.gamma == 1.5).any()        # not vacuous: flow reached answers
     assert_to_rounding(c_s.scores, c_f.scores, c_x.scores, what="flow scores")
-    assert torch.equal(c_s.gamma, c_f.gamma)
+    assert torch.equal(c_s.weight, c_f.weight)
     for k, g in g_f.items():
         assert g.norm() > 0, k                                         # every weight gets a gradient
         assert_to_rounding(g_s[k], g, g_x[k], what=k)

@@ -17,7 +17,7 @@ Run the tests: python -m pytest -q tests/test_attention_graph.py
 """
 import torch
 
-from flowtracer import IMPL, Capture, _Stop, select_layers
+from flowtracer import IMPL, Capture, _Stop, register_attention, select_layers
 
 
 def _check_inputs(input_ids, attention_mask, chunk):
@@ -64,6 +64,7 @@ def use_flowtracer_attention(model):
     """Switch `model` to the "flowtracer" attention function (sdpa + the capture); returns the old name."""
     old = model.config._attn_implementation
     if old != IMPL:
+        register_attention()
         model.set_attn_implementation(IMPL)
     if model.config._attn_implementation != IMPL:
         raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")

