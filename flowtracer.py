@@ -7,7 +7,7 @@ LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 an
                       given one (token_logprobs(..., capture=cap)), then cap.maps(mask) is W (B, T, T)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere: a Credit
-    register_attention   the attention "flowtracer" that fills a Capture, and its mask (no empty rows), named
+    register_attention   the attention "sdpa_capture" that fills a Capture, and its mask (no empty rows), named
                       to transformers: training/models.py's load_model calls it for every model it loads
     The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
     you do not call yourself (capturing: TRL's): training/attention.py.
@@ -71,11 +71,11 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 
 # ----------------------------------------------------------------------------- eq. 1: the graph from a model
 # How, without the L*H*T*T tensor of eager attention's output_attentions=True: an attention function
-# "flowtracer" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
+# "sdpa_capture" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
 # Capture, recomputes the chosen layers' softmax(Q K^T * scaling + mask) in fp32 and sums its heads into one
 # (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE. register_attention (below)
 # names it to transformers; nothing is registered on import.
-IMPL = "flowtracer"
+IMPL = "sdpa_capture"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
                "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
                "or 'A:B'")
@@ -127,7 +127,7 @@ class Capture:
         self.seen = set()       # layers taken (a replay in backward takes nothing new)
 
     def take(self, layer, query, key, attention_mask, scaling):
-        """Called by flowtracer_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
+        """Called by capture_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
         if layer not in self.layers:
             return
         if layer in self.seen:
@@ -202,7 +202,7 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
             del score, p  # freed before the next chunk's score is made: two blocks at most, not three
 
 
-def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
+def capture_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
                          **kwargs):
     """AttentionInterface function: sdpa's output, and the head-mean map of this layer into `flow_capture`
     when the forward was given one (Capture.take)."""
@@ -227,12 +227,12 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
 
 
 def register_attention():
-    """Register "flowtracer" with transformers, once per process: the attention function (sdpa's output, plus
+    """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output, plus
     the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
-    training/models.py's load_model before it loads a model, and by use_flowtracer_attention; importing
-    this module registers nothing. Only the name "flowtracer" is registered: a model under transformers'
+    training/models.py's load_model before it loads a model, and by use_capture_attention; importing
+    this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
     "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
-    AttentionInterface.register(IMPL, flowtracer_attention)
+    AttentionInterface.register(IMPL, capture_attention)
     AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
 
 
@@ -262,19 +262,20 @@ class Flow(NamedTuple):
     throughput: torch.Tensor  # (B, T) tau = f + outflow = 2f off the answer, f on it (Theorem 3.1)
 
 
-def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
+def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """M_ik = attn[k, i] for i < k (eq. 1) in fp64, answer rows and padding cut out. (B, T, T) view."""
-    return _neg_dag(attn, answer_mask, valid_mask).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
+    v = attention_mask.bool()                                                   # (B, T) real tokens
+    return _neg_dag(attn, answer_mask.bool() & v, v).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
 
 
-def _neg_dag(attn, answer_mask, valid_mask):
+def _neg_dag(attn, answer_mask, valid):
     """-M in query-major layout, in one fp64 copy: A[b, k, i] = -W_ik below the diagonal. The diagonal and
     the upper triangle are left as they are: the unitriangular solves never read them. This is
     memory-bound, so each full pass over the T x T matrix counts: one copy, one sign + answer cut."""
     A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; a copy
-    A.mul_(-(valid_mask & ~answer_mask).to(A.dtype).unsqueeze(-2))  # key i: answers pass nothing on; sign
-    if not bool(valid_mask.all()):
-        A.mul_(valid_mask.to(A.dtype).unsqueeze(-1))                # query k: padding reads nothing
+    A.mul_(-(valid & ~answer_mask).to(A.dtype).unsqueeze(-2))       # key i: answers pass nothing on; sign
+    if not bool(valid.all()):
+        A.mul_(valid.to(A.dtype).unsqueeze(-1))                     # query k: padding reads nothing
     return A
 
 
@@ -285,7 +286,7 @@ def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
-               valid_mask: torch.Tensor | None = None) -> Flow:
+               attention_mask: torch.Tensor | None = None) -> Flow:
     """Answer-targeted flow on the attention DAG (eq. 1-4). Vectorised, fp64, no loop over tokens.
 
     attn:          (T, T) or (B, T, T) head-averaged attention as transformers returns it:
@@ -295,7 +296,7 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
                    tokens that can reach the answer (h > 0), 1/|Q'| each.
     answer_mask:   (T,) or (B, T) bool, the answer region A. Absorbing: h = 1 there (eq. 2), and answer
                    tokens pass no flow on, so the flow reaching the answer is exactly the flow injected (1).
-    valid_mask:    optional (T,) or (B, T) bool; False (padding) nodes are cut from the graph.
+    attention_mask: optional (T,) or (B, T), 1 / True on real tokens; padding (0) is cut from the graph.
 
     Returns Flow(h, flow, throughput), fp64, shaped like the masks, where
       h     solves h(i) = sum_{k>i} W_ik h(k) off the answer (eq. 2);
@@ -309,8 +310,9 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
     if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:           # the inputs, checked first
         raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
     single = attn.dim() == 2
-    valid_mask = torch.ones_like(question_mask, dtype=torch.bool) if valid_mask is None else valid_mask
-    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask, valid_mask=valid_mask).items():
+    attention_mask = torch.ones_like(question_mask) if attention_mask is None else attention_mask
+    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask,
+                        attention_mask=attention_mask).items():
         if tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
     if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
@@ -318,9 +320,10 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
             raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
         raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
     if single:
-        attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in
-                                                        (attn, question_mask, answer_mask, valid_mask))
-    q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
+        attn, question_mask, answer_mask, attention_mask = (x.unsqueeze(0) for x in
+                                                            (attn, question_mask, answer_mask, attention_mask))
+    v = attention_mask.bool()                                       # (B, T) real tokens
+    q, a = question_mask.bool(), answer_mask.bool() & v
 
     A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
     # eq. 2: (I - M) h = 1_A. unitriangular=True reads only the strict upper part of -M (A.mT) and takes

@@ -28,7 +28,7 @@ Departures from the paper (numbered):
     80 GB GPU (training/policy.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. The embedded SmolLM2-135M-Instruct (the default --model, named or not) trains on the offline arithmetic
-    task with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
+    dataset with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
     checkpoint without the optimizer's state (--no-save-optimizer): ~540 MB on disk.
  6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
     rule. --dynamic-filter drops groups with accuracy outside [0.1, 0.95] and, as DAPO's overlong filter,
@@ -61,9 +61,9 @@ from training.run import setup
 
 @dataclass
 class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --shaping, --top-frac, --gamma
-    # model and task
+    # model and dataset
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file or alias (models.py); sets the preset
-    dataset: str = "arithmetic"        # a data.py task name (dapo-math-17k for the paper's math runs)
+    dataset: str = "arithmetic"        # a data.py dataset (data.TASKS; dapo-math-17k: the paper's math runs)
     data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
     prompt_style: str = "auto"         # how a question becomes a prompt; auto: by model and task (data.py)
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
@@ -101,7 +101,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     logprob_chunk: int = 128           # positions per selective log-softmax chunk
     # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
     eval_every: int = 0                # evaluate every N steps and at the last (0: off); eval/* metrics
-    eval_dataset: str = ""             # the held-out task ("": the training task's test split)
+    eval_dataset: str = ""             # the held-out dataset ("": the training dataset's test split)
     eval_size: int = 200               # held-out questions (the first N of the test split)
     # run
     steps: int = 500                   # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
@@ -267,7 +267,7 @@ def update(run, batch, trained, adv, clock) -> Update:
                 with clock.phase("credit"), torch.no_grad():
                     if baseline is None:             # FlowTracer's credit of this forward, eq. 1-4 then 6
                         flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1
-                                          sub.question_mask, sub.answer_mask, sub.attention_mask.bool())
+                                          sub.question_mask, sub.answer_mask, sub.attention_mask)
                         c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma,
                                         prompt_width=P)                                     # (b, R) eq. 6
                     else:                            # another credit (Tables 2, 5, 7; OAR): the same record

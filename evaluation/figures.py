@@ -164,7 +164,7 @@ def flow_figures(model, tok, rows, args, figs, out):
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)
     valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
-    fl = trace_flow(attn, batch.question_mask.to(dev), ans, valid_mask=valid)
+    fl = trace_flow(attn, batch.question_mask.to(dev), ans, attention_mask=valid)
     has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
     res = {"n_responses": len(rows), "n_no_answer": len(rows) - len(has)}
     if not has:

@@ -5,7 +5,7 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              N --eval-size M --eval-dataset T --out-dir <out>/runs/<a>-s<s>`, which evaluates the policy it
              trains at steps N, 2N, ... and the last (training/heldout.py: no reload, no restart) into its
              metrics.jsonl, where learn reads them. A killed run continues with grpo.py --resume: exact.
-  held out   heldout.records: the first --eval-size questions of the task's test split, the same for every
+  held out   heldout.records: the first --eval-size questions of the dataset's test split, the same for every
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
              strict (data.score: reward 1) and lenient (or answers.last_number_equal: math); step 0 (the
              recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
@@ -67,7 +67,7 @@ class LearnConfig:
     out_dir: str = "runs/learn"        # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
     eval_every: int = 0                # evaluate every N steps and at the last; 0: every steps/4 (rounded up)
-    eval_dataset: str = ""             # the held-out task ("": the recipe's --dataset); its test split
+    eval_dataset: str = ""             # the held-out dataset ("": the recipe's --dataset); its test split
     eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
     eval_k: int = 4                    # samples per question for mean@k (step 0, last); 0: greedy only
     eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
@@ -100,14 +100,14 @@ class Grid:
         self.rc = rc = [recipe_config(grpo, recipe, a, seeds[0], self.out / "runs") for a in arms][0]
         self.every = cfg.eval_every or (rc.steps + 3) // 4                # 0: four evaluations
         self.eval_steps = sorted({*range(self.every, rc.steps + 1, self.every), rc.steps})
-        self.task = (cfg.eval_dataset or rc.dataset).lower()
+        self.eval_dataset = (cfg.eval_dataset or rc.dataset).lower()
         try:                                               # the same questions as grpo.py's (heldout.py)
-            self.recs = heldout.records(rc.dataset, self.task, cfg.eval_size, seeds, rc.data_path)
+            self.recs = heldout.records(rc.dataset, self.eval_dataset, cfg.eval_size, seeds, rc.data_path)
         except ValueError as e:                            # no test split; a held-out question in training
             raise LearnError(str(e)) from None
         self.style = rc.prompt_style if rc.prompt_style != "auto" else \
             data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)   # grpo.py's rule
-        self.setting = {"recipe": recipe, "eval_task": self.task, "eval_size": len(self.recs),
+        self.setting = {"recipe": recipe, "eval_dataset": self.eval_dataset, "eval_size": len(self.recs),
                         "style": self.style, "eval_steps": self.eval_steps, "eval_k": cfg.eval_k,
                         "eval_seed": cfg.eval_seed, "eval_max_new_tokens": rc.max_new_tokens,
                         "eval_chunk": rc.gen_chunk}
@@ -178,7 +178,7 @@ def train(g, run, bar):
     cmd = ([sys.executable, script, "--resume", str(d)] if ckpt else
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
             "--overwrite", "--save-optimizer", "--eval-every", str(g.every), "--eval-size",
-            str(g.cfg.eval_size), "--eval-dataset", g.task])                   # an exact --resume
+            str(g.cfg.eval_size), "--eval-dataset", g.eval_dataset])                   # an exact --resume
     log.parent.mkdir(parents=True, exist_ok=True)
     seen = steps_logged(d)
     with open(log, "a") as fh:
@@ -328,7 +328,7 @@ def report(setting, summary, out):
     s, k, B = setting, setting["eval_k"], summary["bootstrap"]
     ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
     iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
-    head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
+    head = (f"Held-out: {s['eval_size']} questions of {s['eval_dataset']} (test split), evaluated at steps 0, "
             f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`; "
             f"--out-dir `{out}`\n\n"
             "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"

@@ -188,9 +188,9 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
         recs = records[i:i + args.batch_size]
         prompts = [tok(data.make_prompt(r, tok, style)).input_ids for r in recs]
         seeds = [seed * 1_000_003 + i + j for j in range(len(recs))]
-        resp = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature,
+        outs = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature,
                       seeds=seeds)
-        for r, p, y in zip(recs, prompts, resp):
+        for r, p, y in zip(recs, prompts, outs):
             text = tok.decode(y, skip_special_tokens=True)
             rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.score(r, text)))
     return rows

@@ -177,7 +177,7 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
 # ----------------------------------------------------------------------------- pass-through, restore, early stop
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):
-    """Under "flowtracer" (load_model's default) a forward gives sdpa's output on every real token; a padding
+    """Under "sdpa_capture" (load_model's default) a forward gives sdpa's output on every real token; a padding
     query row reads its own key under our mask, and nothing under sdpa's, so only those rows may differ."""
     model, tok = tiny
     ids, mask = batch(tok, device=model.device)
@@ -188,7 +188,7 @@ def test_registered_impl_is_exact_sdpa_passthrough(tiny):
             ref = model(input_ids=ids, attention_mask=mask).logits
             model.set_attn_implementation(flowtracer.IMPL)
             out = model(input_ids=ids, attention_mask=mask).logits
-            W = attention_graph(model, ids, mask)  # works while the model stays on "flowtracer"
+            W = attention_graph(model, ids, mask)  # works while the model stays on "sdpa_capture"
             assert model.config._attn_implementation == flowtracer.IMPL
         finally:
             model.set_attn_implementation(flowtracer.IMPL)
@@ -218,7 +218,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 if sys.argv[1] == "project":
     import grpo
     from training.models import load_model
-    assert load_model("tiny-qwen3")[0].config._attn_implementation == "flowtracer"
+    assert load_model("tiny-qwen3")[0].config._attn_implementation == "sdpa_capture"
 torch.manual_seed(0)
 cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -232,7 +232,7 @@ torch.save(torch.stack(out.hidden_states), sys.argv[2])
 
 
 def test_importing_the_project_leaves_another_models_attention_alone(tmp_path):
-    """Importing the project and loading its models registers "flowtracer" (its attention and its mask with
+    """Importing the project and loading its models registers "sdpa_capture" (its attention and its mask with
     no empty rows) and nothing else: a plain model under transformers' "sdpa" in the same process gives the
     hidden states it gives without the project, to the bit, padding rows included (on those rows the two
     masks differ: a project that replaced "sdpa"'s mask would fail here)."""
@@ -247,8 +247,8 @@ def test_importing_flowtracer_registers_nothing():
     """The registration is a call (flowtracer.register_attention, which load_model makes), not an import."""
     code = ("import flowtracer, grpo; from transformers import AttentionInterface; "
             "from transformers.masking_utils import AttentionMaskInterface as M; "
-            "assert 'flowtracer' not in AttentionInterface._global_mapping and 'flowtracer' not in "
-            "M._global_mapping; flowtracer.register_attention(); assert 'flowtracer' in M._global_mapping")
+            "assert 'sdpa_capture' not in AttentionInterface._global_mapping and 'sdpa_capture' not in "
+            "M._global_mapping; flowtracer.register_attention(); assert 'sdpa_capture' in M._global_mapping")
     subprocess.run([sys.executable, "-c", code], cwd=Path(flowtracer.__file__).parent, check=True)
 
 

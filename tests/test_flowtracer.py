@@ -108,7 +108,7 @@ def random_batch(seed, B, T):
 @given(seed=st.integers(0, 10**6), B=st.integers(1, 4), T=st.integers(2, 64))
 def test_properties_against_reference(seed, B, T):
     attn, q, a, v = random_batch(seed, B, T)
-    out = trace_flow(attn, q, a, valid_mask=v)
+    out = trace_flow(attn, q, a, attention_mask=v)
     assert torch.isfinite(out.flow).all() and (out.flow >= -1e-12).all()
     M = dag_weights(attn, a, v)
     Wp = reweight(M * (out.h > 0)[:, :, None] * (out.h > 0)[:, None, :], out.h)
@@ -134,7 +134,7 @@ def test_properties_against_reference(seed, B, T):
 def test_flow_equals_h_times_g_identity():
     """f = h * g where g solves (I - M^T) g = s/h: check it against eq. 4 written with W' explicitly."""
     attn, q, a, v = random_batch(7, 3, 48)
-    out = trace_flow(attn, q, a, valid_mask=v)
+    out = trace_flow(attn, q, a, attention_mask=v)
     M = dag_weights(attn, a, v) * (out.h > 0)[:, :, None] * (out.h > 0)[:, None, :]
     Wp = reweight(M, out.h)
     s = (q & v & (out.h > 0)).double()
@@ -269,6 +269,6 @@ def test_build_batch_layout_and_answer_tokens():
 def test_inputs_are_not_modified():
     attn, q, a, v = random_batch(3, 2, 16)
     before = attn.clone()
-    trace_flow(attn, q, a, valid_mask=v)
+    trace_flow(attn, q, a, attention_mask=v)
     dag_weights(attn, a, v)
     assert torch.equal(attn, before)

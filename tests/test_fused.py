@@ -18,7 +18,7 @@ import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
 from training import credit, logprobs, runlog, signals
-from training.attention import attention_graph, capturing, use_flowtracer_attention
+from training.attention import attention_graph, capturing, use_capture_attention
 from training.models import load_model
 from training.rollout import build_batch
 from training.run import for_update
@@ -55,7 +55,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        use_flowtracer_attention(model)                                 # as policy.load_policy
+        use_capture_attention(model)                                 # as policy.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers))   # as grpo.update
         logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, capture=cap)
         with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Each prompt read once in the update (logprobs.response_states, share_prompt; logprobs.py departure 1) against
-one pass over every row's [prompt | response] (share_prompt=False): the same log-probs, entropies and
+"""Each prompt read once in the update (logprobs.response_states, share_prefix; logprobs.py departure 1) against
+one pass over every row's [prompt | response] (share_prefix=False): the same log-probs, entropies and
 parameter gradients, the same captured attention and flow credit, the fallbacks, and one grpo.py step with
 --share-prefix against --no-share-prefix. Tiny random Qwen3 / Llama in fp32, on each device present (cpu, and
 cuda where there is one: conftest.DEVICES), inputs on model.device.
@@ -62,7 +62,7 @@ def forward(model, b, share, chunk=4, layers=None):
     if layers is None:
         lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    attention.use_flowtracer_attention(model)                                  # as policy.load_policy
+    attention.use_capture_attention(model)                                  # as policy.load_policy
     calls = []                                                                  # head-mean maps summed
     cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
                   head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1])

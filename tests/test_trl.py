@@ -28,7 +28,7 @@ from training import (
     runlog,  # noqa: E402
     signals,  # noqa: E402
 )
-from training.attention import attention_graph, use_flowtracer_attention  # noqa: E402
+from training.attention import attention_graph, use_capture_attention  # noqa: E402
 from training.credit import CreditConfig  # noqa: E402
 from training.models import load_model  # noqa: E402
 from training.rollout import answer_token_range, build_batch  # noqa: E402
@@ -116,7 +116,7 @@ def reference_gamma(keys, A, cfg, fused=False):
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
     if fused:
-        use_flowtracer_attention(model)                                       # as policy.load_policy
+        use_capture_attention(model)                                       # as policy.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers)) if credit.reads_maps(cfg) \
             else None                                                         # None: the signal reads no map
         with torch.no_grad():

@@ -9,7 +9,7 @@ student may stop at its signature. The arithmetic is the plain one: the decoder'
 the LM head and a log-softmax, gathered at y_t.
 
 Departures (numbered; grpo.py's departure 2 is the chunked log-softmax):
- 1. Each prompt read once (share_prompt, grpo.py --share-prefix, on by default). The G rows of a group carry
+ 1. Each prompt read once (share_prefix, grpo.py --share-prefix, on by default). The G rows of a group carry
     the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once (with grad),
     keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer taking its
     prompt's keys (a differentiable index). The same arithmetic on the same tokens: the log-probs equal the
@@ -68,14 +68,14 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor       # (B, R) the entropy of pi(. | x, y_<t), detached (credit, logs)
 
 
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True,
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prefix=True,
                    capture=None) -> TokenLogprobs:
     """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
     both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
-    share_prompt); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
+    share_prefix); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
     backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once. `capture`: a
     flowtracer.Capture that the decoder's forward fills with the chosen layers' head-mean maps, or None."""
-    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt, capture)  # (B, R, D)
+    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prefix, capture)  # (B, R, D)
     head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
 
     def piece(h, y):
@@ -92,10 +92,10 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, sh
     return TokenLogprobs(lp, ent.detach())
 
 
-def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True, capture=None):
+def response_states(model, input_ids, attention_mask, prompt_width, share_prefix=True, capture=None):
     """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
 
-    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
+    share_prefix (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
     and values (PromptKV) are read by the rows' responses (B, R) on top. Else, and in the fallbacks
     (departure 2), one pass over every row's [prompt | response]. Both passes' tokens are embedded in one
     lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
@@ -103,7 +103,7 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prompt
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
     layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
-    shared = share_prompt and 0 < P < T and replay_safe(layers)
+    shared = share_prefix and 0 < P < T and replay_safe(layers)
     if shared:
         prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                       return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
@@ -147,7 +147,7 @@ class PromptKV(DynamicCache):
 
 
 @torch.no_grad()
-def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prompt=True):
+def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prefix=True):
     """(B, R) fp32 log-probs of `model` on the `rows` of `batch`, no grad, 0 on the other rows: the pre-update
     policy's for --num-iterations > 1 (PPO's old log pi), or the frozen reference's for the k3 KL term."""
     P = batch.prompt_width
@@ -155,5 +155,5 @@ def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prompt=True
     for s in range(0, len(rows), micro_batch):
         mb = rows[s:s + micro_batch]
         out[mb] = token_logprobs(model, batch.input_ids[mb], batch.attention_mask[mb], P, chunk,
-                                 share_prompt).logp.float()                                        # (b, R)
+                                 share_prefix).logp.float()                                        # (b, R)
     return out

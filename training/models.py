@@ -306,7 +306,7 @@ def to_dtype(model, device, dtype):
 def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=IMPL):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
-    attn_implementation: "flowtracer" (default: sdpa, its mask with no empty rows, the maps when a forward is
+    attn_implementation: "sdpa_capture" (default: sdpa, its mask with no empty rows, the maps when a forward is
     given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
     """
     register_attention()

@@ -103,7 +103,9 @@ class RunLog:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        unlock_out_dir(self.out)
+        lock = _held.pop(self.out.resolve(), None)    # the directory's lock (lock_out_dir): closing lets it go
+        if lock is not None:
+            lock.close()
         print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
               f"rollouts: {self.out / 'rollouts'}")
         if (self.out / "ckpt").is_dir():
@@ -199,9 +201,9 @@ CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # 
           "entropy": "policy entropy (nats/token)", "len/mean": "response length (tokens)"}
 
 
-def plot_curves(metrics_path, png_path, model, task, credit):
+def plot_curves(metrics_path, png_path, model, dataset, credit):
     """curves.png: reward, accuracy, entropy and length against the step (integer ticks), one panel each with
-    its y label, under a title naming the run (model, task, credit). Returns the figure (closed), or None when
+    its y label, under a title naming the run (model, dataset, credit). Returns the figure (closed), or None when
     no step has any of them."""
     import matplotlib
     matplotlib.use("Agg")
@@ -218,7 +220,7 @@ def plot_curves(metrics_path, png_path, model, task, credit):
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))             # steps are whole: no 1.5, 2.5
-    fig.suptitle(f"{model} on {task}, credit {credit}")
+    fig.suptitle(f"{model} on {dataset}, credit {credit}")
     fig.tight_layout()
     with full_disk(png_path, "the curves"):
         fig.savefig(png_path, dpi=80)

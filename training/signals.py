@@ -102,7 +102,7 @@ def signal_flow(model, batch, cfg, outputs=None):
     dev = attn.device
     valid = batch.attention_mask.to(dev).bool()
     q, a = batch.question_mask.to(dev), batch.answer_mask.to(dev)
-    tau = trace_flow(attn, q, a, valid_mask=valid).throughput                 # (B, T) eq. 1-4
+    tau = trace_flow(attn, q, a, attention_mask=valid).throughput                 # (B, T) eq. 1-4
     resp = batch.response_mask
     return (tau.float() * resp.to(dev)).to(resp.device)                       # (B, T)
 
