@@ -7,8 +7,8 @@ LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 an
                       given one (token_logprobs(..., capture=cap)), then cap.maps(mask) is W (B, T, T)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere: a Credit
-    register_attention   the attention "sdpa_capture" that fills a Capture, and its mask (no empty rows), named
-                      to transformers: training/models.py's load_model calls it for every model it loads
+    register_attention   names the attention "sdpa_capture" (it fills a Capture) and its mask (no empty
+                      rows) to transformers: training/models.py's load_model calls it for every model
     The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
     you do not call yourself (capturing: TRL's): training/attention.py.
 One default micro-batch of grpo.py reads, in order: Capture -> token_logprobs -> cap.maps -> trace_flow ->
@@ -154,7 +154,8 @@ class Capture:
         (B, T, T) maps (prompt which[b]), T = width, and the response pass, given this same Capture, adds
         the rows from P on."""
         if self.seen != self.layers or self.W is None:
-            raise RuntimeError(f"the prompt pass captured {len(self.seen)} of {len(self.layers)} chosen layers")
+            raise RuntimeError(f"the prompt pass captured {len(self.seen)} of {len(self.layers)} chosen "
+                               "layers")
         P = self.W.shape[-1]
         prompts, self.W = self.W, self.W.new_zeros(len(which), width, width)            # (B, T, T)
         self.W[:, :P, :P] = prompts[which]                                              # (B, P, P)
@@ -227,8 +228,8 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
 
 
 def register_attention():
-    """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output, plus
-    the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
+    """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output,
+    plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
     training/models.py's load_model before it loads a model, and by use_capture_attention; importing
     this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
     "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
@@ -237,8 +238,8 @@ def register_attention():
 
 
 def head_mean_kernel(device):
-    """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's setup) and
-    said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
+    """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
+    setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
     add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
     why = availability.unavailable(device)
     if why is None:
@@ -320,8 +321,8 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
             raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
         raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
     if single:
-        attn, question_mask, answer_mask, attention_mask = (x.unsqueeze(0) for x in
-                                                            (attn, question_mask, answer_mask, attention_mask))
+        attn, question_mask, answer_mask, attention_mask = (
+            x.unsqueeze(0) for x in (attn, question_mask, answer_mask, attention_mask))
     v = attention_mask.bool()                                       # (B, T) real tokens
     q, a = question_mask.bool(), answer_mask.bool() & v
 

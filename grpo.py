@@ -243,7 +243,8 @@ def update(run, batch, trained, adv, clock) -> Update:
     phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
     cfg, model, P = run.cfg, run.model, batch.prompt_width
     loss_mask = batch.response_mask[:, P:]                                                  # (B, R)
-    weight, scores = loss_mask.float(), torch.zeros(loss_mask.shape, device=loss_mask.device)   # untrained: 1, 0
+    weight = loss_mask.float()                                          # (B, R) gamma_it; untrained rows: 1
+    scores = torch.zeros(loss_mask.shape, device=loss_mask.device)      # (B, R) untrained rows: 0
     stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
     denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
     paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
@@ -255,11 +256,11 @@ def update(run, batch, trained, adv, clock) -> Update:
                                                           cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
-        first = epoch == 0                           # the first epoch's forward gives the credit (departure 8)
+        first = epoch == 0                           # the first epoch's forward gives the credit (dep. 8)
         for s in range(0, len(trained), cfg.micro_batch):
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)                                                           # b rows
-            cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1's maps
+            cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), run.autocast:
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix, capture=cap)                  # (b, R)

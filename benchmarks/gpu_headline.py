@@ -138,7 +138,7 @@ def update(run, tok, batch, signal):
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
     run.layers = select_layers(run.cfg.layers, run.model.config.num_hidden_layers) \
-        if credit.reads_maps(run.cfg) else []                                       # as training/run.py's setup
+        if credit.reads_maps(run.cfg) else []                                       # as run.py's setup
     if credit.reads_maps(run.cfg) and run.head_mean is None:
         run.head_mean = head_mean_kernel(run.device)
     B = batch.input_ids.shape[0]

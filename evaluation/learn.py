@@ -328,7 +328,8 @@ def report(setting, summary, out):
     s, k, B = setting, setting["eval_k"], summary["bootstrap"]
     ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
     iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
-    head = (f"Held-out: {s['eval_size']} questions of {s['eval_dataset']} (test split), evaluated at steps 0, "
+    head = (f"Held-out: {s['eval_size']} questions of {s['eval_dataset']} (test split), evaluated at steps "
+            "0, "
             f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`; "
             f"--out-dir `{out}`\n\n"
             "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"

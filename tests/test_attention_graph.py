@@ -177,8 +177,8 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
 # ----------------------------------------------------------------------------- pass-through, restore, early stop
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):
-    """Under "sdpa_capture" (load_model's default) a forward gives sdpa's output on every real token; a padding
-    query row reads its own key under our mask, and nothing under sdpa's, so only those rows may differ."""
+    """Under "sdpa_capture" (load_model's default) a forward gives sdpa's output on every real token; a
+    padding query row reads its own key under our mask, and nothing under sdpa's: only those rows differ."""
     model, tok = tiny
     ids, mask = batch(tok, device=model.device)
     assert model.config._attn_implementation == flowtracer.IMPL                   # every model we load

@@ -71,7 +71,8 @@ def test_topk_on_flow_matches_flow_credit():
     A = A / A.sum(-1, keepdim=True).clamp_min(1e-9)
     tau = trace_flow(A, batch.question_mask, batch.answer_mask, batch.attention_mask.bool()).throughput
     S = (tau * batch.response_mask).float()
-    assert torch.equal(credit.SHAPINGS["topk"](S, batch, cfg()).weight, flow_credit(S, batch.response_mask).weight)
+    assert torch.equal(credit.SHAPINGS["topk"](S, batch, cfg()).weight,
+                       flow_credit(S, batch.response_mask).weight)
 
 
 def test_continuous_hand_cases():

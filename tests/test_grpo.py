@@ -160,7 +160,8 @@ def test_gamma_scales_token_gradient_exactly():
 def test_token_mean_aggregation():
     logp, old, adv, mask = toy_batch(2)
     cfg = SimpleNamespace(eps_low=0.2, eps_high=0.2, dual_clip=3.0, beta=0.0, loss_agg="token-mean")
-    loss, _ = grpo_loss(logp, Experience(adv, torch.ones(4, 6), mask, old, None, denom=mask.sum().item()), cfg)
+    exp = Experience(adv, torch.ones(4, 6), mask, old, None, denom=mask.sum().item())
+    loss, _ = grpo_loss(logp, exp, cfg)
     # equal-length rows make token-mean and seq-mean agree; here they differ, and token-mean is sum/N
     per = -torch.min(torch.exp(logp - old) * adv[:, None], torch.exp(logp - old).clamp(0.8, 1.2) * adv[:, None])
     per = torch.where(adv[:, None] < 0, torch.max(-per, 3.0 * adv[:, None]).neg(), per)

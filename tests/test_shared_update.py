@@ -1,4 +1,4 @@
-"""Each prompt read once in the update (logprobs.response_states, share_prefix; logprobs.py departure 1) against
+"""Each prompt read once in the update (logprobs.response_states, share_prefix; logprobs.py dep. 1) against
 one pass over every row's [prompt | response] (share_prefix=False): the same log-probs, entropies and
 parameter gradients, the same captured attention and flow credit, the fallbacks, and one grpo.py step with
 --share-prefix against --no-share-prefix. Tiny random Qwen3 / Llama in fp32, on each device present (cpu, and
@@ -105,7 +105,7 @@ def test_parameter_gradients_equal_one_full_pass(tiny):
         m.zero_grad(set_to_none=True)
         lp = forward(m, b, share is True)[0]
         old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # != 1
-        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)   # ratios in, out of clip
+        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)   # clipped and not
         loss.backward()
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters()}
     for n, g in grads[False].items():

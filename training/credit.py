@@ -64,11 +64,10 @@ import functools
 import math
 import unicodedata
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from flowtracer import Capture, Credit, flow_credit, select_layers
+from flowtracer import Credit, flow_credit, select_layers
 from flowtracer import rank as ranks
 from training.oar import OUTCOMES
 from training.rollout import take

@@ -306,8 +306,8 @@ def to_dtype(model, device, dtype):
 def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=IMPL):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
-    attn_implementation: "sdpa_capture" (default: sdpa, its mask with no empty rows, the maps when a forward is
-    given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
+    attn_implementation: "sdpa_capture" (default: sdpa, its mask with no empty rows, the maps when a forward
+    is given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
     """
     register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,6 +1,6 @@
 """The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, loading.
 
-training/run.py's setup and memtrace.measure both build the policy here (load_policy), so the step memtrace.py measures
+run.setup and memtrace.measure both build the policy here (load_policy), so the step memtrace.py measures
 is grpo.py's. The log-probs of the update are training/logprobs.py's; the optimizer step is grpo.py's.
 
 Departures (numbered; grpo.py's departure 3 in full):

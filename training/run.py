@@ -40,7 +40,7 @@ class Run:
     order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
     prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
     style: str                  # the prompt style in force (data.make_prompt)
-    layers: list                # the layers the update's Capture reads (--layers); [] when the credit reads none
+    layers: list                # the layers the update's Capture reads (--layers); []: the credit reads none
     head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
     engine: object              # the CUDA decode engine, its graphs kept for the run, or None
     eval_records: list          # the held-out questions of --eval-every (empty when off)

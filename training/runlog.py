@@ -51,7 +51,8 @@ class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
     alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
     def __init__(self, out, cfg, model, tok, opt, sched, metrics, tracker=None):
-        self.out, self.cfg, self.model, self.tok, self.opt, self.sched = Path(out), cfg, model, tok, opt, sched
+        self.out, self.cfg, self.model, self.tok, self.opt = Path(out), cfg, model, tok, opt
+        self.sched = sched
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
@@ -103,7 +104,7 @@ class RunLog:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        lock = _held.pop(self.out.resolve(), None)    # the directory's lock (lock_out_dir): closing lets it go
+        lock = _held.pop(self.out.resolve(), None)    # the directory's lock (lock_out_dir): closed, let go
         if lock is not None:
             lock.close()
         print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
@@ -203,8 +204,8 @@ CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # 
 
 def plot_curves(metrics_path, png_path, model, dataset, credit):
     """curves.png: reward, accuracy, entropy and length against the step (integer ticks), one panel each with
-    its y label, under a title naming the run (model, dataset, credit). Returns the figure (closed), or None when
-    no step has any of them."""
+    its y label, under a title naming the run (model, dataset, credit). Returns the figure (closed), or None
+    when no step has any of them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,9 +271,9 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1):
     discard(old)
 
 
-# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13 raises
-# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or "basic_ios::clear: iostream
-# error" for a small file); older versions "PytorchStreamWriter failed writing file".
+# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" ("basic_ios::clear:
+# iostream error" for a small file); older versions "PytorchStreamWriter failed writing file".
 ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
 
 
