@@ -265,7 +265,7 @@ def test_checkpointed_update_shares_each_prompt_and_equals_one_full_pass(name, d
     assert_to_rounding(lp_s, lp_f, lp_x, what="log-probs")
     assert_to_rounding(ent_s, ent_f, ent_x, what="entropies")
     assert_to_rounding(attn_s, attn_f, attn_x, what="maps")
-    assert not c_f.fallback.all() and (c_f.gamma == 1.5).any()        # not vacuous: flow reached answers
+    assert not c_f.fallback.all() and (c_f.weight == 1.5).any()        # not vacuous: flow reached answers
     assert_to_rounding(c_s.scores, c_f.scores, c_x.scores, what="flow scores")
     assert torch.equal(c_s.weight, c_f.weight)
     for k, g in g_f.items():
