@@ -9,11 +9,11 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
              strict (data.score: reward 1) and lenient (or answers.last_number_equal: math); step 0 (the
              recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
-  statistics (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step - step 0) +- a
-             95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a
-             two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p 2 / 2^S), for
-             the last step and the area under the held-out curve; the seeds that a half-width of 0.05 would
-             need. A question-level table follows, labelled: conditional on the trained models.
+  statistics learn_report.py (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step
+             - step 0) +- a 95% t interval; flow - none paired by seed: the mean difference, its t interval
+             and p, a two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p
+             2 / 2^S), for the last step and the area under the held-out curve; the seeds that a half-width
+             of 0.05 would need. A question-level table follows, labelled: conditional on the trained models.
   outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve with
              every evaluation's per-question results, the training reward per step; then the summary),
              learn.md (the tables), learn.png (held-out accuracy and training reward against step: each arm's
@@ -52,9 +52,7 @@ from tqdm import tqdm
 
 import data
 from evaluation.figures import metric_series
-from evaluation.probes import markdown, pyplot
-from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
-                              two_level, variance_parts)
+from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import checkpoint as ckpt_io
 from training import flags, heldout, policy, signals
 from training.models import ModelError, load_model
@@ -77,8 +75,6 @@ class LearnConfig:
 SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite",
                 "--eval-every", "--eval-size", "--eval-dataset")
 MAX_SEEDS = 1000   # --seeds N: at most this many (each seed is one grpo.py run per arm)
-QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")   # per question, right of 1 / k
-SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
 
 
 class LearnError(ValueError):
@@ -158,9 +154,9 @@ def run_grid(g):
             if not g.done(run, e):
                 res = record_evaluation(g, run, e)
                 tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
-        summarize(g)                                       # partial results after every arm-seed
+        summarize(g, *collect(g))                          # partial results after every arm-seed
     bar.close()
-    print(summarize(g) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
+    print(summarize(g, *collect(g)) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
 
 
 def train(g, run, bar):
@@ -268,8 +264,9 @@ def evaluate_model(g, name, greedy=True):
 
 # ----------------------------------------------------------------------------- results
 def collect(g):
-    """Per arm, the arm-seeds whose evaluations are all done, each with every evaluation's per-question
-    results (so that every number can be recomputed); finals: (arm, seed) -> its last evaluation."""
+    """(runs, finals) for learn_report.summarize: per arm, the arm-seeds whose evaluations are all done, each
+    with every evaluation's per-question results (so that every number can be recomputed); finals:
+    (arm, seed) -> its last evaluation."""
     before, runs, finals = json.loads(g.eval_file("", 0).read_text()), {}, {}
     for arm in g.arms:
         for seed in (s for s in g.seeds if all(g.done(f"{arm}-s{s}", e) for e in g.eval_steps)):
@@ -284,116 +281,6 @@ def collect(g):
                               for e, x in zip([0, *g.eval_steps], ev)},
                 "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
     return runs, finals
-
-
-def summarize(g):
-    """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown. Every interval and
-    p-value of the headline is over seeds (stats.py); the question-level tests are conditional on the
-    trained models."""
-    runs, finals = collect(g)
-    per_arm, vs_none, Q, B = {}, {}, len(g.recs), g.cfg.bootstrap
-    for arm, rs in runs.items():
-        per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES],
-                        "final_acc": variance_parts([r["after"] for r in rs], Q)}
-        for sfx in SCORES.values():
-            if rs[0]["after" + sfx] is not None and rs[0]["after" + sfx] == rs[0]["after" + sfx]:  # no NaN
-                m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
-                per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
-    for arm in (a for a in runs if a != "none" and "none" in runs):
-        seeds = [s for s in g.seeds if (arm, s) in finals and ("none", s) in finals]
-        by = {(r["seed"], x): r for x in (arm, "none") for r in runs[x]}
-        vs = vs_none[arm] = {"seeds": seeds}
-        for score, key in (("strict", "greedy"), ("lenient", "greedy_lenient")):
-            a, b = ([finals[x, s][key] for s in seeds] for x in (arm, "none"))     # (S, Q) each
-            vs[score] = seed_test(np.mean(a, 1), np.mean(b, 1)) if seeds else {}
-            if seeds:
-                vs[score]["two_level_ci95"] = list(two_level(a, b, B, seed=0)[1:])
-                d, lo, hi, p = paired_bootstrap(a, b, B, seed=0)               # conditional on the models
-                wins, losses, p_sign = sign_test(a, b)
-                vs[score]["per_question"] = {"diff": d, "ci95": [lo, hi], "p_bootstrap": p, "arm_only": wins,
-                                             "none_only": losses, "p_sign": p_sign}
-        vs["auc"] = seed_test([by[s, arm]["auc"] for s in seeds], [by[s, "none"]["auc"] for s in seeds])
-        if len(seeds) > 1:
-            sd = float(np.std([by[s, arm]["after"] - by[s, "none"]["after"] for s in seeds], ddof=1))
-            vs["power"] = {"sd_diff": sd, "seeds_for_half_width_0.05": seeds_needed(sd, 0.05),
-                           "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05)}
-    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
-    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result))
-    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
-    plot(g.out / "learn.png", runs)
-    return table
-
-
-def report(setting, summary, out):
-    s, k, B = setting, setting["eval_k"], summary["bootstrap"]
-    ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
-    iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
-    head = (f"Held-out: {s['eval_size']} questions of {s['eval_dataset']} (test split), evaluated at steps "
-            "0, "
-            f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`; "
-            f"--out-dir `{out}`\n\n"
-            "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
-            "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over "
-            "seeds, and (in brackets) the sd that the binomial noise of the held-out questions alone "
-            "gives:\n\n")
-    cols = [c for c, x in zip(["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"],
-                              SCORES.values()) if k or "mean" not in x]
-    arms = markdown(["arm", "seeds", *cols, "sd (binomial)"],
-                    [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values()
-                                       if f"gain{x}" in r),
-                      f"{r['final_acc']['sd']:.3f} ({r['final_acc']['binomial_sd']:.3f})"]
-                     for a, r in summary["per_arm"].items()])
-    rows, cond, power = [], [], []
-    names = {"strict": "greedy strict", "lenient": "greedy lenient", "auc": "area (mean of steps > 0)"}
-    for a, v in ((a, v) for a, v in summary["vs_none"].items() if v["seeds"]):
-        for sc, name in names.items():
-            x = v[sc]
-            rows.append([f"{a} - none", name, len(v["seeds"]), f"{x['diff']:+.3f}", iv(x["ci95"]),
-                         fmt_p(x["p_t"]), iv(x.get("two_level_ci95")),
-                         f"{fmt_p(x['p_signflip'])} (min {x['p_signflip_min']:.3g})"])
-        for sc in ("strict", "lenient"):
-            q = v[sc]["per_question"]
-            cond.append([f"{a} - none", sc, f"{q['diff']:+.3f}", iv(q["ci95"]), fmt_p(q["p_bootstrap"], B),
-                         f"{q['arm_only']} : {q['none_only']}", fmt_p(q["p_sign"])])
-        if "power" in v:
-            pw = v["power"]
-            power.append(f"{a} - none: sd of the per-seed difference {pw['sd_diff']:.3f}; seeds per arm for "
-                         f"a 95% half-width of 0.05: {pw['seeds_for_half_width_0.05']}; for 80% power to "
-                         f"detect +0.05: {pw['seeds_for_80pct_power_at_0.05']}.")
-    paired = markdown(["arms", "score", "seeds", "Δ", "95% t interval", "p (paired t)",
-                       "two-level bootstrap 95%", "p (exact sign flip)"], rows)
-    second = markdown(["arms", "score", "Δ", "bootstrap 95% CI", "p (bootstrap)", "arm only : none only",
-                       "p (sign test)"], cond)
-    return (head + arms + "\nPaired by seed, last step (and the area under the held-out curve):\n\n"
-            + paired + ("\n" + "\n".join(power) + "\n" if power else "")
-            + "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
-            "method:\n\n" + second)
-
-
-def plot(path, runs):
-    """Held-out accuracy and training reward against step: each arm's mean over seeds with a 95% t band,
-    the individual seeds faintly."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for arm, rs in runs.items():
-        for ax, pts in zip(axes, ([[c[:2] for c in r["curve"]] for r in rs], [r["reward"] for r in rs])):
-            steps = sorted(set.intersection(*({s for s, _ in p} for p in pts)))
-            if not steps:
-                continue
-            ys = np.array([[dict(map(tuple, p))[s] for s in steps] for p in pts])      # (seeds, steps)
-            line, = ax.plot(steps, ys.mean(0), label=f"{arm} (n={len(rs)})")
-            for y in ys:
-                ax.plot(steps, y, color=line.get_color(), alpha=0.15, lw=0.7)
-            if len(ys) > 1:
-                h = [t_interval(col)[1] for col in ys.T]
-                ax.fill_between(steps, ys.mean(0) - h, ys.mean(0) + h, color=line.get_color(), alpha=0.2)
-    axes[0].set(title="held-out greedy accuracy, strict (band: 95% t over seeds)", xlabel="step")
-    axes[1].set(title="training reward (band: 95% t over seeds)", xlabel="step")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- command line
