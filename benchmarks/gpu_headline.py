@@ -104,9 +104,9 @@ def synced(device):
 
 
 def load(cfg, device):
-    """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
+    """The policy and optimizer as run.setup makes them (policy.load_policy), and the `run` grpo's step
     functions read."""
-    run = for_update(cfg, device)                                  # grpo.setup's policy and credit
+    run = for_update(cfg, device)                                  # run.setup's policy and credit
     return run, run.tok
 
 

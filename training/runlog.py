@@ -19,7 +19,8 @@ The save, and why a kill at any point of it leaves a checkpoint that --resume lo
 4. ckpt.old/ is deleted (or kept as ckpt-<step>/, the K - 1 newest of --keep-checkpoints K). A directory is
 deleted marker first (`discard`), and a save first finishes one killed between 2 and 3. metrics.jsonl gets
 one line per step, fsynced. The run directory is locked (fcntl.flock on <out_dir>/.lock) while the process
-lives. A full disk is one line with the space needed, and the last complete checkpoint stands.
+lives (training/rundir.py). A full disk is one line with the space needed, and the last complete checkpoint
+stands.
 
 Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
                 'smollm2-135m', 'arithmetic', 'flow/topk')"
@@ -27,7 +28,6 @@ Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/m
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import json
 import os
 import random
@@ -41,9 +41,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from training import rundir
+from training.rundir import RunError
+
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
-LOCK = ".lock"      # in out_dir; holds the PID of the run that has it locked
 
 
 # ----------------------------------------------------------------------------- the run's log
@@ -55,6 +57,7 @@ class RunLog:
         self.sched = sched
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
@@ -104,9 +107,8 @@ class RunLog:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        lock = _held.pop(self.out.resolve(), None)    # the directory's lock (lock_out_dir): closed, let go
-        if lock is not None:
-            lock.close()
+        if self.lock is not None:
+            self.lock.close()              # closing the lock file lets the directory go (rundir.py)
         print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
               f"rollouts: {self.out / 'rollouts'}")
         if (self.out / "ckpt").is_dir():
@@ -312,10 +314,6 @@ def complete(d):
     return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
 
 
-class RunError(ValueError):
-    """A run directory or checkpoint the user pointed at that cannot be used; the message names it."""
-
-
 def discard(d):
     """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
     "complete" one with files missing."""
@@ -354,59 +352,3 @@ def write_metrics(fh, record):
         fh.write(json.dumps(record) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-
-
-# ----------------------------------------------------------------------------- the run directory's lock
-_held = {}       # resolved out_dir -> this process's open lock file (the flock lasts while it is open)
-
-
-def lock_out_dir(out):
-    """An exclusive lock on out_dir for the life of this process's run, so two runs never write into one
-    directory; RunError naming the PID that holds it. Taking it again in the same process is a no-op."""
-    out = Path(out)
-    if out.resolve() in _held:
-        return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK, "a+")
-    except OSError as e:
-        raise RunError(f"{out}: cannot be the run directory ({e.strerror})") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise in_use(out, f) from None
-    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
-        print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _held[out.resolve()] = f
-
-
-def in_use(out, f):
-    """The RunError of an out_dir whose lock another run holds (f: its lock file, open; closed here)."""
-    f.seek(0)
-    pid = f.read().strip() or "unknown"
-    f.close()
-    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
-                    f"choose another --out-dir")
-
-
-def check_unlocked(out):
-    """RunError when another run holds out_dir's lock (taken here and let go at once); creates nothing."""
-    lock = Path(out) / LOCK
-    if Path(out).resolve() in _held or not lock.is_file():
-        return
-    with open(lock) as f:                                                  # closing it lets the lock go
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise in_use(out, f) from None
-        except OSError:          # a file system without flock: lock_out_dir warns
-            pass
-
-
-def unlock_out_dir(out):
-    f = _held.pop(Path(out).resolve(), None)
-    if f is not None:
-        f.close()                # closing the file releases the lock
