@@ -14,9 +14,13 @@ eq. 10-11, App. C):
 
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
 (Capture, trace_flow, flow_credit), data.py (score), and the signature of training/rollout.py's `generate`.
-Behind one call each (README, "The layout"): the other credit signals (training/credit.py), each prompt read
-once in the update (training/logprobs.py), the optimizer and the weights' dtype (training/policy.py), the
-run's files (training/runlog.py; resuming: training/checkpoint.py), held-out evaluation (training/heldout.py).
+The forward fills a Capture because every model the project loads runs the attention "sdpa_capture", named
+to transformers by one call, flowtracer.register_attention, made by training/models.py's load_model (an
+import registers nothing). Behind one call each (README, "The layout"): every other credit (credit.Baseline,
+training/credit.py), each prompt read once in the update (training/logprobs.py), the optimizer and the
+weights' dtype (training/policy.py), the run's files (training/runlog.py; resuming: training/checkpoint.py),
+held-out evaluation (training/heldout.py). Records, not positions, carry a step: Experience (a micro-batch's
+inputs to grpo_loss), Rollouts (what a step hands the run's files), Step, Update, flowtracer.Credit.
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation

@@ -1,7 +1,7 @@
 """Per-token log-probs for the GRPO update, each prompt read once, and gradient checkpointing's one switch.
 
-    token_logprobs(model, batch, ..., capture=cap) -> (log pi(y_t), entropy)   both (B, R), the response
-                                                                                columns; cap gets eq. 1's maps
+    token_logprobs(model, ids, mask, P, ..., capture=cap) -> TokenLogprobs(logp, entropy)  both (B, R), the
+                                                              response columns; cap gets eq. 1's maps
     checkpointing(model)                                                        every caller switches it here
 
 grpo.py's micro-batch calls token_logprobs once; everything below is how it is made fast and small, and a
