@@ -400,7 +400,7 @@ def test_credit_share_is_the_credits_part_of_the_step():
     from training.rollout import Batch
     resp = torch.tensor([[False, True, True], [False, True, False]])                # (B, T), P = 1
     batch = Batch(torch.zeros(2, 3, dtype=torch.long), resp.long(), ~resp, resp, resp & False, 1)
-    up = SimpleNamespace(gamma=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,
+    up = SimpleNamespace(weight=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,
                                                            "clip/low": 0, "clip/high": 0, "clip/dual": 0})
     gen = SimpleNamespace(truncated=[False, False], response_ids=[[1, 2], [3]])
     cfg = SimpleNamespace(beta=0.0, num_iterations=1)
