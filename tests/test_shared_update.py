@@ -134,7 +134,7 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
         full = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_f, ent_f))
         shared = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_s, ent_s))
         exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
-    assert not full.fallback.any() and (full.gamma == cfg.gamma).any()   # not vacuous: flow reached answers
+    assert not full.fallback.any() and (full.weight == cfg.gamma).any()   # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
     assert torch.equal(shared.weight, full.weight)
 
