@@ -95,7 +95,7 @@ def autocast(device):
 
 def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
-    cfg.model in the scheme's dtype, under flowtracer's attention (sdpa, plus the head-mean maps when a
+    cfg.model in the scheme's dtype, under the attention "sdpa_capture" (sdpa, plus the head-mean maps when a
     forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
     beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing)."""
     dtype = weight_dtype(cfg, device)
