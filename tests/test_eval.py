@@ -93,7 +93,7 @@ def test_decode_equals_hf_greedy_generate(tiny):
     prompts = ["hello there", "hello there, a longer prompt to force padding", "2+2="]
     ref = generate(model, tok, prompts, max_new_tokens=10, greedy=True).response_ids
     ids = [tok(p).input_ids for p in prompts]
-    assert regenerate.decode(model, tok, ids, [10] * 3) == ref                       # shared prefix "hello there"
+    assert regenerate.decode(model, tok, ids, [10] * 3) == ref                   # shared prefix "hello there"
     assert regenerate.decode(model, tok, ids, [10] * 3, groups=[0, 0, 1]) == ref     # and per-group sharing
     assert regenerate.decode(model, tok, ids, [10, 0, 4]) == [ref[0], [], ref[2][:4]]
 
@@ -147,7 +147,7 @@ def test_sampling_uses_common_random_numbers(tiny):
     p = tok("sampling").input_ids
     same = regenerate.decode(model, tok, [p, p, p], [12] * 3, temperature=0.7, seeds=[5, 5, 6])
     assert same[0] == same[1] and same[0] != same[2]
-    assert regenerate.decode(model, tok, [p], [12], temperature=0.7, seeds=[5])[0] == same[0]  # batch-independent
+    assert regenerate.decode(model, tok, [p], [12], temperature=0.7, seeds=[5])[0] == same[0]  # batch-indep.
 
 
 # ----------------------------------------------------------------------------- selection, answers, recall
