@@ -6,7 +6,9 @@ LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 an
     Capture           eq. 1's maps, taken inside a forward that runs anyway: grpo.py's training forward is
                       given one (token_logprobs(..., capture=cap)), then cap.maps(mask) is W (B, T, T)
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
-    flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere
+    flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere: a Credit
+    register_attention   names the attention "sdpa_capture" (it fills a Capture) and its mask (no empty
+                      rows) to transformers: training/models.py's load_model calls it for every model
     The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
     you do not call yourself (capturing: TRL's): training/attention.py.
 One default micro-batch of grpo.py reads, in order: Capture -> token_logprobs -> cap.maps -> trace_flow ->
@@ -69,10 +71,11 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 
 # ----------------------------------------------------------------------------- eq. 1: the graph from a model
 # How, without the L*H*T*T tensor of eager attention's output_attentions=True: an attention function
-# "flowtracer" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
+# "sdpa_capture" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
 # Capture, recomputes the chosen layers' softmax(Q K^T * scaling + mask) in fp32 and sums its heads into one
-# (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE.
-IMPL = "flowtracer"
+# (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE. register_attention (below)
+# names it to transformers; nothing is registered on import.
+IMPL = "sdpa_capture"
 LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
                "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
                "or 'A:B'")
@@ -110,8 +113,10 @@ class Capture:
 
     The attention function calls `take` on each layer; the maps travel on this object. Gradient checkpointing
     replays a checkpointed layer in backward with the same keywords: a layer taken already adds nothing then.
-    A second forward given the same Capture is refused: make a new one per forward. `head_mean`: the function
-    that sums a layer's head means into the buffer (add_head_mean, or head_mean_kernel's choice on CUDA).
+    A second forward given the same Capture is refused (make a new one per forward), but for the prompt and
+    response passes of one forward that reads each prompt once (expand_prompts, training/logprobs.py).
+    `head_mean`: the function that sums a layer's head means into the buffer (add_head_mean, or
+    head_mean_kernel's choice on CUDA).
     `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
     def __init__(self, layers, chunk=None, stop_after_last=False, head_mean=None):
         if not layers:
@@ -122,7 +127,7 @@ class Capture:
         self.seen = set()       # layers taken (a replay in backward takes nothing new)
 
     def take(self, layer, query, key, attention_mask, scaling):
-        """Called by flowtracer_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
+        """Called by capture_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
         if layer not in self.layers:
             return
         if layer in self.seen:
@@ -142,6 +147,19 @@ class Capture:
         self.seen.add(layer)
         if self.stop and layer == self.last:
             raise _Stop
+
+    def expand_prompts(self, which, width):
+        """The two-pass forward that reads each distinct prompt once (training/logprobs.py): after the prompt
+        pass, this Capture holds (k, P, P) maps of the k prompts; they become the top-left of each row b's
+        (B, T, T) maps (prompt which[b]), T = width, and the response pass, given this same Capture, adds
+        the rows from P on."""
+        if self.seen != self.layers or self.W is None:
+            raise RuntimeError(f"the prompt pass captured {len(self.seen)} of {len(self.layers)} chosen "
+                               "layers")
+        P = self.W.shape[-1]
+        prompts, self.W = self.W, self.W.new_zeros(len(which), width, width)            # (B, T, T)
+        self.W[:, :P, :P] = prompts[which]                                              # (B, P, P)
+        self.seen = set()                                                               # the response pass
 
     def maps(self, attention_mask):
         """(B, T, T) the layer mean of the head means, zero on padding rows and columns: eq. 1's W. Made in
@@ -185,7 +203,7 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
             del score, p  # freed before the next chunk's score is made: two blocks at most, not three
 
 
-def flowtracer_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
+def capture_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
                          **kwargs):
     """AttentionInterface function: sdpa's output, and the head-mean map of this layer into `flow_capture`
     when the forward was given one (Capture.take)."""
@@ -209,14 +227,19 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
     return mask | (q == kv)                                                # (B, 1, q, kv)
 
 
-AttentionInterface.register(IMPL, flowtracer_attention)
-for _impl in ("sdpa", IMPL):   # every model of the process: HF generate, the policy, OAR, the captures
-    AttentionMaskInterface.register(_impl, sdpa_mask_no_empty_rows)
+def register_attention():
+    """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output,
+    plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
+    training/models.py's load_model before it loads a model, and by use_capture_attention; importing
+    this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
+    "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
+    AttentionInterface.register(IMPL, capture_attention)
+    AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
 
 
 def head_mean_kernel(device):
-    """The function a Capture sums each layer's head means with on `device`, chosen once (grpo.setup) and
-    said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
+    """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
+    setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
     add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
     why = availability.unavailable(device)
     if why is None:
@@ -240,19 +263,20 @@ class Flow(NamedTuple):
     throughput: torch.Tensor  # (B, T) tau = f + outflow = 2f off the answer, f on it (Theorem 3.1)
 
 
-def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, valid_mask: torch.Tensor) -> torch.Tensor:
+def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """M_ik = attn[k, i] for i < k (eq. 1) in fp64, answer rows and padding cut out. (B, T, T) view."""
-    return _neg_dag(attn, answer_mask, valid_mask).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
+    v = attention_mask.bool()                                                   # (B, T) real tokens
+    return _neg_dag(attn, answer_mask.bool() & v, v).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
 
 
-def _neg_dag(attn, answer_mask, valid_mask):
+def _neg_dag(attn, answer_mask, valid):
     """-M in query-major layout, in one fp64 copy: A[b, k, i] = -W_ik below the diagonal. The diagonal and
     the upper triangle are left as they are: the unitriangular solves never read them. This is
     memory-bound, so each full pass over the T x T matrix counts: one copy, one sign + answer cut."""
     A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; a copy
-    A.mul_(-(valid_mask & ~answer_mask).to(A.dtype).unsqueeze(-2))  # key i: answers pass nothing on; sign
-    if not bool(valid_mask.all()):
-        A.mul_(valid_mask.to(A.dtype).unsqueeze(-1))                # query k: padding reads nothing
+    A.mul_(-(valid & ~answer_mask).to(A.dtype).unsqueeze(-2))       # key i: answers pass nothing on; sign
+    if not bool(valid.all()):
+        A.mul_(valid.to(A.dtype).unsqueeze(-1))                     # query k: padding reads nothing
     return A
 
 
@@ -263,7 +287,7 @@ def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
-               valid_mask: torch.Tensor | None = None) -> Flow:
+               attention_mask: torch.Tensor | None = None) -> Flow:
     """Answer-targeted flow on the attention DAG (eq. 1-4). Vectorised, fp64, no loop over tokens.
 
     attn:          (T, T) or (B, T, T) head-averaged attention as transformers returns it:
@@ -273,7 +297,7 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
                    tokens that can reach the answer (h > 0), 1/|Q'| each.
     answer_mask:   (T,) or (B, T) bool, the answer region A. Absorbing: h = 1 there (eq. 2), and answer
                    tokens pass no flow on, so the flow reaching the answer is exactly the flow injected (1).
-    valid_mask:    optional (T,) or (B, T) bool; False (padding) nodes are cut from the graph.
+    attention_mask: optional (T,) or (B, T), 1 / True on real tokens; padding (0) is cut from the graph.
 
     Returns Flow(h, flow, throughput), fp64, shaped like the masks, where
       h     solves h(i) = sum_{k>i} W_ik h(k) off the answer (eq. 2);
@@ -287,8 +311,9 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
     if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:           # the inputs, checked first
         raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
     single = attn.dim() == 2
-    valid_mask = torch.ones_like(question_mask, dtype=torch.bool) if valid_mask is None else valid_mask
-    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask, valid_mask=valid_mask).items():
+    attention_mask = torch.ones_like(question_mask) if attention_mask is None else attention_mask
+    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask,
+                        attention_mask=attention_mask).items():
         if tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
     if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
@@ -296,9 +321,10 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
             raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
         raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
     if single:
-        attn, question_mask, answer_mask, valid_mask = (x.unsqueeze(0) for x in
-                                                        (attn, question_mask, answer_mask, valid_mask))
-    q, a, v = question_mask.bool(), answer_mask.bool() & valid_mask.bool(), valid_mask.bool()
+        attn, question_mask, answer_mask, attention_mask = (
+            x.unsqueeze(0) for x in (attn, question_mask, answer_mask, attention_mask))
+    v = attention_mask.bool()                                       # (B, T) real tokens
+    q, a = question_mask.bool(), answer_mask.bool() & v
 
     A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
     # eq. 2: (I - M) h = 1_A. unitriangular=True reads only the strict upper part of -M (A.mT) and takes
@@ -324,18 +350,23 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
 
 # ----------------------------------------------------------------------------- eq. 5-6: the credit
 class Credit(NamedTuple):
-    gamma: torch.Tensor     # (B, T) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
+    """The credit of B rows on the columns from prompt_width on, (B, R) with R = T - prompt_width: every
+    credit gives this record (flow_credit here, credit.assign and credit.Baseline for the others)."""
+    weight: torch.Tensor    # (B, R) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
+    scores: torch.Tensor    # (B, R) float32 what ranked the tokens (flow: the throughput tau)
     fallback: torch.Tensor  # (B,) bool: no answer / no path -> all-1 weights (plain GRPO)
 
 
 def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac: float = 0.4,
-                gamma: float = 1.5, largest: bool = True) -> Credit:
+                gamma: float = 1.5, largest: bool = True, prompt_width: int = 0) -> Credit:
     """Per-token GRPO weights from flow throughput (eq. 6; top_frac 0.4 and gamma 1.5 as in Table 5/7).
 
     In each sequence with n response tokens, the ceil(top_frac * n) tokens with the highest throughput
     (lowest with largest=False: the Bottom-k ablation of Table 5) get `gamma`, the other response tokens 1,
     tokens off the response 0. Ties go to the earlier token. A sequence whose response carries no flow
     (no answer region, or no path from the question to the answer) gets all-1 weights and fallback=True.
+    throughput, response_mask: (T,) or (B, T); the Credit holds the columns from prompt_width on (the
+    response columns of a rollout.Batch; 0: every column).
     """
     if not 0.0 <= top_frac <= 1.0:
         raise ValueError(f"top_frac must be in [0, 1], got {top_frac}")
@@ -351,7 +382,9 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
     fallback = ~((tau > 0) & resp).any(-1)                              # (B,) no flow reaches the response
     chosen &= ~fallback.unsqueeze(-1)
     w = resp.to(torch.float32) + (gamma - 1.0) * chosen.to(torch.float32)  # (B, T)
-    return Credit(w.squeeze(0), fallback.squeeze(0)) if single else Credit(w, fallback)
+    P = prompt_width
+    out = Credit(w[:, P:], tau[:, P:].float(), fallback)                  # (B, R), (B, R), (B,)
+    return Credit(*(x.squeeze(0) for x in out)) if single else out
 
 
 def rank(key, m):

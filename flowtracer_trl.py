@@ -13,7 +13,7 @@ surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
 from the token ids themselves (rollout.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
-decoded completion, or --answer-pattern's last match), so response column j of Assignment.gamma is
+decoded completion, or --answer-pattern's last match), so response column j of Credit.weight is
 completion token j: TRL's column j.
 
 Departures from grpo.py (numbered):
@@ -173,12 +173,12 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
         comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
         t = time.perf_counter()
-        gamma, fallback = self.token_credit(prompts, comps, out["advantages"])        # (B, R), R <= C; (B,)
+        weight, fallback = self.token_credit(prompts, comps, out["advantages"])        # (B, R), R <= C; (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
         C = out["completion_ids"].shape[1]
-        gamma = F.pad(gamma, (0, C - gamma.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
-        self.log_credit(gamma, out["advantages"], out["completion_mask"], fallback)
-        out["advantages"] = out["advantages"].unsqueeze(-1) * gamma                   # (B, C) eq. 5
+        weight = F.pad(weight, (0, C - weight.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
+        self.log_credit(weight, out["advantages"], out["completion_mask"], fallback)
+        out["advantages"] = out["advantages"].unsqueeze(-1) * weight                   # (B, C) eq. 5
         return out
 
     def _compute_loss(self, model, inputs):
@@ -201,11 +201,11 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         t = time.perf_counter()
         adv = inputs["advantages"]                                                              # (B,)
         with torch.no_grad():
-            gamma, fallback = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, adv,
+            weight, fallback = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, adv,
                                                 cap.attn, out[1])                               # (B, C), (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
-        self.log_credit(gamma, adv, attention_mask[:, -logits_to_keep:], fallback)
-        inputs["advantages"] = adv.unsqueeze(-1) * gamma                                       # (B, C) eq. 5
+        self.log_credit(weight, adv, attention_mask[:, -logits_to_keep:], fallback)
+        inputs["advantages"] = adv.unsqueeze(-1) * weight                                       # (B, C) eq. 5
         return out
 
     def fused_credit(self, policy, input_ids, attention_mask, C, adv, attn, entropy):
@@ -222,15 +222,15 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
                 if cm[b].any() else None
             if k:
                 ans[b, P + k[0]:P + k[1]] = True
-        gamma, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
+        weight, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
         if len(rows):
             batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
             got = signals.ForwardOutputs(attn[rows] if attn is not None else None,
                                    entropy[rows].detach() if entropy is not None else None)
             c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
-            gamma[rows], fallback[rows] = c.gamma.float(), c.fallback.to(cm.device)
-        return gamma, fallback
+            weight[rows], fallback[rows] = c.weight.float(), c.fallback.to(cm.device)
+        return weight, fallback
 
     def token_credit(self, prompt_ids, completion_ids, adv):
         """(gamma (B, R), fallback (B,)) for B (prompt ids, completion ids) lists without padding and
@@ -239,7 +239,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given the
         rows and the policy."""
         n = [len(c) for c in completion_ids]
-        gamma = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()   # (B, R) 1 on tokens
+        weight = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()   # (B, R) 1 on tokens
         fallback = torch.zeros(len(n), dtype=torch.bool)
         rows = [i for i, c in enumerate(completion_ids) if c and adv[i] != 0]
         tok, dev = self.processing_class, self.accelerator.device
@@ -255,14 +255,14 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
               self.accelerator.autocast()):
             c = credit.assign(policy, tok, batch, A, self.credit_cfg)                          # (b, R')
         if rows:
-            gamma[rows, :c.gamma.shape[1]], fallback[rows] = c.gamma.float().cpu(), c.fallback.cpu()
-        return gamma, fallback
+            weight[rows, :c.weight.shape[1]], fallback[rows] = c.weight.float().cpu(), c.fallback.cpu()
+        return weight, fallback
 
-    def log_credit(self, gamma, adv, mask, fallback):
-        """grpo.py's credit/* metrics (runlog.py) over every rank's credited rows (A != 0): gamma (B, C),
+    def log_credit(self, weight, adv, mask, fallback):
+        """grpo.py's credit/* metrics (runlog.py) over every rank's credited rows (A != 0): weight (B, C),
         adv (B,), mask (B, C) the completion tokens, fallback (B,). One gather, entered by every rank."""
         on = mask.bool() & (adv != 0)[:, None]                                             # (B, C)
-        g, A, o = gamma.float().cpu(), adv.float().cpu(), on.cpu()
+        g, A, o = weight.float().cpu(), adv.float().cpu(), on.cpu()
         per_row = [runlog.credit_stats(g[b:b + 1], A[b:b + 1], o[b:b + 1]) for b in range(len(g))]
         ess = [r["credit/ess_ratio"] for r in per_row if r["credit/ess_ratio"] is not None]
         mass = [r["credit/top10_adv_mass"] for r in per_row if r["credit/top10_adv_mass"] is not None]

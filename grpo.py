@@ -15,9 +15,13 @@ eq. 10-11, App. C):
 
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
 (Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/rollout.py's `generate`.
-Behind one call each (README, "The layout"): the other credit signals (training/credit.py), each prompt read
-once in the update (training/logprobs.py), the optimizer and the weights' dtype (training/policy.py), the
-run's files (training/runlog.py; resuming: training/checkpoint.py), held-out evaluation (training/heldout.py).
+The forward fills a Capture because every model the project loads runs the attention "sdpa_capture", named
+to transformers by one call, flowtracer.register_attention, made by training/models.py's load_model (an
+import registers nothing). Behind one call each (README, "The layout"): every other credit (credit.Baseline,
+training/credit.py), each prompt read once in the update (training/logprobs.py), the optimizer and the
+weights' dtype (training/policy.py), the run's files (training/runlog.py; resuming: training/checkpoint.py),
+held-out evaluation (training/heldout.py). Records, not positions, carry a step: Experience (a micro-batch's
+inputs to grpo_loss), Rollouts (what a step hands the run's files), Step, Update, flowtracer.Credit.
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
@@ -29,7 +33,7 @@ Departures from the paper (numbered):
     80 GB GPU (training/policy.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. The embedded SmolLM2-135M-Instruct (the default --model, named or not) trains on the offline arithmetic
-    task with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
+    dataset with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
     checkpoint without the optimizer's state (--no-save-optimizer): ~540 MB on disk.
  6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
     rule. --dynamic-filter drops groups with accuracy outside [0.1, 0.95] and, as DAPO's overlong filter,
@@ -74,9 +78,9 @@ from training.run import setup
 
 @dataclass
 class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --shaping, --top-frac, --gamma
-    # model and task
+    # model and dataset
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file or alias (models.py); sets the preset
-    dataset: str = "arithmetic"        # a data.py task (dapo-math-17k: the paper's); custom: your own file
+    dataset: str = "arithmetic"        # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
     data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
     question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
     answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
@@ -125,7 +129,7 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     logprob_chunk: int = 128           # positions per selective log-softmax chunk
     # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
     eval_every: int = 0                # evaluate every N steps and at the last (0: off); eval/* metrics
-    eval_dataset: str = ""             # the held-out task ("": the training task's test split)
+    eval_dataset: str = ""             # the held-out dataset ("": the training dataset's test split)
     eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
     eval_size: int = 200               # held-out questions (the first N of the test split)
     # run
@@ -172,7 +176,7 @@ def train(cfg: Config, run=None) -> Outcome:
     run = run or setup(cfg, memory)          # data, model, optimizer, run directory; sized to a GPU
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
-        m, shown, bad = grpo_step(run, step, bad)              # rollout -> reward -> credit -> update
+        m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             m.update(heldout.accuracy(run.model, run.tok, run.eval_records, run.style, cfg.max_new_tokens,
                                       cfg.gen_chunk, run.engine, run.reward, run.template_kwargs))   # eval/*
@@ -181,7 +185,7 @@ def train(cfg: Config, run=None) -> Outcome:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
         elif run.log.stop_requested:         # a first Ctrl-C / SIGTERM: this step is saved, the run stops
             stop = "interrupted"
-        full = run.log.step(step, m, shown, bad, stopping=stop is not None)   # metrics, saves when due
+        full = run.log.step(step, m, rollouts, bad, stopping=stop is not None)   # metrics, saves when due
         if full:                             # a full disk: the message, and the last checkpoint stands
             stop, status = full, 2
         if stop:
@@ -190,8 +194,26 @@ def train(cfg: Config, run=None) -> Outcome:
     return Outcome(history, stop, status)
 
 
-def grpo_step(run, step, bad):
-    """One GRPO step. Returns (its metrics, what the rollouts file shows or None, the non-finite streak)."""
+class Rollouts(NamedTuple):
+    """What a step hands the run's files (grpo_step -> RunLog.step -> save_rollouts): the B rows it trained
+    on, of the N it sampled."""
+    batch: object               # rollout.Batch of the kept rows, (B, T)
+    gen: object                 # rollout.Generations of every sampled row (N)
+    kept: list                  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
+    rewards: torch.Tensor       # (N,) every sampled row's reward
+    adv: torch.Tensor           # (B,) A_i, eq. 10
+    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput tau)
+    weight: torch.Tensor        # (B, R) gamma_it on each response token (eq. 6)
+
+
+class Step(NamedTuple):
+    metrics: dict               # the step's metrics line (runlog.step_metrics), or why it was skipped
+    rollouts: Rollouts | None   # what rollouts/step_N.jsonl shows (runlog.save_rollouts); None: skipped
+    bad: int                    # consecutive steps with a non-finite loss or gradient, this one included
+
+
+def grpo_step(run, step, bad) -> Step:
+    """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
     cfg, model, G, clock = run.cfg, run.model, run.cfg.group_size, run.log.clock   # times the phases
     n = cfg.prompts_per_step
     ids = [i for i in run.order[step * n:(step + 1) * n] if len(run.prompt_ids[i]) <= cfg.max_prompt_tokens]
@@ -200,7 +222,7 @@ def grpo_step(run, step, bad):
         tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
                    f"{cfg.max_prompt_tokens} skipped")
     if not ids:
-        return {**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad
+        return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
     with clock.phase("generation"), torch.no_grad(), run.autocast:
         gen = generate(model, run.tok, [run.prompt_ids[i] for i in ids], n=G,
@@ -222,7 +244,7 @@ def grpo_step(run, step, bad):
                    f"(eq. 2's sink; {rule}), so their flow credit falls back to plain GRPO: give "
                    f"--answer-pattern REGEX, the form of this task's answer")
     if not kept:
-        return {**m, "skipped": "the dynamic filter dropped every group"}, None, bad
+        return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
     batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
                         device=run.device, answer_pattern=cfg.answer_pattern)                 # (B, T) masks
     adv = adv[kept].to(run.device)                                                           # (B,)
@@ -234,15 +256,25 @@ def grpo_step(run, step, bad):
         run.sched.step()
     m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad,
                                  run.sched.get_last_lr()[0], run.device))
-    return m, (batch, gen, kept, rewards, adv, up.scores, up.gamma), bad
+    return Step(m, Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
 # ----------------------------------------------------------------------------- policy math
 class Update(NamedTuple):
-    gamma: torch.Tensor         # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
+    weight: torch.Tensor        # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
     scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput) on trained rows, 0 elsewhere
     stats: dict                 # loss, grad_norm, clip counts, entropies, credit fallbacks
     stepped: bool               # False: a non-finite loss or gradient, and the optimizer did not step
+
+
+class Experience(NamedTuple):
+    """One micro-batch's inputs to the loss besides the log-probs (tiny-grpo's Experience), b rows."""
+    adv: torch.Tensor           # (b,) A_i, eq. 10
+    weight: torch.Tensor        # (b, R) gamma_it, the credit (eq. 6)
+    loss_mask: torch.Tensor     # (b, R) bool: the response tokens among the response columns
+    old_logp: torch.Tensor      # (b, R) PPO's old log pi (on-policy: the forward's own, detached)
+    ref_logp: torch.Tensor | None   # (b, R) the reference's log pi for the k3 KL term; None when beta = 0
+    denom: float                # the whole batch's normaliser: B rows (seq-mean) or its response tokens
 
 
 def update(run, batch, trained, adv, clock) -> Update:
@@ -253,44 +285,47 @@ def update(run, batch, trained, adv, clock) -> Update:
     then clip and one optimizer step, per PPO epoch (--num-iterations; departure 8). `clock` times the
     phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
     cfg, model, P = run.cfg, run.model, batch.prompt_width
-    resp = batch.response_mask[:, P:]                                                       # (B, R)
-    gamma, scores = resp.float(), torch.zeros(resp.shape, device=resp.device)    # (B, R) untrained rows: 1, 0
+    loss_mask = batch.response_mask[:, P:]                                                  # (B, R)
+    weight = loss_mask.float()                                          # (B, R) gamma_it; untrained rows: 1
+    scores = torch.zeros(loss_mask.shape, device=loss_mask.device)      # (B, R) untrained rows: 0
     stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
-    denom = resp.shape[0] if cfg.loss_agg == "seq-mean" else resp.sum().clamp_min(1).item()   # 1/G, 1/sum N
-    with clock.phase("credit"):                # a credit other than FlowTracer's: training/credit.py decides
-        baseline = None if run.flowtracer else credit.Baseline(run, batch, trained, adv)   # how, in one call
+    denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
+    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
+    with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
+        baseline = None if paper else credit.Baseline(run, batch, trained, adv)    # call shape and record
     with clock.phase("update forward"), run.autocast:
         old = old_logprobs(run, batch, trained) if cfg.num_iterations > 1 else None  # (B, R); on-policy: logp
         ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch,
                                                           cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
+        first = epoch == 0                           # the first epoch's forward gives the credit (dep. 8)
         for s in range(0, len(trained), cfg.micro_batch):
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)                                                           # b rows
-            cap = None                               # eq. 1's maps, taken on the way (the first epoch's)
-            if epoch == 0:
-                cap = Capture(run.layers, head_mean=run.head_mean) if baseline is None else baseline.capture()
+            cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), run.autocast:
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix, capture=cap)                  # (b, R)
-            with clock.phase("credit"), torch.no_grad():
-                if epoch == 0 and baseline is None:               # FlowTracer's credit of this forward
-                    flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1 -> 2-4
-                                      sub.question_mask, sub.answer_mask, sub.attention_mask.bool())
-                    c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma)  # eq. 6
-                    gamma[mb], scores[mb] = c.gamma[:, P:], flow.throughput[:, P:].float()  # (b, R)
-                    stats["credit/fallback"] += int(c.fallback.sum())
-                elif epoch == 0:                                  # another credit (Tables 2, 5, 7; OAR)
-                    c = baseline(mb, sub, cap, ent)
-                    gamma[mb], scores[mb] = c.gamma, c.scores
-                    stats["credit/fallback"] += int(c.fallback.sum())
+            if first:
+                with clock.phase("credit"), torch.no_grad():
+                    if baseline is None:             # FlowTracer's credit of this forward, eq. 1-4 then 6
+                        flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1
+                                          sub.question_mask, sub.answer_mask, sub.attention_mask)
+                        c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma,
+                                        prompt_width=P)                                     # (b, R) eq. 6
+                    else:                            # another credit (Tables 2, 5, 7; OAR): the same record
+                        c = baseline(mb, sub, cap, ent)
+                weight[mb], scores[mb] = c.weight, c.scores                                 # (b, R)
+                stats["credit/fallback"] += int(c.fallback.sum())
             with clock.phase("backward"):
-                loss, st = grpo_loss(logp, logp.detach() if old is None else old[mb], adv[mb], gamma[mb],
-                                     resp[mb], cfg, denom, None if ref is None else ref[mb])  # eq. 5
+                exp = Experience(adv=adv[mb], weight=weight[mb], loss_mask=loss_mask[mb],
+                                 old_logp=logp.detach() if old is None else old[mb],
+                                 ref_logp=None if ref is None else ref[mb], denom=denom)
+                loss, st = grpo_loss(logp, exp, cfg)                                        # eq. 5
                 loss.backward()
             stats["loss"] += loss.item()
-            stats["entropy"].append(ent[resp[mb]])
+            stats["entropy"].append(ent[loss_mask[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
@@ -305,7 +340,7 @@ def update(run, batch, trained, adv, clock) -> Update:
             run.opt.zero_grad(set_to_none=True)      # the gradients are not kept through the next rollout
         if not stepped:                              # train counts the streak of non-finite steps
             break
-    return Update(gamma, scores, stats, stepped)
+    return Update(weight, scores, stats, stepped)
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -319,23 +354,23 @@ def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     return adv.clamp(-clip, clip).view(-1), std.squeeze(-1) < 1e-8
 
 
-def grpo_loss(logp, old_logp, adv, gamma, mask, cfg, denom, ref_logp=None):
-    """Eq. 5 with dual-clip, summed over this micro-batch and divided by the whole batch's `denom` (B rows for
-    seq-mean, its response tokens for token-mean). logp, old_logp, gamma, mask: (b, R); adv: (b,).
+def grpo_loss(logp, exp: Experience, cfg):
+    """Eq. 5 with dual-clip, summed over this micro-batch and divided by the whole batch's exp.denom (B rows
+    for seq-mean, its response tokens for token-mean). logp: (b, R), the policy's log pi with grad.
     Returns (loss, stats of summed counts)."""
-    A = adv.unsqueeze(-1)                                                 # (b, 1)
-    ratio = torch.exp(logp - old_logp)                                    # (b, R)
+    A, mask = exp.adv.unsqueeze(-1), exp.loss_mask                       # (b, 1), (b, R)
+    ratio = torch.exp(logp - exp.old_logp)                                # (b, R)
     obj = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)
     obj = torch.where(A < 0, torch.max(obj, cfg.dual_clip * A), obj)      # dual-clip for A < 0
-    per_tok = -gamma * obj                                                # (b, R) eq. 5-6: gamma on each term
+    per_tok = -exp.weight * obj                                           # (b, R) eq. 5-6: gamma on each term
     if cfg.beta > 0:                                                      # k3 estimator of KL(pi || ref)
-        d = ref_logp - logp
+        d = exp.ref_logp - logp
         per_tok = per_tok + cfg.beta * (torch.exp(d) - d - 1)
     m = mask.float()
     if cfg.loss_agg == "seq-mean":                                        # 1/G sum_i 1/N_i sum_t
-        loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / denom
+        loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / exp.denom
     else:                                                                 # token-mean: sum_it / sum_i N_i
-        loss = (per_tok * m).sum() / denom
+        loss = (per_tok * m).sum() / exp.denom
     with torch.no_grad():
         stats = {"clip/low": ((ratio < 1 - cfg.eps_low) & (A < 0) & mask).sum().item(),
                  "clip/high": ((ratio > 1 + cfg.eps_high) & (A > 0) & mask).sum().item(),

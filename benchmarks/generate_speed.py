@@ -111,7 +111,7 @@ def forward_backward(model, b, share):
     passes = []
     hook = model.get_decoder().register_forward_hook(lambda *_: passes.append(1))
     try:
-        lp, _ = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prompt=share)
+        lp, _ = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prefix=share)
     finally:
         hook.remove()
     (lp * b.response_mask[:, b.prompt_width:]).sum().backward()

@@ -104,9 +104,9 @@ def synced(device):
 
 
 def load(cfg, device):
-    """The policy and optimizer as grpo.setup makes them (policy.load_policy), and the `run` grpo's step
+    """The policy and optimizer as run.setup makes them (policy.load_policy), and the `run` grpo's step
     functions read."""
-    run = for_update(cfg, device)                                  # grpo.setup's policy and credit
+    run = for_update(cfg, device)                                  # run.setup's policy and credit
     return run, run.tok
 
 
@@ -137,7 +137,8 @@ def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
-    run.flowtracer = credit.is_flowtracer(run.cfg)                                  # as grpo.setup decides
+    run.layers = select_layers(run.cfg.layers, run.model.config.num_hidden_layers) \
+        if credit.reads_maps(run.cfg) else []                                       # as run.py's setup
     if credit.reads_maps(run.cfg) and run.head_mean is None:
         run.head_mean = head_mean_kernel(run.device)
     B = batch.input_ids.shape[0]

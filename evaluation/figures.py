@@ -10,7 +10,7 @@
   token_figure(path, tokens, colors, title)   tokens as text on coloured boxes: <path>.png and <path>.html
   log_scale(x)                       throughput -> colour values in [0, 1]
 
-Departures (eval.py's departure 3; 1 is the EMA's alpha and EMA_0 = x_0, runlog.peak_ema):
+Departures (eval.py's departure 3; 1 is the EMA's alpha and EMA_0 = x_0, peak_ema below):
  3. Colours are on a log scale over three decades (the paper's Fig. 2 scale is not given). The token charts
     (Fig. 3 is a word cloud) count the top / bottom 20% tokens by throughput within each sentence (App. E.1),
     among the tokens before the answer ends (highflow.py departure 3).
@@ -32,7 +32,6 @@ from evaluation import highflow, probes
 from flowtracer import dag_weights, reweight, trace_flow
 from training.attention import attention_graph
 from training.checkpoint import file_problem
-from training.runlog import peak_ema
 
 
 def token_figure(path, tokens, colors, title, width=100):
@@ -73,6 +72,29 @@ def log_scale(x):
 
 
 # ----------------------------------------------------------------------------- training curves
+def metric_series(path, key):
+    """[[step, value], ...] of one numeric metric of a metrics.jsonl, by step; the last line of a step wins,
+    a line cut by a kill is skipped, a missing file gives []."""
+    rows, path = {}, Path(path)
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get(key), (int, float)) and "step" in row:
+            rows[row["step"]] = row[key]
+    return [[s, v] for s, v in sorted(rows.items())]
+
+
+def peak_ema(xs, alpha=0.2):
+    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1},
+    EMA_0 = x_0."""
+    out = []
+    for x in xs:
+        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
+    return out
+
+
 def metrics_rows(path):
     """The JSON objects of a metrics.jsonl; a last line cut by a kill is skipped, another bad one an error."""
     lines = Path(path).read_bytes().splitlines()
@@ -142,7 +164,7 @@ def flow_figures(model, tok, rows, args, figs, out):
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)
     valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
-    fl = trace_flow(attn, batch.question_mask.to(dev), ans, valid_mask=valid)
+    fl = trace_flow(attn, batch.question_mask.to(dev), ans, attention_mask=valid)
     has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
     res = {"n_responses": len(rows), "n_no_answer": len(rows) - len(has)}
     if not has:

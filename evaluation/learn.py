@@ -5,15 +5,15 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              N --eval-size M --eval-dataset T --out-dir <out>/runs/<a>-s<s>`, which evaluates the policy it
              trains at steps N, 2N, ... and the last (training/heldout.py: no reload, no restart) into its
              metrics.jsonl, where learn reads them. A killed run continues with grpo.py --resume: exact.
-  held out   heldout.records: the first --eval-size questions of the task's test split, the same for every
+  held out   heldout.records: the first --eval-size questions of the dataset's test split, the same for every
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
              strict (data.score: reward 1) and lenient (or answers.last_number_equal: math); step 0 (the
              recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
-  statistics (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step - step 0) +- a
-             95% t interval; flow - none paired by seed: the mean difference, its t interval and p, a
-             two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p 2 / 2^S), for
-             the last step and the area under the held-out curve; the seeds that a half-width of 0.05 would
-             need. A question-level table follows, labelled: conditional on the trained models.
+  statistics learn_report.py (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step
+             - step 0) +- a 95% t interval; flow - none paired by seed: the mean difference, its t interval
+             and p, a two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p
+             2 / 2^S), for the last step and the area under the held-out curve; the seeds that a half-width
+             of 0.05 would need. A question-level table follows, labelled: conditional on the trained models.
   outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve with
              every evaluation's per-question results, the training reward per step; then the summary),
              learn.md (the tables), learn.png (held-out accuracy and training reward against step: each arm's
@@ -27,7 +27,7 @@ same --out-dir; another recipe or evaluation setting there is an error (or --ove
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
  2. --eval-k 0 evaluates greedily only: no checkpoint is loaded after training, more seeds for the same time.
- 3. The training reward is grpo.py's reward/mean per step (runlog.metric_series); skipped steps have none.
+ 3. The training reward is grpo.py's reward/mean per step (figures.metric_series); skipped steps have none.
  4. mean@k at step 0 and the last step only, from the base model and the final checkpoint (grpo.py: greedy).
 
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
@@ -51,13 +51,11 @@ import torch
 from tqdm import tqdm
 
 import data
-from evaluation.probes import markdown, pyplot
-from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
-                              two_level, variance_parts)
+from evaluation.figures import metric_series
+from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import checkpoint as ckpt_io
 from training import flags, heldout, policy, signals
 from training.models import ModelError, load_model
-from training.runlog import metric_series
 
 
 @dataclass
@@ -67,7 +65,7 @@ class LearnConfig:
     out_dir: str = "runs/learn"        # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
     overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
     eval_every: int = 0                # evaluate every N steps and at the last; 0: every steps/4 (rounded up)
-    eval_dataset: str = ""             # the held-out task ("": the recipe's --dataset); its test split
+    eval_dataset: str = ""             # the held-out dataset ("": the recipe's --dataset); its test split
     eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
     eval_k: int = 4                    # samples per question for mean@k (step 0, last); 0: greedy only
     eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
@@ -77,8 +75,6 @@ class LearnConfig:
 SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite",
                 "--eval-every", "--eval-size", "--eval-dataset")
 MAX_SEEDS = 1000   # --seeds N: at most this many (each seed is one grpo.py run per arm)
-QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")   # per question, right of 1 / k
-SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
 
 
 class LearnError(ValueError):
@@ -100,14 +96,14 @@ class Grid:
         self.rc = rc = [recipe_config(grpo, recipe, a, seeds[0], self.out / "runs") for a in arms][0]
         self.every = cfg.eval_every or (rc.steps + 3) // 4                # 0: four evaluations
         self.eval_steps = sorted({*range(self.every, rc.steps + 1, self.every), rc.steps})
-        self.task = (cfg.eval_dataset or rc.dataset).lower()
+        self.eval_dataset = (cfg.eval_dataset or rc.dataset).lower()
         try:                                               # the same questions as grpo.py's (heldout.py)
-            self.recs = heldout.records(rc.dataset, self.task, cfg.eval_size, seeds, rc.data_path)
+            self.recs = heldout.records(rc.dataset, self.eval_dataset, cfg.eval_size, seeds, rc.data_path)
         except ValueError as e:                            # no test split; a held-out question in training
             raise LearnError(str(e)) from None
         self.style = rc.prompt_style if rc.prompt_style != "auto" else \
             data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)   # grpo.py's rule
-        self.setting = {"recipe": recipe, "eval_task": self.task, "eval_size": len(self.recs),
+        self.setting = {"recipe": recipe, "eval_dataset": self.eval_dataset, "eval_size": len(self.recs),
                         "style": self.style, "eval_steps": self.eval_steps, "eval_k": cfg.eval_k,
                         "eval_seed": cfg.eval_seed, "eval_max_new_tokens": rc.max_new_tokens,
                         "eval_chunk": rc.gen_chunk}
@@ -158,9 +154,9 @@ def run_grid(g):
             if not g.done(run, e):
                 res = record_evaluation(g, run, e)
                 tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
-        summarize(g)                                       # partial results after every arm-seed
+        summarize(g, *collect(g))                          # partial results after every arm-seed
     bar.close()
-    print(summarize(g) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
+    print(summarize(g, *collect(g)) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
 
 
 def train(g, run, bar):
@@ -178,7 +174,7 @@ def train(g, run, bar):
     cmd = ([sys.executable, script, "--resume", str(d)] if ckpt else
            [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
             "--overwrite", "--save-optimizer", "--eval-every", str(g.every), "--eval-size",
-            str(g.cfg.eval_size), "--eval-dataset", g.task])                   # an exact --resume
+            str(g.cfg.eval_size), "--eval-dataset", g.eval_dataset])                   # an exact --resume
     log.parent.mkdir(parents=True, exist_ok=True)
     seen = steps_logged(d)
     with open(log, "a") as fh:
@@ -268,8 +264,9 @@ def evaluate_model(g, name, greedy=True):
 
 # ----------------------------------------------------------------------------- results
 def collect(g):
-    """Per arm, the arm-seeds whose evaluations are all done, each with every evaluation's per-question
-    results (so that every number can be recomputed); finals: (arm, seed) -> its last evaluation."""
+    """(runs, finals) for learn_report.summarize: per arm, the arm-seeds whose evaluations are all done, each
+    with every evaluation's per-question results (so that every number can be recomputed); finals:
+    (arm, seed) -> its last evaluation."""
     before, runs, finals = json.loads(g.eval_file("", 0).read_text()), {}, {}
     for arm in g.arms:
         for seed in (s for s in g.seeds if all(g.done(f"{arm}-s{s}", e) for e in g.eval_steps)):
@@ -284,115 +281,6 @@ def collect(g):
                               for e, x in zip([0, *g.eval_steps], ev)},
                 "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
     return runs, finals
-
-
-def summarize(g):
-    """learn.json, learn.md, learn.png from the finished arm-seeds; returns the markdown. Every interval and
-    p-value of the headline is over seeds (stats.py); the question-level tests are conditional on the
-    trained models."""
-    runs, finals = collect(g)
-    per_arm, vs_none, Q, B = {}, {}, len(g.recs), g.cfg.bootstrap
-    for arm, rs in runs.items():
-        per_arm[arm] = {"seeds": len(rs), "curve_columns": ["step", *SCORES],
-                        "final_acc": variance_parts([r["after"] for r in rs], Q)}
-        for sfx in SCORES.values():
-            if rs[0]["after" + sfx] is not None and rs[0]["after" + sfx] == rs[0]["after" + sfx]:  # no NaN
-                m, h = t_interval([r["after" + sfx] - r["before" + sfx] for r in rs])
-                per_arm[arm].update({f"gain{sfx}": m, f"gain{sfx}_ci95": h})
-    for arm in (a for a in runs if a != "none" and "none" in runs):
-        seeds = [s for s in g.seeds if (arm, s) in finals and ("none", s) in finals]
-        by = {(r["seed"], x): r for x in (arm, "none") for r in runs[x]}
-        vs = vs_none[arm] = {"seeds": seeds}
-        for score, key in (("strict", "greedy"), ("lenient", "greedy_lenient")):
-            a, b = ([finals[x, s][key] for s in seeds] for x in (arm, "none"))     # (S, Q) each
-            vs[score] = seed_test(np.mean(a, 1), np.mean(b, 1)) if seeds else {}
-            if seeds:
-                vs[score]["two_level_ci95"] = list(two_level(a, b, B, seed=0)[1:])
-                d, lo, hi, p = paired_bootstrap(a, b, B, seed=0)               # conditional on the models
-                wins, losses, p_sign = sign_test(a, b)
-                vs[score]["per_question"] = {"diff": d, "ci95": [lo, hi], "p_bootstrap": p, "arm_only": wins,
-                                             "none_only": losses, "p_sign": p_sign}
-        vs["auc"] = seed_test([by[s, arm]["auc"] for s in seeds], [by[s, "none"]["auc"] for s in seeds])
-        if len(seeds) > 1:
-            sd = float(np.std([by[s, arm]["after"] - by[s, "none"]["after"] for s in seeds], ddof=1))
-            vs["power"] = {"sd_diff": sd, "seeds_for_half_width_0.05": seeds_needed(sd, 0.05),
-                           "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05)}
-    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
-    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result))
-    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
-    plot(g.out / "learn.png", runs)
-    return table
-
-
-def report(setting, summary, out):
-    s, k, B = setting, setting["eval_k"], summary["bootstrap"]
-    ci = lambda m, h: f"{m:+.3f} ± " + ("n/a" if h is None else f"{h:.3f}")  # noqa: E731
-    iv = lambda x: "n/a" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"  # noqa: E731
-    head = (f"Held-out: {s['eval_size']} questions of {s['eval_task']} (test split), evaluated at steps 0, "
-            f"{', '.join(map(str, s['eval_steps']))}. Recipe: `grpo.py {' '.join(s['recipe'])}`; "
-            f"--out-dir `{out}`\n\n"
-            "Every interval and p-value below is over seeds (the training run is the replicated unit).\n\n"
-            "Gain = last - step 0, mean over seeds ± 95% t interval; the sd of the final accuracy over "
-            "seeds, and (in brackets) the sd that the binomial noise of the held-out questions alone "
-            "gives:\n\n")
-    cols = [c for c, x in zip(["greedy strict", "greedy lenient", f"mean@{k} strict", f"mean@{k} lenient"],
-                              SCORES.values()) if k or "mean" not in x]
-    arms = markdown(["arm", "seeds", *cols, "sd (binomial)"],
-                    [[a, r["seeds"], *(ci(r[f"gain{x}"], r[f"gain{x}_ci95"]) for x in SCORES.values()
-                                       if f"gain{x}" in r),
-                      f"{r['final_acc']['sd']:.3f} ({r['final_acc']['binomial_sd']:.3f})"]
-                     for a, r in summary["per_arm"].items()])
-    rows, cond, power = [], [], []
-    names = {"strict": "greedy strict", "lenient": "greedy lenient", "auc": "area (mean of steps > 0)"}
-    for a, v in ((a, v) for a, v in summary["vs_none"].items() if v["seeds"]):
-        for sc, name in names.items():
-            x = v[sc]
-            rows.append([f"{a} - none", name, len(v["seeds"]), f"{x['diff']:+.3f}", iv(x["ci95"]),
-                         fmt_p(x["p_t"]), iv(x.get("two_level_ci95")),
-                         f"{fmt_p(x['p_signflip'])} (min {x['p_signflip_min']:.3g})"])
-        for sc in ("strict", "lenient"):
-            q = v[sc]["per_question"]
-            cond.append([f"{a} - none", sc, f"{q['diff']:+.3f}", iv(q["ci95"]), fmt_p(q["p_bootstrap"], B),
-                         f"{q['arm_only']} : {q['none_only']}", fmt_p(q["p_sign"])])
-        if "power" in v:
-            pw = v["power"]
-            power.append(f"{a} - none: sd of the per-seed difference {pw['sd_diff']:.3f}; seeds per arm for "
-                         f"a 95% half-width of 0.05: {pw['seeds_for_half_width_0.05']}; for 80% power to "
-                         f"detect +0.05: {pw['seeds_for_80pct_power_at_0.05']}.")
-    paired = markdown(["arms", "score", "seeds", "Δ", "95% t interval", "p (paired t)",
-                       "two-level bootstrap 95%", "p (exact sign flip)"], rows)
-    second = markdown(["arms", "score", "Δ", "bootstrap 95% CI", "p (bootstrap)", "arm only : none only",
-                       "p (sign test)"], cond)
-    return (head + arms + "\nPaired by seed, last step (and the area under the held-out curve):\n\n"
-            + paired + ("\n" + "\n".join(power) + "\n" if power else "")
-            + "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
-            "method:\n\n" + second)
-
-
-def plot(path, runs):
-    """Held-out accuracy and training reward against step: each arm's mean over seeds with a 95% t band,
-    the individual seeds faintly."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for arm, rs in runs.items():
-        for ax, pts in zip(axes, ([[c[:2] for c in r["curve"]] for r in rs], [r["reward"] for r in rs])):
-            steps = sorted(set.intersection(*({s for s, _ in p} for p in pts)))
-            if not steps:
-                continue
-            ys = np.array([[dict(map(tuple, p))[s] for s in steps] for p in pts])      # (seeds, steps)
-            line, = ax.plot(steps, ys.mean(0), label=f"{arm} (n={len(rs)})")
-            for y in ys:
-                ax.plot(steps, y, color=line.get_color(), alpha=0.15, lw=0.7)
-            if len(ys) > 1:
-                h = [t_interval(col)[1] for col in ys.T]
-                ax.fill_between(steps, ys.mean(0) - h, ys.mean(0) + h, color=line.get_color(), alpha=0.2)
-    axes[0].set(title="held-out greedy accuracy, strict (band: 95% t over seeds)", xlabel="step")
-    axes[1].set(title="training reward (band: 95% t over seeds)", xlabel="step")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1,6 +1,6 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
-measure() runs grpo.py's own step on a real policy (policy.load_policy, as grpo.setup builds it; the update is
+measure() runs grpo.py's own step on a real policy (policy.load_policy, as run.setup builds it; the update is
 grpo.update, passed in) twice and counts the second one, in memory.PHASES:
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
@@ -205,14 +205,14 @@ def site(frames):
 # ----------------------------------------------------------------------------- one real step, measured
 def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for grpo.setup: rollout.generate, then `update` (grpo.update: grpo.py's own
+    policy.load_policy builds for run.setup: rollout.generate, then `update` (grpo.update: grpo.py's own
     micro-batch loop, the credit inside, a credit's own pass too), which marks the phases on the clock it is
     given. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
     prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: max_memory_allocated,
     and max_memory_reserved into `reserved` (a dict) where one is given; `snapshot`: cuda_peak's."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
-    run = for_update(cfg, device)                                # grpo.setup's policy and credit
+    run = for_update(cfg, device)                                # run.setup's policy and credit
     model, tok, ref, opt = run.model, run.tok, run.ref, run.opt
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)

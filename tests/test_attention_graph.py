@@ -3,6 +3,9 @@ stop. The tiny models run in fp32 on each device present (cpu, and cuda where th
 conftest.on_devices), inputs on model.device; eager attention is the reference, to 1e-5 (sums of
 probabilities over 4 layers)."""
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,30 +177,79 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
 # ----------------------------------------------------------------------------- pass-through, restore, early stop
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):
+    """Under "sdpa_capture" (load_model's default) a forward gives sdpa's output on every real token; a
+    padding query row reads its own key under our mask, and nothing under sdpa's: only those rows differ."""
     model, tok = tiny
     ids, mask = batch(tok, device=model.device)
+    assert model.config._attn_implementation == flowtracer.IMPL                   # every model we load
     with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation(flowtracer.IMPL)
+        model.set_attn_implementation("sdpa")
         try:
+            ref = model(input_ids=ids, attention_mask=mask).logits
+            model.set_attn_implementation(flowtracer.IMPL)
             out = model(input_ids=ids, attention_mask=mask).logits
-            W = attention_graph(model, ids, mask)  # works while the model stays on "flowtracer"
+            W = attention_graph(model, ids, mask)  # works while the model stays on "sdpa_capture"
             assert model.config._attn_implementation == flowtracer.IMPL
         finally:
-            model.set_attn_implementation("sdpa")
-    assert torch.equal(out, ref)
+            model.set_attn_implementation(flowtracer.IMPL)
+    real = mask.bool()                                                            # (B, T)
+    assert torch.equal(out[real], ref[real])
     torch.testing.assert_close(W, eager_reference(model, ids, mask, None), atol=1e-5, rtol=0)
 
 
 def test_restores_impl_and_training_mode(tiny):
     model, tok = tiny
     ids, mask = batch(tok, device=model.device)
+    model.set_attn_implementation("sdpa")
     model.train()
     try:
         attention_graph(model, ids, mask)
         assert model.training and model.config._attn_implementation == "sdpa"
     finally:
         model.eval()
+        model.set_attn_implementation(flowtracer.IMPL)
+
+
+# A plain transformers model, built and run in a fresh process, with or without the project imported and its
+# own model loaded first: its hidden states of every layer on a left-padded batch (padding rows included).
+PLAIN = """
+import sys, torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+if sys.argv[1] == "project":
+    import grpo
+    from training.models import load_model
+    assert load_model("tiny-qwen3")[0].config._attn_implementation == "sdpa_capture"
+torch.manual_seed(0)
+cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+ids = torch.tensor([[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]])
+mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+with torch.no_grad():
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+torch.save(torch.stack(out.hidden_states), sys.argv[2])
+"""
+
+
+def test_importing_the_project_leaves_another_models_attention_alone(tmp_path):
+    """Importing the project and loading its models registers "sdpa_capture" (its attention and its mask with
+    no empty rows) and nothing else: a plain model under transformers' "sdpa" in the same process gives the
+    hidden states it gives without the project, to the bit, padding rows included (on those rows the two
+    masks differ: a project that replaced "sdpa"'s mask would fail here)."""
+    root = Path(flowtracer.__file__).parent
+    for how in ("plain", "project"):
+        subprocess.run([sys.executable, "-c", PLAIN, how, str(tmp_path / f"{how}.pt")], cwd=root, check=True)
+    plain, project = (torch.load(tmp_path / f"{h}.pt") for h in ("plain", "project"))
+    assert torch.equal(plain, project)
+
+
+def test_importing_flowtracer_registers_nothing():
+    """The registration is a call (flowtracer.register_attention, which load_model makes), not an import."""
+    code = ("import flowtracer, grpo; from transformers import AttentionInterface; "
+            "from transformers.masking_utils import AttentionMaskInterface as M; "
+            "assert 'sdpa_capture' not in AttentionInterface._global_mapping and 'sdpa_capture' not in "
+            "M._global_mapping; flowtracer.register_attention(); assert 'sdpa_capture' in M._global_mapping")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(flowtracer.__file__).parent, check=True)
 
 
 @pytest.mark.parametrize("spec", ["early", "1:3", "all"])

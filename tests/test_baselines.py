@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowtracer import select_layers
-from training import credit, oar, signals
+from training import credit, oar, shaping, signals
 from training.models import load_model
 from training.rollout import build_batch
 
@@ -90,11 +90,11 @@ def test_identity_rule_uses_the_scores_as_gamma():
     b = build_batch_by_hand()
     S = torch.zeros(2, 6)
     S[:, 2:6] = torch.tensor([[0.25, 0.5, 0.0, 0.75], [0.1, 0.2, 0.3, 0.4]])
-    c = credit.SHAPINGS["identity"](S, b, credit.CreditConfig())
-    assert c.gamma[0].tolist() == [0, 0, 0.25, 0.5, 0.0, 0.75] and not c.fallback[0]
-    assert c.gamma[1].tolist() == [0, 0, 1, 1, 1, 1] and c.fallback[1]       # no answer: plain GRPO (dep. 6)
+    c = shaping.SHAPINGS["identity"](S, b, credit.CreditConfig())
+    assert c.weight[0].tolist() == [0, 0, 0.25, 0.5, 0.0, 0.75] and not c.fallback[0]
+    assert c.weight[1].tolist() == [0, 0, 1, 1, 1, 1] and c.fallback[1]       # no answer: plain GRPO (dep. 6)
     with pytest.raises(ValueError, match="non-negative"):
-        credit.SHAPINGS["identity"](-S, b, credit.CreditConfig())
+        shaping.SHAPINGS["identity"](-S, b, credit.CreditConfig())
 
 
 def build_batch_by_hand():
@@ -116,7 +116,7 @@ def test_oar_random_credit_weights_are_uniform_draws(tiny):
     resp = b.response_mask[:, b.prompt_width:]
     ok = ~a.fallback
     assert ok.sum() == 2 and a.fallback[2]                                    # row 2 has no answer
-    assert torch.equal(a.gamma[ok], u[ok]) and (a.gamma[ok][resp[ok]] < 1).all()
+    assert torch.equal(a.weight[ok], u[ok]) and (a.weight[ok][resp[ok]] < 1).all()
     assert credit.check(cfg) is None
 
 

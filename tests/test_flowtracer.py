@@ -108,7 +108,7 @@ def random_batch(seed, B, T):
 @given(seed=st.integers(0, 10**6), B=st.integers(1, 4), T=st.integers(2, 64))
 def test_properties_against_reference(seed, B, T):
     attn, q, a, v = random_batch(seed, B, T)
-    out = trace_flow(attn, q, a, valid_mask=v)
+    out = trace_flow(attn, q, a, attention_mask=v)
     assert torch.isfinite(out.flow).all() and (out.flow >= -1e-12).all()
     M = dag_weights(attn, a, v)
     Wp = reweight(M * (out.h > 0)[:, :, None] * (out.h > 0)[:, None, :], out.h)
@@ -134,7 +134,7 @@ def test_properties_against_reference(seed, B, T):
 def test_flow_equals_h_times_g_identity():
     """f = h * g where g solves (I - M^T) g = s/h: check it against eq. 4 written with W' explicitly."""
     attn, q, a, v = random_batch(7, 3, 48)
-    out = trace_flow(attn, q, a, valid_mask=v)
+    out = trace_flow(attn, q, a, attention_mask=v)
     M = dag_weights(attn, a, v) * (out.h > 0)[:, :, None] * (out.h > 0)[:, None, :]
     Wp = reweight(M, out.h)
     s = (q & v & (out.h > 0)).double()
@@ -190,7 +190,7 @@ def test_degenerate_inputs_fall_back_to_uniform(name, T, q, a):
     out = trace_flow(attn, torch.tensor(q, dtype=torch.bool), torch.tensor(a, dtype=torch.bool))
     resp = ~torch.tensor(q, dtype=torch.bool) if name != "single_token" else torch.tensor([True])
     c = flow_credit(out.throughput if name != "single_token" else torch.zeros(1), resp)
-    assert bool(c.fallback) and torch.equal(c.gamma, resp.float())
+    assert bool(c.fallback) and torch.equal(c.weight, resp.float())
 
 
 # ----------------------------------------------------------------------------- credit
@@ -201,7 +201,7 @@ def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
     g = torch.Generator().manual_seed(seed)
     tau = torch.rand(2, pad + n, generator=g, dtype=torch.float64).round(decimals=1)  # many ties
     resp = torch.zeros(2, pad + n, dtype=torch.bool); resp[:, pad:] = True
-    w, fb = flow_credit(tau, resp, top_frac=top, gamma=1.5, largest=largest)
+    w, _, fb = flow_credit(tau, resp, top_frac=top, gamma=1.5, largest=largest)
     k = math.ceil(round(top * n, 9))
     boosted = w == 1.5
     assert (boosted.sum(-1) == torch.where(fb, 0, k)).all()
@@ -212,15 +212,18 @@ def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
         sel, rest = tau[b][boosted[b]], tau[b][resp[b] & ~boosted[b]]
         if len(rest):
             assert (sel.min() >= rest.max()) if largest else (sel.max() <= rest.min())
-    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).gamma, w)   # deterministic
+    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).weight, w)   # deterministic
+    c = flow_credit(tau, resp, top, 1.5, largest, prompt_width=pad)           # the response columns only
+    assert torch.equal(c.weight, w[:, pad:]) and torch.equal(c.scores, tau[:, pad:].float())
+    assert torch.equal(c.fallback, fb)
 
 
 def test_credit_ties_go_to_the_earlier_token():
     tau = torch.tensor([0.0, 5.0, 1.0, 1.0, 1.0, 1.0])
     resp = torch.tensor([False, True, True, True, True, True])
-    w, fb = flow_credit(tau, resp, top_frac=0.4)                  # n = 5 -> 2 tokens: 5.0, then first 1.0
+    w, _, fb = flow_credit(tau, resp, top_frac=0.4)               # n = 5 -> 2 tokens: 5.0, then first 1.0
     assert w.tolist() == [0.0, 1.5, 1.5, 1.0, 1.0, 1.0] and not fb
-    w, _ = flow_credit(tau, resp, top_frac=0.4, largest=False)    # bottom-k: the two earliest 1.0s
+    w = flow_credit(tau, resp, top_frac=0.4, largest=False).weight   # bottom-k: the two earliest 1.0s
     assert w.tolist() == [0.0, 1.0, 1.5, 1.5, 1.0, 1.0]
 
 
@@ -266,6 +269,6 @@ def test_build_batch_layout_and_answer_tokens():
 def test_inputs_are_not_modified():
     attn, q, a, v = random_batch(3, 2, 16)
     before = attn.clone()
-    trace_flow(attn, q, a, valid_mask=v)
+    trace_flow(attn, q, a, attention_mask=v)
     dag_weights(attn, a, v)
     assert torch.equal(attn, before)

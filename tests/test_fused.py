@@ -17,10 +17,11 @@ from conftest import assert_to_rounding
 import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
-from training import credit, logprobs, signals
-from training.attention import attention_graph, capturing, use_flowtracer_attention
+from training import credit, logprobs, runlog, signals
+from training.attention import attention_graph, capturing, use_capture_attention
 from training.models import load_model
 from training.rollout import build_batch
+from training.run import for_update
 
 
 def batch_with_answers(tok):
@@ -54,7 +55,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        use_flowtracer_attention(model)                                 # as policy.load_policy
+        use_capture_attention(model)                                 # as policy.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers))   # as grpo.update
         logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, capture=cap)
         with torch.no_grad():
@@ -66,8 +67,32 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     assert len(cap.seen) == n_layers and len(calls) == n_layers  # once per layer, not in backward
     assert not sep.fallback.any()
     assert_to_rounding(fused.scores, sep.scores, exact.scores, what=f"{name} scores")
-    assert torch.equal(fused.gamma, sep.gamma) and torch.equal(fused.fallback, sep.fallback)
-    assert (sep.gamma == cfg.gamma).any()                                      # the comparison is not vacuous
+    assert torch.equal(fused.weight, sep.weight) and torch.equal(fused.fallback, sep.fallback)
+    assert (sep.weight == cfg.gamma).any()                                     # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_update_own_flow_lines_equal_credit_assign(share):
+    """grpo.update's own lines for the paper's credit (Capture -> token_logprobs -> trace_flow -> flow_credit,
+    fused into the training forward) give the record the separate path gives (--credit-pass separate:
+    credit.Baseline -> credit.assign, a no-grad attention_graph pass of its own): the same weight, to the bit;
+    the same fallbacks; the throughput scores to fp32 rounding of the maps (atol 1e-6 on scores in [0, 2])."""
+    flags = ["--model", "tiny-qwen3", "--micro-batch", "2", "--no-grad-checkpointing",
+             *([] if share else ["--no-share-prefix"])]
+    out = {}
+    for credit_pass in ("fused", "separate"):
+        cfg = grpo.parse_args([*flags, "--credit-pass", credit_pass])
+        run = for_update(cfg, torch.device("cpu"))                   # the model as setup loads it (seeded)
+        tok = run.tok
+        b = build_batch(tok, [tok("Q: 2+2=?").input_ids] * 2 + [tok("Q: 9*9?").input_ids] * 2,  # 2 groups
+                        [tok(r).input_ids for r in ("so it is 4, answer \\boxed{4} ok", "four: \\boxed{4}",
+                                                    "nine nines, so \\boxed{81}", "\\boxed{18} it is")])
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        out[credit_pass] = grpo.update(run, b, [0, 1, 2, 3], adv, runlog.Clock("cpu"))
+    fused, sep = out["fused"], out["separate"]
+    assert torch.equal(fused.weight, sep.weight) and (sep.weight == 1.5).any()     # not vacuous
+    assert fused.stats["credit/fallback"] == sep.stats["credit/fallback"] < 4
+    torch.testing.assert_close(fused.scores, sep.scores, rtol=0, atol=1e-6)
 
 
 def test_capture_equals_attention_graph_and_leaves_output_unchanged(tiny):

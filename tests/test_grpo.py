@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 import grpo
-from grpo import compute_advantages, grpo_loss, parse_args, token_logprobs
+from grpo import Experience, compute_advantages, grpo_loss, parse_args, token_logprobs
 from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_loss_and_gradient_equal_reference_with_unit_gamma():
     logp, old, adv, mask = toy_batch()
     cfg = SimpleNamespace(eps_low=0.2, eps_high=0.28, dual_clip=3.0, beta=0.0, loss_agg="seq-mean")
     gamma = torch.ones(4, 6)
-    loss, stats = grpo_loss(logp, old, adv, gamma, mask, cfg, denom=4)
+    loss, stats = grpo_loss(logp, Experience(adv, gamma, mask, old, None, denom=4), cfg)
     g = torch.autograd.grad(loss, logp)[0]
     ref = reference_loss(logp, old, adv, gamma, mask, 0.2, 0.28, 3.0)
     g_ref = torch.autograd.grad(ref, logp)[0]
@@ -149,8 +149,8 @@ def test_gamma_scales_token_gradient_exactly():
     cfg = SimpleNamespace(eps_low=0.2, eps_high=0.2, dual_clip=3.0, beta=0.0, loss_agg="seq-mean")
     ones = torch.ones(4, 6)
     boosted = ones.clone(); boosted[0, 1] = boosted[1, 0] = boosted[2, 3] = 1.5
-    g1 = torch.autograd.grad(grpo_loss(logp, old, adv, ones, mask, cfg, 4)[0], logp)[0]
-    g2 = torch.autograd.grad(grpo_loss(logp, old, adv, boosted, mask, cfg, 4)[0], logp)[0]
+    g1 = torch.autograd.grad(grpo_loss(logp, Experience(adv, ones, mask, old, None, 4), cfg)[0], logp)[0]
+    g2 = torch.autograd.grad(grpo_loss(logp, Experience(adv, boosted, mask, old, None, 4), cfg)[0], logp)[0]
     sel = boosted == 1.5
     assert (g1[sel] != 0).any()
     torch.testing.assert_close(g2[sel], 1.5 * g1[sel], rtol=0, atol=0)
@@ -160,7 +160,8 @@ def test_gamma_scales_token_gradient_exactly():
 def test_token_mean_aggregation():
     logp, old, adv, mask = toy_batch(2)
     cfg = SimpleNamespace(eps_low=0.2, eps_high=0.2, dual_clip=3.0, beta=0.0, loss_agg="token-mean")
-    loss, _ = grpo_loss(logp, old, adv, torch.ones(4, 6), mask, cfg, denom=mask.sum().item())
+    exp = Experience(adv, torch.ones(4, 6), mask, old, None, denom=mask.sum().item())
+    loss, _ = grpo_loss(logp, exp, cfg)
     # equal-length rows make token-mean and seq-mean agree; here they differ, and token-mean is sum/N
     per = -torch.min(torch.exp(logp - old) * adv[:, None], torch.exp(logp - old).clamp(0.8, 1.2) * adv[:, None])
     per = torch.where(adv[:, None] < 0, torch.max(-per, 3.0 * adv[:, None]).neg(), per)
@@ -317,7 +318,7 @@ def test_one_flow_step_on_smollm2_boosts_40_percent(tmp_path):
     with_answer = [r for r in trained if any(r["answer"])]
     assert with_answer, "no trained rollout wrote a \\boxed{} answer: the 40% check below would be vacuous"
     for r in rows:
-        n, boosted = len(r["gamma"]), sum(g == 1.5 for g in r["gamma"])
+        n, boosted = len(r["weight"]), sum(g == 1.5 for g in r["weight"])
         if r in with_answer:
             assert boosted == -(-2 * n // 5)                    # ceil(0.4 n)
         else:
@@ -399,7 +400,7 @@ def test_credit_share_is_the_credits_part_of_the_step():
     from training.rollout import Batch
     resp = torch.tensor([[False, True, True], [False, True, False]])                # (B, T), P = 1
     batch = Batch(torch.zeros(2, 3, dtype=torch.long), resp.long(), ~resp, resp, resp & False, 1)
-    up = SimpleNamespace(gamma=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,
+    up = SimpleNamespace(weight=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,
                                                            "clip/low": 0, "clip/high": 0, "clip/dual": 0})
     gen = SimpleNamespace(truncated=[False, False], response_ids=[[1, 2], [3]])
     cfg = SimpleNamespace(beta=0.0, num_iterations=1)

@@ -82,7 +82,7 @@ def test_grpo_help_shows_defaults_choices_and_groups(monkeypatch):
     text = " ".join(parser_of(monkeypatch, lambda: grpo.parse_args([])).format_help().split())   # unwrapped
     for s in ("--credit {none,flow", "(default: flow)", "--gamma FLOAT", "(default: 1.5)",
               "--steps INT", "(default: 6, set by the embedded model; without a preset: 500)",
-              "model and task:", "rollout (App. C.3):", "credit (", "update:", "run:"):
+              "model and dataset:", "rollout (App. C.3):", "credit (", "update:", "run:"):
         assert s in text, s
     assert text.index("reward and advantages:") < text.index("--credit {") < text.index("update:")
     helps, _ = flags.comments(grpo.Config)

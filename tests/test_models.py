@@ -73,7 +73,7 @@ def test_tiny_models_shape_seed_and_rng(name):
     c = m1.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
         (4, 64, 4, 2, 16)
-    assert c.vocab_size == len(tok) and m1.dtype == torch.float32 and c._attn_implementation == "sdpa"
+    assert c.vocab_size == len(tok) and m1.dtype == torch.float32 and c._attn_implementation == models.IMPL
     attn = m1.model.layers[0].self_attn
     assert hasattr(attn, "q_norm") == (name == "tiny-qwen3")
     assert not m1.training

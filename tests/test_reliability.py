@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import data
 import grpo
+from evaluation import figures
 from tasks import answers, countdown
 from training import checkpoint as ckpt_io
 from training import runlog
@@ -203,7 +204,7 @@ def test_eval_plot_reads_a_killed_runs_metrics_and_names_a_bad_line(tmp_path, ca
     m.write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.7}\n{"step": 3, "ac')    # a kill cut line 3
     ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
     res = json.loads((tmp_path / "o" / "plot.json").read_text())
-    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(runlog.peak_ema([0.5, 0.7])[-1])
+    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(figures.peak_ema([0.5, 0.7])[-1])
     m.write_text('{"step": 1, "acc": 0.5}\nnot json\n{"step": 3, "acc": 0.7}\n')
     with pytest.raises(SystemExit) as e:
         ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])

@@ -1,5 +1,5 @@
-"""Each prompt read once in the update (logprobs.response_states, share_prompt; logprobs.py departure 1) against
-one pass over every row's [prompt | response] (share_prompt=False): the same log-probs, entropies and
+"""Each prompt read once in the update (logprobs.response_states, share_prefix; logprobs.py dep. 1) against
+one pass over every row's [prompt | response] (share_prefix=False): the same log-probs, entropies and
 parameter gradients, the same captured attention and flow credit, the fallbacks, and one grpo.py step with
 --share-prefix against --no-share-prefix. Tiny random Qwen3 / Llama in fp32, on each device present (cpu, and
 cuda where there is one: conftest.DEVICES), inputs on model.device.
@@ -62,7 +62,7 @@ def forward(model, b, share, chunk=4, layers=None):
     if layers is None:
         lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    attention.use_flowtracer_attention(model)                                  # as policy.load_policy
+    attention.use_capture_attention(model)                                  # as policy.load_policy
     calls = []                                                                  # head-mean maps summed
     cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
                   head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1])
@@ -105,7 +105,7 @@ def test_parameter_gradients_equal_one_full_pass(tiny):
         m.zero_grad(set_to_none=True)
         lp = forward(m, b, share is True)[0]
         old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # != 1
-        loss, _ = grpo.grpo_loss(lp, old, adv, gamma, resp, cfg, 5)           # ratios in and out of the clip
+        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)   # clipped and not
         loss.backward()
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters()}
     for n, g in grads[False].items():
@@ -134,9 +134,9 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
         full = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_f, ent_f))
         shared = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_s, ent_s))
         exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
-    assert not full.fallback.any() and (full.gamma == cfg.gamma).any()   # not vacuous: flow reached answers
+    assert not full.fallback.any() and (full.weight == cfg.gamma).any()   # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
-    assert torch.equal(shared.gamma, full.gamma)
+    assert torch.equal(shared.weight, full.weight)
 
 
 def test_a_layer_missing_from_a_pass_is_an_error(monkeypatch, device):
@@ -233,8 +233,9 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     with torch.no_grad():
         c = credit.assign(model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent))
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
-    loss, _ = grpo.grpo_loss(lp, old, adv, c.gamma if gamma is None else gamma,
-                             b.response_mask[:, b.prompt_width:], grpo.Config(), 5)
+    w = c.weight if gamma is None else gamma                                                       # (B, R)
+    loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, w, b.response_mask[:, b.prompt_width:], old, None, 5),
+                             grpo.Config())
     loss.backward()
     handle.remove()
     if checkpointed:
@@ -258,15 +259,15 @@ def test_checkpointed_update_shares_each_prompt_and_equals_one_full_pass(name, d
     lp_f, ent_f, attn_f, c_f, g_f, calls_f = update_under_checkpointing(model, tok, b, False)
     lp_s, ent_s, attn_s, c_s, g_s, calls_s = update_under_checkpointing(model, tok, b, True)
     assert calls_f == [(5, T)] and calls_s == [(3, P), (5, T - P)]   # shared under checkpointing too
-    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(fp64(model), tok, b, False, c_f.gamma,
+    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(fp64(model), tok, b, False, c_f.weight,
                                                                   checkpointed=False)
     del model
     assert_to_rounding(lp_s, lp_f, lp_x, what="log-probs")
     assert_to_rounding(ent_s, ent_f, ent_x, what="entropies")
     assert_to_rounding(attn_s, attn_f, attn_x, what="maps")
-    assert not c_f.fallback.all() and (c_f.gamma == 1.5).any()        # not vacuous: flow reached answers
+    assert not c_f.fallback.all() and (c_f.weight == 1.5).any()        # not vacuous: flow reached answers
     assert_to_rounding(c_s.scores, c_f.scores, c_x.scores, what="flow scores")
-    assert torch.equal(c_s.gamma, c_f.gamma)
+    assert torch.equal(c_s.weight, c_f.weight)
     for k, g in g_f.items():
         assert g.norm() > 0, k                                         # every weight gets a gradient
         assert_to_rounding(g_s[k], g, g_x[k], what=k)

@@ -22,13 +22,13 @@ trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
 import flowtracer_trl as ft  # noqa: E402
 import grpo  # noqa: E402
-from flowtracer import Capture, flow_credit, select_layers, trace_flow  # noqa: E402
+from flowtracer import Capture, Credit, flow_credit, select_layers, trace_flow  # noqa: E402
 from training import (
     credit,  # noqa: E402
     runlog,  # noqa: E402
     signals,  # noqa: E402
 )
-from training.attention import attention_graph, use_flowtracer_attention  # noqa: E402
+from training.attention import attention_graph, use_capture_attention  # noqa: E402
 from training.credit import CreditConfig  # noqa: E402
 from training.models import load_model  # noqa: E402
 from training.rollout import answer_token_range, build_batch  # noqa: E402
@@ -116,7 +116,7 @@ def reference_gamma(keys, A, cfg, fused=False):
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
     if fused:
-        use_flowtracer_attention(model)                                       # as policy.load_policy
+        use_capture_attention(model)                                       # as policy.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers)) if credit.reads_maps(cfg) \
             else None                                                         # None: the signal reads no map
         with torch.no_grad():
@@ -125,7 +125,7 @@ def reference_gamma(keys, A, cfg, fused=False):
         got = signals.ForwardOutputs(cap.maps(batch.attention_mask) if cap is not None else None, ent)
     with torch.no_grad():
         c = credit.assign(model, tok, batch, torch.tensor(A), cfg, got)                  # (B, R)
-    return [g[:len(c_ids)] for g, (_, c_ids) in zip(c.gamma, rows)]
+    return [g[:len(c_ids)] for g, (_, c_ids) in zip(c.weight, rows)]
 
 
 def assert_loss_read(rec, keys, gamma):
@@ -148,7 +148,7 @@ def expected_gamma(out, tok, model):
         k0, k1 = answer_token_range(tok, c[m].tolist())
         ans[b, P + k0:P + k1] = True
     tau = trace_flow(attention_graph(model, ids, mask, "middle"), q, ans, mask.bool()).throughput
-    return flow_credit(tau, resp, 0.4, 1.5).gamma[:, P:]                             # (B, C)
+    return flow_credit(tau, resp, 0.4, 1.5).weight[:, P:]                             # (B, C)
 
 
 def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
@@ -215,8 +215,8 @@ def test_rows_without_advantage_get_gamma_1_and_the_pass_still_runs(tmp_path, mo
 
     def assign(model, tok, batch, adv, cfg, outputs=None):
         calls.append(len(adv))
-        return credit.Assignment(2 * batch.response_mask[:, batch.prompt_width:].float(), None,
-                                 torch.ones(len(adv), dtype=torch.bool))
+        return Credit(2 * batch.response_mask[:, batch.prompt_width:].float(), None,
+                      torch.ones(len(adv), dtype=torch.bool))
     monkeypatch.setattr(ft.credit, "assign", assign)
     p, c = [tok("Q: 1+1?").input_ids] * 2, [tok("so \\boxed{2}").input_ids, tok("ab").input_ids]
     gamma, fallback = tr.token_credit(p, c, torch.zeros(2))                          # (2, 12)
@@ -354,7 +354,7 @@ real_assign, real_unwrap = credit.assign, ft.unwrap_model_for_generation
 def assign(*a, **k):
     entered.append("assign")
     c = real_assign(*a, **k)
-    return c._replace(gamma=MUTATIONS[mutation[0]](c.gamma)) if mutation[0] and RANK == 0 else c
+    return c._replace(weight=MUTATIONS[mutation[0]](c.weight)) if mutation[0] and RANK == 0 else c
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ middle layers is the DAG W of eq. 1. grpo.py takes it inside its training forwar
     attention_graph(model, input_ids, attention_mask, layers)  -> (B, T, T)   a no-grad forward that stops
                                                                               after the last chosen layer
     with capturing(model, mask, layers) as cap: model(...)     -> cap.attn    TRL's training forward
-    use_flowtracer_attention(model)                                           the attention function that
-                                                                              takes the maps ("flowtracer")
+    use_capture_attention(model)                                           the attention function that
+                                                                              takes the maps ("sdpa_capture")
 
 App. C.2 runs the eager attention path to materialise all maps; these recompute only the chosen layers' maps
 in query chunks (flowtracer.add_head_mean, equal to eager to 1e-5 in tests/test_attention_graph.py), far less
@@ -17,7 +17,7 @@ Run the tests: python -m pytest -q tests/test_attention_graph.py
 """
 import torch
 
-from flowtracer import IMPL, Capture, _Stop, select_layers
+from flowtracer import IMPL, Capture, _Stop, register_attention, select_layers
 
 
 def _check_inputs(input_ids, attention_mask, chunk):
@@ -33,7 +33,7 @@ def _check_inputs(input_ids, attention_mask, chunk):
 
 class capturing:
     """Context manager for a forward that you do not call yourself (TRL's training forward): `model`'s next
-    decoder forward is given a Capture (a pre-hook adds flow_capture=...), under the "flowtracer" attention.
+    decoder forward is given a Capture (a pre-hook adds flow_capture=...), under the "sdpa_capture" attention.
     After the block, `.attn` is the (B, T, T) layer mean, zero on padding, as attention_graph returns it.
 
         with capturing(model, mask, "middle") as cap:
@@ -46,7 +46,7 @@ class capturing:
         self.state, self.attn = Capture(self.layers, chunk), None
 
     def __enter__(self):
-        self.old = use_flowtracer_attention(self.model)
+        self.old = use_capture_attention(self.model)
         give = lambda module, args, kwargs: (args, {**kwargs, "flow_capture": self.state})  # noqa: E731
         self.hook = self.model.get_decoder().register_forward_pre_hook(give, with_kwargs=True)
         return self
@@ -60,10 +60,11 @@ class capturing:
         return False
 
 
-def use_flowtracer_attention(model):
-    """Switch `model` to the "flowtracer" attention function (sdpa + the capture); returns the old name."""
+def use_capture_attention(model):
+    """Switch `model` to the "sdpa_capture" attention function (sdpa + the capture); returns the old name."""
     old = model.config._attn_implementation
     if old != IMPL:
+        register_attention()
         model.set_attn_implementation(IMPL)
     if model.config._attn_implementation != IMPL:
         raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
@@ -82,7 +83,7 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
     cap = Capture(select_layers(layers, model.config.num_hidden_layers), chunk, stop_after_last=True)
     mask = attention_mask.to(input_ids.device).long()  # (B, T)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T), as HF generate
-    old_impl, was_training = use_flowtracer_attention(model), model.training
+    old_impl, was_training = use_capture_attention(model), model.training
     try:
         model.eval()
         model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,

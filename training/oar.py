@@ -14,7 +14,7 @@ Both ask how much a response token moves the model's *outcome* phi(x, y) (OAR §
             embeddings; I_t = |<dJ/de_t, e_t>| (Gradient x Input), one backward pass   (eq. 12-13)
             AS-Joint: J = phi_0 - phi_eps (departure 9)
 
-The bi-level reshaping of OAR (eq. 14-17) is a shaping rule, credit.shape_bilevel; it works on any signal.
+The bi-level reshaping of OAR (eq. 14-17) is a shaping rule, shaping.shape_bilevel; it works on any signal.
 This file also holds the two forward helpers the other model-based signals share: `hidden` (the decoder
 trunk, no lm_head) and `lm_logits` (lm_head on chosen rows only), so that (B, T, V) logits are never built.
 

@@ -1,6 +1,6 @@
 """The policy as one device trains it: the device, the weights' dtype, the optimizer, autocast, loading.
 
-grpo.setup and memtrace.measure both build the policy here (load_policy), so the step memtrace.py measures
+run.setup and memtrace.measure both build the policy here (load_policy), so the step memtrace.py measures
 is grpo.py's. The log-probs of the update are training/logprobs.py's; the optimizer step is grpo.py's.
 
 Departures (numbered; grpo.py's departure 3 in full):
@@ -110,10 +110,10 @@ def autocast(device):
 
 def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
-    cfg.model in the scheme's dtype, under flowtracer's attention (sdpa, plus the head-mean maps when a
+    cfg.model in the scheme's dtype, under the attention "sdpa_capture" (sdpa, plus the head-mean maps when a
     forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
-    beta > 0; gradient checkpointing as --grad-checkpointing says (checkpointing, below). Under LoRA
-    (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones (with_lora)."""
+    beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing). Under
+    LoRA (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones (with_lora)."""
     dtype, lora = weight_dtype(cfg, device), getattr(cfg, "lora_rank", 0) > 0
     model, tok = load_model(cfg.model if lora else path or cfg.model, device=device, dtype=dtype,
                             attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked

@@ -44,9 +44,8 @@ class Run:
     order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
     prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
     style: str                  # the prompt style in force (data.make_prompt)
-    layers: list                # the layers FlowTracer reads (select_layers of --layers)
+    layers: list                # the layers the update's Capture reads (--layers); []: the credit reads none
     head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
-    flowtracer: bool            # the paper's credit (flow, top-k, fused); False: credit.Baseline's
     engine: object              # the CUDA decode engine, reserved and kept for the run (preflight.py)
     eval_records: list          # the held-out questions of --eval-every (empty when off)
     log: runlog.RunLog          # the run directory: metrics, rollouts, checkpoints, curves
@@ -107,12 +106,13 @@ def setup(cfg, memory=None) -> Run:
                                                                  resume_step=start or None)
     metrics = ckpt_io.open_metrics(out, start if ckpt else None)
     log = runlog.RunLog(out, cfg, u.model, u.tok, u.opt, sched, metrics, tracker)
+    where = "" if credit.is_paper(cfg) else " (training/credit.py)"
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
-          f"{'' if u.flowtracer else ' (training/credit.py)'}, {cfg.prompts_per_step}x{cfg.group_size} "
+          f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
-               u.layers, gpu.head_mean, u.flowtracer, gpu.engine, evals, log, start, bad, widest, reward,
+               u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
                kwargs)
 
 
@@ -170,6 +170,6 @@ def for_update(cfg, device, path=None):
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
     return SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
-                           autocast=policy.autocast(device), flowtracer=credit.is_flowtracer(cfg),
-                           layers=flowtracer.select_layers(cfg.layers, model.config.num_hidden_layers),
+                           autocast=policy.autocast(device), layers=flowtracer.select_layers(
+                               cfg.layers, model.config.num_hidden_layers) if credit.reads_maps(cfg) else [],
                            head_mean=flowtracer.head_mean_kernel(device) if credit.reads_maps(cfg) else None)

@@ -1,31 +1,26 @@
 """What a GRPO run writes, and the run directory while it writes: never lost, never split.
 
-    log = RunLog(out, cfg, model, tok, opt, sched, metrics)   # grpo.setup: the directory is locked already
+    log = RunLog(out, cfg, model, tok, opt, sched, metrics)   # run.setup: the directory is locked already
     with log.clock.phase("credit"): ...                       # grpo's phases, timed (time/*)
-    log.step(step, m, rollout, bad, stopping)                 # grpo.train, after every step
+    log.step(step, m, rollouts, bad, stopping)                # grpo.train, after every step
     log.finish(stop)                                          # the end of the run, however it ended
 
-  step        the metrics line (metrics.jsonl, and the tracker of --report-to), the rollouts with their
-              per-token credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, and the
-              last --keep-checkpoints of them) with curves.png redrawn
-  Clock       seconds per phase of a step, synchronized on CUDA (time/*)
-  A first Ctrl-C or SIGTERM sets log.stop_requested (the loop finishes the step, saves and stops); a second
-  stops at once.
-  step_metrics, credit_stats   one step's metrics; OAR App. A.3's diagnostics of the credit
+  step      the metrics line (metrics.jsonl; the tracker of --report-to), the rollouts with their per-token
+            credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, the last
+            --keep-checkpoints of them) with curves.png redrawn. A first Ctrl-C / SIGTERM sets
+            log.stop_requested (the step finishes, is saved, the run stops); a second stops at once.
+  Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
+Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
+vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
+of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*.
 
-Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do
-not vary), len/* (response tokens), entropy (mean policy entropy over the trained response tokens),
-loss, grad_norm, clip/* (fraction of trained tokens clipped), credit/* (gamma statistics over the trained
-rows), time/* (seconds per phase), mem/peak_gb, eval/* (held-out greedy accuracy, --eval-every).
-
-The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py
-reads it back): 1. everything is written to ckpt.tmp/, the marker file COMPLETE last (a directory without it
-is partial); 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/; 4. ckpt.old/ is deleted (or kept as ckpt-<step>/
-under --keep-checkpoints K > 1, the K - 1 newest). A directory is deleted marker first (`discard`), so a
-half-deleted one is never taken for complete, and a save first finishes one that was killed between 2 and 3.
-metrics.jsonl gets one line per step, flushed and fsynced. The run directory is locked (fcntl.flock on
-<out_dir>/.lock, held while the process lives), so two runs never write into one. A full disk is one line with
-the space needed, and the last complete checkpoint stands.
+The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py):
+1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/;
+4. ckpt.old/ is deleted (or kept as ckpt-<step>/, the K - 1 newest of --keep-checkpoints K). A directory is
+deleted marker first (`discard`), and a save first finishes one killed between 2 and 3. metrics.jsonl gets
+one line per step, fsynced. The run directory is locked (fcntl.flock on <out_dir>/.lock) while the process
+lives (training/rundir.py). A full disk is one line with the space needed, and the last complete checkpoint
+stands.
 
 Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
                 'smollm2-135m', 'arithmetic', 'flow/topk')"
@@ -33,7 +28,6 @@ Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/m
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import json
 import os
 import random
@@ -47,9 +41,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from training import rundir
+from training.rundir import RunError
+
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
-LOCK = ".lock"      # in out_dir; holds the PID of the run that has it locked
 
 
 # ----------------------------------------------------------------------------- the run's log
@@ -57,10 +53,11 @@ class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
     alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
     def __init__(self, out, cfg, model, tok, opt, sched, metrics, tracker=None):
-        self.out, self.cfg, self.model, self.tok = Path(out), cfg, model, tok
-        self.opt, self.sched = opt, sched
+        self.out, self.cfg, self.model, self.tok, self.opt = Path(out), cfg, model, tok, opt
+        self.sched = sched
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
@@ -70,7 +67,7 @@ class RunLog:
         self.stop_requested = True
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
-    def step(self, step, m, rollout, bad, stopping=False):
+    def step(self, step, m, rollouts, bad, stopping=False):
         """The end of every step, skipped or not: its line, the tracker, the rollouts when due, the checkpoint
         when due or when the run stops here. Returns None, or the one-line reason when the disk is full: the
         loop stops on it, and the last complete checkpoint stands."""
@@ -90,8 +87,8 @@ class RunLog:
             write_metrics(self.metrics, m)
             if self.tracker is not None:
                 self.tracker.log(m, done)
-            if rollout is not None and done % cfg.rollouts_every == 0:
-                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, *rollout)
+            if rollouts is not None and done % cfg.rollouts_every == 0:
+                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, rollouts)
             if done % cfg.save_every == 0 or done == cfg.steps or stopping:
                 save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
                                 keep=getattr(cfg, "keep_checkpoints", 1))
@@ -110,7 +107,8 @@ class RunLog:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        unlock_out_dir(self.out)
+        if self.lock is not None:
+            self.lock.close()              # closing the lock file lets the directory go (rundir.py)
         print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
               f"rollouts: {self.out / 'rollouts'}")
         if (self.out / "ckpt").is_dir():
@@ -144,36 +142,37 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
     """One step's metrics; up: grpo.Update; sec: Clock.seconds; bad: the non-finite streak; lr: the step's.
     time/credit is the credit after the forward (the capture runs inside the update's forward: time/update);
     time/credit_share is its share of the step (FlowTracer's Table 6: ~2%)."""
-    resp, gamma, stats = batch.response_mask[:, batch.prompt_width:], up.gamma, up.stats          # (B, R)
+    loss_mask, weight, stats = batch.response_mask[:, batch.prompt_width:], up.weight, up.stats   # (B, R)
     trained = (adv != 0) if cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)       # (B,)
-    n_tok = resp.sum().clamp_min(1).item() * cfg.num_iterations
+    n_tok = loss_mask.sum().clamp_min(1).item() * cfg.num_iterations
     ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
-    on = resp & trained[:, None]                                                             # (B, R)
+    on = loss_mask & trained[:, None]                                                        # (B, R)
     update = sum(sec.get(k, 0.0) for k in ("update forward", "backward", "optimizer step"))
     step = sum(sec.values())
     peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
     return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
             "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
-            "len/mean": resp.sum(-1).float().mean().item(),
+            "len/mean": loss_mask.sum(-1).float().mean().item(),
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
             "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
             "grad_norm": stats.get("grad_norm", 0.0), "lr": lr, "bad_steps": bad,
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
-            "credit/boosted_frac": ((gamma != 1) & on).sum().item() / max(1, on.sum().item()),
-            **credit_stats(gamma, adv, on),
+            "credit/boosted_frac": ((weight != 1) & on).sum().item() / max(1, on.sum().item()),
+            **credit_stats(weight, adv, on),
             "time/generate": sec.get("generation", 0.0), "time/reward": sec.get("reward", 0.0),
             "time/credit": sec.get("credit", 0.0), "time/update": update, "time/step": step,
             "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0, "mem/peak_gb": peak}
 
 
-def credit_stats(gamma, adv, on):
-    """OAR App. A.3 on the trained response tokens: mean ESS ratio of gamma, and the top-10% mass of |A_t|."""
+def credit_stats(weight, adv, on):
+    """OAR App. A.3 on the trained response tokens: mean ESS ratio of the weight gamma_it (B, R), and the
+    top-10% mass of |A_t|."""
     ess, mass = [], []
-    for b in range(gamma.shape[0]):
-        g, n = gamma[b][on[b]].double(), int(on[b].sum())
+    for b in range(weight.shape[0]):
+        g, n = weight[b][on[b]].double(), int(on[b].sum())
         if n == 0:
             continue
         ess.append((g.sum() ** 2 / (n * (g ** 2).sum())).item())
@@ -185,29 +184,30 @@ def credit_stats(gamma, adv, on):
 
 
 # ----------------------------------------------------------------------------- files a step writes
-def save_rollouts(path, tok, batch, gen, rows, rewards, adv, scores, gamma):
-    """One JSON line per rollout: text, reward, advantage, and per response token: text, score, gamma."""
-    P = batch.prompt_width
+def save_rollouts(path, tok, rollouts):
+    """One JSON line per rollout (rollouts: grpo.Rollouts, the rows a step trained on): text, reward,
+    advantage, and per response token: text, score, weight."""
+    batch, gen, P = rollouts.batch, rollouts.gen, rollouts.batch.prompt_width
     with full_disk(path, "the rollouts"), open(path, "w") as fh:
-        for b, j in enumerate(rows):
+        for b, j in enumerate(rollouts.kept):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
             fh.write(json.dumps({"prompt": tok.decode(gen.prompt_ids[j]), "response": gen.texts[j],
-                                 "reward": rewards[j].item(), "adv": adv[b].item(),
+                                 "reward": rollouts.rewards[j].item(), "adv": rollouts.adv[b].item(),
                                  "tokens": [tok.decode([t]) for t in ids],
                                  "answer": batch.answer_mask[b, P:P + n].tolist(),
-                                 "score": scores[b, :n].float().tolist(),
-                                 "gamma": gamma[b, :n].tolist()}) + "\n")
+                                 "score": rollouts.scores[b, :n].float().tolist(),
+                                 "weight": rollouts.weight[b, :n].tolist()}) + "\n")
 
 
 CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # metric -> its y label
           "entropy": "policy entropy (nats/token)", "len/mean": "response length (tokens)"}
 
 
-def plot_curves(metrics_path, png_path, model, task, credit):
+def plot_curves(metrics_path, png_path, model, dataset, credit):
     """curves.png: reward, accuracy, entropy and length against the step (integer ticks), one panel each with
-    its y label, under a title naming the run (model, task, credit). Returns the figure (closed), or None when
-    no step has any of them."""
+    its y label, under a title naming the run (model, dataset, credit). Returns the figure (closed), or None
+    when no step has any of them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,35 +223,12 @@ def plot_curves(metrics_path, png_path, model, task, credit):
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))             # steps are whole: no 1.5, 2.5
-    fig.suptitle(f"{model} on {task}, credit {credit}")
+    fig.suptitle(f"{model} on {dataset}, credit {credit}")
     fig.tight_layout()
     with full_disk(png_path, "the curves"):
         fig.savefig(png_path, dpi=80)
     plt.close(fig)
     return fig
-
-
-def metric_series(path, key):
-    """[[step, value], ...] of one numeric metric of a metrics.jsonl, by step; the last line of a step wins,
-    a line cut by a kill is skipped, a missing file gives []."""
-    rows, path = {}, Path(path)
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get(key), (int, float)) and "step" in row:
-            rows[row["step"]] = row[key]
-    return [[s, v] for s, v in sorted(rows.items())]
-
-
-def peak_ema(xs, alpha=0.2):
-    """Peak-tracking EMA (App. C.3): EMA_t = alpha max(x_t, EMA_{t-1}) + (1 - alpha) EMA_{t-1},
-    EMA_0 = x_0."""
-    out = []
-    for x in xs:
-        out.append(x if not out else alpha * max(x, out[-1]) + (1 - alpha) * out[-1])
-    return out
 
 
 # ----------------------------------------------------------------------------- checkpoints, atomically
@@ -297,8 +274,8 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1):
 
 
 # torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
-# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (or, for a small file,
-# "basic_ios::clear: iostream error"); older versions "PytorchStreamWriter failed writing file".
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" ("basic_ios::clear:
+# iostream error" for a small file); older versions "PytorchStreamWriter failed writing file".
 ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
 
 
@@ -337,10 +314,6 @@ def complete(d):
     return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
 
 
-class RunError(ValueError):
-    """A run directory or checkpoint the user pointed at that cannot be used; the message names it."""
-
-
 def discard(d):
     """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
     "complete" one with files missing."""
@@ -350,8 +323,7 @@ def discard(d):
 
 @contextlib.contextmanager
 def quiet_bars():
-    """transformers' (and huggingface_hub's) progress bars off inside the block, as they were after it:
-    save_pretrained prints a "Writing model shards" bar at every save otherwise."""
+    """transformers' progress bars off inside the block (save_pretrained's "Writing model shards" bar)."""
     from transformers.utils import logging as hf_logging
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -380,59 +352,3 @@ def write_metrics(fh, record):
         fh.write(json.dumps(record) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-
-
-# ----------------------------------------------------------------------------- the run directory's lock
-_held = {}       # resolved out_dir -> this process's open lock file (the flock lasts while it is open)
-
-
-def lock_out_dir(out):
-    """An exclusive lock on out_dir for the life of this process's run, so two runs never write into one
-    directory; RunError naming the PID that holds it. Taking it again in the same process is a no-op."""
-    out = Path(out)
-    if out.resolve() in _held:
-        return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK, "a+")
-    except OSError as e:
-        raise RunError(f"{out}: cannot be the run directory ({e.strerror})") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise in_use(out, f) from None
-    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
-        print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _held[out.resolve()] = f
-
-
-def in_use(out, f):
-    """The RunError of an out_dir whose lock another run holds (f: its lock file, open; closed here)."""
-    f.seek(0)
-    pid = f.read().strip() or "unknown"
-    f.close()
-    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
-                    f"choose another --out-dir")
-
-
-def check_unlocked(out):
-    """RunError when another run holds out_dir's lock (taken here and let go at once); creates nothing."""
-    lock = Path(out) / LOCK
-    if Path(out).resolve() in _held or not lock.is_file():
-        return
-    with open(lock) as f:                                                  # closing it lets the lock go
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise in_use(out, f) from None
-        except OSError:          # a file system without flock: lock_out_dir warns
-            pass
-
-
-def unlock_out_dir(out):
-    f = _held.pop(Path(out).resolve(), None)
-    if f is not None:
-        f.close()                # closing the file releases the lock

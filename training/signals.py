@@ -2,8 +2,8 @@
 
     scores = SIGNALS[name](model, batch, cfg, outputs=None)   -> (B, T) float32, 0 off the response
 
-`batch` is a rollout.Batch, `cfg` a credit.CreditConfig. credit.py turns scores into gamma (the shaping
-rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
+`batch` is a rollout.Batch, `cfg` a credit.CreditConfig. shaping.py turns scores into the weight gamma_it
+(the shaping rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
 Table 2; OAR §4.2, Table 1):
 
   none           1 on every response token (plain GRPO)
@@ -102,7 +102,7 @@ def signal_flow(model, batch, cfg, outputs=None):
     dev = attn.device
     valid = batch.attention_mask.to(dev).bool()
     q, a = batch.question_mask.to(dev), batch.answer_mask.to(dev)
-    tau = trace_flow(attn, q, a, valid_mask=valid).throughput                 # (B, T) eq. 1-4
+    tau = trace_flow(attn, q, a, attention_mask=valid).throughput                 # (B, T) eq. 1-4
     resp = batch.response_mask
     return (tau.float() * resp.to(dev)).to(resp.device)                       # (B, T)
 
