@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import flowtracer
 import grpo
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
 from training import logprobs, models, policy
@@ -37,13 +38,14 @@ def batch_of(tok):
 
 
 def credit_of(model, batch, share, layers):
-    """(log-probs (B, R), captured maps (B, T, T), gamma (B, T)) of grpo.update's first micro-batch."""
+    """(log-probs (B, R), captured maps (B, T, T), weight (B, R)) of grpo.update's first micro-batch."""
     cap = Capture(layers)
     logp, _ = logprobs.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4,
                                       share, capture=cap)
     W = cap.maps(batch.attention_mask)
-    flow = trace_flow(W.clone(), batch.question_mask, batch.answer_mask, batch.attention_mask.bool())
-    return logp, W, flow_credit(flow.throughput, batch.response_mask, 0.4, 1.5).gamma
+    flow = trace_flow(W.clone(), batch.question_mask, batch.answer_mask, batch.attention_mask)
+    c = flow_credit(flow.throughput, batch.response_mask, 0.4, 1.5, prompt_width=batch.prompt_width)
+    return logp, W, c.weight
 
 
 @pytest.mark.parametrize("share,ckpt", [(True, True), (False, False)])
@@ -52,7 +54,7 @@ def test_at_initialisation_lora_equals_the_base_exactly(share, ckpt):
     The base is frozen as LoRA leaves it (torch's matmul folds a 3-D input into another GEMM shape when the
     weight needs no gradient: the head's log-probs would differ in the last bit either way, LoRA or not)."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "8"])
-    base, tok = models.load_model("tiny-qwen3", device="cpu", attn_implementation="flowtracer")
+    base, tok = models.load_model("tiny-qwen3", device="cpu", attn_implementation=flowtracer.IMPL)
     if ckpt:
         logprobs.checkpointing(base)
     batch, layers = batch_of(tok), select_layers(cfg.layers, base.config.num_hidden_layers)
