@@ -15,13 +15,9 @@ eq. 10-11, App. C):
 
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
 (Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/rollout.py's `generate`.
-The forward fills a Capture because every model the project loads runs the attention "sdpa_capture", named
-to transformers by one call, flowtracer.register_attention, made by training/models.py's load_model (an
-import registers nothing). Behind one call each (README, "The layout"): every other credit (credit.Baseline,
-training/credit.py), each prompt read once in the update (training/logprobs.py), the optimizer and the
-weights' dtype (training/policy.py), the run's files (training/runlog.py; resuming: training/checkpoint.py),
-held-out evaluation (training/heldout.py). Records, not positions, carry a step: Experience (a micro-batch's
-inputs to grpo_loss), Rollouts (what a step hands the run's files), Step, Update, flowtracer.Credit.
+A forward fills a Capture because training/models.py's load_model runs every model under the attention
+"sdpa_capture" (one call, flowtracer.register_attention; an import registers nothing). Behind one call each
+(README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's files, setup.
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
@@ -42,17 +38,13 @@ Departures from the paper (numbered):
     credit. The logged entropy is therefore over the rows that were trained.
  8. PPO epochs beyond the first (--num-iterations > 1) keep the first epoch's credit: gamma is part of the
     advantage, fixed by the rollout policy, as A is.
- 9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer of attention and MLP instead of
-    every weight (the paper fine-tunes all of them), so Qwen3-4B's step fits a 24 GB GPU: "LoRA Without
-    Regret" (Schulman et al., Thinking Machines Lab, 2025) finds policy-gradient RL with LoRA on all layers
-    matching full fine-tuning at small ranks, with about 10x its learning rate (LORA_LR_FACTOR, the lr the
-    presets give times ten; --lr given wins). The base stays frozen, the rollouts decode the adapted model
-    as it is trained, --beta > 0 reads the reference as the same weights with the adapters off, and
-    checkpoints hold the adapters (training/policy.py, departure 4). Credit and update are unchanged.
+ 9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer (attention and MLP), not every weight,
+    so Qwen3-4B's step fits a 24 GB GPU; "LoRA Without Regret" (Schulman et al., Thinking Machines Lab, 2025)
+    finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (LORA below).
+    The base stays frozen; rollouts, credit and update read the adapted model (training/policy.py, dep. 4).
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
-      python grpo.py --config run.yaml                                  # flags from a YAML / JSON file
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
       python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
@@ -71,21 +63,21 @@ from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
-from training.rewards import RewardError
+from training.policy import AdapterConfig
+from training.rewards import RewardError, TaskConfig
 from training.rollout import build_batch, find_answer_span, generate, take
 from training.run import setup
 
 
+# One flat set of flags, with those of the credit (--credit, --shaping, --gamma, ...: credit.py), of your own
+# task (--reward, --answer-pattern, ...: rewards.py) and of LoRA (--lora-rank, ...: policy.py) inherited.
 @dataclass
-class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --shaping, --top-frac, --gamma
+class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     # model and dataset
     model: str = "smollm2-135m"        # hub name, local dir, .gguf file or alias (models.py); sets the preset
     dataset: str = "arithmetic"        # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
     data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
-    question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
-    answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
     prompt_style: str = "auto"         # how a question becomes a prompt; auto: by model and task (data.py)
-    chat_template_kwargs: str = ""     # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
     max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16         # prompts per step (the paper: 64 on 8 GPUs, App. C.3; 16 fit one GPU)
@@ -98,10 +90,6 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
     share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (logprobs.py)
     # reward and advantages
-    reward: str = ""                   # FILE.py:FUNCTION[,...], (completion, record) -> float; "": the task's
-    reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
-    reward_files: str = ""             # set by the run: each --reward file's path and SHA-256 (rewards.py)
-    answer_pattern: str = ""           # regex of eq. 2's answer: its last match (group 1); "": \boxed{}
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # clip each advantage A_i to [-x, x] (the paper's, App. C.3)
     dynamic_filter: bool = False       # train groups with accuracy in [low, high], uncut responses (App. C.3)
@@ -111,10 +99,6 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     # update
     lr: float = 1e-6                   # AdamW learning rate (the paper's, §4.1, App. C.3)
     optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) on CUDA, adamw (fp32) on CPU
-    lora_rank: int = 0                 # LoRA adapters of this rank (departure 9); 0: full fine-tuning (paper)
-    lora_alpha: float = 32.0           # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
-    lora_targets: str = "all-linear"   # modules given adapters, comma-separated; all-linear: attention + MLP
-    lora_dropout: float = 0.0          # dropout on the adapters' input ("LoRA Without Regret": none)
     warmup_steps: int = 20             # steps of linear learning-rate warmup (the paper's, App. C.3)
     weight_decay: float = 0.0          # AdamW weight decay (not given in the paper)
     num_iterations: int = 1            # PPO epochs per batch; > 1 runs an old-log-prob pass first
@@ -130,7 +114,6 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
     eval_every: int = 0                # evaluate every N steps and at the last (0: off); eval/* metrics
     eval_dataset: str = ""             # the held-out dataset ("": the training dataset's test split)
-    eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
     eval_size: int = 200               # held-out questions (the first N of the test split)
     # run
     steps: int = 500                   # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
@@ -149,16 +132,13 @@ class Config(credit.CreditConfig):   # inherits the credit knobs: --credit, --sh
     allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
-# Departure 5: the embedded model (the default --model, named or not) runs on a CPU in minutes and keeps one
-# checkpoint, its weights alone (~540 MB: saved at the end, without AdamW's state). Flags given win.
+# Departure 5: the embedded model runs on a CPU in minutes, one checkpoint of its weights alone; flags win.
 EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, lr=1e-5, warmup_steps=2,
                 micro_batch=4, gen_chunk=8, rollouts_every=2, max_prompt_tokens=768, save_optimizer=False,
                 grad_checkpointing=False, out_dir="runs/embedded")
 PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
 PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=64)   # departure 1; flags win
-# Departure 9: LoRA's learning rate is about 10x full fine-tuning's ("LoRA Without Regret", Schulman et al.,
-# Thinking Machines Lab, 2025): ten times the lr the other presets give. Flags given win.
-LORA_LR_FACTOR = 10
+LORA_LR_FACTOR = 10   # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
 LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))                # 1e-5 (round: not 9.999999999999999e-06)
 LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
 PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER, "--paper-batch": PAPER_BATCH,
@@ -194,21 +174,9 @@ def train(cfg: Config, run=None) -> Outcome:
     return Outcome(history, stop, status)
 
 
-class Rollouts(NamedTuple):
-    """What a step hands the run's files (grpo_step -> RunLog.step -> save_rollouts): the B rows it trained
-    on, of the N it sampled."""
-    batch: object               # rollout.Batch of the kept rows, (B, T)
-    gen: object                 # rollout.Generations of every sampled row (N)
-    kept: list                  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
-    rewards: torch.Tensor       # (N,) every sampled row's reward
-    adv: torch.Tensor           # (B,) A_i, eq. 10
-    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput tau)
-    weight: torch.Tensor        # (B, R) gamma_it on each response token (eq. 6)
-
-
 class Step(NamedTuple):
     metrics: dict               # the step's metrics line (runlog.step_metrics), or why it was skipped
-    rollouts: Rollouts | None   # what rollouts/step_N.jsonl shows (runlog.save_rollouts); None: skipped
+    rollouts: runlog.Rollouts | None   # what rollouts/step_N.jsonl shows (save_rollouts); None: skipped
     bad: int                    # consecutive steps with a non-finite loss or gradient, this one included
 
 
@@ -232,17 +200,11 @@ def grpo_step(run, step, bad) -> Step:
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rewards = torch.tensor([run.reward(txt, run.records[ids[j // G]]) for j, txt in enumerate(gen.texts)])
-        found = [find_answer_span(t, cfg.answer_pattern) is not None for t in gen.texts]   # eq. 2's sink
+        m["answers/missing"] = sum(find_answer_span(t, cfg.answer_pattern) is None for t in gen.texts)
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
             (list(range(len(rewards))), {})                                                    # departure 6
-    m.update(dropped, **{"answers/missing": found.count(False)})
-    if 2 * found.count(False) > len(found) and "answers" not in run.warned:          # said once a run
-        run.warned.add("answers")
-        rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
-        tqdm.write(f"step {step + 1}: {found.count(False)} of {len(found)} responses have no answer region "
-                   f"(eq. 2's sink; {rule}), so their flow credit falls back to plain GRPO: give "
-                   f"--answer-pattern REGEX, the form of this task's answer")
+    m.update(dropped)
     if not kept:
         return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
     batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
@@ -256,7 +218,7 @@ def grpo_step(run, step, bad) -> Step:
         run.sched.step()
     m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad,
                                  run.sched.get_last_lr()[0], run.device))
-    return Step(m, Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
+    return Step(m, runlog.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
 # ----------------------------------------------------------------------------- policy math
@@ -294,7 +256,10 @@ def update(run, batch, trained, adv, clock) -> Update:
     with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
         baseline = None if paper else credit.Baseline(run, batch, trained, adv)    # call shape and record
     with clock.phase("update forward"), run.autocast:
-        old = old_logprobs(run, batch, trained) if cfg.num_iterations > 1 else None  # (B, R); on-policy: logp
+        if cfg.num_iterations > 1:                   # PPO's old log pi (B, R): the pre-update policy's
+            model.eval()                             # (on-policy: the forward's own, detached; test_fused.py)
+        old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk,
+                             cfg.share_prefix) if cfg.num_iterations > 1 else None
         ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch,
                                                           cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
     model.train()
@@ -378,15 +343,6 @@ def grpo_loss(logp, exp: Experience, cfg):
     return loss, stats
 
 
-def old_logprobs(run, batch, trained):
-    """(B, R) PPO's old log pi, the pre-update policy's, for --num-iterations > 1. On-policy (one iteration)
-    they equal the detached log-probs of the training forward, which update uses instead: one pass, not two
-    (tests/test_fused.py)."""
-    run.model.eval()
-    return fixed_logprobs(run.model, batch, trained, run.cfg.micro_batch, run.cfg.logprob_chunk,
-                          run.cfg.share_prefix)
-
-
 def kept_rows(rewards, truncated, cfg):
     """(row indices for the update, {metric: count dropped}) under --dynamic-filter (App. C.3, departure 6):
     groups with accuracy in [filter_low, filter_high], and in them the responses that ended before
@@ -430,13 +386,10 @@ def main(argv=None):
         sys.exit(2)
     try:
         out = train(cfg, run)
-    except RewardError as e:                          # a --reward raised or gave NaN: the last checkpoint
+    except RewardError as e:                          # a --reward raised or gave NaN mid-run
         run.log.finish(str(e))
-        saved = (Path(cfg.out_dir) / "ckpt").is_dir()
-        print(f"grpo.py: error: {e}; " + (f"the last checkpoint stands (--resume {cfg.out_dir} continues "
-                                          f"from it)" if saved else "no checkpoint was saved yet"),
-              file=sys.stderr)
-        sys.exit(2)
+        last = "the last checkpoint stands" if (Path(cfg.out_dir) / "ckpt").is_dir() else "no checkpoint yet"
+        out = Outcome([], f"{e}; {last}", 2)
     if out.status:                                    # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)
         sys.exit(out.status)

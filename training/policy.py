@@ -26,6 +26,7 @@ Run: python eval.py memory --model qwen3-4b-random        # the accounting this 
      python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24
 """
 import os
+from dataclasses import dataclass
 import warnings
 
 import torch
@@ -35,6 +36,16 @@ from flowtracer import select_layers
 from gpu_kernels.availability import unavailable
 from training.logprobs import checkpointing
 from training.models import load_model
+
+
+@dataclass
+class AdapterConfig:
+    """grpo.Config's LoRA flags (departure 4 below; grpo.py's departure 9)."""
+    # LoRA (peft; departure 4 of training/policy.py)
+    lora_rank: int = 0                 # LoRA adapters of this rank (departure 9); 0: full fine-tuning (paper)
+    lora_alpha: float = 32.0           # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
+    lora_targets: str = "all-linear"   # modules given adapters, comma-separated; all-linear: attention + MLP
+    lora_dropout: float = 0.0          # dropout on the adapters' input ("LoRA Without Regret": none)
 
 
 def device_of(name="auto") -> torch.device:
@@ -112,8 +123,9 @@ def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
     cfg.model in the scheme's dtype, under the attention "sdpa_capture" (sdpa, plus the head-mean maps when a
     forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
-    beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing). Under
-    LoRA (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones (with_lora)."""
+    beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing).
+    Under LoRA (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones
+    (with_lora)."""
     dtype, lora = weight_dtype(cfg, device), getattr(cfg, "lora_rank", 0) > 0
     model, tok = load_model(cfg.model if lora else path or cfg.model, device=device, dtype=dtype,
                             attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked

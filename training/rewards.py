@@ -33,8 +33,24 @@ import json
 import math
 import numbers
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
+
+
+@dataclass
+class TaskConfig:
+    """grpo.Config's flags for your own task (docs/your-task.md): the reward, the dataset's fields, the
+    answer region of eq. 2, the chat template's options."""
+    # your own task (training/rewards.py, tasks/custom.py; docs/your-task.md)
+    question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
+    answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
+    chat_template_kwargs: str = ""     # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
+    reward: str = ""                   # FILE.py:FUNCTION[,...], (completion, record) -> float; "": the task's
+    reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
+    reward_files: str = ""             # set by the run: each --reward file's path and SHA-256 (rewards.py)
+    answer_pattern: str = ""           # regex of eq. 2's answer: its last match (group 1); "": \boxed{}
+    eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
 
 
 class RewardError(ValueError):

@@ -15,7 +15,7 @@ Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 import dataclasses
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,7 +55,6 @@ class Run:
                                 # held-out): what the decode engine and memory.py's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
-    warned: set = field(default_factory=set)   # the one-time warnings already given (grpo_step's answers)
 
 
 def setup(cfg, memory=None) -> Run:

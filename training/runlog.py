@@ -37,6 +37,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -49,6 +50,18 @@ RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.j
 
 
 # ----------------------------------------------------------------------------- the run's log
+class Rollouts(NamedTuple):
+    """What a step hands the run's files (grpo.grpo_step -> RunLog.step -> save_rollouts): the B rows it
+    trained on, of the N it sampled."""
+    batch: object               # rollout.Batch of the kept rows, (B, T)
+    gen: object                 # rollout.Generations of every sampled row (N)
+    kept: list                  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
+    rewards: torch.Tensor       # (N,) every sampled row's reward
+    adv: torch.Tensor           # (B,) A_i, eq. 10
+    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput tau)
+    weight: torch.Tensor        # (B, R) gamma_it on each response token (eq. 6)
+
+
 class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
     alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
@@ -57,6 +70,7 @@ class RunLog:
         self.sched = sched
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        self.warned_answers = False        # the missing answer regions were said (once a run)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
@@ -69,9 +83,18 @@ class RunLog:
 
     def step(self, step, m, rollouts, bad, stopping=False):
         """The end of every step, skipped or not: its line, the tracker, the rollouts when due, the checkpoint
-        when due or when the run stops here. Returns None, or the one-line reason when the disk is full: the
-        loop stops on it, and the last complete checkpoint stands."""
+        when due or when the run stops here; one line, once a run, when more than half the responses have no
+        answer region (answers/missing: their flow credit falls back to plain GRPO). Returns None, or the
+        one-line reason when the disk is full: the loop stops on it, and the last complete checkpoint
+        stands."""
         cfg, done, self.clock.seconds = self.cfg, step + 1, {}      # the next step's phases start at 0
+        missing, n = m.get("answers/missing", 0), len(rollouts.gen.texts) if rollouts is not None else 0
+        if 2 * missing > n > 0 and not self.warned_answers:        # eq. 2's sink: said once a run
+            self.warned_answers = True
+            rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
+            tqdm.write(f"step {done}: {missing} of {n} responses have no answer region (eq. 2's sink; "
+                       f"{rule}), so their flow credit falls back to plain GRPO: give --answer-pattern "
+                       f"REGEX, the form of this task's answer")
         if "skipped" in m:
             tqdm.write(f"step {done}: {m['skipped']}; no update")
         elif bad:
@@ -185,7 +208,7 @@ def credit_stats(weight, adv, on):
 
 # ----------------------------------------------------------------------------- files a step writes
 def save_rollouts(path, tok, rollouts):
-    """One JSON line per rollout (rollouts: grpo.Rollouts, the rows a step trained on): text, reward,
+    """One JSON line per rollout (rollouts: Rollouts, the rows a step trained on): text, reward,
     advantage, and per response token: text, score, weight."""
     batch, gen, P = rollouts.batch, rollouts.gen, rollouts.batch.prompt_width
     with full_disk(path, "the rollouts"), open(path, "w") as fh:
