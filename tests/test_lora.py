@@ -12,11 +12,13 @@ from safetensors.torch import load_file
 import flowtracer
 import grpo
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
-from training import logprobs, models, policy
+from training import logprobs, models, policy, rollout
 from training.rollout import build_batch
 
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
         "--micro-batch", "4", "--warmup-steps", "1", "--save-every", "1", "--seed", "3"]
+
+PROMPTS = ["Q: 1+1? A: 2. Q: 4+4? A:", "Q: 1+1? A: 2. Q: 10+7? A:", "no shared prefix"]
 
 
 def toy_reward(monkeypatch):
@@ -225,3 +227,21 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path):
         elif "lora_" not in name:
             assert torch.equal(p, init[base_name(name)]), name
     assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()
+
+
+def test_the_engine_decodes_the_adapted_model():
+    """The rollout decodes the LoRA model as it is trained: with the adapters moved off zero, the decode
+    engine's greedy rows (graphs=False: its static cache and step on the CPU) equal rollout.decode's, fp32,
+    and differ from the base model's (the adapters are read, not skipped)."""
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
+    base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    plain = rollout.generate(base, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
+    lora = policy.with_lora(base, cfg)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    eager = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
+    engine = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
+    assert engine.response_ids == eager.response_ids
+    assert eager.response_ids != plain.response_ids
