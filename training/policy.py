@@ -112,8 +112,9 @@ def load_policy(cfg, device, path=None):
     """(model, tokenizer, reference model or None, optimizer): the policy from `path` (a checkpoint) or
     cfg.model in the scheme's dtype, under the attention "sdpa_capture" (sdpa, plus the head-mean maps when a
     forward is given a flowtracer.Capture); a --layers it lacks an error here; the frozen reference when
-    beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing). Under
-    LoRA (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones (with_lora)."""
+    beta > 0; gradient checkpointing as --grad-checkpointing says (training/logprobs.py's checkpointing).
+    Under LoRA (departure 4) the base comes from cfg.model and the adapters from `path`, or new ones
+    (with_lora)."""
     dtype, lora = weight_dtype(cfg, device), getattr(cfg, "lora_rank", 0) > 0
     model, tok = load_model(cfg.model if lora else path or cfg.model, device=device, dtype=dtype,
                             attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked
