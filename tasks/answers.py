@@ -6,6 +6,7 @@ timeout and a size guard, never raising and never hanging.
                                    exactly as decimals: 2024 != 2024.001, 1000000 != 1000000.9;
                                    "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
   boxed_span(text) -> (start, end)  the content of the last closed, non-empty \\boxed{} (one linear pass)
+  last_boxed(text) -> str|None     that content; answer_text(a): a ground truth as a string (27.0 -> "27")
   option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
 Numbers (the rule, both directions tested in tests/test_reliability.py):
   - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
@@ -53,7 +54,7 @@ SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")   # LaTeX thousands s
 TEX_TOKEN = re.compile(r"\\\\|\\[a-zA-Z]+|\\.|\$", re.DOTALL)  # a line break \\ first: in \\, a comma
 GAP = re.compile(r"(\\[a-zA-Z]+ (?=[^\W\d_])|\d (?=\d))| ")  # a space parting tokens ("\pi r", "1 2"), or not
 SPACING = frozenset({"\\left", "\\right", "\\,", "\\:", "\\;", "\\!", "\\quad", "\\qquad", "\\displaystyle",
-                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as data.answer_text)
+                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as answer_text)
 
 
 def not_finite(s):
@@ -267,7 +268,7 @@ BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
 
 def boxed_span(text):
     """(start, end) of the content of the last closed, non-empty \\boxed{...} (the one opening last; nested
-    braces balanced), or None: data.last_boxed's answer, rollout.find_answer_span's span. One pass over
+    braces balanced), or None: last_boxed's answer, find_answer_span's span. One pass over
     the braces: linear in len(text), however many are left open."""
     stack, best = [], None
     for m in BRACES.finditer(text):                        # an open brace: (content start, is a \boxed{)
@@ -278,6 +279,21 @@ def boxed_span(text):
             if boxed and text[start:m.start()].strip() and (best is None or start > best[0]):
                 best = (start, m.start())
     return best
+
+
+def last_boxed(text):
+    """The content of the last closed, non-empty \\boxed{...} (boxed_span), or None."""
+    span = boxed_span(text)
+    return None if span is None else text[span[0]:span[1]]
+
+
+def answer_text(a):
+    """A ground truth as a string: 27.0 -> "27", ["$1$", "$2$"] -> "1, 2", " $x$ " -> "x", "\\$5" -> "5"."""
+    if isinstance(a, float) and a.is_integer():
+        return str(int(a))
+    if isinstance(a, (list, tuple)):
+        return ", ".join(answer_text(x) for x in a)
+    return re.sub(r"\\?\$", "", str(a)).strip()    # math-mode $ and the dollar sign \$ (not "\18.90")
 
 
 # ----------------------------------------------------------------------------- multiple choice
