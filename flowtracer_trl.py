@@ -78,10 +78,11 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import select_layers
+from tasks.answers import answer_token_range
 from training import credit, flags, policy, rewards, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
-from training.rollout import Batch, answer_token_range, build_batch, prompt_ids, take
+from training.rollout import Batch, build_batch, prompt_ids, take
 
 TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
@@ -131,7 +132,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
-        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (rollout.find_answer_span)
+        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (answers.find_answer_span)
         problem = trl_problem() or credit.check(self.credit_cfg)
         if problem:
             raise ValueError(problem)
