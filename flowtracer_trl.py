@@ -19,30 +19,28 @@ completion token j: TRL's column j.
 Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
     sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
- 2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none,
-    random): TRL's own training forward captures the attention (attention.capturing) and gives the entropy;
-    gamma is computed from them right after that forward and multiplies the batch's advantages before TRL's
-    loss reads them (TRL 1.16's _compute_loss reads inputs["advantages"] after
-    _get_per_token_logps_and_entropies: trl is pinned, and trl_problem() checks it). --credit-pass separate
-    (and the other signals): a no-grad credit pass at rollout time on the unwrapped policy, ZeRO-3
-    parameters gathered as TRL's own generation does. The fused pass falls back to the separate one (said
-    at start) where it would not read what grpo.py reads: (a) a generation batch that spans an optimizer
-    step (steps_per_generation > gradient_accumulation_steps; on_policy_credit): its later slices meet their
-    first loss after an update, and credit must come from the policy that generated them; (b) --credit
-    entropy at a temperature != 1: TRL's entropy is of the tempered logits, grpo.py's (token_logprobs) of
-    the untempered ones.
+ 2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none, random):
+    TRL's own training forward captures the attention (attention.capturing) and gives the entropy; gamma is
+    computed from them right after that forward and multiplies the batch's advantages before TRL's loss reads
+    them (TRL 1.16's _compute_loss reads inputs["advantages"] after _get_per_token_logps_and_entropies: trl is
+    pinned, and trl_problem() checks it). --credit-pass separate (and the other signals): a no-grad credit
+    pass at rollout time on the unwrapped policy, ZeRO-3 parameters gathered as TRL's own generation does. The
+    fused pass falls back to the separate one (said at start) where it would not read what grpo.py reads: (a)
+    a generation batch that spans an optimizer step (steps_per_generation > gradient_accumulation_steps;
+    on_policy_credit): its later slices meet their first loss after an update, and credit must come from the
+    policy that generated them; (b) --credit entropy at a temperature != 1: TRL's entropy is of the tempered
+    logits, grpo.py's (token_logprobs) of the untempered ones.
  3. gamma is computed once per batch (its first loss, or rollout time), so every reuse of the batch
     (num_iterations > 1, steps_per_generation > 1) keeps it, as grpo.py credits at the first iteration.
  4. Each rank credits its own rows: a batch-wide rule (--shaping 80-20) ranks one rank's rows; --credit random
     is seeded by the content of that rank's credited rows. Rows with A = 0 get no credit (gamma 1): their term
-    is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose
-    gamma it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are
-    collective, and a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain
-    advantages.
+    is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose gamma
+    it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are collective, and
+    a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
  6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
-    (policy.lora_config) and, without --learning-rate, ten times the learning rate (grpo.LORA_LR_FACTOR);
-    the credit reads TRL's peft-wrapped policy, adapters on, as it trains.
+    (policy.lora_config) and, without --learning-rate, ten times the learning rate (grpo.LORA_LR_FACTOR); the
+    credit reads TRL's peft-wrapped policy, adapters on, as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
@@ -78,10 +76,11 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import select_layers
+from tasks.answers import answer_token_range
 from training import credit, flags, policy, rewards, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
-from training.rollout import Batch, answer_token_range, build_batch, prompt_ids, take
+from training.rollout import Batch, build_batch, prompt_ids, take
 
 TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
@@ -131,13 +130,11 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
-        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (rollout.find_answer_span)
-        problem = trl_problem() or credit.check(self.credit_cfg)
-        if problem:
+        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (answers.find_answer_span)
+        if problem := trl_problem() or credit.check(self.credit_cfg):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
-        problem = trl_problem(self)
-        if problem:
+        if problem := trl_problem(self):
             raise ValueError(problem)
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
         self.separate_why = self.separate_reason()                      # departure 2
@@ -217,10 +214,8 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         q = torch.cat([pm & ~torch.isin(input_ids[:, :P], special), torch.zeros_like(cm)], 1)   # no specials
         resp = torch.cat([torch.zeros_like(pm), cm], 1)
         ans = torch.zeros_like(resp)
-        for b in range(len(input_ids)):
-            k = answer_token_range(tok, input_ids[b, P:][cm[b]].tolist(), self.answer_pattern) \
-                if cm[b].any() else None
-            if k:
+        for b in cm.any(-1).nonzero().flatten().tolist():                     # the rows with a completion
+            if k := answer_token_range(tok, input_ids[b, P:][cm[b]].tolist(), self.answer_pattern):
                 ans[b, P + k[0]:P + k[1]] = True
         weight, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()

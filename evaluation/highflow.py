@@ -23,7 +23,7 @@ Departures (numbered):
  2. The forms, our reading of the row names: answer-only "a"; full line "The final answer is a."; with
     explanation "a, which follows from the steps above"; multiple-choice "B" (a letter, as a multiple-choice
     output is; the prompt is not changed). The answer span is the last \\boxed{...} (else
-    <answer>...</answer>), as in rollout.find_answer_span. Every form, answer-only included, is
+    <answer>...</answer>), as in answers.find_answer_span. Every form, answer-only included, is
     re-tokenised from the first answer token on, so all forms go through the same tokenisation.
  3. Fig. 3: a sentence ends at a token holding a newline, or ending in . ! ? followed by whitespace (or the
     end), so "3.5" does not end one. Sentences of one token have no within-sentence ranking and are skipped.
@@ -44,9 +44,10 @@ from tqdm import tqdm
 
 import data
 from evaluation import probes
+from tasks.answers import answer_token_range, find_answer_span
 from training import signals
 from training.credit import CreditConfig
-from training.rollout import answer_token_range, build_batch, find_answer_span
+from training.rollout import build_batch
 
 FORMS = {"answer-only": "{a}", "full-line": "The final answer is {a}.",           # departure 2
          "with-explanation": "{a}, which follows from the steps above", "multiple-choice": "B"}

@@ -19,7 +19,8 @@ On CUDA the decode engine (training/engine.py) is kept for the run with its grap
 2 L Hkv hd S g bf16, stay resident in every phase: S is the run's widest prompt (`widest`: its training
 prompts after --max-prompt-tokens and its held-out ones, Run.widest_prompt) + R, in multiples of 64, reserved
 once at setup (training/preflight.py); held-out evaluation decodes in the same buffers (no second cache).
-estimate() computes them from the config (parameters counted on the meta device), nothing allocated;
+estimate() computes them from the config (parameters counted on the meta device), nothing allocated; the
+terms of a layer, the update's forward, the capture and generation are counted in evaluation/footprint.py;
 memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
 torch.cuda.max_memory_allocated); tests/test_memory.py holds the estimate within 10% of the count.
 On a GPU the tensors are not all: margin() adds the CUDA context and cuBLAS workspace (1 GB) and the
@@ -74,7 +75,7 @@ from typing import NamedTuple
 
 import torch
 
-from flowtracer import auto_chunk
+from evaluation.footprint import capture_workspace, generation, layer_saved, prefill_rows, update_kept
 from flowtracer import select_layers as select
 from training import credit, models, signals
 from training.checkpoint import STATE_BYTES, checkpoint_bytes
@@ -226,104 +227,6 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
         3 * (big if lora else N_max) * 4
     opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
-
-
-def generation(mc, g, G, P, R, cb, rb, shared=True):
-    """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
-    rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
-    copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
-    grown to T = P + R by concatenation (one layer's K copied on top); with prefix sharing, the first decode
-    step, which moves each layer's cache of the rows (copied from its prompt's, P wide) into one reserved at
-    T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (rollout.generate
-    frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32. The prefills
-    keep one position's logits (logits_to_keep=1), (k, 1, V), made after the layers' peak has passed: the
-    full (k, P, V) ones, 0.3 GB a 1K prompt for Qwen3 in bf16, are never made."""
-    L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
-    hd = getattr(mc, "head_dim", None) or D // Hq
-    T, k = P + R, prefill_rows(g, G, shared)
-    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
-    attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
-    mlp = k * P * (P + 3 * I * cb)
-    prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
-    if k < g:                                          # prefix sharing: each prompt's cache reserved at T
-        peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
-                 (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
-    else:
-        peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
-    cache, ws = max(peaks, key=sum)
-    return {"KV cache": cache, "workspace": ws}
-
-
-def prefill_rows(g, G, shared=True):
-    """The rows rollout.generate prefills at once in a chunk of g rows (and the prompts the update reads in a
-    micro-batch of g): with prefix sharing (--share-prefix) each distinct prompt once, else all g."""
-    return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
-
-
-def kept(mc, n, ls, rb, checkpointed, lora=()):
-    """Bytes per token the training forward keeps for backward after n decoder layers (with the final norm
-    at n = L). Each layer: checkpointed, its input (b, T, D); else its layer_saved, and in fp32 its output
-    too (the next RMSNorm saves it; in bf16 that norm saves a fp32 copy, counted in layer_saved). Then the
-    hidden state (n < L), or the final norm's fp32 input, normalised value and output (n = L); under LoRA
-    (`lora`: its adapted linears) the frozen norm keeps no normalised value."""
-    D = mc.hidden_size
-    per_layer = D * rb if checkpointed else ls + 4 * D * (rb == 4)
-    return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + (1 + (not lora)) * D * rb)
-
-
-def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False)):
-    """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
-    with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
-    pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
-    the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
-    which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer)."""
-    if k == b:
-        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0])
-    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv = (2 * cb * hd * k * mc.num_key_value_heads if checkpointed      # PromptKV's K, V of the k prompts
-          else 2 * cb * hd * b * max(mc.num_attention_heads, mc.num_key_value_heads))  # sdpa's, each row's
-    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb, lora=lora), rb, checkpointed, lora[0]) + n * P * kv
-            + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0]))
-
-
-def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
-    """Bytes flowtracer.Capture.take holds beside its (b, T, T) buffer. add_head_mean (the CPU's): fp32 q
-    (Tq queries: T, or R after a shared prompt), k, two fp32 score blocks of <= 2^25 floats (auto_chunk; a
-    chunk's are freed before the next chunk's are made), two (b, c, T) sums. fused (CUDA: the Triton kernel
-    of gpu_kernels/head_mean.py): its two (b, Hq, Tq) fp32 row statistics, no score block."""
-    if fused:
-        return 2 * b * Hq * (Tq or T) * 4
-    c = min(Tq or T, auto_chunk(b, Hq, T))                                # query rows per block
-    return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
-
-
-def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False)):
-    """Bytes per token that one decoder layer (HF Qwen3 / Llama, sdpa) saves for its backward, i.e. what the
-    recomputation in backward re-creates under checkpointing. Counted op by op (autograd saves an operand
-    only where the other one needs a gradient): each RMSNorm its fp32 input (or fp32 copy), the normalised
-    value and its output; the per-head q/k norms of Qwen3 their input and normalised value; sdpa its q,
-    k and v (k, v repeated to the Hq heads when a padding mask is passed), output, logsumexp and the
-    mask as a (b, 1, T, T) float; the SwiGLU MLP gate, silu, up and their product, (I,) each.
-    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py).
-    lora = (the adapted linears' [(in, out)], rank, cuda): frozen norm weights keep no normalised value, and
-    each adapter keeps its A's output (r); on CUDA peft casts each adapter's input to fp32 and autocast back
-    to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5)."""
-    D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
-    hd = getattr(mc, "head_dim", None) or D // Hq
-    q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
-    nb = lambda x: 4 if x == 4 else x                                      # noqa: E731  the normalised value
-    norms = (4 * D * (rb != 4) + nb(rb) * D + cb * D) + (4 * D + nb(rb) * D + cb * D)   # input, post-attn
-    qk_norms = qwen * (4 + nb(cb)) * (q + k)
-    sdpa = cb * q + cb * (2 * q if gqa else 2 * k) + cb * q + 4 * Hq + padded * T * cb
-    rsqrt = 4 * (2 + qwen * (Hq + Hkv))
-    lin, r, cuda = lora
-    if lin:                                                                # LoRA's terms (departure 5)
-        norms -= 2 * nb(rb) * D
-        qk_norms -= qwen * nb(cb) * (q + k)
-        adapters = len(lin) * r * cb + cuda * cb * (sum(i for i, _ in lin) - 2 * D - I)
-        return norms + qk_norms + sdpa + rsqrt + 4 * I * cb + adapters
-    return norms + qk_norms + sdpa + rsqrt + 4 * I * cb
 
 
 def table(est, title, unit=GB) -> str:

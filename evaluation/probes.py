@@ -124,7 +124,7 @@ def load_responses(path, tok, style):
 
 
 def regions(tok, rows, answer_pattern=None):
-    """The rows' Batch; the answer region: rollout.find_answer_span's (eval.py plot --answer-pattern)."""
+    """The rows' Batch; the answer region: answers.find_answer_span's (eval.py plot --answer-pattern)."""
     return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows],
                        answer_pattern=answer_pattern)
 

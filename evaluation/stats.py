@@ -41,7 +41,7 @@ from scipy import stats as sps
 
 import data
 from evaluation import probes
-from training.rollout import find_answer_span
+from tasks.answers import find_answer_span
 
 
 def t_interval(xs):

@@ -59,7 +59,7 @@ def libcuda_dirs():
         return search()
     try:
         found = triton_search.__wrapped__()                                # not its cache: the env may change
-    except Exception:                                                      # noqa: BLE001 (its assert, no ldconfig)
+    except Exception:                                        # noqa: BLE001 (its assert, no ldconfig)
         return []
     return [d for d in found if has_libcuda(d)]            # $TRITON_LIBCUDA_PATH is returned unchecked
 

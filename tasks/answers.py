@@ -6,6 +6,10 @@ timeout and a size guard, never raising and never hanging.
                                    exactly as decimals: 2024 != 2024.001, 1000000 != 1000000.9;
                                    "\\frac{1}{2}" == "0.5" == "1/2" through math-verify's LaTeX parser.
   boxed_span(text) -> (start, end)  the content of the last closed, non-empty \\boxed{} (one linear pass)
+  last_boxed(text) -> str|None     that content; answer_text(a): a ground truth as a string (27.0 -> "27")
+  find_answer_span(text, pattern)  (start, end) of the final answer, eq. 2's sink: the last \\boxed{}, else
+                                   <answer>...</answer>, or the last match of grpo.py's --answer-pattern
+  answer_token_range(tok, ids, pattern)  the tokens [k0, k1) of that answer in a response (bisection)
   option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
 Numbers (the rule, both directions tested in tests/test_reliability.py):
   - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
@@ -32,6 +36,7 @@ cached: one slow moment under load must not zero a problem for the rest of a run
 
 Run the tests: python -m pytest -q tests/test_data.py tests/test_reliability.py
 """
+import bisect
 import functools
 import math
 import re
@@ -53,7 +58,7 @@ SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")   # LaTeX thousands s
 TEX_TOKEN = re.compile(r"\\\\|\\[a-zA-Z]+|\\.|\$", re.DOTALL)  # a line break \\ first: in \\, a comma
 GAP = re.compile(r"(\\[a-zA-Z]+ (?=[^\W\d_])|\d (?=\d))| ")  # a space parting tokens ("\pi r", "1 2"), or not
 SPACING = frozenset({"\\left", "\\right", "\\,", "\\:", "\\;", "\\!", "\\quad", "\\qquad", "\\displaystyle",
-                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as data.answer_text)
+                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as answer_text)
 
 
 def not_finite(s):
@@ -267,7 +272,7 @@ BRACES = re.compile(r"\\boxed\s*\{|\{|\}")
 
 def boxed_span(text):
     """(start, end) of the content of the last closed, non-empty \\boxed{...} (the one opening last; nested
-    braces balanced), or None: data.last_boxed's answer, rollout.find_answer_span's span. One pass over
+    braces balanced), or None: last_boxed's answer, find_answer_span's span. One pass over
     the braces: linear in len(text), however many are left open."""
     stack, best = [], None
     for m in BRACES.finditer(text):                        # an open brace: (content start, is a \boxed{)
@@ -278,6 +283,57 @@ def boxed_span(text):
             if boxed and text[start:m.start()].strip() and (best is None or start > best[0]):
                 best = (start, m.start())
     return best
+
+
+def last_boxed(text):
+    """The content of the last closed, non-empty \\boxed{...} (boxed_span), or None."""
+    span = boxed_span(text)
+    return None if span is None else text[span[0]:span[1]]
+
+
+def answer_text(a):
+    """A ground truth as a string: 27.0 -> "27", ["$1$", "$2$"] -> "1, 2", " $x$ " -> "x", "\\$5" -> "5"."""
+    if isinstance(a, float) and a.is_integer():
+        return str(int(a))
+    if isinstance(a, (list, tuple)):
+        return ", ".join(answer_text(x) for x in a)
+    return re.sub(r"\\?\$", "", str(a)).strip()    # math-mode $ and the dollar sign \$ (not "\18.90")
+
+
+def find_answer_span(text: str, pattern: str | None = None) -> tuple[int, int] | None:
+    """Character span (start, end) of the final answer, the sink of eq. 2, or None. Empty content is None.
+    pattern None (the default rule): the content of the last closed \\boxed{...} (nested braces allowed;
+    boxed_span), else of the last <answer>...</answer>; linear in len(text), however many braces or
+    tags are left open. pattern (grpo.py --answer-pattern, a regular expression): the span of its last match
+    in the text, or of that match's first group when it has groups (a group that took no part: no answer).
+    answer_token_range matches it on the response decoded with its special tokens (an EOS's text ends it)."""
+    if pattern:
+        m = None
+        for m in re.finditer(pattern, text):                              # to the last match
+            pass
+        start, end = m.span(1 if m.re.groups else 0) if m else (-1, -1)
+        return (start, end) if start >= 0 and text[start:end].strip() else None
+    best, tag, pos = boxed_span(text), None, 0
+    while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
+        tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
+    return best or tag
+
+
+def answer_token_range(tokenizer, ids: list[int], pattern: str | None = None) -> tuple[int, int] | None:
+    """Token positions [k0, k1) of the answer (find_answer_span, with `pattern`) in a response, or None.
+
+    Token k spans characters [c_k, c_{k+1}) of the decoded text, with c_k = len(decode(ids[:k])); this
+    follows the generated ids exactly (re-tokenising the text could split it differently). c_k is
+    monotone, so the two boundary tokens are found by bisection: O(log T) decodes, not T.
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    span = find_answer_span(text, pattern)
+    if span is None:
+        return None
+    c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
+    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1     # token holding the first char
+    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)          # first token at/after the end
+    return (max(k0, 0), k1) if k1 > max(k0, 0) else None
 
 
 # ----------------------------------------------------------------------------- multiple choice

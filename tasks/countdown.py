@@ -18,7 +18,7 @@ construction protocol of TinyZero (Pan et al., 2025) that the paper cites:
     must consist of decimal digits, + - * /, parentheses and spaces only (`LITERALS`), so Python's other
     integer spellings (0x3, 0b100, 0o5, 1_0), exponents (1e3, **) and a trailing "# comment" score 0.1.
   - Problems are integers: a non-integer target or number (17.9, [3.7, 4, 5]) is a DataError when a file is
-    loaded (data.countdown_row). `reward` itself never truncates: it compares exactly, so a target of 17.9 is
+    loaded (rows.countdown_row). `reward` itself never truncates: it compares exactly, so a target of 17.9 is
     never met by an expression worth 17.
   - `question(nums, target)` and `frame(text)`: TinyZero's request wording and its base-model frame, a
     User/Assistant conversation that ends with the assistant opening a <think> block.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from training import models, policy
+from training import gguf, models, policy
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -114,8 +114,8 @@ def test_naming_the_embedded_model_runs_the_same_demo():
     assert (demo.model, demo.steps, demo.out_dir) == ("smollm2-135m", grpo.EMBEDDED["steps"], "runs/embedded")
     assert grpo.parse_args(["--model", "smollm2-135m"]) == demo
     assert grpo.parse_args(["--model=smollm2-135m"]) == demo
-    gguf = grpo.parse_args(["--model", f"/models/{models.SMOLLM2_GGUF}"])
-    assert dataclasses.replace(gguf, model=demo.model) == demo
+    from_file = grpo.parse_args(["--model", f"/models/{gguf.SMOLLM2_GGUF}"])
+    assert dataclasses.replace(from_file, model=demo.model) == demo
     paper = grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"])
     assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **grpo.PAPER)
     assert grpo.parse_args(["--model", "tiny-qwen3"]) == grpo.Config(model="tiny-qwen3")

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from evaluation import memory
+from evaluation import footprint, memory
 from evaluation.memtrace import track_peak
 from training import engine, rollout
 from training.models import load_model
@@ -296,12 +296,12 @@ def test_supports_full_attention_only():
 
 def test_peak_memory_within_the_generation_estimate():
     """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what
-    memory.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache and
-    the prefill), within the 10% that tests/test_memory.py allows."""
+    footprint.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache
+    and the prefill), within the 10% that tests/test_memory.py allows."""
     model, tok = load_model("tiny-qwen3", device="cpu")
     P, R, G, g = 80, 48, 4, 16
     prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(P - (i * 7) % 16)) for i in range(4)]
-    est = sum(memory.generation(model.config, g, G, P, R, 4, 4).values())
+    est = sum(footprint.generation(model.config, g, G, P, R, 4, 4).values())
     with torch.no_grad(), track_peak(model) as tr:
         w = tr.now
         tr.phase("generation")

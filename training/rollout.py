@@ -27,11 +27,10 @@ Departures from the paper's setup (numbered; models.py departure 1 covers vLLM a
      a seed gives HF's samples. share_prefix=False (grpo.py --no-share-prefix) is plain HF generate on the
      repeated rows: the reference the tests compare against, and a fallback.
 
-The batch that the update reads: where the question, the response and the answer are, in text and in tokens.
-    find_answer_span    the characters of the final answer: the last \\boxed{...}, else <answer>...</answer>;
-                        or the last match of a regular expression (grpo.py --answer-pattern)
-    answer_token_range  the tokens of that answer in a response, by bisection over the decoded prefixes
-    Batch / build_batch [left-padded prompt | right-padded response] with the three masks, as HF generate
+The batch that the update reads: where the question, the response and the answer are, in tokens.
+    Batch / build_batch [left-padded prompt | right-padded response] with the three masks, as HF generate;
+                        the answer's tokens are tasks/answers.py's answer_token_range (find_answer_span's
+                        characters: the last \\boxed{...}, else <answer>...</answer>, or --answer-pattern's)
     take                some rows of a Batch
 
 These are the sets of FlowTracer's equations (flowtracer.py): the question is the source of the flow (eq. 4),
@@ -45,9 +44,7 @@ Run: python -m training.rollout --model tiny-qwen3 --prompt "2+2=" --n 2 --max-n
 from __future__ import annotations
 
 import argparse
-import bisect
 import copy
-import re
 from typing import NamedTuple
 
 import torch
@@ -60,7 +57,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tasks.answers import boxed_span
+from tasks.answers import answer_token_range
+from tasks.answers import find_answer_span  # noqa: F401 (grpo.py imports it from here)
 from training.engine import OPTIONS as ENGINE_OPTIONS
 from training.engine import Engine
 from training.engine import wanted as engine_wanted
@@ -309,44 +307,7 @@ def prefill_rows(model, prefix, row_ids, pad):
     return inp[which], mask[which], cache
 
 
-
 # ----------------------------------------------------------------------------- the batch and its regions
-def find_answer_span(text: str, pattern: str | None = None) -> tuple[int, int] | None:
-    """Character span (start, end) of the final answer, the sink of eq. 2, or None. Empty content is None.
-    pattern None (the default rule): the content of the last closed \\boxed{...} (nested braces allowed;
-    answers.boxed_span), else of the last <answer>...</answer>; linear in len(text), however many braces or
-    tags are left open. pattern (grpo.py --answer-pattern, a regular expression): the span of its last match
-    in the text, or of that match's first group when it has groups (a group that took no part: no answer).
-    answer_token_range matches it on the response decoded with its special tokens (an EOS's text ends it)."""
-    if pattern:
-        m = None
-        for m in re.finditer(pattern, text):                              # to the last match
-            pass
-        start, end = m.span(1 if m.re.groups else 0) if m else (-1, -1)
-        return (start, end) if start >= 0 and text[start:end].strip() else None
-    best, tag, pos = boxed_span(text), None, 0
-    while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
-        tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
-    return best or tag
-
-
-def answer_token_range(tokenizer, ids: list[int], pattern: str | None = None) -> tuple[int, int] | None:
-    """Token positions [k0, k1) of the answer (find_answer_span, with `pattern`) in a response, or None.
-
-    Token k spans characters [c_k, c_{k+1}) of the decoded text, with c_k = len(decode(ids[:k])); this
-    follows the generated ids exactly (re-tokenising the text could split it differently). c_k is
-    monotone, so the two boundary tokens are found by bisection: O(log T) decodes, not T.
-    """
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    span = find_answer_span(text, pattern)
-    if span is None:
-        return None
-    c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
-    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1     # token holding the first char
-    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)          # first token at/after the end
-    return (max(k0, 0), k1) if k1 > max(k0, 0) else None
-
-
 class Batch(NamedTuple):
     input_ids: torch.Tensor       # (B, T) long: [left-padded prompt | right-padded response]
     attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens

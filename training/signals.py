@@ -3,8 +3,8 @@
     scores = SIGNALS[name](model, batch, cfg, outputs=None)   -> (B, T) float32, 0 off the response
 
 `batch` is a rollout.Batch, `cfg` a credit.CreditConfig. shaping.py turns scores into the weight gamma_it
-(the shaping rules) and credit.assign runs both; this file only scores. The names are the papers' (FlowTracer §4.1,
-Table 2; OAR §4.2, Table 1):
+(the shaping rules) and credit.assign runs both; this file only scores. The names are the papers'
+(FlowTracer §4.1, Table 2; OAR §4.2, Table 1):
 
   none           1 on every response token (plain GRPO)
   flow           FlowTracer throughput tau (eq. 1-4, §3.3) on the cfg.layers attention DAG
