@@ -52,7 +52,6 @@ Run:  python grpo.py                                                    # embedd
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -61,11 +60,12 @@ from tqdm import tqdm
 import data
 from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
+from tasks.answers import find_answer_span
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
 from training.rewards import RewardError, TaskConfig
-from training.rollout import build_batch, find_answer_span, generate, take
+from training.rollout import build_batch, generate, take
 from training.run import setup
 
 
@@ -388,7 +388,7 @@ def main(argv=None):
         out = train(cfg, run)
     except RewardError as e:                          # a --reward raised or gave NaN mid-run
         run.log.finish(str(e))
-        last = "the last checkpoint stands" if (Path(cfg.out_dir) / "ckpt").is_dir() else "no checkpoint yet"
+        last = "the last checkpoint stands" if (run.log.out / "ckpt").is_dir() else "no checkpoint yet"
         out = Outcome([], f"{e}; {last}", 2)
     if out.status:                                    # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)

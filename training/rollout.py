@@ -58,7 +58,6 @@ from transformers.generation.logits_process import (
 )
 
 from tasks.answers import answer_token_range
-from tasks.answers import find_answer_span  # noqa: F401 (grpo.py imports it from here)
 from training.engine import OPTIONS as ENGINE_OPTIONS
 from training.engine import Engine
 from training.engine import wanted as engine_wanted
