@@ -441,3 +441,16 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
         est = memory.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
         assert all(0.9 < est[ph]["KV cache"] / reserved < 1.1 for ph in est if ph != "generation")
         assert est["generation"]["KV cache"] >= reserved
+
+
+def test_a_call_past_the_reservation_is_said_once(capsys):
+    """The run reserves its widest call at setup; a call it did not foresee grows the buffers with one line
+    (never silently), one that fits says nothing and keeps the buffers."""
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    eng = engine.Engine(model, graphs=False).reserve(4, 100, 8, [tok.eos_token_id], tok.pad_token_id, None)
+    assert capsys.readouterr().out == ""                                   # the first reservation: silent
+    eng.reserve(2, 60, 8, [tok.eos_token_id], tok.pad_token_id, (0.9, 10, 0.9))   # fits, another warp
+    assert capsys.readouterr().out == "" and (eng.rows, eng.S) == (4, 128)
+    eng.reserve(4, 300, 8, [tok.eos_token_id], tok.pad_token_id, None)   # wider than reserved
+    out = capsys.readouterr().out
+    assert out.count("past the 4 x 128 x 8 reserved") == 1 and eng.S == 320

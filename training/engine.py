@@ -30,13 +30,11 @@ whose ceiling is reading the weights and the rows' KV cache once a step.
 
 An Engine lives for a run: grpo.py's is made at setup (training/preflight.py) and reserved once for the
 run's widest prompt + max_new_tokens, so no prompt met mid-run grows it; a caller that passes one to every
-rollout.generate call (engine=...) keeps its buffers and graphs while the calls fit them (`reserve`); a call
-that needs more rows, positions or new tokens grows them (new buffers, graphs dropped), as does one with other
-EOS ids or pad. The sampling parameters are not: each warp (greedy, or temperature / top-k / top-p) has its
-own graphs over the same buffers, so held-out evaluation's greedy decode shares the rollouts' engine.
-`captures` counts the graphs captured (eagerly: those the step would capture). At 128 rows, chunk 64,
-256 + 1,024 tokens: 11 row buckets x 6 key lengths, at most 66 graphs a warp and run, 16 a chunk
-(docs/gpu.md: the counts, and why multiples of 8).
+rollout.generate call (engine=...) keeps its buffers and graphs while the calls fit them (`reserve`); one
+that needs more rows, positions or new tokens, or other EOS ids or pad, grows them (one line). Sampling does
+not: each warp (greedy, or temperature / top-k / top-p) has its own graphs over the same buffers, so
+held-out evaluation's greedy decode shares the rollouts' engine.
+`captures` counts the graphs captured (eagerly: those the step would capture; docs/gpu.md: how many).
 Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
   capture  fails: the side stream is left, the line names the first error (training/cudagraph.py), the
            graphs are off for the engine's life and the step runs eagerly (its warm-up ran: the step works).
@@ -49,9 +47,7 @@ Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
 Memory: the static buffers are the KV cache that evaluation/footprint.py's `generation` counts for a chunk
 (T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
 engine holds its reservation (the widest prompt + R) through the update too: memory.py counts its buffers in
-every phase on CUDA. Not measured yet: no GPU was at hand when it was written.
-`benchmarks/generate_speed.py --device cuda` prints the engine beside HF generate (dynamic and static cache),
-the bound and the greedy rows equal to HF's.
+every phase on CUDA. `benchmarks/generate_speed.py --device cuda` prints it beside HF generate.
 
 Departures from rollout.decode / HF generate (numbered):
   1. Same distribution, other samples. The draw is an exponential race over HF's warped distribution
@@ -181,14 +177,18 @@ class Engine:
     def reserve(self, rows, width, new, eos, pad, warp):
         """Room for `rows` rows of `width` positions (prompt and new tokens), `new` tokens a call, decoded
         with these EOS ids and pad, and this call's warp ((temperature, top_k, top_p), or None: greedy).
-        Kept while the call fits and eos, pad are the same; else new buffers, at least as large, and the
-        graphs dropped. The warp is not a reason to rebuild: each warp has its own graphs over the same
+        Kept while the call fits and eos, pad are the same; else new buffers, at least as large, the graphs
+        dropped and one line. The warp is not a reason to rebuild: each warp has its own graphs over the same
         buffers (greedy evaluation beside sampled rollouts). grpo.py reserves its widest call at setup."""
         S = ALIGN * math.ceil(width / ALIGN)                              # cache positions
         settings = (tuple(eos), pad)
         self.new, self.warp = new, warp
         if rows <= self.rows and S <= self.S and new <= self.width and settings == self.settings:
             return self
+        if self.rows:                   # reserved before (grpo.py: at setup): a call it did not foresee
+            print(f"engine: a call of {rows} rows x {S} positions x {new} new tokens (EOS, pad "
+                  f"{settings}) is past the {self.rows} x {self.S} x {self.width} reserved: new buffers, "
+                  f"graphs captured again")
         dev, V = self.model.device, self.model.config.vocab_size
         rows, S, self.width = max(rows, self.rows), max(S, self.S), max(new, self.width)
         self.rows, self.S, self.settings, self.pad = rows, S, settings, pad
