@@ -75,7 +75,7 @@ from flowtracer import head_mean_kernel, select_layers  # noqa: E402
 from training import credit, runlog  # noqa: E402
 from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate  # noqa: E402
-from training.run import for_update  # noqa: E402
+from training.run import for_update, size_to_card  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -83,16 +83,21 @@ ANSWER_TOKENS = 8               # departure 1
 
 # ----------------------------------------------------------------------------- the step's pieces
 def step_config(args, R):
-    """grpo.py's Config for this shape (parsed by grpo.py: its checks), chunks fitted into 80 GB on CUDA."""
+    """grpo.py's Config for this shape (parsed by grpo.py: its checks); on CUDA its chunks sized to the card
+    (or --gpu-gb, then enforced by the allocator) as grpo.py's setup sizes them (run.size_to_card)."""
     flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-             "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow"]
+             "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow",
+             "--lora-rank", str(args.lora_rank), "--gpu-gb", str(args.gpu_gb)]
     cfg = grpo.parse_args(flags)
     if args.device == "cuda":
-        g, m = memory.fit(cfg, memory.model_config(cfg.model), "cuda", args.prompt_tokens)
-        if not (g and m):
-            raise SystemExit(f"gpu_headline.py: error: R = {R} does not fit 80 GB even at micro-batch 1")
-        cfg = dataclasses.replace(cfg, gen_chunk=g, micro_batch=m)
+        if args.gpu_gb:                           # a smaller card on a large one: the allocator's limit
+            total = torch.cuda.mem_get_info()[1]
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * memory.GB / total))
+        try:
+            size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
+        except ValueError as e:
+            raise SystemExit(f"gpu_headline.py: error: R = {R}: {e}") from None
     return cfg
 
 
@@ -304,6 +309,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
     ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="grpo.py's --lora-rank (0: full fine-tuning)")
+    ap.add_argument("--gpu-gb", type=float, default=0.0,
+                    help="size the step to this many GB and hold the allocator to it (0: the card's own)")
     ap.add_argument("--json", default="", help="also write every number here")
     ap.add_argument("--quick", action="store_true",
                     help="the flow overhead alone, short rollouts: < 10 minutes on an H100 (docstring)")
