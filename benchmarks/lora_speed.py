@@ -1,6 +1,6 @@
 """LoRA's update against full fine-tuning's on the same work (grpo.py departure 9), and their generation.
 
-One process builds both policies as grpo.setup does (training/run.py's for_update: full fine-tuning, and
+One process builds both policies as run.setup does (training/run.py's for_update: full fine-tuning, and
 --lora-rank R on the same base), generates one rollout batch with the full policy (at initialisation the
 adapted model is the same function) and gives it rewards that vary in every group (row j: j mod 4 / 3), so
 every row is trained in both arms. Then, in `--rounds` alternating rounds (a shared machine's noise spread

@@ -1,5 +1,5 @@
 """LoRA's memory and the budget sized to the card: memory.estimate under --lora-rank against live-storage
-counts of real steps, the sizes memory.plan picks for Qwen3-4B on a 24 GB card, and grpo.setup's sizing
+counts of real steps, the sizes memory.plan picks for Qwen3-4B on a 24 GB card, and run.setup's sizing
 before the weights load on a faked GPU (torch.cuda.mem_get_info, or --gpu-gb): the sizes it picks where the
 flags left them free, and the one error line, with nothing written, where the flags given cannot fit."""
 import pytest
@@ -59,7 +59,7 @@ def test_a_24_gb_card_runs_qwen3_4b_at_1k_with_lora_16_and_80_gb_the_paper_batch
 
 
 def fake_gpu(monkeypatch, total):
-    """A CUDA device of `total` bytes (card["total"]: changed later) as grpo.setup sees it before the weights
+    """A CUDA device of `total` bytes (card["total"]: changed later) as run.setup sees it before the weights
     load, nothing held on it; loading them fails."""
     card = {"total": total}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
