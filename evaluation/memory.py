@@ -286,7 +286,7 @@ def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch
     """The gen_chunk and micro_batch whose step fits `budget` bytes in every phase, the margin included (on
     CUDA the engine's buffers, sized by gen_chunk, stay through the update): cfg's values, and where `free`
     the powers of two below them too. Of the pairs that fit, the one whose smaller fraction of cfg's value
-    is largest (both halved alike), then the larger gen_chunk. run.setup sizes a run with it (size_to_card)."""
+    is largest (both halved alike), then the larger gen_chunk. run.setup sizes a run with it."""
     best, low = None, None
     for g in sizes(cfg.gen_chunk, "gen_chunk" in free):
         for m in sizes(cfg.micro_batch, "micro_batch" in free):

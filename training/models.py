@@ -214,7 +214,7 @@ def from_hub_or_dir(name, dtype, attn_implementation):
 
 
 def load_tokenizer(name="smollm2-135m"):
-    """The tokenizer load_model(name) gives (fix_tokenizer's contract), without the weights: grpo.setup
+    """The tokenizer load_model(name) gives (fix_tokenizer's contract), without the weights: run.setup
     measures the run's widest prompt with it before the weights load. A LoRA checkpoint (adapter_dir) has
     its base model's tokenizer saved beside the adapters."""
     path, offline = Path(str(name)).expanduser(), ""
