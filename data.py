@@ -3,8 +3,7 @@
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
-                                                --reward function (training/rewards.py); score(record,
-                                                completion) is the same in the older argument order
+                                                --reward function (training/rewards.py)
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
@@ -214,11 +213,6 @@ def reward(completion, record):
     return verify(completion, record["answer"])
 
 
-def score(record, completion):
-    """reward(completion, record), in the argument order evaluation/ calls it with."""
-    return reward(completion, record)
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="data.py", allow_abbrev=False,
                                  description="Print a few records of a task, their prompts, a self-check.",
@@ -235,7 +229,7 @@ if __name__ == "__main__":
         for r in load_task(args.task, args.split, args.path, args.limit):
             good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
                     else f"\\boxed{{{r['answer']}}}")
-            print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", score(r, good),
+            print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", reward(good, r),
                   "\n")
     except ValueError as e:
         ap.error(str(e))

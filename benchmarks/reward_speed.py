@@ -86,7 +86,7 @@ answers.kept_parse.cache_clear()  # start with an empty parse cache
 results = {}
 for name, cases in (("math", math_cases), ("countdown", cd_cases), ("choice", ch_cases)):
     t = time.perf_counter()
-    rewards = [data.score(r, c) for r, c in cases]
+    rewards = [data.reward(c, r) for r, c in cases]
     results[name] = (time.perf_counter() - t, sum(rewards) / len(rewards))
 for name, (secs, mean) in results.items():
     print(f"{name:9s}: {len(math_cases)} completions in {secs:6.2f} s ({1000 * secs / args.n:6.2f} ms each), "

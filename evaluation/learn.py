@@ -7,7 +7,7 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              metrics.jsonl, where learn reads them. A killed run continues with grpo.py --resume: exact.
   held out   heldout.records: the first --eval-size questions of the dataset's test split, the same for every
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
-             strict (data.score: reward 1) and lenient (or answers.last_number_equal: math); step 0 (the
+             strict (data.reward: 1) and lenient (or answers.last_number_equal: math); step 0 (the
              recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
   statistics learn_report.py (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step
              - step 0) +- a 95% t interval; flow - none paired by seed: the mean difference, its t interval

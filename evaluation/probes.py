@@ -93,7 +93,7 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
                       seeds=seeds)
         for r, p, y in zip(recs, prompts, outs):
             text = tok.decode(y, skip_special_tokens=True)
-            rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.score(r, text)))
+            rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.reward(text, r)))
     return rows
 
 
@@ -117,7 +117,7 @@ def load_responses(path, tok, style):
             raise data.DataError(f"{where}: empty response")
         text = tok.decode(y, skip_special_tokens=True)
         rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y,
-                         text=text, reward=data.score(rec, text) if task in data.REWARDS else None))
+                         text=text, reward=data.reward(text, rec) if task in data.REWARDS else None))
     if not rows:
         raise data.DataError(f"{path}: no rows")
     return rows
@@ -196,7 +196,7 @@ def intervene(model, tok, records, args, style):
                        n_selected=len(sel["high"]), reward=r["reward"], text=r["text"])
             for c_i, c in enumerate(CONDITIONS):
                 text = tok.decode(r["response"][:t0] + new[4 * j + c_i], skip_special_tokens=True)
-                rew, base = data.score(r["record"], text), row["none"] if c != "none" else None
+                rew, base = data.reward(text, r["record"]), row["none"] if c != "none" else None
                 row[c] = dict(selected=sel[c], text=text, reward=rew, changed=changed(r["text"], text),
                               no_answer=data.last_boxed(text) is None,     # vs the unmasked row, same noise:
                               changed_vs_none=changed(base["text"], text) if base else False,
@@ -305,7 +305,7 @@ def recall(model, tok, records, args, style):
                          [args.max_new_tokens - t - 1 for t in ts])
             for t, y in zip(ts, new):
                 text = tok.decode(r["response"][:t] + [alt[t]] + y, skip_special_tokens=True)
-                causal.append(data.score(r["record"], text) != r["reward"])         # eq. 19
+                causal.append(data.reward(text, r["record"]) != r["reward"])         # eq. 19
         o.update(positions=pos, causal=[t for t, c in zip(pos, causal) if c], text=r["text"])
     s = summarize_recall(out, list(runs))
     s.update(n_pool=len(pool), pool_correct=sum(r["reward"] == 1.0 for r in pool),  # the responses searched

@@ -161,8 +161,8 @@ def problem_rows(name, recs, samples, greedy, n):
     rows = []
     for i, r in enumerate(recs):
         texts = samples.texts[i * n:(i + 1) * n]
-        rows.append(dict(benchmark=name, id=r["id"], correct=[data.score(r, t) >= 1.0 for t in texts],
-                         greedy=data.score(r, greedy.texts[i]) >= 1.0, no_answer=sum(map(no_answer, texts)),
+        rows.append(dict(benchmark=name, id=r["id"], correct=[data.reward(t, r) >= 1.0 for t in texts],
+                         greedy=data.reward(greedy.texts[i], r) >= 1.0, no_answer=sum(map(no_answer, texts)),
                          greedy_no_answer=no_answer(greedy.texts[i]), texts=texts,
                          greedy_text=greedy.texts[i]))
     return rows

@@ -25,7 +25,7 @@ from data import (
     load_task,
     make_prompt,
     math_reward,
-    score,
+    reward,
 )
 from tasks import answers, arithmetic, countdown, prompts
 
@@ -61,12 +61,12 @@ def test_every_ground_truth_grades_itself_and_a_wrong_answer_is_wrong(shared_dat
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
     symbolic = 0
     for r in load_task(name, split):
-        assert score(r, f"Some reasoning. The answer is \\boxed{{{r['answer']}}}.") == 1.0, r["answer"]
-        assert score(r, "no boxed answer here " + r["answer"]) == 0.0
+        assert reward(f"Some reasoning. The answer is \\boxed{{{r['answer']}}}.", r) == 1.0, r["answer"]
+        assert reward("no boxed answer here " + r["answer"], r) == 0.0
         is_number = answers.number(r["answer"]) is not None
         symbolic += not is_number
         if is_number or symbolic % 5 == 1:
-            assert score(r, f"\\boxed{{{wrong_answer(r['answer'])}}}") == 0.0, r["answer"]
+            assert reward(f"\\boxed{{{wrong_answer(r['answer'])}}}", r) == 0.0, r["answer"]
         if not is_number and symbolic % 5 == 1:
             assert answers.math_verify_equal(r["answer"], r["answer"], answers.TIMEOUT_S), r["answer"]
 
@@ -234,7 +234,7 @@ def test_crossthinkqa_layouts(tmp_path):
     assert [r["answer"] for r in recs] == ["B", "A", "C", "B", "B", "A"]
     assert all(r["task"] == "choice" for r in recs)
     assert recs[0]["question"].startswith("Q1\nA. red\nB. blue\nC. green\n")
-    assert score(recs[0], "It is blue, so \\boxed{B}") == 1.0 and score(recs[0], "\\boxed{A}") == 0.0
+    assert reward("It is blue, so \\boxed{B}", recs[0]) == 1.0 and reward("\\boxed{A}", recs[0]) == 0.0
     with pytest.raises(DataError, match=r"line 1: field 'answer' is 'E'"):
         load_task("crossthinkqa", path=write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "options": ["a"],
                                                                            "answer": "E"}]))
@@ -309,14 +309,14 @@ def test_rewards_never_raise(text, gold):
     assert countdown_reward(text, {"nums": [25, 4, 9], "target": 91}) in (0.0, 0.1, 1.0)
     assert countdown_reward(text, "malformed answer") in (0.0, 0.1)
     for task in ("math", "choice"):
-        assert score({"task": task, "answer": gold}, text) in (0.0, 1.0)
+        assert reward(text, {"task": task, "answer": gold}) in (0.0, 1.0)
 
 
-def test_rewards_of_non_strings_are_zero_and_score_rejects_unknown_tasks():
+def test_rewards_of_non_strings_are_zero_and_reward_rejects_unknown_tasks():
     assert math_reward(None, "1") == 0.0 and choice_reward(b"\\boxed{A}", "A") == 0.0
     assert countdown_reward(None, {"nums": [1], "target": 1}) == 0.0
     with pytest.raises(ValueError, match="task 'poetry'"):
-        score({"id": "x", "task": "poetry", "answer": "1"}, "\\boxed{1}")
+        reward("\\boxed{1}", {"id": "x", "task": "poetry", "answer": "1"})
 
 
 # ----------------------------------------------------------------------------- countdown
@@ -377,8 +377,8 @@ def test_generated_countdown_problems_are_valid_and_solvable():
     for r in recs[:1000]:  # the generator already ran `solve` on all; check 1000 independently via the reward
         assert all(1 <= n <= 99 for n in r["nums"]) and 10 <= r["target"] <= 100
         sol = countdown.solve(r["nums"], r["target"])
-        assert score(r, f"<think>...</think> <answer>{sol}</answer>") == 1.0
-    assert score(recs[0], "<answer>1 + 2</answer>") == 0.1
+        assert reward(f"<think>...</think> <answer>{sol}</answer>", r) == 1.0
+    assert reward("<answer>1 + 2</answer>", recs[0]) == 0.1
 
 
 def test_countdown_is_deterministic_and_splits_are_disjoint():
@@ -444,7 +444,7 @@ def test_arithmetic_task():
     for r in test + train:
         assert r["task"] == "math" and int(r["answer"]) == recompute(r["question"]) >= 0
         assert r["question"].count(".") == r["steps"] + 1
-        assert score(r, f"\\boxed{{{r['answer']}}}") == 1.0
+        assert reward(f"\\boxed{{{r['answer']}}}", r) == 1.0
 
 
 # ----------------------------------------------------------------------------- prompts
