@@ -14,6 +14,7 @@ from training.models import load_model
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
 SYNCED = "operation not permitted when stream is capturing"   # what a host sync inside a capture raises
+OOM = "CUDA out of memory. Tried to allocate 20.00 MiB"        # the caching allocator's error
 
 
 class FakeStream:
@@ -51,6 +52,8 @@ class FakeGraph:
         self.call()
         if self.cuda.mode == "replay":
             self.cuda.fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+        elif self.cuda.mode == "replay out of memory":
+            self.cuda.fault = torch.OutOfMemoryError(OOM)
 
 
 class FakeCuda:
@@ -69,6 +72,9 @@ class FakeCuda:
             elif self.mode == "warm-up" and self.stack[-1].name == "side":
                 self.failed += 1
                 raise RuntimeError("CUDA error: out of memory")
+            elif self.mode == "warm-up out of memory" and self.stack[-1].name == "side":
+                self.failed += 1
+                raise torch.OutOfMemoryError(OOM)
             return real(eng, b, s)
 
         @contextlib.contextmanager
@@ -164,3 +170,21 @@ def test_a_replay_fault_is_read_inside_the_guard(tiny, monkeypatch, capsys):
     assert engine_lines(capsys.readouterr().out) == [
         "engine: CUDA graph replay failed (RuntimeError: CUDA error: an illegal memory access was "
         "encountered); the decode step runs eagerly from here on"]
+
+
+@pytest.mark.parametrize("mode", ["warm-up out of memory", "replay out of memory"])
+def test_out_of_memory_is_no_graph_fault_and_goes_on_to_the_back_off(tiny, monkeypatch, capsys, mode):
+    """The allocator's error in a warm-up or surfacing at a replay's sync is not the graphs' fault: no
+    engine line, nothing turned off (graphs on, the engine not stopped), the error raised to the caller
+    (training/backoff.py makes the rows fewer); the next call, with the memory there, decodes on graphs."""
+    model, tok = tiny
+    want = rows(model, tok, engine.Engine(model, graphs=False))
+    capsys.readouterr()
+    cuda = FakeCuda(monkeypatch, mode)
+    eng = graphed(model)
+    with pytest.raises(torch.OutOfMemoryError):
+        rows(model, tok, eng)
+    assert eng.graphs and eng.off is None and engine_lines(capsys.readouterr().out) == []
+    assert all(g is not None for g in eng.graph.values())               # no key left marked eager
+    cuda.mode, cuda.fault = "ok", None
+    assert rows(model, tok, eng) == want and eng.graphs and any(eng.graph.values())

@@ -1,12 +1,22 @@
 """One decode step as a CUDA graph (training/engine.py's idea 2): the step run once on a side stream before
 its capture (warm_up), then recorded, not run (capture), and a failure said in one line (one_line).
 torch.cuda.graph's steps, written out so that a failing capture still leaves the side stream and the error
-raised is the first one; the engine decides what a failure turns off (Engine.run, fall_back, stop).
+raised is the first one; the engine decides what a failure turns off (Engine.run, fall_back, stop). An
+out-of-memory error is not a graph fault (out_of_memory): the engine passes it on, to training/backoff.py.
 tests/test_engine_fallbacks.py forces each failure on the CPU with a fake of torch.cuda's streams and graphs.
 
 Run: python -m pytest -q tests/test_engine_fallbacks.py
 """
 import torch
+from accelerate.utils.memory import should_reduce_batch_size
+
+
+def out_of_memory(error):
+    """Whether `error` is the allocator running out of memory: torch.OutOfMemoryError (any device, so a CPU
+    test can raise it), or what accelerate's should_reduce_batch_size reads as one (its messages: the CPU
+    allocator's, cuDNN's unsupported size, other backends'). Not a fault of the graphs: the rows are too many
+    for the memory, and training/backoff.py makes them fewer."""
+    return isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error)
 
 
 def one_line(error):

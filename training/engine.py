@@ -43,11 +43,16 @@ Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
   replay   a fault surfaces at the next host read, not at replay(): with graphs the whole decode call is
            the guarded region and ends with one sync (once a call, not a step); a fault turns the graphs off
            and the call is decoded again eagerly from its inputs.
+An out-of-memory error (cudagraph.out_of_memory) in a warm-up, a capture or the guarded call is none of
+these: nothing is turned off, the error goes on to the caller, and grpo.py's back-off (training/backoff.py)
+halves gen_chunk, `resize`s the engine (its buffers made again at the new width) and decodes the rows left.
 
 Memory: the static buffers are the KV cache that evaluation/footprint.py's `generation` counts for a chunk
 (T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
-engine holds its reservation (the widest prompt + R) through the update too: memory.py counts its buffers in
-every phase on CUDA. `benchmarks/generate_speed.py --device cuda` prints it beside HF generate.
+engine holds its reservation (the widest prompt + R) through the update too (memory.py counts its buffers in
+every phase on CUDA), unless the plan releases it for the update (`release`: every buffer and graph freed;
+the next call's `reserve` makes them again and its steps capture the graphs again).
+`benchmarks/generate_speed.py --device cuda` prints it beside HF generate.
 
 Departures from rollout.decode / HF generate (numbered):
   1. Same distribution, other samples. The draw is an exponential race over HF's warped distribution
@@ -171,6 +176,7 @@ class Engine:
             raise ValueError("CUDA graphs need a CUDA model")
         self.rows = self.S = self.width = self.new = self.captures = 0
         self.settings, self.kernels, self.keys, self.values, self.warp = None, None, None, None, None
+        self.mask = None            # the state buffers (make); None: not reserved, or released
         self.graph, self.caches, self.pool, self.side = {}, {}, None, None
         self.off = None             # why the engine stopped (its step failed in a warm-up), else None
 
@@ -184,16 +190,21 @@ class Engine:
         settings = (tuple(eos), pad)
         self.new, self.warp = new, warp
         if rows <= self.rows and S <= self.S and new <= self.width and settings == self.settings:
-            return self
+            return self.make() if self.mask is None else self    # released for the update: made again
         if self.rows:                   # reserved before (grpo.py: at setup): a call it did not foresee
             print(f"engine: a call of {rows} rows x {S} positions x {new} new tokens (EOS, pad "
                   f"{settings}) is past the {self.rows} x {self.S} x {self.width} reserved: new buffers, "
                   f"graphs captured again")
-        dev, V = self.model.device, self.model.config.vocab_size
         rows, S, self.width = max(rows, self.rows), max(S, self.S), max(new, self.width)
         self.rows, self.S, self.settings, self.pad = rows, S, settings, pad
         self.span = ALIGN * max(2, math.ceil(S / LENGTHS / ALIGN))       # key-length bucket, >= 128
         self.buckets = row_buckets(rows)
+        return self.make()
+
+    def make(self):
+        """The reservation's state buffers; the K, V ones come with the first decode (allocate)."""
+        dev, V, rows, S, (eos, pad) = self.model.device, self.model.config.vocab_size, self.rows, self.S, \
+            self.settings
         self.ends = torch.tensor(eos, device=dev)                         # (e,) the EOS ids
         self.ban = torch.zeros(V, dtype=torch.bool, device=dev)           # (V,) EOS, banned before min_new
         self.ban[self.ends] = True
@@ -207,6 +218,24 @@ class Engine:
         self.keys = self.values = None                                   # (L, rows, Hkv, S, d): first chunk
         self.graph, self.caches, self.pool = {}, {}, None
         return self
+
+    def release(self):
+        """Every buffer and graph dropped, the sizes kept, the memory given back (on CUDA to the driver:
+        empty_cache) for the update where memory.plan says "released" (training/backoff.py calls it); the
+        next `reserve` makes the buffers again and the steps capture their graphs again."""
+        self.mask = self.x = self.pos = self.done = self.out = self.at = self.t = self.ends = self.ban = None
+        self.keys = self.values = None
+        self.graph, self.caches, self.pool = {}, {}, None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self
+
+    def resize(self, rows):
+        """The buffers made again for `rows` rows (fewer after an out-of-memory error: training/backoff.py),
+        the old ones freed first; positions, new tokens, EOS and pad kept; graphs captured as calls come."""
+        self.release()
+        self.rows, self.buckets = rows, row_buckets(rows)
+        return self.make()
 
     def state(self):
         return [self.mask, self.x, self.pos, self.done, self.out, self.at, self.t]
@@ -293,17 +322,29 @@ class Engine:
                     self.side = self.side or torch.cuda.Stream()
                     cudagraph.warm_up(step, self.side)
                 except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                    if self.forget(key, e):
+                        raise
                     raise self.stop(e) from e
                 try:
                     self.graph[key] = cudagraph.capture(step, self.side, self.pool)
                     self.pool = self.graph[key].pool()
                 except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                    if self.forget(key, e):
+                        raise
                     self.fall_back("capture", e)
             for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
                 x.copy_(v)                                                 # is rewritten before it is read)
         if self.graph[key] is None or not self.graphs:
             return self.step(b, s)
         self.graph[key].replay()                                          # a fault: decode's guard reads it
+
+    def forget(self, key, error):
+        """True for an out-of-memory error (cudagraph.out_of_memory) in a warm-up or capture: no graph fault,
+        nothing turned off; the key is forgotten and the caller raises it on, to training/backoff.py."""
+        if cudagraph.out_of_memory(error):
+            del self.graph[key]
+            self.captures -= 1
+        return cudagraph.out_of_memory(error)
 
     def fall_back(self, what, error):
         """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
@@ -341,8 +382,8 @@ class Engine:
         except Stopped:
             return None
         except Exception as e:                                             # noqa: BLE001 (the run goes on)
-            if not self.graphs:                                            # an eager step's own error
-                raise
+            if not self.graphs or cudagraph.out_of_memory(e):   # an eager step's own error; out of memory:
+                raise                                           # the back-off's (training/backoff.py)
             self.fall_back("replay", e)
         return self.steps(inp, mask, cache, which)
 
