@@ -17,7 +17,8 @@ Read one step in four files: this one top to bottom (train, grpo_step, update, t
 (Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/rollout.py's `generate`.
 A forward fills a Capture because training/models.py's load_model runs every model under the attention
 "sdpa_capture" (one call, flowtracer.register_attention; an import registers nothing). Behind one call each
-(README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's files, setup.
+(README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's files, setup;
+the rollout, update and evaluation run through training/backoff.py: out of memory, they go on smaller.
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
@@ -61,7 +62,7 @@ import data
 from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import find_answer_span
-from training import credit, flags, heldout, models, runlog, tracking
+from training import backoff, credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
 from training.rewards import RewardError, TaskConfig
@@ -149,7 +150,7 @@ PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER, "--paper-batc
 class Outcome(NamedTuple):
     history: list               # one metrics dict per step run
     stop: str | None            # why the run ended early: "interrupted", a non-finite streak, a full disk
-    status: int                 # main's exit status: 0 (finished, interrupted), 1 (non-finite), 2 (disk)
+    status: int                 # main's exit status: 0 (finished, interrupted), 1 (non-finite, OOM), 2 (disk)
 
 
 def train(cfg: Config, run=None) -> Outcome:
@@ -157,9 +158,10 @@ def train(cfg: Config, run=None) -> Outcome:
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            m.update(heldout.accuracy(run.model, run.tok, run.eval_records, run.style, cfg.max_new_tokens,
-                                      cfg.gen_chunk, run.engine, run.reward, run.template_kwargs))   # eval/*
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):   # eval/*
+            m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, run.model, run.tok,
+                                      run.eval_records, run.style, cfg.max_new_tokens, engine=run.engine,
+                                      reward=run.reward, template_kwargs=run.template_kwargs))
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
@@ -193,10 +195,10 @@ def grpo_step(run, step, bad) -> Step:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
     with clock.phase("generation"), torch.no_grad(), run.autocast:
-        gen = generate(model, run.tok, [run.prompt_ids[i] for i in ids], n=G,
-                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       top_k=cfg.top_k, chunk_size=cfg.gen_chunk, share_prefix=cfg.share_prefix,
-                       engine=run.engine)
+        gen = backoff.generate(run, "rollout", generate, model, run.tok, [run.prompt_ids[i] for i in ids],
+                               n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               top_p=cfg.top_p, top_k=cfg.top_k, share_prefix=cfg.share_prefix,
+                               engine=run.engine)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rewards = torch.tensor([run.reward(txt, run.records[ids[j // G]]) for j, txt in enumerate(gen.texts)])
@@ -212,7 +214,7 @@ def grpo_step(run, step, bad) -> Step:
     adv = adv[kept].to(run.device)                                                           # (B,)
     trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(len(kept)))  # dep. 7
     # ---------------------------------------------------------- credit and update, micro-batch by micro-batch
-    up = update(run, batch, trained, adv, clock)
+    up = backoff.update(run, update, batch, trained, adv, clock)   # out of memory: a smaller micro_batch
     bad = 0 if up.stepped else bad + 1          # a non-finite loss or gradient: no step (train stops a run)
     if up.stepped:
         run.sched.step()
@@ -390,6 +392,9 @@ def main(argv=None):
         run.log.finish(str(e))
         last = "the last checkpoint stands" if (run.log.out / "ckpt").is_dir() else "no checkpoint yet"
         out = Outcome([], f"{e}; {last}", 2)
+    except backoff.OutOfMemory as e:                  # out of memory at gen_chunk or micro_batch 1
+        run.log.finish(str(e))
+        out = Outcome([], str(e), 1)
     if out.status:                                    # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)
         sys.exit(out.status)

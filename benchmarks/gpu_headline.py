@@ -23,8 +23,15 @@ and once, at the largest R, the memory of the attention maps: the peak of one no
 each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (~164 GB for one row of
 Qwen3-4B): an out-of-memory error is reported as such, with that size.
 
-The 8K step uses the largest gen_chunk / micro_batch (powers of two up to the flags') that memory.fit
-keeps under 80 GB with its margin (16 and 4 for Qwen3-4B), as `eval.py memory` advises; the header says which.
+Each step is sized as grpo.py's setup sizes it (run.size_to_card: memory.plan's gen_chunk, micro_batch and
+the engine's layout under 80 GB or --gpu-gb, margin included; the header says which): the 8K step gets
+gen_chunk 32, micro_batch 8 with the engine released for the update. It rolls out as grpo.py does: on CUDA
+through the run's decode engine, made and reserved once as setup makes it (memtrace.run_engine), so the
+update it measures holds the engine's cache (or not, where the plan releases it). The line "engine release"
+measures what the released layout costs a step: the K, V buffers made again (release, reserve, allocate),
+the graphs a rollout captured (each captured again every step once released), and a 16-token call of one
+chunk with the engine resident against the same call right after a release (on the CPU, where grpo.py has no
+engine, an eager one made as setup makes it: no graphs, the allocation alone).
 Generation dominates the run time at 8K: three rollouts (memtrace.measure's two steps and the one here) of
 8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Run on one H100
 on 2026-11-25 (main at 9550070, before the decode engine; docs/gpu.md has the table). On the CPU,
@@ -65,6 +72,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -74,7 +82,7 @@ from evaluation import memory, memtrace  # noqa: E402
 from flowtracer import head_mean_kernel, select_layers  # noqa: E402
 from training import credit, runlog  # noqa: E402
 from training.attention import capturing  # noqa: E402
-from training.rollout import build_batch, generate  # noqa: E402
+from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 from training.run import for_update, size_to_card  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
@@ -83,8 +91,9 @@ ANSWER_TOKENS = 8               # departure 1
 
 # ----------------------------------------------------------------------------- the step's pieces
 def step_config(args, R):
-    """grpo.py's Config for this shape (parsed by grpo.py: its checks); on CUDA its chunks sized to the card
-    (or --gpu-gb, then enforced by the allocator) as grpo.py's setup sizes them (run.size_to_card)."""
+    """(grpo.py's Config for this shape, parsed by grpo.py: its checks; whether the plan releases the engine
+    for the update): on CUDA its chunks and the engine's layout sized to the card (or --gpu-gb, then enforced
+    by the allocator) as grpo.py's setup sizes them (run.size_to_card)."""
     flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
              "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow",
@@ -95,10 +104,11 @@ def step_config(args, R):
             total = torch.cuda.mem_get_info()[1]
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * memory.GB / total))
         try:
-            size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
+            budget = size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
         except ValueError as e:
             raise SystemExit(f"gpu_headline.py: error: R = {R}: {e}") from None
-    return cfg
+        return cfg, budget.plan.release
+    return cfg, False
 
 
 def synced(device):
@@ -108,25 +118,33 @@ def synced(device):
     return time.perf_counter()
 
 
-def load(cfg, device):
-    """The policy and optimizer as run.setup makes them (policy.load_policy), and the `run` grpo's step
-    functions read."""
+def load(cfg, device, P, short=0):
+    """The policy and optimizer as run.setup makes them (policy.load_policy), the `run` grpo's step
+    functions read, and on CUDA the run's decode engine (run.engine), made and reserved as setup makes it
+    (preflight.make_engine: memtrace.run_engine), for the prompts `prompts` (run.prompts) and every row
+    running to its budget (min_new_tokens: max_new_tokens, or --quick's `short`)."""
     run = for_update(cfg, device)                                  # run.setup's policy and credit
+    g = torch.Generator().manual_seed(0)
+    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
+    run.prompts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]  # 1.
+    run.new = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
+    run.model.generation_config.min_new_tokens = run.new           # the engine reads it when it is made
+    run.engine = memtrace.run_engine(cfg, run.model, run.tok, run.prompts, device)
     return run, run.tok
 
 
 def rollout(run, tok, P, short=0):
-    """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens).
+    """One rollout batch of every row at max_new_tokens: (Batch with the answer region, seconds, tokens),
+    through the run's engine on CUDA (on the CPU, as before the engine: HF generate, min_new_tokens).
     short > 0 (--quick): `short` tokens are sampled, then random printable ones fill each row up to R."""
-    cfg, g = run.cfg, torch.Generator().manual_seed(0)
-    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
-    texts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]   # dep. 1
+    cfg, g = run.cfg, torch.Generator().manual_seed(1)
     run.model.eval()
     t0 = synced(run.device)
     with torch.no_grad(), run.autocast:
-        n = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
-        gen = generate(run.model, tok, texts, n=cfg.group_size, max_new_tokens=n, temperature=cfg.temperature,
-                       top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk, min_new_tokens=n)
+        n, extra = run.new, {} if run.engine is not None else {"min_new_tokens": run.new}
+        gen = generate(run.model, tok, run.prompts, n=cfg.group_size, max_new_tokens=n,
+                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk,
+                       engine=run.engine, **extra)
     seconds = synced(run.device) - t0
     if short:                                                                       # up to R: the shapes
         gen = gen._replace(response_ids=[r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),),
@@ -165,6 +183,40 @@ def bandwidth_bound(model, cfg, P, bandwidth):
     return B * R * bandwidth / total
 
 
+def rereserve(run, graphs):
+    """What the engine's layout "released" (memory.plan) costs a step, on the run's engine (on the CPU, an
+    eager one made as setup makes it): {bytes of its K, V buffers, reserve_s: release, reserve and
+    allocate them again; graphs: those a rollout captured (captured again every step once released);
+    call_s: a short call (one chunk, 16 new tokens) with the engine resident, released_s: the same right
+    after a release (its buffers made and its graphs captured again); captures: that call's}."""
+    from training import preflight
+    widest = max(map(len, prompt_ids(run.tok, run.prompts)))
+    eng = run.engine or preflight.make_engine(run.cfg, run.model, run.tok, widest, 0)
+    if eng is None:
+        return None
+    cfg, dev = run.cfg, run.device
+    kw = dict(n=cfg.group_size, max_new_tokens=min(16, run.new), temperature=cfg.temperature, top_p=cfg.top_p,
+              top_k=cfg.top_k, chunk_size=cfg.gen_chunk, engine=eng)
+    one = run.prompts[:max(1, cfg.gen_chunk // cfg.group_size)]                   # one chunk of rows
+    with torch.no_grad(), run.autocast:
+        generate(run.model, run.tok, one, **kw)                                   # warm: graphs captured
+        t0 = synced(dev)
+        generate(run.model, run.tok, one, **kw)
+        t1 = synced(dev)
+        eng.release()
+        t2 = synced(dev)
+        eng.reserve(eng.rows, eng.S, eng.width, *eng.settings, eng.warp)
+        eng.allocate(SimpleNamespace(layers=[]))                                  # in the model's dtype
+        t3 = synced(dev)
+        c = eng.captures
+        eng.release()
+        t4 = synced(dev)
+        generate(run.model, run.tok, one, **kw)
+        t5 = synced(dev)
+    return dict(bytes=eng.keys.nbytes + eng.values.nbytes, reserve_s=t3 - t2, graphs=graphs, call_s=t1 - t0,
+                released_s=t5 - t4, captures=eng.captures - c, eager=not eng.graphs)
+
+
 # ----------------------------------------------------------------------------- the attention maps
 def attention_peaks(model, cfg, rows, T):
     """{plain, capture, eager: peak bytes of one no-grad forward of `rows` rows of T tokens} (None: OOM)."""
@@ -201,20 +253,26 @@ def attention_peaks(model, cfg, rows, T):
 # ----------------------------------------------------------------------------- the tables
 def headline(args, R, device):
     """Every number of one table (response budget R) as a dict: memory, overhead, generation, attention."""
-    cfg = step_config(args, R)
+    cfg, release = step_config(args, R)
     P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
     res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
-               micro_batch=cfg.micro_batch)
+               micro_batch=cfg.micro_batch, engine=memory.LAYOUTS[release] if device.type == "cuda" else "-")
     if not args.quick:
-        est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P)
+        est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P, release=release)
         reserved = {}
-        measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved)
+        measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved, release=release)
         res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
                                   reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
                          for ph in memory.PHASES}
         free(device)
-    run, tok = load(cfg, device)
+    run, tok = load(cfg, device, P, args.quick_tokens if args.quick else 0)
+    before = run.engine.captures if run.engine is not None else 0
     batch, gen_s, tokens = rollout(run, tok, P, args.quick_tokens if args.quick else 0)
+    graphs = run.engine.captures - before if run.engine is not None else None      # a rollout's graphs
+    if not args.quick:
+        res["rereserve"] = rereserve(run, graphs)
+    if release and run.engine is not None:
+        run.engine.release()                                     # the update without it, as grpo.py's
     times = {"none": [], "flow": []}
     update(run, tok, batch, "none")                                                # warm-up, not counted
     for r in range(args.rounds):
@@ -264,7 +322,7 @@ def show(args, res, device):
     m = res.get("memory", {})
     print(f"\n== {args.model} on {device.type}: {res['rows']} rows ({args.prompts_per_step} prompts x "
           f"{args.group_size}), {res['prompt_tokens']} + {res['max_new_tokens']} tokens, gen_chunk "
-          f"{res['gen_chunk']}, micro_batch {res['micro_batch']} ==")
+          f"{res['gen_chunk']}, micro_batch {res['micro_batch']}, engine {res['engine']} ==")
     if m:
         print(f"memory ({name})     estimate  allocated   reserved  estimate/allocated")
     for ph, d in m.items():
@@ -280,6 +338,12 @@ def show(args, res, device):
     print(f"generation     {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; bound "
           f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
           f"{100 * g['of_bound']:.3g}% of it")
+    e = res.get("rereserve")
+    if e:
+        graphs = "" if e["graphs"] is None else f"; the rollout captured {e['graphs']} graphs"
+        print(f"engine release {e['bytes'] / unit:.2f} {name} of K, V made again in {e['reserve_s']:.4f} s"
+              f"{graphs}; a 16-token call {e['call_s']:.3f} s resident, {e['released_s']:.3f} s released "
+              f"({e['captures']} graph shape(s): {'eager, none captured' if e['eager'] else 'captured again'})")
     a = res.get("attention")
     if a:
         print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "

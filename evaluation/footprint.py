@@ -1,6 +1,7 @@
 """The bytes each part of one GRPO step holds, counted op by op: a decoder layer's saved tensors
 (layer_saved), what the update's forward keeps for backward (kept, update_kept), the attention capture's
-workspace (capture_workspace) and generation's KV cache and prefill (generation, prefill_rows).
+workspace (capture_workspace) and generation's KV cache and prefill (generation, prefill_rows, and a chunk
+beside the run's decode engine: engine_generation).
 evaluation/memory.py's estimate adds them into its phases; each function's docstring has its terms.
 Shapes: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv query / key-value heads of hd each;
 P prompt, R response, T = P + R tokens; cb the bytes of a matmul output, rb of the residual stream.
@@ -20,14 +21,11 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
     frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32. The prefills
     keep one position's logits (logits_to_keep=1), (k, 1, V), made after the layers' peak has passed: the
     full (k, P, V) ones, 0.3 GB a 1K prompt for Qwen3 in bf16, are never made."""
-    L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
-    hd = getattr(mc, "head_dim", None) or D // Hq
+    L, V, Hkv = mc.num_hidden_layers, mc.vocab_size, mc.num_key_value_heads
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     T, k = P + R, prefill_rows(g, G, shared)
     kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
-    attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
-    mlp = k * P * (P + 3 * I * cb)
-    prefill = k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * V * 4   # + ids, masks
+    prefill = prefill_workspace(mc, k, P, cb, rb)
     if k < g:                                          # prefix sharing: each prompt's cache reserved at T
         peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
                  (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
@@ -35,6 +33,32 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
         peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
+
+
+def engine_generation(mc, g, G, P, cb, rb):
+    """{"KV cache", "workspace"} of a chunk of g rows decoded by the run's engine (training/engine.py), beside
+    its buffers (counted by the caller: they are reserved for the run): each distinct prompt's cache, P wide
+    (rollout.generate reserves no room for the engine), prefilled (prefill_workspace), then copied into the
+    buffers a layer's keys (or values) at a time, (g, Hkv, P, d), and kept through the decode, whose steps
+    hold sampling's 5 (g, V) fp32. G: the rows of a prompt (1: held-out evaluation)."""
+    L, Hkv = mc.num_hidden_layers, mc.num_key_value_heads
+    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * cb              # noqa: E731 one layer's K
+    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, cb, rb)), (2 * L * kv(k) + kv(g), 0),
+             (2 * L * kv(k), 5 * g * mc.vocab_size * 4)]
+    cache, ws = max(peaks, key=sum)
+    return {"KV cache": cache, "workspace": ws}
+
+
+def prefill_workspace(mc, k, P, cb, rb):
+    """Bytes a prefill of k prompts, P wide, holds beside its cache at its peak, the last layer: the hidden
+    states, positions and masks, its attention (the (k, P, P) bool mask and sdpa's float copy, q, output, K
+    and V repeated to the query heads) or its MLP, and one position's logits (logits_to_keep=1)."""
+    D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
+    hd = getattr(mc, "head_dim", None) or D // Hq
+    attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
+    mlp = k * P * (P + 3 * I * cb)
+    return k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * mc.vocab_size * 4   # + ids, masks
 
 
 def prefill_rows(g, G, shared=True):

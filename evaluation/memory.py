@@ -10,7 +10,8 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
                   CUDA the fused kernel's row statistics) or the log-prob chunks (3 x (b, 128, V))
   credit          fused: + the captured maps (one buffer: Capture.maps works in place) and trace_flow's fp64
                   copy, (b, T, T) each; a separate pass (credit.separate_pass): before the update, the
-                  signal's own forward over all B rows and its (B, T, T) maps
+                  signal's own forward and its (n, T, T) maps, n = b rows a forward for a signal whose rows
+                  are scored alone (credit.ROWWISE, the scores of all B kept), else all B
   backward        + one decoder layer recomputed (layer_saved, counted op by op), one log-prob chunk, or the
                   reference model's forward (--beta > 0, whose weights are resident in every phase)
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
@@ -68,6 +69,7 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
+import dataclasses
 import functools
 import os
 from types import SimpleNamespace
@@ -75,7 +77,8 @@ from typing import NamedTuple
 
 import torch
 
-from evaluation.footprint import capture_workspace, generation, layer_saved, prefill_rows, update_kept
+from evaluation.footprint import (capture_workspace, engine_generation, generation, layer_saved, prefill_rows,
+                                 update_kept)
 from flowtracer import select_layers as select
 from training import credit, models, signals
 from training.checkpoint import STATE_BYTES, checkpoint_bytes
@@ -134,10 +137,18 @@ def lora_linears(cfg, mc):
     return [(i, o) for n, i, o in counts(mc.to_json_string())[3] if names is None or n in names]
 
 
-def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
+def engine_rows(cfg, n_eval=0):
+    """The rows the run's decode engine is reserved for (training/preflight.py's make_engine): a chunk of
+    the rollout's B rows or of held-out evaluation's n_eval questions, the wider, at most gen_chunk."""
+    return min(cfg.gen_chunk, max(cfg.prompts_per_step * cfg.group_size, n_eval))
+
+
+def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
     every row trained) on `device` under policy.scheme; nothing is allocated. The docstring has each term.
-    widest: the widest prompt the decode engine is reserved for (Run.widest_prompt); None: prompt_tokens."""
+    widest: the widest prompt the decode engine is reserved for (Run.widest_prompt); None: prompt_tokens.
+    n_eval: the held-out questions of --eval-every (setup's count; None: cfg.eval_size when --eval-every is
+    on, else 0). release: the engine released for the update (plan's layout "released"), else resident."""
     N, N_cast, N_max = param_counts(mc)
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -160,16 +171,22 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     cast = 2 * (n_a if lora else N_cast) if cuda and not kahan else 0   # autocast's bf16 copies of fp32 ones
     state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
     S = 64 * -(-((widest or P) - 1 + R) // 64)                      # the decode engine's positions (ALIGN)
-    engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * g * cb  # its K, V buffers, reserved for the run
+    n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
+    e = engine_rows(cfg, n_eval)                                    # rows as preflight.make_engine reserves
+    engine = cuda * cfg.share_prefix * 2 * L * Hkv * hd * S * e * cb  # its K, V buffers, reserved for the run
     trained = n_a if lora else N                                    # what has gradients and AdamW states
     w = dict(weights=N * wb * (1 + (cfg.beta > 0 and not lora)) + n_a * 4,
              grads=trained * (4 if lora else wb), optimizer=trained * state,
-             **{"cast cache": cast, "KV cache": engine})
+             **{"cast cache": cast, "KV cache": 0 if release else engine})   # released: not in the update
     # (+ the reference policy when beta > 0; under LoRA it is the same weights with the adapters off)
     zero = dict.fromkeys(COMPONENTS, 0)
-    gen = {**zero, **w, "grads": 0,
-           **generation(mc, g, cfg.group_size, P, R, cb, rb, cfg.share_prefix)}
-    gen["KV cache"] += max(0, engine - 2 * L * Hkv * hd * T * g * cb)   # the engine wider than P + R
+    decodes = [(g, cfg.group_size), (min(cfg.gen_chunk, n_eval), 1)]            # the rollout's, held-out's
+    gens = [{**zero, **w, "grads": 0, **(generation(mc, rows, n, P, R, cb, rb, cfg.share_prefix) if not engine
+                                         else engine_generation(mc, rows, n, P, cb, rb))}
+            for rows, n in decodes if rows]
+    for x in gens:
+        x["KV cache"] += engine                                         # the engine's buffers, beside the chunk
+    gen = max(gens, key=lambda x: sum(x.values()))                      # the larger of the two decodes
     ls, ckpt = layer_saved(mc, T, cb, rb, lora=lk), cfg.grad_checkpointing   # the forward keeps
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
     acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt, lk)
@@ -190,11 +207,13 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
     fp64 = (8 + 8 * cuda) * (cfg.credit == "flow")                         # trace_flow's fp64 copies
-    if separate:     # credit.assign on all B rows before the update, no grad: the signal's own forward
-        cap_all = maps * capture_workspace(B, T, Hq, Hkv, hd, fused=cuda)           # every row's capture
-        own = B * T * (3 * D * rb + T) + max(B * T * (3 * I * cb + T * cb), cap_all)    # hidden, bool mask
-        credit_ph = {**zero, **w, "grads": 0, "attention": maps * B * T * T * 4,       # the maps, (B, T, T)
-                     "workspace": B * T * 19 + max(own, maps * B * T * T * fp64)}      # forward or trace_flow
+    if separate:     # credit.assign before the update, no grad: the signal's own forward over n rows at a time
+        n = b if cfg.credit in credit.ROWWISE else B                # (credit.signal_scores), the scores (B, T)
+        cap_all = maps * capture_workspace(n, T, Hq, Hkv, hd, fused=cuda)           # the rows' capture
+        own = n * T * (3 * D * rb + T) + max(n * T * (3 * I * cb + T * cb), cap_all)    # hidden, bool mask
+        credit_ph = {**zero, **w, "grads": 0, "attention": maps * n * T * T * 4,       # the maps, (n, T, T)
+                     "workspace": B * T * (19 + 4 * (n < B)) + n * T * 19 * (n < B)    # + a micro-batch's
+                     + max(own, maps * n * T * T * fp64)}                              # forward or trace_flow
     else:            # the captured maps (Capture.maps: in place) and trace_flow's fp64 copy, (b, T, T)
         credit_ph = {**zero, **w, "cast cache": 0, "activations": acts,
                      "attention": layers * b * T * T * (4 + fp64), "workspace": batch}
@@ -237,16 +256,18 @@ def table(est, title, unit=GB) -> str:
     return "\n".join([title, head, *rows])
 
 
-def margin(cfg, mc, prompt_tokens=256) -> dict:
+def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
     """{cost: bytes} a GPU needs beyond the estimate's tensors (assumed, not measured): the CUDA context and
     cuBLAS workspace, and the allocator's fragmentation, at most one chunk's bf16 prompt cache (P wide). The
     allowance was one whole KV cache (P + R) while the decode cache grew (by concatenation, or an engine
     regrown by a wider prompt): freed blocks too small to reuse. The engine's buffers are now reserved once
     for the run and never freed, so they leave none; what a chunk still allocates and frees is the
     prefill's cache of its prompts, copied to its rows (P wide, freed before the next chunk), and under
-    expandable_segments (policy.device_of) its freed pages are reused."""
+    expandable_segments (policy.device_of) its freed pages are reused. A chunk of held-out evaluation
+    (n_eval: as estimate's) prefills each of its rows' prompts, min(gen_chunk, n_eval) of them."""
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    g = min(cfg.gen_chunk, cfg.prompts_per_step * cfg.group_size)
+    n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
+    g = engine_rows(cfg, n_eval)
     kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * prompt_tokens * g * 2
     return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one prompt cache": kv}
 
@@ -275,6 +296,12 @@ class Plan(NamedTuple):
     phase: str                  # the phase of the peak: of the sizes chosen, or of the smallest tried
     peak: float                 # that peak in bytes, the margin included
     tried: tuple                # (gen_chunk, micro_batch) the peak is of
+    release: bool = False       # the engine released for the update (LAYOUTS[1]); False: resident through it
+
+
+# the decode engine through the update: kept (its graphs captured once a run), or freed after each rollout,
+# reserved and its graphs captured again before the next
+LAYOUTS = ("resident", "released")
 
 
 def sizes(n, free):
@@ -282,70 +309,112 @@ def sizes(n, free):
     return [n] if not free else [n] + [2 ** k for k in range(n.bit_length() - 1, -1, -1) if 2 ** k < n]
 
 
-def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch")) -> Plan:
-    """The gen_chunk and micro_batch whose step fits `budget` bytes in every phase, the margin included (on
-    CUDA the engine's buffers, sized by gen_chunk, stay through the update): cfg's values, and where `free`
-    the powers of two below them too. Of the pairs that fit, the one whose smaller fraction of cfg's value
-    is largest (both halved alike), then the larger gen_chunk. run.setup sizes a run with it."""
+def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch"), n_eval=None) -> Plan:
+    """The gen_chunk, micro_batch and engine layout whose step fits `budget` bytes in every phase, the margin
+    included: cfg's sizes, and where `free` the powers of two below them too; each with the engine resident
+    through the update (on CUDA its buffers, sized by gen_chunk, stay) and, where it has one, released for
+    it (the update's phases without them). Of those that fit, the one whose smaller fraction of cfg's sizes
+    is largest (both halved alike), then the larger gen_chunk, then the engine resident: a released engine
+    is captured again every step, so it is picked only where it lets larger sizes fit. run.setup sizes a
+    run with it; n_eval: its held-out questions (estimate's)."""
     best, low = None, None
+    layouts = (False, True) if torch.device(device).type == "cuda" and cfg.share_prefix else (False,)
     for g in sizes(cfg.gen_chunk, "gen_chunk" in free):
-        for m in sizes(cfg.micro_batch, "micro_batch" in free):
-            c = SimpleNamespace(**{**vars(cfg), "gen_chunk": g, "micro_batch": m})
-            est, extra = estimate(c, mc, device, prompt_tokens), sum(margin(c, mc, prompt_tokens).values())
-            ph, top = peak(est)
-            if low is None or top < low[1]:
-                low = (ph, top + extra, (g, m))
-            if top + extra <= budget:
-                key = (min(g / cfg.gen_chunk, m / cfg.micro_batch), g)
-                if best is None or key > best[0]:
-                    best = (key, Plan(g, m, ph, top + extra, (g, m)))
-                break                                   # the largest micro_batch at this gen_chunk
+        for release in layouts:
+            for m in sizes(cfg.micro_batch, "micro_batch" in free):
+                c = SimpleNamespace(**{**vars(cfg), "gen_chunk": g, "micro_batch": m})
+                est = estimate(c, mc, device, prompt_tokens, n_eval=n_eval, release=release)
+                ph, top = peak(est)
+                top += sum(margin(c, mc, prompt_tokens, n_eval).values())
+                if low is None or top < low[1]:
+                    low = (ph, top, (g, m), release)
+                if top <= budget:
+                    key = (min(g / cfg.gen_chunk, m / cfg.micro_batch), g, not release)
+                    if best is None or key > best[0]:
+                        best = (key, Plan(g, m, ph, top, (g, m), release))
+                    break                               # the largest micro_batch at this gen_chunk, layout
     return best[1] if best else Plan(None, None, *low)
 
 
-def what_fits(cfg, mc, device, prompt_tokens, budget, free=()) -> str:
+def planned(cfg, mc, device, prompt_tokens, n_eval=None):
+    """(cfg at the sizes grpo.py would run, its Plan, the budget in bytes) on CUDA, as run.size_to_card
+    plans them: --gpu-gb (else one 80 GB GPU), the sizes left free as grpo.py leaves them (run.left_free);
+    cfg as given where nothing fits. Elsewhere (cfg, None, None): the CPU is not sized."""
+    if torch.device(device).type != "cuda":
+        return cfg, None, None
+    from training.run import left_free
+    card = getattr(cfg, "gpu_gb", 0) * GB or GPU
+    free = left_free(cfg) if dataclasses.is_dataclass(cfg) else ("gen_chunk", "micro_batch")
+    p = plan(cfg, mc, device, prompt_tokens, card, free, n_eval)
+    if p.gen_chunk is None:
+        return cfg, p, card
+    sizes_ = {"gen_chunk": p.gen_chunk, "micro_batch": p.micro_batch}
+    return (dataclasses.replace(cfg, **sizes_) if dataclasses.is_dataclass(cfg) else
+            SimpleNamespace(**{**vars(cfg), **sizes_})), p, card
+
+
+def what_fits(cfg, mc, device, prompt_tokens, budget, free=(), n_eval=None) -> str:
     """What would fit `budget` where cfg does not, as the end of grpo.py's error line: the sizes left to
     choose (a smaller --micro-batch, --gen-chunk), --lora-rank 16 (full fine-tuning), a smaller model."""
     out = []
-    p = plan(cfg, mc, device, prompt_tokens, budget)
+    p = plan(cfg, mc, device, prompt_tokens, budget, n_eval=n_eval)
     if p.gen_chunk is not None and set(free) != {"gen_chunk", "micro_batch"}:
         out.append(f"--gen-chunk {p.gen_chunk} --micro-batch {p.micro_batch} would fit")
     if getattr(cfg, "lora_rank", 0) == 0:
         lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16})
-        q = plan(lora, mc, device, prompt_tokens, budget)
+        q = plan(lora, mc, device, prompt_tokens, budget, n_eval=n_eval)
         out.append(f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
                    f"{q.peak / GB:.1f} GB)" if q.gen_chunk else f"--lora-rank 16 needs {q.peak / GB:.1f} GB")
     return "; ".join(out + ["or a smaller model, or fewer --max-new-tokens"])
 
 
+def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB"):
+    """One line: the engine's layout in force and what the other would give at the same sizes."""
+    kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r) for r in (False, True))
+    cache = kept["backward"]["KV cache"]                                  # the engine's K, V buffers
+    (kph, ktop), (fph, ftop) = peak(kept), peak(freed)
+    if release:
+        return (f"engine: released for the update ({cache / unit:.2f} {name} freed after each rollout, "
+                f"reserved and its graphs captured again before the next); resident it would peak at "
+                f"{ktop / unit:.2f} {name} in {kph}")
+    return (f"engine: resident through the update (its graphs captured once); released for it, the update's "
+            f"phases would hold {cache / unit:.2f} {name} less (its cache) and the step peak at "
+            f"{ftop / unit:.2f} {name} in {fph}, its graphs captured again every step")
+
+
 def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
-    """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak."""
+    """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak. On
+    CUDA the table is of the plan grpo.py would run (planned: the sizes and the engine's layout)."""
     mc = model_config(cfg.model)
-    est = estimate(cfg, mc, device, prompt_tokens)
+    cfg, p, card = planned(cfg, mc, device, prompt_tokens)
+    release = bool(p and p.gen_chunk and p.release)
+    est = estimate(cfg, mc, device, prompt_tokens, release=release)
     unit, name = (GB, "GB") if peak(est)[1] >= GB else (1e6, "MB")
     T = prompt_tokens + cfg.max_new_tokens
+    which = "" if p is None else f", the plan for {card / GB:g} GB" if p.gen_chunk else ", as given"
     out = [table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device)}: {cfg.prompts_per_step} x "
                       f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
                       f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
-                      f"logprob_chunk {cfg.logprob_chunk} ({name})", unit)]
+                      f"logprob_chunk {cfg.logprob_chunk}{which} ({name})", unit)]
     if measured:
         out.append(f"measured ({'torch.cuda.max_memory_allocated' if device != 'cpu' else 'track_peak'}):")
         out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
                 f"ratio {sum(c.values()) / measured[ph]:.3f}" for ph, c in est.items()]
+    if p is not None and cfg.share_prefix:
+        out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name))
     for other in ("adamw", "kahan", "lora"):
         c = {"optimizer": other, "lora_rank": 0} if other != "lora" else {"lora_rank": cfg.lora_rank or 16}
-        p = peak(estimate(SimpleNamespace(**{**vars(cfg), **c}), mc, device, prompt_tokens))
-        out.append(f"scheme {other:6s}: peak {p[1] / unit:.2f} {name} in {p[0]}"
+        q = peak(estimate(SimpleNamespace(**{**vars(cfg), **c}), mc, device, prompt_tokens, release=release))
+        out.append(f"scheme {other:6s}: peak {q[1] / unit:.2f} {name} in {q[0]}"
                    + (f" (--lora-rank {c['lora_rank']})" if other == "lora" else ""))
     ph, top = peak(est)
-    if torch.device(device).type == "cuda":
-        card = getattr(cfg, "gpu_gb", 0) * GB or GPU                 # --gpu-gb, else one 80 GB GPU
-        m, p = margin(cfg, mc, prompt_tokens), plan(cfg, mc, device, prompt_tokens, card)
+    if p is not None:
+        m = margin(cfg, mc, prompt_tokens)
         out.append(f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
-                   + (f"grpo.py would pick gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch} (peak "
-                      f"{p.peak / GB:.2f} GB with the margin, in {p.phase})" if p.gen_chunk else
-                      "nothing fits: " + what_fits(cfg, mc, device, prompt_tokens, card)))
+                   + (f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
+                      f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase})"
+                      if p.gen_chunk else "nothing fits: " + what_fits(cfg, mc, device, prompt_tokens, card)))
     lora = scheme(cfg, device) == "lora"
     n = mc.num_hidden_layers * cfg.lora_rank * sum(i + o for i, o in lora_linears(cfg, mc)) if lora else \
         param_counts(mc)[0]

@@ -1,7 +1,10 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
 measure() runs grpo.py's own step on a real policy (policy.load_policy, as run.setup builds it; the update is
-grpo.update, passed in) twice and counts the second one, in memory.PHASES:
+grpo.update, passed in) twice and counts the second one, in memory.PHASES. It rolls out as grpo.py does: on
+CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
+as setup makes it), so its cache is in every phase of the update it measures, or freed before the update
+where the plan releases it (release):
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
@@ -27,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from training import policy, rollout
+from training import policy, preflight, rollout
 from training.rollout import build_batch
 from training.run import for_update
 
@@ -203,13 +206,16 @@ def site(frames):
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None) -> dict:
+def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None,
+            release=False) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for run.setup: rollout.generate, then `update` (grpo.update: grpo.py's own
-    micro-batch loop, the credit inside, a credit's own pass too), which marks the phases on the clock it is
-    given. Every response runs to max_new_tokens (the model's generation_config.min_new_tokens, which keeps
-    prefix sharing on), every row is trained (A = +-1). CPU: track_peak; CUDA: max_memory_allocated,
-    and max_memory_reserved into `reserved` (a dict) where one is given; `snapshot`: cuda_peak's."""
+    policy.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
+    before the first step as setup reserves it; release: freed before each update, memory.plan's layout
+    "released"), then `update` (grpo.update: grpo.py's own micro-batch loop, the credit inside, a credit's
+    own pass too), which marks the phases on the clock it is given. Every response runs to max_new_tokens
+    (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
+    (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
+    where one is given; `snapshot`: cuda_peak's."""
     device = policy.device_of(device or "auto")
     torch.manual_seed(seed)
     run = for_update(cfg, device)                                # run.setup's policy and credit
@@ -217,13 +223,16 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snap
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
     model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
+    run.engine = run_engine(cfg, model, tok, prompts, device)
 
     def step(clock):
         with clock.phase("generation"), torch.no_grad(), run.autocast:
             model.eval()
             gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
                                    temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
-                                   share_prefix=cfg.share_prefix)
+                                   share_prefix=cfg.share_prefix, engine=run.engine)
+        if release and run.engine is not None:
+            run.engine.release()                                 # as backoff.update does for the plan
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
         adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
         update(run, batch, list(range(B)), adv, clock)
@@ -233,6 +242,16 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snap
     with (cuda_peak(reserved=reserved, snapshot=snapshot) if cuda else track_peak(model, ref, opt)) as tr:
         step(Phases(tr))
     return tr.peak
+
+
+def run_engine(cfg, model, tok, prompts, device):
+    """The decode engine grpo.py's setup makes for a run on CUDA (preflight.make_engine: reserved for the
+    widest prompt, a chunk of rows, held-out evaluation's included), here for `prompts`; None on the CPU,
+    where grpo.py decodes without one."""
+    if torch.device(device).type != "cuda":
+        return None
+    widest = max(map(len, rollout.prompt_ids(tok, prompts)))
+    return preflight.make_engine(cfg, model, tok, widest, cfg.eval_size if cfg.eval_every else 0)
 
 
 class Phases:
@@ -271,13 +290,15 @@ def command(args, grpo):
     from evaluation import memory
     cfg = grpo.parse_args(args.grpo_flags)
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
-    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
+    cfg, plan, _ = memory.planned(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
+    release = bool(plan and plan.gen_chunk and plan.release)
+    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, release=release)
     if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
         raise ValueError("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
                          f"is {memory.peak(est)[1] / 1e9:.0f} GB")
     if args.snapshot and not (args.measure and device == "cuda"):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
-    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot) \
+    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release) \
         if args.measure else None
     table = memory.report(cfg, args.prompt_tokens, measured, device)
     return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

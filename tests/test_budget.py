@@ -111,8 +111,8 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     monkeypatch.setattr(run_mod, "for_update", stop)
     got = {}
     real = memory.plan
-    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"):
-                        got.setdefault("widest", w) and real(c, m, d, widest, b, f))
+    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"), n_eval=None:
+                        got.setdefault("widest", w) and real(c, m, d, widest, b, f, n_eval))
     with pytest.raises(Loaded):
         run_mod.setup(cfg, memory)
     assert got["widest"] > 0
@@ -123,3 +123,60 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     with pytest.raises(ValueError, match="--gen-chunk"):                        # 4 rows do not fit
         run_mod.setup(given, memory)
     assert given.micro_batch == 4
+
+
+def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_reserves():
+    """One prompt of 8 rows, --eval-every with 64 questions, gen_chunk 64: the preflight reserves the engine
+    for 64 rows (a chunk of the evaluation), 8x a chunk of the rollout; the estimate counts the bytes the
+    engine allocates, in every phase with it resident and in generation alone with it released."""
+    from training import preflight, rollout
+    from training.models import load_model
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--prompts-per-step", "1", "--group-size", "8",
+                           "--max-new-tokens", "32", "--eval-every", "1", "--eval-size", "64"])
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)   # bf16: CUDA's cache bytes
+    widest, n_eval = 40, 64
+    eng = preflight.make_engine(cfg, model, tok, widest, n_eval)
+    rollout.generate(model, tok, [[1, 5, 6, 7]], n=1, max_new_tokens=2, greedy=True, chunk_size=1, engine=eng)
+    held = eng.keys.nbytes + eng.values.nbytes                                   # allocated by the decode
+    mc = memory.model_config(cfg.model)
+    est = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
+    assert eng.rows == memory.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
+    assert all(est[ph]["KV cache"] == held for ph in memory.PHASES[1:]) and est["generation"]["KV cache"] >= held
+    none = memory.estimate(cfg, mc, "cuda", widest, n_eval=0)                   # no evaluation: 8 rows
+    assert 8 * none["backward"]["KV cache"] == held
+    freed = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
+    assert all(freed[ph]["KV cache"] == 0 for ph in memory.PHASES[1:])
+    assert freed["generation"] == est["generation"]
+    for ph in memory.PHASES[1:]:
+        assert sum(est[ph].values()) - sum(freed[ph].values()) == held
+
+
+def test_the_plan_keeps_the_engine_resident_where_it_fits_and_releases_it_for_larger_sizes():
+    """Qwen3-4B: LoRA at 1K on 24 GB keeps the engine resident at gen_chunk 32, micro_batch 8. Full
+    fine-tuning at 8K on 80 GB releases it: resident, neither size fits at 32 / 8, released they do."""
+    mc = qwen3_4b_config()
+    lora = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
+    p = memory.plan(lora, mc, "cuda", 256, 24 * memory.GB)
+    assert (p.gen_chunk, p.micro_batch, p.release) == (32, 8, False)
+    long = grpo.parse_args(["--model", "qwen3-4b-random", "--max-new-tokens", "8192"])
+    q = memory.plan(long, mc, "cuda", 256, memory.GPU)
+    assert q.release and q.peak <= memory.GPU and (q.gen_chunk, q.micro_batch) == (32, 8)
+    at = type(long)(**{**vars(long), "gen_chunk": 32, "micro_batch": 8})
+    kept = memory.peak(memory.estimate(at, mc, "cuda", 256))[1] + sum(memory.margin(at, mc, 256).values())
+    assert kept > memory.GPU                                          # resident, the same sizes do not fit
+
+
+def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
+    """`eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24`: the table is the plan's
+    (gen_chunk 32, micro_batch 8), the engine resident, and the line says what releasing it would free."""
+    cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
+    out = memory.report(cfg, 256).splitlines()
+    planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
+    mc = memory.model_config(cfg.model)
+    cache = memory.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
+    assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[0]
+    assert out[2].split()[0] == "generation" and float(out[2].split()[5]) == round(
+        memory.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / memory.GB, 2)
+    line = next(x for x in out if x.startswith("engine:"))
+    assert line.startswith("engine: resident through the update") and f"{cache / memory.GB:.2f} GB less" in line
+    assert any("grpo.py picks gen_chunk 32, micro_batch 8, the engine resident" in x for x in out)

@@ -19,6 +19,10 @@ Which credit is fused into the training forward (--credit-pass fused, the defaul
   separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20
             (its threshold needs every row's scores before any loss): one credit pass over the rows with
             A != 0 before the update, as with --credit-pass separate for any signal (the teaching reference).
+            A signal whose row's scores read that row alone (ROWWISE) scores the update's micro-batches
+            (--micro-batch rows a forward: the same scores, the memory of b rows, and an out-of-memory
+            back-off, training/backoff.py, shrinks it too); random, fai and OAR score the rows at once (their
+            draws and fai's choice of heads read the whole batch).
 Fallbacks, padding and the shaping rules' departures: training/shaping.py.
 
 Departures (numbered):
@@ -104,14 +108,16 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 # ----------------------------------------------------------------------------- the credit step, one call
 PAPER = ("flow", "topk", "", "fused")   # (credit, shaping, token_class, credit_pass): grpo.update's own lines
+ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}   # a row's scores: its row alone
 
 
-def assign(model, tok, batch, adv, cfg, outputs=None) -> Credit:
+def assign(model, tok, batch, adv, cfg, outputs=None, rows=None) -> Credit:
     """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
     additive entropy bonus (entropy-adv), on the response columns: Credit (B, R) as flow_credit gives it.
     batch: rollout.Batch of B rows; adv: (B,) sequence advantages; outputs: what the training forward
-    computed (fused pass) or None."""
-    scores = SIGNALS[cfg.credit](model, batch, cfg, outputs)                      # (B, T)
+    computed (fused pass) or None; rows: a ROWWISE signal's rows a forward (the separate pass's micro-batch),
+    None: all B at once. The shaping rule always reads every row's scores."""
+    scores = signal_scores(model, batch, cfg, outputs, rows)                      # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
     c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)                       # every column, (B, T)
     P, resp = batch.prompt_width, batch.response_mask
@@ -121,6 +127,16 @@ def assign(model, tok, batch, adv, cfg, outputs=None) -> Credit:
         ratio = A_t[:, P:] / torch.where(adv != 0, adv, 1.0)[:, None]               # (B, R)
         weight = torch.where(adv[:, None] != 0, ratio, weight) * resp[:, P:].float()
     return Credit(weight, scores[:, P:], c.fallback)
+
+
+def signal_scores(model, batch, cfg, outputs=None, rows=None):
+    """(B, T) the signal's scores of `batch`: a ROWWISE signal `rows` rows a call (each row's scores are its
+    own, so the same scores with the memory of `rows` rows), any other at once."""
+    B = batch.input_ids.shape[0]
+    if rows is None or rows >= B or outputs is not None or cfg.credit not in ROWWISE:
+        return SIGNALS[cfg.credit](model, batch, cfg, outputs)
+    parts = [take(batch, list(range(s, min(s + rows, B)))) for s in range(0, B, rows)]
+    return torch.cat([SIGNALS[cfg.credit](model, part, cfg) for part in parts])  # (B, T)
 
 
 def is_paper(cfg):
@@ -156,7 +172,8 @@ class Baseline:
         self.run, self.adv, self.given = run, adv, None
         if separate_pass(run.cfg) and trained:
             with torch.no_grad(), run.autocast:
-                self.given = assign(run.model, run.tok, take(batch, trained), adv[trained], run.cfg)  # (b, R)
+                self.given = assign(run.model, run.tok, take(batch, trained), adv[trained], run.cfg,
+                                    rows=run.cfg.micro_batch)                                     # (b, R)
             self.where = {r: i for i, r in enumerate(trained)}           # batch row -> row of `given`
 
     def __call__(self, mb, sub, cap, entropy) -> Credit:

@@ -29,8 +29,10 @@ Departures (numbered):
 
 Wiring (grpo.py): once at setup
       recs = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path, records)
-  and at step s when s % cfg.eval_every == 0 or s == cfg.steps (after the update, before the metrics line)
-      m.update(heldout.accuracy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk, run.engine))
+  and at step s when s % cfg.eval_every == 0 or s == cfg.steps (after the update, before the metrics line),
+  at cfg.gen_chunk rows a call, through the out-of-memory back-off (training/backoff.py)
+      m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, model, tok, recs, style,
+                                cfg.max_new_tokens, engine=run.engine, ...))
 
 Run: python -c "from training import heldout, models; m, t = models.load_model('tiny-qwen3');
                 print(heldout.accuracy(m, t, heldout.records('arithmetic', '', 4, 0), 'plain', 8, 4))"
@@ -98,13 +100,14 @@ def right(recs, texts, n, reward=None):
 
 
 def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
-           template_kwargs=None):
+           template_kwargs=None, done=None):
     """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers. engine: the run's
-    decode engine (greedy graphs beside its sampling ones, over the same buffers), or None."""
+    decode engine (greedy graphs beside its sampling ones, over the same buffers), or None; done: the
+    responses of a call that ran out of memory (rollout.generate's `done`: those left are generated)."""
     prompts = [data.make_prompt(r, tok, style, template_kwargs) for r in recs]
     with evaluating(model):
         g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
-                     chunk_size=chunk_size, engine=engine)
+                     chunk_size=chunk_size, engine=engine, done=done)
     strict, lenient = right(recs, g.texts, 1, reward)
     return {"greedy": strict, "greedy_lenient": lenient}
 
@@ -121,11 +124,12 @@ def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature,
 
 
 def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
-             template_kwargs=None):
+             template_kwargs=None, done=None):
     """Greedy held-out accuracy as metrics (see the docstring), by `reward` (grpo.py: the run's) with prompts
     through template_kwargs; the model's mode and the RNG are left as they were. engine: the run's (grpo.py
-    passes run.engine: one engine, one set of buffers, for the run)."""
-    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine, reward, template_kwargs)
+    passes run.engine: one engine, one set of buffers, for the run); done: as `greedy`'s (grpo.py calls
+    through training/backoff.py, which halves chunk_size on an out-of-memory error)."""
+    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine, reward, template_kwargs, done)
     n = len(recs)
     return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
             "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,

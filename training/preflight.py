@@ -17,7 +17,9 @@ loaded; on CUDA it tries, in this order:
 A part that fails is replaced by its fallback, with one line naming the part, the error and what runs
 instead (docs/gpu.md lists them and what each costs): add_head_mean; optimi's foreach step (the same
 arithmetic); rollout.decode, without the engine (the engine's own lines for a capture or replay that fails:
-it then decodes eagerly). Then one line says which parts ran.
+it then decodes eagerly). Then one line says which parts ran. The engine's trial allocates its buffers: out
+of memory there, gen_chunk is halved and the engine resized (training/backoff.py's trial, one line each),
+and only at 1 row does the fallback follow.
 
 Also here, on every device: the run's decode engine is made and its buffers reserved once, for the run's
 widest prompt (its training prompts after --max-prompt-tokens, and the held-out ones) plus --max-new-tokens
@@ -35,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from flowtracer import add_head_mean
-from training import policy
+from training import backoff, policy
 from training.cudagraph import one_line
 from training.engine import Engine, supports
 from training.rollout import eos_ids, generate
@@ -133,8 +135,9 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
     if step == "triton" and fails("optimizer's Triton step", lambda: optimizer_trial(device),
                                   "torch-optimi's foreach step runs instead (the same arithmetic)"):
         step = settle(u.opt, "foreach")
-    if engine is not None and fails("decode engine", lambda: engine_trial(engine, u.model, u.tok, device),
-                                    "rollouts decode with rollout.decode, without the engine"):
+    trial = lambda: backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device))  # noqa: E731
+    if engine is not None and fails("decode engine", trial, "rollouts decode with rollout.decode, without the "
+                                    "engine"):
         engine = None
     if engine is not None and engine.off:                              # the engine said why, in its line
         engine = None

@@ -91,7 +91,7 @@ def prompt_ids(tokenizer, prompts):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
-             greedy=False, chunk_size=16, share_prefix=True, engine=None, **extra):
+             greedy=False, chunk_size=16, share_prefix=True, engine=None, done=None, **extra):
     """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
 
     share_prefix (default, departure 1): each prompt is read once, not n times. The token prefix that all the
@@ -110,6 +110,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     prompts: texts, tokenized by `prompt_ids` (one BOS), or their token-id lists (grpo.py tokenizes its
     prompts once, at setup). The model decodes in eval mode, then gets its mode back. With more rows than one
     chunk a progress bar counts the rows generated and their rate (tqdm, stderr, gone when the call returns).
+    done: a Generations that the call appends each chunk's rows to as they finish, and returns; rows already
+    in it are not generated again (a call that raised, out of memory, goes on from its last whole chunk:
+    training/backoff.py calls again with fewer rows a chunk). None: a new one.
     Refused with a ValueError: an empty prompt, or one without tokens; sampling at a temperature below
     MIN_TEMPERATURE (logits / T would overflow), top_k < 0 or top_p outside [0, 1]."""
     if isinstance(prompts, str) or not prompts:
@@ -142,14 +145,15 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
         eng.reserve(min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens, max_new_tokens,
                     eos, pad, None if greedy else (temperature, top_k, top_p))
     share = share_prefix and (not extra or eng is not None)
-    modes, out = [m.training for m in model.modules()], Generations([], [], [], [])
+    out = done if done is not None else Generations([], [], [], [])     # the rows so far: appended to
+    modes = [m.training for m in model.modules()]
     model.eval()                                   # no dropout, no checkpointing (it would drop the cache)
     try:
         room = 0 if eng is not None else max_new_tokens + 1                # decode's spare cache positions
         prefix = shared_prefix(model, ids, room) if share else None
-        bar = tqdm(total=len(ids) * n, desc="rollout", unit="row", leave=False,
+        bar = tqdm(total=len(ids) * n, initial=len(out.texts), desc="rollout", unit="row", leave=False,
                    disable=len(ids) * n <= chunk_size)                   # one chunk: no bar
-        for c in range(0, len(prompts) * n, chunk_size):
+        for c in range(len(out.texts), len(prompts) * n, chunk_size):   # the rows not yet in `done`
             rows = range(c, min(c + chunk_size, len(prompts) * n))        # row r holds prompt r // n
             if prefix is None:                                            # HF generate, the same ids
                 inp, mask = left_pad([ids[r // n] for r in rows], pad, model.device)           # (B, T)

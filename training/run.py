@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,8 @@ class Run:
                                 # held-out): what the decode engine and memory.py's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
+    budget: object = None       # size_to_card's Budget on CUDA (the card, the plan), None on the CPU
+    memory: object = None       # evaluation/memory.py as grpo.py gives setup it (backoff.py's last line)
 
 
 def setup(cfg, memory=None) -> Run:
@@ -92,8 +95,7 @@ def setup(cfg, memory=None) -> Run:
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)                              # the engine and the estimate are sized to it
-    if memory is not None:
-        size_to_card(cfg, device, widest, memory)                # CUDA: gen_chunk, micro_batch, or the error
+    budget = size_to_card(cfg, device, widest, memory, len(evals)) if memory is not None else None   # CUDA
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -112,19 +114,27 @@ def setup(cfg, memory=None) -> Run:
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
-               kwargs)
+               kwargs, budget, memory)
 
 
-def size_to_card(cfg, device, widest, memory):
+class Budget(NamedTuple):
+    """What size_to_card sized the step to."""
+    total: float                # the card's bytes: its total, or --gpu-gb
+    source: str                 # where `total` came from: "--gpu-gb" or "torch.cuda.mem_get_info"
+    plan: object                # memory.Plan: the sizes, the engine's layout, the peak with the margin
+
+
+def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
-    alone, prompts `widest` tokens wide, memory.plan) against the card: the GPU's total
-    (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context
-    (the context is counted once).
+    alone, prompts `widest` tokens wide, n_eval held-out questions, memory.plan) against the card: the GPU's
+    total (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's
+    context (the context is counted once).
     A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
-    (saved with the run) and said in one line; one given is kept. Flags that cannot fit, or nothing that
-    fits: ValueError (grpo.py's one error line) naming the peak, the card's size and what would fit."""
+    (saved with the run) and said in one line, with the engine's layout (resident through the update, or
+    released for it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
+    one error line) naming the peak, the card's size and what would fit. None on the CPU."""
     if device.type != "cuda":
-        return
+        return None
     if cfg.gpu_gb:
         total, held, source = cfg.gpu_gb * memory.GB, 0, "--gpu-gb"
     else:
@@ -132,18 +142,21 @@ def size_to_card(cfg, device, widest, memory):
         held, source = total - free_now, "torch.cuda.mem_get_info"
     budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
     mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
-    plan = memory.plan(cfg, mc, device, widest, budget, free)
+    plan = memory.plan(cfg, mc, device, widest, budget, free, n_eval)
     if plan.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
+        layout = "released for the update (reserved again for each rollout)" if plan.release else \
+            "resident through the update"
+        chosen = ", ".join(sorted(free)) or "none, as given"
         print(f"budget: {total / memory.GB:.1f} GB GPU ({source}): gen_chunk {plan.gen_chunk}, micro_batch "
-              f"{plan.micro_batch} (chosen: {', '.join(sorted(free)) or 'none, as given'}; peak "
+              f"{plan.micro_batch}, the decode engine {layout} (chosen: {chosen}; peak "
               f"{plan.peak / memory.GB:.1f} GB in {plan.phase}, margin included)")
-        return
+        return Budget(total, source, plan)
     raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
                      f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
                      f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
                      f"{total / memory.GB:.1f} GB ({source}): " + memory.what_fits(cfg, mc, device, widest,
-                                                                                   budget, free))
+                                                                                   budget, free, n_eval))
 
 
 def left_free(cfg):

@@ -12,7 +12,8 @@
   Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
-of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*.
+of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*,
+oom/backoffs (out-of-memory back-offs in the step: training/backoff.py).
 
 The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py):
 1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/;
@@ -72,9 +73,17 @@ class RunLog:
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         self.warned_answers = False        # the missing answer regions were said (once a run)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
+        self.backoffs = 0                  # out-of-memory back-offs this step (training/backoff.py counts)
+        self.last = None                   # (step, bad, RNG) as the last step logged left them: save_last
+        self.moved = False                 # an optimizer step began since that step: its state is gone
+        opt.register_step_pre_hook(self.on_optimizer_step)
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
+
+    def on_optimizer_step(self, *_):
+        """Before every optimizer step: the weights and the optimizer leave the last logged step's state."""
+        self.moved = True
 
     def on_signal(self, signum, _frame):
         """The first Ctrl-C or SIGTERM sets stop_requested; a second stops at once (the default handler)."""
@@ -88,6 +97,7 @@ class RunLog:
         one-line reason when the disk is full: the loop stops on it, and the last complete checkpoint
         stands."""
         cfg, done, self.clock.seconds = self.cfg, step + 1, {}      # the next step's phases start at 0
+        m["oom/backoffs"], self.backoffs = self.backoffs, 0          # training/backoff.py's, this step
         missing, n = m.get("answers/missing", 0), len(rollouts.gen.texts) if rollouts is not None else 0
         if 2 * missing > n > 0 and not self.warned_answers:        # eq. 2's sink: said once a run
             self.warned_answers = True
@@ -119,7 +129,24 @@ class RunLog:
                             f"{cfg.credit}/{cfg.shaping}")
         except RunError as e:
             return str(e)
+        self.last, self.moved = (done, bad, rng_state()), False     # what the next step starts from
         return None
+
+    def save_last(self):
+        """The checkpoint of the last step logged, as a save at its end would have written it (the RNG as
+        it left it), while no optimizer step has begun since: a step that stopped before its update stepped
+        (training/backoff.py's last line) loses nothing. Returns what stands, as words for that line."""
+        mark = self.out / "ckpt" / MARK
+        saved = int(mark.read_text()) if mark.is_file() and mark.read_text().strip().isdigit() else None
+        if self.last is None or self.moved or saved == self.last[0]:
+            return "the last checkpoint stands" + (f" (step {saved})" if saved else ": none yet")
+        done, bad, rng = self.last
+        try:
+            save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, self.cfg,
+                            bad, keep=getattr(self.cfg, "keep_checkpoints", 1), rng=rng)
+        except RunError as e:
+            return f"{e}; the last checkpoint stands"
+        return f"step {done} is saved (ckpt/), and --resume continues from it at these sizes"
 
     def finish(self, stop=None):
         """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics and the tracker,
@@ -255,10 +282,16 @@ def plot_curves(metrics_path, png_path, model, dataset, credit):
 
 
 # ----------------------------------------------------------------------------- checkpoints, atomically
-def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1):
-    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG, step, config
-    into `path` (ckpt/), atomically (above). keep > 1: the previous checkpoint stays as ckpt-<its step>/,
-    and the keep - 1 newest of those are kept."""
+def rng_state():
+    """The RNGs a checkpoint restores: Python's, torch's, and CUDA's where it is available."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, rng=None):
+    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG (rng_state(),
+    or `rng`), step, config into `path` (ckpt/), atomically (above). keep > 1: the previous checkpoint stays
+    as ckpt-<its step>/, and the keep - 1 newest of those are kept."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
@@ -269,8 +302,7 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1):
         with quiet_bars():
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        rng = rng or rng_state()
         optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
         torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
                     "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
