@@ -126,7 +126,8 @@ def load(cfg, device, P, short=0):
     run = for_update(cfg, device)                                  # run.setup's policy and credit
     g = torch.Generator().manual_seed(0)
     lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
-    run.prompts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens]  # 1.
+    run.prompts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g))
+                   for n in lens]                                                  # departure 1
     run.new = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
     run.model.generation_config.min_new_tokens = run.new           # the engine reads it when it is made
     run.engine = memtrace.run_engine(cfg, run.model, run.tok, run.prompts, device)
@@ -143,8 +144,8 @@ def rollout(run, tok, P, short=0):
     with torch.no_grad(), run.autocast:
         n, extra = run.new, {} if run.engine is not None else {"min_new_tokens": run.new}
         gen = generate(run.model, tok, run.prompts, n=cfg.group_size, max_new_tokens=n,
-                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, chunk_size=cfg.gen_chunk,
-                       engine=run.engine, **extra)
+                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                       chunk_size=cfg.gen_chunk, engine=run.engine, **extra)
     seconds = synced(run.device) - t0
     if short:                                                                       # up to R: the shapes
         gen = gen._replace(response_ids=[r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),),
@@ -343,7 +344,8 @@ def show(args, res, device):
         graphs = "" if e["graphs"] is None else f"; the rollout captured {e['graphs']} graphs"
         print(f"engine release {e['bytes'] / unit:.2f} {name} of K, V made again in {e['reserve_s']:.4f} s"
               f"{graphs}; a 16-token call {e['call_s']:.3f} s resident, {e['released_s']:.3f} s released "
-              f"({e['captures']} graph shape(s): {'eager, none captured' if e['eager'] else 'captured again'})")
+              f"({e['captures']} graph shape(s): "
+              f"{'eager, none captured' if e['eager'] else 'captured again'})")
     a = res.get("attention")
     if a:
         print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "

@@ -58,7 +58,8 @@ def prefill_workspace(mc, k, P, cb, rb):
     hd = getattr(mc, "head_dim", None) or D // Hq
     attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
     mlp = k * P * (P + 3 * I * cb)
-    return k * P * (3 * D * rb + 2 * hd * rb + 32) + max(attn, mlp) + 5 * k * mc.vocab_size * 4   # + ids, masks
+    hidden = k * P * (3 * D * rb + 2 * hd * rb + 32)                                # + ids, positions, masks
+    return hidden + max(attn, mlp) + 5 * k * mc.vocab_size * 4
 
 
 def prefill_rows(g, G, shared=True):

@@ -17,9 +17,13 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
 --num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's.
 On CUDA the decode engine (training/engine.py) is kept for the run with its graphs, so its K, V buffers,
-2 L Hkv hd S g bf16, stay resident in every phase: S is the run's widest prompt (`widest`: its training
-prompts after --max-prompt-tokens and its held-out ones, Run.widest_prompt) + R, in multiples of 64, reserved
-once at setup (training/preflight.py); held-out evaluation decodes in the same buffers (no second cache).
+2 L Hkv hd S e bf16, stay resident in every phase: S is the run's widest prompt (`widest`: its training
+prompts after --max-prompt-tokens and its held-out ones, Run.widest_prompt) + R, in multiples of 64, and e the
+rows preflight.make_engine reserves at setup, min(gen_chunk, max(B, held-out questions)) (engine_rows);
+held-out evaluation decodes in the same buffers (no second cache), its chunk counted beside the rollout's in
+generation (footprint.engine_generation: a chunk's prompts' cache beside the engine). Or, where plan() picks
+the layout "released" (LAYOUTS), the engine is freed after each rollout (training/backoff.py) and the update's
+phases hold none of it.
 estimate() computes them from the config (parameters counted on the meta device), nothing allocated; the
 terms of a layer, the update's forward, the capture and generation are counted in evaluation/footprint.py;
 memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a GPU,
@@ -61,8 +65,9 @@ Departures (numbered):
     step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
     a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
 The card: fit() and report() budget one 80 GB GPU (GPU) unless --gpu-gb says otherwise; plan() picks the
-sizes grpo.py's setup uses on CUDA (training/run.py's size_to_card, before the weights load) and
-what_fits() names what would fit a card too small.
+sizes and the engine's layout grpo.py's setup uses on CUDA (training/run.py's size_to_card, before the weights
+load; report() prints its table: planned()) and what_fits() names what would fit a card too small. Where the
+estimate proves wrong on the card, grpo.py backs off (training/backoff.py) instead of losing the run.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
      python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # LoRA on a 24 GB card
@@ -185,7 +190,7 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
                                          else engine_generation(mc, rows, n, P, cb, rb))}
             for rows, n in decodes if rows]
     for x in gens:
-        x["KV cache"] += engine                                         # the engine's buffers, beside the chunk
+        x["KV cache"] += engine                                    # the engine's buffers beside the chunk
     gen = max(gens, key=lambda x: sum(x.values()))                      # the larger of the two decodes
     ls, ckpt = layer_saved(mc, T, cb, rb, lora=lk), cfg.grad_checkpointing   # the forward keeps
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
@@ -207,8 +212,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
     fp64 = (8 + 8 * cuda) * (cfg.credit == "flow")                         # trace_flow's fp64 copies
-    if separate:     # credit.assign before the update, no grad: the signal's own forward over n rows at a time
-        n = b if cfg.credit in credit.ROWWISE else B                # (credit.signal_scores), the scores (B, T)
+    if separate:     # credit.assign before the update, no grad: the signal's own forward, n rows at a time
+        n = b if cfg.credit in credit.ROWWISE else B                # (credit.signal_scores); scores (B, T)
         cap_all = maps * capture_workspace(n, T, Hq, Hkv, hd, fused=cuda)           # the rows' capture
         own = n * T * (3 * D * rb + T) + max(n * T * (3 * I * cb + T * cb), cap_all)    # hidden, bool mask
         credit_ph = {**zero, **w, "grads": 0, "attention": maps * n * T * T * 4,       # the maps, (n, T, T)

@@ -298,7 +298,7 @@ def command(args, grpo):
                          f"is {memory.peak(est)[1] / 1e9:.0f} GB")
     if args.snapshot and not (args.measure and device == "cuda"):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
-    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release) \
-        if args.measure else None
+    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot,
+                       release=release) if args.measure else None
     table = memory.report(cfg, args.prompt_tokens, measured, device)
     return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

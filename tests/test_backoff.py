@@ -120,8 +120,8 @@ def test_the_gradient_after_a_back_off_is_the_smaller_micro_batchs(monkeypatch):
     assert_to_rounding(flat(grad), flat(runs["at 2"][2]), flat(runs["fp64"][2]), what="the first gradient")
 
 
-def test_a_run_whose_update_runs_out_of_memory_finishes_at_micro_batch_2_and_resumes_there(tmp_path,
-                                                                                          monkeypatch, capsys):
+def test_a_run_whose_update_runs_out_of_memory_finishes_at_micro_batch_2_and_resumes_there(
+        tmp_path, monkeypatch, capsys):
     ran = update_fails(monkeypatch)
     out = tmp_path / "run"
     grpo.main([*TINY, "--micro-batch", "4", "--steps", "2", "--save-every", "1", "--out-dir", str(out)])
@@ -142,8 +142,8 @@ def test_a_run_whose_rollout_runs_out_of_memory_finishes_at_gen_chunk_2_as_the_r
     ran = prefill_fails(monkeypatch)
     a, b = tmp_path / "a", tmp_path / "b"
     grpo.main([*TINY, "--gen-chunk", "4", "--steps", "2", "--save-every", "1", "--out-dir", str(a)])
-    assert lines(capsys) == [f"backoff: the rollout ran out of memory at gen_chunk 4 (OutOfMemoryError: {OOM}): "
-                             "gen_chunk 2 from here on; the 0 rows done are kept, the others made"]
+    assert lines(capsys) == [f"backoff: the rollout ran out of memory at gen_chunk 4 (OutOfMemoryError: "
+                             f"{OOM}): gen_chunk 2 from here on; the 0 rows done are kept, the others made"]
     assert set(ran) == {2} and saved(a)["gen_chunk"] == 2
     grpo.main([*TINY, "--gen-chunk", "2", "--steps", "2", "--out-dir", str(b)])
     assert lines(capsys) == [] and same(metrics(a), metrics(b))
@@ -221,8 +221,9 @@ def test_held_out_evaluation_backs_off_and_the_run_resumes_at_its_size(tmp_path,
                            "--save-every", "1", "--out-dir", str(out)])
     run = grpo.setup(cfg)
     grpo.train(cfg, run)
-    assert lines(capsys) == [f"backoff: the held-out evaluation ran out of memory at gen_chunk 4 (OutOfMemoryError: "
-                             f"{OOM}): gen_chunk 2 from here on; the 0 rows done are kept, the others made"]
+    assert lines(capsys) == [f"backoff: the held-out evaluation ran out of memory at gen_chunk 4 "
+                             f"(OutOfMemoryError: {OOM}): gen_chunk 2 from here on; the 0 rows done are "
+                             "kept, the others made"]
     m = metrics(out)
     assert saved(out)["gen_chunk"] == 2 and [x["oom/backoffs"] for x in m] == [1, 0]
     want = heldout.accuracy(run.model, run.tok, run.eval_records, run.style, 6, 2, reward=run.reward)
@@ -275,7 +276,8 @@ def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_sta
     monkeypatch.setattr(grpo, "token_logprobs", second_epoch)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        grpo.main([*TINY, "--num-iterations", "2", "--steps", "3", "--save-every", "10", "--out-dir", str(out)])
+        grpo.main([*TINY, "--num-iterations", "2", "--steps", "3", "--save-every", "10",
+                   "--out-dir", str(out)])
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo.py:")]
     assert e.value.code == 1 and len(said) == 1 and calls.count(True) == 2
     assert "out of memory in the update after an optimizer step began (the weights moved" in said[0]

@@ -141,7 +141,8 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     mc = memory.model_config(cfg.model)
     est = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
     assert eng.rows == memory.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
-    assert all(est[ph]["KV cache"] == held for ph in memory.PHASES[1:]) and est["generation"]["KV cache"] >= held
+    assert all(est[ph]["KV cache"] == held for ph in memory.PHASES[1:])
+    assert est["generation"]["KV cache"] >= held
     none = memory.estimate(cfg, mc, "cuda", widest, n_eval=0)                   # no evaluation: 8 rows
     assert 8 * none["backward"]["KV cache"] == held
     freed = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
@@ -178,5 +179,6 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     assert out[2].split()[0] == "generation" and float(out[2].split()[5]) == round(
         memory.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / memory.GB, 2)
     line = next(x for x in out if x.startswith("engine:"))
-    assert line.startswith("engine: resident through the update") and f"{cache / memory.GB:.2f} GB less" in line
+    assert line.startswith("engine: resident through the update")
+    assert f"{cache / memory.GB:.2f} GB less" in line
     assert any("grpo.py picks gen_chunk 32, micro_batch 8, the engine resident" in x for x in out)

@@ -41,6 +41,10 @@ def test_headline_runs_on_the_cpu_and_reports_real_numbers(tmp_path):
         g = r["generation"]
         assert g["tokens"] == 4 * r["max_new_tokens"]                   # every row ran to the budget
         assert real(g["tok_s"]) and real(g["bound_tok_s"]) and g["of_bound"] == g["tok_s"] / g["bound_tok_s"]
+        e = r["rereserve"]                                              # the CPU's eager engine, made again
+        assert r["engine"] == "-" and e["eager"] and e["graphs"] is None and e["captures"] >= 1
+        assert real(e["reserve_s"]) and real(e["call_s"]) and real(e["released_s"])
+        assert e["bytes"] == 2 * 4 * 4 * 2 * 64 * 16 * 4    # K, V: 4 layers, 4 rows, 2 heads, 64 x 16, fp32
     assert "attention" not in res[0]                                    # the maps: at the largest budget only
     a = res[1]["attention"]
     assert a["tokens"] == 12 + 24 and all(real(a["peak"][k]) for k in ("plain", "capture", "eager"))

@@ -108,7 +108,7 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 # ----------------------------------------------------------------------------- the credit step, one call
 PAPER = ("flow", "topk", "", "fused")   # (credit, shaping, token_class, credit_pass): grpo.update's own lines
-ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}   # a row's scores: its row alone
+ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}   # a row's scores: its own
 
 
 def assign(model, tok, batch, adv, cfg, outputs=None, rows=None) -> Credit:

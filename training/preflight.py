@@ -135,9 +135,11 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
     if step == "triton" and fails("optimizer's Triton step", lambda: optimizer_trial(device),
                                   "torch-optimi's foreach step runs instead (the same arithmetic)"):
         step = settle(u.opt, "foreach")
-    trial = lambda: backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device))  # noqa: E731
-    if engine is not None and fails("decode engine", trial, "rollouts decode with rollout.decode, without the "
-                                    "engine"):
+
+    def decode():                                                      # out of memory: a smaller gen_chunk
+        return backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device))
+    if engine is not None and fails("decode engine", decode,
+                                    "rollouts decode with rollout.decode, without the engine"):
         engine = None
     if engine is not None and engine.off:                              # the engine said why, in its line
         engine = None
