@@ -9,6 +9,9 @@
             credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, the last
             --keep-checkpoints of them) with curves.png redrawn. A first Ctrl-C / SIGTERM sets
             log.stop_requested (the step finishes, is saved, the run stops); a second stops at once.
+  stopped   the user's code stopped a step before its update (a --reward that raised, returned a non-number
+            or never returned and was interrupted: usercode.py; an --answer-pattern past its bound): the
+            last completed step is saved as it ended (its weights, optimizer, RNG), then the run finishes.
   Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
@@ -29,6 +32,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import random
 import resource
@@ -44,6 +48,22 @@ from tqdm import tqdm
 
 from training import rundir
 from training.rundir import RunError
+from training.usercode import Interrupted
+
+
+class Last(NamedTuple):
+    """The last completed step as it ended (RunLog.step), what RunLog.stopped saves when it was not."""
+    done: int                   # the steps completed
+    bad: int                    # the non-finite streak after it
+    saved: bool                 # its checkpoint was written
+    rng: dict                   # the RNG states the next step started from
+    epoch: int                  # the scheduler's count of updates (one more since: not its weights)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
 
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
@@ -71,6 +91,7 @@ class RunLog:
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         self.warned_answers = False        # the missing answer regions were said (once a run)
+        self.last = None                   # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
@@ -102,7 +123,8 @@ class RunLog:
                        f"update skipped ({bad} in a row)")
         else:
             held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-            tqdm.write(f"step {done}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
+            mean = math.nan if m["reward/mean"] is None else m["reward/mean"]      # None: no reward scored
+            tqdm.write(f"step {done}: reward {mean:.3f} acc {m['acc']:.2f} "
                        f"len {m['len/mean']:.0f} "
                        f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
                        f"{m['time/step']:.1f}s")
@@ -112,14 +134,43 @@ class RunLog:
                 self.tracker.log(m, done)
             if rollouts is not None and done % cfg.rollouts_every == 0:
                 save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, rollouts)
-            if done % cfg.save_every == 0 or done == cfg.steps or stopping:
-                save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
-                                keep=getattr(cfg, "keep_checkpoints", 1))
-                plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
-                            f"{cfg.credit}/{cfg.shaping}")
+            due = done % cfg.save_every == 0 or done == cfg.steps or stopping
+            if due:
+                self.save(done, bad)
         except RunError as e:
             return str(e)
+        self.last = Last(done, bad, due, rng_state(), self.sched.last_epoch)
         return None
+
+    def save(self, done, bad):
+        """The checkpoint of step `done` (ckpt/, atomically), curves.png redrawn."""
+        cfg = self.cfg
+        save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
+                        keep=getattr(cfg, "keep_checkpoints", 1))
+        plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
+                    f"{cfg.credit}/{cfg.shaping}")
+
+    def stopped(self, e):
+        """grpo.main's end of a run stopped by the user's code mid-step (e: RewardError, PatternError, or
+        Interrupted in a --reward), before the step's update: the last completed step is saved as it ended,
+        if it was not and no update came since (a held-out reward comes after one). Returns (Outcome.stop,
+        status): ("interrupted", 0), or (e and the checkpoint that stands, 2)."""
+        last, note = self.last, ""
+        if last is not None and not last.saved and self.sched.last_epoch == last.epoch:
+            random.setstate(last.rng["python"])
+            torch.set_rng_state(last.rng["torch"])
+            if last.rng["cuda"]:
+                torch.cuda.set_rng_state_all(last.rng["cuda"])
+            try:
+                self.save(last.done, last.bad)
+            except RunError as full:
+                note = f" ({full})"
+        interrupted = isinstance(e, Interrupted)
+        self.finish("interrupted" if interrupted else str(e))
+        mark = self.out / "ckpt" / MARK
+        stands = f"the last checkpoint stands (step {mark.read_text().strip()}, {mark.parent})" \
+            if complete(mark.parent) else "no checkpoint was written yet"
+        return ("interrupted", 0) if interrupted else (f"{e}; {stands}{note}", 2)
 
     def finish(self, stop=None):
         """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics and the tracker,
@@ -137,7 +188,9 @@ class RunLog:
         if (self.out / "ckpt").is_dir():
             print(f"checkpoint: {self.out / 'ckpt'}")
         if stop == "interrupted":
-            print(f"interrupted: checkpoint saved; continue with --resume {self.out}")
+            print(f"interrupted: checkpoint of step {(self.out / 'ckpt' / MARK).read_text().strip()} saved; "
+                  f"continue with --resume {self.out}" if complete(self.out / "ckpt") else
+                  "interrupted before the first step completed: nothing saved")
 
 
 class Clock:
@@ -174,7 +227,11 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
     step = sum(sec.values())
     peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
-    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
+    scored = rewards[~rewards.isnan()]               # NaN: no --reward function scored it (rewards.py)
+    some = len(scored) > 0
+    return {"reward/mean": scored.mean().item() if some else None,
+            "reward/std": scored.std(unbiased=False).item() if some else None,
+            "reward/unscored": len(rewards) - len(scored),
             "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
             "len/mean": loss_mask.sum(-1).float().mean().item(),
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
@@ -216,11 +273,16 @@ def save_rollouts(path, tok, rollouts):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
             fh.write(json.dumps({"prompt": tok.decode(gen.prompt_ids[j]), "response": gen.texts[j],
-                                 "reward": rollouts.rewards[j].item(), "adv": rollouts.adv[b].item(),
+                                 "reward": nan_none(rollouts.rewards[j].item()),
+                                 "adv": rollouts.adv[b].item(),
                                  "tokens": [tok.decode([t]) for t in ids],
                                  "answer": batch.answer_mask[b, P:P + n].tolist(),
                                  "score": rollouts.scores[b, :n].float().tolist(),
                                  "weight": rollouts.weight[b, :n].tolist()}) + "\n")
+
+
+def nan_none(x):
+    return None if x != x else x                     # NaN (an unscored reward) is null in JSON
 
 
 CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # metric -> its y label
