@@ -129,9 +129,17 @@ def counts(config_json):
 
 def lora_linears(cfg, mc):
     """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
-    one, the LM head is not in a layer)."""
-    names = None if cfg.lora_targets == "all-linear" else {t.strip() for t in cfg.lora_targets.split(",")}
-    return [(i, o) for n, i, o in counts(mc.to_json_string())[3] if names is None or n in names]
+    one, the LM head is not in a layer); ValueError naming a target that is none of them (the estimate of a
+    run grpo.py refuses: policy.lora_problem)."""
+    names = None if cfg.lora_targets == "all-linear" else \
+        {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    layer = counts(mc.to_json_string())[3]
+    unknown = sorted((names or set()) - {n for n, _, _ in layer})
+    if unknown:
+        raise ValueError(f"--lora-targets {cfg.lora_targets}: no linear layer of a {mc.model_type} decoder "
+                         f"layer is called {', '.join(map(repr, unknown))} (they are: "
+                         f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)")
+    return [(i, o) for n, i, o in layer if names is None or n in names]
 
 
 def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None) -> dict:
