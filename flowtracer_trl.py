@@ -279,9 +279,9 @@ def verifier(prompts, completions, record, **kwargs):
     return [data.reward(c, json.loads(r)) for r, c in zip(record, completions)]
 
 
-def trl_reward(term, prompt=None):
+def trl_reward(term, prompt=None, keys=None):
     """A --reward function (rewards.Term, either form) as a TRL reward function of its name, as grpo.py's."""
-    one = rewards.Rewards([term._replace(weight=1.0)], prompt)
+    one = rewards.Rewards([term._replace(weight=1.0)], prompt, keys)
 
     def reward(prompts, completions, record, completion_ids=None, **kwargs):
         return one.table(completions, [json.loads(r) for r in record], completion_ids, **kwargs)[0]
@@ -311,8 +311,8 @@ def parse_args(argv=None):
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
     p.add_argument("--question-field", default="", help="the question's column (\"\": the task's, guessed)")
     p.add_argument("--answer-field", default="", help="the answer's column (\"\": the task's, guessed)")
-    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float, as "
-                   "in grpo.py (\"\": the task's); weights: GRPOConfig's --reward-weights")
+    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float or "
+                   "TRL's (completions, **columns), as grpo.py's; weights: GRPOConfig's --reward-weights")
     p.add_argument("--answer-pattern", default="", help="regex of eq. 2's answer region: its last match "
                    "(group 1 if any); \"\": the last \\boxed{}, else <answer>...</answer>")
     p.add_argument("--chat-template-kwargs", default="", help="JSON object for apply_chat_template, e.g. "
@@ -362,10 +362,10 @@ def main(argv=None):
             model, tok = load_model(args.model, device="cpu", dtype=torch.float32)   # the Trainer places it
         else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-        kwargs = rewards.template_kwargs(args)
-        prompt = rewards.trl_prompt(tok, style, kwargs)                  # what a TRL-form reward gets
-        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt)
-        funcs = [trl_reward(t, prompt) for t in mine.terms] if args.reward else [verifier]   # checked once
+        prompt = rewards.trl_prompt(tok, style, kwargs := rewards.template_kwargs(args))   # a TRL-form one's
+        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
+                            keys := [k for r in records for k in r])                     # checked once
+        funcs = [trl_reward(t, prompt, keys) for t in mine.terms] if args.reward else [verifier]
         rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
                 for r in records]
         n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]   # as TRL will get them

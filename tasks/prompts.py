@@ -147,9 +147,9 @@ def template_variables(tokenizer):
 
 def unread_kwargs(tokenizer, style, template_kwargs):
     """Why some of template_kwargs (--chat-template-kwargs) reach nothing, as one sentence, or None: the style
-    writes plain text, the tokenizer has no chat template, or a key (tools, documents and chat_template
+    writes plain text, the tokenizer has no chat template, a key (tools, documents and chat_template
     aside: apply_chat_template's own) is a name the template never reads (a misspelling: jinja2 leaves an
-    unknown name undefined, without a word)."""
+    unknown name undefined, without a word), or a value is the string "false" (true to jinja2)."""
     if not template_kwargs:
         return None
     if style in ("plain", "countdown"):
@@ -159,6 +159,10 @@ def unread_kwargs(tokenizer, style, template_kwargs):
     reads = template_variables(tokenizer)
     unread = [k for k in template_kwargs if reads is not None and k not in reads
               and k not in ("tools", "documents", "chat_template")]
+    words = [k for k, v in template_kwargs.items() if isinstance(v, str) and v.lower() in ("false", "true")]
+    if not unread and words:                   # jinja2 reads the string "false" as true
+        return (f"{', '.join(map(repr, words))} is a string ({template_kwargs[words[0]]!r}), which the "
+                f"template reads as true: write JSON's false / true, without quotes")
     if not unread:
         return None
     import difflib

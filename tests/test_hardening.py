@@ -506,6 +506,21 @@ def test_a_reward_that_fails_mid_run_saves_the_last_step_and_the_run_resumes_exa
     assert same_step(metrics(out)[1], metrics(tmp_path / "whole")[1])
 
 
+@pytest.mark.parametrize("where", ["import", "call"])
+def test_os_exit_in_a_reward_is_named_not_obeyed(tmp_path, monkeypatch, capsys, where):
+    """os._exit skips every handler and would end the run with status 0: inside the user's code it is a
+    SystemExit (usercode.guarded), one line like any other exit; the real os._exit is back after."""
+    real = os._exit
+    argv = your_task(tmp_path, "os._exit(0)", 1, monkeypatch)
+    if where == "import":
+        (tmp_path / "reward.py").write_text("import os\nos._exit(0)\n")
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*argv, "--out-dir", str(tmp_path / "run")])
+    line = last_line(capsys)
+    assert e.value.code == 2 and "raised SystemExit" in line and "os._exit(0)" in line, line
+    assert os._exit is real and not (tmp_path / "run").exists()
+
+
 def test_a_reward_past_float32_is_refused_in_either_form():
     rec = {"id": "r0", "question": "q"}
     for fn in (lambda completion, record: 1e300, lambda completions, **k: [1e300], lambda c, r: 10 ** 400,
@@ -569,6 +584,20 @@ def test_interruptible_passes_the_signal_to_the_handler_in_force_then_raises():
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_reward_interrupted_at_setup_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """A Ctrl-C while setup's check (or the import) runs the user's code: one line, not a traceback."""
+    (tmp_path / "r.py").write_text("from training import usercode\nraise usercode.Interrupted('SIGTERM')\n")
+    cfg = grpo.Config(reward=f"{tmp_path / 'r.py'}:f")
+    with pytest.raises(rewards.RewardError, match=r"interrupted \(SIGTERM\) while importing it"):
+        rewards.load(cfg, {"id": "x", "question": "q"})
+
+    def stuck(completion, record):
+        raise usercode.Interrupted("SIGINT")                 # what the handler raises inside the call
+    monkeypatch.setattr(rewards, "import_function", lambda s, modules=None: stuck)
+    with pytest.raises(rewards.RewardError, match=r"r\.py:f: interrupted \(SIGINT\) in the check at"):
+        rewards.load(cfg, {"id": "x", "question": "q"})
+
+
 CATASTROPHIC = r"([\s\S]|[\s\S][\s\S])+(?=\Z)(?<=\d\d\d)"   # Fibonacci-many ways to split any text
 
 
@@ -589,6 +618,8 @@ def test_a_backtracking_pattern_stops_within_its_bound_naming_the_pattern():
         with pytest.raises(answers.PatternError):
             call()
     assert find_answer_span("so 12 then 7", r"(\d+)\D*$") == (11, 12)          # a linear one: as before
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"searches each response within {answers.PATTERN_TIMEOUT_S:g} s of CPU time" in readme
 
 
 def test_a_backtracking_pattern_stops_the_run_with_one_line_and_the_last_step_saved(tmp_path, monkeypatch,

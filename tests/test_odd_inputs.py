@@ -309,6 +309,8 @@ def test_a_misspelt_template_keyword_is_named_with_the_one_it_resembles(tmp_path
         assert prompts.unread_kwargs(tok, "chat", {"tools": []}) is None       # apply_chat_template's own
         why = prompts.unread_kwargs(tok, "chat", {"enable_thinkng": False})
         assert "never reads 'enable_thinkng' (did you mean 'enable_thinking'?)" in why
+        why = prompts.unread_kwargs(tok, "chat", {"enable_thinking": "false"})     # JSON's "false": a string
+        assert "'enable_thinking' is a string ('false'), which the template reads as true" in why
     finally:
         tok.chat_template = template
 
@@ -335,6 +337,8 @@ def test_template_keywords_the_prompts_set_themselves_are_one_line(tmp_path, cap
     (["--lora-targets", "q_proj,v_prj"], "no module of Qwen3ForCausalLM is called 'v_prj'"),
     (["--lora-targets", "qproj"], "is called 'qproj' (its linear layers: down_proj"),
     (["--lora-rank", "1099511627776"], "--lora-rank 1099511627776 is more than any adapted layer's rank"),
+    (["--lora-targets", "model"], "names no linear layer of Qwen3ForCausalLM"),
+    (["--lora-targets", "all-linear,q_proj"], "all-linear stands alone"),
 ])
 def test_lora_flags_that_name_nothing_or_ask_too_much_are_one_line(tmp_path, capsys, argv, words):
     """peft fails only when no module matches: q_proj,v_prj trained q_proj alone and recorded v_prj; a rank
@@ -356,12 +360,25 @@ def test_the_trl_plug_in_checks_each_lora_target(tmp_path, capsys):
     assert e.value.code == 2 and "flowtracer_trl.py: error: --lora-targets" in line and "'v_prj'" in line
 
 
-def test_eval_memory_checks_each_lora_target(capsys):
+def test_the_trl_trainer_refuses_a_pattern_that_does_not_compile_before_it_builds():
+    pytest.importorskip("trl")
+    import flowtracer_trl
+    with pytest.raises(ValueError, match=r"--answer-pattern '\(' does not compile"):
+        flowtracer_trl.FlowTracerGRPOTrainer(model=None, answer_pattern="(")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lora-targets", "no_such_proj"], "--lora-targets no_such_proj: no module of a qwen3 model is called"),
+    (["--lora-rank", str(2 ** 40)], f"--lora-rank {2 ** 40} is more than any adapted layer's rank"),
+])
+def test_eval_memory_estimates_no_lora_run_grpo_py_refuses(capsys, argv, words):
+    """It estimated a run without adapters (a target that names nothing) or of 4.5e10 GB (a rank past every
+    layer's). A target outside the decoder layers (lm_head) is a module: estimated, not refused."""
     with pytest.raises(SystemExit) as e:
-        ev.main(["memory", "--model", "tiny-qwen3", "--lora-rank", "4", "--lora-targets", "no_such_proj"])
+        ev.main(["memory", "--model", "tiny-qwen3", "--lora-rank", "4", *argv])
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and line.startswith("eval.py: error: --lora-targets no_such_proj") and \
-        "'no_such_proj'" in line, line
+    assert e.value.code == 2 and line.startswith("eval.py: error: ") and words in line, line
+    ev.main(["memory", "--model", "tiny-qwen3", "--lora-rank", "4", "--lora-targets", "lm_head"])
 
 
 @pytest.fixture(scope="module")

@@ -389,3 +389,55 @@ def test_a_trl_reward_file_trains_unchanged_through_the_trl_plug_in(tmp_path, ca
                                        "--output-dir", str(tmp_path / f"trl-{name}")])
         got[name] = [(h["reward"], h["reward_std"]) for h in trainer.state.log_history if "reward" in h]
     assert got["trl"] == got["row"] and got["trl"][0][0] > 0
+
+
+def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
+    """TRL awaits an async reward function, iterates what comes back (a generator, an array) and passes its
+    keywords alone to a `**kwargs` function; the columns TRL keeps out (prompt, completion) stay out, and
+    its own keywords (trainer_state, ...: flowtracer_trl.py) win over a column of the same name."""
+    import asyncio  # noqa: F401  (async def below)
+    import numpy as np
+    recs = [{"id": "a", "prompt": "p", "completions": "c", "trainer_state": 0, "n": 1},
+            {"id": "b", "n": 2}]
+    seen = {}
+
+    async def a(completions, n, **kw):
+        return [float(x) for x in n]
+
+    def gen(completions, **kw):
+        return (len(c) for c in completions)
+
+    def arr(completions, **kw):
+        return np.array([0.5, 0.25])
+
+    def keywords(**kw):
+        seen.update(kw)
+        return [None, 1.0]
+    for fn, want in ((a, [1.0, 2.0]), (gen, [2.0, 3.0]), (arr, [0.5, 0.25])):
+        assert rewards.Rewards([rewards.Term("r.py:f", fn, 1.0)]).batch(["xy", "xyz"], recs) == want
+
+    async def row(completion, record):
+        return len(completion)
+    assert rewards.Rewards([rewards.Term("r.py:g", row, 1.0)])("abc", recs[0]) == 3.0
+    got = rewards.Rewards([rewards.Term("r.py:k", keywords, 1.0)]).table(["x", "y"], recs, trainer_state="S")
+    assert got == [[None, 1.0]] and seen["trainer_state"] == "S" and seen["n"] == [1, 2]
+    assert not {"prompt", "completion"} & set(seen) and seen["completions"] == ["x", "y"]
+    assert seen["id"] == ["a", "b"] and seen["prompts"] == ["", ""]        # no question: plain text
+    seen.clear()
+    rewards.Rewards([rewards.Term("r.py:k", keywords, 1.0)], keys=["id", "n", "extra", "n"]).table(
+        ["x", "y"], [recs[1], recs[1]])                                   # the dataset's columns, each once
+    assert seen["extra"] == [None, None] and seen["n"] == [2, 2] and "trainer_state" not in seen
+
+
+def test_the_held_out_evaluation_scores_with_either_form_alike():
+    """heldout.right scores a held-out batch with the run's reward in one call (rewards.score): TRL's form
+    and the per-row form agree; an unscored (NaN) response is not right."""
+    from training import heldout
+    recs = [{"id": "h0", "question": "q", "answer": 7, "task": "custom"},
+            {"id": "h1", "question": "q", "answer": 8, "task": "custom"}]
+    texts = ["7", "so 7", "9", "8"]
+    row = rewards.Rewards([rewards.Term("r.py:row", lambda c, r: float(c.endswith(str(r["answer"]))), 1.0)])
+    trl = rewards.Rewards([rewards.Term("r.py:trl", lambda completions, answer, **k: [
+        float(c.endswith(str(a))) if c != "9" else None for c, a in zip(completions, answer)], 1.0)])
+    assert heldout.right(recs, texts, 2, row, [[1]] * 4) == heldout.right(recs, texts, 2, trl, [[1]] * 4) \
+        == ([2, 1], [2, 1])

@@ -166,6 +166,8 @@ def lora_problem(cfg, model):
     named = lambda n, t: n == t or n.endswith("." + t)   # noqa: E731  peft's rule for a target's name
     targets = None if cfg.lora_targets == "all-linear" else \
         [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    if targets and "all-linear" in targets:
+        return f"--lora-targets {cfg.lora_targets}: all-linear stands alone (every linear layer already)"
     mods = list(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in mods if isinstance(m, torch.nn.Linear)})
     missing = [t for t in targets or [] if not any(named(n, t) for n, _ in mods)]
@@ -174,6 +176,9 @@ def lora_problem(cfg, model):
                 f"{', '.join(map(repr, missing))} (its linear layers: {', '.join(linear)}; or all-linear)")
     rank = max((min(m.in_features, m.out_features) for n, m in mods if isinstance(m, torch.nn.Linear)
                 and (targets is None or any(named(n, t) for t in targets))), default=0)
+    if rank == 0:                                   # "model", "mlp": modules, but no linear layer among them
+        return (f"--lora-targets {cfg.lora_targets}: names no linear layer of {type(model).__name__} (its "
+                f"linear layers: {', '.join(linear)}; or all-linear)")
     if cfg.lora_rank > rank:
         return (f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, min(d_in, d_out) <= "
                 f"{rank}: a LoRA that wide is a full-rank update (use --lora-rank <= {rank}, or 0: full "

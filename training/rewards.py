@@ -40,6 +40,7 @@ Only the file named is hashed, not the modules it imports.
 Run: python grpo.py --dataset custom --data-path docs/your-task/train.jsonl \\
          --reward docs/your-task/reward.py:exact_number --answer-pattern '(-?\\d+)\\D*$'   (docs/your-task.md)
 """
+import asyncio
 import hashlib
 import importlib.util
 import inspect
@@ -56,7 +57,7 @@ from tqdm import tqdm
 
 from tasks import prompts as prompts_mod
 from tasks.answers import pattern_problem
-from training.usercode import interruptible
+from training.usercode import Interrupted, guarded
 
 
 @dataclass
@@ -164,8 +165,11 @@ def import_function(s, modules=None):
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
         try:
-            with interruptible():
+            with guarded():
                 spec.loader.exec_module(module)
+        except Interrupted as e:          # a Ctrl-C / SIGTERM while it imported: one line
+            raise RewardError(f"--reward {s.file}: interrupted ({e}) while importing it; nothing was "
+                              f"written") from None
         except KeyboardInterrupt:
             raise
         except BaseException as e:       # the user's code: a SyntaxError, an ImportError, sys.exit, anything
@@ -183,7 +187,11 @@ def import_function(s, modules=None):
 
 
 def one_line(e, n=200):
-    return " ".join(str(e).split())[:n]
+    """str(e) on one line, cut to n characters; an object whose str() itself raises: its type's name."""
+    try:
+        return " ".join(str(e).split())[:n]
+    except Exception:                    # the user's object: its __str__ may raise too
+        return f"<a {type(e).__name__} whose str() raises>"
 
 
 # ----------------------------------------------------------------------------- the two forms
@@ -194,11 +202,18 @@ NOT_COLUMNS = ("prompt", "completion", "prompts", "completions", "completion_ids
 
 
 def trl_form(fn):
-    """Whether `fn` is called TRL's way: its signature takes `completions`."""
+    """Whether `fn` is called TRL's way: its signature takes `completions`, or keywords alone (**kwargs)."""
     try:
-        return "completions" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):      # no signature to read (a builtin): the per-row form
         return False
+    kinds = {q.kind for q in params}
+    return any(q.name == "completions" for q in params) or kinds == {inspect.Parameter.VAR_KEYWORD}
+
+
+def returned(got):
+    """A reward function's answer, an `async def` one's awaited (TRL awaits them too)."""
+    return asyncio.run(got) if inspect.iscoroutine(got) else got
 
 
 def number(v):
@@ -215,10 +230,11 @@ def number(v):
     return f if math.isfinite(f) and abs(f) <= F32_MAX else None
 
 
-def columns(records):
-    """TRL's keyword lists: every column of the rows (None where a row lacks it), but "prompt" and
-    "completion" (TRL gives those as prompts= and completions=) and the call's own names."""
-    keys = dict.fromkeys(k for r in records for k in r if k not in NOT_COLUMNS)
+def columns(records, keys=None):
+    """TRL's keyword lists: every column of the dataset (`keys`; None: the rows'), None where a row lacks it
+    (as TRL's Arrow table fills it), but "prompt" and "completion" (TRL gives those as prompts= and
+    completions=) and the call's own names."""
+    keys = dict.fromkeys(k for k in (keys or (k for r in records for k in r)) if k not in NOT_COLUMNS)
     return {k: [r.get(k) for r in records] for k in keys}
 
 
@@ -235,10 +251,12 @@ def plain_prompt(record):
 class Rewards:
     """The weighted sum of the user's reward functions over a batch (`batch`), or one row (`__call__`, as
     data.reward is called). prompt: record -> what a TRL-form function gets as its prompt (trl_prompt: the
-    chat turns when a chat template renders them, else the prompt text); the question without one."""
+    chat turns when a chat template renders them, else the prompt text); the question without one. keys:
+    the dataset's columns, each a keyword of a TRL-form call (None: the batch's rows')."""
 
-    def __init__(self, terms, prompt=None):
+    def __init__(self, terms, prompt=None, keys=None):
         self.terms, self.prompt = terms, prompt or plain_prompt
+        self.keys = list(dict.fromkeys(keys)) if keys else None           # each column once, in order
 
     def table(self, completions, records, completion_ids=None, **extra):
         """[per term: [its value (float) or None (not scored: TRL's form) per completion]], each checked.
@@ -255,16 +273,18 @@ class Rewards:
         comps = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
         rows = f"the batch of {len(records)} completion(s) of rows {ids_of(records)}"
         try:
-            with interruptible():
-                got = t.fn(prompts=prompts, completions=comps, completion_ids=ids, **columns(records),
-                           **extra)
+            with guarded():
+                got = returned(t.fn(prompts=prompts, completions=comps, completion_ids=ids,
+                                    **{**columns(records, self.keys), **extra}))     # TRL's own keywords win
+                if torch.is_tensor(got) or type(got).__module__ == "numpy":
+                    got = got.tolist() if getattr(got, "ndim", 0) == 1 else got
+                elif inspect.isgenerator(got) or isinstance(got, (map, filter, zip, range)):
+                    got = list(got)                                    # TRL iterates what it gets
         except KeyboardInterrupt:
             raise
         except BaseException as e:                                     # the user's code: anything, sys.exit
-            raise RewardError(f"--reward {t.name} raised {type(e).__name__} ({one_line(e)}) on {rows}") \
-                from None
-        if torch.is_tensor(got) or type(got).__module__ == "numpy":
-            got = got.tolist() if getattr(got, "ndim", 0) == 1 else got
+            raise RewardError(f"--reward {t.name} (TRL's form) raised {type(e).__name__} ({one_line(e)}) on "
+                              f"{rows}") from None
         if not isinstance(got, (list, tuple)) or len(got) != len(completions):
             what = f"{len(got)} value(s)" if isinstance(got, (list, tuple)) else one_line(repr(got), 60)
             raise RewardError(f"--reward {t.name} returned {what} for {len(completions)} completion(s) of "
@@ -279,13 +299,13 @@ class Rewards:
 
     def one(self, t, completion, record):
         try:
-            with interruptible():
-                v = t.fn(completion, dict(record))      # a copy: the function cannot change the records
+            with guarded():
+                v = returned(t.fn(completion, dict(record)))   # a copy: it cannot change the records
         except KeyboardInterrupt:
             raise
         except BaseException as e:                      # the user's code: anything, sys.exit(0) too
             raise RewardError(f"--reward {t.name} raised {type(e).__name__} ({one_line(e)}) on row "
-                              f"{record.get('id')!r}") from None
+                              f"{record.get('id')!r} ({ROW_FORM})") from None
         x = number(v)
         if x is None:
             hint = "; a function that scores a batch takes `completions` (TRL's form)" \
@@ -344,22 +364,25 @@ def trl_prompt(tok, style, template_kwargs=None):
     return prompt
 
 
-def load(cfg, first_record, prompt=None):
+def load(cfg, first_record, prompt=None, keys=None):
     """The run's reward: data.reward (the built-in task's) without --reward, else a Rewards of the user's
-    functions (prompt: trl_prompt's, for TRL-form ones), each imported and called once on `first_record` and
-    an empty completion (setup's check: a TRL-form one may answer None)."""
+    functions (prompt: trl_prompt's, keys: the dataset's columns, for TRL-form ones), each imported and
+    called once on `first_record` and an empty completion (setup's check: a TRL-form one may answer None)."""
     import data
     if not cfg.reward:
         return data.reward
     modules = {}                                         # each file imported once
     terms = [Term(f"{s.file}:{s.function}", import_function(s, modules), w)
              for s, w in zip(sources(cfg.reward), weights(cfg))]
-    reward = Rewards(terms, prompt)
+    reward = Rewards(terms, prompt, keys)
     for t in terms:
         try:
-            Rewards([t], prompt).table([""], [first_record], [[]])
+            Rewards([t], prompt, keys).table([""], [first_record], [[]])
         except RewardError as e:
             raise RewardError(f"{e} (the check at setup: the first record and an empty completion)") from None
+        except Interrupted as e:          # a Ctrl-C / SIGTERM while it ran: one line, nothing written yet
+            raise RewardError(f"--reward {t.name}: interrupted ({e}) in the check at setup (the first record "
+                              f"and an empty completion), before it returned; nothing was written") from None
     return reward
 
 

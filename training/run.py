@@ -80,7 +80,8 @@ def setup(cfg, memory=None) -> Run:
                             records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
         if cfg.eval_every else []
     tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
-    reward = rewards.load(cfg, records[0], rewards.trl_prompt(tok, style, kwargs))   # --reward: checked once
+    reward = rewards.load(cfg, records[0], rewards.trl_prompt(tok, style, kwargs),    # --reward: checked
+                          [k for r in [*records, *evals] for k in r])                  # on the first row
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts

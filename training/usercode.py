@@ -8,10 +8,12 @@ RunLog.on_signal: stop_requested), and a second stops at once, losing the step. 
 cannot finish until the function returns, so there the first signal also raises Interrupted at once; grpo.py
 then saves the last completed step as it ended (RunLog.stopped) and exits. Exceptions the user's code raises
 are named by training/rewards.py (RewardError); Interrupted is a KeyboardInterrupt, which no guard keeps.
+`guarded` adds one more: os._exit inside the user's code is a SystemExit, named like any other raise.
 
 Run the tests: python -m pytest -q tests/test_hardening.py -k interrupt
 """
 import contextlib
+import os
 import signal
 import threading
 
@@ -56,3 +58,20 @@ def interruptible():
         for s, h in before.items():
             if signal.getsignal(s) is stop:
                 signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def guarded():
+    """Around each call of the user's code: `interruptible`, and os._exit made a SystemExit, which the caller
+    names as the user's error like any raise (os._exit would end the run at once, with its status, 0 too,
+    skipping every handler). The real os._exit is back after."""
+    real = os._exit
+
+    def no_exit(status=0):
+        raise SystemExit(f"os._exit({status})")
+    os._exit = no_exit
+    try:
+        with interruptible():
+            yield
+    finally:
+        os._exit = real
