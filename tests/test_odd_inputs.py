@@ -288,6 +288,13 @@ def test_a_flag_that_cannot_take_effect_gets_one_notice(capsys, argv, words):
     assert cfg.steps >= 1                                                 # parsed: the run goes on
 
 
+def test_eval_memory_plans_with_gpu_gb_on_any_machine(monkeypatch, capsys):
+    """eval.py memory takes grpo.py's flags to plan a GPU's step from any machine: --gpu-gb takes effect."""
+    monkeypatch.setattr(sys, "argv", ["eval.py", "memory"])
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--gpu-gb", "24"])
+    assert cfg.gpu_gb == 24 and capsys.readouterr().err == ""
+
+
 def test_flags_from_a_config_file_are_not_judged(tmp_path, capsys):
     """A run's own config resumes on another device without a word: --config's values get no notice."""
     f = tmp_path / "run.yaml"

@@ -36,7 +36,7 @@ import yaml
 import data
 from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, rewards
+from training import credit, reward_files, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -258,17 +258,17 @@ def check(cfg):
 
 def reward_record(cfg, given):
     """cfg with --reward-files recording each --reward file as given, its resolved path and SHA-256
-    (rewards.fingerprint); ValueError for a file that cannot be read, or, on --resume without --reward on the
-    command line, for a reward file that moved or changed since the run recorded it (rewards.changed). A
-    resume without --reward reads each file where the run recorded it (rewards.as_recorded): from any
-    working directory."""
+    (reward_files.fingerprint); ValueError for a file that cannot be read, or, on --resume without --reward
+    on the command line, for a reward file that moved or changed since the run recorded it
+    (reward_files.changed). A resume without --reward reads each file where the run recorded it
+    (reward_files.as_recorded): from any working directory."""
     if cfg.reward and given.get("resume") and "reward" not in given:
-        why = rewards.changed(cfg.reward, cfg.reward_files)
+        why = reward_files.changed(cfg.reward, cfg.reward_files)
         if why:
             raise ValueError(f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
                              f"continue with the file as it is now (its new hash is recorded)")
-        cfg = dataclasses.replace(cfg, reward=rewards.as_recorded(cfg.reward, cfg.reward_files))
-    return dataclasses.replace(cfg, reward_files=rewards.fingerprint(cfg.reward) if cfg.reward else "")
+        cfg = dataclasses.replace(cfg, reward=reward_files.as_recorded(cfg.reward, cfg.reward_files))
+    return dataclasses.replace(cfg, reward_files=reward_files.fingerprint(cfg.reward) if cfg.reward else "")
 
 
 PATHS = ("data_path", "eval_data_path")   # the run's files, as given (relative: to where it was launched)
@@ -300,8 +300,8 @@ def resume_flags(saved, given):
     functions of the same files as the run's, or a --data-path / --eval-data-path naming its file (by path:
     another spelling, or the same relative path from another directory) is no change. ValueError, even with
     --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER)."""
-    same = "reward" in given and rewards.recorded_paths(given["reward"], saved.get("reward_files")) == \
-        rewards.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
+    same = "reward" in given and reward_files.recorded_paths(given["reward"], saved.get("reward_files")) == \
+        reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
     shape = [f"{flag(k)} {saved.get(k, d)!r} -> {given[k]!r}" for k, d in ADAPTER.items()
              if k in given and given[k] != saved.get(k, d)]
     if shape:
@@ -323,7 +323,8 @@ def unused(cfg, given, prog):
              (("eval_data_path", "eval_dataset", "eval_size"), g("eval_every", 0) > 0, "--eval-every is 0 "
               "(no held-out evaluation): give --eval-every N"),
              (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
-             (("gpu_gb",), g("device") == "cuda" or g("device") == "auto" and torch.cuda.is_available(),
+             (("gpu_gb",), g("device") == "cuda" or g("device") == "auto" and torch.cuda.is_available()
+              or Path(sys.argv[0]).name == "eval.py",         # eval.py memory plans for a GPU on any machine
               "the run is on the CPU (it sizes the step to a GPU's memory)"),
              (("overwrite", "config"), not g("resume"), "--resume continues the run in place, from its own "
               "run_config.json"),

@@ -18,12 +18,8 @@ functions the reward is their weighted sum, sum_k w_k f_k (TRL's reward_funcs wi
 weights 1; a None term adds nothing). `score` is the one call of grpo.py, heldout.py and flowtracer_trl.py.
 
 A reward file is code the run executes, and part of the experiment:
-  fingerprint   each file as given, its resolved path and the SHA-256 of its contents, recorded as the run's
-                --reward-files (run_config.json, so `--config run_config.json` still reads): flags.parse
-  changed       --resume refuses a reward file that moved or changed since it was recorded, in one line,
-                unless --reward is given again on the command line (then the new hash is recorded); a
-                relative path is read as the run recorded it, so a resume from another directory (or with
-                --reward given again by its absolute path) is the same reward
+  recorded      each file's path and hash, as --reward-files (training/reward_files.py: a resume refuses a
+                file that moved or changed, and reads each where the run recorded it)
   load          imports each file (printing its resolved path; its folder is importable from it, so it may
                 import its neighbours), finds the function, and calls it once on the first record and an
                 empty completion: a raise or a value other than a number stops the run at setup, before
@@ -100,53 +96,6 @@ def weights(cfg):
     """--reward-weights as floats, one per --reward function (all 1.0 when not given)."""
     n = len(sources(cfg.reward)) if cfg.reward else 0
     return [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * n
-
-
-def fingerprint(spec):
-    """JSON of [{"file": as given, "path": resolved, "sha256": its contents' hash}] for each file of a
-    --reward value (each spelling once), what --reward-files records; RewardError naming a file that cannot
-    be read."""
-    out = {}
-    for s in sources(spec):
-        path = Path(s.file).expanduser().resolve()
-        if not path.is_file():
-            raise RewardError(f"--reward {s.file}: " + ("a directory, not a Python file" if path.is_dir()
-                                                        else "no such file"))
-        try:
-            out[s.file] = (str(path), hashlib.sha256(path.read_bytes()).hexdigest())
-        except OSError as e:
-            raise RewardError(f"--reward {s.file}: cannot be read ({e.strerror})") from None
-    return json.dumps([{"file": f, "path": p, "sha256": h} for f, (p, h) in out.items()])
-
-
-def recorded_paths(spec, recorded):
-    """[(resolved path, function)] of a --reward value: a file the run recorded (--reward-files) where it
-    recorded it, whatever the working directory now; another resolved from here. Two values with the same
-    list name the same functions of the same files."""
-    where = {e["file"]: e["path"] for e in json.loads(recorded or "[]") if "file" in e}
-    return [(where.get(s.file) or str(Path(s.file).expanduser().resolve()), s.function)
-            for s in sources(spec)]
-
-
-def changed(spec, recorded):
-    """One sentence for the first reward file of `spec` that moved or changed since `recorded` (a
-    --reward-files value), naming it; None when each is where it was, with the same contents."""
-    before = {e["path"]: e["sha256"] for e in json.loads(recorded or "[]")}
-    for s, (path, _) in zip(sources(spec), recorded_paths(spec, recorded)):
-        if path not in before:
-            return (f"the reward file {s.file} resolves to {path}, not to the file the run recorded "
-                    f"({', '.join(before) or 'none'}): it moved")
-        if not Path(path).is_file():
-            return f"the reward file {path} is gone (moved or deleted)"
-        if hashlib.sha256(Path(path).read_bytes()).hexdigest() != before[path]:
-            return f"the reward file {path} changed since the run recorded it (its SHA-256 differs)"
-    return None
-
-
-def as_recorded(spec, recorded):
-    """The --reward value with each file the run recorded written as its recorded absolute path: what a
-    --resume loads, from any working directory."""
-    return ",".join(f"{p}:{f}" for p, f in recorded_paths(spec, recorded))
 
 
 def import_function(s, modules=None):

@@ -188,7 +188,7 @@ class RunLog:
         if (self.out / "ckpt").is_dir():
             print(f"checkpoint: {self.out / 'ckpt'}")
         if stop == "interrupted":
-            print(f"interrupted: checkpoint of step {(self.out / 'ckpt' / MARK).read_text().strip()} saved; "
+            print(f"interrupted: checkpoint saved (step {(self.out / 'ckpt' / MARK).read_text().strip()}); "
                   f"continue with --resume {self.out}" if complete(self.out / "ckpt") else
                   "interrupted before the first step completed: nothing saved")
 
