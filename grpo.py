@@ -64,7 +64,7 @@ from tasks.answers import PatternError, find_answer_span
 from training import credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
-from training.rewards import RewardError, TaskConfig, score
+from training.rewards import RewardError, TaskConfig
 from training.rollout import build_batch, generate, take
 from training.run import setup
 
@@ -200,7 +200,7 @@ def grpo_step(run, step, bad) -> Step:
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rows = [run.records[i] for i in ids for _ in range(G)]                     # row j: prompt j // G
-        rewards = torch.tensor(score(run.reward, gen.texts, rows, gen.response_ids))  # (B,) one call a batch
+        rewards = torch.tensor(data.batch_reward(run.reward, gen.texts, rows, gen.response_ids))    # (B,)
         m["answers/missing"] = sum(find_answer_span(t, cfg.answer_pattern) is None for t in gen.texts)
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \

@@ -316,8 +316,8 @@ def test_trl_form_rewards_equal_the_per_row_form_on_the_same_completions(tmp_pat
         if chat:                             # TRL's documented functions read completion[0]["content"]
             mine = rewards.load(grpo.Config(reward=trl, dataset="custom"), recs[0], prompt)
             per_row = rewards.load(grpo.Config(reward=row, dataset="custom"), recs[0], prompt)
-            got, want = rewards.score(mine, texts, rows, ids), rewards.score(per_row, texts, rows, ids)
-            assert got == want == [2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
+            got = data.batch_reward(mine, texts, rows, ids)
+            assert got == data.batch_reward(per_row, texts, rows, ids) == [2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
         rewards.Rewards([rewards.Term("s.py:spy", spy, 1.0)], prompt).table(texts, rows, ids)
         assert seen["solution"] == [7, 8, 12, 7, 8, 12] and seen["ids"] == ids
         if chat:
@@ -430,7 +430,7 @@ def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
 
 
 def test_the_held_out_evaluation_scores_with_either_form_alike():
-    """heldout.right scores a held-out batch with the run's reward in one call (rewards.score): TRL's form
+    """heldout.right scores a held-out batch with the run's reward in one call (data.batch_reward): TRL's
     and the per-row form agree; an unscored (NaN) response is not right."""
     from training import heldout
     recs = [{"id": "h0", "question": "q", "answer": 7, "task": "custom"},

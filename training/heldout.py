@@ -41,7 +41,6 @@ import torch
 
 import data
 from tasks.answers import last_number_equal
-from training import rewards
 from training.rollout import generate
 from training.usercode import Interrupted
 
@@ -89,9 +88,9 @@ def evaluating(model):
 def right(recs, texts, n, reward=None, ids=None):
     """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n], their token ids `ids`)
     are right, by `reward` (the run's: None is data.reward, or --reward's, scored once for all the responses
-    as grpo.py scores a batch: rewards.score; right = reward >= 1, an unscored NaN is not)."""
+    as grpo.py scores a batch: data.batch_reward; right = reward >= 1, an unscored NaN is not)."""
     rows = [r for r in recs for _ in range(n)]
-    scores = rewards.score(reward or data.reward, texts, rows, ids)
+    scores = data.batch_reward(reward or data.reward, texts, rows, ids)
     strict, lenient = [], []
     for i, r in enumerate(recs):
         ok = [x >= 1 for x in scores[i * n:(i + 1) * n]]

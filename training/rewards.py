@@ -15,7 +15,7 @@ template rendered the prompt (prompts.turns), else strings. It returns one float
 None: it does not score that one. A completion no function scores gets TRL's treatment (its reward is NaN,
 left out of its group's mean and std, its advantage 0) and a warning line naming the row. With several
 functions the reward is their weighted sum, sum_k w_k f_k (TRL's reward_funcs with reward_weights; default
-weights 1; a None term adds nothing). `score` is the one call of grpo.py, heldout.py and flowtracer_trl.py.
+weights 1; a None term adds nothing). data.batch_reward is grpo.py's and heldout.py's one call.
 
 A reward file is code the run executes, and part of the experiment:
   recorded      each file's path and hash, as --reward-files (training/reward_files.py: a resume refuses a
@@ -292,15 +292,6 @@ class Rewards:
 def ids_of(records, n=3):
     ids = [repr(r.get("id")) for r in records]
     return ", ".join(ids[:n]) + (f" ... ({len(ids)})" if len(ids) > n else "")
-
-
-def score(reward, completions, records, completion_ids=None):
-    """The reward of each completion of its record, as a list of floats: a Rewards' weighted sum over the
-    batch (each TRL-form function called once; NaN: no function scored it), or a per-row function
-    (data.reward) called on each. grpo.py's and heldout.py's one call."""
-    if isinstance(reward, Rewards):
-        return reward.batch(completions, records, completion_ids)
-    return [float(reward(c, r)) for c, r in zip(completions, records)]
 
 
 def trl_prompt(tok, style, template_kwargs=None):

@@ -60,11 +60,6 @@ class Last(NamedTuple):
     epoch: int                  # the scheduler's count of updates (one more since: not its weights)
 
 
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
 
@@ -139,7 +134,9 @@ class RunLog:
                 self.save(done, bad)
         except RunError as e:
             return str(e)
-        self.last = Last(done, bad, due, rng_state(), self.sched.last_epoch)
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        self.last = Last(done, bad, due, rng, self.sched.last_epoch)
         return None
 
     def save(self, done, bad):
