@@ -4,6 +4,7 @@
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
                                                 --reward function (training/rewards.py)
+  batch_reward(reward, completions, records, completion_ids) -> each completion's reward, one call a batch
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
@@ -211,6 +212,16 @@ def reward(completion, record):
         raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; "
                          f"known: {list(REWARDS)}")
     return verify(completion, record["answer"])
+
+
+def batch_reward(reward, completions, records, completion_ids=None):
+    """The reward of each completion of its record, as a list of floats: `reward` is data.reward (called on
+    each row), or a --reward's (training/rewards.Rewards: its batch, each TRL-form function called once, NaN
+    where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
+    batch = getattr(reward, "batch", None)
+    if batch is not None:
+        return batch(completions, records, completion_ids)
+    return [float(reward(c, r)) for c, r in zip(completions, records)]
 
 
 if __name__ == "__main__":

@@ -86,12 +86,13 @@ def resolve_model(name):
     if looks_local and not path.exists():
         fail(f"--model {ckpt_io.link_problem(path) or name + ': not found'} (give a run directory, its "
              "ckpt/, a save_pretrained directory or a .gguf file)")
-    if (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt"):   # a run: full or LoRA
-        return str(path / "ckpt")
-    if path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
+    run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")   # a run: full or LoRA
+    if not run and path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
         fail(f"--model {name}: a directory without config.json (or a LoRA checkpoint's adapter_config.json), "
              f"not a checkpoint or run directory")
-    return str(path) if looks_local else name
+    if problem := path.is_dir() and ckpt_io.safetensors_problem(path / "ckpt" if run else path):
+        fail(f"--model {problem}")                                 # a cut file: before the model loads
+    return str(path / "ckpt") if run else str(path) if looks_local else name
 
 
 def auto_style(model_name, task, style):
@@ -316,8 +317,8 @@ def parse(argv=None):
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
-    p.add_argument("--answer-pattern", default=None, help="regex of the answer region, as grpo.py's "
-                   "(default: the last \\boxed{}, else <answer>...</answer>)")
+    p.add_argument("--answer-pattern", default=None, type=flags.answer_pattern, help="regex of the answer "
+                   "region, as grpo.py's (default: the last \\boxed{}, else <answer>...</answer>)")
     p.add_argument("--token", type=int, default=None, help="inout: response position (default: top flow)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
     p.add_argument("--frac", type=float, default=0.2,

@@ -76,7 +76,7 @@ except ImportError as e:                                         # no TRL: one l
 
 import data
 from flowtracer import select_layers
-from tasks.answers import answer_token_range
+from tasks.answers import PatternError, answer_token_range, pattern_problem
 from training import credit, flags, policy, rewards, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
@@ -131,7 +131,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
         self.answer_pattern = answer_pattern or None     # eq. 2's answer region (answers.find_answer_span)
-        if problem := trl_problem() or credit.check(self.credit_cfg):
+        if problem := trl_problem() or credit.check(self.credit_cfg) or pattern_problem(answer_pattern):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
         if problem := trl_problem(self):
@@ -279,14 +279,12 @@ def verifier(prompts, completions, record, **kwargs):
     return [data.reward(c, json.loads(r)) for r, c in zip(record, completions)]
 
 
-def trl_reward(term):
-    """A --reward function (rewards.Term) as a TRL reward function of the same name (TRL logs
-    rewards/<name>): each completion's reward, with its record (every column of the row) as grpo.py gives
-    it; a raise or a non-finite value is a rewards.RewardError naming the function and the row."""
-    one = rewards.Rewards([term._replace(weight=1.0)])
+def trl_reward(term, prompt=None, keys=None):
+    """A --reward function (rewards.Term, either form) as a TRL reward function of its name, as grpo.py's."""
+    one = rewards.Rewards([term._replace(weight=1.0)], prompt, keys)
 
-    def reward(prompts, completions, record, **kwargs):
-        return [one(c, json.loads(r)) for r, c in zip(record, completions)]
+    def reward(prompts, completions, record, completion_ids=None, **kwargs):
+        return one.table(completions, [json.loads(r) for r in record], completion_ids, **kwargs)[0]
     reward.__name__ = term.fn.__name__
     return reward
 
@@ -313,8 +311,8 @@ def parse_args(argv=None):
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
     p.add_argument("--question-field", default="", help="the question's column (\"\": the task's, guessed)")
     p.add_argument("--answer-field", default="", help="the answer's column (\"\": the task's, guessed)")
-    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float, as "
-                   "in grpo.py (\"\": the task's); weights: GRPOConfig's --reward-weights")
+    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float or "
+                   "TRL's (completions, **columns), as grpo.py's; weights: GRPOConfig's --reward-weights")
     p.add_argument("--answer-pattern", default="", help="regex of eq. 2's answer region: its last match "
                    "(group 1 if any); \"\": the last \\boxed{}, else <answer>...</answer>")
     p.add_argument("--chat-template-kwargs", default="", help="JSON object for apply_chat_template, e.g. "
@@ -345,6 +343,7 @@ def parse_args(argv=None):
          "--lora-dropout must be in [0, 1)" if not 0 <= args.lora_dropout < 1 else None)
     if problem:
         p.error(problem)
+    flags.unused(task, {k for k, v in vars(args).items() if v != p.get_default(k)}, p.prog)   # notices
     return args, ccfg, targs
 
 
@@ -357,22 +356,23 @@ def main(argv=None):
     try:
         records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed,
                                  question_field=args.question_field, answer_field=args.answer_field)
-        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0])   # checked
-        funcs = [trl_reward(t) for t in mine.terms] if args.reward else [verifier]   # once, as grpo.py does
         style = (args.prompt_style if args.prompt_style != "auto"
                  else data.default_style(args.model, records[0]["task"]))
         if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
             model, tok = load_model(args.model, device="cpu", dtype=torch.float32)   # the Trainer places it
         else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-        kwargs = rewards.template_kwargs(args)
+        prompt = rewards.trl_prompt(tok, style, kwargs := rewards.template_kwargs(args))   # a TRL-form one's
+        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
+                            keys := [k for r in records for k in r])                     # checked once
+        funcs = [trl_reward(t, prompt, keys) for t in mine.terms] if args.reward else [verifier]
         rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
                 for r in records]
         n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]   # as TRL will get them
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        lora = policy.lora_config(args) if args.lora_rank > 0 else None                # departure 6
+        lora = policy.lora_config(args, model) if args.lora_rank > 0 else None         # departure 6; checked
         trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
                                         train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
                                         answer_pattern=args.answer_pattern, peft_config=lora)
@@ -384,8 +384,8 @@ def main(argv=None):
           f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}")
     try:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    except rewards.RewardError as e:                          # a --reward raised or gave NaN mid-run
-        print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
+    except (rewards.RewardError, PatternError) as e:          # a --reward raised or gave NaN; a pattern hung
+        print(f"flowtracer_trl.py: error: {e}; TRL's last checkpoint (--save-steps) stands", file=sys.stderr)
         sys.exit(2)
     trainer.save_model(targs.output_dir)
     if trainer.accelerator.is_main_process:

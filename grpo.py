@@ -61,7 +61,7 @@ from tqdm import tqdm
 import data
 from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
-from tasks.answers import find_answer_span
+from tasks.answers import PatternError, find_answer_span
 from training import backoff, credit, flags, heldout, models, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
@@ -201,7 +201,8 @@ def grpo_step(run, step, bad) -> Step:
                                engine=run.engine)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
-        rewards = torch.tensor([run.reward(txt, run.records[ids[j // G]]) for j, txt in enumerate(gen.texts)])
+        rows = [run.records[i] for i in ids for _ in range(G)]                     # row j: prompt j // G
+        rewards = torch.tensor(data.batch_reward(run.reward, gen.texts, rows, gen.response_ids))    # (B,)
         m["answers/missing"] = sum(find_answer_span(t, cfg.answer_pattern) is None for t in gen.texts)
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
@@ -311,14 +312,15 @@ def update(run, batch, trained, adv, clock) -> Update:
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
-    """Group-relative advantages (eq. 10): A_i = (r_i - mean_g) / std_g, clipped to [-clip, clip].
-    Returns (adv (B,), zero_std (B/G,) bool). A group whose rewards do not vary gets A = 0."""
+    """Group-relative advantages (eq. 10): A_i = (r_i - mean_g) / std_g, clipped to [-clip, clip]. Returns
+    (adv (B,), zero_std (B/G,) bool); a group without variation gets A = 0, a NaN (unscored) reward too."""
     r = rewards.view(-1, G)                                               # (B/G, G)
-    std = r.std(-1, unbiased=False, keepdim=True)                         # population std, as in OAR eq. 2
-    adv = r - r.mean(-1, keepdim=True)
+    adv = r - r.nanmean(-1, keepdim=True)                                 # over the scored rewards
+    std = r.std(-1, unbiased=False, keepdim=True) if not r.isnan().any() else \
+        adv.double().pow(2).nanmean(-1, keepdim=True).sqrt().float()      # population std, as in OAR eq. 2
     if scale_std:
         adv = adv / (std + 1e-6)
-    return adv.clamp(-clip, clip).view(-1), std.squeeze(-1) < 1e-8
+    return adv.nan_to_num(0.0).clamp(-clip, clip).view(-1), ~(std.squeeze(-1) >= 1e-8)
 
 
 def grpo_loss(logp, exp: Experience, cfg):
@@ -388,10 +390,8 @@ def main(argv=None):
         sys.exit(2)
     try:
         out = train(cfg, run)
-    except RewardError as e:                          # a --reward raised or gave NaN mid-run
-        run.log.finish(str(e))
-        last = "the last checkpoint stands" if (run.log.out / "ckpt").is_dir() else "no checkpoint yet"
-        out = Outcome([], f"{e}; {last}", 2)
+    except (RewardError, PatternError, runlog.Interrupted) as e:   # your reward or pattern, mid-step
+        out = Outcome([], *run.log.stopped(e))        # the last completed step saved, the run finished
     except backoff.OutOfMemory as e:                  # out of memory at gen_chunk or micro_batch 1
         run.log.finish(str(e))
         out = Outcome([], str(e), 1)

@@ -119,8 +119,8 @@ def param_counts(mc):
 
 @functools.cache
 def counts(config_json):
-    """param_counts, and the LoRA'd linears' ((name, in, out), ...), of a config (JSON: hashable, so plan's
-    many estimates build the meta model once)."""
+    """param_counts, the LoRA'd linears' ((name, in, out), ...) and every module's name, of a config (JSON:
+    hashable, so plan's many estimates build the meta model once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     import json
     mc = AutoConfig.for_model(**json.loads(config_json))
@@ -132,14 +132,28 @@ def counts(config_json):
     head = m.get_output_embeddings()
     linears = tuple((n.rsplit(".", 1)[-1], x.in_features, x.out_features) for n, x in m.named_modules()
                     if isinstance(x, torch.nn.Linear) and x is not head and ".layers.0." in f".{n}")
-    return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps), linears
+    return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps), linears, \
+        frozenset(n.rsplit(".", 1)[-1] for n, _ in m.named_modules())
 
 
 def lora_linears(cfg, mc):
     """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
-    one, the LM head is not in a layer)."""
-    names = None if cfg.lora_targets == "all-linear" else {t.strip() for t in cfg.lora_targets.split(",")}
-    return [(i, o) for n, i, o in counts(mc.to_json_string())[3] if names is None or n in names]
+    one, the LM head is not in a layer; a target outside the layers, lm_head, is not counted); ValueError
+    naming a target that no module of the model is called (a run grpo.py refuses: policy.lora_problem)."""
+    names = None if cfg.lora_targets == "all-linear" else \
+        {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    _, _, _, layer, modules = counts(mc.to_json_string())
+    unknown = sorted((names or set()) - modules)
+    if unknown:
+        raise ValueError(f"--lora-targets {cfg.lora_targets}: no module of a {mc.model_type} model is called "
+                         f"{', '.join(map(repr, unknown))} (a decoder layer's linears: "
+                         f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)")
+    got = [(i, o) for n, i, o in layer if names is None or n in names]
+    widest = max((min(i, o) for i, o in got), default=0)
+    if got and getattr(cfg, "lora_rank", 0) > widest:             # grpo.py refuses it (policy.lora_problem)
+        raise ValueError(f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, "
+                         f"min(d_in, d_out) <= {widest}")
+    return got
 
 
 def engine_rows(cfg, n_eval=0):

@@ -9,6 +9,7 @@ timeout and a size guard, never raising and never hanging.
   last_boxed(text) -> str|None     that content; answer_text(a): a ground truth as a string (27.0 -> "27")
   find_answer_span(text, pattern)  (start, end) of the final answer, eq. 2's sink: the last \\boxed{}, else
                                    <answer>...</answer>, or the last match of grpo.py's --answer-pattern
+  pattern_problem(pattern)         why an --answer-pattern cannot be used (one sentence), or None
   answer_token_range(tok, ids, pattern)  the tokens [k0, k1) of that answer in a response (bisection)
   option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
 Numbers (the rule, both directions tested in tests/test_reliability.py):
@@ -34,6 +35,10 @@ answer wrong by itself: stopped, the check still counts the same normal form as 
 parse that comes back empty (math-verify's answer to a timeout, as to an unparseable string) is never
 cached: one slow moment under load must not zero a problem for the rest of a run.
 
+A user's --answer-pattern is matched by the `regex` module (re's syntax) under PATTERN_TIMEOUT_S per search
+of one response (README, "Your own task"): a pattern whose backtracking grows exponentially with the text,
+('(a|aa)+$'), is a PatternError naming it, never a hang; the built-in patterns here are linear.
+
 Run the tests: python -m pytest -q tests/test_data.py tests/test_reliability.py
 """
 import bisect
@@ -43,6 +48,9 @@ import re
 import threading
 from decimal import Decimal
 
+import regex
+
+PATTERN_TIMEOUT_S = 1.0  # seconds for one --answer-pattern search of one response (README): then PatternError
 MAX_ANSWER_CHARS = 512  # a longer answer is never parsed: equal only as a plain number or a normal form
 TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
 MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
@@ -300,17 +308,48 @@ def answer_text(a):
     return re.sub(r"\\?\$", "", str(a)).strip()    # math-mode $ and the dollar sign \$ (not "\18.90")
 
 
+class PatternError(ValueError):
+    """An --answer-pattern that cannot be used: it does not compile, or one search ran past PATTERN_TIMEOUT_S.
+    The message names the pattern; grpo.py stops on it with the last checkpoint standing."""
+
+
+def pattern_problem(pattern):
+    """Why `pattern` (an --answer-pattern) does not compile, as one sentence naming it, or None ("" and None:
+    the default rule). Every script that takes the flag asks before anything loads."""
+    try:
+        regex.compile(pattern or "")
+    except (regex.error, TypeError, ValueError, OverflowError, RecursionError) as e:
+        return f"--answer-pattern {pattern!r} does not compile: {e}"
+    return None
+
+
+def last_match(pattern, text):
+    """The last match of `pattern` in `text` (regex, re's syntax) or None, the whole search under
+    PATTERN_TIMEOUT_S: past it, a PatternError naming the pattern (its backtracking is what is slow)."""
+    m = None
+    try:
+        for m in regex.finditer(pattern, text, timeout=PATTERN_TIMEOUT_S):      # to the last match
+            pass
+    except TimeoutError:
+        raise PatternError(f"--answer-pattern {pattern!r} did not finish searching one {len(text)}-character "
+                           f"response in {PATTERN_TIMEOUT_S:g} s: its backtracking grows exponentially "
+                           f"(nested or overlapping quantifiers such as (a|aa)+ or (x+)+); write it so that "
+                           f"no two quantifiers can take the same characters") from None
+    except regex.error as e:
+        raise PatternError(pattern_problem(pattern) or f"--answer-pattern {pattern!r}: {e}") from None
+    return m
+
+
 def find_answer_span(text: str, pattern: str | None = None) -> tuple[int, int] | None:
     """Character span (start, end) of the final answer, the sink of eq. 2, or None. Empty content is None.
     pattern None (the default rule): the content of the last closed \\boxed{...} (nested braces allowed;
     boxed_span), else of the last <answer>...</answer>; linear in len(text), however many braces or
     tags are left open. pattern (grpo.py --answer-pattern, a regular expression): the span of its last match
-    in the text, or of that match's first group when it has groups (a group that took no part: no answer).
+    in the text, or of that match's first group when it has groups (a group that took no part: no answer),
+    found under PATTERN_TIMEOUT_S (last_match: a PatternError past it).
     answer_token_range matches it on the response decoded with its special tokens (an EOS's text ends it)."""
     if pattern:
-        m = None
-        for m in re.finditer(pattern, text):                              # to the last match
-            pass
+        m = last_match(pattern, text)                                     # bounded: PATTERN_TIMEOUT_S
         start, end = m.span(1 if m.re.groups else 0) if m else (-1, -1)
         return (start, end) if start >= 0 and text[start:end].strip() else None
     best, tag, pos = boxed_span(text), None, 0

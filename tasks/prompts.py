@@ -1,6 +1,7 @@
 """The prompts: the text a model continues for a task record, in the style its model family was trained on.
 
   make_prompt(record, tokenizer, style) -> the prompt text (data.make_prompt is this function)
+  turns(record, style)                  -> the chat turns make_prompt renders (None: a plain-text style)
   default_style(model_name, task)       -> the style of a model family
   INSTRUCTION, FEWSHOT, EXTRA_EXEMPLAR  App. E.1's instruction, App. C.3's two exemplars, our third one
 
@@ -90,6 +91,22 @@ def style_fits(style, task):
     return (style == "countdown") == (task == "countdown") or style in ("auto", "chat", "plain", "question")
 
 
+def turns(record, style="chat"):
+    """The chat turns make_prompt renders for `record` in `style` (through the chat template, or as "User:"
+    text without one), or None for the styles written as plain text (plain, countdown): what a --reward
+    function in TRL's form gets as its prompt when a chat template renders it (training/rewards.py)."""
+    q, is_countdown = record["question"], record["task"] == "countdown"
+    if style in ("countdown", "plain"):
+        return None
+    if style == "question":
+        return [{"role": "user", "content": q}]
+    if style == "chat":
+        return [{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}]
+    shots = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
+             for u, a in EXEMPLARS[style]]
+    return sum(shots, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}]
+
+
 def make_prompt(record, tokenizer=None, style="chat", template_kwargs=None):
     """The prompt text for one record (see the module docstring for which style fits which model);
     template_kwargs: extra arguments of apply_chat_template ({"enable_thinking": False})."""
@@ -100,17 +117,56 @@ def make_prompt(record, tokenizer=None, style="chat", template_kwargs=None):
         raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records"
                          if is_countdown else "style 'countdown' is for countdown records; use chat, plain "
                          "or fewshot")
-    if style == "question":
-        as_written = [{"role": "user", "content": q}]
-        return render(as_written, tokenizer, template_kwargs) if has_template(tokenizer) else q
+    messages = turns(record, style)
     if style == "countdown" or (style == "plain" and is_countdown):
         return countdown.frame(q)
     if style == "plain":
         return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
-    if style == "chat":
-        return render([{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}], tokenizer,
-                      template_kwargs)
-    turns = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
-             for u, a in EXEMPLARS[style]]
-    return render(sum(turns, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}], tokenizer,
-                  template_kwargs)
+    if style == "question" and not has_template(tokenizer):
+        return q                                       # the question as written
+    return render(messages, tokenizer, template_kwargs)
+
+
+def template_variables(tokenizer):
+    """The names the tokenizer's chat template reads (jinja2's undeclared variables: messages,
+    add_generation_prompt, enable_thinking, ...), or None when it has none or it does not parse: what
+    grpo.py checks each --chat-template-kwargs key against (a misspelt key is read by nothing)."""
+    if not has_template(tokenizer):
+        return None
+    import jinja2
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    templates = tokenizer.chat_template
+    try:
+        return set().union(*(meta.find_undeclared_variables(env.parse(t)) for t in
+                             (templates.values() if isinstance(templates, dict) else [templates])))
+    except jinja2.TemplateError:          # a tag only transformers knows ({% generation %}): unknown
+        return None
+
+
+def unread_kwargs(tokenizer, style, template_kwargs):
+    """Why some of template_kwargs (--chat-template-kwargs) reach nothing, as one sentence, or None: the style
+    writes plain text, the tokenizer has no chat template, a key (tools, documents and chat_template
+    aside: apply_chat_template's own) is a name the template never reads (a misspelling: jinja2 leaves an
+    unknown name undefined, without a word), or a value is the string "false" (true to jinja2)."""
+    if not template_kwargs:
+        return None
+    if style in ("plain", "countdown"):
+        return f"the {style!r} prompt style writes plain text, so no chat template reads them"
+    if not has_template(tokenizer):
+        return "the tokenizer has no chat template, so nothing reads them"
+    reads = template_variables(tokenizer)
+    unread = [k for k in template_kwargs if reads is not None and k not in reads
+              and k not in ("tools", "documents", "chat_template")]
+    words = [k for k, v in template_kwargs.items() if isinstance(v, str) and v.lower() in ("false", "true")]
+    if not unread and words:                   # jinja2 reads the string "false" as true
+        return (f"{', '.join(map(repr, words))} is a string ({template_kwargs[words[0]]!r}), which the "
+                f"template reads as true: write JSON's false / true, without quotes")
+    if not unread:
+        return None
+    import difflib
+    near = [m for k in unread for m in difflib.get_close_matches(k, sorted(reads), n=1)]
+    return (f"the chat template never reads {', '.join(map(repr, unread))}"
+            + (f" (did you mean {', '.join(map(repr, near))}?)" if near else "")
+            + f"; it reads {', '.join(sorted(reads)) or 'nothing'}")

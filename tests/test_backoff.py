@@ -250,7 +250,7 @@ def test_out_of_memory_at_every_size_is_one_line_exit_1_and_the_last_step_saved(
     assert said[0].startswith(f"grpo.py: stopping: out of memory in the {phase} at {field} 1 ({field} tried: "
                               f"4, 2, 1; {tried}; OutOfMemoryError: {OOM}); the estimate at these sizes: ")
     assert " GB at its peak (" in said[0] and said[0].endswith(
-        "on the cpu; step 1 is saved (ckpt/), and --resume continues from it at these sizes")
+        f"on the cpu; step 1 is saved ({out / 'ckpt'}): --resume continues from it")
     assert (out / "ckpt" / runlog.MARK).read_text() == "1" and len(metrics(out)) == 1
     assert saved(out)[field] == 1
     monkeypatch.undo()                                               # the memory is there again
@@ -281,7 +281,7 @@ def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_sta
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo.py:")]
     assert e.value.code == 1 and len(said) == 1 and calls.count(True) == 2
     assert "out of memory in the update after an optimizer step began (the weights moved" in said[0]
-    assert said[0].endswith("the last checkpoint stands: none yet") and not (out / "ckpt").exists()
+    assert said[0].endswith("no checkpoint was written yet") and not (out / "ckpt").exists()
 
 
 def test_other_errors_are_not_caught(tmp_path, monkeypatch):

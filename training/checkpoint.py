@@ -103,8 +103,31 @@ def find_checkpoint(resume):
     for root in roots:
         for d in (root, root.with_name(root.name + ".tmp"), root.with_name(root.name + ".old")):
             if complete(d):
+                if problem := safetensors_problem(d):           # a cut or corrupted weights file
+                    older = sorted(d.parent.glob("ckpt-*"))
+                    raise RunError(f"--resume {resume}: {problem}: the checkpoint is damaged" + (
+                        f"; an older one: --resume {older[-1]}" if older and complete(older[-1]) else ""))
                 return d
     raise RunError(f"--resume {resume}: no complete checkpoint there (expected {base / 'ckpt'}/{MARK})")
+
+
+def safetensors_problem(d):
+    """Why a *.safetensors file of directory `d` (weights, LoRA adapters) cannot be loaded, as one sentence
+    naming it, or None: its size is not what its header promises (cut short by a kill or a full disk, or
+    grown), or the header is not JSON. Read from the header alone, before any model loads."""
+    for f in sorted(Path(d).glob("*.safetensors")):
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 8 + n <= size else None
+            end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                              default=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return f"{f}: cut short or corrupted (its header does not read)"
+        if end != size:
+            return f"{f}: cut short or corrupted ({size:,} bytes; its header promises {end:,})"
+    return None
 
 
 STATE = {"optimizer": dict, "scheduler": dict, "step": int, "rng": dict, "config": dict,   # key -> its type

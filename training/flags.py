@@ -26,6 +26,7 @@ import io
 import json
 import math
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -33,8 +34,9 @@ import torch
 import yaml
 
 import data
+from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, rewards
+from training import credit, reward_files, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -206,6 +208,14 @@ def commands(doc):
     return {k: tuple(v) for k, v in out.items()}
 
 
+def answer_pattern(value):
+    """argparse's type of an --answer-pattern (eval.py plot): the pattern, or its one error line when it does
+    not compile (before any model loads)."""
+    if problem := pattern_problem(value):
+        raise argparse.ArgumentTypeError(problem.removeprefix("--answer-pattern "))
+    return value
+
+
 def check(cfg):
     """grpo.py's rules: the first bad flag of a grpo.Config as one sentence naming it, or None. Runs before
     anything loads (argparse's choices have checked the closed sets: --dataset, --device, --credit, ...)."""
@@ -247,15 +257,97 @@ def check(cfg):
 
 
 def reward_record(cfg, given):
-    """cfg with --reward-files recording each --reward file's resolved path and SHA-256 (rewards.fingerprint);
-    ValueError for a file that cannot be read, or, on --resume without --reward on the command line, for a
-    reward file that moved or changed since the run recorded it (rewards.changed)."""
+    """cfg with --reward-files recording each --reward file as given, its resolved path and SHA-256
+    (reward_files.fingerprint); ValueError for a file that cannot be read, or, on --resume without --reward
+    on the command line, for a reward file that moved or changed since the run recorded it
+    (reward_files.changed). A resume without --reward reads each file where the run recorded it
+    (reward_files.as_recorded): from any working directory."""
     if cfg.reward and given.get("resume") and "reward" not in given:
-        why = rewards.changed(cfg.reward, cfg.reward_files)
+        why = reward_files.changed(cfg.reward, cfg.reward_files)
         if why:
             raise ValueError(f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
                              f"continue with the file as it is now (its new hash is recorded)")
-    return dataclasses.replace(cfg, reward_files=rewards.fingerprint(cfg.reward) if cfg.reward else "")
+        cfg = dataclasses.replace(cfg, reward=reward_files.as_recorded(cfg.reward, cfg.reward_files))
+    return dataclasses.replace(cfg, reward_files=reward_files.fingerprint(cfg.reward) if cfg.reward else "")
+
+
+PATHS = ("data_path", "eval_data_path")   # the run's files, as given (relative: to where it was launched)
+
+
+def anchored(saved, here):
+    """A saved run's flags with each relative path of PATHS made absolute from the directory the run was
+    launched in, where that file is: the run directory `here` less the out_dir it recorded (runs/a in
+    /w/runs/a: /w). A resume from another working directory reads the run's own files."""
+    out, rel = dict(saved), Path(str(saved.get("out_dir") or ""))
+    here = Path(here).resolve()
+    n = len(rel.parts)
+    base = Path(*here.parts[:-n]) if 0 < n < len(here.parts) and not rel.is_absolute() and \
+        here.parts[-n:] == rel.parts else None
+    for k in PATHS:
+        p = Path(str(saved.get(k) or ""))
+        if base is not None and saved.get(k) and not p.is_absolute() and (base / p).exists():
+            out[k] = str(base / p)
+    return out
+
+
+# The LoRA flags a checkpoint's adapters fix (peft's adapter_config.json: rank, alpha, targets, dropout):
+# a --resume that gives other values would run with the checkpoint's, whatever run_config.json then says.
+ADAPTER = {"lora_rank": 0, "lora_alpha": 32.0, "lora_targets": "all-linear", "lora_dropout": 0.0}
+
+
+def resume_flags(saved, given):
+    """The flags given with --resume as check_resume_config should judge them: a --reward naming the same
+    functions of the same files as the run's, or a --data-path / --eval-data-path naming its file (by path:
+    another spelling, or the same relative path from another directory) is no change. ValueError, even with
+    --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER)."""
+    same = "reward" in given and reward_files.recorded_paths(given["reward"], saved.get("reward_files")) == \
+        reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
+    shape = [f"{flag(k)} {saved.get(k, d)!r} -> {given[k]!r}" for k, d in ADAPTER.items()
+             if k in given and given[k] != saved.get(k, d)]
+    if shape:
+        raise ValueError(f"--resume {given['resume']}: {'; '.join(shape)}: the checkpoint's LoRA adapters "
+                         f"keep the run's rank, alpha, targets and dropout (adapter_config.json), even with "
+                         f"--allow-config-change; leave them out, or start a new run with --out-dir")
+    same_path = {k for k in PATHS if given.get(k) and saved.get(k)
+                 and Path(given[k]).expanduser().resolve() == Path(saved[k]).expanduser().resolve()}
+    return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in same_path}
+
+
+def unused(cfg, given, prog):
+    """One `prog: notice:` line on stderr for each flag given on the command line (`given`; a --config file's
+    and a run_config.json's are not judged) that cannot take effect with the others; the run goes on. cfg:
+    grpo.Config, or flowtracer_trl.py's flags (those it lacks are not given)."""
+    g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+    needs = [(("lora_alpha", "lora_targets", "lora_dropout"), g("lora_rank", 0) > 0, "--lora-rank is 0 "
+              "(full fine-tuning): give --lora-rank R for adapters"),
+             (("eval_data_path", "eval_dataset", "eval_size"), g("eval_every", 0) > 0, "--eval-every is 0 "
+              "(no held-out evaluation): give --eval-every N"),
+             (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
+             (("gpu_gb",), g("device") == "cuda" or g("device") == "auto" and torch.cuda.is_available()
+              or Path(sys.argv[0]).name == "eval.py",         # eval.py memory plans for a GPU on any machine
+              "the run is on the CPU (it sizes the step to a GPU's memory)"),
+             (("overwrite", "config"), not g("resume"), "--resume continues the run in place, from its own "
+              "run_config.json"),
+             (("allow_config_change",), bool(g("resume")), "it lets a --resume change flags; there is none"),
+             (("reward_files",), False, "the run records it itself (each --reward file's path and hash)"),
+             (("rollouts_every",), g("rollouts_every", 0) <= g("steps", 0), f"--steps is {g('steps')}: no "
+              f"step saves its rollouts")]
+    lines = [f"{flag(k)} has no effect: {why}" for names, ok, why in needs if not ok for k in names
+             if k in given and (k not in ("overwrite", "allow_config_change") or given[k])]
+    if "chat_template_kwargs" in given and cfg.chat_template_kwargs:
+        from tasks import prompts
+        from training.models import load_tokenizer
+        try:
+            tok = load_tokenizer(cfg.model)
+        except Exception:                     # the model's own load says what is wrong, at setup
+            tok = None
+        task = data.TASKS[cfg.dataset.lower()].task if cfg.dataset.lower() in data.TASKS else "custom"
+        style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, task)
+        why = tok and prompts.unread_kwargs(tok, style, rewards.template_kwargs(cfg))
+        lines += [f"--chat-template-kwargs {cfg.chat_template_kwargs}: {why}"] if why else []
+    for line in lines:
+        print(f"{prog}: notice: {line}", file=sys.stderr)
+    return lines
 
 
 def parse(cls, argv, doc, choices, presets, in_force, prog):
@@ -277,8 +369,9 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
             ckpt = ckpt_io.find_checkpoint(given["resume"])
             saved = read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices) \
                 if (ckpt / ckpt_io.RUN_CONFIG).is_file() else ckpt_io.saved_config(ckpt)
-            ckpt_io.check_resume_config(saved, given)    # another --model, --credit ...: refused
             here = ckpt_io.run_dir(ckpt)                 # the run directory: where its checkpoint is
+            saved = anchored(saved, here)                # its files, from any working directory
+            ckpt_io.check_resume_config(saved, resume_flags(saved, given))   # another --model ...: refused
             if "out_dir" in given and Path(given["out_dir"]).resolve() != here.resolve():
                 raise ValueError(f"--resume continues the run in its own directory, {here}: leave out "
                                  f"--out-dir (copy the directory to continue a copy elsewhere)")
@@ -295,6 +388,8 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
     if problem:
         p.error(problem)
     try:
-        return reward_record(cfg, given)
+        cfg = reward_record(cfg, given)
     except ValueError as e:
         p.error(str(e))
+    unused(cfg, given, prog)
+    return cfg

@@ -44,6 +44,7 @@ import torch
 import data
 from tasks.answers import last_number_equal
 from training.rollout import generate
+from training.usercode import Interrupted
 
 
 def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None, eval_path="",
@@ -86,12 +87,15 @@ def evaluating(model):
         model.train(was)
 
 
-def right(recs, texts, n, reward=None):
-    """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n]) are right, by
-    `reward` (the run's: None is data.reward, or --reward's; right = reward >= 1)."""
-    strict, lenient, reward = [], [], reward or data.reward
+def right(recs, texts, n, reward=None, ids=None):
+    """(strict, lenient) per record: how many of its n responses (texts[i*n:(i+1)*n], their token ids `ids`)
+    are right, by `reward` (the run's: None is data.reward, or --reward's, scored once for all the responses
+    as grpo.py scores a batch: data.batch_reward; right = reward >= 1, an unscored NaN is not)."""
+    rows = [r for r in recs for _ in range(n)]
+    scores = data.batch_reward(reward or data.reward, texts, rows, ids)
+    strict, lenient = [], []
     for i, r in enumerate(recs):
-        ok = [reward(t, r) >= 1 for t in texts[i * n:(i + 1) * n]]
+        ok = [x >= 1 for x in scores[i * n:(i + 1) * n]]
         loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))        # departure 1
                  for t, x in zip(texts[i * n:(i + 1) * n], ok)]
         strict.append(sum(ok))
@@ -108,7 +112,7 @@ def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, rew
     with evaluating(model):
         g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
                      chunk_size=chunk_size, engine=engine, done=done)
-    strict, lenient = right(recs, g.texts, 1, reward)
+    strict, lenient = right(recs, g.texts, 1, reward, g.response_ids)
     return {"greedy": strict, "greedy_lenient": lenient}
 
 
@@ -119,7 +123,7 @@ def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature,
     with evaluating(model):
         s = generate(model, tok, prompts, n=k, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, chunk_size=chunk_size)
-    strict, lenient = right(recs, s.texts, k)
+    strict, lenient = right(recs, s.texts, k, None, s.response_ids)
     return {"samples": strict, "samples_lenient": lenient}
 
 
@@ -128,8 +132,13 @@ def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, r
     """Greedy held-out accuracy as metrics (see the docstring), by `reward` (grpo.py: the run's) with prompts
     through template_kwargs; the model's mode and the RNG are left as they were. engine: the run's (grpo.py
     passes run.engine: one engine, one set of buffers, for the run); done: as `greedy`'s (grpo.py calls
-    through training/backoff.py, which halves chunk_size on an out-of-memory error)."""
-    g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine, reward, template_kwargs, done)
+    through training/backoff.py, which halves chunk_size on an out-of-memory error). A first Ctrl-C /
+    SIGTERM inside a --reward here comes after the step's update: the evaluation is dropped ({}), and
+    grpo.py's RunLog, told first (usercode.interruptible), saves the step and stops."""
+    try:
+        g = greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine, reward, template_kwargs, done)
+    except Interrupted:
+        return {}
     n = len(recs)
     return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
             "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,

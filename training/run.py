@@ -76,13 +76,15 @@ def setup(cfg, memory=None) -> Run:
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
     records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed,
                              question_field=cfg.question_field, answer_field=cfg.answer_field)
-    reward = rewards.load(cfg, records[0])        # --reward: imported and checked once, before anything loads
     kwargs = rewards.template_kwargs(cfg)         # --chat-template-kwargs
     style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
                                                                                   records[0]["task"])
     evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
                             records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
         if cfg.eval_every else []
+    tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
+    reward = rewards.load(cfg, records[0], rewards.trl_prompt(tok, style, kwargs),    # --reward: checked
+                          [k for r in [*records, *evals] for k in r])                  # on the first row
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
@@ -90,7 +92,6 @@ def setup(cfg, memory=None) -> Run:
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
     todo = sorted(set(order[done * n:]))                             # the prompts left, tokenized once
-    tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
     ids = dict(zip(todo, prompt_ids(tok, [data.make_prompt(records[i], tok, style, kwargs) for i in todo])))
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
@@ -127,19 +128,22 @@ class Budget(NamedTuple):
 def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
     alone, prompts `widest` tokens wide, n_eval held-out questions, memory.plan) against the card: the GPU's
-    total (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's
-    context (the context is counted once).
+    total (torch.cuda.mem_get_info) or --gpu-gb (at most the GPU's: a larger one is said and the card's
+    taken), less what the process holds already beyond the margin's context (the context is counted once).
     A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
     (saved with the run) and said in one line, with the engine's layout (resident through the update, or
     released for it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
     one error line) naming the peak, the card's size and what would fit. None on the CPU."""
     if device.type != "cuda":
         return None
-    if cfg.gpu_gb:
+    free_now, card = torch.cuda.mem_get_info(device)
+    if cfg.gpu_gb and cfg.gpu_gb * memory.GB <= card:
         total, held, source = cfg.gpu_gb * memory.GB, 0, "--gpu-gb"
     else:
-        free_now, total = torch.cuda.mem_get_info(device)
-        held, source = total - free_now, "torch.cuda.mem_get_info"
+        if cfg.gpu_gb:                                     # more than the card has: the card's, said
+            print(f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / memory.GB:.1f} GB "
+                  f"(torch.cuda.mem_get_info): the step is sized to the card")
+        total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
     budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
     mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
     plan = memory.plan(cfg, mc, device, widest, budget, free, n_eval)

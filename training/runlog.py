@@ -9,6 +9,9 @@
             credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, the last
             --keep-checkpoints of them) with curves.png redrawn. A first Ctrl-C / SIGTERM sets
             log.stop_requested (the step finishes, is saved, the run stops); a second stops at once.
+  stopped   the user's code stopped a step before its update (a --reward that raised, returned a non-number
+            or never returned and was interrupted: usercode.py; an --answer-pattern past its bound): the
+            last completed step is saved as it ended (its weights, optimizer, RNG), then the run finishes.
   Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
@@ -30,6 +33,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import random
 import resource
@@ -45,6 +49,16 @@ from tqdm import tqdm
 
 from training import rundir
 from training.rundir import RunError
+from training.usercode import Interrupted
+
+
+class Last(NamedTuple):
+    """The last completed step as it ended (RunLog.step), what RunLog.stopped saves when it was not."""
+    done: int                   # the steps completed
+    bad: int                    # the non-finite streak after it
+    saved: bool                 # its checkpoint was written
+    rng: dict                   # the RNG states the next step started from (rng_state)
+
 
 MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
@@ -72,9 +86,9 @@ class RunLog:
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         self.warned_answers = False        # the missing answer regions were said (once a run)
+        self.last = None                   # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         self.backoffs = 0                  # out-of-memory back-offs this step (training/backoff.py counts)
-        self.last = None                   # (step, bad, RNG) as the last step logged left them: save_last
         self.moved = False                 # an optimizer step began since that step: its state is gone
         opt.register_step_pre_hook(self.on_optimizer_step)
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
@@ -112,7 +126,8 @@ class RunLog:
                        f"update skipped ({bad} in a row)")
         else:
             held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-            tqdm.write(f"step {done}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
+            mean = math.nan if m["reward/mean"] is None else m["reward/mean"]      # None: no reward scored
+            tqdm.write(f"step {done}: reward {mean:.3f} acc {m['acc']:.2f} "
                        f"len {m['len/mean']:.0f} "
                        f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
                        f"{m['time/step']:.1f}s")
@@ -122,31 +137,47 @@ class RunLog:
                 self.tracker.log(m, done)
             if rollouts is not None and done % cfg.rollouts_every == 0:
                 save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, rollouts)
-            if done % cfg.save_every == 0 or done == cfg.steps or stopping:
-                save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
-                                keep=getattr(cfg, "keep_checkpoints", 1))
-                plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
-                            f"{cfg.credit}/{cfg.shaping}")
+            due = done % cfg.save_every == 0 or done == cfg.steps or stopping
+            if due:
+                self.save(done, bad)
         except RunError as e:
             return str(e)
-        self.last, self.moved = (done, bad, rng_state()), False     # what the next step starts from
+        self.last, self.moved = Last(done, bad, due, rng_state()), False    # what the next step starts from
         return None
 
+    def save(self, done, bad, rng=None):
+        """The checkpoint of step `done` (ckpt/, atomically; rng: the RNG states to record, else the current
+        ones), curves.png redrawn."""
+        cfg = self.cfg
+        save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
+                        keep=getattr(cfg, "keep_checkpoints", 1), rng=rng)
+        plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
+                    f"{cfg.credit}/{cfg.shaping}")
+
     def save_last(self):
-        """The checkpoint of the last step logged, as a save at its end would have written it (the RNG as
-        it left it), while no optimizer step has begun since: a step that stopped before its update stepped
-        (training/backoff.py's last line) loses nothing. Returns what stands, as words for that line."""
+        """The checkpoint of the last completed step, as a save at its end would have written it (the RNG as
+        it left it), where it was not saved and no optimizer step has begun since: a step stopped before its
+        update stepped (your reward or pattern: `stopped`; out of memory: training/backoff.py) loses
+        nothing, and --resume is exact. Returns what stands, as words for the run's last line."""
+        last, note = self.last, ""
+        if last is not None and not last.saved and not self.moved:
+            try:
+                self.save(last.done, last.bad, last.rng)
+                self.last = last._replace(saved=True)
+                return f"step {last.done} is saved ({self.out / 'ckpt'}): --resume continues from it"
+            except RunError as full:
+                note = f" ({full})"
         mark = self.out / "ckpt" / MARK
-        saved = int(mark.read_text()) if mark.is_file() and mark.read_text().strip().isdigit() else None
-        if self.last is None or self.moved or saved == self.last[0]:
-            return "the last checkpoint stands" + (f" (step {saved})" if saved else ": none yet")
-        done, bad, rng = self.last
-        try:
-            save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, self.cfg,
-                            bad, keep=getattr(self.cfg, "keep_checkpoints", 1), rng=rng)
-        except RunError as e:
-            return f"{e}; the last checkpoint stands"
-        return f"step {done} is saved (ckpt/), and --resume continues from it at these sizes"
+        return (f"the last checkpoint stands (step {mark.read_text().strip()}, {mark.parent})"
+                if complete(mark.parent) else "no checkpoint was written yet") + note
+
+    def stopped(self, e):
+        """grpo.main's end of a run stopped by the user's code mid-step (e: RewardError, PatternError, or
+        Interrupted in a --reward), before the step's update: the last completed step saved (save_last).
+        Returns (Outcome.stop, status): ("interrupted", 0), or (e and the checkpoint that stands, 2)."""
+        stands, interrupted = self.save_last(), isinstance(e, Interrupted)
+        self.finish("interrupted" if interrupted else str(e))
+        return ("interrupted", 0) if interrupted else (f"{e}; {stands}", 2)
 
     def finish(self, stop=None):
         """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics and the tracker,
@@ -164,7 +195,9 @@ class RunLog:
         if (self.out / "ckpt").is_dir():
             print(f"checkpoint: {self.out / 'ckpt'}")
         if stop == "interrupted":
-            print(f"interrupted: checkpoint saved; continue with --resume {self.out}")
+            print(f"interrupted: checkpoint saved (step {(self.out / 'ckpt' / MARK).read_text().strip()}); "
+                  f"continue with --resume {self.out}" if complete(self.out / "ckpt") else
+                  "interrupted before the first step completed: nothing saved")
 
 
 class Clock:
@@ -201,7 +234,11 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
     step = sum(sec.values())
     peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
-    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
+    scored = rewards[~rewards.isnan()]               # NaN: no --reward function scored it (rewards.py)
+    some = len(scored) > 0
+    return {"reward/mean": scored.mean().item() if some else None,
+            "reward/std": scored.std(unbiased=False).item() if some else None,
+            "reward/unscored": len(rewards) - len(scored),
             "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
             "len/mean": loss_mask.sum(-1).float().mean().item(),
             "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
@@ -243,11 +280,16 @@ def save_rollouts(path, tok, rollouts):
             n = int(batch.response_mask[b].sum())
             ids = batch.input_ids[b, P:P + n].tolist()
             fh.write(json.dumps({"prompt": tok.decode(gen.prompt_ids[j]), "response": gen.texts[j],
-                                 "reward": rollouts.rewards[j].item(), "adv": rollouts.adv[b].item(),
+                                 "reward": nan_none(rollouts.rewards[j].item()),
+                                 "adv": rollouts.adv[b].item(),
                                  "tokens": [tok.decode([t]) for t in ids],
                                  "answer": batch.answer_mask[b, P:P + n].tolist(),
                                  "score": rollouts.scores[b, :n].float().tolist(),
                                  "weight": rollouts.weight[b, :n].tolist()}) + "\n")
+
+
+def nan_none(x):
+    return None if x != x else x                     # NaN (an unscored reward) is null in JSON
 
 
 CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # metric -> its y label
