@@ -64,6 +64,7 @@ def fake_gpu(monkeypatch, total):
     card = {"total": total}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (card["total"], card["total"]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # an H100's
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")     # device_of leaves it
 
     def no_weights(*a, **k):

@@ -34,7 +34,7 @@ import yaml
 
 import data
 from training import checkpoint as ckpt_io
-from training import credit, rewards
+from training import credit, policy, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -243,7 +243,7 @@ def check(cfg):
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    return credit.check(cfg) or rewards.check(cfg)
+    return policy.precision_problem(cfg) or credit.check(cfg) or rewards.check(cfg)
 
 
 def reward_record(cfg, given):

@@ -39,7 +39,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
-    autocast: torch.autocast    # bf16 on CUDA, off on the CPU (policy.autocast)
+    autocast: torch.autocast    # the precision's: bf16 or fp16, off under fp32 (policy.autocast)
     records: list               # the task's training records
     order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
     prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
@@ -169,6 +169,6 @@ def for_update(cfg, device, path=None):
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
     return SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
-                           autocast=policy.autocast(device), layers=flowtracer.select_layers(
+                           autocast=policy.autocast(cfg, device), layers=flowtracer.select_layers(
                                cfg.layers, model.config.num_hidden_layers) if credit.reads_maps(cfg) else [],
                            head_mean=flowtracer.head_mean_kernel(device) if credit.reads_maps(cfg) else None)

@@ -12,7 +12,8 @@
   Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
-of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*.
+of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*;
+under --precision fp16 scaler/scale (the GradScaler's) and scaler/skipped (1: it skipped the step).
 
 The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py):
 1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/;
@@ -102,6 +103,8 @@ class RunLog:
                        f"update skipped ({bad} in a row)")
         else:
             held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+            held_out += f" (fp16 overflow: step skipped, scale {m['scaler/scale']:g})" \
+                if m.get("scaler/skipped") else ""
             tqdm.write(f"step {done}: reward {m['reward/mean']:.3f} acc {m['acc']:.2f} "
                        f"len {m['len/mean']:.0f} "
                        f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
@@ -181,6 +184,8 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
             "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
             "grad_norm": stats.get("grad_norm", 0.0), "lr": lr, "bad_steps": bad,
+            **({"scaler/scale": stats["scaler/scale"], "scaler/skipped": int(up.skipped)}   # fp16 alone
+               if "scaler/scale" in stats else {}),
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
             "credit/boosted_frac": ((weight != 1) & on).sum().item() / max(1, on.sum().item()),
