@@ -331,6 +331,9 @@ def parse(argv=None):
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
     p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    p.add_argument("--capability", type=float, default=None, help="the card's CUDA compute capability, e.g. "
+                   "7.5 (a T4), 8.0 (an A100): which --precision auto picks and which attention kernel runs "
+                   "(default: the visible GPU's, else 8.0)")
     p.add_argument("--snapshot", metavar="PATH", default=None,
                    help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
                         "stack) to PATH and print what its peak holds, by site")
@@ -365,7 +368,8 @@ def check_ranges(ap, args):
              ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
              ("frac", lambda v: 0 < v <= 1, "in (0, 1]"), ("percents", lambda v: 0 < v <= 100, "in 1..100"),
              ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
-             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")]
+             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0"),
+             ("capability", lambda v: 3 <= v < 20, "a compute capability like 7.5 or 9.0")]
     for flag, ok, rule in rules:
         v = getattr(args, flag, None)
         if v is not None and not all((isinstance(x, int) or math.isfinite(x)) and ok(x) for x in each(v)):

@@ -136,3 +136,72 @@ def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
     plain = torch.optim.AdamW([w], lr=0.1)
     assert policy.scaled(plain, torch.tensor(3.0)) == 3.0
 
+
+# ----------------------------------------------------------------------------- the estimate, by the card
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
+    """One Qwen3 decoder layer with SDPA forced onto its math kernel (the kernel bf16 gets below compute
+    capability 8.0): what it saves for backward, counted by track_peak, equals layer_saved(math=True); its
+    fp32 score matrices make it larger than the fused kernels' count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from evaluation import footprint, memtrace
+    from training.models import tiny_config
+    mc = tiny_config("tiny-qwen3", 260)
+    mc._attn_implementation = "sdpa"
+    b, T = 3, 40
+    layer = Qwen3DecoderLayer(mc, 0).to(dtype)
+    x = torch.randn(b, T, mc.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = Qwen3RotaryEmbedding(mc)(x, torch.arange(T)[None].expand(b, T))
+    mask = torch.ones(b, 1, T, T, dtype=torch.bool).tril()
+    mask[0, :, :, :5] = False                                             # left padding in row 0
+    with memtrace.track_peak(layer, x, cos, sin, mask) as tr, sdpa_kernel(SDPBackend.MATH):
+        base = tr.now
+        out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+        out = out[0] if isinstance(out, tuple) else out
+        saved = tr.now - base - out.untyped_storage().nbytes()
+    nb = 4 if dtype == torch.float32 else 2
+    assert saved == b * T * footprint.layer_saved(mc, T, nb, nb, math=True)
+    assert footprint.layer_saved(mc, T, nb, nb, math=True) > footprint.layer_saved(mc, T, nb, nb)
+
+
+def test_the_estimate_counts_the_kernel_the_card_runs():
+    """Qwen3-4B's step under --precision bf16 on a T4 (7.5: the math kernel) holds more than on an A100 (8.0:
+    a fused kernel), by at least the backward's two score-sized gradients of one micro-batch; fp16 on the T4
+    (the memory-efficient kernel) holds what it holds on the A100; and its weights are 2 bytes a parameter,
+    fp32 AdamW's 4."""
+    from evaluation import footprint, memory
+    from training.models import qwen3_4b_config
+    mc = qwen3_4b_config()
+    bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
+    est = {cap: memory.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
+    b, T = bf16.micro_batch, 256 + bf16.max_new_tokens
+    grew = sum(est[T4]["backward"].values()) - sum(est[A100]["backward"].values())
+    assert grew >= footprint.math_scores(b, mc.num_attention_heads, T, T)
+    assert sum(est[T4]["update forward"].values()) > sum(est[A100]["update forward"].values())
+    fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
+    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4) == memory.estimate(fp16, mc, "cuda", 256, cap=A100)
+    full = grpo.parse_args(["--model", "qwen3-4b-random"])                   # auto: fp32 AdamW on a T4
+    N = memory.param_counts(mc)[0]
+    assert memory.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
+    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
+
+
+def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
+    """`eval.py memory --model qwen3-4b-random --precision fp16 --gpu-gb 16 --lora-rank 16`: the plan for a
+    16 GB T4 (15.8e9 bytes exposed) has its peak, the margin included, at most 14.5 GB; --capability 7.5
+    without --precision picks fp16 itself and prints the same plan."""
+    import re
+
+    import eval as ev
+    lines = {}
+    for extra in (["--precision", "fp16"], ["--capability", "7.5"]):
+        ev.main(["memory", "--model", "qwen3-4b-random", *extra, "--gpu-gb", "16", "--lora-rank", "16"])
+        out = capsys.readouterr().out
+        assert out.splitlines()[0].startswith("precision: fp16")
+        plan = re.search(r"would pick gen_chunk (\d+), micro_batch (\d+) \(peak ([\d.]+) GB with the "
+                         r"margin", out)
+        assert plan and float(plan.group(3)) <= 14.5, out
+        lines[extra[0]] = plan.groups()
+    assert lines["--precision"] == lines["--capability"]

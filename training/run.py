@@ -118,8 +118,8 @@ def setup(cfg, memory=None) -> Run:
 def size_to_card(cfg, device, widest, memory):
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
     alone, prompts `widest` tokens wide, memory.plan) against the card: the GPU's total
-    (torch.cuda.mem_get_info) or --gpu-gb, less what the process holds already beyond the margin's context
-    (the context is counted once).
+    (torch.cuda.mem_get_info) or --gpu-gb less memory.RESERVE, less what the process holds already beyond
+    the margin's context (the context is counted once).
     A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
     (saved with the run) and said in one line; one given is kept. Flags that cannot fit, or nothing that
     fits: ValueError (grpo.py's one error line) naming the peak, the card's size and what would fit."""
@@ -130,20 +130,22 @@ def size_to_card(cfg, device, widest, memory):
     else:
         free_now, total = torch.cuda.mem_get_info(device)
         held, source = total - free_now, "torch.cuda.mem_get_info"
-    budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
+    budget = total * (1 - memory.RESERVE) - max(0, held - memory.CONTEXT)   # the reserve; the context once
     mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
     plan = memory.plan(cfg, mc, device, widest, budget, free)
     if plan.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
-        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}): gen_chunk {plan.gen_chunk}, micro_batch "
-              f"{plan.micro_batch} (chosen: {', '.join(sorted(free)) or 'none, as given'}; peak "
-              f"{plan.peak / memory.GB:.1f} GB in {plan.phase}, margin included)")
+        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}), {budget / memory.GB:.1f} GB planned (a "
+              f"{memory.RESERVE:.0%} reserve): gen_chunk {plan.gen_chunk}, micro_batch {plan.micro_batch} "
+              f"(chosen: {', '.join(sorted(free)) or 'none, as given'}; peak {plan.peak / memory.GB:.1f} GB "
+              f"in {plan.phase}, margin included)")
         return
     raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
                      f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
                      f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
-                     f"{total / memory.GB:.1f} GB ({source}): " + memory.what_fits(cfg, mc, device, widest,
-                                                                                   budget, free))
+                     f"{total / memory.GB:.1f} GB ({source}), {budget / memory.GB:.1f} GB of it planned (a "
+                     f"{memory.RESERVE:.0%} reserve): "
+                     + memory.what_fits(cfg, mc, device, widest, budget, free))
 
 
 def left_free(cfg):
