@@ -245,3 +245,42 @@ def test_the_engine_decodes_the_adapted_model():
     engine = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
     assert engine.response_ids == eager.response_ids
     assert eager.response_ids != plain.response_ids
+
+
+def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_not(tmp_path):
+    """A bf16 base with adapters of |B| ~ 2e-4 (an RL update's size; grpo.py's LoRA starts at B = 0), saved
+    as a LoRA checkpoint: load_model of it in bf16 (eval.py bench on CUDA) is the unmerged model the run
+    trained, bit for bit; in fp32 its adapters are merged into fp32 weights, whose log-probs equal the
+    unmerged model's (both fp32 compute on the same weights, 1e-5). Merged into the bf16 weights instead
+    (peft's merge_and_unload on the bf16 base: what load_model did), most entries of W + BA round back to W
+    and most of the update's effect on the log-probs is lost."""
+    from peft import PeftModel
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
+    base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    base.save_pretrained(tmp_path / "base")                  # a bf16 checkpoint, as a hub model's
+    tok.save_pretrained(tmp_path / "base")
+    lora = policy.with_lora(base, cfg)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.copy_(2e-4 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    ckpt = tmp_path / "ckpt"
+    lora.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    (ckpt / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
+    batch = batch_of(tok)
+    rows = list(range(batch.input_ids.shape[0]))
+    lp = lambda m: logprobs.fixed_logprobs(m, batch, rows, 4, 4)               # noqa: E731  (B, R)
+    loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)   # eval.py bench on CUDA
+    assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(lora.eval()))
+    W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]   # noqa: E731
+    want = lp(PeftModel.from_pretrained(W(torch.float32), str(ckpt)).eval())      # unmerged, fp32 compute
+    update = (want - lp(W(torch.float32))).abs().max().item()
+    merged32, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+    assert not type(merged32).__name__.startswith("PeftModel")               # a plain model: merged
+    assert (lp(merged32) - want).abs().max().item() < 1e-5 < 1e-3 * update
+    merged16 = PeftModel.from_pretrained(W(torch.bfloat16), str(ckpt)).merge_and_unload()
+    w0, w1 = dict(W(torch.bfloat16).named_parameters()), dict(merged16.named_parameters())
+    kept = [(w1[k] == w0[k]).float().mean().item() for k in w0 if k.endswith("proj.weight")]
+    lost = (lp(merged16.float()) - want).abs().max().item()
+    assert sum(kept) / len(kept) > 0.5 and lost > 0.3 * update, (kept, lost, update)
