@@ -24,7 +24,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, heldout, models, policy, preflight, rewards, runlog, tracking
+from training import credit, flags, heldout, models, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -109,6 +109,7 @@ def setup(cfg, memory=None) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
+    print("\n".join(flags.lr_origin(cfg)))                    # the lr in force and where it came from
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
