@@ -183,6 +183,35 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
     assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
 
 
+@pytest.mark.parametrize("argv, want", [([], torch.bfloat16), (["--fp16", "True"], torch.float16),
+                                        (["--use-cpu", "True"], torch.float32)])
+def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monkeypatch):
+    """flowtracer_trl.py --lora-rank on a GPU (--use-cpu False, as its default there) gives TRL the frozen
+    base in bf16 (fp16 under --fp16): loaded here for a local name, TRL's model_init_kwargs for a hub name
+    (TRL's own default would be fp32); on the CPU fp32. The trainer is stopped before it is made."""
+    import flowtracer_trl as ft
+
+    class Made(Exception):
+        pass
+    seen = {}
+
+    def trainer(model, args, **kw):
+        seen["trainer"] = (model, dict(args.model_init_kwargs or {}))
+        raise Made
+    real = models.load_model
+    monkeypatch.setattr(ft, "FlowTracerGRPOTrainer", trainer)
+    monkeypatch.setattr(ft, "load_model", lambda name, device, dtype: seen.setdefault("load", dtype) and
+                        real(name, device=device, dtype=dtype))
+    monkeypatch.setattr(ft.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
+    gpu = ["--use-cpu", "False", "--bf16", "False", "--lora-rank", "8", "--max-steps", "1"]
+    for model in ("tiny-qwen3", "Org/A-Hub-Model"):
+        seen.clear()
+        with pytest.raises(Made):
+            ft.main(["--model", model, *gpu, *argv])
+        got = seen["load"] if model == "tiny-qwen3" else seen["trainer"][1]["dtype"]
+        assert got == want, model
+
+
 def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
