@@ -124,7 +124,7 @@ def setup(args, task):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)      # float32, bfloat16, float16
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
     except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
@@ -270,8 +270,9 @@ def parse(argv=None):
             p.add_argument("--model", default="smollm2-135m",
                            help="any name grpo.py accepts, or a checkpoint directory")
             p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU; float16: a "
+                                "card without bf16, as a --precision fp16 run trained)")
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
                            help="prompt style (auto: as grpo.py)")

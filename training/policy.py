@@ -70,7 +70,7 @@ def device_of(name="auto") -> torch.device:
     return device
 
 
-AMPERE = (8, 0)     # bf16 tensor cores from compute capability 8.0 (NVIDIA Ampere: A100, RTX 30xx) on
+AMPERE = (8, 0)     # bf16 tensor cores from compute capability 8.0 (NVIDIA Ampere: A100, RTX 30xx; later)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")                       # --precision (departure 5)
 OPTIMIZERS = ("auto", "kahan", "adamw")                              # --optimizer (departure 1)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
