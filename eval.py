@@ -271,8 +271,7 @@ def parse(argv=None):
                            help="any name grpo.py accepts, or a checkpoint directory")
             p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
             p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU; float16: a "
-                                "card without bf16, as a --precision fp16 run trained)")
+                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
                            help="prompt style (auto: as grpo.py)")
@@ -332,9 +331,8 @@ def parse(argv=None):
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
     p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
-    p.add_argument("--capability", type=float, default=None, help="the card's CUDA compute capability, e.g. "
-                   "7.5 (a T4), 8.0 (an A100): which --precision auto picks and which attention kernel runs "
-                   "(default: the visible GPU's, else 8.0)")
+    p.add_argument("--capability", type=float, help="the card's compute capability (7.5: a T4): --precision "
+                   "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)")
     p.add_argument("--snapshot", metavar="PATH", default=None,
                    help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
                         "stack) to PATH and print what its peak holds, by site")
@@ -369,8 +367,7 @@ def check_ranges(ap, args):
              ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
              ("frac", lambda v: 0 < v <= 1, "in (0, 1]"), ("percents", lambda v: 0 < v <= 100, "in 1..100"),
              ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
-             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0"),
-             ("capability", lambda v: 3 <= v < 20, "a compute capability like 7.5 or 9.0")]
+             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")]
     for flag, ok, rule in rules:
         v = getattr(args, flag, None)
         if v is not None and not all((isinstance(x, int) or math.isfinite(x)) and ok(x) for x in each(v)):

@@ -271,6 +271,8 @@ def command(args, grpo):
     from evaluation import memory
     cfg = grpo.parse_args(args.grpo_flags)
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
+    if args.capability is not None and not 3 <= args.capability < 20:       # a float: any number parses
+        raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
     cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
     est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, cap=cap)
     if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:

@@ -230,3 +230,6 @@ def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
         assert plan and float(plan.group(3)) <= 14.5, out
         lines[extra[0]] = plan.groups()
     assert lines["--precision"] == lines["--capability"]
+    with pytest.raises(SystemExit) as e:
+        ev.main(["memory", "--model", "qwen3-4b-random", "--capability", "75"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("eval.py: error: --capability must be")
