@@ -39,9 +39,8 @@ Departures from grpo.py (numbered):
     a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
  6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
-    (policy.lora_config), its frozen base in bf16 (--fp16: fp16; TRL's own load is fp32) on a GPU, and,
-    without --learning-rate, ten times the learning rate (grpo.LORA_LR_FACTOR); the credit reads TRL's
-    peft-wrapped policy, adapters on, as it trains.
+    (policy.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
+    --learning-rate, 10x the lr (grpo.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
@@ -363,12 +362,12 @@ def main(argv=None):
         style = (args.prompt_style if args.prompt_style != "auto"
                  else data.default_style(args.model, records[0]["task"]))
         lora = policy.lora_config(args) if args.lora_rank > 0 else None                # departure 6
-        dtype = torch.float32 if not lora or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
+        dt = torch.float32 if not lora or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
         if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
-            model, tok = load_model(args.model, device="cpu", dtype=dtype)   # the Trainer places it
-        else:   # a name: TRL loads it (fp32 master weights, LoRA's base in dtype; ZeRO-3 shards it)
+            model, tok = load_model(args.model, device="cpu", dtype=dt)   # the Trainer places it
+        else:   # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-            targs.model_init_kwargs = {"dtype": dtype, **(targs.model_init_kwargs or {})}   # TRL's: fp32
+            targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}   # TRL's: fp32
         kwargs = rewards.template_kwargs(args)
         rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
                 for r in records]
