@@ -125,7 +125,7 @@ def setup(args, task):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype]
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)      # float32, bfloat16, float16
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
     except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
@@ -271,7 +271,7 @@ def parse(argv=None):
             p.add_argument("--model", default="smollm2-135m",
                            help="any name grpo.py accepts, or a checkpoint directory")
             p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                            help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
             p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
@@ -332,6 +332,8 @@ def parse(argv=None):
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
     p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    p.add_argument("--capability", type=float, help="the card's compute capability (7.5: a T4): --precision "
+                   "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)")
     p.add_argument("--snapshot", metavar="PATH", default=None,
                    help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
                         "stack) to PATH and print what its peak holds, by site")

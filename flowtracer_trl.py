@@ -39,8 +39,8 @@ Departures from grpo.py (numbered):
     a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
  6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
-    (policy.lora_config) and, without --learning-rate, ten times the learning rate (grpo.LORA_LR_FACTOR); the
-    credit reads TRL's peft-wrapped policy, adapters on, as it trains.
+    (policy.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
+    --learning-rate, 10x the lr (grpo.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
@@ -358,10 +358,13 @@ def main(argv=None):
                                  question_field=args.question_field, answer_field=args.answer_field)
         style = (args.prompt_style if args.prompt_style != "auto"
                  else data.default_style(args.model, records[0]["task"]))
+        lora = args.lora_rank > 0                                                      # departure 6
+        dt = torch.float32 if not lora or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
         if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
-            model, tok = load_model(args.model, device="cpu", dtype=torch.float32)   # the Trainer places it
-        else:   # a name: TRL loads it (fp32 master weights; under ZeRO-3 sharded as it loads)
+            model, tok = load_model(args.model, device="cpu", dtype=dt)   # the Trainer places it
+        else:   # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
+            targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}   # TRL's: fp32
         prompt = rewards.trl_prompt(tok, style, kwargs := rewards.template_kwargs(args))   # a TRL-form one's
         mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
                             keys := [k for r in records for k in r])                     # checked once
@@ -372,7 +375,7 @@ def main(argv=None):
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        lora = policy.lora_config(args, model) if args.lora_rank > 0 else None         # departure 6; checked
+        lora = policy.lora_config(args, model) if lora else None                      # departure 6; checked
         trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
                                         train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
                                         answer_pattern=args.answer_pattern, peft_config=lora)

@@ -28,6 +28,7 @@ Departures from the paper (numbered):
  3. On CUDA (--optimizer auto = kahan) weights, gradients and AdamW states are bf16 with a bf16 Kahan
     compensation of each weight (torch-optimi), so lr 1e-6 updates are kept and Qwen3-4B's 1K step fits one
     80 GB GPU (training/policy.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
+    A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision, policy.py).
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. The embedded SmolLM2-135M-Instruct (the default --model, named or not) trains on the offline arithmetic
     dataset with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
@@ -50,7 +51,6 @@ Run:  python grpo.py                                                    # embedd
       python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
 """
-import math
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,7 +62,7 @@ import data
 from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
-from training import backoff, credit, flags, heldout, models, runlog, tracking
+from training import backoff, credit, flags, heldout, models, policy, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
 from training.rewards import RewardError, TaskConfig
@@ -99,7 +99,8 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     # credit (inherited from training/credit.py's CreditConfig)
     # update
     lr: float = 1e-6                   # AdamW learning rate (the paper's, §4.1, App. C.3)
-    optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) on CUDA, adamw (fp32) on CPU
+    optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
+    precision: str = "auto"            # auto: bf16 from capability 8.0 (Ampere), below fp16 LoRA / fp32 AdamW
     warmup_steps: int = 20             # steps of linear learning-rate warmup (the paper's, App. C.3)
     weight_decay: float = 0.0          # AdamW weight decay (not given in the paper)
     num_iterations: int = 1            # PPO epochs per batch; > 1 runs an old-log-prob pass first
@@ -216,7 +217,7 @@ def grpo_step(run, step, bad) -> Step:
     trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(len(kept)))  # dep. 7
     # ---------------------------------------------------------- credit and update, micro-batch by micro-batch
     up = backoff.update(run, update, batch, trained, adv, clock)   # out of memory: a smaller micro_batch
-    bad = 0 if up.stepped else bad + 1          # a non-finite loss or gradient: no step (train stops a run)
+    bad = 0 if up.stepped or up.skipped else bad + 1    # non-finite loss or gradient: no step (train stops)
     if up.stepped:
         run.sched.step()
     m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad,
@@ -230,6 +231,7 @@ class Update(NamedTuple):
     scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput) on trained rows, 0 elsewhere
     stats: dict                 # loss, grad_norm, clip counts, entropies, credit fallbacks
     stepped: bool               # False: a non-finite loss or gradient, and the optimizer did not step
+    skipped: bool = False       # fp16: the GradScaler skipped the step at an overflow (not a non-finite one)
 
 
 class Experience(NamedTuple):
@@ -291,24 +293,18 @@ def update(run, batch, trained, adv, clock) -> Update:
                                  old_logp=logp.detach() if old is None else old[mb],
                                  ref_logp=None if ref is None else ref[mb], denom=denom)
                 loss, st = grpo_loss(logp, exp, cfg)                                        # eq. 5
-                loss.backward()
+                policy.scaled(run.opt, loss).backward()          # fp16: times the GradScaler's scale
             stats["loss"] += loss.item()
             stats["entropy"].append(ent[loss_mask[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
-            params = [p for p in model.parameters() if p.requires_grad]   # LoRA: the adapters alone
-            for p in params:                         # AdamW still steps on a zero gradient, as GRPO would
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-            stepped = math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
-            if stepped:
-                run.opt.step()
-            run.opt.zero_grad(set_to_none=True)      # the gradients are not kept through the next rollout
-        if not stepped:                              # train counts the streak of non-finite steps
+            s = policy.optimizer_step(run.opt, [p for p in model.parameters() if p.requires_grad],
+                                      cfg.max_grad_norm, stats["loss"])      # LoRA: the adapters alone
+        stats.update({"grad_norm": s.grad_norm, **({"scaler/scale": s.scale} if s.scale else {})})
+        if not s.stepped:                            # train counts the streak of non-finite steps
             break
-    return Update(weight, scores, stats, stepped)
+    return Update(weight, scores, stats, s.stepped, s.skipped)
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -377,7 +373,7 @@ def parse_args(argv=None) -> Config:
 
 CHOICES = {**credit.CHOICES, "dataset": data.DATASETS, "prompt_style": ("auto", *data.STYLES),   # closed sets
            "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
-           "optimizer": ("auto", "kahan", "adamw"), "report_to": tracking.KINDS}
+           "optimizer": policy.OPTIMIZERS, "precision": policy.PRECISIONS, "report_to": tracking.KINDS}
 PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
 
 

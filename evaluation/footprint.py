@@ -11,7 +11,7 @@ Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms 
 from flowtracer import auto_chunk
 
 
-def generation(mc, g, G, P, R, cb, rb, shared=True):
+def generation(mc, g, G, P, R, cb, rb, shared=True, math=False):
     """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
     rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
     copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
@@ -20,12 +20,13 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
     T, beside that layer's cache of the prompts (reserved at T); and the copy to the rows (rollout.generate
     frees a chunk's cache before the next chunk's prefill). Sampling takes 5 of (g, V) fp32. The prefills
     keep one position's logits (logits_to_keep=1), (k, 1, V), made after the layers' peak has passed: the
-    full (k, P, V) ones, 0.3 GB a 1K prompt for Qwen3 in bf16, are never made."""
+    full (k, P, V) ones, 0.3 GB a 1K prompt for Qwen3 in bf16, are never made. math: the prefill's attention
+    runs on SDPA's math kernel (math_scores)."""
     L, V, Hkv = mc.num_hidden_layers, mc.vocab_size, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     T, k = P + R, prefill_rows(g, G, shared)
     kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
-    prefill = prefill_workspace(mc, k, P, cb, rb)
+    prefill = prefill_workspace(mc, k, P, cb, rb, math)
     if k < g:                                          # prefix sharing: each prompt's cache reserved at T
         peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
                  (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
@@ -35,28 +36,30 @@ def generation(mc, g, G, P, R, cb, rb, shared=True):
     return {"KV cache": cache, "workspace": ws}
 
 
-def engine_generation(mc, g, G, P, cb, rb):
+def engine_generation(mc, g, G, P, cb, rb, math=False):
     """{"KV cache", "workspace"} of a chunk of g rows decoded by the run's engine (training/engine.py), beside
     its buffers (counted by the caller: they are reserved for the run): each distinct prompt's cache, P wide
     (rollout.generate reserves no room for the engine), prefilled (prefill_workspace), then copied into the
     buffers a layer's keys (or values) at a time, (g, Hkv, P, d), and kept through the decode, whose steps
-    hold sampling's 5 (g, V) fp32. G: the rows of a prompt (1: held-out evaluation)."""
+    hold sampling's 5 (g, V) fp32. G: the rows of a prompt (1: held-out evaluation). math: as generation's."""
     L, Hkv = mc.num_hidden_layers, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * cb              # noqa: E731 one layer's K
-    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, cb, rb)), (2 * L * kv(k) + kv(g), 0),
+    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, cb, rb, math)), (2 * L * kv(k) + kv(g), 0),
              (2 * L * kv(k), 5 * g * mc.vocab_size * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
 
 
-def prefill_workspace(mc, k, P, cb, rb):
+def prefill_workspace(mc, k, P, cb, rb, math=False):
     """Bytes a prefill of k prompts, P wide, holds beside its cache at its peak, the last layer: the hidden
     states, positions and masks, its attention (the (k, P, P) bool mask and sdpa's float copy, q, output, K
-    and V repeated to the query heads) or its MLP, and one position's logits (logits_to_keep=1)."""
+    and V repeated to the query heads; on SDPA's math kernel its scores too, math_scores) or its MLP, and one
+    position's logits (logits_to_keep=1)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
+    attn += math * math_scores(k, Hq, P, P)                                        # the math kernel's
     mlp = k * P * (P + 3 * I * cb)
     hidden = k * P * (3 * D * rb + 2 * hd * rb + 32)                                # + ids, positions, masks
     return hidden + max(attn, mlp) + 5 * k * mc.vocab_size * 4
@@ -79,19 +82,22 @@ def kept(mc, n, ls, rb, checkpointed, lora=()):
     return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + (1 + (not lora)) * D * rb)
 
 
-def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False)):
+def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False), math=False):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
     the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
-    which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer)."""
+    which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer).
+    math: the attention runs on SDPA's math kernel (layer_saved)."""
     if k == b:
-        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0])
+        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora, math=math), rb, checkpointed,
+                            lora[0])
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     kv = (2 * cb * hd * k * mc.num_key_value_heads if checkpointed      # PromptKV's K, V of the k prompts
           else 2 * cb * hd * b * max(mc.num_attention_heads, mc.num_key_value_heads))  # sdpa's, each row's
-    return (k * P * kept(mc, n, layer_saved(mc, P, cb, rb, lora=lora), rb, checkpointed, lora[0]) + n * P * kv
-            + b * (T - P) * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora), rb, checkpointed, lora[0]))
+    ls = [layer_saved(mc, t, cb, rb, lora=lora, math=math) for t in (P, T)]
+    return (k * P * kept(mc, n, ls[0], rb, checkpointed, lora[0]) + n * P * kv
+            + b * (T - P) * kept(mc, n, ls[1], rb, checkpointed, lora[0]))
 
 
 def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
@@ -105,7 +111,7 @@ def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
-def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False)):
+def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False), math=False):
     """Bytes per token that one decoder layer (HF Qwen3 / Llama, sdpa) saves for its backward, i.e. what the
     recomputation in backward re-creates under checkpointing. Counted op by op (autograd saves an operand
     only where the other one needs a gradient): each RMSNorm its fp32 input (or fp32 copy), the normalised
@@ -115,14 +121,15 @@ def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False)):
     Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py).
     lora = (the adapted linears' [(in, out)], rank, cuda): frozen norm weights keep no normalised value, and
     each adapter keeps its A's output (r); on CUDA peft casts each adapter's input to fp32 and autocast back
-    to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5)."""
+    to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5).
+    math: sdpa runs its math kernel, which saves other tensors (sdpa_saved)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
     nb = lambda x: 4 if x == 4 else x                                      # noqa: E731  the normalised value
     norms = (4 * D * (rb != 4) + nb(rb) * D + cb * D) + (4 * D + nb(rb) * D + cb * D)   # input, post-attn
     qk_norms = qwen * (4 + nb(cb)) * (q + k)
-    sdpa = cb * q + cb * (2 * q if gqa else 2 * k) + cb * q + 4 * Hq + padded * T * cb
+    sdpa = sdpa_saved(q, k, Hq, T, cb, gqa, padded, math)
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
     lin, r, cuda = lora
     if lin:                                                                # LoRA's terms (departure 5)
@@ -131,3 +138,23 @@ def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False)):
         adapters = len(lin) * r * cb + cuda * cb * (sum(i for i, _ in lin) - 2 * D - I)
         return norms + qk_norms + sdpa + rsqrt + 4 * I * cb + adapters
     return norms + qk_norms + sdpa + rsqrt + 4 * I * cb
+
+
+def sdpa_saved(q, k, Hq, T, cb, gqa, padded, math=False):
+    """Bytes per token (per query) sdpa saves for its backward; q, k: the query and key widths (Hq hd,
+    Hkv hd). A fused kernel (flash, memory-efficient, cuDNN, the CPU's flash): q, k and v (k, v repeated to
+    the Hq heads when a padding mask is passed: gqa), its output, the logsumexp and the mask as a float.
+    The math kernel (torch's _scaled_dot_product_attention_math; the fallback where no fused kernel takes
+    the dtype: bf16 below compute capability 8.0, policy.precision): q and k scaled and v in fp32 (bf16 and
+    fp16 inputs are upcast: torch's allow_fp16_bf16_reduction_math_sdp is off by default) at the Hq heads,
+    the output, and the probabilities (b, Hq, Tq, T) in fp32: 4 Hq T per query, the score matrices."""
+    if math:
+        return 3 * 4 * q + cb * q + 4 * Hq * T
+    return cb * q + cb * (2 * q if gqa else 2 * k) + cb * q + 4 * Hq + padded * T * cb
+
+
+def math_scores(b, Hq, Tq, T):
+    """Bytes of the score matrices SDPA's math kernel makes beside what it saves (sdpa_saved), for b rows of
+    Tq queries over T keys: in the forward the fp32 scores and their softmax, (b, Hq, Tq, T) each; in the
+    backward the gradients of the probabilities and of the scores, as many."""
+    return 2 * b * Hq * Tq * T * 4

@@ -64,13 +64,23 @@ Departures (numbered):
     normalised values the frozen RMSNorms no longer keep left out (layer_saved). Held within 10% of a CPU
     step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
     a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
+ 6. --precision (policy.precision, on a card of compute capability `cap`: eval.py memory --capability, else
+    the visible GPU's, else 8.0): the weights' bytes in its dtype (fp16 and bf16 2, fp32 4), matmul outputs
+    and autocast's copies only under an autocast; and the attention kernel the card runs. Below 8.0 SDPA's
+    fused kernels refuse bf16 and its math kernel runs: it keeps fp32 q, k, v and the probabilities,
+    (b, Hq, Tq, T), for backward (footprint.sdpa_saved), and makes the scores and their softmax in the
+    forward and two gradients of that size in the backward (footprint.math_scores), where a fused kernel
+    keeps a logsumexp and an fp32 dQ. fp16 and fp32 there run the memory-efficient kernel: counted as the
+    fused one. Not measured on such a card.
 The card: fit() and report() budget one 80 GB GPU (GPU) unless --gpu-gb says otherwise; plan() picks the
 sizes and the engine's layout grpo.py's setup uses on CUDA (training/run.py's size_to_card, before the weights
-load; report() prints its table: planned()) and what_fits() names what would fit a card too small. Where the
-estimate proves wrong on the card, grpo.py backs off (training/backoff.py) instead of losing the run.
+load; report() prints its table: planned()), within (1 - RESERVE) of the card, and what_fits() names what
+would fit a card too small. Where the estimate proves wrong on the card, grpo.py backs off
+(training/backoff.py) instead of losing the run.
 
 Run: python eval.py memory --model qwen3-4b-random                       # the table, in a second
      python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # LoRA on a 24 GB card
+     python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 16 --capability 7.5   # a T4: fp16
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
@@ -82,16 +92,26 @@ from typing import NamedTuple
 
 import torch
 
-from evaluation.footprint import (capture_workspace, engine_generation, generation, layer_saved, prefill_rows,
-                                 update_kept)
+from evaluation.footprint import (
+    capture_workspace,
+    engine_generation,
+    generation,
+    layer_saved,
+    math_scores,
+    prefill_rows,
+    update_kept,
+)
 from flowtracer import select_layers as select
 from training import credit, models, signals
 from training.checkpoint import STATE_BYTES, checkpoint_bytes
-from training.policy import scheme
+from training.policy import precision, precision_problem, scheme
 
 GB, GiB = 1e9, 2 ** 30
 GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's
 CONTEXT = 1 * GB            # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
+RESERVE = 0.1               # the share of a card a plan leaves free (departure 4: the backward's estimate
+                            # 10.5% below the H100's measure, not pinned down); report() and run.size_to_card
+                            # plan (1 - RESERVE) of it: a 16 GB T4 (15.8e9 bytes exposed) gets <= 14.4 GB
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
 
 
@@ -162,9 +182,11 @@ def engine_rows(cfg, n_eval=0):
     return min(cfg.gen_chunk, max(cfg.prompts_per_step * cfg.group_size, n_eval))
 
 
-def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False) -> dict:
+def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False,
+             cap=None) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
-    every row trained) on `device` under policy.scheme; nothing is allocated. The docstring has each term.
+    every row trained) on `device` under policy.precision (departure 6; cap: the card's compute capability,
+    None: the device's own); nothing is allocated. The docstring has each term.
     widest: the widest prompt the decode engine is reserved for (Run.widest_prompt); None: prompt_tokens.
     n_eval: the held-out questions of --eval-every (setup's count; None: cfg.eval_size when --eval-every is
     on, else 0). release: the engine released for the update (plan's layout "released"), else resident."""
@@ -172,11 +194,12 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
-    cuda, kahan = torch.device(device).type == "cuda", scheme(cfg, device) == "kahan"
-    lora = scheme(cfg, device) == "lora"        # frozen base (bf16 on CUDA), fp32 adapters (policy.py)
-    wb = 2 if kahan or lora and cuda else 4     # bytes of a weight and of its gradient (lora: the base's)
+    prec = precision(cfg, device, cap)          # dtypes, scheme, the attention kernel (departure 6)
+    cuda, kahan, lora = torch.device(device).type == "cuda", prec.scheme == "kahan", prec.scheme == "lora"
+    wb = prec.weights.itemsize                  # bytes of a weight and of its gradient (lora: the base's)
     rb = wb                                     # the residual stream: embedding output, + bf16 sublayers
-    cb = 2 if cuda or kahan else 4              # matmul outputs (bf16 autocast on CUDA)
+    cb = 2 if prec.autocast or kahan else 4     # matmul outputs (bf16 / fp16 autocast)
+    math = prec.math_sdpa                       # SDPA's math kernel: fp32 scores (b, Hq, Tq, T)
     P, R = prompt_tokens, cfg.max_new_tokens
     T, B = P + R, cfg.prompts_per_step * cfg.group_size
     g, b, c = min(cfg.gen_chunk, B), min(cfg.micro_batch, B), min(cfg.logprob_chunk, R)
@@ -185,10 +208,10 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     layers = maps and not separate                                  # the fused pass captures the maps
     lin = lora_linears(cfg, mc) if lora else []                     # one layer's adapted linears (in, out)
     r = getattr(cfg, "lora_rank", 0)
-    lk = (lin, r, cuda)                                             # what layer_saved needs of LoRA
+    lk = (lin, r, prec.autocast is not None)                        # what layer_saved needs of LoRA
     n_a = L * r * sum(i + o for i, o in lin)                        # adapter parameters, fp32
-    cast = 2 * (n_a if lora else N_cast) if cuda and not kahan else 0   # autocast's bf16 copies of fp32 ones
-    state = STATE_BYTES[scheme(cfg, device)]    # AdamW m, v (+ Kahan compensation), as a checkpoint holds
+    cast = 2 * (n_a if lora else N_cast) if prec.autocast and not kahan else 0   # autocast's copies
+    state = STATE_BYTES[prec.scheme]            # AdamW m, v (+ Kahan compensation), as a checkpoint holds
     S = 64 * -(-((widest or P) - 1 + R) // 64)                      # the decode engine's positions (ALIGN)
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
     e = engine_rows(cfg, n_eval)                                    # rows as preflight.make_engine reserves
@@ -200,28 +223,30 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     # (+ the reference policy when beta > 0; under LoRA it is the same weights with the adapters off)
     zero = dict.fromkeys(COMPONENTS, 0)
     decodes = [(g, cfg.group_size), (min(cfg.gen_chunk, n_eval), 1)]            # the rollout's, held-out's
-    gens = [{**zero, **w, "grads": 0, **(generation(mc, rows, n, P, R, cb, rb, cfg.share_prefix) if not engine
-                                         else engine_generation(mc, rows, n, P, cb, rb))}
+    gens = [{**zero, **w, "grads": 0,
+             **(generation(mc, rows, n, P, R, cb, rb, cfg.share_prefix, math) if not engine
+                else engine_generation(mc, rows, n, P, cb, rb, math))}
             for rows, n in decodes if rows]
     for x in gens:
         x["KV cache"] += engine                                    # the engine's buffers beside the chunk
     gen = max(gens, key=lambda x: sum(x.values()))                      # the larger of the two decodes
-    ls, ckpt = layer_saved(mc, T, cb, rb, lora=lk), cfg.grad_checkpointing   # the forward keeps
+    ls, ckpt = layer_saved(mc, T, cb, rb, lora=lk, math=math), cfg.grad_checkpointing   # the forward keeps
     k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
-    acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt, lk)
+    acts = update_kept(mc, L, b, k, P, T, cb, rb, ckpt, lk, math)
     Tq = T - P if k < b else T                                            # queries of the last pass, a row
     old = B * R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))       # old, reference log-probs (B, R) fp32
     batch = B * T * (2 * 8 + 3) + b * Tq * T * (Hq > Hkv) + old          # ids, masks; sdpa's bool mask
     layer_fwd = b * Tq * (3 * I * cb + 2 * D * 4 + T * cb)              # + sdpa's float mask
     layer_fwd += b * Tq * 2 * max([o for _, o in lin], default=0) * cb   # LoRA: B's output, scaled, transient
+    layer_fwd += math_scores(b, Hq, Tq, T) * math                         # the math kernel's scores, probs
     cap_ws = capture_workspace(b, T, Hq, Hkv, hd, Tq, fused=cuda)
     logits = 3 * b * c * V * 4                                            # log-softmax, exp, product (fp32)
     # the forward's peak, (activations, logits, workspace) of the largest: the log-prob chunks after the
     # layers, the last layer's forward, or the capture of the last captured layer (its fp32 score blocks);
     # the layer mean at the capture's end is made in place (Capture.maps), in the buffer counted below
     last = max(select(cfg.layers, L)) + 1
-    paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt, lk), 0, layer_fwd),
-             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt, lk), 0, layers * cap_ws)]
+    paths = [(acts, logits, 0), (update_kept(mc, L - 1, b, k, P, T, cb, rb, ckpt, lk, math), 0, layer_fwd),
+             (layers * update_kept(mc, last, b, k, P, T, cb, rb, ckpt, lk, math), 0, layers * cap_ws)]
     a_fwd, l_fwd, ws_fwd = max(paths, key=sum)
     fwd = {**zero, **w, "activations": a_fwd, "attention": b * T * T * 4 if layers else 0, "logits": l_fwd,
            "workspace": batch + ws_fwd}
@@ -249,7 +274,8 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     # over the key blocks in an fp32 buffer of the queries' size (cuDNN frontend: dQ_accum), 0.13 GB here.
     # LoRA: the head and the embedding are frozen, no (V, D) gradient; the adapters' gradients are small.
     held, tied = V * D * wb * (not lora), bool(getattr(mc, "tie_word_embeddings", False))
-    dq = cuda * b * Hq * Tq * hd * 4
+    dq = cuda * b * Hq * Tq * hd * 4 * (not math)                         # the math kernel: its dP, dS
+    dq += math_scores(b, Hq, Tq, T) * math
     final = b * Tq * (4 * D + (1 + (not lora)) * D * rb)                  # LoRA: no normalised value kept
     chunk = max(3 * b * c * V * 4, b * c * V * (4 + cb * (cb != 4)) + held) + (R > c) * held
     paths = [(acts, chunk, 0),
@@ -291,7 +317,7 @@ def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
     return {"CUDA context + cuBLAS workspace": CONTEXT, "fragmentation <= one prompt cache": kv}
 
 
-def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
+def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU, cap=None):
     """The largest gen_chunk (every phase fitting at micro_batch 1: on CUDA the engine's buffers are kept),
     then micro_batch with it (powers of two up to cfg's), whose phases and margin stay under `budget`, or None
     where even 1 does not fit."""
@@ -299,7 +325,8 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU):
         n = getattr(cfg, field)
         while n >= 1:
             c = SimpleNamespace(**{**vars(cfg), field: n})
-            est, extra = estimate(c, mc, device, prompt_tokens), sum(margin(c, mc, prompt_tokens).values())
+            est = estimate(c, mc, device, prompt_tokens, cap=cap)
+            extra = sum(margin(c, mc, prompt_tokens).values())
             if all(sum(est[k].values()) + extra <= budget for k in phases):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
@@ -328,21 +355,22 @@ def sizes(n, free):
     return [n] if not free else [n] + [2 ** k for k in range(n.bit_length() - 1, -1, -1) if 2 ** k < n]
 
 
-def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch"), n_eval=None) -> Plan:
+def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch"), n_eval=None,
+         cap=None) -> Plan:
     """The gen_chunk, micro_batch and engine layout whose step fits `budget` bytes in every phase, the margin
     included: cfg's sizes, and where `free` the powers of two below them too; each with the engine resident
     through the update (on CUDA its buffers, sized by gen_chunk, stay) and, where it has one, released for
     it (the update's phases without them). Of those that fit, the one whose smaller fraction of cfg's sizes
     is largest (both halved alike), then the larger gen_chunk, then the engine resident: a released engine
     is captured again every step, so it is picked only where it lets larger sizes fit. run.setup sizes a
-    run with it; n_eval: its held-out questions (estimate's)."""
+    run with it; n_eval: its held-out questions, cap: the card's compute capability (estimate's)."""
     best, low = None, None
     layouts = (False, True) if torch.device(device).type == "cuda" and cfg.share_prefix else (False,)
     for g in sizes(cfg.gen_chunk, "gen_chunk" in free):
         for release in layouts:
             for m in sizes(cfg.micro_batch, "micro_batch" in free):
                 c = SimpleNamespace(**{**vars(cfg), "gen_chunk": g, "micro_batch": m})
-                est = estimate(c, mc, device, prompt_tokens, n_eval=n_eval, release=release)
+                est = estimate(c, mc, device, prompt_tokens, n_eval=n_eval, release=release, cap=cap)
                 ph, top = peak(est)
                 top += sum(margin(c, mc, prompt_tokens, n_eval).values())
                 if low is None or top < low[1]:
@@ -355,16 +383,16 @@ def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch
     return best[1] if best else Plan(None, None, *low)
 
 
-def planned(cfg, mc, device, prompt_tokens, n_eval=None):
-    """(cfg at the sizes grpo.py would run, its Plan, the budget in bytes) on CUDA, as run.size_to_card
-    plans them: --gpu-gb (else one 80 GB GPU), the sizes left free as grpo.py leaves them (run.left_free);
-    cfg as given where nothing fits. Elsewhere (cfg, None, None): the CPU is not sized."""
+def planned(cfg, mc, device, prompt_tokens, n_eval=None, cap=None):
+    """(cfg at the sizes grpo.py would run, its Plan, the card in bytes) on CUDA, as run.size_to_card plans
+    them: --gpu-gb (else one 80 GB GPU) less RESERVE, the sizes left free as grpo.py leaves them
+    (run.left_free); cfg as given where nothing fits. Elsewhere (cfg, None, None): the CPU is not sized."""
     if torch.device(device).type != "cuda":
         return cfg, None, None
     from training.run import left_free
     card = getattr(cfg, "gpu_gb", 0) * GB or GPU
     free = left_free(cfg) if dataclasses.is_dataclass(cfg) else ("gen_chunk", "micro_batch")
-    p = plan(cfg, mc, device, prompt_tokens, card, free, n_eval)
+    p = plan(cfg, mc, device, prompt_tokens, card * (1 - RESERVE), free, n_eval, cap)
     if p.gen_chunk is None:
         return cfg, p, card
     sizes_ = {"gen_chunk": p.gen_chunk, "micro_batch": p.micro_batch}
@@ -372,24 +400,24 @@ def planned(cfg, mc, device, prompt_tokens, n_eval=None):
             SimpleNamespace(**{**vars(cfg), **sizes_})), p, card
 
 
-def what_fits(cfg, mc, device, prompt_tokens, budget, free=(), n_eval=None) -> str:
+def what_fits(cfg, mc, device, prompt_tokens, budget, free=(), n_eval=None, cap=None) -> str:
     """What would fit `budget` where cfg does not, as the end of grpo.py's error line: the sizes left to
     choose (a smaller --micro-batch, --gen-chunk), --lora-rank 16 (full fine-tuning), a smaller model."""
     out = []
-    p = plan(cfg, mc, device, prompt_tokens, budget, n_eval=n_eval)
+    p = plan(cfg, mc, device, prompt_tokens, budget, n_eval=n_eval, cap=cap)
     if p.gen_chunk is not None and set(free) != {"gen_chunk", "micro_batch"}:
         out.append(f"--gen-chunk {p.gen_chunk} --micro-batch {p.micro_batch} would fit")
     if getattr(cfg, "lora_rank", 0) == 0:
-        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16})
-        q = plan(lora, mc, device, prompt_tokens, budget, n_eval=n_eval)
+        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16, "optimizer": "auto"})   # kahan is not LoRA's
+        q = plan(lora, mc, device, prompt_tokens, budget, n_eval=n_eval, cap=cap)
         out.append(f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
                    f"{q.peak / GB:.1f} GB)" if q.gen_chunk else f"--lora-rank 16 needs {q.peak / GB:.1f} GB")
     return "; ".join(out + ["or a smaller model, or fewer --max-new-tokens"])
 
 
-def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB"):
+def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap=None):
     """One line: the engine's layout in force and what the other would give at the same sizes."""
-    kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r) for r in (False, True))
+    kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r, cap=cap) for r in (False, True))
     cache = kept["backward"]["KV cache"]                                  # the engine's K, V buffers
     (kph, ktop), (fph, ftop) = peak(kept), peak(freed)
     if release:
@@ -401,17 +429,19 @@ def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB"):
             f"{ftop / unit:.2f} {name} in {fph}, its graphs captured again every step")
 
 
-def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
+def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> str:
     """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak. On
-    CUDA the table is of the plan grpo.py would run (planned: the sizes and the engine's layout)."""
+    CUDA the table is of the plan grpo.py would run (planned: the sizes and the engine's layout). cap: the
+    card's compute capability (eval.py memory --capability; None: the device's own)."""
     mc = model_config(cfg.model)
-    cfg, p, card = planned(cfg, mc, device, prompt_tokens)
+    cfg, p, card = planned(cfg, mc, device, prompt_tokens, cap=cap)
     release = bool(p and p.gen_chunk and p.release)
-    est = estimate(cfg, mc, device, prompt_tokens, release=release)
+    est = estimate(cfg, mc, device, prompt_tokens, release=release, cap=cap)
     unit, name = (GB, "GB") if peak(est)[1] >= GB else (1e6, "MB")
     T = prompt_tokens + cfg.max_new_tokens
     which = "" if p is None else f", the plan for {card / GB:g} GB" if p.gen_chunk else ", as given"
-    out = [table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device)}: {cfg.prompts_per_step} x "
+    out = [precision(cfg, device, cap).line,
+           table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device, cap)}: {cfg.prompts_per_step} x "
                       f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
                       f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
                       f"logprob_chunk {cfg.logprob_chunk}{which} ({name})", unit)]
@@ -420,24 +450,29 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda") -> str:
         out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
                 f"ratio {sum(c.values()) / measured[ph]:.3f}" for ph, c in est.items()]
     if p is not None and cfg.share_prefix:
-        out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name))
+        out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name, cap))
     for other in ("adamw", "kahan", "lora"):
-        c = {"optimizer": other, "lora_rank": 0} if other != "lora" else {"lora_rank": cfg.lora_rank or 16}
-        q = peak(estimate(SimpleNamespace(**{**vars(cfg), **c}), mc, device, prompt_tokens, release=release))
+        c = {"optimizer": other, "lora_rank": 0} if other != "lora" else {"lora_rank": cfg.lora_rank or 16,
+                                                                          "optimizer": "auto"}
+        c = SimpleNamespace(**{**vars(cfg), **c})
+        c.precision = "auto" if precision_problem(c) else c.precision     # fp16 is LoRA's, bf16 kahan's
+        q = peak(estimate(c, mc, device, prompt_tokens, release=release, cap=cap))
         out.append(f"scheme {other:6s}: peak {q[1] / unit:.2f} {name} in {q[0]}"
-                   + (f" (--lora-rank {c['lora_rank']})" if other == "lora" else ""))
+                   + (f" (--lora-rank {c.lora_rank})" if other == "lora" else ""))
     ph, top = peak(est)
     if p is not None:
         m = margin(cfg, mc, prompt_tokens)
         out.append(f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
                    + (f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
-                      f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase})"
-                      if p.gen_chunk else "nothing fits: " + what_fits(cfg, mc, device, prompt_tokens, card)))
-    lora = scheme(cfg, device) == "lora"
+                      f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase}"
+                      if p.gen_chunk else "nothing fits (" + what_fits(cfg, mc, device, prompt_tokens,
+                                                                       card * (1 - RESERVE), cap=cap))
+                   + f"; {card * (1 - RESERVE) / GB:.1f} GB planned, a {RESERVE:.0%} reserve)")
+    lora = scheme(cfg, device, cap) == "lora"
     n = mc.num_hidden_layers * cfg.lora_rank * sum(i + o for i, o in lora_linears(cfg, mc)) if lora else \
         param_counts(mc)[0]
-    disk = checkpoint_bytes(n, scheme(cfg, device))
+    disk = checkpoint_bytes(n, scheme(cfg, device, cap))
     out.append(f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
                f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)")
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")

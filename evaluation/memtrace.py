@@ -290,9 +290,13 @@ def command(args, grpo):
     from evaluation import memory
     cfg = grpo.parse_args(args.grpo_flags)
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
-    cfg, plan, _ = memory.planned(cfg, memory.model_config(cfg.model), device, args.prompt_tokens)
+    if args.capability is not None and not 3 <= args.capability < 20:       # a float: any number parses
+        raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
+    cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
+    cfg, plan, _ = memory.planned(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, cap=cap)
     release = bool(plan and plan.gen_chunk and plan.release)
-    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, release=release)
+    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, release=release,
+                          cap=cap)
     if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
         raise ValueError("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
                          f"is {memory.peak(est)[1] / 1e9:.0f} GB")
@@ -300,5 +304,5 @@ def command(args, grpo):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
     measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot,
                        release=release) if args.measure else None
-    table = memory.report(cfg, args.prompt_tokens, measured, device)
+    table = memory.report(cfg, args.prompt_tokens, measured, device, cap)
     return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

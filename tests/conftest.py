@@ -113,7 +113,8 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
             rollouts.append(real_generate(*a, **k))
         return rollouts[0]
     monkeypatch.setattr(grpo, "generate", generate)
-    monkeypatch.setattr(policy, "autocast", lambda dev: torch.autocast(torch.device(dev).type, enabled=False))
+    monkeypatch.setattr(policy, "autocast",
+                        lambda cfg, dev: torch.autocast(torch.device(dev).type, enabled=False))
     out = {}
     for name, argv, wide in runs:
         def load(*a, wide=wide, **k):

@@ -64,6 +64,7 @@ def fake_gpu(monkeypatch, total):
     card = {"total": total}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (card["total"], card["total"]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # an H100's
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")     # device_of leaves it
 
     def no_weights(*a, **k):
@@ -101,7 +102,7 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     small = type(cfg)(**{**vars(cfg), "gen_chunk": 4, "micro_batch": 2})
     card = sum(memory.margin(small, mc, widest).values()) + memory.peak(memory.estimate(small, mc, "cuda",
                                                                                         widest))[1]
-    box["total"] = card
+    box["total"] = card / (1 - memory.RESERVE)                                # the plan keeps the reserve
 
     class Loaded(Exception):
         pass
@@ -111,8 +112,8 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     monkeypatch.setattr(run_mod, "for_update", stop)
     got = {}
     real = memory.plan
-    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"), n_eval=None:
-                        got.setdefault("widest", w) and real(c, m, d, widest, b, f, n_eval))
+    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, f=("gen_chunk", "micro_batch"), *a, **kw:
+                        got.setdefault("widest", w) and real(c, m, d, widest, b, f, *a, **kw))
     with pytest.raises(Loaded):
         run_mod.setup(cfg, memory)
     assert got["widest"] > 0

@@ -183,6 +183,35 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
     assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
 
 
+@pytest.mark.parametrize("argv, want", [([], torch.bfloat16), (["--fp16", "True"], torch.float16),
+                                        (["--use-cpu", "True"], torch.float32)])
+def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monkeypatch):
+    """flowtracer_trl.py --lora-rank on a GPU (--use-cpu False, as its default there) gives TRL the frozen
+    base in bf16 (fp16 under --fp16): loaded here for a local name, TRL's model_init_kwargs for a hub name
+    (TRL's own default would be fp32); on the CPU fp32. The trainer is stopped before it is made."""
+    import flowtracer_trl as ft
+
+    class Made(Exception):
+        pass
+    seen = {}
+
+    def trainer(model, args, **kw):
+        seen["trainer"] = (model, dict(args.model_init_kwargs or {}))
+        raise Made
+    real = models.load_model
+    monkeypatch.setattr(ft, "FlowTracerGRPOTrainer", trainer)
+    monkeypatch.setattr(ft, "load_model", lambda name, device, dtype: seen.setdefault("load", dtype) and
+                        real(name, device=device, dtype=dtype))
+    monkeypatch.setattr(ft.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
+    gpu = ["--use-cpu", "False", "--bf16", "False", "--lora-rank", "8", "--max-steps", "1"]
+    for model in ("tiny-qwen3", "Org/A-Hub-Model"):
+        seen.clear()
+        with pytest.raises(Made):
+            ft.main(["--model", model, *gpu, *argv])
+        got = seen["load"] if model == "tiny-qwen3" else seen["trainer"][1]["dtype"]
+        assert got == want, model
+
+
 def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
@@ -245,3 +274,42 @@ def test_the_engine_decodes_the_adapted_model():
     engine = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
     assert engine.response_ids == eager.response_ids
     assert eager.response_ids != plain.response_ids
+
+
+def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_not(tmp_path):
+    """A bf16 base with adapters of |B| ~ 2e-4 (an RL update's size; grpo.py's LoRA starts at B = 0), saved
+    as a LoRA checkpoint: load_model of it in bf16 (eval.py bench on CUDA) is the unmerged model the run
+    trained, bit for bit; in fp32 its adapters are merged into fp32 weights, whose log-probs equal the
+    unmerged model's (both fp32 compute on the same weights, 1e-5). Merged into the bf16 weights instead
+    (peft's merge_and_unload on the bf16 base: what load_model did), most entries of W + BA round back to W
+    and most of the update's effect on the log-probs is lost."""
+    from peft import PeftModel
+    cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
+    base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    base.save_pretrained(tmp_path / "base")                  # a bf16 checkpoint, as a hub model's
+    tok.save_pretrained(tmp_path / "base")
+    lora = policy.with_lora(base, cfg)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.copy_(2e-4 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    ckpt = tmp_path / "ckpt"
+    lora.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    (ckpt / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
+    batch = batch_of(tok)
+    rows = list(range(batch.input_ids.shape[0]))
+    lp = lambda m: logprobs.fixed_logprobs(m, batch, rows, 4, 4)               # noqa: E731  (B, R)
+    loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)   # eval.py bench on CUDA
+    assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(lora.eval()))
+    W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]   # noqa: E731
+    want = lp(PeftModel.from_pretrained(W(torch.float32), str(ckpt)).eval())      # unmerged, fp32 compute
+    update = (want - lp(W(torch.float32))).abs().max().item()
+    merged32, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+    assert not type(merged32).__name__.startswith("PeftModel")               # a plain model: merged
+    assert (lp(merged32) - want).abs().max().item() < 1e-5 < 1e-3 * update
+    merged16 = PeftModel.from_pretrained(W(torch.bfloat16), str(ckpt)).merge_and_unload()
+    w0, w1 = dict(W(torch.bfloat16).named_parameters()), dict(merged16.named_parameters())
+    kept = [(w1[k] == w0[k]).float().mean().item() for k in w0 if k.endswith("proj.weight")]
+    lost = (lp(merged16.float()) - want).abs().max().item()
+    assert sum(kept) / len(kept) > 0.5 and lost > 0.3 * update, (kept, lost, update)

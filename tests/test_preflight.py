@@ -3,6 +3,7 @@ the installed Triton finds it (a compiler, Python.h, libcuda), each preflight pa
 (the run goes on with its fallback and one line), one engine for a run with held-out evaluation (counted
 across two steps and two evaluations, its buffers reserved once), an optimizer fallback that survives
 --resume."""
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -108,7 +109,14 @@ def tiny():
 
 def cfg_of(**kw):
     return SimpleNamespace(**{**dict(share_prefix=True, gen_chunk=8, prompts_per_step=2, group_size=2,
-                                     max_new_tokens=6, temperature=0.99, top_k=100, top_p=1.0), **kw})
+                                     max_new_tokens=6, temperature=0.99, top_k=100, top_p=1.0,
+                                     logprob_chunk=4), **kw})
+
+
+def record(model, tok, opt, head_mean, layers=(1, 2)):
+    """run.for_update's record as the preflight reads it (no autocast: the CPU's bf16 weights as they are)."""
+    return SimpleNamespace(model=model, tok=tok, opt=opt, head_mean=head_mean, layers=list(layers),
+                           autocast=contextlib.nullcontext())
 
 
 def kahan(model):
@@ -129,7 +137,7 @@ def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(preflight, "optimizer_trial", boom)
     monkeypatch.setattr(preflight, "engine_trial", boom)
-    u = SimpleNamespace(model=model, tok=tok, opt=kahan(model), head_mean=launch_fails)
+    u = record(model, tok, kahan(model), launch_fails)
     capsys.readouterr()
     got = preflight.check(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is add_head_mean and got.engine is None and got.optimizer == "foreach"
@@ -154,12 +162,12 @@ def test_a_kernel_that_runs_but_differs_is_not_used(tiny, monkeypatch, capsys):
     def half(buf, q, k, mask, scale, chunk):
         add_head_mean(buf, q, k, mask, scale, chunk)
         buf.mul_(0.5)
-    u = SimpleNamespace(model=model, tok=tok, opt=torch.optim.AdamW(model.parameters()), head_mean=half)
+    u = record(model, tok, torch.optim.AdamW(model.parameters()), half)
     got = preflight.check(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is add_head_mean and got.optimizer == "" and isinstance(got.engine, engine.Engine)
     assert "differs from add_head_mean by" in got.lines[0]
     assert got.lines[1].startswith("preflight: decode engine ran on cpu") and len(got.lines) == 2
-    assert got.engine.captures == 1 and got.engine.S >= 20 - 1 + 6                # the trial: one step shape
+    assert got.engine.captures == 2 and got.engine.S >= 20 - 1 + 6       # the trial: greedy and sampled
 
 
 def test_a_long_prompt_mid_run_recaptures_nothing(tiny, monkeypatch):
@@ -168,7 +176,7 @@ def test_a_long_prompt_mid_run_recaptures_nothing(tiny, monkeypatch):
     model, tok = tiny
     short, long = [[1] + list(range(5, 12))] * 2, [[1] + list(range(5, 120))]
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
-    u = SimpleNamespace(model=model, tok=tok, opt=torch.optim.AdamW(model.parameters()), head_mean=None)
+    u = record(model, tok, torch.optim.AdamW(model.parameters()), None)
     eng = preflight.check(cfg_of(), u, "cpu", widest=len(long[0])).engine
     kw = dict(n=2, max_new_tokens=6, chunk_size=8, engine=eng)
     rollout.generate(model, tok, short, **kw)
@@ -237,3 +245,64 @@ def test_an_optimizer_fallback_survives_resume(tmp_path, monkeypatch, capsys):
     assert all((g["triton"], g["foreach"]) == (False, True) for g in run.opt.param_groups)
     assert grpo.train(cfg, run).status == 0 and int(run.sched.last_epoch) == 2
     assert capsys.readouterr().out.count("preflight: the optimizer's Triton step failed") == 1
+
+
+# ----------------------------------------------------------------------------- the run's own kernel, its RNG
+def test_the_kernel_trial_is_the_runs_call(tiny, monkeypatch):
+    """The head-mean kernel is tried as the run calls it: the run's dtype (bf16 here), the model's head dim
+    and heads, transformers' bool padding mask, and with --share-prefix the response pass over the cached
+    prompt (S > T), on each chosen layer; an fp32 toy input would compile another kernel."""
+    model, tok = tiny
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    calls = []
+
+    def kernel(buf, q, k, mask, scale, chunk):
+        calls.append((q.dtype, k.dtype, q.shape, k.shape, None if mask is None else (mask.dtype, mask.shape),
+                      bool(mask is not None and not mask.all())))
+        add_head_mean(buf, q, k, mask, scale, chunk)
+    u = record(model, tok, torch.optim.AdamW(model.parameters()), kernel)
+    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    assert got.head_mean is kernel
+    assert got.lines[-1].startswith("preflight: head-mean kernel, decode engine ran")
+    mc = model.config
+    assert {c[0] for c in calls} == {c[1] for c in calls} == {torch.bfloat16}
+    assert {(c[2][1], c[2][3], c[3][1]) for c in calls} == {(mc.num_attention_heads, mc.head_dim,
+                                                              mc.num_key_value_heads)}
+    assert all(c[4][0] == torch.bool and c[4][1][1] == 1 for c in calls)       # (B, 1, T, S) bool
+    assert any(c[5] for c in calls)                                          # a padded row's mask
+    assert any(c[3][2] > c[2][2] for c in calls)                             # the response pass: S > T
+    assert len(calls) == 2 * len(u.layers)                                   # prompt and response passes
+
+
+class FakeCudaRng:
+    """torch.cuda's RNG state as the checkpoint reads it (get_rng_state_all / set_rng_state_all), on a
+    machine without a GPU; every sampled decode step draws from it (Engine.step wrapped)."""
+    def __init__(self, monkeypatch):
+        self.state = [torch.tensor([7, 0], dtype=torch.uint8)]
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.state])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda st: setattr(self, "state", list(st)))
+        real = engine.Engine.step
+
+        def step(eng, b, s):
+            if eng.warp is not None:                                         # sampled, not greedy
+                self.state[0][1] += 1                                        # a draw moves the offset
+            return real(eng, b, s)
+        monkeypatch.setattr(engine.Engine, "step", step)
+
+
+def test_the_samplers_trial_leaves_the_rng_as_it_was(tiny, monkeypatch):
+    """The preflight captures the sampler's graph too (a draw on the CPU's and the faked GPU's RNG), and
+    both RNG states are those of before the preflight: the first rollout draws what --resume restores."""
+    model, tok = tiny
+    monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
+    cuda = FakeCudaRng(monkeypatch)
+    drawn = []
+    real = engine.sample
+    monkeypatch.setattr(engine, "sample", lambda *a: drawn.append(1) or real(*a))
+    torch.manual_seed(3)
+    cpu, gpu = torch.get_rng_state(), [s.clone() for s in cuda.state]
+    got = preflight.check(cfg_of(), record(model, tok, torch.optim.AdamW(model.parameters()), None), "cpu",
+                          widest=20)
+    assert drawn and got.engine.captures == 2                                # the sampler ran and is captured
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert len(cuda.state) == 1 and torch.equal(cuda.state[0], gpu[0])

@@ -17,6 +17,7 @@ and a command line are checked by the same code (an int field refuses 1.5 as --s
 `commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
 `check` holds grpo.py's rules on its flags' values (one error line each, before anything loads);
 `reward_record` records the --reward files' hashes and refuses a --resume whose reward file changed.
+`lr_origin` says the learning rate in force and where it came from (run.setup prints it).
 """
 import argparse
 import dataclasses
@@ -36,7 +37,7 @@ import yaml
 import data
 from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, reward_files, rewards
+from training import credit, policy, reward_files, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -253,7 +254,7 @@ def check(cfg):
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    return credit.check(cfg) or rewards.check(cfg)
+    return policy.precision_problem(cfg) or credit.check(cfg) or rewards.check(cfg)
 
 
 def reward_record(cfg, given):
@@ -393,3 +394,35 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
         p.error(str(e))
     unused(cfg, given, prog)
     return cfg
+
+
+def lr_origin(cfg) -> list:
+    """The lines run.setup prints about the learning rate in force: its value and where it came from (the
+    default, a preset of the module that defines cfg's class, grpo.PRESETS: the embedded model's, 10x for
+    LoRA; --lr; a --config file; the resumed run's), and a notice when an lr from a --config file that does
+    not set lora_rank meets --lora-rank on the command line: the file, written for full fine-tuning, then
+    overrides LoRA's 10x preset."""
+    if cfg.resume:
+        return [f"lr {cfg.lr:g}: the resumed run's (its run_config.json, or --lr given with --resume)"]
+    mod = sys.modules.get(type(cfg).__module__)
+    presets, active = getattr(mod, "PRESETS", {}), \
+        getattr(mod, "presets", lambda *a: [])(cfg.model, cfg.paper_batch, cfg.lora_rank)
+    file = read_config(cfg.config, type(cfg), getattr(mod, "CHOICES", None)) if cfg.config else {}
+    values = [(type(cfg).lr, None)] + [(presets[k]["lr"], k) for k in active if "lr" in presets[k]]
+    value, label = values[-1]                                   # what the defaults and presets give
+    full = [v for v, k in values if not str(k).startswith("--lora-rank")][-1]   # full fine-tuning's
+    if "lr" in file and cfg.lr == file["lr"]:
+        where = f"--config {cfg.config}"
+    elif cfg.lr == value and label is None:
+        where = f"the default ({comments(type(cfg))[0].get('lr', 'grpo.Config')})"
+    elif cfg.lr == value:
+        where = f"set by {label}" + (f": {cfg.lr / full:g} x {full:g}, full fine-tuning's" if value != full
+                                     else "")
+    else:
+        where = "--lr"
+    lines = [f"lr {cfg.lr:g}: {where}"]
+    if "lr" in file and "lora_rank" not in file and cfg.lora_rank > 0 and cfg.lr == file["lr"]:
+        lines.append(f"notice: lr {cfg.lr:g} comes from --config {cfg.config}, which does not set lora_rank, "
+                     f"while --lora-rank {cfg.lora_rank} is given on the command line: the file's lr "
+                     f"replaces LoRA's preset ({value:g}); give --lr to choose")
+    return lines

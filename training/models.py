@@ -11,7 +11,7 @@ Model names:
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
   "qwen3-4b-random" Qwen3-4B-Base's exact architecture with random weights + the byte tokenizer (timing runs).
-  "<ckpt dir>"      a grpo.py --lora-rank checkpoint: its base model with the adapters merged (load_adapted).
+  "<ckpt dir>"      a grpo.py --lora-rank checkpoint: its base with its adapters, as trained (load_adapted).
 load_tokenizer and load_config read a model's tokenizer and config alone, before (or without) its weights.
 A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub,
 a directory without tokenizer files, a tokenizer that encodes text to no ids) raises ModelError, a ValueError
@@ -286,13 +286,19 @@ def adapter_base(path):
 
 
 def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
-    """(model, tokenizer) of a LoRA checkpoint for evaluation: its base (adapter_base) with the adapters
-    merged into its weights (peft's merge_and_unload): a plain model, as fast as the base."""
+    """(model, tokenizer) of a LoRA checkpoint for evaluation: its base (adapter_base) with the adapters as
+    the run trained them. An fp32 base: the adapters merged into its weights (peft's merge_and_unload), a
+    plain model as fast as the base. A bf16 or fp16 base: the adapters left unmerged (peft's PeftModel, in
+    eval mode), the function the run trained and evaluated: merged into bf16 weights, an RL update's small
+    W + BA would mostly round away (|BA| ~ 1e-4 against a bf16 ulp of ~1e-3 on weights of ~0.1;
+    tests/test_lora.py). A plain model without that loss: the base in fp32 (dtype=torch.float32), merged."""
     from peft import PeftModel
     model, _ = load_model(adapter_base(path), device=device, dtype=dtype,
                           attn_implementation=attn_implementation)
+    merge = next(model.parameters()).dtype == torch.float32         # merged in fp32: exact to its rounding
     try:
-        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        model = PeftModel.from_pretrained(model, str(path))
+        model = model.merge_and_unload() if merge else model
     except (ValueError, OSError, RuntimeError) as e:      # another model's adapters, a corrupted file
         raise ModelError(f"{path}: its LoRA adapters do not load onto {adapter_base(path)} "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None

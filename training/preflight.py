@@ -5,14 +5,20 @@ meet the GPU for the first time minutes into the run: a Triton launcher that can
 step 1's update, after the whole first rollout. run.setup calls `check` once, after the checkpoint has
 loaded; on CUDA it tries, in this order:
 
-  head-mean kernel   gpu_kernels/head_mean.py's kernel on a (1, 4 heads, 32, 16) fp32 input against
-                     flowtracer.add_head_mean (the reference; 1e-4), when head_mean_kernel chose it
+  head-mean kernel   gpu_kernels/head_mean.py's kernel as the run calls it, when head_mean_kernel chose it:
+                     one no-grad forward of the run's model through token_logprobs, as grpo.update calls it,
+                     under the run's autocast (its dtype, its head dim and heads) on two prompts, one left-
+                     padded, of two responses each (the padding mask; with --share-prefix the response pass
+                     over the cached prompt, S > T), its Capture against one that sums with
+                     flowtracer.add_head_mean (the reference; 1e-4). Triton compiles a kernel per dtype, head
+                     dim and mask kind: a toy input in another dtype would try another kernel.
   optimizer step     torch-optimi's AdamW step with Kahan summation on a scratch bf16 parameter, on the step
                      policy.optimi_kernel chose, when it chose Triton
-  decode engine      one greedy rollout.generate of 2 new tokens on a 4-token prompt through the run's engine:
-                     one capture and one replay at the smallest bucket (greedy: no random number drawn, so
-                     the run's RNG, restored by --resume, is not moved; the sampler's graphs are captured by
-                     the first rollout, under the guard that training/engine.py keeps for the run)
+  decode engine      rollout.generate of 2 new tokens on a 4-token prompt through the run's engine, greedy
+                     (held-out evaluation's graph) and sampled at the run's temperature, top-k and top-p (the
+                     rollouts' graph): a capture and a replay of each at the smallest bucket. Sampling draws
+                     random numbers: the CPU's and every GPU's RNG states are saved before the trial and
+                     restored after it (keep_rng), so the run's RNG, restored by --resume, is not moved.
 
 A part that fails is replaced by its fallback, with one line naming the part, the error and what runs
 instead (docs/gpu.md lists them and what each costs): add_head_mean; optimi's foreach step (the same
@@ -31,18 +37,20 @@ must survive --resume).
 Run: python grpo.py --model tiny-qwen3 --steps 1     (on a GPU: the preflight's lines before the first step)
      python -m pytest -q tests/test_preflight.py    (each fallback forced on the CPU)
 """
+import contextlib
 import time
 from typing import NamedTuple
 
 import torch
 
-from flowtracer import add_head_mean
+from flowtracer import Capture, add_head_mean
 from training import backoff, policy
 from training.cudagraph import one_line
 from training.engine import Engine, supports
-from training.rollout import eos_ids, generate
+from training.logprobs import token_logprobs
+from training.rollout import build_batch, eos_ids, generate
 
-TOLERANCE = 1e-4    # the kernel against add_head_mean, fp32 (tests/test_head_mean_kernel.py holds 1e-5)
+TOLERANCE = 1e-4    # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
 
 
 class Checked(NamedTuple):
@@ -66,15 +74,24 @@ def settle(opt, kernel):
     return kernel if groups else ""
 
 
-def head_mean_trial(fn, device):
-    """The kernel against add_head_mean on a tiny causal input; raises when it fails or differs."""
-    gen = torch.Generator().manual_seed(0)                                # not the run's RNG
-    q = torch.randn(1, 4, 32, 16, generator=gen).to(device)               # (B, H, T, d)
-    k = torch.randn(1, 2, 32, 16, generator=gen).to(device)               # (B, Hkv, S, d)
-    got, want = (torch.zeros(1, 32, 32, device=device) for _ in range(2))  # (B, T, S)
-    fn(got, q, k, None, 0.25, 32)
-    add_head_mean(want, q, k, None, 0.25, 32)
-    gap = (got - want).abs().max().item()                                 # a host read: the launch is done
+def first_token(tok):
+    return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+
+
+def head_mean_trial(fn, u, cfg, device):
+    """The kernel `fn` as the run calls it (see the docstring): the maps of one forward captured with `fn`
+    against those captured with add_head_mean; raises when it fails or they differ."""
+    s = first_token(u.tok)
+    prompts = [[s, 17, 18, 19, 20, 21]] * 2 + [[s, 22, 23]] * 2                    # one left-padded
+    batch = build_batch(u.tok, prompts, [[30, 31, 32], [33], [34, 35], [36]], device=device)    # (4, T)
+    maps = []
+    for f in (fn, add_head_mean):
+        cap = Capture(u.layers, head_mean=f)
+        with torch.no_grad(), u.autocast:
+            token_logprobs(u.model, batch.input_ids, batch.attention_mask, batch.prompt_width,
+                           cfg.logprob_chunk, cfg.share_prefix, capture=cap)
+        maps.append(cap.maps(batch.attention_mask))                                # (4, T, T)
+    gap = (maps[0] - maps[1]).abs().max().item()                          # a host read: the launch is done
     if not gap <= TOLERANCE:
         raise ValueError(f"differs from add_head_mean by {gap:.1e} (> {TOLERANCE:g})")
 
@@ -89,12 +106,26 @@ def optimizer_trial(device):
         raise ValueError("the step left the scratch parameter unchanged")
 
 
-def engine_trial(engine, model, tok, device):
-    """One greedy decode through the engine: a capture and a replay of the smallest bucket."""
-    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    with torch.no_grad(), policy.autocast(device):
-        generate(model, tok, [[start, 17, 18, 19]], n=1, max_new_tokens=2, greedy=True, chunk_size=1,
-                 engine=engine)
+@contextlib.contextmanager
+def keep_rng():
+    """The CPU's and every visible GPU's RNG states as they were before the block (torch.random.fork_rng's
+    saving, written out): the sampler's trial draws, the run's draws stay those --resume restores."""
+    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def engine_trial(engine, model, tok, device, cfg, autocast):
+    """One decode through the engine, greedy and then sampled at the run's settings: a capture and a replay
+    of each one's graph at the smallest bucket, the RNG kept (keep_rng)."""
+    with keep_rng(), torch.no_grad(), autocast:
+        for greedy in (True, False):
+            generate(model, tok, [[first_token(tok), 17, 18, 19]], n=1, max_new_tokens=2, greedy=greedy,
+                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, chunk_size=1,
+                     engine=engine)
 
 
 def make_engine(cfg, model, tok, widest, n_eval):
@@ -129,7 +160,7 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
             print(lines[-1], flush=True)
             return True
     if head_mean not in (None, add_head_mean) and fails(
-            "head-mean kernel", lambda: head_mean_trial(head_mean, device),
+            "head-mean kernel", lambda: head_mean_trial(head_mean, u, cfg, device),
             "flow credit uses add_head_mean, the PyTorch reference"):
         head_mean = add_head_mean
     if step == "triton" and fails("optimizer's Triton step", lambda: optimizer_trial(device),
@@ -137,7 +168,7 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
         step = settle(u.opt, "foreach")
 
     def decode():                                                      # out of memory: a smaller gen_chunk
-        return backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device))
+        return backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device, cfg, u.autocast))
     if engine is not None and fails("decode engine", decode,
                                     "rollouts decode with rollout.decode, without the engine"):
         engine = None

@@ -25,7 +25,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, heldout, models, policy, preflight, rewards, runlog, tracking
+from training import credit, flags, heldout, models, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -40,7 +40,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
-    autocast: torch.autocast    # bf16 on CUDA, off on the CPU (policy.autocast)
+    autocast: torch.autocast    # the precision's: bf16 or fp16, off under fp32 (policy.autocast)
     records: list               # the task's training records
     order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
     prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
@@ -112,6 +112,7 @@ def setup(cfg, memory=None) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
+    print("\n".join(flags.lr_origin(cfg)))                    # the lr in force and where it came from
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
@@ -129,7 +130,8 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
     """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
     alone, prompts `widest` tokens wide, n_eval held-out questions, memory.plan) against the card: the GPU's
     total (torch.cuda.mem_get_info) or --gpu-gb (at most the GPU's: a larger one is said and the card's
-    taken), less what the process holds already beyond the margin's context (the context is counted once).
+    taken) less memory.RESERVE, less what the process holds already beyond the margin's context (the context
+    is counted once).
     A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
     (saved with the run) and said in one line, with the engine's layout (resident through the update, or
     released for it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
@@ -144,7 +146,7 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
             print(f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / memory.GB:.1f} GB "
                   f"(torch.cuda.mem_get_info): the step is sized to the card")
         total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
-    budget = total - max(0, held - memory.CONTEXT)          # the context counted once (the margin has it)
+    budget = total * (1 - memory.RESERVE) - max(0, held - memory.CONTEXT)   # the reserve; the context once
     mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
     plan = memory.plan(cfg, mc, device, widest, budget, free, n_eval)
     if plan.gen_chunk is not None:
@@ -152,15 +154,17 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
         layout = "released for the update (reserved again for each rollout)" if plan.release else \
             "resident through the update"
         chosen = ", ".join(sorted(free)) or "none, as given"
-        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}): gen_chunk {plan.gen_chunk}, micro_batch "
-              f"{plan.micro_batch}, the decode engine {layout} (chosen: {chosen}; peak "
-              f"{plan.peak / memory.GB:.1f} GB in {plan.phase}, margin included)")
+        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}), {budget / memory.GB:.1f} GB planned (a "
+              f"{memory.RESERVE:.0%} reserve): gen_chunk {plan.gen_chunk}, micro_batch {plan.micro_batch}, "
+              f"the decode engine {layout} (chosen: {chosen}; peak {plan.peak / memory.GB:.1f} GB in "
+              f"{plan.phase}, margin included)")
         return Budget(total, source, plan)
     raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
                      f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
                      f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
-                     f"{total / memory.GB:.1f} GB ({source}): " + memory.what_fits(cfg, mc, device, widest,
-                                                                                   budget, free, n_eval))
+                     f"{total / memory.GB:.1f} GB ({source}), {budget / memory.GB:.1f} GB of it planned (a "
+                     f"{memory.RESERVE:.0%} reserve): "
+                     + memory.what_fits(cfg, mc, device, widest, budget, free, n_eval))
 
 
 def left_free(cfg):
@@ -186,6 +190,6 @@ def for_update(cfg, device, path=None):
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
     return SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
-                           autocast=policy.autocast(device), layers=flowtracer.select_layers(
+                           autocast=policy.autocast(cfg, device), layers=flowtracer.select_layers(
                                cfg.layers, model.config.num_hidden_layers) if credit.reads_maps(cfg) else [],
                            head_mean=flowtracer.head_mean_kernel(device) if credit.reads_maps(cfg) else None)

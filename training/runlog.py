@@ -16,7 +16,8 @@
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
 of trained tokens clipped), credit/* (weight statistics over the trained rows), time/*, mem/peak_gb, eval/*,
-oom/backoffs (out-of-memory back-offs in the step: training/backoff.py).
+oom/backoffs (out-of-memory back-offs in the step: training/backoff.py); under --precision fp16 scaler/scale
+(the GradScaler's) and scaler/skipped (1: it skipped the step).
 
 The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py):
 1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/;
@@ -126,6 +127,8 @@ class RunLog:
                        f"update skipped ({bad} in a row)")
         else:
             held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+            held_out += f" (fp16 overflow: step skipped, scale {m['scaler/scale']:g})" \
+                if m.get("scaler/skipped") else ""
             mean = math.nan if m["reward/mean"] is None else m["reward/mean"]      # None: no reward scored
             tqdm.write(f"step {done}: reward {mean:.3f} acc {m['acc']:.2f} "
                        f"len {m['len/mean']:.0f} "
@@ -245,6 +248,8 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
             "gen/tokens": sum(map(len, gen.response_ids)),
             "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
             "grad_norm": stats.get("grad_norm", 0.0), "lr": lr, "bad_steps": bad,
+            **({"scaler/scale": stats["scaler/scale"], "scaler/skipped": int(up.skipped)}   # fp16 alone
+               if "scaler/scale" in stats else {}),
             "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
             **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
             "credit/boosted_frac": ((weight != 1) & on).sum().item() / max(1, on.sum().item()),

@@ -1,0 +1,235 @@
+"""--precision (training/policy.py departure 5): what auto picks by the card's compute capability (faked), the
+flags that cannot go together (one error line each), an fp16 LoRA run on the CPU (fp16 base, fp32 adapters,
+fp16 autocast, a GradScaler) that trains, says so in one line and resumes exactly with the scaler's state, a
+step the scaler skips that is not a non-finite one, and the learning rate's line and notice."""
+import json
+
+import pytest
+import torch
+
+import grpo
+from test_lora import TINY, stable, toy_reward
+from training import flags, policy
+
+T4, A100 = (7, 5), (8, 0)
+
+
+def cfg(*argv):
+    return grpo.parse_args(["--model", "tiny-qwen3", *argv])
+
+
+# ----------------------------------------------------------------------------- what auto picks, by the card
+@pytest.mark.parametrize("lora", [False, True])
+def test_auto_picks_by_the_cards_compute_capability(lora, monkeypatch):
+    """Below 8.0 (a T4: 7.5) auto picks fp16 for LoRA and fp32 AdamW for full fine-tuning; from 8.0 bf16
+    (Kahan AdamW, or a bf16 base); on the CPU fp32. The card is read from torch.cuda, faked here."""
+    c = cfg(*(["--lora-rank", "8"] if lora else []))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: T4)
+    t4 = policy.precision(c, "cuda")
+    assert (t4.name, t4.scheme) == (("fp16", "lora") if lora else ("fp32", "adamw"))
+    assert t4.weights == (torch.float16 if lora else torch.float32)
+    assert t4.autocast == (torch.float16 if lora else None) and not t4.math_sdpa
+    assert "compute capability 7.5 has no bf16 tensor cores" in t4.line and t4.line.count("\n") == 0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: A100)
+    a100 = policy.precision(c, "cuda")
+    assert (a100.name, a100.scheme, a100.weights) == ("bf16", "lora" if lora else "kahan", torch.bfloat16)
+    cpu = policy.precision(c, "cpu")
+    assert (cpu.name, cpu.weights, cpu.autocast) == ("fp32", torch.float32, None)
+    assert policy.precision(c, "cuda", T4) == t4                             # the capability as an argument
+
+
+def test_bf16_below_8_runs_the_math_kernel_and_says_so():
+    """--precision bf16 (or --optimizer kahan) on a T4: it runs, emulated, on SDPA's math kernel: said in the
+    line, and memory.py counts the kernel's score matrices."""
+    for c in (cfg("--lora-rank", "8", "--precision", "bf16"), cfg("--optimizer", "kahan")):
+        p = policy.precision(c, "cuda", T4)
+        assert p.name == "bf16" and p.math_sdpa and "SDPA's math kernel" in p.line
+        assert not policy.precision(c, "cuda", A100).math_sdpa
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--precision", "fp16"], "--precision fp16 needs --lora-rank"),
+    (["--optimizer", "kahan", "--lora-rank", "8"], "--optimizer kahan is for full fine-tuning"),
+    (["--optimizer", "kahan", "--precision", "fp32"], "--optimizer kahan keeps bf16 weights"),
+])
+def test_flags_that_cannot_go_together_are_one_error_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo.parse_args(argv)                                               # the embedded model: no load
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith(f"grpo.py: error: {says}")
+
+
+# ----------------------------------------------------------------------------- fp16 LoRA on the CPU
+def scaler_state(out):
+    return torch.load(out / "ckpt" / "trainer_state.pt", weights_only=True)["optimizer"]["grad_scaler"]
+
+
+def test_an_fp16_lora_run_trains_says_so_and_resumes_exactly_with_its_scaler(tmp_path, monkeypatch, capsys):
+    """--lora-rank 4 --precision fp16 on the CPU: one line says fp16; the base is fp16, the adapters and
+    their AdamW states fp32, the forward under fp16 autocast; rows train and the adapters move. Three steps,
+    or two then --resume: the third step's metrics, the adapters and the GradScaler's state are equal, the
+    scaler's state saved with the checkpoint (its growth tracker has counted the clean steps)."""
+    toy_reward(monkeypatch)
+    a, b = tmp_path / "a", tmp_path / "b"
+    argv = [*TINY, "--lora-rank", "4", "--lr", "1e-2", "--precision", "fp16"]
+    run = grpo.setup(c := grpo.parse_args([*argv, "--steps", "3", "--out-dir", str(a)]))
+    full = grpo.train(c, run).history
+    out = capsys.readouterr().out
+    assert [x for x in out.splitlines() if x.startswith("precision:")] == [
+        "precision: fp16 (--precision fp16): fp16 frozen base, fp32 adapters and AdamW, fp16 autocast, "
+        "a GradScaler"]
+    dtypes = {n: p.dtype for n, p in run.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.float16}
+    assert all(v.dtype == torch.float32 for st in run.opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    assert sum(m["rows/trained"] for m in full) > 0 and all("scaler/scale" in m for m in full)
+    assert any(p.abs().max() > 0 for n, p in run.model.named_parameters() if "lora_B" in n)
+    grpo.train(grpo.parse_args([*argv, "--steps", "2", "--out-dir", str(b)]))
+    saved = scaler_state(b)
+    assert saved["_growth_tracker"] + (saved["scale"] < 2 ** 16) > 0          # not a fresh scaler's state
+    resumed = grpo.setup(grpo.parse_args(["--resume", str(b), "--steps", "3"]))
+    assert resumed.opt.scaler.state_dict() == saved
+    more = grpo.train(resumed.cfg, resumed).history
+    assert stable(more[0]) == stable(full[2])
+    assert scaler_state(a) == scaler_state(b)
+    from safetensors.torch import load_file
+    wa, wb = (load_file(str(d / "ckpt" / "adapter_model.safetensors")) for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert json.loads((b / "ckpt" / "run_config.json").read_text())["precision"] == "fp16"
+
+
+def test_a_step_the_scaler_skips_is_not_a_non_finite_step(tmp_path, monkeypatch):
+    """A scale so large that the scaled fp16 gradient overflows: the GradScaler skips the step and halves its
+    scale; under --max-bad-steps 1 the run goes on (a non-finite step would stop it), the adapters and the
+    schedule stay, and the metrics say scaler/skipped."""
+    toy_reward(monkeypatch)
+    c = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--precision", "fp16", "--steps", "2",
+                         "--max-bad-steps", "1", "--out-dir", str(tmp_path)])
+    run = grpo.setup(c)
+    run.opt.scaler.load_state_dict({**run.opt.scaler.state_dict(), "scale": 2.0 ** 120})   # fp32 holds it
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters() if "lora_" in n}
+    out = grpo.train(c, run)
+    first = next(m for m in out.history if m["rows/trained"] > 0)
+    assert out.status == 0 and out.stop is None and len(out.history) == 2
+    assert first["scaler/skipped"] == 1 and first["bad_steps"] == 0 and first["scaler/scale"] == 2.0 ** 119
+    assert all(m["scaler/skipped"] == 1 for m in out.history if m["rows/trained"] > 0)
+    assert all(torch.equal(p, before[n]) for n, p in run.model.named_parameters() if "lora_" in n)
+    assert int(run.sched.last_epoch) == 0                                     # no optimizer step was taken
+
+
+def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
+    """policy.optimizer_step under a GradScaler (CPU): a finite step steps; an overflowing gradient is a
+    skip (the scale halves); a NaN loss is neither: a non-finite step, as without a scaler."""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = policy.ScaledAdamW([w], "cpu", lr=0.1)
+    policy.scaled(opt, (w * 2).sum()).backward()
+    s = policy.optimizer_step(opt, [w], 1.0, 8.0)
+    assert (s.stepped, s.skipped, s.scale) == (True, False, 2.0 ** 16) and not torch.equal(w, torch.ones(4))
+    w.grad = torch.full((4,), float("inf"))
+    s = policy.optimizer_step(opt, [w], 1.0, 8.0)
+    assert (s.stepped, s.skipped, s.scale) == (False, True, 2.0 ** 15)
+    w.grad = torch.ones(4)
+    s = policy.optimizer_step(opt, [w], 1.0, float("nan"))
+    assert (s.stepped, s.skipped) == (False, False) and w.grad is None
+    plain = torch.optim.AdamW([w], lr=0.1)
+    assert policy.scaled(plain, torch.tensor(3.0)) == 3.0
+
+
+# ----------------------------------------------------------------------------- the learning rate, said
+def test_the_learning_rate_and_where_it_came_from(tmp_path):
+    """flags.lr_origin (run.setup prints it): the default (the paper's), a preset (the embedded model's),
+    LoRA's 10x, --lr, a --config file; and one notice when a file's lr (a file without lora_rank) meets
+    --lora-rank on the command line."""
+    assert flags.lr_origin(cfg()) == ["lr 1e-06: the default (AdamW learning rate (the paper's, §4.1, "
+                                      "App. C.3))"]
+    assert flags.lr_origin(grpo.parse_args([])) == ["lr 1e-05: set by the embedded model"]
+    assert flags.lr_origin(grpo.parse_args(["--lora-rank", "8"])) == [
+        "lr 0.0001: set by --lora-rank on the embedded model: 10 x 1e-05, full fine-tuning's"]
+    assert flags.lr_origin(cfg("--lora-rank", "8", "--lr", "3e-5")) == ["lr 3e-05: --lr"]
+    full = tmp_path / "full.yaml"
+    full.write_text("lr: 2e-6\n")
+    assert flags.lr_origin(cfg("--config", str(full))) == [f"lr 2e-06: --config {full}"]
+    lines = flags.lr_origin(cfg("--config", str(full), "--lora-rank", "8"))
+    assert lines[0] == f"lr 2e-06: --config {full}" and len(lines) == 2
+    assert lines[1].startswith(f"notice: lr 2e-06 comes from --config {full}, which does not set lora_rank, "
+                               f"while --lora-rank 8 is given on the command line")
+    both = tmp_path / "lora.yaml"
+    both.write_text("lr: 2e-5\nlora_rank: 8\n")
+    assert flags.lr_origin(cfg("--config", str(both))) == [f"lr 2e-05: --config {both}"]   # no notice
+    assert flags.lr_origin(cfg("--config", str(full), "--lora-rank", "8", "--lr", "3e-5")) == [
+        "lr 3e-05: --lr"]
+
+
+# ----------------------------------------------------------------------------- the estimate, by the card
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
+    """One Qwen3 decoder layer with SDPA forced onto its math kernel (the kernel bf16 gets below compute
+    capability 8.0): what it saves for backward, counted by track_peak, equals layer_saved(math=True); its
+    fp32 score matrices make it larger than the fused kernels' count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from evaluation import footprint, memtrace
+    from training.models import tiny_config
+    mc = tiny_config("tiny-qwen3", 260)
+    mc._attn_implementation = "sdpa"
+    b, T = 3, 40
+    layer = Qwen3DecoderLayer(mc, 0).to(dtype)
+    x = torch.randn(b, T, mc.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = Qwen3RotaryEmbedding(mc)(x, torch.arange(T)[None].expand(b, T))
+    mask = torch.ones(b, 1, T, T, dtype=torch.bool).tril()
+    mask[0, :, :, :5] = False                                             # left padding in row 0
+    with memtrace.track_peak(layer, x, cos, sin, mask) as tr, sdpa_kernel(SDPBackend.MATH):
+        base = tr.now
+        out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+        out = out[0] if isinstance(out, tuple) else out
+        saved = tr.now - base - out.untyped_storage().nbytes()
+    nb = 4 if dtype == torch.float32 else 2
+    assert saved == b * T * footprint.layer_saved(mc, T, nb, nb, math=True)
+    assert footprint.layer_saved(mc, T, nb, nb, math=True) > footprint.layer_saved(mc, T, nb, nb)
+
+
+def test_the_estimate_counts_the_kernel_the_card_runs():
+    """Qwen3-4B's step under --precision bf16 on a T4 (7.5: the math kernel) holds more than on an A100 (8.0:
+    a fused kernel), by at least the backward's two score-sized gradients of one micro-batch; fp16 on the T4
+    (the memory-efficient kernel) holds what it holds on the A100; and its weights are 2 bytes a parameter,
+    fp32 AdamW's 4."""
+    from evaluation import footprint, memory
+    from training.models import qwen3_4b_config
+    mc = qwen3_4b_config()
+    bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
+    est = {cap: memory.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
+    b, T = bf16.micro_batch, 256 + bf16.max_new_tokens
+    grew = sum(est[T4]["backward"].values()) - sum(est[A100]["backward"].values())
+    assert grew >= footprint.math_scores(b, mc.num_attention_heads, T, T)
+    assert sum(est[T4]["update forward"].values()) > sum(est[A100]["update forward"].values())
+    fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
+    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4) == memory.estimate(fp16, mc, "cuda", 256, cap=A100)
+    full = grpo.parse_args(["--model", "qwen3-4b-random"])                   # auto: fp32 AdamW on a T4
+    N = memory.param_counts(mc)[0]
+    assert memory.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
+    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
+
+
+def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
+    """`eval.py memory --model qwen3-4b-random --precision fp16 --gpu-gb 16 --lora-rank 16`: the plan for a
+    16 GB T4 (15.8e9 bytes exposed) has its peak, the margin included, at most 14.5 GB; --capability 7.5
+    without --precision picks fp16 itself and prints the same plan."""
+    import re
+
+    import eval as ev
+    lines = {}
+    for extra in (["--precision", "fp16"], ["--capability", "7.5"]):
+        ev.main(["memory", "--model", "qwen3-4b-random", *extra, "--gpu-gb", "16", "--lora-rank", "16"])
+        out = capsys.readouterr().out
+        assert out.splitlines()[0].startswith("precision: fp16")
+        plan = re.search(r"would pick gen_chunk (\d+), micro_batch (\d+) \(peak ([\d.]+) GB with the "
+                         r"margin", out)
+        assert plan and float(plan.group(3)) <= 14.5, out
+        lines[extra[0]] = plan.groups()
+    assert lines["--precision"] == lines["--capability"]
+    with pytest.raises(SystemExit) as e:
+        ev.main(["memory", "--model", "qwen3-4b-random", "--capability", "75"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("eval.py: error: --capability must be")
