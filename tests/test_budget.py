@@ -176,8 +176,9 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
     mc = memory.model_config(cfg.model)
     cache = memory.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
-    assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[0]
-    assert out[2].split()[0] == "generation" and float(out[2].split()[5]) == round(
+    assert out[0].startswith("precision: bf16")                      # the card's precision, then the table
+    assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[1]
+    assert out[3].split()[0] == "generation" and float(out[3].split()[5]) == round(
         memory.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / memory.GB, 2)
     line = next(x for x in out if x.startswith("engine:"))
     assert line.startswith("engine: resident through the update")

@@ -225,7 +225,7 @@ def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
         ev.main(["memory", "--model", "qwen3-4b-random", *extra, "--gpu-gb", "16", "--lora-rank", "16"])
         out = capsys.readouterr().out
         assert out.splitlines()[0].startswith("precision: fp16")
-        plan = re.search(r"would pick gen_chunk (\d+), micro_batch (\d+) \(peak ([\d.]+) GB with the "
+        plan = re.search(r"picks gen_chunk (\d+), micro_batch (\d+), the engine \w+ \(peak ([\d.]+) GB with the "
                          r"margin", out)
         assert plan and float(plan.group(3)) <= 14.5, out
         lines[extra[0]] = plan.groups()
