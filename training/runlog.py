@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from tasks.answers import find_answer_span
 from training import rundir
 from training.rundir import RunError
 
@@ -91,10 +92,7 @@ class RunLog:
         missing, n = m.get("answers/missing", 0), len(rollouts.gen.texts) if rollouts is not None else 0
         if 2 * missing > n > 0 and not self.warned_answers:        # eq. 2's sink: said once a run
             self.warned_answers = True
-            rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
-            tqdm.write(f"step {done}: {missing} of {n} responses have no answer region (eq. 2's sink; "
-                       f"{rule}), so their flow credit falls back to plain GRPO: give --answer-pattern "
-                       f"REGEX, the form of this task's answer")
+            tqdm.write(answers_notice(done, missing, n, cfg.answer_pattern, rollouts.gen.texts))
         if "skipped" in m:
             tqdm.write(f"step {done}: {m['skipped']}; no update")
         elif bad:
@@ -138,6 +136,25 @@ class RunLog:
             print(f"checkpoint: {self.out / 'ckpt'}")
         if stop == "interrupted":
             print(f"interrupted: checkpoint saved; continue with --resume {self.out}")
+
+
+def answers_notice(step, missing, n, pattern, texts):
+    """The run's notice when more than half of a step's n responses have no answer region (eq. 2's sink):
+    the rule they were matched against and one sampled reply without one, cut short (cut), so that one sees
+    whether the model does not write the answer's form or the pattern does not match it."""
+    rule = (f"--answer-pattern '{pattern}'" if pattern else
+            "the default: the last \\boxed{...}, else <answer>...</answer> (--answer-pattern: none given)")
+    reply = next((t for t in texts if find_answer_span(t, pattern or None) is None), "")
+    return (f"step {step}: {missing} of {n} responses have no answer region (eq. 2's sink), so their flow "
+            f"credit falls back to plain GRPO\n  matched against: {rule}\n"
+            f"  one reply ({len(reply)} characters): {cut(reply)}\n"
+            "  if the model writes its answer in another form, give --answer-pattern REGEX for that form; "
+            "if it writes none, ask for one in the prompt")
+
+
+def cut(text, head=60, tail=100):
+    """A reply cut short for a one-line notice: its start and its end (where an answer would be), repr'd."""
+    return repr(text) if len(text) <= head + tail + 5 else f"{text[:head]!r} [...] {text[-tail:]!r}"
 
 
 class Clock:
@@ -208,8 +225,11 @@ def credit_stats(weight, adv, on):
 
 # ----------------------------------------------------------------------------- files a step writes
 def save_rollouts(path, tok, rollouts):
-    """One JSON line per rollout (rollouts: Rollouts, the rows a step trained on): text, reward,
-    advantage, and per response token: text, score, weight."""
+    """One JSON line per rollout (rollouts: Rollouts, the rows a step kept; a group's rows consecutive):
+    prompt (decoded with its special tokens), response (without), reward r_i, adv A_i (0: not trained, no
+    credit), and per response token: tokens (each decoded alone), answer (in eq. 2's answer region), score
+    (the credit's; flow: tau; 0 on a row not trained), weight (gamma_it, eq. 6). `python eval.py credit
+    RUN_DIR` draws them (evaluation/credit_page.py describes each field)."""
     batch, gen, P = rollouts.batch, rollouts.gen, rollouts.batch.prompt_width
     with full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rollouts.kept):
