@@ -138,23 +138,20 @@ class RunLog:
             print(f"interrupted: checkpoint saved; continue with --resume {self.out}")
 
 
-def answers_notice(step, missing, n, pattern, texts):
+def answers_notice(step, missing, n, pattern, texts, head=60, tail=100):
     """The run's notice when more than half of a step's n responses have no answer region (eq. 2's sink):
-    the rule they were matched against and one sampled reply without one, cut short (cut), so that one sees
-    whether the model does not write the answer's form or the pattern does not match it."""
+    the rule they were matched against and one sampled reply without one, cut short (its first `head` and
+    last `tail` characters: where an answer would be), so that one sees whether the model does not write the
+    answer's form or the pattern does not match it."""
     rule = (f"--answer-pattern '{pattern}'" if pattern else
             "the default: the last \\boxed{...}, else <answer>...</answer> (--answer-pattern: none given)")
     reply = next((t for t in texts if find_answer_span(t, pattern or None) is None), "")
+    shown = repr(reply) if len(reply) <= head + tail + 5 else f"{reply[:head]!r} [...] {reply[-tail:]!r}"
     return (f"step {step}: {missing} of {n} responses have no answer region (eq. 2's sink), so their flow "
             f"credit falls back to plain GRPO\n  matched against: {rule}\n"
-            f"  one reply ({len(reply)} characters): {cut(reply)}\n"
+            f"  one reply ({len(reply)} characters): {shown}\n"
             "  if the model writes its answer in another form, give --answer-pattern REGEX for that form; "
             "if it writes none, ask for one in the prompt")
-
-
-def cut(text, head=60, tail=100):
-    """A reply cut short for a one-line notice: its start and its end (where an answer would be), repr'd."""
-    return repr(text) if len(text) <= head + tail + 5 else f"{text[:head]!r} [...] {text[-tail:]!r}"
 
 
 class Clock:
