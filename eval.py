@@ -14,6 +14,7 @@
   plot       flow heatmap (Fig. 2), a token's inflow / outflow (Fig. 7), high-flow tokens (Fig. 3), curves
              Fig. 2 draws the flow throughput of one response's tokens (PNG + HTML), Fig. 3 the most frequent
              high- and low-flow tokens; curves draws --metrics runs with a peak-tracking EMA (figures.py).
+  credit     a run's saved step: each response's tokens coloured by their credit, as a page (HTML + PNG)
   learn      the learning experiment: credit arms x seeds of grpo.py runs, held-out gains, paired tests
              Its own flags: `python eval.py learn --help` (evaluation/learn.py).
   answer-forms  overlap of the high-flow sets when the answer is rewritten in other forms (Table 11a)
@@ -41,6 +42,7 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
          --threads 1
      python eval.py recall --task arithmetic --n-responses 24 --max-positions 24 --max-new-tokens 96
      python eval.py plot [--metrics runs/a/metrics.jsonl ...]
+     python eval.py credit runs/embedded [--step 6]       (evaluation/credit_page.py)
      python eval.py memory --model qwen3-4b-random [--max-new-tokens 8192 --micro-batch 4 --gen-chunk 16]
      python eval.py answer-forms --task arithmetic --n-problems 24 --max-new-tokens 128 --threads 1
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
@@ -57,7 +59,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from evaluation import figures, highflow, probes, stats
+from evaluation import credit_page, figures, highflow, probes, stats
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import flags, oar, signals
@@ -217,6 +219,7 @@ def plot(args):
     out.mkdir(parents=True, exist_ok=True)
     result = {"figures": figs}
     try:
+        figures.use_run(args)                            # --run: its rollouts, checkpoint and answer pattern
         if "curves" in figs:
             if not args.metrics:
                 fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
@@ -226,7 +229,7 @@ def plot(args):
             result["curves"] = figures.curves(runs, args.keys, args.alpha, out / "curves.png")
         if set(figs) & {"heatmap", "inout", "tokens"}:
             model, tok, style = setup(args, args.task)
-            rows = inputs(args, tok, style)
+            rows = figures.run_rows(args, tok) if args.run else inputs(args, tok, style)
             if "response" not in rows[0]:
                 rows = probes.sample_responses(model, tok, rows, args, style, args.temperature, args.seed,
                                                "plot: sample")
@@ -324,6 +327,8 @@ def parse(argv=None):
     p.add_argument("--frac", type=float, default=0.2,
                    help="top / bottom share per response for the token charts")
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
+    figures.add_run_flags(p)
+    credit_page.add_flags(command("credit", lambda a: save(a, *credit_page.draw(a))))
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
     p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
     p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),

@@ -1,9 +1,14 @@
 """The figures of `eval.py plot`: where the flow goes in one response, and how training curves move.
 
   flow_figures(model, tok, rows, args, figs, out)  Fig. 2, 7 and 3 from one forward over rows with responses
-      heatmap   Fig. 2: the tokens on boxes coloured by flow throughput tau (PNG + HTML)
+      heatmap   Fig. 2: the response's tokens coloured by flow throughput tau, with its colour bar, the answer
+                region boxed and the boosted tokens (the top --top-frac by tau, gamma) underlined; the prompt
+                apart, uncoloured (PNG + HTML, drawn by token_page.write_page)
       inout     Fig. 7: the inflow phi(i -> k) into one token k, and its outflow phi(k -> j), phi = f W'
+                (two colour bars, the same marks)
       tokens    Fig. 3: the most frequent high- and low-flow tokens, as two bar charts
+  use_run(args), run_rows(args, tok)  plot --run RUN_DIR: a run's saved rollouts (--step), drawn with the
+                                     run's checkpoint, answer pattern, top_frac and gamma (add_run_flags)
   curves(runs, keys, alpha, png)     training curves, raw and smoothed by the peak-tracking EMA (App. C.3)
   metrics_rows(path)                 the rows of a metrics.jsonl that a killed run may have cut short
   metrics_runs(paths)                {run name: rows} of several metrics.jsonl files (eval.py plot --metrics)
@@ -25,13 +30,15 @@ import math
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from evaluation import highflow, probes
-from flowtracer import dag_weights, reweight, trace_flow
+from evaluation import credit_page, highflow, probes, token_page
+from flowtracer import dag_weights, flow_credit, reweight, trace_flow
 from training.attention import attention_graph
 from training.checkpoint import file_problem
+from training.credit import CreditConfig
 
 
 def token_figure(path, tokens, colors, title, width=100):
@@ -156,10 +163,51 @@ def curves(runs, keys, alpha, png):
 
 
 # ----------------------------------------------------------------------------- the flow of one response
+def add_run_flags(p):
+    """plot's --run and --step; --model's default becomes the run's checkpoint (use_run)."""
+    p.add_argument("--run", default=None, metavar="RUN_DIR", help="draw a grpo.py run's saved rollouts "
+                   "(rollouts/step_N.jsonl) with its checkpoint, --answer-pattern, --top-frac and --gamma")
+    p.add_argument("--step", type=credit_page.at_least(1), default=None, metavar="N",
+                   help="--run's saved step (default: the last saved)")
+    model = p._option_string_actions["--model"]
+    model.default, model.help = None, model.help + " (default: --run's checkpoint, else smollm2-135m)"
+
+
+def use_run(args):
+    """plot --run RUN_DIR: the run's checkpoint as --model unless one is given, and its --answer-pattern,
+    --top-frac and --gamma (the boosted marks) from its run_config.json; without --run: smollm2-135m and
+    CreditConfig's top_frac and gamma."""
+    cfg = credit_page.run_config(args.run) if args.run else {}
+    if args.run and args.responses:
+        raise ValueError("plot: --run draws the run's rollouts; leave out --responses")
+    if args.run and not args.model and not cfg:
+        raise ValueError(f"--run {args.run}: no checkpoint (ckpt/run_config.json) to draw the flow with; "
+                         "give --model")
+    args.model = args.model or args.run or "smollm2-135m"
+    if args.answer_pattern is None:
+        args.answer_pattern = cfg.get("answer_pattern") or None
+    args.top_frac = cfg.get("top_frac", CreditConfig.top_frac)
+    args.gamma = cfg.get("gamma", CreditConfig.gamma)
+
+
+def run_rows(args, tok):
+    """The rollouts of --run's saved step as flow_figures takes them: the prompt and the response tokenised
+    again from their saved text (the response's tokens joined: its EOS included), with the reward and A."""
+    step, path, saved = credit_page.read_step(args.run, args.step)
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    rows = [{"record": {"id": f"step {step}, row {i}"}, "prompt": ids(r["prompt"]),
+             "response": ids("".join(r["tokens"])), "reward": r["reward"], "adv": r["adv"]}
+            for i, r in enumerate(saved)]
+    rows = [r for r in rows if r["response"] and r["prompt"]]
+    if not rows:
+        raise ValueError(f"{path}: no rollout with a prompt and a response")
+    return rows
+
+
 def flow_figures(model, tok, rows, args, figs, out):
     """The flow figures named in `figs` for rows with responses (probes.regions); returns their numbers. When
     no response has an answer it draws nothing and n_no_answer == n_responses."""
-    plt, batch = probes.pyplot(), probes.regions(tok, rows, getattr(args, "answer_pattern", None))
+    batch = probes.regions(tok, rows, getattr(args, "answer_pattern", None))
     dev, P = model.device, batch.prompt_width
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)
@@ -171,12 +219,20 @@ def flow_figures(model, tok, rows, args, figs, out):
         return res
     b = has[min(args.index, len(has) - 1)]
     lo, end = P - min(args.context, int(batch.attention_mask[b, :P].sum())), P + len(rows[b]["response"])
-    toks = [tok.decode([t]) for t in batch.input_ids[b, lo:end].tolist()]
-    tau = fl.throughput[b, lo:end]
+    toks = [token_page.visible(tok.decode([t])) for t in batch.input_ids[b, lo:end].tolist()]
+    gamma, top = getattr(args, "gamma", CreditConfig.gamma), getattr(args, "top_frac", CreditConfig.top_frac)
+    c = flow_credit(fl.throughput[b], batch.response_mask[b].to(dev), top, gamma, prompt_width=P)  # eq. 6
+    n, tau = P - lo, fl.throughput[b, lo:end].tolist()                     # n: the prompt tokens drawn
+    side = [f"reward {rows[b]['reward']:.3g}"] if isinstance(rows[b].get("reward"), (int, float)) else []
+    side += [credit_page.adv_text(rows[b]["adv"])] if isinstance(rows[b].get("adv"), (int, float)) else []
+    marks = Marks(toks, n, batch.answer_mask[b, P:end].tolist(), c.weight[:end - P].tolist(), tau,
+                  side + [f"γ {gamma:g}: top {top:.0%} by τ"],
+                  f"{rows[b]['record']['id']}: response {has.index(b) + 1} of the {len(has)} with an answer "
+                  f"region (--index); the prompt's last {n} tokens above it")
     if "heatmap" in figs:                                                    # Fig. 2
-        cm = plt.get_cmap("Reds")
-        token_figure(out / "heatmap", toks, [cm(0.85 * v) for v in log_scale(tau)],
-                     f"flow throughput, {rows[b]['record']['id']}")
+        bar = token_page.scale(tau[n:], "flow throughput τ (eq. 4)")
+        marks.draw(out / "heatmap", f"flow throughput, {rows[b]['record']['id']}",
+                   [None] * n + [bar.color(x) for x in tau[n:]], [bar])
     if "inout" in figs:                                                      # Fig. 7
         resp_tau = torch.where(batch.answer_mask[b, P:end].to(dev), 0, fl.throughput[b, P:end])
         if args.token is not None and not 0 <= args.token < end - P:
@@ -184,17 +240,39 @@ def flow_figures(model, tok, rows, args, figs, out):
         k = P + (args.token if args.token is not None else int(resp_tau.argmax()))
         Wp = reweight(dag_weights(attn[b:b + 1], ans[b:b + 1], valid[b:b + 1]), fl.h[b:b + 1])[0]  # (T, T) W'
         inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]      # phi(i -> k), phi(k -> j)
-        vin, vout = log_scale(inflow[lo:end]), log_scale(outflow[lo:end])
-        blue, orange = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
-        colors = [(1, 0.2, 0.2, 1) if lo + j == k else blue(0.8 * a) if lo + j < k else orange(0.8 * c)
+        vin, vout = inflow[lo:end].tolist(), outflow[lo:end].tolist()
+        bin_ = token_page.scale(vin, f"inflow φ(i → k) into {toks[k - lo]!r} (red)", "Blues")
+        bout = token_page.scale(vout, "outflow φ(k → j)", "Oranges")
+        colors = [(1, 0.2, 0.2, 1) if lo + j == k else bin_.color(a) if lo + j < k else bout.color(c)
                   for j, (a, c) in enumerate(zip(vin, vout))]
-        token_figure(out / "inout", toks, colors,
-                     f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)")
+        title = f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)"
+        marks.draw(out / "inout", title, colors, [bin_, bout])
         res["inout"] = {"token": toks[k - lo], "position": k - P, "inflow_total": float(inflow.sum()),
                         "outflow_total": float(outflow.sum()), "inflow_from_prompt": float(inflow[:P].sum())}
     if "tokens" in figs:                                                     # Fig. 3
         res["tokens"] = token_charts(tok, batch, fl, has, args, out / "tokens.png")
     return res
+
+
+class Marks(NamedTuple):
+    """One response drawn by a flow figure: its prompt's last n tokens apart, then the response's tokens with
+    the answer region and the boosted tokens marked (token_page's page: PNG + HTML)."""
+    toks: list                  # the tokens drawn: n prompt tokens, then the response's
+    n: int
+    answer: list                # per response token: in the answer region (eq. 2)
+    weight: list                # per response token: gamma (eq. 6); > 1: boosted
+    tau: list                   # per token drawn: the throughput (the hover text)
+    side: list                  # the lines beside the response: reward, A, the rule of the marks
+    note: str                   # the line under the title: which response, which prompt tokens
+
+    def draw(self, stem, title, colors, bars):
+        """<stem>.png and <stem>.html: the tokens on `colors` (one per token drawn), `bars` their scales."""
+        n, Tok = self.n, token_page.Tok
+        prompt = [Tok(self.toks[j], colors[j], tip=f"τ {self.tau[j]:.3g}") for j in range(n)]
+        resp = [Tok(self.toks[j], colors[j], self.answer[j - n], self.weight[j - n] > 1,
+                    f"τ {self.tau[j]:.3g} · γ {self.weight[j - n]:g}") for j in range(n, len(self.toks))]
+        token_page.write_page(stem, title, [self.note], [token_page.Row(["prompt"], prompt, prompt=True),
+                                                          token_page.Row(self.side, resp)], bars)
 
 
 def token_charts(tok, batch, fl, has, args, png):

@@ -152,8 +152,8 @@ def test_eval_lists_every_command_with_its_usage(capsys):
     top = capsys.readouterr().out
     for name in flags.commands(ev.__doc__):
         assert f"    {name}" in top, name
-    assert set(flags.commands(ev.__doc__)) == {"bench", "intervene", "recall", "memory", "plot", "learn",
-                                                "answer-forms"}
+    assert set(flags.commands(ev.__doc__)) == {"bench", "intervene", "recall", "memory", "plot", "credit",
+                                                "learn", "answer-forms"}
     with pytest.raises(SystemExit):
         ev.main(["learn", "--help"])
     out = capsys.readouterr().out

@@ -15,7 +15,7 @@ import data
 import grpo
 from tasks import custom
 from tasks.answers import find_answer_span
-from training import rewards
+from training import rewards, runlog
 from training.models import load_model
 from training.rollout import build_batch
 
@@ -59,6 +59,24 @@ def fails(capsys, argv):
 def test_the_answer_region_is_the_last_match_or_its_first_group(text, pattern, want):
     span = find_answer_span(text, pattern)
     assert (None if span is None else text[span[0]:span[1]]) == want
+
+
+def test_the_notice_shows_the_rule_and_one_reply_cut_short():
+    texts = ["\\boxed{3}", "So the total is 41 apples, " * 10, "x"]
+    notice = runlog.answers_notice(2, 2, 3, "", texts)
+    assert notice.startswith("step 2: 2 of 3 responses have no answer region")
+    assert "the last \\boxed{...}, else <answer>...</answer>" in notice
+    assert f"one reply (270 characters): {texts[1][:60]!r} [...] {texts[1][-100:]!r}" in notice   # not \boxed
+    mine = runlog.answers_notice(1, 1, 1, r"ANSWER: (\d+)", ["the answer is 4"])
+    assert r"matched against: --answer-pattern 'ANSWER: (\d+)'" in mine and "'the answer is 4'" in mine
+
+
+def test_help_names_every_default_answer_region(capsys):
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    rule = help_[help_.index("--answer-pattern"):][:160]
+    assert "\\boxed{}" in rule and "<answer>" in rule, rule
 
 
 @pytest.fixture(scope="module")
@@ -162,14 +180,19 @@ def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case):
 # ----------------------------------------------------------------------------- a run
 def test_a_custom_run_trains_with_the_pattern_and_warns_once_without(tmp_path, capsys):
     """tiny-qwen3 never writes \\boxed{}: without --answer-pattern every response lacks the answer region
-    and the run says so once in two steps; with a pattern that every response meets, no warning and no flow
-    fallback, and the user's function computed every reward (it records its calls)."""
+    and the run says so once in two steps, with the default rule and the step's first reply, cut short; with
+    a pattern that every response meets, no warning and no flow fallback, and the user's function computed
+    every reward (it records its calls)."""
     log = tmp_path / "calls.txt"
     argv = task_files(tmp_path, VARIED.replace("def score(completion, record):\n", (
         f"def score(completion, record):\n    open({str(log)!r}, 'a').write(record['id'] + '\\n')\n")))
-    grpo.main([*TINY, *argv, "--steps", "2", "--out-dir", str(tmp_path / "plain")])
+    grpo.main([*TINY, *argv, "--steps", "2", "--rollouts-every", "1", "--out-dir", str(tmp_path / "plain")])
     out = capsys.readouterr().out
     assert out.count("have no answer region") == 1 and "--answer-pattern" in out
+    first = json.loads(open(tmp_path / "plain" / "rollouts" / "step_00001.jsonl").readline())["response"]
+    assert "step 1: 8 of 8 responses have no answer region" in out and "<answer>...</answer>" in out
+    shown = repr(first) if len(first) <= 165 else f"{first[:60]!r} [...] {first[-100:]!r}"
+    assert f"one reply ({len(first)} characters): {shown}" in out                   # the model's own words
     assert len(log.read_text().split()) == 1 + 2 * 8                      # the setup check, then each row
     grpo.main([*TINY, *argv, "--steps", "1", "--answer-pattern", r"(\S+)\s*$", "--out-dir",
                str(tmp_path / "mine")])

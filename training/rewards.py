@@ -67,7 +67,7 @@ class TaskConfig:
     reward: str = ""                   # FILE.py:FUNCTION[,...]: (completion, record) -> float, or TRL's form
     reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
     reward_files: str = ""             # set by the run: each --reward file's path and SHA-256 (rewards.py)
-    answer_pattern: str = ""           # regex of eq. 2's answer: its last match (group 1); "": \boxed{}
+    answer_pattern: str = ""           # answer regex (eq. 2): last match, group 1; "": \boxed{} else <answer>
     eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
 
 

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from tasks.answers import find_answer_span
 from training import rundir
 from training.rundir import RunError
 from training.usercode import Interrupted
@@ -116,10 +117,7 @@ class RunLog:
         missing, n = m.get("answers/missing", 0), len(rollouts.gen.texts) if rollouts is not None else 0
         if 2 * missing > n > 0 and not self.warned_answers:        # eq. 2's sink: said once a run
             self.warned_answers = True
-            rule = cfg.answer_pattern or "the default, the last \\boxed{} or <answer>...</answer>"
-            tqdm.write(f"step {done}: {missing} of {n} responses have no answer region (eq. 2's sink; "
-                       f"{rule}), so their flow credit falls back to plain GRPO: give --answer-pattern "
-                       f"REGEX, the form of this task's answer")
+            tqdm.write(answers_notice(done, missing, n, cfg.answer_pattern, rollouts.gen.texts))
         if "skipped" in m:
             tqdm.write(f"step {done}: {m['skipped']}; no update")
         elif bad:
@@ -203,6 +201,22 @@ class RunLog:
                   "interrupted before the first step completed: nothing saved")
 
 
+def answers_notice(step, missing, n, pattern, texts, head=60, tail=100):
+    """The run's notice when more than half of a step's n responses have no answer region (eq. 2's sink):
+    the rule they were matched against and one sampled reply without one, cut short (its first `head` and
+    last `tail` characters: where an answer would be), so that one sees whether the model does not write the
+    answer's form or the pattern does not match it."""
+    rule = (f"--answer-pattern '{pattern}'" if pattern else
+            "the default: the last \\boxed{...}, else <answer>...</answer> (--answer-pattern: none given)")
+    reply = next((t for t in texts if find_answer_span(t, pattern or None) is None), "")
+    shown = repr(reply) if len(reply) <= head + tail + 5 else f"{reply[:head]!r} [...] {reply[-tail:]!r}"
+    return (f"step {step}: {missing} of {n} responses have no answer region (eq. 2's sink), so their flow "
+            f"credit falls back to plain GRPO\n  matched against: {rule}\n"
+            f"  one reply ({len(reply)} characters): {shown}\n"
+            "  if the model writes its answer in another form, give --answer-pattern REGEX for that form; "
+            "if it writes none, ask for one in the prompt")
+
+
 class Clock:
     """Seconds per phase of a step: `with clock.phase("credit"): ...` adds the block's time to
     seconds["credit"]. On CUDA each mark first waits for the queued kernels (torch.cuda.synchronize): a phase
@@ -277,8 +291,11 @@ def credit_stats(weight, adv, on):
 
 # ----------------------------------------------------------------------------- files a step writes
 def save_rollouts(path, tok, rollouts):
-    """One JSON line per rollout (rollouts: Rollouts, the rows a step trained on): text, reward,
-    advantage, and per response token: text, score, weight."""
+    """One JSON line per rollout (rollouts: Rollouts, the rows a step kept; a group's rows consecutive):
+    prompt (decoded with its special tokens), response (without), reward r_i, adv A_i (0: not trained, no
+    credit), and per response token: tokens (each decoded alone), answer (in eq. 2's answer region), score
+    (the credit's; flow: tau; 0 on a row not trained), weight (gamma_it, eq. 6). `python eval.py credit
+    RUN_DIR` draws them (evaluation/credit_page.py describes each field)."""
     batch, gen, P = rollouts.batch, rollouts.gen, rollouts.batch.prompt_width
     with full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rollouts.kept):
