@@ -30,7 +30,8 @@ Departures (numbered):
  1. The limits are this file's estimates for one H100 with margin (LIMITS), not measurements; a slower card
     needs --limit or a larger --budget.
  2. The preflight's part runs its small step in a scratch directory (the checkpoint grpo.py writes at the
-    end, 8 GB for a 4B model, is deleted with it); the report keeps only logs and JSON.
+    end, 8 GB for a 4B model without its optimizer's state, is deleted with it); the report keeps only logs
+    and JSON.
 
 Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, about an hour
       python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
@@ -148,7 +149,7 @@ def suite_figures(out, log):
 
 LIMITS = {"preflight": 300, "headline": 900, "lora24": 900, "decoders": 420, "suite": None, "static": 600}
 PREFLIGHT = "grpo.py --model qwen3-4b-random --device cuda --steps 1 --prompts-per-step 1 --group-size 2 "
-PREFLIGHT += "--max-new-tokens 16 --out-dir"  # a scratch directory (departure 2)
+PREFLIGHT += "--max-new-tokens 16 --no-save-optimizer --out-dir"  # a scratch directory (departure 2)
 HEADLINE = "benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1"
 DECODE = "benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2"
 SUITE = "-m pytest -q -o addopts= -n auto -rfEs --tb=line -p no:cacheprovider tests --junitxml"

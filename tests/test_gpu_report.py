@@ -159,3 +159,37 @@ def test_main_writes_the_device_line_then_each_part_and_the_goals(monkeypatch, c
     assert verdicts["the 1K step of 128 rows <= 45 s"] == "failed: no figure (its log: headline.log)"
     assert verdicts["the suite on CUDA with 0 failed"] == "not run (--parts)"
     assert "the LoRA step under 24 GB" in text and "not run (--parts)" in text
+
+
+def test_every_real_part_runs_a_command_line_its_program_accepts(tmp_path, monkeypatch, capsys):
+    """The table's commands, parsed by their own programs in this process: grpo.py's flags by grpo.parse_args
+    (with --device cpu); the benchmarks' stop at their CUDA check (after every flag is parsed: an unknown one
+    would be "unrecognized arguments"); pytest's suite names the tests folder."""
+    import generate_speed
+    import gpu_headline
+
+    import grpo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mains = {
+        "benchmarks/gpu_headline.py": gpu_headline.main,
+        "benchmarks/generate_speed.py": generate_speed.main,
+    }
+    seen = set()
+    for part in gpu_report.PARTS:
+        argv = part.command(tmp_path, tmp_path)
+        assert argv[0] == sys.executable, part.name
+        if argv[1] == "grpo.py":
+            on_cpu = ["cpu" if a == "cuda" else a for a in argv[2:]]  # grpo.py checks the device as it parses
+            cfg = grpo.parse_args(on_cpu)
+            assert cfg.model == "qwen3-4b-random" and not cfg.save_optimizer
+            assert argv[argv.index("--device") + 1] == "cuda"
+        elif argv[1] in mains:
+            with pytest.raises(SystemExit) as e:
+                mains[argv[1]](argv[2:])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and "--device cuda: no GPU is visible" in err, (part.name, err)
+        else:
+            assert argv[1:4] == ["-m", "pytest", "-q"] and "tests" in argv, part.name
+        seen.add(part.name)
+    assert seen == set(gpu_report.LIMITS)
