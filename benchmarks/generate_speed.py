@@ -17,8 +17,8 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
 training/engine.py (rollout.generate's path on CUDA: static cache, CUDA graphs, sampling without a sync;
 one engine.Engine kept for the run, eager on the CPU), HF generate with its dynamic cache and HF generate
 with cache_implementation="static" (compiled on CUDA by HF; every decoder is called once before timing, so
-compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed; --no-static
-leaves the static cache and its compilation out, and the ratios are then to HF's dynamic cache). For each:
+compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed;
+--no-static leaves the static cache and its compilation out, the ratios then to HF's dynamic cache). For each:
 tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill
 included) and its share of the bandwidth bound (gpu_headline.bandwidth_bound: weights + KV bytes per step /
 HBM bandwidth); then how many greedy rows each equals HF generate's (dynamic), in fp32 and in bf16. The

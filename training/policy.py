@@ -88,8 +88,8 @@ def optimi_kernel(device) -> str:
 def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     """AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) for the scheme; see the docstring for the choice.
     Only the trainable parameters enter it (under lora the adapters; otherwise every weight)."""
-    if scheme(cfg, device) in ("adamw", "lora"):     # the CPU: torch's fused step (its default there loops over
-        cpu = torch.device(device).type == "cpu"      # the tensors, 3x slower at SmolLM2's size; TRL's default)
+    if scheme(cfg, device) in ("adamw", "lora"):   # the CPU: torch's fused step (its default there loops over
+        cpu = torch.device(device).type == "cpu"    # the tensors, 3x slower at SmolLM2's size; TRL's default)
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                  weight_decay=cfg.weight_decay, fused=True if cpu else None)
     import optimi  # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
