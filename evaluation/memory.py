@@ -286,10 +286,9 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     a_bwd, l_bwd, ws_bwd = max(paths, key=sum)
     bwd = {**zero, **w, "cast cache": 0, "activations": a_bwd, "attention": 0, "logits": l_bwd,
            "workspace": batch + ws_bwd}
-    big = max([r * max(i, o) for i, o in lin], default=0)            # LoRA: the largest adapter
-    temp = 0 if kahan and cuda else N_max * wb if kahan else (n_a if lora else N) * 4 if cuda else \
-        3 * (big if lora else N_max) * 4
-    opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}   # torch foreach: one copy of v
+    # torch's AdamW: foreach on CUDA (one fp32 copy of v), fused on the CPU (none: policy.make_optimizer)
+    temp = 0 if kahan and cuda else N_max * wb if kahan else (n_a if lora else N) * 4 if cuda else 0
+    opt = {**zero, **w, "cast cache": 0, "workspace": B * T * 19 + temp}
     return dict(zip(PHASES, (gen, fwd, credit_ph, bwd, opt)))
 
 

@@ -1,0 +1,435 @@
+"""The GPU report in one command: does this fit, and how fast is it, on this card.
+
+On any CUDA card it runs, in this order, each part a subprocess under its own time limit (past it, SIGTERM to
+its process group, SIGKILL 10 s later), each writing its log (<out>/<part>.log) and one JSON line
+(<out>/report.jsonl) as it finishes, so that a part cut short leaves the others' figures:
+
+  preflight  grpo.py's setup and one small step on qwen3-4b-random (1 prompt x 2 rows, 16 new tokens): the
+             preflight's lines (training/preflight.py: each GPU part tried once, or its fallback) and time
+  headline   benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1: the 1K step of 128 rows on
+             qwen3-4b-random: generation's share of the bandwidth bound, the step's time, each phase's
+             memory beside its estimate, flow credit's share of the update
+  lora24     the same with --lora-rank 16 --gpu-gb 24: sized as grpo.py sizes a 24 GB card, the allocator
+             held to 24 GB (torch.cuda.set_per_process_memory_fraction): each phase's peak beside its estimate
+  decoders   benchmarks/generate_speed.py --device cuda --no-static: the engine and HF generate with its
+             dynamic cache on the same rows (64 rows, 256 + 256 tokens, greedy, bf16): tok/s, and the greedy
+             rows equal to HF's in fp32
+  suite      the test suite as docs/gpu.md runs it on a GPU machine (pytest -o addopts="" -n auto), with the
+             time left: its counts, and those of its cuda cases
+  static     generate_speed.py's whole table: HF's static cache, compiled, beside the other two; last, so it
+             runs only when the time allows
+Then each goal (docs/gpu.md, "Not yet measured") with its figure: met, short, or why there is none.
+
+--budget SECONDS: a part runs only when its limit fits in the time left; the suite's limit is the time left
+(at most SUITE_S). A part is never shrunk: one that does not fit is cut whole ("cut: no time left"), so its
+figures compare across cards. --limit NAME=SECONDS moves a part's limit (when it is killed, not what it
+does); --parts NAME ... runs those parts only, in the table's order. Without CUDA: one line, exit 2. Exit 1
+when a part that ran failed or was killed, else 0.
+
+Departures (numbered):
+ 1. The limits are this file's estimates for one H100 with margin (LIMITS), not measurements; a slower card
+    needs --limit or a larger --budget.
+ 2. The preflight's part runs its small step in a scratch directory (the checkpoint grpo.py writes at the
+    end, 8 GB for a 4B model without its optimizer's state, is deleted with it); the report keeps only logs
+    and JSON.
+
+Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, about an hour
+      python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
+      python benchmarks/gpu_report.py --out runs/r --parts headline lora24 # two parts
+Test: python -m pytest -q tests/test_gpu_report.py (the parts' order and limits with a fake part that hangs)
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+GRACE_S = 10  # seconds between SIGTERM and SIGKILL
+SUITE_S = 1800  # the suite's limit without --budget (and its most with one)
+SUITE_MIN_S = 120  # less time left than this: the suite is cut
+GB = 1e9  # evaluation/memory.py's unit
+
+
+class Part(NamedTuple):
+    name: str
+    limit_s: object  # seconds; None: the time left (the suite), at most SUITE_S, at least SUITE_MIN_S
+    command: Callable  # (out folder, scratch folder) -> argv
+    figures: Callable  # (out folder, log text) -> dict of figures, or None when it left none
+
+
+# ----------------------------------------------------------------------------- what each part leaves
+def read_json(path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def preflight_figures(out, log):
+    lines = [s for s in log.splitlines() if s.startswith(("preflight:", "engine:"))]
+    t = re.search(r"^preflight: .* ran on \S+ in ([\d.]+) s", log, re.M)
+    return {"lines": lines, "preflight_s": float(t.group(1)) if t else None} if lines else None
+
+
+def step_figures(name):
+    """gpu_headline.py's --json (one budget) as the report's figures: memory in GB, the step's times."""
+
+    def figures(out, log):
+        res = read_json(out / f"{name}.json")
+        if not res:
+            return None
+        r = res["results"][0]
+        o, g = r["overhead"], r["generation"]
+        mem = {
+            ph: {k: m[k] / GB if m[k] is not None else None for k in ("estimate", "allocated", "reserved")}
+            for ph, m in r["memory"].items()
+        }  # GB
+        for ph, m in mem.items():
+            m["ratio"] = r["memory"][ph]["ratio"]  # estimate / allocated
+        keys = ("rows", "max_new_tokens", "gen_chunk", "micro_batch")
+        return {
+            **{k: r[k] for k in keys},
+            "generate_s": o["generate_s"],
+            "update_none_s": o["update_none_s"],
+            "update_flow_s": o["update_flow_s"],
+            "step_s": o["step_flow_s"],
+            "flow_of_update": o["of_update"],
+            "tok_s": g["tok_s"],
+            "of_bound": g["of_bound"],
+            "memory": mem,
+            "peak_gb": max(max(m["allocated"], m["reserved"] or 0) for m in mem.values()),
+        }
+
+    return figures
+
+
+def decoder_figures(name):
+    def figures(out, log):
+        res = read_json(out / f"{name}.json")
+        if not res:
+            return None
+        tok_s = {k: d["tok_s"] for k, d in res["speed"].items()}
+        return {
+            "tok_s": tok_s,
+            "rows": res["rows"],
+            "greedy_equal_fp32": res["equal"]["float32"],
+            "engine_x": {k: tok_s["engine"] / v for k, v in tok_s.items() if k != "engine"},
+            "of_bound": tok_s["engine"] / res["bound_tok_s"],
+            "captures": res["captures"],
+        }
+
+    return figures
+
+
+def suite_figures(out, log):
+    """Counts of the JUnit XML pytest wrote: all tests, and the cases whose id names cuda."""
+    if not (out / "suite.xml").is_file():
+        return None
+    count = {"all": {}, "cuda": {}}
+    for case in ET.parse(out / "suite.xml").iter("testcase"):
+        kinds = {c.tag for c in case} & {"failure", "error", "skipped"}
+        outcome = (
+            {"failure": "failed", "error": "errors", "skipped": "skipped"}[min(kinds)] if kinds else "passed"
+        )
+        for k in ("all", "cuda") if "cuda" in case.get("name", "") else ("all",):
+            count[k][outcome] = count[k].get(outcome, 0) + 1
+    return count
+
+
+LIMITS = {"preflight": 300, "headline": 900, "lora24": 900, "decoders": 420, "suite": None, "static": 600}
+PREFLIGHT = "grpo.py --model qwen3-4b-random --device cuda --steps 1 --prompts-per-step 1 --group-size 2 "
+PREFLIGHT += "--max-new-tokens 16 --no-save-optimizer --out-dir"  # a scratch directory (departure 2)
+HEADLINE = "benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1"
+DECODE = "benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2"
+SUITE = "-m pytest -q -o addopts= -n auto -rfEs --tb=line -p no:cacheprovider tests --junitxml"
+PARTS = [
+    Part(
+        "preflight",
+        LIMITS["preflight"],
+        lambda out, tmp: [PY, *PREFLIGHT.split(), str(tmp / "run")],
+        preflight_figures,
+    ),
+    Part(
+        "headline",
+        LIMITS["headline"],
+        lambda out, tmp: [PY, *HEADLINE.split(), "--json", str(out / "headline.json")],
+        step_figures("headline"),
+    ),
+    Part(
+        "lora24",
+        LIMITS["lora24"],
+        lambda out, tmp: [
+            PY,
+            *HEADLINE.split(),
+            *"--lora-rank 16 --gpu-gb 24 --json".split(),
+            str(out / "lora24.json"),
+        ],
+        step_figures("lora24"),
+    ),
+    Part(
+        "decoders",
+        LIMITS["decoders"],
+        lambda out, tmp: [PY, *DECODE.split(), "--no-static", "--json", str(out / "decoders.json")],
+        decoder_figures("decoders"),
+    ),
+    Part(
+        "suite", LIMITS["suite"], lambda out, tmp: [PY, *SUITE.split(), str(out / "suite.xml")], suite_figures
+    ),
+    Part(
+        "static",
+        LIMITS["static"],
+        lambda out, tmp: [PY, *DECODE.split(), "--json", str(out / "static.json")],
+        decoder_figures("static"),
+    ),
+]
+
+
+# ----------------------------------------------------------------------------- running the parts
+def stop(p):
+    """SIGTERM to the part's process group, SIGKILL GRACE_S later if anything of it is still there."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    p.wait()
+
+
+def run_part(part, limit, out):
+    """Runs one part under `limit` seconds; its record (the JSON line's fields)."""
+    log = out / f"{part.name}.log"
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]  # kept behind
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
+    with tempfile.TemporaryDirectory(prefix=f"gpu-report-{part.name}-") as tmp, open(log, "w") as f:
+        cmd = part.command(out, Path(tmp))
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        t0 = time.monotonic()
+        p = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=limit)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            stop(p)
+            rc, status = p.returncode, "killed"
+        except BaseException:  # Ctrl-C: the part goes with the report
+            stop(p)
+            raise
+        seconds = time.monotonic() - t0
+    text = log.read_text(errors="replace")
+    try:
+        figures = part.figures(out, text)
+    except Exception as e:  # noqa: BLE001 (said in the record)
+        figures = {"error": f"{type(e).__name__}: {e}"}
+    return {
+        "part": part.name,
+        "status": status,
+        "rc": rc,
+        "seconds": round(seconds, 1),
+        "limit_s": limit,
+        "log": log.name,
+        "command": shlex.join(cmd),
+        "figures": figures,
+        "tail": text.splitlines()[-12:] if status != "ok" else [],
+    }
+
+
+def limit_of(part, left, given):
+    """The part's limit, or None when it is cut: its own (or --limit's) must fit in the time left; the
+    suite's is the time left, at most SUITE_S, and it is cut under SUITE_MIN_S."""
+    limit = given.get(part.name, part.limit_s)
+    if limit is None:
+        limit = SUITE_S if left is None else min(SUITE_S, int(left))
+        return limit if limit >= SUITE_MIN_S else None
+    return limit if left is None or limit <= left else None
+
+
+def run(parts, out, budget=None, given=None, start=None):
+    """Runs `parts` in order, appending each one's record to <out>/report.jsonl as it ends; the records.
+    budget: seconds from `start` (time.monotonic(); default now) for all of them; given: --limit's."""
+    out.mkdir(parents=True, exist_ok=True)
+    start, given, records = start or time.monotonic(), given or {}, []
+    with open(out / "report.jsonl", "a") as jl:
+        for i, part in enumerate(parts):
+            left = None if budget is None else budget - (time.monotonic() - start)
+            limit, say = limit_of(part, left, given), f"[{i + 1}/{len(parts)}] {part.name}"
+            if limit is None:
+                own = given.get(part.name, part.limit_s) or SUITE_MIN_S
+                why = f"cut: no time left ({max(0, left):.0f} s left, the part needs {own:.0f} s)"
+                rec = {"part": part.name, "status": "cut", "why": why, "figures": None}
+                print(f"{say}: {why}", flush=True)
+            else:
+                print(f"{say} (limit {limit:.0f} s) ...", flush=True)
+                try:
+                    rec = run_part(part, limit, out)
+                except BaseException:  # SIGTERM or Ctrl-C: its line, then the report stops
+                    why = "stopped: the report was stopped while this part ran"
+                    jl.write(json.dumps({"part": part.name, "status": "stopped", "why": why}) + "\n")
+                    raise
+                rc = "" if rec["status"] == "ok" else f" (exit {rec['rc']}; {out / rec['log']})"
+                print(f"{say}: {rec['status']} in {rec['seconds']:.0f} s{rc}", flush=True)
+                for line in rec["tail"]:
+                    print(f"    {line}")
+            records.append(rec)
+            jl.write(json.dumps(rec) + "\n")
+            jl.flush()
+    return records
+
+
+# ----------------------------------------------------------------------------- the goals
+def worst_phase(f):
+    """The phase whose estimate / allocated is furthest from 1, and whether it is within 10%."""
+    ph, m = max(f["memory"].items(), key=lambda kv: abs(kv[1]["ratio"] - 1))
+    return f"worst {ph}: estimate/allocated {m['ratio']:.3f}", abs(m["ratio"] - 1) <= 0.10
+
+
+def counts(c):
+    return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+
+
+def suite_check(f):
+    bad = f["all"].get("failed", 0) + f["all"].get("errors", 0)
+    return f"{counts(f['all'])} (cuda cases: {counts(f['cuda'])})", bad == 0
+
+
+class Goal(NamedTuple):
+    text: str
+    part: str
+    check: Callable  # the part's figures -> (the figure shown, met)
+
+
+GOALS = [  # docs/gpu.md's targets
+    Goal(
+        "generation >= 50% of the bandwidth bound (1K)",
+        "headline",
+        lambda f: (f"{100 * f['of_bound']:.1f}%", f["of_bound"] >= 0.5),
+    ),
+    Goal(
+        "the 1K step of 128 rows <= 45 s",
+        "headline",
+        lambda f: (f"{f['step_s']:.1f} s, {f['rows']} rows", f["step_s"] <= 45),
+    ),
+    Goal(
+        "flow credit <= 3% of the update (1K)",
+        "headline",
+        lambda f: (f"{100 * f['flow_of_update']:.1f}%", f["flow_of_update"] <= 0.03),
+    ),
+    Goal("every phase within 10% of its estimate (1K)", "headline", worst_phase),
+    Goal("every phase within 10% of its estimate (LoRA, 24 GB)", "lora24", worst_phase),
+    Goal("the LoRA step under 24 GB", "lora24", lambda f: (f"peak {f['peak_gb']:.2f} GB", f["peak_gb"] < 24)),
+    Goal(
+        "the engine's greedy rows equal HF's in fp32",
+        "decoders",
+        lambda f: (
+            f"{f['greedy_equal_fp32']['engine']}/{f['rows']}; {f['engine_x']['HF dynamic']:.2f}x HF dynamic",
+            f["greedy_equal_fp32"]["engine"] == f["rows"],
+        ),
+    ),
+    Goal(
+        "the engine >= 2x HF's static cache",
+        "static",
+        lambda f: (f"{f['engine_x']['HF static']:.2f}x", f["engine_x"]["HF static"] >= 2),
+    ),
+    Goal("the suite on CUDA with 0 failed", "suite", suite_check),
+]
+
+
+def goals(records):
+    """(goal, figure, verdict) for each of GOALS: "met", "short", or why its part left no figure."""
+    rec, out = {r["part"]: r for r in records}, []
+    for g in GOALS:
+        r = rec.get(g.part)
+        if r is None:
+            out.append((g.text, "-", "not run (--parts)"))
+        elif not r["figures"] or "error" in r["figures"]:
+            out.append((g.text, "-", r.get("why") or f"{r['status']}: no figure (its log: {r['log']})"))
+        else:
+            shown, met = g.check(r["figures"])
+            out.append((g.text, shown, "met" if met else "short"))
+    return out
+
+
+CARD = (
+    "import torch; d = torch.cuda.get_device_properties(0); print(d.name, f'{d.total_memory / 1e9:.1f} GB')"
+)
+
+
+def device_line():
+    """The card, from a child process (no CUDA context is kept in this one: the parts measure memory)."""
+    p = subprocess.run([PY, "-c", CARD], capture_output=True, text=True, check=False)
+    return f"{p.stdout.strip() or 'unknown card'}, torch {torch.__version__}"
+
+
+def limits(items, names):
+    """--limit's NAME=SECONDS items as {name: seconds}; None when one is not that."""
+    given = {}
+    for item in items:
+        name, _, sec = item.partition("=")
+        if name not in names or not re.fullmatch(r"\d+(\.\d*)?", sec) or not float(sec) > 0:
+            return None
+        given[name] = float(sec)
+    return given
+
+
+def main(argv=None):
+    doc, names = __doc__.splitlines()[0], [p.name for p in PARTS]
+    ap = argparse.ArgumentParser(prog="gpu_report.py", description=doc, allow_abbrev=False)
+    ap.add_argument("--out", default="runs/gpu-report", help="the folder of the logs and report.jsonl")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="seconds in all: the parts that do not fit are cut"
+    )
+    own = ", ".join(f"{k} {v or f'the time left, at most {SUITE_S}'} s" for k, v in LIMITS.items())
+    ap.add_argument("--limit", nargs="+", default=[], metavar="NAME=SECONDS", help=f"a part's limit ({own})")
+    ap.add_argument(
+        "--parts", nargs="+", choices=names, metavar="NAME", help=f"only these: {', '.join(names)}"
+    )
+    args = ap.parse_args(argv)
+    given = limits(args.limit, names)
+    if given is None:
+        ap.error(f"--limit: want NAME=SECONDS, SECONDS > 0, NAME one of {', '.join(names)}")
+    if args.budget is not None and not args.budget > 0:
+        ap.error("--budget must be > 0 seconds")
+    if not torch.cuda.is_available():
+        print(
+            "gpu_report.py: error: needs CUDA (torch.cuda.is_available() is false); on the CPU, "
+            "python -m pytest -q -m benchmark runs every benchmark's smoke test",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    start, out = time.monotonic(), Path(args.out).resolve()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a part running then goes with the report
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [p for p in PARTS if args.parts is None or p.name in args.parts]
+    head = {"part": "device", "status": "ok", "device": device_line(), "date": str(datetime.date.today())}
+    head.update(budget_s=args.budget, parts=[p.name for p in parts], argv=argv or sys.argv[1:])
+    with open(out / "report.jsonl", "w") as f:
+        f.write(json.dumps(head) + "\n")
+    budget = "none" if args.budget is None else f"{args.budget:.0f} s"
+    print(f"gpu_report.py: {head['device']}; {len(parts)} part(s); budget {budget}; into {out}", flush=True)
+    records = run(parts, out, args.budget, given, start)
+    print(f"\n{'goal':<70}{'figure':<44}verdict")
+    for text, figure, verdict in goals(records):
+        print(f"{text:<70}{figure:<44}{verdict}")
+    sys.exit(1 if any(r["status"] in ("failed", "killed") for r in records) else 0)
+
+
+if __name__ == "__main__":
+    main()

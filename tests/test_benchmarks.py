@@ -1,0 +1,246 @@
+"""Every file under benchmarks/ keeps working: each runs here in its quickest form (a tiny model, one round,
+one step, a few tokens) as a subprocess of its real command line, and the test asserts that it finished and
+that what it measures was real work, read from its own output (rows trained, tokens generated, completions
+graded), never its figures. A benchmark that needs CUDA runs its refusal line on the CPU.
+
+Select them: python -m pytest -q -m benchmark      (or -k benchmark; the slowest is marked slow)
+A new file under benchmarks/ without a smoke test here fails test_every_benchmark_has_a_smoke_test.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_report  # noqa: E402
+
+TINY = ["--model", "tiny-qwen3"]
+SMOKED = set()
+pytestmark = pytest.mark.benchmark
+
+
+def smoke(name):
+    """Registers the decorated test as benchmarks/`name`'s smoke test."""
+    SMOKED.add(name)
+    return lambda test: test
+
+
+def bench(name, *argv, timeout=600):
+    """benchmarks/`name` run as a user runs it (one thread, no hub); its CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{name}", *map(str, argv)],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env=subprocess_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
+    )
+
+
+def read_by_goals(part, figures):
+    """Whether gpu_report.py's goals read `part`'s figures: each of its goals says met or short."""
+    verdicts = gpu_report.goals([{"part": part, "figures": figures}])
+    said = [v for g, (_, _, v) in zip(gpu_report.GOALS, verdicts, strict=True) if g.part == part]
+    return bool(said) and set(said) <= {"met", "short"}
+
+
+def finished(p):
+    assert p.returncode == 0, f"exit {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+@smoke("credit_overhead.py")
+def test_credit_overhead_benchmark(tmp_path):
+    """One signal, one round, one step of grpo.py with the toy reward: the step generated tokens and trained
+    every row (grpo.py's own metrics, as the benchmark read them)."""
+    out = finished(
+        bench(
+            "credit_overhead.py",
+            "--every-row-trained",
+            "--signals",
+            "flow",
+            "--rounds",
+            1,
+            "--steps",
+            1,
+            "--warmup",
+            0,
+            "--json",
+            tmp_path / "o.json",
+            *TINY,
+            "--max-new-tokens",
+            4,
+            "--prompts-per-step",
+            1,
+            "--group-size",
+            2,
+        )
+    )
+    (m,) = json.loads((tmp_path / "o.json").read_text())["rows"]["flow"]
+    assert m["rows/trained"] == 2 and m["gen/tokens"] > 0, m
+    assert "round 1: flow" in out
+
+
+@smoke("flow_speed.py")
+def test_flow_speed_benchmark():
+    """The vectorised flow and the loop reference, both at T = 16 (the loop run at T itself, not scaled)."""
+    out = finished(bench("flow_speed.py", "--sizes", 16))
+    assert re.search(r"^\s+16\s+\S+\s+\S+\s+16\s+\S+x$", out, re.M), out
+
+
+@smoke("generate_speed.py")
+def test_generate_speed_benchmark(tmp_path):
+    """The GPU table's decoders at the tiny shape on the CPU (the engine eagerly, HF dynamic, HF static):
+    each generated tokens in the timed round, and the greedy rows were compared (8 rows); gpu_report.py
+    reads its JSON."""
+    finished(
+        bench(
+            "generate_speed.py",
+            "--device",
+            "cpu",
+            "--engine",
+            *TINY,
+            "--shape",
+            "tiny",
+            "--rounds",
+            1,
+            "--json",
+            tmp_path / "g.json",
+        )
+    )
+    res = json.loads((tmp_path / "g.json").read_text())
+    assert set(res["tokens"]) == {"engine", "HF dynamic", "HF static"}, res["tokens"]
+    assert all(t[0] > 0 for t in res["tokens"].values()) and res["rows"] == 8
+    assert set(res["equal"]["float32"]) == set(res["tokens"])
+    shutil.copy(tmp_path / "g.json", tmp_path / "static.json")
+    f = gpu_report.decoder_figures("static")(tmp_path, "")
+    assert set(f["engine_x"]) == {"HF dynamic", "HF static"} and f["rows"] == 8 and read_by_goals("static", f)
+
+
+@smoke("gpu_headline.py")
+def test_gpu_headline_benchmark(tmp_path):
+    """Its CPU form at one small budget, one round: every row generated to the budget and every phase of a
+    real step measured (tests/test_gpu_headline.py checks the numbers themselves); gpu_report.py reads its
+    JSON."""
+    finished(
+        bench(
+            "gpu_headline.py",
+            *TINY,
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            4,
+            "--prompt-tokens",
+            8,
+            "--prompts-per-step",
+            1,
+            "--group-size",
+            2,
+            "--micro-batch",
+            2,
+            "--gen-chunk",
+            2,
+            "--rounds",
+            1,
+            "--json",
+            tmp_path / "h.json",
+        )
+    )
+    (r,) = json.loads((tmp_path / "h.json").read_text())["results"]
+    assert r["rows"] == 2 and r["generation"]["tokens"] == 2 * 4
+    assert set(r["memory"]) == {"generation", "update forward", "credit", "backward", "optimizer step"}
+    shutil.copy(tmp_path / "h.json", tmp_path / "headline.json")
+    f = gpu_report.step_figures("headline")(tmp_path, "")
+    assert f["rows"] == 2 and set(f["memory"]) == set(r["memory"]) and f["step_s"] > 0
+    assert read_by_goals("headline", f)
+
+
+@smoke("lora_speed.py")
+def test_lora_speed_benchmark():
+    """Both arms' update and generation, two rounds (the first is warm-up): every row trained."""
+    out = finished(
+        bench(
+            "lora_speed.py",
+            "--rounds",
+            2,
+            "--",
+            *TINY,
+            "--max-new-tokens",
+            4,
+            "--prompts-per-step",
+            1,
+            "--group-size",
+            4,
+        )
+    )
+    trained, rows = map(int, re.search(r"(\d+) of (\d+) rows trained", out).groups())
+    assert trained == rows == 4 and re.search(r"^lora-8 / full: update", out, re.M), out
+
+
+@smoke("peer_trl.py")
+@pytest.mark.slow
+def test_peer_trl_benchmark(tmp_path):
+    """The four configurations (grpo.py none and flow, TRL stock and with FlowTracer), one round, one step
+    each, with the toy reward: every run trained all its rows and generated tokens. TRL's stock arm takes
+    whatever flowtracer_trl.main passes its trainer."""
+    for m in ("trl", "datasets"):
+        pytest.importorskip(m, reason=f"peer_trl.py needs {m}: pip install -r requirements.txt")
+    out = finished(
+        bench(
+            "peer_trl.py",
+            "--every-row-trained",
+            "--rounds",
+            1,
+            "--steps",
+            1,
+            "--warmup",
+            0,
+            "--prompts",
+            1,
+            "--tokens",
+            4,
+            *TINY,
+            "--json",
+            tmp_path / "p.json",
+        )
+    )
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert set(rows) == {"grpo:none", "grpo:flow", "trl:stock", "trl:flow"}
+    for label, ((_, tokens, _, trained),) in rows.items():
+        assert trained == 4 and tokens > 0, (label, rows[label])
+    assert re.search(r"load \d+\.\d-\d+\.\d", out), out
+
+
+@smoke("reward_speed.py")
+def test_reward_speed_benchmark():
+    """20 completions graded by each reward (the offline copies, or the arithmetic task without them)."""
+    out = finished(bench("reward_speed.py", "--n", 20, "--budget", 600))
+    for name in ("math", "countdown", "choice"):
+        assert re.search(rf"^{name}\s*: 20 completions in", out, re.M), out
+
+
+@smoke("gpu_report.py")
+def test_gpu_report_benchmark(tmp_path):
+    """Without CUDA: one line saying it needs CUDA, exit 2. With CUDA: --budget 1 cuts every part, each with
+    its JSON line (the report itself runs for an hour)."""
+    p = bench("gpu_report.py", "--out", tmp_path / "r", "--budget", 1)
+    if not torch.cuda.is_available():
+        assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+        assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "needs CUDA" in p.stderr, p.stderr
+        return
+    finished(p)
+    lines = [json.loads(s) for s in (tmp_path / "r" / "report.jsonl").read_text().splitlines()]
+    head, parts = lines[0], lines[1:]
+    assert head["part"] == "device" and [x["status"] for x in parts] == ["cut"] * len(gpu_report.PARTS)
+
+
+def test_every_benchmark_has_a_smoke_test():
+    assert SMOKED == {p.name for p in (ROOT / "benchmarks").glob("*.py")}
