@@ -88,7 +88,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     temperature: float = 0.99          # sampling temperature of the rollouts (the paper's, §4.1, App. C.3)
     top_p: float = 1.0                 # nucleus sampling: the top tokens of this mass (the paper's, App. C.3)
     top_k: int = 100                   # sample among the k most likely tokens only (the paper's, App. C.3)
-    gen_chunk: int = 64                # rows per generate call (bounds the KV cache)
+    gen_chunk: int = 0                 # rows per generate call (the KV cache); 0: sized to the card, CPU: 64
     share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (logprobs.py)
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
@@ -104,7 +104,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     warmup_steps: int = 20             # steps of linear learning-rate warmup (the paper's, App. C.3)
     weight_decay: float = 0.0          # AdamW weight decay (not given in the paper)
     num_iterations: int = 1            # PPO epochs per batch; > 1 runs an old-log-prob pass first
-    micro_batch: int = 8               # rows per forward/backward (gradient accumulation)
+    micro_batch: int = 0               # rows per forward/backward (accumulated); 0: sized to the card, CPU: 8
     eps_low: float = 0.2               # PPO clip: the ratio's floor is 1 - eps_low (eq. 5; paper: no value)
     eps_high: float = 0.2              # clip-higher: the ratio's ceiling is 1 + eps_high (DAPO uses 0.28)
     dual_clip: float = 3.0             # dual-clip c: an A < 0 token's loss is at most c |A| (App. C.3; no c)
@@ -139,7 +139,7 @@ EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, l
                 micro_batch=4, gen_chunk=8, rollouts_every=2, max_prompt_tokens=768, save_optimizer=False,
                 grad_checkpointing=False, out_dir="runs/embedded")
 PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
-PAPER_BATCH = dict(prompts_per_step=64, group_size=8, micro_batch=8, gen_chunk=64)   # departure 1; flags win
+PAPER_BATCH = dict(prompts_per_step=64, group_size=8)   # departure 1: 64 prompts x 8, accumulated; flags win
 LORA_LR_FACTOR = 10   # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
 LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))                # 1e-5 (round: not 9.999999999999999e-06)
 LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
@@ -364,11 +364,13 @@ def presets(model, paper_batch, lora_rank=0) -> list:
     return [k for k, use in zip(PRESETS, on) if use]
 
 
-def parse_args(argv=None) -> Config:
-    """The Config of a command line (training/flags.py's parse): the defaults, the presets in force, a
-    --config file, then the flags given; or, with --resume, the saved run's config (it continues in place)."""
+def parse_args(argv=None, for_gpu=False, say=False) -> Config:
+    """The Config of a command line, resolved once (training/flags.py's parse): the defaults, the presets in
+    force, a --config file, then the flags given; or, with --resume, the saved run's config (it continues in
+    place). for_gpu: the flags are judged as for a GPU whatever this machine has (eval.py memory); say: print
+    where the learning rate came from (main)."""
     return flags.parse(Config, sys.argv[1:] if argv is None else list(argv), __doc__, CHOICES, PRESETS,
-                       presets, "grpo.py")
+                       presets, "grpo.py", for_gpu, say)
 
 
 CHOICES = {**credit.CHOICES, "dataset": data.DATASETS, "prompt_style": ("auto", *data.STYLES),   # closed sets
@@ -378,7 +380,7 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, say=True)
     try:
         run = setup(cfg, memory)                      # on CUDA: sized to the card before the weights load
     except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir

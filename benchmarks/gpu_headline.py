@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 from evaluation import memory, memtrace  # noqa: E402
 from flowtracer import head_mean_kernel, select_layers  # noqa: E402
-from training import credit, runlog  # noqa: E402
+from training import budget, credit, runlog  # noqa: E402
 from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 from training.run import for_update, size_to_card  # noqa: E402
@@ -104,11 +104,11 @@ def step_config(args, R):
             total = torch.cuda.mem_get_info()[1]
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * memory.GB / total))
         try:
-            budget = size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
+            sized = size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
         except ValueError as e:
             raise SystemExit(f"gpu_headline.py: error: R = {R}: {e}") from None
-        return cfg, budget.plan.release
-    return cfg, False
+        return cfg, sized.plan.release
+    return budget.largest(cfg), False                                   # the CPU's sizes, as setup's
 
 
 def synced(device):
@@ -370,8 +370,10 @@ def main(argv=None):
     ap.add_argument("--prompts-per-step", type=int, default=None,
                     help="the paper's 1K step on one GPU: 16 (--quick: 2)")
     ap.add_argument("--group-size", type=int, default=8, help="G rollouts per prompt (App. C.3)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward (CUDA: fitted into 80 GB)")
-    ap.add_argument("--gen-chunk", type=int, default=64, help="rows per generate call (CUDA: fitted)")
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="rows per forward (grpo.py's; 0: sized to the card on CUDA, 8 on the CPU)")
+    ap.add_argument("--gen-chunk", type=int, default=0,
+                    help="rows per generate call (grpo.py's; 0: sized to the card on CUDA, 64 on the CPU)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
     ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
@@ -385,13 +387,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.prompts_per_step is None:
         args.prompts_per_step = 2 if args.quick else 16
-    counts = ("prompt_tokens", "prompts_per_step", "micro_batch", "gen_chunk", "rounds", "attn_rows",
-              "quick_tokens")
+    counts = ("prompt_tokens", "prompts_per_step", "rounds", "attn_rows", "quick_tokens")
     for flag, ok in [*((k, getattr(args, k) >= 1) for k in counts),
+                     *((k, getattr(args, k) >= 0) for k in ("micro_batch", "gen_chunk")),
                      ("max_new_tokens", min(args.max_new_tokens) >= 1), ("group_size", args.group_size >= 2),
                      ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0)]:
         if not ok:
-            ap.error(f"--{flag.replace('_', '-')} must be >= {2 if flag == 'group_size' else 1}"
+            least = {"group_size": 2, "micro_batch": 0, "gen_chunk": 0}.get(flag, 1)
+            ap.error(f"--{flag.replace('_', '-')} must be >= {least}"
                      if flag != "bandwidth" else "--bandwidth must be a positive number of bytes/s")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --model tiny-qwen3 shows the format)")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import data  # noqa: E402
 import grpo  # noqa: E402
-from training import policy, runlog  # noqa: E402
+from training import budget, policy, runlog  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 from training.run import for_update  # noqa: E402
 
@@ -58,6 +58,7 @@ def main(argv=None):
     flags = argv[cut + 1:]
     cfgs = {"full": grpo.parse_args(flags), f"lora-{args.lora_rank}":
             grpo.parse_args([*flags, "--lora-rank", str(args.lora_rank)])}
+    cfgs = {k: budget.largest(c) for k, c in cfgs.items()}       # a size left at 0: the CPU's, as setup's
     full = cfgs["full"]
     device = policy.device_of(full.device)
     torch.manual_seed(full.seed)

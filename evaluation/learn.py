@@ -54,7 +54,7 @@ import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import checkpoint as ckpt_io
-from training import flags, heldout, policy, signals
+from training import budget, flags, heldout, policy, signals
 from training.models import ModelError, load_model
 
 
@@ -106,7 +106,7 @@ class Grid:
         self.setting = {"recipe": recipe, "eval_dataset": self.eval_dataset, "eval_size": len(self.recs),
                         "style": self.style, "eval_steps": self.eval_steps, "eval_k": cfg.eval_k,
                         "eval_seed": cfg.eval_seed, "eval_max_new_tokens": rc.max_new_tokens,
-                        "eval_chunk": rc.gen_chunk}
+                        "eval_chunk": budget.largest(rc).gen_chunk}     # 0 (sized): the CPU's
         f = self.out / "grid.json"
         if f.is_file() and json.loads(f.read_text()) != self.setting:
             if not cfg.overwrite:
@@ -252,7 +252,7 @@ def evaluate_model(g, name, greedy=True):
     greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
     rc, cfg, device = g.rc, g.cfg, policy.device_of(g.rc.device)
     model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
-    args = (model, tok, g.recs, g.style, rc.max_new_tokens, rc.gen_chunk)
+    args = (model, tok, g.recs, g.style, rc.max_new_tokens, g.setting["eval_chunk"])
     res = heldout.greedy(*args) if greedy else {}
     if cfg.eval_k:
         res |= heldout.sampled(*args, cfg.eval_k, rc.temperature, rc.top_p, rc.top_k, cfg.eval_seed)

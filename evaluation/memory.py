@@ -103,6 +103,7 @@ from evaluation.footprint import (
 )
 from flowtracer import select_layers as select
 from training import credit, models, signals
+from training.budget import SIZES, largest
 from training.checkpoint import STATE_BYTES, checkpoint_bytes
 from training.policy import precision, precision_problem, scheme
 
@@ -179,7 +180,7 @@ def lora_linears(cfg, mc):
 def engine_rows(cfg, n_eval=0):
     """The rows the run's decode engine is reserved for (training/preflight.py's make_engine): a chunk of
     the rollout's B rows or of held-out evaluation's n_eval questions, the wider, at most gen_chunk."""
-    return min(cfg.gen_chunk, max(cfg.prompts_per_step * cfg.group_size, n_eval))
+    return min(cfg.gen_chunk or SIZES["gen_chunk"], max(cfg.prompts_per_step * cfg.group_size, n_eval))
 
 
 def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False,
@@ -189,7 +190,9 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     None: the device's own); nothing is allocated. The docstring has each term.
     widest: the widest prompt the decode engine is reserved for (Run.widest_prompt); None: prompt_tokens.
     n_eval: the held-out questions of --eval-every (setup's count; None: cfg.eval_size when --eval-every is
-    on, else 0). release: the engine released for the update (plan's layout "released"), else resident."""
+    on, else 0). release: the engine released for the update (plan's layout "released"), else resident.
+    A size left at 0 is counted at SIZES' (largest)."""
+    cfg = largest(cfg)
     N, N_cast, N_max = param_counts(mc)
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
@@ -319,8 +322,8 @@ def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
 def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU, cap=None):
     """The largest gen_chunk (every phase fitting at micro_batch 1: on CUDA the engine's buffers are kept),
     then micro_batch with it (powers of two up to cfg's), whose phases and margin stay under `budget`, or None
-    where even 1 does not fit."""
-    def largest(cfg, field, phases):
+    where even 1 does not fit. A size left at 0 starts from SIZES'."""
+    def top(cfg, field, phases):
         n = getattr(cfg, field)
         while n >= 1:
             c = SimpleNamespace(**{**vars(cfg), field: n})
@@ -330,9 +333,10 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU, cap=None):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
         return None
+    cfg = largest(cfg)
     one = SimpleNamespace(**{**vars(cfg), "micro_batch": 1})        # the decode engine's buffers stay
-    g = largest(one, "gen_chunk", PHASES)                           # through the update: all phases count
-    return g, largest(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
+    g = top(one, "gen_chunk", PHASES)                               # through the update: all phases count
+    return g, top(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
 
 
 class Plan(NamedTuple):
@@ -349,15 +353,17 @@ class Plan(NamedTuple):
 LAYOUTS = ("resident", "released")
 
 
-def sizes(n, free):
-    """The sizes tried for a flag at n: n alone where it was given, else n and the powers of two below it."""
-    return [n] if not free else [n] + [2 ** k for k in range(n.bit_length() - 1, -1, -1) if 2 ** k < n]
+def sizes(cfg, field):
+    """The sizes tried for a flag: its value alone where one was given, and at 0 SIZES' and the powers of
+    two below it."""
+    n = getattr(cfg, field)
+    return [n] if n else [SIZES[field]] + [2 ** k for k in range(SIZES[field].bit_length() - 2, -1, -1)]
 
 
-def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch"), n_eval=None,
-         cap=None) -> Plan:
+def plan(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> Plan:
     """The gen_chunk, micro_batch and engine layout whose step fits `budget` bytes in every phase, the margin
-    included: cfg's sizes, and where `free` the powers of two below them too; each with the engine resident
+    included: cfg's sizes where given, the sizes tried for each left at 0 (sizes); each with the engine
+    resident
     through the update (on CUDA its buffers, sized by gen_chunk, stay) and, where it has one, released for
     it (the update's phases without them). Of those that fit, the one whose smaller fraction of cfg's sizes
     is largest (both halved alike), then the larger gen_chunk, then the engine resident: a released engine
@@ -365,9 +371,10 @@ def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch
     run with it; n_eval: its held-out questions, cap: the card's compute capability (estimate's)."""
     best, low = None, None
     layouts = (False, True) if torch.device(device).type == "cuda" and cfg.share_prefix else (False,)
-    for g in sizes(cfg.gen_chunk, "gen_chunk" in free):
+    top_g, top_m = sizes(cfg, "gen_chunk")[0], sizes(cfg, "micro_batch")[0]
+    for g in sizes(cfg, "gen_chunk"):
         for release in layouts:
-            for m in sizes(cfg.micro_batch, "micro_batch" in free):
+            for m in sizes(cfg, "micro_batch"):
                 c = SimpleNamespace(**{**vars(cfg), "gen_chunk": g, "micro_batch": m})
                 est = estimate(c, mc, device, prompt_tokens, n_eval=n_eval, release=release, cap=cap)
                 ph, top = peak(est)
@@ -375,7 +382,7 @@ def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch
                 if low is None or top < low[1]:
                     low = (ph, top, (g, m), release)
                 if top <= budget:
-                    key = (min(g / cfg.gen_chunk, m / cfg.micro_batch), g, not release)
+                    key = (min(g / top_g, m / top_m), g, not release)
                     if best is None or key > best[0]:
                         best = (key, Plan(g, m, ph, top, (g, m), release))
                     break                               # the largest micro_batch at this gen_chunk, layout
@@ -384,30 +391,31 @@ def plan(cfg, mc, device, prompt_tokens, budget, free=("gen_chunk", "micro_batch
 
 def planned(cfg, mc, device, prompt_tokens, n_eval=None, cap=None):
     """(cfg at the sizes grpo.py would run, its Plan, the card in bytes) on CUDA, as run.size_to_card plans
-    them: --gpu-gb (else one 80 GB GPU) less RESERVE, the sizes left free as grpo.py leaves them
-    (run.left_free); cfg as given where nothing fits. Elsewhere (cfg, None, None): the CPU is not sized."""
+    them: --gpu-gb (else one 80 GB GPU) less RESERVE, the sizes left at 0 chosen; cfg at its largest sizes
+    where nothing fits. Elsewhere (cfg at the CPU's sizes, None, None): the CPU is not sized."""
     if torch.device(device).type != "cuda":
-        return cfg, None, None
-    from training.run import left_free
+        return largest(cfg), None, None
     card = getattr(cfg, "gpu_gb", 0) * GB or GPU
-    free = left_free(cfg) if dataclasses.is_dataclass(cfg) else ("gen_chunk", "micro_batch")
-    p = plan(cfg, mc, device, prompt_tokens, card * (1 - RESERVE), free, n_eval, cap)
+    p = plan(cfg, mc, device, prompt_tokens, card * (1 - RESERVE), n_eval, cap)
     if p.gen_chunk is None:
-        return cfg, p, card
+        return largest(cfg), p, card
     sizes_ = {"gen_chunk": p.gen_chunk, "micro_batch": p.micro_batch}
     return (dataclasses.replace(cfg, **sizes_) if dataclasses.is_dataclass(cfg) else
             SimpleNamespace(**{**vars(cfg), **sizes_})), p, card
 
 
-def what_fits(cfg, mc, device, prompt_tokens, budget, free=(), n_eval=None, cap=None) -> str:
-    """What would fit `budget` where cfg does not, as the end of grpo.py's error line: the sizes left to
-    choose (a smaller --micro-batch, --gen-chunk), --lora-rank 16 (full fine-tuning), a smaller model."""
+def what_fits(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> str:
+    """What would fit `budget` where cfg does not, as the end of grpo.py's error line: the sizes given
+    chosen instead (a smaller --micro-batch, --gen-chunk, or 0), --lora-rank 16 (full fine-tuning), a smaller
+    model."""
     out = []
-    p = plan(cfg, mc, device, prompt_tokens, budget, n_eval=n_eval, cap=cap)
-    if p.gen_chunk is not None and set(free) != {"gen_chunk", "micro_batch"}:
+    p = plan(SimpleNamespace(**{**vars(cfg), "gen_chunk": 0, "micro_batch": 0}), mc, device, prompt_tokens,
+             budget, n_eval=n_eval, cap=cap)
+    if p.gen_chunk is not None and (cfg.gen_chunk or cfg.micro_batch):
         out.append(f"--gen-chunk {p.gen_chunk} --micro-batch {p.micro_batch} would fit")
     if getattr(cfg, "lora_rank", 0) == 0:
-        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16, "optimizer": "auto"})   # kahan is not LoRA's
+        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16, "optimizer": "auto", "gen_chunk": 0,
+                                  "micro_batch": 0})                                  # kahan is not LoRA's
         q = plan(lora, mc, device, prompt_tokens, budget, n_eval=n_eval, cap=cap)
         out.append(f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
                    f"{q.peak / GB:.1f} GB)" if q.gen_chunk else f"--lora-rank 16 needs {q.peak / GB:.1f} GB")

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from training import policy, preflight, rollout
+from training import budget, policy, preflight, rollout
 from training.rollout import build_batch
 from training.run import for_update
 
@@ -216,7 +216,7 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snap
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
     (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
     where one is given; `snapshot`: cuda_peak's."""
-    device = policy.device_of(device or "auto")
+    device, cfg = policy.device_of(device or "auto"), budget.largest(cfg)      # a size at 0: the CPU's
     torch.manual_seed(seed)
     run = for_update(cfg, device)                                # run.setup's policy and credit
     model, tok, ref, opt = run.model, run.tok, run.ref, run.opt
@@ -288,7 +288,7 @@ def command(args, grpo):
     backward's peak by site (report_held). grpo: the grpo.py module (its parser and its update). Bad input is
     a ValueError."""
     from evaluation import memory
-    cfg = grpo.parse_args(args.grpo_flags)
+    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)          # --gpu-gb: it plans for a GPU anywhere
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
     if args.capability is not None and not 3 <= args.capability < 20:       # a float: any number parses
         raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")

@@ -28,7 +28,7 @@ BAD_FLAGS = [  # (argv, a word the one line must contain)
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-every", "-1"], "--eval-every"),
     (["--eval-size", "0"], "--eval-size"), (["--keep-checkpoints", "0"], "--keep-checkpoints"),
     (["--report-to", "mlflow"], "--report-to"),
-    (["--gen-chunk", "0"], "--gen-chunk"), (["--micro-batch", "0"], "--micro-batch"),
+    (["--gen-chunk", "-1"], "--gen-chunk"), (["--micro-batch", "-1"], "--micro-batch"),   # 0: sized
     (["--num-iterations", "0"], "--num-iterations"), (["--lr", "nan"], "--lr"),
     (["--eps-low", "1"], "--eps-low"), (["--dual-clip", "0.5"], "--dual-clip"),
     (["--filter-low", "0.9", "--filter-high", "0.1"], "--filter-low"),

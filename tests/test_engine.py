@@ -429,8 +429,9 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
 
     import grpo
     from training import preflight
-    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024",
-                           "--max-prompt-tokens", "1024"])
+    from training import budget
+    cfg = budget.largest(grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024",
+                                          "--max-prompt-tokens", "1024"]))      # gen_chunk 0: 64 rows
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
     eng = preflight.make_engine(cfg, model, tok, widest=1024, n_eval=0)
     eng.allocate(SimpleNamespace(layers=[]))                                # the model's dtype, bf16

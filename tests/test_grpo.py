@@ -334,7 +334,7 @@ def test_paper_batch_preset_equals_one_unsplit_update(tmp_path, monkeypatch, dev
     to bf16 before it is summed, 6% of the update on the H100), with the single micro-batch in float64 as
     the error scale (conftest.assert_to_rounding). The step is cut to 8 prompts (a flag wins over the
     preset) to keep the test fast: 64 rows in 8 micro-batches vs 1."""
-    explicit = ["--prompts-per-step", "64", "--group-size", "8", "--micro-batch", "8", "--gen-chunk", "64"]
+    explicit = ["--prompts-per-step", "64", "--group-size", "8"]    # the sizes left at 0: 8 and 64 on the CPU
     flags = ["--model", "tiny-qwen3", "--max-new-tokens", "6", "--steps", "1", "--save-every", "5",
              "--rollouts-every", "5", "--lr", "1e-3", "--warmup-steps", "0", "--max-prompt-tokens", "4096"]
     preset = parse_args([*flags, "--paper-batch"])

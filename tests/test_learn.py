@@ -13,7 +13,7 @@ import grpo
 from evaluation import learn, stats
 from evaluation.stats import paired_bootstrap, sign_test, t_interval
 from tasks.answers import last_number_equal
-from training import heldout
+from training import budget, heldout
 from training.models import load_model
 
 RECIPE = ["--model", "tiny-qwen3", "--dataset", "arithmetic", "--steps", "2", "--prompts-per-step", "2",
@@ -221,7 +221,7 @@ def test_one_process_evaluates_as_the_restarted_runs_did(tmp_path, monkeypatch):
     got = learn.evaluations(tmp_path / "one" / "metrics.jsonl")
     recs, style = heldout.records("arithmetic", "", 6, seed=0), data.default_style("tiny-qwen3", "math")
     seg = tmp_path / "seg"
-    cfg, want = grpo.parse_args(RECIPE), {}
+    cfg, want = budget.largest(grpo.parse_args(RECIPE)), {}                 # gen_chunk 0: the CPU's
     for step in (1, 2):                                                 # the former segments
         grpo.main([*recipe, "--steps", "1", "--out-dir", str(seg)] if step == 1 else
                   ["--resume", str(seg), "--steps", "2"])

@@ -312,7 +312,7 @@ def test_eval_memory_command():
     assert p.returncode == 0, p.stderr
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("peak") and "GB" in last and float(last.split()[1]) <= 70
-    p = run("--model", "qwen3-4b-random", "--micro-batch", "0")
+    p = run("--model", "qwen3-4b-random", "--micro-batch", "-1")    # 0: sized
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --micro-batch")
     p = run("--model", "tiny-qwen3", "--snapshot", "x.pickle")                # no --measure, no GPU here
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--snapshot" in p.stderr

@@ -290,9 +290,10 @@ def test_a_flag_that_cannot_take_effect_gets_one_notice(capsys, argv, words):
 
 def test_eval_memory_plans_with_gpu_gb_on_any_machine(monkeypatch, capsys):
     """eval.py memory takes grpo.py's flags to plan a GPU's step from any machine: --gpu-gb takes effect."""
-    monkeypatch.setattr(sys, "argv", ["eval.py", "memory"])
-    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--gpu-gb", "24"])
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--gpu-gb", "24"], for_gpu=True)    # eval.py memory's
     assert cfg.gpu_gb == 24 and capsys.readouterr().err == ""
+    grpo.parse_args(["--model", "tiny-qwen3", "--gpu-gb", "24", "--device", "cpu"])     # a run on the CPU
+    assert "--gpu-gb has no effect" in capsys.readouterr().err
 
 
 def test_flags_from_a_config_file_are_not_judged(tmp_path, capsys):

@@ -138,28 +138,36 @@ def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
 
 
 # ----------------------------------------------------------------------------- the learning rate, said
-def test_the_learning_rate_and_where_it_came_from(tmp_path):
-    """flags.lr_origin (run.setup prints it): the default (the paper's), a preset (the embedded model's),
-    LoRA's 10x, --lr, a --config file; and one notice when a file's lr (a file without lora_rank) meets
-    --lora-rank on the command line."""
-    assert flags.lr_origin(cfg()) == ["lr 1e-06: the default (AdamW learning rate (the paper's, §4.1, "
-                                      "App. C.3))"]
-    assert flags.lr_origin(grpo.parse_args([])) == ["lr 1e-05: set by the embedded model"]
-    assert flags.lr_origin(grpo.parse_args(["--lora-rank", "8"])) == [
+def test_the_learning_rate_and_where_it_came_from(tmp_path, capsys):
+    """flags.parse says where the lr came from as it resolves it (flags.lr_lines; say=True: grpo.main's
+    first lines): the default (the paper's), a preset (the embedded model's), LoRA's 10x, --lr (also at its
+    default value), a --config file; and one notice when a file's lr (a file without lora_rank) meets
+    --lora-rank on the command line. Without say, nothing is printed."""
+    def said(*argv):
+        capsys.readouterr()
+        grpo.parse_args(list(argv), say=True)
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith(("lr ", "notice: lr"))]
+    tiny = ("--model", "tiny-qwen3")
+    assert said(*tiny) == ["lr 1e-06: the default (AdamW learning rate (the paper's, §4.1, App. C.3))"]
+    assert said() == ["lr 1e-05: set by the embedded model"]
+    assert said("--lora-rank", "8") == [
         "lr 0.0001: set by --lora-rank on the embedded model: 10 x 1e-05, full fine-tuning's"]
-    assert flags.lr_origin(cfg("--lora-rank", "8", "--lr", "3e-5")) == ["lr 3e-05: --lr"]
+    assert said(*tiny, "--lora-rank", "8", "--lr", "3e-5") == ["lr 3e-05: --lr"]
+    assert said(*tiny, "--lr", "1e-6") == ["lr 1e-06: --lr"]                    # given at its default
     full = tmp_path / "full.yaml"
     full.write_text("lr: 2e-6\n")
-    assert flags.lr_origin(cfg("--config", str(full))) == [f"lr 2e-06: --config {full}"]
-    lines = flags.lr_origin(cfg("--config", str(full), "--lora-rank", "8"))
+    assert said(*tiny, "--config", str(full)) == [f"lr 2e-06: --config {full}"]
+    lines = said(*tiny, "--config", str(full), "--lora-rank", "8")
     assert lines[0] == f"lr 2e-06: --config {full}" and len(lines) == 2
     assert lines[1].startswith(f"notice: lr 2e-06 comes from --config {full}, which does not set lora_rank, "
                                f"while --lora-rank 8 is given on the command line")
     both = tmp_path / "lora.yaml"
     both.write_text("lr: 2e-5\nlora_rank: 8\n")
-    assert flags.lr_origin(cfg("--config", str(both))) == [f"lr 2e-05: --config {both}"]   # no notice
-    assert flags.lr_origin(cfg("--config", str(full), "--lora-rank", "8", "--lr", "3e-5")) == [
-        "lr 3e-05: --lr"]
+    assert said(*tiny, "--config", str(both)) == [f"lr 2e-05: --config {both}"]   # no notice
+    assert said(*tiny, "--config", str(full), "--lora-rank", "8", "--lr", "3e-5") == ["lr 3e-05: --lr"]
+    capsys.readouterr()
+    grpo.parse_args(["--lora-rank", "8"])
+    assert capsys.readouterr().out == ""
 
 
 # ----------------------------------------------------------------------------- the estimate, by the card

@@ -17,7 +17,8 @@ and a command line are checked by the same code (an int field refuses 1.5 as --s
 `commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
 `check` holds grpo.py's rules on its flags' values (one error line each, before anything loads);
 `reward_record` records the --reward files' hashes and refuses a --resume whose reward file changed.
-`lr_origin` says the learning rate in force and where it came from (run.setup prints it).
+`parse` resolves a config once (defaults, presets, --config, the flags given) and says where the learning rate
+in force came from (lr_lines).
 """
 import argparse
 import dataclasses
@@ -223,10 +224,12 @@ def check(cfg):
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
     rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
              *[(flag(k), getattr(cfg, k) >= 1, "must be >= 1")
-               for k in ("prompts_per_step", "max_new_tokens", "gen_chunk", "micro_batch", "num_iterations",
+               for k in ("prompts_per_step", "max_new_tokens", "num_iterations",
                          "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
                          "max_prompt_tokens", "top_k", "eval_size", "keep_checkpoints")],
              ("--eval-every", cfg.eval_every >= 0, "must be >= 0 (0: off)"),
+             *[(flag(k), getattr(cfg, k) >= 0, "must be >= 0 (0: sized to the card)")
+               for k in ("gen_chunk", "micro_batch")],
              *[(flag(k), finite(getattr(cfg, k)), "must be a finite number")
                for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
                          "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
@@ -314,18 +317,19 @@ def resume_flags(saved, given):
     return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in same_path}
 
 
-def unused(cfg, given, prog):
+def unused(cfg, given, prog, for_gpu=False):
     """One `prog: notice:` line on stderr for each flag given on the command line (`given`; a --config file's
     and a run_config.json's are not judged) that cannot take effect with the others; the run goes on. cfg:
-    grpo.Config, or flowtracer_trl.py's flags (those it lacks are not given)."""
+    grpo.Config, or flowtracer_trl.py's flags (those it lacks are not given). for_gpu: the run is judged as
+    one on a GPU whatever this machine has (eval.py memory plans for one)."""
     g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
     needs = [(("lora_alpha", "lora_targets", "lora_dropout"), g("lora_rank", 0) > 0, "--lora-rank is 0 "
               "(full fine-tuning): give --lora-rank R for adapters"),
              (("eval_data_path", "eval_dataset", "eval_size"), g("eval_every", 0) > 0, "--eval-every is 0 "
               "(no held-out evaluation): give --eval-every N"),
              (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
-             (("gpu_gb",), g("device") == "cuda" or g("device") == "auto" and torch.cuda.is_available()
-              or Path(sys.argv[0]).name == "eval.py",         # eval.py memory plans for a GPU on any machine
+             (("gpu_gb",), for_gpu or g("device") == "cuda" or g("device") == "auto"
+              and torch.cuda.is_available(),
               "the run is on the CPU (it sizes the step to a GPU's memory)"),
              (("overwrite", "config"), not g("resume"), "--resume continues the run in place, from its own "
               "run_config.json"),
@@ -351,20 +355,24 @@ def unused(cfg, given, prog):
     return lines
 
 
-def parse(cls, argv, doc, choices, presets, in_force, prog):
-    """A `cls` (grpo.Config) from a command line: the defaults, the presets in force (in_force(model,
-    paper_batch): names of `presets`), a --config file, then the flags given; or, with --resume, the saved
-    run's run_config.json (each value checked as the same flag on the command line) and the flags given. A
-    resumed run continues in its own directory, wherever it was moved. Bad flags: argparse's one error
-    line."""
-    active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
-                      value_in(argv, "lora_rank", 0))
-    head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(active) or 'none'}; each default "
-                                   f"below says what it sets, and the flags given win.")
+def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=False):
+    """A `cls` (grpo.Config) resolved once, from a command line: the defaults, the presets in force
+    (in_force(model, paper_batch, lora_rank): names of `presets`, the last wins), a --config file, then the
+    flags given; or, with --resume, the saved run's run_config.json (each value checked as the same flag on
+    the command line) and the flags given. A resumed run continues in its own directory, wherever it was
+    moved. Bad flags: argparse's one error line. What was given is used here and not rebuilt later: the
+    notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever this
+    machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where the
+    learning rate in force came from (lr_lines)."""
+    argv_active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
+                           value_in(argv, "lora_rank", 0))              # for the help, before argparse runs
+    head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
+                                   f"default below says what it sets, and the flags given win.")
     p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
                                 description=head, epilog=doc[doc.index("Run:"):], formatter_class=Formatter)
-    add_fields(p, cls, choices, suppress=True, presets=presets, active=active)
+    add_fields(p, cls, choices, suppress=True, presets=presets, active=argv_active)
     given = vars(p.parse_args(argv))                     # unknown flags are errors
+    file, active = {}, []
     try:
         if given.get("resume"):                          # the saved run's config, then the flags given now
             ckpt = ckpt_io.find_checkpoint(given["resume"])
@@ -379,10 +387,10 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
             cfg = cls(**{**saved, **given, "out_dir": str(here)})
         else:                                            # presets, a --config file, then the flags given
             file = read_config(given["config"], cls, choices) if given.get("config") else {}
-            base = in_force(given.get("model", file.get("model", cls.model)),
-                            given.get("paper_batch", file.get("paper_batch", False)),
-                            given.get("lora_rank", file.get("lora_rank", 0)))
-            cfg = cls(**{k: v for name in base for k, v in presets[name].items()} | file | given)
+            chosen = {**file, **given}
+            active = in_force(chosen.get("model", cls.model), chosen.get("paper_batch", False),
+                              chosen.get("lora_rank", 0))
+            cfg = cls(**{k: v for name in active for k, v in presets[name].items()} | file | given)
     except ValueError as e:
         p.error(str(e))
     problem = check(cfg)
@@ -392,36 +400,35 @@ def parse(cls, argv, doc, choices, presets, in_force, prog):
         cfg = reward_record(cfg, given)
     except ValueError as e:
         p.error(str(e))
-    unused(cfg, given, prog)
+    unused(cfg, given, prog, for_gpu)
+    if say:
+        print("\n".join(lr_lines(cfg, given, file, [(name, presets[name]) for name in active])))
     return cfg
 
 
-def lr_origin(cfg) -> list:
-    """The lines run.setup prints about the learning rate in force: its value and where it came from (the
-    default, a preset of the module that defines cfg's class, grpo.PRESETS: the embedded model's, 10x for
-    LoRA; --lr; a --config file; the resumed run's), and a notice when an lr from a --config file that does
-    not set lora_rank meets --lora-rank on the command line: the file, written for full fine-tuning, then
-    overrides LoRA's 10x preset."""
+def lr_lines(cfg, given, file, active) -> list:
+    """The lines parse prints about the learning rate in force: its value and where it came from (the
+    default, a preset in force, --lr, the --config file, the resumed run's), and a notice when an lr from a
+    --config file that does not set lora_rank meets --lora-rank on the command line: the file, written for
+    full fine-tuning, then overrides LoRA's 10x preset. given: the flags on the command line; file: the
+    --config file's; active: [(label, preset)] in force, in order."""
     if cfg.resume:
-        return [f"lr {cfg.lr:g}: the resumed run's (its run_config.json, or --lr given with --resume)"]
-    mod = sys.modules.get(type(cfg).__module__)
-    presets, active = getattr(mod, "PRESETS", {}), \
-        getattr(mod, "presets", lambda *a: [])(cfg.model, cfg.paper_batch, cfg.lora_rank)
-    file = read_config(cfg.config, type(cfg), getattr(mod, "CHOICES", None)) if cfg.config else {}
-    values = [(type(cfg).lr, None)] + [(presets[k]["lr"], k) for k in active if "lr" in presets[k]]
+        return [f"lr {cfg.lr:g}: " + ("--lr, given with --resume" if "lr" in given else
+                                      "the resumed run's (its run_config.json)")]
+    values = [(type(cfg).lr, None)] + [(p["lr"], label) for label, p in active if "lr" in p]
     value, label = values[-1]                                   # what the defaults and presets give
     full = [v for v, k in values if not str(k).startswith("--lora-rank")][-1]   # full fine-tuning's
-    if "lr" in file and cfg.lr == file["lr"]:
+    if "lr" in given:
+        where = "--lr"
+    elif "lr" in file:
         where = f"--config {cfg.config}"
-    elif cfg.lr == value and label is None:
-        where = f"the default ({comments(type(cfg))[0].get('lr', 'grpo.Config')})"
-    elif cfg.lr == value:
+    elif label is None:
+        where = f"the default ({comments(type(cfg))[0].get('lr', type(cfg).__name__)})"
+    else:
         where = f"set by {label}" + (f": {cfg.lr / full:g} x {full:g}, full fine-tuning's" if value != full
                                      else "")
-    else:
-        where = "--lr"
     lines = [f"lr {cfg.lr:g}: {where}"]
-    if "lr" in file and "lora_rank" not in file and cfg.lora_rank > 0 and cfg.lr == file["lr"]:
+    if "lr" in file and "lr" not in given and "lora_rank" not in file and given.get("lora_rank", 0) > 0:
         lines.append(f"notice: lr {cfg.lr:g} comes from --config {cfg.config}, which does not set lora_rank, "
                      f"while --lora-rank {cfg.lora_rank} is given on the command line: the file's lr "
                      f"replaces LoRA's preset ({value:g}); give --lr to choose")

@@ -14,7 +14,6 @@ Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
 import dataclasses
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +24,8 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import credit, flags, heldout, models, policy, preflight, rewards, runlog, tracking
+from training.budget import SIZES, largest
+from training import credit, heldout, models, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -97,6 +97,12 @@ def setup(cfg, memory=None) -> Run:
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)                              # the engine and the estimate are sized to it
     budget = size_to_card(cfg, device, widest, memory, len(evals)) if memory is not None else None   # CUDA
+    if budget is None:                                           # the CPU: a size left at 0 at its largest
+        sized = largest(cfg)
+        if sized is not cfg:
+            print(f"sizes: gen_chunk {sized.gen_chunk}, micro_batch {sized.micro_batch} (the CPU's; "
+                  f"0 sizes a GPU's step to its card)")
+            cfg.gen_chunk, cfg.micro_batch = sized.gen_chunk, sized.micro_batch
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -112,7 +118,6 @@ def setup(cfg, memory=None) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    print("\n".join(flags.lr_origin(cfg)))                    # the lr in force and where it came from
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
@@ -132,9 +137,9 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
     total (torch.cuda.mem_get_info) or --gpu-gb (at most the GPU's: a larger one is said and the card's
     taken) less memory.RESERVE, less what the process holds already beyond the margin's context (the context
     is counted once).
-    A --gen-chunk or --micro-batch left at its default is free: the largest that fit are written into cfg
-    (saved with the run) and said in one line, with the engine's layout (resident through the update, or
-    released for it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
+    A --gen-chunk or --micro-batch left at 0 is chosen: the largest that fit are written into cfg (saved with
+    the run) and said in one line, with the engine's layout (resident through the update, or released for
+    it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
     one error line) naming the peak, the card's size and what would fit. None on the CPU."""
     if device.type != "cuda":
         return None
@@ -147,8 +152,9 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
                   f"(torch.cuda.mem_get_info): the step is sized to the card")
         total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
     budget = total * (1 - memory.RESERVE) - max(0, held - memory.CONTEXT)   # the reserve; the context once
-    mc, free = memory.model_config(cfg.model), left_free(cfg)         # the config alone, no weights
-    plan = memory.plan(cfg, mc, device, widest, budget, free, n_eval)
+    mc = memory.model_config(cfg.model)                              # the config alone, no weights
+    free = [k for k in SIZES if getattr(cfg, k) == 0]         # the sizes the run chooses
+    plan = memory.plan(cfg, mc, device, widest, budget, n_eval)
     if plan.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
         layout = "released for the update (reserved again for each rollout)" if plan.release else \
@@ -164,19 +170,7 @@ def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
                      f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
                      f"{total / memory.GB:.1f} GB ({source}), {budget / memory.GB:.1f} GB of it planned (a "
                      f"{memory.RESERVE:.0%} reserve): "
-                     + memory.what_fits(cfg, mc, device, widest, budget, free, n_eval))
-
-
-def left_free(cfg):
-    """The sizes a run may choose ({"gen_chunk", "micro_batch"} or fewer): those at the value the defaults
-    and the presets in force give (grpo.presets, read from the module that defines cfg's class): a flag
-    given at its default value counts as left free."""
-    mod = sys.modules.get(type(cfg).__module__)
-    active = mod.presets(cfg.model, cfg.paper_batch, cfg.lora_rank) if hasattr(mod, "presets") else []
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in active:
-        defaults.update(mod.PRESETS[name])
-    return {k for k in ("gen_chunk", "micro_batch") if getattr(cfg, k) == defaults[k]}
+                     + memory.what_fits(cfg, mc, device, widest, budget, n_eval))
 
 
 def for_update(cfg, device, path=None):
@@ -185,6 +179,7 @@ def for_update(cfg, device, path=None):
     credit's layers, head-mean kernel (said in one line on CUDA) and kind. memtrace.measure and
     benchmarks/gpu_headline.py run grpo.update on this, so what they measure is what grpo.py runs. A model
     whose update cannot read each prompt once says so here, once (logprobs.sharing_problem)."""
+    cfg = largest(cfg)                                  # a size left at 0: the CPU's, as setup's (a copy)
     model, tok, ref, opt = policy.load_policy(cfg, device, path)
     problem = sharing_problem(model) if cfg.share_prefix else None
     if problem:
