@@ -59,7 +59,6 @@ import torch
 from tqdm import tqdm
 
 import data
-from evaluation import memory
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
 from training import backoff, credit, flags, heldout, models, policy, runlog, tracking
@@ -155,7 +154,7 @@ class Outcome(NamedTuple):
 
 
 def train(cfg: Config, run=None) -> Outcome:
-    run = run or setup(cfg, memory)          # data, model, optimizer, run directory; sized to a GPU
+    run = run or setup(cfg)                  # data, model, optimizer, run directory; sized to a GPU
     history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
@@ -382,7 +381,7 @@ PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.
 def main(argv=None):
     cfg = parse_args(argv, say=True)
     try:
-        run = setup(cfg, memory)                      # on CUDA: sized to the card before the weights load
+        run = setup(cfg)                              # on CUDA: sized to the card before the weights load
     except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)

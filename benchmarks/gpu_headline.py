@@ -4,7 +4,7 @@ For each response budget R (--max-new-tokens, default 1,024 and 8,192) it runs g
 qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and prints:
 
   memory      each phase's peak, measured by memtrace.measure (one real step, the second one) as
-              torch.cuda.max_memory_allocated and max_memory_reserved, beside memory.estimate (what
+              torch.cuda.max_memory_allocated and max_memory_reserved, beside step_bytes.estimate (what
               `python eval.py memory` prints) and the ratio estimate / allocated
   overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.update on it
               (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss,
@@ -23,7 +23,7 @@ and once, at the largest R, the memory of the attention maps: the peak of one no
 each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (~164 GB for one row of
 Qwen3-4B): an out-of-memory error is reported as such, with that size.
 
-Each step is sized as grpo.py's setup sizes it (run.size_to_card: memory.plan's gen_chunk, micro_batch and
+Each step is sized as grpo.py's setup sizes it (budget.size: budget.plan's gen_chunk, micro_batch and
 the engine's layout under 80 GB or --gpu-gb, margin included; the header says which): the 8K step gets
 gen_chunk 32, micro_batch 8 with the engine released for the update. It rolls out as grpo.py does: on CUDA
 through the run's decode engine, made and reserved once as setup makes it (memtrace.run_engine), so the
@@ -78,12 +78,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
-from evaluation import memory, memtrace  # noqa: E402
+from evaluation import memtrace  # noqa: E402
 from flowtracer import head_mean_kernel, select_layers  # noqa: E402
-from training import budget, credit, runlog  # noqa: E402
+from training import budget, credit, runlog, step_bytes  # noqa: E402
 from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
-from training.run import for_update, size_to_card  # noqa: E402
+from training.run import for_update  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -93,7 +93,7 @@ ANSWER_TOKENS = 8               # departure 1
 def step_config(args, R):
     """(grpo.py's Config for this shape, parsed by grpo.py: its checks; whether the plan releases the engine
     for the update): on CUDA its chunks and the engine's layout sized to the card (or --gpu-gb, then enforced
-    by the allocator) as grpo.py's setup sizes them (run.size_to_card)."""
+    by the allocator) as grpo.py's setup sizes them (budget.size)."""
     flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
              "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow",
@@ -102,9 +102,9 @@ def step_config(args, R):
     if args.device == "cuda":
         if args.gpu_gb:                           # a smaller card on a large one: the allocator's limit
             total = torch.cuda.mem_get_info()[1]
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * memory.GB / total))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * budget.GB / total))
         try:
-            sized = size_to_card(cfg, torch.device("cuda"), args.prompt_tokens, memory)
+            sized = budget.size(cfg, torch.device("cuda"), args.prompt_tokens)
         except ValueError as e:
             raise SystemExit(f"gpu_headline.py: error: R = {R}: {e}") from None
         return cfg, sized.plan.release
@@ -185,7 +185,7 @@ def bandwidth_bound(model, cfg, P, bandwidth):
 
 
 def rereserve(run, graphs):
-    """What the engine's layout "released" (memory.plan) costs a step, on the run's engine (on the CPU, an
+    """What the engine's layout "released" (budget.plan) costs a step, on the run's engine (on the CPU, an
     eager one made as setup makes it): {bytes of its K, V buffers, reserve_s: release, reserve and
     allocate them again; graphs: those a rollout captured (captured again every step once released);
     call_s: a short call (one chunk, 16 new tokens) with the engine resident, released_s: the same right
@@ -257,14 +257,14 @@ def headline(args, R, device):
     cfg, release = step_config(args, R)
     P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
     res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
-               micro_batch=cfg.micro_batch, engine=memory.LAYOUTS[release] if device.type == "cuda" else "-")
+               micro_batch=cfg.micro_batch, engine=budget.LAYOUTS[release] if device.type == "cuda" else "-")
     if not args.quick:
-        est = memory.estimate(cfg, memory.model_config(cfg.model), device.type, P, release=release)
+        est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), device.type, P, release=release)
         reserved = {}
         measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved, release=release)
         res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
                                   reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
-                         for ph in memory.PHASES}
+                         for ph in step_bytes.PHASES}
         free(device)
     run, tok = load(cfg, device, P, args.quick_tokens if args.quick else 0)
     before = run.engine.captures if run.engine is not None else 0

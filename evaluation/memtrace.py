@@ -1,14 +1,14 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
 measure() runs grpo.py's own step on a real policy (policy.load_policy, as run.setup builds it; the update is
-grpo.update, passed in) twice and counts the second one, in memory.PHASES. It rolls out as grpo.py does: on
+grpo.update, passed in) twice and counts the second one, in step_bytes.PHASES. It rolls out as grpo.py does: on
 CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
 as setup makes it), so its cache is in every phase of the update it measures, or freed before the update
 where the plan releases it (release):
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
-tests/test_memory.py holds memory.estimate within 10% of what this counts; `eval.py memory --measure` prints
+tests/test_memory.py holds step_bytes.estimate within 10% of what this counts; `eval.py memory --measure` prints
 both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
 block with its stack (cuda_peak), and held_at_peak sums it by site: what memory.py's backward misses there
 (PATH: the pickle for memory_viz; PATH.json: the sums, which report_held prints; no pickle is read back).
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from training import budget, policy, preflight, rollout
+from training import budget, policy, preflight, rollout, step_bytes
 from training.rollout import build_batch
 from training.run import for_update
 
@@ -210,7 +210,7 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snap
             release=False) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
     policy.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
-    before the first step as setup reserves it; release: freed before each update, memory.plan's layout
+    before the first step as setup reserves it; release: freed before each update, budget.plan's layout
     "released"), then `update` (grpo.update: grpo.py's own micro-batch loop, the credit inside, a credit's
     own pass too), which marks the phases on the clock it is given. Every response runs to max_new_tokens
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
@@ -293,13 +293,13 @@ def command(args, grpo):
     if args.capability is not None and not 3 <= args.capability < 20:       # a float: any number parses
         raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
     cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
-    cfg, plan, _ = memory.planned(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, cap=cap)
+    cfg, plan, _ = budget.planned(cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, cap=cap)
     release = bool(plan and plan.gen_chunk and plan.release)
-    est = memory.estimate(cfg, memory.model_config(cfg.model), device, args.prompt_tokens, release=release,
+    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, release=release,
                           cap=cap)
-    if args.measure and device == "cpu" and memory.peak(est)[1] > 8e9:
+    if args.measure and device == "cpu" and step_bytes.peak(est)[1] > 8e9:
         raise ValueError("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
-                         f"is {memory.peak(est)[1] / 1e9:.0f} GB")
+                         f"is {step_bytes.peak(est)[1] / 1e9:.0f} GB")
     if args.snapshot and not (args.measure and device == "cuda"):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
     measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot,

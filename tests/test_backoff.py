@@ -13,7 +13,7 @@ import torch
 
 import grpo
 from conftest import assert_to_rounding, flat, grpo_steps
-from training import engine, heldout, preflight, rollout, runlog
+from training import budget, engine, heldout, preflight, rollout, runlog
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB"
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
@@ -295,17 +295,16 @@ def test_other_errors_are_not_caught(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- the engine released
 def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_rollout(tmp_path, monkeypatch):
-    """The plan's layout "released" (forced here; memory.plan picks it where it lets larger sizes fit): the
+    """The plan's layout "released" (forced here; budget.plan picks it where it lets larger sizes fit): the
     engine's buffers are freed before each update (no tensor keeps their storage alive) and made again, its
     graphs captured again, by the next rollout; the run equals the one whose engine stays resident."""
-    from evaluation import memory
     from training import run as run_mod
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     a, b = tmp_path / "a", tmp_path / "b"
     grpo.main([*TINY, "--steps", "2", "--out-dir", str(b)])                      # resident
     cfg = grpo.parse_args([*TINY, "--steps", "2", "--out-dir", str(a)])
     run = grpo.setup(cfg)
-    run.budget = run_mod.Budget(24 * memory.GB, "a test", memory.Plan(8, 8, "backward", 0.0, (8, 8), True))
+    run.budget = budget.Budget(24 * budget.GB, "a test", budget.Plan(8, 8, "backward", 0.0, (8, 8), True))
     rolled, during, real = [], [], grpo.update
     real_release = engine.Engine.release
 

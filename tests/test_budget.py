@@ -1,5 +1,5 @@
-"""LoRA's memory and the budget sized to the card: memory.estimate under --lora-rank against live-storage
-counts of real steps, the sizes memory.plan picks for Qwen3-4B on a 24 GB card, and run.setup's sizing
+"""LoRA's memory and the budget sized to the card: step_bytes.estimate under --lora-rank against live-storage
+counts of real steps, the sizes budget.plan picks for Qwen3-4B on a 24 GB card, and run.setup's sizing
 before the weights load on a faked GPU (torch.cuda.mem_get_info, or --gpu-gb): the sizes it picks where the
 flags left them free, and the one error line, with nothing written, where the flags given cannot fit."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 import grpo
 from evaluation import memory, memtrace
-from training import budget, policy
+from training import budget, policy, step_bytes
 from training import run as run_mod
 from training.models import qwen3_4b_config
 
@@ -24,11 +24,11 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
     full fine-tuning."""
     cfg = grpo.parse_args(SMALL + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
-    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
+    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
     model = policy.load_policy(cfg, torch.device("cpu"))[0]
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert est["optimizer step"]["grads"] == 4 * adapters                          # fp32, the adapters only
-    for phase in memory.PHASES:
+    for phase in step_bytes.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
 
@@ -38,8 +38,8 @@ def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
     """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
-    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
-    for phase in memory.PHASES:
+    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 256)
+    for phase in step_bytes.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
@@ -49,14 +49,14 @@ def test_a_24_gb_card_runs_qwen3_4b_at_1k_with_lora_16_and_80_gb_the_paper_batch
     the paper's batch still fits 80 GB at the flags' own sizes."""
     mc = qwen3_4b_config()
     lora = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
-    p = memory.plan(lora, mc, "cuda", 256, 24 * memory.GB)
-    assert p.gen_chunk >= 16 and p.micro_batch >= 4 and p.peak <= 24 * memory.GB
+    p = budget.plan(lora, mc, "cuda", 256, 24 * budget.GB)
+    assert p.gen_chunk >= 16 and p.micro_batch >= 4 and p.peak <= 24 * budget.GB
     full = grpo.parse_args(["--model", "qwen3-4b-random", "--gpu-gb", "24"])
-    assert memory.plan(full, mc, "cuda", 256, 24 * memory.GB).gen_chunk is None
+    assert budget.plan(full, mc, "cuda", 256, 24 * budget.GB).gen_chunk is None
     paper = grpo.parse_args(["--model", "qwen3-4b-random", "--paper-batch"])
-    q = memory.plan(paper, mc, "cuda", 256, memory.GPU)
+    q = budget.plan(paper, mc, "cuda", 256, budget.GPU)
     top = budget.largest(paper)                                       # sizes left at 0: 64 and 8 tried first
-    assert (q.gen_chunk, q.micro_batch) == (top.gen_chunk, top.micro_batch) and q.peak <= memory.GPU
+    assert (q.gen_chunk, q.micro_batch) == (top.gen_chunk, top.micro_batch) and q.peak <= budget.GPU
 
 
 def fake_gpu(monkeypatch, total):
@@ -82,7 +82,7 @@ TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4",
 def test_a_card_too_small_for_the_flags_given_is_one_line_before_the_weights_load(how, tmp_path, monkeypatch,
                                                                                 capsys):
     out = tmp_path / "run"
-    fake_gpu(monkeypatch, 10 * memory.GB if how == "--gpu-gb" else 0.9 * memory.GB)
+    fake_gpu(monkeypatch, 10 * budget.GB if how == "--gpu-gb" else 0.9 * budget.GB)
     flags = [*TINY, "--micro-batch", "4", "--out-dir", str(out)] + (["--gpu-gb", "0.9"] if how == "--gpu-gb"
                                                                      else [])
     with pytest.raises(SystemExit) as e:
@@ -96,14 +96,14 @@ def test_a_card_too_small_for_the_flags_given_is_one_line_before_the_weights_loa
 
 def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkeypatch, capsys):
     """A card that fits gen_chunk 4 and micro_batch 2 but not the defaults (64, 8): setup writes the sizes
-    memory.plan picks into the run's config before the weights load; a --micro-batch given is kept."""
+    budget.plan picks into the run's config before the weights load; a --micro-batch given is kept."""
     box = fake_gpu(monkeypatch, 0)
     cfg = grpo.parse_args([*TINY, "--out-dir", str(tmp_path / "a")])
-    mc, widest = memory.model_config(cfg.model), 200
+    mc, widest = step_bytes.model_config(cfg.model), 200
     small = type(cfg)(**{**vars(cfg), "gen_chunk": 4, "micro_batch": 2})
-    card = sum(memory.margin(small, mc, widest).values()) + memory.peak(memory.estimate(small, mc, "cuda",
+    card = sum(budget.margin(small, mc, widest).values()) + step_bytes.peak(step_bytes.estimate(small, mc, "cuda",
                                                                                         widest))[1]
-    box["total"] = card / (1 - memory.RESERVE)                                # the plan keeps the reserve
+    box["total"] = card / (1 - budget.RESERVE)                                # the plan keeps the reserve
 
     class Loaded(Exception):
         pass
@@ -112,18 +112,18 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
         raise Loaded
     monkeypatch.setattr(run_mod, "for_update", stop)
     got = {}
-    real = memory.plan
-    monkeypatch.setattr(memory, "plan", lambda c, m, d, w, b, *a, **kw:
+    real = budget.plan
+    monkeypatch.setattr(budget, "plan", lambda c, m, d, w, b, *a, **kw:
                         got.setdefault("widest", w) and real(c, m, d, widest, b, *a, **kw))
     with pytest.raises(Loaded):
-        run_mod.setup(cfg, memory)
+        run_mod.setup(cfg)
     assert got["widest"] > 0
     assert (cfg.gen_chunk, cfg.micro_batch) != (64, 8)
-    assert memory.plan(cfg, mc, "cuda", widest, card).peak <= card
+    assert budget.plan(cfg, mc, "cuda", widest, card).peak <= card
     assert "budget:" in capsys.readouterr().out
     given = grpo.parse_args([*TINY, "--micro-batch", "4", "--out-dir", str(tmp_path / "b")])
     with pytest.raises(ValueError, match="--gen-chunk"):                        # 4 rows do not fit
-        run_mod.setup(given, memory)
+        run_mod.setup(given)
     assert given.micro_batch == 4
 
 
@@ -141,17 +141,17 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     eng = preflight.make_engine(cfg, model, tok, widest, n_eval)
     rollout.generate(model, tok, [[1, 5, 6, 7]], n=1, max_new_tokens=2, greedy=True, chunk_size=1, engine=eng)
     held = eng.keys.nbytes + eng.values.nbytes                                   # allocated by the decode
-    mc = memory.model_config(cfg.model)
-    est = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
-    assert eng.rows == memory.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
-    assert all(est[ph]["KV cache"] == held for ph in memory.PHASES[1:])
+    mc = step_bytes.model_config(cfg.model)
+    est = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
+    assert eng.rows == step_bytes.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
+    assert all(est[ph]["KV cache"] == held for ph in step_bytes.PHASES[1:])
     assert est["generation"]["KV cache"] >= held
-    none = memory.estimate(cfg, mc, "cuda", widest, n_eval=0)                   # no evaluation: 8 rows
+    none = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=0)                   # no evaluation: 8 rows
     assert 8 * none["backward"]["KV cache"] == held
-    freed = memory.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
-    assert all(freed[ph]["KV cache"] == 0 for ph in memory.PHASES[1:])
+    freed = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
+    assert all(freed[ph]["KV cache"] == 0 for ph in step_bytes.PHASES[1:])
     assert freed["generation"] == est["generation"]
-    for ph in memory.PHASES[1:]:
+    for ph in step_bytes.PHASES[1:]:
         assert sum(est[ph].values()) - sum(freed[ph].values()) == held
 
 
@@ -160,14 +160,14 @@ def test_the_plan_keeps_the_engine_resident_where_it_fits_and_releases_it_for_la
     fine-tuning at 8K on 80 GB releases it: resident, neither size fits at 32 / 8, released they do."""
     mc = qwen3_4b_config()
     lora = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
-    p = memory.plan(lora, mc, "cuda", 256, 24 * memory.GB)
+    p = budget.plan(lora, mc, "cuda", 256, 24 * budget.GB)
     assert (p.gen_chunk, p.micro_batch, p.release) == (32, 8, False)
     long = grpo.parse_args(["--model", "qwen3-4b-random", "--max-new-tokens", "8192"])
-    q = memory.plan(long, mc, "cuda", 256, memory.GPU)
-    assert q.release and q.peak <= memory.GPU and (q.gen_chunk, q.micro_batch) == (32, 8)
+    q = budget.plan(long, mc, "cuda", 256, budget.GPU)
+    assert q.release and q.peak <= budget.GPU and (q.gen_chunk, q.micro_batch) == (32, 8)
     at = type(long)(**{**vars(long), "gen_chunk": 32, "micro_batch": 8})
-    kept = memory.peak(memory.estimate(at, mc, "cuda", 256))[1] + sum(memory.margin(at, mc, 256).values())
-    assert kept > memory.GPU                                          # resident, the same sizes do not fit
+    kept = step_bytes.peak(step_bytes.estimate(at, mc, "cuda", 256))[1] + sum(budget.margin(at, mc, 256).values())
+    assert kept > budget.GPU                                          # resident, the same sizes do not fit
 
 
 def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
@@ -176,13 +176,13 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
     out = memory.report(cfg, 256).splitlines()
     planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
-    mc = memory.model_config(cfg.model)
-    cache = memory.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
+    mc = step_bytes.model_config(cfg.model)
+    cache = step_bytes.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
     assert out[0].startswith("precision: bf16")                      # the card's precision, then the table
     assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[1]
     assert out[3].split()[0] == "generation" and float(out[3].split()[5]) == round(
-        memory.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / memory.GB, 2)
+        step_bytes.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / budget.GB, 2)
     line = next(x for x in out if x.startswith("engine:"))
     assert line.startswith("engine: resident through the update")
-    assert f"{cache / memory.GB:.2f} GB less" in line
+    assert f"{cache / budget.GB:.2f} GB less" in line
     assert any("grpo.py picks gen_chunk 32, micro_batch 8, the engine resident" in x for x in out)

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from evaluation import footprint, memory
+from training import footprint, step_bytes
 from evaluation.memtrace import track_peak
 from training import engine, rollout
 from training.models import load_model
@@ -437,9 +437,9 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
     eng.allocate(SimpleNamespace(layers=[]))                                # the model's dtype, bf16
     reserved = eng.keys.nbytes + eng.values.nbytes
     assert eng.keys.shape[1] == 64 and eng.keys.shape[3] == 1024 - 1 + 1024 + 1     # rows, S (ALIGN 64)
-    mc = memory.model_config(cfg.model)
+    mc = step_bytes.model_config(cfg.model)
     for P in (1024, 256):
-        est = memory.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
+        est = step_bytes.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
         assert all(0.9 < est[ph]["KV cache"] / reserved < 1.1 for ph in est if ph != "generation")
         assert est["generation"]["KV cache"] >= reserved
 

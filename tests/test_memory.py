@@ -22,7 +22,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 import grpo
-from evaluation import footprint, memory, memtrace
+from evaluation import memory, memtrace
+from training import budget, footprint, step_bytes
 from training import logprobs, policy
 from training.models import load_model, qwen3_4b_config, tiny_config
 
@@ -78,8 +79,8 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
     changes memory."""
     cfg = grpo.parse_args(SMALL + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
-    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 32)
-    for phase in memory.PHASES:
+    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
+    for phase in step_bytes.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
 
@@ -88,15 +89,15 @@ def test_estimate_within_10_percent_at_the_issues_tiny_shape():
     """The first GPU memory target shape: 16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8 (prefill-bound)."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
-    est = memory.estimate(cfg, memory.model_config(cfg.model), "cpu", 256)
-    for phase in memory.PHASES:
+    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 256)
+    for phase in step_bytes.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
 def qwen3_4b(*flags):
     """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
-    return memory.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
+    return step_bytes.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
 
 
 def total(est, phase):
@@ -132,7 +133,7 @@ def live_at_the_first_layers_backward(tied, device):
 
 
 def test_the_tied_head_gradient_waits_for_the_embeddings_backward(device):
-    """What memory.estimate's backward counts as `held`: with a tied embedding, the LM head's gradient,
+    """What step_bytes.estimate's backward counts as `held`: with a tied embedding, the LM head's gradient,
     summed over the log-prob chunks in one (V, D) buffer, waits for the embedding's backward (the graph's
     last node), so it is live through the whole decoder backward: exactly V D 4 more bytes at layer 0's
     backward than with an untied head (whose gradient is taken after the last chunk). The estimate
@@ -149,7 +150,7 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     base, cfg = qwen3_4b()
     mc = qwen3_4b_config()
     L, D, b, B, T, R = 36, 2560, 8, 128, 1280, 1024
-    N = memory.param_counts(mc)[0]
+    N = step_bytes.param_counts(mc)[0]
     # --no-grad-checkpointing (one pass over every row): each layer keeps its layer_saved, not its bf16 input
     unshared, _ = qwen3_4b("--no-share-prefix")
     off, _ = qwen3_4b("--no-grad-checkpointing", "--no-share-prefix")
@@ -179,7 +180,7 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     assert total(it2, "optimizer step") == total(base, "optimizer step")
     # --beta > 0: the reference policy's bf16 weights in every phase, its forward in backward
     kl, _ = qwen3_4b("--beta", "0.1")
-    for phase in memory.PHASES:
+    for phase in step_bytes.PHASES:
         assert kl[phase]["weights"] - base[phase]["weights"] == 2 * N
     assert total(kl, "generation") - total(base, "generation") == 2 * N
     # a separate credit pass: no capture in the training forward; before the update, the maps of one
@@ -207,15 +208,15 @@ def test_generation_follows_how_generate_prefills():
 def test_margin_is_printed_and_counted_in_the_fit():
     est, cfg = qwen3_4b()
     mc = qwen3_4b_config()
-    m = memory.margin(cfg, mc)
-    assert sum(m.values()) == memory.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 256      # + one bf16 prompt cache
+    m = budget.margin(cfg, mc)
+    assert sum(m.values()) == budget.CONTEXT + 2 * 36 * 8 * 128 * 2 * 64 * 256      # + one bf16 prompt cache
     assert f"budget 80 GB, margin assumed {sum(m.values()) / 1e9:.2f} GB" in memory.report(cfg)
     tight = SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192})
-    g, _ = memory.fit(tight, mc, "cuda")
+    g, _ = budget.fit(tight, mc, "cuda")
     for n, fits in ((g, True), (2 * g, False)):          # every phase at micro_batch 1: the engine stays
         c = SimpleNamespace(**{**vars(tight), "gen_chunk": n, "micro_batch": 1})
-        est = memory.estimate(c, mc, "cuda")
-        assert (max(total(est, ph) for ph in memory.PHASES) + sum(memory.margin(c, mc).values())
+        est = step_bytes.estimate(c, mc, "cuda")
+        assert (max(total(est, ph) for ph in step_bytes.PHASES) + sum(budget.margin(c, mc).values())
                 <= 80e9) == fits
 
 
@@ -234,16 +235,16 @@ def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
 def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random"])
     mc = qwen3_4b_config()
-    N, N_cast, _ = memory.param_counts(mc)
+    N, N_cast, _ = step_bytes.param_counts(mc)
     assert 4.0e9 < N < 4.05e9                                             # 4.02 B parameters
-    est = memory.estimate(cfg, mc, "cuda")
+    est = step_bytes.estimate(cfg, mc, "cuda")
     kv = 2 * 36 * 8 * 128 * 2                                             # 144 KiB per token and row
     assert est["generation"]["KV cache"] == kv * 64 * 1280 + kv * 8 * 256   # the engine's, 8 prompts' cache
-    assert memory.peak(est)[1] <= 70e9
-    fp32 = memory.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
+    assert step_bytes.peak(est)[1] <= 70e9
+    fp32 = step_bytes.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
     assert fp32["generation"]["cast cache"] == 2 * N_cast > 1.99 * N      # autocast's bf16 copies (tied head)
-    assert memory.peak(fp32)[1] > 80e9
-    gen_chunk, micro = memory.fit(SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192}), mc, "cuda")
+    assert step_bytes.peak(fp32)[1] > 80e9
+    gen_chunk, micro = budget.fit(SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192}), mc, "cuda")
     assert gen_chunk < 64 and micro < 8                                   # 8K needs smaller chunks
 
 

@@ -19,11 +19,10 @@ import torch
 
 import eval as ev
 import grpo
-from evaluation import memory, memtrace
+from evaluation import memtrace
 from tasks import prompts
-from training import checkpoint as ckpt_io
+from training import budget, checkpoint as ckpt_io
 from training import flags, policy, runlog
-from training import run as run_mod
 from training.models import ModelError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -435,13 +434,13 @@ def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tm
 
 def test_a_gpu_gb_past_the_card_is_said_and_the_card_is_taken(monkeypatch, capsys):
     """--gpu-gb 1e9 on a 10 GB card sized the step to 1e9 GB without a word; now a notice, and the card."""
-    card = 10 * memory.GB
+    card = 10 * budget.GB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (card, card))
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--gpu-gb", "1e9", "--max-new-tokens", "256",
                            "--lora-rank", "16"])
     capsys.readouterr()
     try:
-        run_mod.size_to_card(cfg, torch.device("cuda"), 256, memory)
+        budget.size(cfg, torch.device("cuda"), 256)
     except ValueError as e:                                   # nothing fits 10 GB: the card's size is named
         assert "the GPU has 10.0 GB (torch.cuda.mem_get_info)" in str(e)
     out = capsys.readouterr().out

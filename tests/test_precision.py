@@ -9,7 +9,7 @@ import torch
 
 import grpo
 from test_lora import TINY, stable, toy_reward
-from training import flags, policy
+from training import policy
 
 T4, A100 = (7, 5), (8, 0)
 
@@ -179,7 +179,9 @@ def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    from evaluation import footprint, memtrace
+    from evaluation import memtrace
+
+    from training import footprint
     from training.models import tiny_config
     mc = tiny_config("tiny-qwen3", 260)
     mc._attn_implementation = "sdpa"
@@ -204,21 +206,21 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     a fused kernel), by at least the backward's two score-sized gradients of one micro-batch; fp16 on the T4
     (the memory-efficient kernel) holds what it holds on the A100; and its weights are 2 bytes a parameter,
     fp32 AdamW's 4."""
-    from evaluation import footprint, memory
+    from training import footprint, step_bytes
     from training.models import qwen3_4b_config
     mc = qwen3_4b_config()
     bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
-    est = {cap: memory.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
+    est = {cap: step_bytes.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
     b, T = bf16.micro_batch, 256 + bf16.max_new_tokens
     grew = sum(est[T4]["backward"].values()) - sum(est[A100]["backward"].values())
     assert grew >= footprint.math_scores(b, mc.num_attention_heads, T, T)
     assert sum(est[T4]["update forward"].values()) > sum(est[A100]["update forward"].values())
     fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
-    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4) == memory.estimate(fp16, mc, "cuda", 256, cap=A100)
+    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4) == step_bytes.estimate(fp16, mc, "cuda", 256, cap=A100)
     full = grpo.parse_args(["--model", "qwen3-4b-random"])                   # auto: fp32 AdamW on a T4
-    N = memory.param_counts(mc)[0]
-    assert memory.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
-    assert memory.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
+    N = step_bytes.param_counts(mc)[0]
+    assert step_bytes.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
+    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
 
 
 def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):

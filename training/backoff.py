@@ -1,7 +1,7 @@
 """The out-of-memory back-off: a step that the memory estimate got wrong is redone smaller, not lost.
 
-grpo.py sizes its step to the card before the weights load (training/run.py's size_to_card, from
-evaluation/memory.py's estimate). Where the estimate is wrong, the allocator raises torch.OutOfMemoryError
+grpo.py sizes its step to the card before the weights load (training/budget.py's size, from
+training/step_bytes.py's estimate). Where the estimate is wrong, the allocator raises torch.OutOfMemoryError
 (cudagraph.out_of_memory: any device, and what accelerate's should_reduce_batch_size reads as one) minutes
 into a step. grpo.py reaches each phase through one call here:
 
@@ -21,23 +21,23 @@ into a step. grpo.py reaches each phase through one call here:
            gradient does not depend on micro_batch (tests/test_backoff.py). After an optimizer step began (a
            later PPO epoch's, or the step itself) the weights have moved: redoing would train those rollouts
            twice, so the run stops (below).
-           Where memory.plan releases the engine for the update (run.budget.plan.release), the engine is
+           Where budget.plan releases the engine for the update (run.budget.plan.release), the engine is
            released here first: its cache is freed for the update and reserved again by the next generate
            call.
 
 Each back-off is one line (the phase, the size before and after, the error) and counted in the step's
 metrics (oom/backoffs: RunLog.backoffs); the size goes into run.cfg, which every checkpoint writes to
 run_config.json, so --resume continues at it. A back-off only lowers a size, and nothing raises it again
-(size_to_card plans at or below the sizes a run records).
+(budget.size plans at or below the sizes a run records).
 At gen_chunk / micro_batch 1, or after an optimizer step began: OutOfMemory, one line naming the phase, the
-sizes tried and the estimate at them (evaluation/memory.py, as setup was given it), and what stands: the
+sizes tried and the estimate at them (training/step_bytes.py), and what stands: the
 last step logged is saved when no optimizer step has begun since (RunLog.save_last: nothing is lost, and
 --resume is exact), else the last checkpoint stands. grpo.main prints it and exits with status 1.
 
 The anchors: accelerate's find_executable_batch_size retries a whole function at 0.9x the batch on such an
 error; vLLM sizes its KV cache to what is free after a profiling run. No GRPO reference backs off its step.
 Departures (numbered):
- 1. Halved, not 0.9x: the sizes stay powers of two as memory.plan picks them, a step is tried at most
+ 1. Halved, not 0.9x: the sizes stay powers of two as budget.plan picks them, a step is tried at most
     log2(size) + 1 times, and a rollout keeps the chunks it finished.
  2. A rollout redone at a smaller chunk draws other samples than the run that never failed would have (a
     chunk's rows share the draws); --resume after a back-off is exact with respect to the run that backed off.
@@ -47,6 +47,7 @@ Run: python -m pytest -q tests/test_backoff.py
 from accelerate.utils.memory import clear_device_cache
 from tqdm import tqdm
 
+from training import budget, step_bytes
 from training.cudagraph import one_line, out_of_memory
 from training.rollout import Generations
 
@@ -158,19 +159,18 @@ def last_line(run, phase, tried, why, when=""):
 
 
 def estimate(run):
-    """The estimate of evaluation/memory.py at the run's sizes now, as words: the peak and its phase, the
-    margin included on CUDA, beside the card setup sized the step to (Run.budget)."""
-    m, cfg = run.memory, run.cfg
-    if m is None:
-        return "no estimate (setup was given no evaluation/memory.py)"
+    """The step's estimate (training/step_bytes.py) at the run's sizes now, as words: the peak and its phase,
+    the margin included on CUDA, beside the card setup sized the step to (Run.budget)."""
+    cfg, dev = run.cfg, run.device.type
     try:
-        mc, dev, n = m.model_config(cfg.model), run.device.type, len(run.eval_records)
+        mc, n = step_bytes.model_config(cfg.model), len(run.eval_records)
         release = run.budget is not None and run.budget.plan.release
-        est = m.estimate(cfg, mc, dev, run.widest_prompt, n_eval=n, release=release)
-        phase, top = m.peak(est)
-        top += sum(m.margin(cfg, mc, run.widest_prompt, n).values()) if dev == "cuda" else 0
+        est = step_bytes.estimate(cfg, mc, dev, run.widest_prompt, n_eval=n, release=release)
+        phase, top = step_bytes.peak(est)
+        top += sum(budget.margin(cfg, mc, run.widest_prompt, n).values()) if dev == "cuda" else 0
     except Exception as e:                                             # noqa: BLE001 (words for a last line)
         return f"no estimate ({one_line(e)})"
-    card = f" for {run.budget.total / m.GB:.1f} GB ({run.budget.source})" if run.budget else f" on the {dev}"
-    return (f"the estimate at these sizes: {top / m.GB:.2f} GB at its peak ({phase}"
+    card = f" for {run.budget.total / budget.GB:.1f} GB ({run.budget.source})" if run.budget else \
+        f" on the {dev}"
+    return (f"the estimate at these sizes: {top / budget.GB:.2f} GB at its peak ({phase}"
             f"{', margin included' if dev == 'cuda' else ''}){card}")

@@ -47,7 +47,7 @@ An out-of-memory error (cudagraph.out_of_memory) in a warm-up, a capture or the 
 these: nothing is turned off, the error goes on to the caller, and grpo.py's back-off (training/backoff.py)
 halves gen_chunk, `resize`s the engine (its buffers made again at the new width) and decodes the rows left.
 
-Memory: the static buffers are the KV cache that evaluation/footprint.py's `generation` counts for a chunk
+Memory: the static buffers are the KV cache that training/footprint.py's `generation` counts for a chunk
 (T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
 engine holds its reservation (the widest prompt + R) through the update too (memory.py counts its buffers in
 every phase on CUDA), unless the plan releases it for the update (`release`: every buffer and graph freed;
@@ -221,7 +221,7 @@ class Engine:
 
     def release(self):
         """Every buffer and graph dropped, the sizes kept, the memory given back (on CUDA to the driver:
-        empty_cache) for the update where memory.plan says "released" (training/backoff.py calls it); the
+        empty_cache) for the update where budget.plan says "released" (training/backoff.py calls it); the
         next `reserve` makes the buffers again and the steps capture their graphs again."""
         self.mask = self.x = self.pos = self.done = self.out = self.at = self.t = self.ends = self.ban = None
         self.keys = self.values = None

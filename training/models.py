@@ -240,7 +240,7 @@ def load_tokenizer(name="smollm2-135m"):
 
 
 def load_config(name="smollm2-135m"):
-    """The model's transformers config without its weights, for memory.py's estimate before they load: a
+    """The model's transformers config without its weights, for the budget's estimate (training/step_bytes.py) before they load: a
     random model's own, a GGUF file's metadata (or its cached plain copy), a directory's config.json (a LoRA
     checkpoint's: its base model's), a hub name's config.json (the network, or the hub's cache)."""
     from transformers import AutoConfig

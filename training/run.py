@@ -4,11 +4,11 @@ setup's order is cheapest checks first: the run directory is checked and the dat
 loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
 (and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
 and tokenized once here, those the run will read, with the tokenizer alone before the weights load; which a
-step reads is a function of (seed, step), so --resume lines up. On CUDA the step is then sized to the card
-before the weights load (size_to_card): the estimate of evaluation/memory.py, from the model's config and
-the run's widest prompt, against the GPU's memory (or --gpu-gb). Last, one call to training/preflight.py: on
-CUDA each GPU part is tried once (or replaced by its fallback, one line each) and the decode engine is
-reserved for the widest prompt the run decodes.
+step reads is a function of (seed, step), so --resume lines up. The step is then sized before the weights
+load (training/budget.py's size: on CUDA its estimate from the model's config and the run's widest prompt,
+against the GPU's memory or --gpu-gb; on the CPU a size left at 0 takes the CPU's). Last, one call to
+training/preflight.py: on CUDA each GPU part is tried once (or replaced by its fallback, one line each) and
+the decode engine is reserved for the widest prompt the run decodes.
 
 Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
@@ -17,15 +17,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training.budget import SIZES, largest
-from training import credit, heldout, models, policy, preflight, rewards, runlog, tracking
+from training import budget, credit, heldout, models, policy, preflight, rewards, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -53,19 +51,17 @@ class Run:
     start: int                  # the first step to run (the checkpoint's, on --resume)
     bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
     widest_prompt: int          # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
-                                # held-out): what the decode engine and memory.py's estimate are sized to
+                                # held-out): what the decode engine and the budget's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
-    budget: object = None       # size_to_card's Budget on CUDA (the card, the plan), None on the CPU
-    memory: object = None       # evaluation/memory.py as grpo.py gives setup it (backoff.py's last line)
+    budget: object = None       # budget.size's Budget on CUDA (the card, the plan), None on the CPU
 
 
-def setup(cfg, memory=None) -> Run:
+def setup(cfg) -> Run:
     """Everything before the first step, cheapest checks first: the run directory is checked and the data read
-    before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the run
-    directory is created (and locked) once the model has loaded, so a model that fails leaves nothing.
-    memory: evaluation/memory.py, which sizes the step to a GPU before the weights load (size_to_card);
-    grpo.py passes it (training imports nothing of evaluation), None sizes nothing."""
+    before the model loads, so a bad --data-path fails in a second, not after loading 4B weights; the step
+    is sized to the card before the weights load (training/budget.py); the run directory is created (and
+    locked) once the model has loaded, so a model that fails leaves nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
     mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
     done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
@@ -96,13 +92,7 @@ def setup(cfg, memory=None) -> Run:
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)                              # the engine and the estimate are sized to it
-    budget = size_to_card(cfg, device, widest, memory, len(evals)) if memory is not None else None   # CUDA
-    if budget is None:                                           # the CPU: a size left at 0 at its largest
-        sized = largest(cfg)
-        if sized is not cfg:
-            print(f"sizes: gen_chunk {sized.gen_chunk}, micro_batch {sized.micro_batch} (the CPU's; "
-                  f"0 sizes a GPU's step to its card)")
-            cfg.gen_chunk, cfg.micro_batch = sized.gen_chunk, sized.micro_batch
+    sized = budget.size(cfg, device, widest, len(evals))       # sizes left at 0 chosen; CUDA: to the card
     u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
     sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -121,56 +111,7 @@ def setup(cfg, memory=None) -> Run:
     gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
-               kwargs, budget, memory)
-
-
-class Budget(NamedTuple):
-    """What size_to_card sized the step to."""
-    total: float                # the card's bytes: its total, or --gpu-gb
-    source: str                 # where `total` came from: "--gpu-gb" or "torch.cuda.mem_get_info"
-    plan: object                # memory.Plan: the sizes, the engine's layout, the peak with the margin
-
-
-def size_to_card(cfg, device, widest, memory, n_eval=0) -> Budget | None:
-    """On CUDA, before the weights load: the step's estimate (evaluation/memory.py, from the model's config
-    alone, prompts `widest` tokens wide, n_eval held-out questions, memory.plan) against the card: the GPU's
-    total (torch.cuda.mem_get_info) or --gpu-gb (at most the GPU's: a larger one is said and the card's
-    taken) less memory.RESERVE, less what the process holds already beyond the margin's context (the context
-    is counted once).
-    A --gen-chunk or --micro-batch left at 0 is chosen: the largest that fit are written into cfg (saved with
-    the run) and said in one line, with the engine's layout (resident through the update, or released for
-    it); one given is kept. Flags that cannot fit, or nothing that fits: ValueError (grpo.py's
-    one error line) naming the peak, the card's size and what would fit. None on the CPU."""
-    if device.type != "cuda":
-        return None
-    free_now, card = torch.cuda.mem_get_info(device)
-    if cfg.gpu_gb and cfg.gpu_gb * memory.GB <= card:
-        total, held, source = cfg.gpu_gb * memory.GB, 0, "--gpu-gb"
-    else:
-        if cfg.gpu_gb:                                     # more than the card has: the card's, said
-            print(f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / memory.GB:.1f} GB "
-                  f"(torch.cuda.mem_get_info): the step is sized to the card")
-        total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
-    budget = total * (1 - memory.RESERVE) - max(0, held - memory.CONTEXT)   # the reserve; the context once
-    mc = memory.model_config(cfg.model)                              # the config alone, no weights
-    free = [k for k in SIZES if getattr(cfg, k) == 0]         # the sizes the run chooses
-    plan = memory.plan(cfg, mc, device, widest, budget, n_eval)
-    if plan.gen_chunk is not None:
-        cfg.gen_chunk, cfg.micro_batch = plan.gen_chunk, plan.micro_batch
-        layout = "released for the update (reserved again for each rollout)" if plan.release else \
-            "resident through the update"
-        chosen = ", ".join(sorted(free)) or "none, as given"
-        print(f"budget: {total / memory.GB:.1f} GB GPU ({source}), {budget / memory.GB:.1f} GB planned (a "
-              f"{memory.RESERVE:.0%} reserve): gen_chunk {plan.gen_chunk}, micro_batch {plan.micro_batch}, "
-              f"the decode engine {layout} (chosen: {chosen}; peak {plan.peak / memory.GB:.1f} GB in "
-              f"{plan.phase}, margin included)")
-        return Budget(total, source, plan)
-    raise ValueError(f"the step needs about {plan.peak / memory.GB:.1f} GB at its peak ({plan.phase}; "
-                     f"gen_chunk {plan.tried[0]}, micro_batch {plan.tried[1]}, {widest}-token prompts + "
-                     f"{cfg.max_new_tokens} new tokens, margin included) and the GPU has "
-                     f"{total / memory.GB:.1f} GB ({source}), {budget / memory.GB:.1f} GB of it planned (a "
-                     f"{memory.RESERVE:.0%} reserve): "
-                     + memory.what_fits(cfg, mc, device, widest, budget, n_eval))
+               kwargs, sized)
 
 
 def for_update(cfg, device, path=None):
@@ -179,7 +120,7 @@ def for_update(cfg, device, path=None):
     credit's layers, head-mean kernel (said in one line on CUDA) and kind. memtrace.measure and
     benchmarks/gpu_headline.py run grpo.update on this, so what they measure is what grpo.py runs. A model
     whose update cannot read each prompt once says so here, once (logprobs.sharing_problem)."""
-    cfg = largest(cfg)                                  # a size left at 0: the CPU's, as setup's (a copy)
+    cfg = budget.largest(cfg)                           # a size left at 0: the CPU's, as setup's (a copy)
     model, tok, ref, opt = policy.load_policy(cfg, device, path)
     problem = sharing_problem(model) if cfg.share_prefix else None
     if problem:

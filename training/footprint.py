@@ -2,16 +2,17 @@
 (layer_saved), what the update's forward keeps for backward (kept, update_kept), the attention capture's
 workspace (capture_workspace) and generation's KV cache and prefill (generation, prefill_rows, and a chunk
 beside the run's decode engine: engine_generation).
-evaluation/memory.py's estimate adds them into its phases; each function's docstring has its terms.
+training/step_bytes.py's estimate adds them into its phases; each function's docstring has its terms.
 Shapes: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv query / key-value heads of hd each;
-P prompt, R response, T = P + R tokens; cb the bytes of a matmul output, rb of the residual stream.
+P prompt, R response, T = P + R tokens; matmul_bytes the bytes of a matmul's output, residual_bytes those of
+the residual stream (step_bytes.Step).
 
 Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms make up)
 """
 from flowtracer import auto_chunk
 
 
-def generation(mc, g, G, P, R, cb, rb, shared=True, math=False):
+def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=False):
     """{"KV cache", "workspace"} at generation's peak for a chunk of g rows, the larger of the prefill (the
     rows' prompts, P wide, at the last layer: its attention with the (rows, P, P) bool mask and sdpa's float
     copy, q, output and K, V repeated to the query heads, or its MLP) and the decode: HF generate's cache
@@ -25,18 +26,18 @@ def generation(mc, g, G, P, R, cb, rb, shared=True, math=False):
     L, V, Hkv = mc.num_hidden_layers, mc.vocab_size, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     T, k = P + R, prefill_rows(g, G, shared)
-    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * cb                          # noqa: E731
-    prefill = prefill_workspace(mc, k, P, cb, rb, math)
+    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * matmul_bytes                          # noqa: E731
+    prefill = prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)
     if k < g:                                          # prefix sharing: each prompt's cache reserved at T
         peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
                  (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
     else:
-        peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * cb + 5 * g * V * 4)]
+        peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * matmul_bytes + 5 * g * V * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
 
 
-def engine_generation(mc, g, G, P, cb, rb, math=False):
+def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
     """{"KV cache", "workspace"} of a chunk of g rows decoded by the run's engine (training/engine.py), beside
     its buffers (counted by the caller: they are reserved for the run): each distinct prompt's cache, P wide
     (rollout.generate reserves no room for the engine), prefilled (prefill_workspace), then copied into the
@@ -44,24 +45,25 @@ def engine_generation(mc, g, G, P, cb, rb, math=False):
     hold sampling's 5 (g, V) fp32. G: the rows of a prompt (1: held-out evaluation). math: as generation's."""
     L, Hkv = mc.num_hidden_layers, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * cb              # noqa: E731 one layer's K
-    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, cb, rb, math)), (2 * L * kv(k) + kv(g), 0),
+    k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * matmul_bytes  # noqa: E731 one layer's K
+    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)),
+             (2 * L * kv(k) + kv(g), 0),
              (2 * L * kv(k), 5 * g * mc.vocab_size * 4)]
     cache, ws = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": ws}
 
 
-def prefill_workspace(mc, k, P, cb, rb, math=False):
+def prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math=False):
     """Bytes a prefill of k prompts, P wide, holds beside its cache at its peak, the last layer: the hidden
     states, positions and masks, its attention (the (k, P, P) bool mask and sdpa's float copy, q, output, K
     and V repeated to the query heads; on SDPA's math kernel its scores too, math_scores) or its MLP, and one
     position's logits (logits_to_keep=1)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
-    attn = k * P * (P * (1 + cb) + Hq * hd * cb * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
+    attn = k * P * (P * (1 + matmul_bytes) + Hq * hd * matmul_bytes * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
     attn += math * math_scores(k, Hq, P, P)                                        # the math kernel's
-    mlp = k * P * (P + 3 * I * cb)
-    hidden = k * P * (3 * D * rb + 2 * hd * rb + 32)                                # + ids, positions, masks
+    mlp = k * P * (P + 3 * I * matmul_bytes)
+    hidden = k * P * (3 * D * residual_bytes + 2 * hd * residual_bytes + 32)    # + ids, positions, masks
     return hidden + max(attn, mlp) + 5 * k * mc.vocab_size * 4
 
 
@@ -71,18 +73,20 @@ def prefill_rows(g, G, shared=True):
     return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)
 
 
-def kept(mc, n, ls, rb, checkpointed, lora=()):
+def kept(mc, n, layer_bytes, residual_bytes, checkpointed, lora=()):
     """Bytes per token the training forward keeps for backward after n decoder layers (with the final norm
     at n = L). Each layer: checkpointed, its input (b, T, D); else its layer_saved, and in fp32 its output
     too (the next RMSNorm saves it; in bf16 that norm saves a fp32 copy, counted in layer_saved). Then the
     hidden state (n < L), or the final norm's fp32 input, normalised value and output (n = L); under LoRA
     (`lora`: its adapted linears) the frozen norm keeps no normalised value."""
     D = mc.hidden_size
-    per_layer = D * rb if checkpointed else ls + 4 * D * (rb == 4)
-    return n * per_layer + (D * rb if n < mc.num_hidden_layers else 4 * D + (1 + (not lora)) * D * rb)
+    per_layer = D * residual_bytes if checkpointed else layer_bytes + 4 * D * (residual_bytes == 4)
+    last = D * residual_bytes if n < mc.num_hidden_layers else 4 * D + (1 + (not lora)) * D * residual_bytes
+    return n * per_layer + last
 
 
-def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False), math=False):
+def update_kept(mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, lora=((), 0, False),
+                math=False):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
@@ -90,14 +94,14 @@ def update_kept(mc, n, b, k, P, T, cb, rb, checkpointed, lora=((), 0, False), ma
     which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer).
     math: the attention runs on SDPA's math kernel (layer_saved)."""
     if k == b:
-        return b * T * kept(mc, n, layer_saved(mc, T, cb, rb, lora=lora, math=math), rb, checkpointed,
-                            lora[0])
+        per_token = layer_saved(mc, T, matmul_bytes, residual_bytes, lora=lora, math=math)
+        return b * T * kept(mc, n, per_token, residual_bytes, checkpointed, lora[0])
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv = (2 * cb * hd * k * mc.num_key_value_heads if checkpointed      # PromptKV's K, V of the k prompts
-          else 2 * cb * hd * b * max(mc.num_attention_heads, mc.num_key_value_heads))  # sdpa's, each row's
-    ls = [layer_saved(mc, t, cb, rb, lora=lora, math=math) for t in (P, T)]
-    return (k * P * kept(mc, n, ls[0], rb, checkpointed, lora[0]) + n * P * kv
-            + b * (T - P) * kept(mc, n, ls[1], rb, checkpointed, lora[0]))
+    heads = mc.num_key_value_heads if checkpointed else max(mc.num_attention_heads, mc.num_key_value_heads)
+    kv = 2 * matmul_bytes * hd * (k if checkpointed else b) * heads    # PromptKV's of the k prompts; sdpa's
+    prompt, rows = (layer_saved(mc, t, matmul_bytes, residual_bytes, lora=lora, math=math) for t in (P, T))
+    return (k * P * kept(mc, n, prompt, residual_bytes, checkpointed, lora[0]) + n * P * kv
+            + b * (T - P) * kept(mc, n, rows, residual_bytes, checkpointed, lora[0]))
 
 
 def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
@@ -111,7 +115,7 @@ def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
-def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False), math=False):
+def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, False), math=False):
     """Bytes per token that one decoder layer (HF Qwen3 / Llama, sdpa) saves for its backward, i.e. what the
     recomputation in backward re-creates under checkpointing. Counted op by op (autograd saves an operand
     only where the other one needs a gradient): each RMSNorm its fp32 input (or fp32 copy), the normalised
@@ -127,20 +131,21 @@ def layer_saved(mc, T, cb, rb, padded=True, lora=((), 0, False), math=False):
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
     nb = lambda x: 4 if x == 4 else x                                      # noqa: E731  the normalised value
-    norms = (4 * D * (rb != 4) + nb(rb) * D + cb * D) + (4 * D + nb(rb) * D + cb * D)   # input, post-attn
-    qk_norms = qwen * (4 + nb(cb)) * (q + k)
-    sdpa = sdpa_saved(q, k, Hq, T, cb, gqa, padded, math)
+    norms = (4 * D * (residual_bytes != 4) + nb(residual_bytes) * D + matmul_bytes * D) \
+        + (4 * D + nb(residual_bytes) * D + matmul_bytes * D)                              # input, post-attn
+    qk_norms = qwen * (4 + nb(matmul_bytes)) * (q + k)
+    sdpa = sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math)
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
     lin, r, cuda = lora
     if lin:                                                                # LoRA's terms (departure 5)
-        norms -= 2 * nb(rb) * D
-        qk_norms -= qwen * nb(cb) * (q + k)
-        adapters = len(lin) * r * cb + cuda * cb * (sum(i for i, _ in lin) - 2 * D - I)
-        return norms + qk_norms + sdpa + rsqrt + 4 * I * cb + adapters
-    return norms + qk_norms + sdpa + rsqrt + 4 * I * cb
+        norms -= 2 * nb(residual_bytes) * D
+        qk_norms -= qwen * nb(matmul_bytes) * (q + k)
+        adapters = len(lin) * r * matmul_bytes + cuda * matmul_bytes * (sum(i for i, _ in lin) - 2 * D - I)
+        return norms + qk_norms + sdpa + rsqrt + 4 * I * matmul_bytes + adapters
+    return norms + qk_norms + sdpa + rsqrt + 4 * I * matmul_bytes
 
 
-def sdpa_saved(q, k, Hq, T, cb, gqa, padded, math=False):
+def sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math=False):
     """Bytes per token (per query) sdpa saves for its backward; q, k: the query and key widths (Hq hd,
     Hkv hd). A fused kernel (flash, memory-efficient, cuDNN, the CPU's flash): q, k and v (k, v repeated to
     the Hq heads when a padding mask is passed: gqa), its output, the logsumexp and the mask as a float.
@@ -149,8 +154,8 @@ def sdpa_saved(q, k, Hq, T, cb, gqa, padded, math=False):
     fp16 inputs are upcast: torch's allow_fp16_bf16_reduction_math_sdp is off by default) at the Hq heads,
     the output, and the probabilities (b, Hq, Tq, T) in fp32: 4 Hq T per query, the score matrices."""
     if math:
-        return 3 * 4 * q + cb * q + 4 * Hq * T
-    return cb * q + cb * (2 * q if gqa else 2 * k) + cb * q + 4 * Hq + padded * T * cb
+        return 3 * 4 * q + matmul_bytes * q + 4 * Hq * T
+    return matmul_bytes * (q + (2 * q if gqa else 2 * k) + q + padded * T) + 4 * Hq
 
 
 def math_scores(b, Hq, Tq, T):
