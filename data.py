@@ -66,7 +66,7 @@ class Task(NamedTuple):
     local: str                 # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
     hub: tuple                 # (hub name, config, {our split: hub split}); () for generated tasks
     normalise: Callable        # row -> (question, answer); raises DataError naming the field
-    generate: Callable = None  # (split, seed, limit) -> rows, for the generated tasks
+    generate: Callable = None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
 
 
 TASKS = {
@@ -84,9 +84,7 @@ TASKS = {
     "crossthinkqa": Task("choice", "crossthinkqa",
                          ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}),
                          choice_row),
-    "countdown": Task("countdown", "countdown", (), countdown_row,
-                      lambda split, seed, limit: countdown.generate(limit or countdown.SIZES[split], split,
-                                                                    seed)),
+    "countdown": Task("countdown", "countdown", (), countdown_row, countdown.rows),
     "countdown-3to4": Task("countdown", "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
                            ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
                            countdown_row),
@@ -131,13 +129,15 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
     t = TASKS[key]
     if split not in SPLITS[key]:
         raise ValueError(f"task {key!r} has splits {SPLITS[key]}, not {split!r}")
+    if path is None and t.generate is not None:     # the generator's rows, each a question and its answer as
+        return [{"id": f"{key}/{split}/{i}", "source": key, "question": r["question"],   # made: no file's
+                 "answer": r["answer"], "task": t.task,                                 # columns to pick
+                 **{k: r[k] for k in ("steps", "nums", "target") if k in r}}            # or to check
+                for i, r in enumerate(t.generate(split, seed, limit))]
     local = [Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
              for ext in (".jsonl", ".parquet")]
     if path is not None:
         rows, source = read_rows(path), str(path)
-    elif t.generate is not None:
-        rows = ((f"generated row {i}", r) for i, r in enumerate(t.generate(split, seed, limit), 1))
-        source = key
     elif any(p.is_file() for p in local):
         source = str(next(p for p in local if p.is_file()))
         rows = read_rows(source)

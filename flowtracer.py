@@ -241,13 +241,14 @@ def head_mean_kernel(device):
     """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
     setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
     add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
+    if torch.device(device).type != "cuda":                  # the kernels are built for CUDA: nothing to ask
+        return add_head_mean
     why = availability.unavailable(device)
     if why is None:
         from gpu_kernels.head_mean import head_mean_triton
         print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
         return head_mean_triton
-    if torch.device(device).type == "cuda":
-        print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
+    print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
     return add_head_mean
 
 

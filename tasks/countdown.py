@@ -218,6 +218,14 @@ def generate(n, split="train", seed=0):
     return out
 
 
+def rows(split, seed, limit):
+    """data.py's generated rows (data.Task.generate): `limit` problems of `split` (all of SIZES' without one),
+    each with its question and its answer as a record holds them (as rows.countdown_row reads a file's)."""
+    problems = generate(limit or SIZES[split], split, seed)
+    return [{**p, "question": question(p["nums"], p["target"]),
+             "answer": {"nums": p["nums"], "target": p["target"]}} for p in problems]
+
+
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m tasks.countdown", allow_abbrev=False,

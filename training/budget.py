@@ -170,9 +170,10 @@ def size(cfg, device, widest, n_eval=0) -> Budget | None:
     card's size and what would fit."""
     chosen = ", ".join(k for k in SIZES if getattr(cfg, k) == 0) or "none, as given"
     if device.type != "cuda":
-        sized = largest(cfg)
-        if sized is not cfg:
-            cfg.gen_chunk, cfg.micro_batch = sized.gen_chunk, sized.micro_batch
+        zero = [k for k in SIZES if getattr(cfg, k) == 0]
+        for k in zero:
+            setattr(cfg, k, SIZES[k])
+        if zero:
             print(f"budget: the CPU: gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch} (chosen: "
                   f"{chosen}; a GPU's are sized to its card)")
         return None

@@ -53,10 +53,6 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
         return text + ' (default: "")' if action.default == "" else super()._get_help_string(action)
 
 
-def section_key(text):
-    return re.split(r"[:(]", text, maxsplit=1)[0].strip().lower()
-
-
 def comments(cls):
     """({field: help}, [(section title, [fields])]) from the source of cls and its dataclass bases; the fields
     before any section comment come last, under the title None."""
@@ -75,7 +71,8 @@ def comments(cls):
         for toks in lines.values():
             if len(toks) == 1 and toks[0].type == tokenize.COMMENT and toks[0].start[1] > 0:   # a section
                 title = toks[0].string.lstrip("#").strip()
-                section = sections.setdefault(section_key(title), [title, []])
+                key = re.split(r"[:(]", title, maxsplit=1)[0].strip().lower()    # "credit (...)": credit
+                section = sections.setdefault(key, [title, []])
             elif len(toks) > 2 and toks[0].type == tokenize.NAME and toks[1].string == ":" \
                     and toks[0].string in names and toks[0].start[1] > 0:
                 name = toks[0].string
@@ -251,13 +248,15 @@ def check(cfg):
              ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
              ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
              ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
-             ("--prompt-style", data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
+             ("--prompt-style", cfg.prompt_style == "auto" or data.style_fits(cfg.prompt_style,
+                                                                              cfg.dataset.lower()),
               f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
              ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    return policy.precision_problem(cfg) or credit.check(cfg) or rewards.check(cfg)
+    task_flags = cfg.dataset.lower() == "custom" or any(getattr(cfg, k) for k in rewards.TASK_FLAGS)
+    return policy.precision_problem(cfg) or credit.check(cfg) or (rewards.check(cfg) if task_flags else None)
 
 
 def reward_record(cfg, given):
@@ -323,11 +322,16 @@ def unused(cfg, given, prog, for_gpu=False):
     grpo.Config, or flowtracer_trl.py's flags (those it lacks are not given). for_gpu: the run is judged as
     one on a GPU whatever this machine has (eval.py memory plans for one)."""
     g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+    made = lambda name: getattr(data.TASKS.get(str(name).lower()), "generate", None) is not None  # noqa: E731
+    columns = g("data_path") or g("eval_data_path") or not made(g("dataset")) or \
+        g("eval_every", 0) > 0 and not made(g("eval_dataset") or g("dataset"))   # a file's or the hub's rows
     needs = [(("lora_alpha", "lora_targets", "lora_dropout"), g("lora_rank", 0) > 0, "--lora-rank is 0 "
               "(full fine-tuning): give --lora-rank R for adapters"),
              (("eval_data_path", "eval_dataset", "eval_size"), g("eval_every", 0) > 0, "--eval-every is 0 "
               "(no held-out evaluation): give --eval-every N"),
              (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
+             (("question_field", "answer_field"), columns, f"--dataset {g('dataset')}'s rows are generated "
+              f"(no columns to pick): they name a file's, with --data-path or --eval-data-path"),
              (("gpu_gb",), for_gpu or g("device") == "cuda" or g("device") == "auto"
               and torch.cuda.is_available(),
               "the run is on the CPU (it sizes the step to a GPU's memory)"),
@@ -364,8 +368,9 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
     notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever this
     machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where the
     learning rate in force came from (lr_lines)."""
+    asked = {"-h", "--help"} & set(argv)                 # the help shows the presets a flag puts in force:
     argv_active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
-                           value_in(argv, "lora_rank", 0))              # for the help, before argparse runs
+                           value_in(argv, "lora_rank", 0)) if asked else ()    # read before argparse runs
     head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
                                    f"default below says what it sets, and the flags given win.")
     p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
@@ -397,7 +402,7 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
     if problem:
         p.error(problem)
     try:
-        cfg = reward_record(cfg, given)
+        cfg = reward_record(cfg, given) if cfg.reward or cfg.reward_files else cfg    # --reward's files
     except ValueError as e:
         p.error(str(e))
     unused(cfg, given, prog, for_gpu)

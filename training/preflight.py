@@ -27,10 +27,11 @@ it then decodes eagerly). Then one line says which parts ran. The engine's trial
 of memory there, gen_chunk is halved and the engine resized (training/backoff.py's trial, one line each),
 and only at 1 row does the fallback follow.
 
-Also here, on every device: the run's decode engine is made and its buffers reserved once, for the run's
+Also here, on CUDA: the run's decode engine is made and its buffers reserved once, for the run's
 widest prompt (its training prompts after --max-prompt-tokens, and the held-out ones) plus --max-new-tokens
 and gen_chunk rows, so no prompt met mid-run grows them (held-out evaluation decodes with it too, greedy as a
-second set of graphs); and torch-optimi's step setting is written into the optimizer's param groups, after
+second set of graphs); and, on every device (on the CPU run.setup calls `settle` alone: there is no GPU
+part to try, and no engine), torch-optimi's step setting is written into the optimizer's param groups, after
 the checkpoint's state has loaded (which holds the setting of the run that saved it: a fallback chosen now
 must survive --resume).
 

@@ -335,6 +335,10 @@ TEMPLATE_OWN = ("conversation", "messages", "tokenize", "add_generation_prompt",
                 "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
 
 
+# the flags `check` reads besides --dataset custom: with none of them given it has nothing to check
+TASK_FLAGS = ("reward", "reward_weights", "answer_pattern", "chat_template_kwargs")
+
+
 def check(cfg):
     """The first wrong task flag of a grpo.Config as one sentence naming it, or None (flags.check)."""
     if cfg.reward:

@@ -72,15 +72,15 @@ def setup(cfg) -> Run:
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
     records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed,
                              question_field=cfg.question_field, answer_field=cfg.answer_field)
-    kwargs = rewards.template_kwargs(cfg)         # --chat-template-kwargs
+    kwargs = rewards.template_kwargs(cfg) if cfg.chat_template_kwargs else None   # for apply_chat_template
     style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
                                                                                   records[0]["task"])
     evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
                             records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
         if cfg.eval_every else []
     tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
-    reward = rewards.load(cfg, records[0], rewards.trl_prompt(tok, style, kwargs),    # --reward: checked
-                          [k for r in [*records, *evals] for k in r])                  # on the first row
+    reward = data.reward if not cfg.reward else rewards.load(         # --reward: checked on the first row
+        cfg, records[0], rewards.trl_prompt(tok, style, kwargs), [k for r in [*records, *evals] for k in r])
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
@@ -108,7 +108,8 @@ def setup(cfg) -> Run:
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    gpu = preflight.check(cfg, u, device, widest, len(evals))   # CUDA: each GPU part tried once (or fallback)
+    gpu = preflight.check(cfg, u, device, widest, len(evals)) if preflight.on_gpu(device) else \
+        preflight.Checked(u.head_mean, None, preflight.settle(u.opt, "for-loop"), [])   # CPU: no GPU part
     return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
                u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
                kwargs, sized)
