@@ -237,28 +237,26 @@ def file_problem(path):
                                                                        else "no such file")
 
 
-def dir_problem(out):
-    """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front)."""
-    if link_problem(out):
-        return link_problem(out)
-    path = Path(out).absolute()
-    there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
-    if not there.is_dir():
-        return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
-    return None if os.access(there, os.W_OK | os.X_OK) else f"{out}: {there} is not writable"
-
-
 # What a run writes in its out_dir, and of which kind: a path of the other kind there (a directory named
 # curves.png, a file named ckpt) would stop the run when it first writes, after the model loaded, or mid-run.
 WRITES = {"metrics.jsonl": "file", "curves.png": "file", ".lock": "file", "rollouts": "directory",
           "ckpt": "directory", "ckpt.tmp": "directory", "ckpt.old": "directory"}
 
 
-def kind_problem(out):
-    """The first path the run writes in `out` that holds the other kind of thing (WRITES) or is a broken
-    symlink, as one sentence naming it, or None. --overwrite deletes only what a run wrote, so it is no
-    way out: the user moves the path away."""
-    for name, kind in WRITES.items():
+def dir_problem(out, writes=None):
+    """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front): a
+    broken symlink on the way, a file, no write permission; with `writes` ({name: "file" | "directory"}, a
+    run's WRITES), also the first of those paths in `out` that holds the other kind of thing or is a broken
+    symlink. --overwrite deletes only what a run wrote, so it is no way out of that: the user moves it."""
+    if link_problem(out):
+        return link_problem(out)
+    path = Path(out).absolute()
+    there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
+    if not there.is_dir():
+        return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
+    if not os.access(there, os.W_OK | os.X_OK):
+        return f"{out}: {there} is not writable"
+    for name, kind in (writes or {}).items():
         p = Path(out) / name
         what = link_problem(p) or (p.exists() and p.is_dir() != (kind == "directory")
                                    and f"{p}: a {'directory' if p.is_dir() else 'file'}")
@@ -280,7 +278,7 @@ def check_out_dir(out, resume, overwrite, claim=True):
     of another run writing there. claim=False checks only and creates nothing (run.setup, before the model
     loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
     (lock_out_dir) and, with --overwrite, deletes the old run."""
-    out, problem = Path(out), dir_problem(out) or kind_problem(out)
+    out, problem = Path(out), dir_problem(out, WRITES)
     if problem:                  # a file, a symlink loop, a dangling link, no write permission, a directory
         raise RunError(f"--out-dir {problem}")       # named metrics.jsonl, a file named ckpt: one line
     lock_out_dir(out) if claim else check_unlocked(out)

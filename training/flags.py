@@ -368,9 +368,8 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
     notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever this
     machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where the
     learning rate in force came from (lr_lines)."""
-    asked = {"-h", "--help"} & set(argv)                 # the help shows the presets a flag puts in force:
     argv_active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
-                           value_in(argv, "lora_rank", 0)) if asked else ()    # read before argparse runs
+                           value_in(argv, "lora_rank", 0))              # for the help, before argparse runs
     head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
                                    f"default below says what it sets, and the flags given win.")
     p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,

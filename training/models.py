@@ -220,8 +220,8 @@ def load_tokenizer(name="smollm2-135m"):
     path, offline = Path(str(name)).expanduser(), ""
     try:
         if name in RANDOM_MODELS:
-            tok = byte_tokenizer()
-        elif name == "smollm2-135m" or str(name).endswith(".gguf"):
+            return byte_tokenizer()                                   # fix_tokenizer's contract as made
+        if name == "smollm2-135m" or str(name).endswith(".gguf"):
             path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else path
             cache = gguf.cache_path(path) if path.is_file() else None
             cached = cache is not None and (cache / "config.json").is_file()       # departure 5's copy
@@ -240,9 +240,10 @@ def load_tokenizer(name="smollm2-135m"):
 
 
 def load_config(name="smollm2-135m"):
-    """The model's transformers config without its weights, for the budget's estimate (training/step_bytes.py) before they load: a
-    random model's own, a GGUF file's metadata (or its cached plain copy), a directory's config.json (a LoRA
-    checkpoint's: its base model's), a hub name's config.json (the network, or the hub's cache)."""
+    """The model's transformers config without its weights, for the budget's estimate (training/step_bytes.py)
+    before they load: a random model's own, a GGUF file's metadata (or its cached plain copy), a directory's
+    config.json (a LoRA checkpoint's: its base model's), a hub name's config.json (the network, or the hub's
+    cache)."""
     from transformers import AutoConfig
     path = Path(str(name)).expanduser()
     try:
@@ -346,12 +347,12 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     """
     register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if adapter_dir(Path(str(name)).expanduser()):                   # a LoRA checkpoint: base + adapters
-        return load_adapted(Path(str(name)).expanduser(), device, dtype, attn_implementation)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" or name == "qwen3-4b-random" else torch.float32
-    if name in RANDOM_MODELS:
+    if name in RANDOM_MODELS:                   # made on `device` in `dtype`, with the byte tokenizer
         model, tok = random_model(name, device, dtype, attn_implementation)
+    elif adapter_dir(Path(str(name)).expanduser()):                  # a LoRA checkpoint: base + adapters
+        return load_adapted(Path(str(name)).expanduser(), device, dtype, attn_implementation)
     elif name == "smollm2-135m" or str(name).endswith(".gguf"):
         path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
         if not path.is_file():
@@ -361,8 +362,9 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
         model, tok = load_gguf(path, attn_implementation)
     else:
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)
-    model = to_dtype(model, device, dtype).eval()
-    tok = fix_tokenizer(tok)
+    if name not in RANDOM_MODELS:               # a loaded model: to `device` and `dtype`, its tokenizer fixed
+        model, tok = to_dtype(model, device, dtype), fix_tokenizer(tok)
+    model.eval()
     if not tok(PROBE_TEXT, add_special_tokens=False).input_ids:    # an empty vocabulary: generate would fail
         raise ModelError(f"--model {name}: its tokenizer encodes {PROBE_TEXT!r} to no token ids (an empty "
                          f"vocabulary?); give a model directory with its tokenizer files")
