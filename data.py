@@ -3,7 +3,7 @@
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
-                                                --reward function (training/rewards.py)
+                                                --reward function (training/reward_code.py)
   batch_reward(reward, completions, records, completion_ids) -> each completion's reward, one call a batch
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
@@ -205,7 +205,7 @@ REWARDS = {"math": math_reward, "countdown": countdown_reward, "choice": choice_
 
 def reward(completion, record):
     """The built-in reward of one completion of one record, by record["task"] (REWARDS), as a --reward
-    function is called (training/rewards.py): grpo.py's default reward. Never raises on any completion; an
+    function is called (training/reward_code.py): grpo.py's default reward. Never raises on any completion; an
     unknown record["task"] is a programming error and raises ValueError."""
     verify = REWARDS.get(record.get("task"))
     if verify is None:
@@ -216,8 +216,8 @@ def reward(completion, record):
 
 def batch_reward(reward, completions, records, completion_ids=None):
     """The reward of each completion of its record, as a list of floats: `reward` is data.reward (called on
-    each row), or a --reward's (training/rewards.Rewards: its batch, each TRL-form function called once, NaN
-    where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
+    each row), or a --reward's (training/reward_code.UserReward: its batch, each TRL-form function called
+    once, NaN where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
     batch = getattr(reward, "batch", None)
     if batch is not None:
         return batch(completions, records, completion_ids)

@@ -352,7 +352,7 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
 # ----------------------------------------------------------------------------- eq. 5-6: the credit
 class Credit(NamedTuple):
     """The credit of B rows on the columns from prompt_width on, (B, R) with R = T - prompt_width: every
-    credit gives this record (flow_credit here, credit.assign and credit.Baseline for the others)."""
+    credit gives this record (flow_credit here, credit.assign and credit.OtherCredit for the others)."""
     weight: torch.Tensor    # (B, R) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
     scores: torch.Tensor    # (B, R) float32 what ranked the tokens (flow: the throughput tau)
     fallback: torch.Tensor  # (B,) bool: no answer / no path -> all-1 weights (plain GRPO)

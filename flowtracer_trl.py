@@ -77,7 +77,7 @@ except ImportError as e:                                         # no TRL: one l
 import data
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
-from training import credit, flags, policy, rewards, runlog, signals
+from training import credit, flags, policy, reward_code, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, build_batch, prompt_ids, take
@@ -280,8 +280,9 @@ def verifier(prompts, completions, record, **kwargs):
 
 
 def trl_reward(term, prompt=None, keys=None):
-    """A --reward function (rewards.Term, either form) as a TRL reward function of its name, as grpo.py's."""
-    one = rewards.Rewards([term._replace(weight=1.0)], prompt, keys)
+    """A --reward function (reward_code.Term, either form) as a TRL reward function of its name, as
+    grpo.py's."""
+    one = reward_code.UserReward([term._replace(weight=1.0)], prompt, keys)
 
     def reward(prompts, completions, record, completion_ids=None, **kwargs):
         return one.table(completions, [json.loads(r) for r in record], completion_ids, **kwargs)[0]
@@ -337,7 +338,7 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
     task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
-    problem = credit.check(ccfg) or rewards.check(task) or \
+    problem = credit.check(ccfg) or reward_code.check(task) or \
         ("--lora-rank must be >= 0" if args.lora_rank < 0 else
          "--lora-alpha must be > 0" if not args.lora_alpha > 0 else
          "--lora-dropout must be in [0, 1)" if not 0 <= args.lora_dropout < 1 else None)
@@ -365,9 +366,10 @@ def main(argv=None):
         else:   # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
             targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}   # TRL's: fp32
-        prompt = rewards.trl_prompt(tok, style, kwargs := rewards.template_kwargs(args))   # a TRL-form one's
-        mine = rewards.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
-                            keys := [k for r in records for k in r])                     # checked once
+        kwargs = reward_code.template_kwargs(args)
+        prompt = reward_code.trl_prompt(tok, style, kwargs)                            # a TRL-form one's
+        mine = reward_code.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
+                                keys := [k for r in records for k in r])                 # checked once
         funcs = [trl_reward(t, prompt, keys) for t in mine.terms] if args.reward else [verifier]
         rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
                 for r in records]
@@ -387,7 +389,7 @@ def main(argv=None):
           f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}")
     try:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    except (rewards.RewardError, PatternError) as e:          # a --reward raised or gave NaN; a pattern hung
+    except (reward_code.RewardError, PatternError) as e:      # a --reward raised or gave NaN; a pattern hung
         print(f"flowtracer_trl.py: error: {e}; TRL's last checkpoint (--save-steps) stands", file=sys.stderr)
         sys.exit(2)
     trainer.save_model(targs.output_dir)

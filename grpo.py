@@ -3,7 +3,7 @@
 Implements the training loop of the FlowTracer paper ("How Does Reasoning Flow?", §3.3, eq. 5-6, App. A.2
 eq. 10-11, App. C):
   rollout   G samples per prompt, T = 0.99, top-p 1.0, top-k 100 (App. C.3): rollout.generate, one call
-  reward    a verifier from data.py (or --reward: rewards.py); group advantages A_i = (r_i - mean) / std
+  reward    a verifier from data.py (or --reward: reward_code.py); group advantages A_i = (r_i - mean) / std
             (eq. 10), clipped to +-2
   update    per micro-batch: the forward gives log pi and, on its way, the middle layers' attention (eq. 1,
             a flowtracer.Capture); trace_flow gives the flow (eq. 2-4); flow_credit puts gamma = 1.5 on the
@@ -35,7 +35,7 @@ Departures from the paper (numbered):
     checkpoint without the optimizer's state (--no-save-optimizer): ~540 MB on disk.
  6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
     rule. --dynamic-filter drops groups with accuracy outside [0.1, 0.95] and, as DAPO's overlong filter,
-    responses cut at max_new_tokens. Off for the embedded run, on for the paper's models (PAPER below).
+    responses cut at max_new_tokens. Off for the embedded run, on for the paper's models (PAPER_MODEL below).
  7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
     credit. The logged entropy is therefore over the rows that were trained.
  8. PPO epochs beyond the first (--num-iterations > 1) keep the first epoch's credit: gamma is part of the
@@ -64,13 +64,13 @@ from tasks.answers import PatternError, find_answer_span
 from training import backoff, credit, flags, heldout, models, policy, runlog, tracking
 from training.logprobs import fixed_logprobs, token_logprobs
 from training.policy import AdapterConfig
-from training.rewards import RewardError, TaskConfig
+from training.reward_code import RewardError, TaskConfig
 from training.rollout import build_batch, generate, take
 from training.run import setup
 
 
 # One flat set of flags, with those of the credit (--credit, --shaping, --gamma, ...: credit.py), of your own
-# task (--reward, --answer-pattern, ...: rewards.py) and of LoRA (--lora-rank, ...: policy.py) inherited.
+# task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank, ...: policy.py) inherited.
 @dataclass
 class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     # model and dataset
@@ -137,12 +137,12 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
 EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, lr=1e-5, warmup_steps=2,
                 micro_batch=4, gen_chunk=8, rollouts_every=2, max_prompt_tokens=768, save_optimizer=False,
                 grad_checkpointing=False, out_dir="runs/embedded")
-PAPER = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
+PAPER_MODEL = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
 PAPER_BATCH = dict(prompts_per_step=64, group_size=8)   # departure 1: 64 prompts x 8, accumulated; flags win
 LORA_LR_FACTOR = 10   # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
 LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))                # 1e-5 (round: not 9.999999999999999e-06)
 LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
-PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER, "--paper-batch": PAPER_BATCH,
+PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER_MODEL, "--paper-batch": PAPER_BATCH,
            "--lora-rank": LORA, "--lora-rank on the embedded model": LORA_EMBEDDED}
 
 
@@ -258,7 +258,7 @@ def update(run, batch, trained, adv, clock) -> Update:
     denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
     paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
     with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
-        baseline = None if paper else credit.Baseline(run, batch, trained, adv)    # call shape and record
+        other = None if paper else credit.OtherCredit(run, batch, trained, adv)    # call shape and record
     with clock.phase("update forward"), run.autocast:
         if cfg.num_iterations > 1:                   # PPO's old log pi (B, R): the pre-update policy's
             model.eval()                             # (on-policy: the forward's own, detached; test_fused.py)
@@ -278,13 +278,13 @@ def update(run, batch, trained, adv, clock) -> Update:
                                            cfg.share_prefix, capture=cap)                  # (b, R)
             if first:
                 with clock.phase("credit"), torch.no_grad():
-                    if baseline is None:             # FlowTracer's credit of this forward, eq. 1-4 then 6
+                    if other is None:                # FlowTracer's credit of this forward, eq. 1-4 then 6
                         flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1
                                           sub.question_mask, sub.answer_mask, sub.attention_mask)
                         c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma,
                                         prompt_width=P)                                     # (b, R) eq. 6
                     else:                            # another credit (Tables 2, 5, 7; OAR): the same record
-                        c = baseline(mb, sub, cap, ent)
+                        c = other(mb, sub, cap, ent)
                 weight[mb], scores[mb] = c.weight, c.scores                                 # (b, R)
                 stats["credit/fallback"] += int(c.fallback.sum())
             with clock.phase("backward"):

@@ -117,7 +117,7 @@ def test_naming_the_embedded_model_runs_the_same_demo():
     from_file = grpo.parse_args(["--model", f"/models/{gguf.SMOLLM2_GGUF}"])
     assert dataclasses.replace(from_file, model=demo.model) == demo
     paper = grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"])
-    assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **grpo.PAPER)
+    assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **grpo.PAPER_MODEL)
     assert grpo.parse_args(["--model", "tiny-qwen3"]) == grpo.Config(model="tiny-qwen3")
     assert grpo.parse_args(["--steps", "2"]).steps == 2                       # a flag given wins
 

@@ -75,7 +75,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
 def test_update_own_flow_lines_equal_credit_assign(share):
     """grpo.update's own lines for the paper's credit (Capture -> token_logprobs -> trace_flow -> flow_credit,
     fused into the training forward) give the record the separate path gives (--credit-pass separate:
-    credit.Baseline -> credit.assign, a no-grad attention_graph pass of its own): the same weight, to the bit;
+    credit.OtherCredit -> credit.assign, a no-grad attention_graph pass of its own): the same weight, to the bit;
     the same fallbacks; the throughput scores to fp32 rounding of the maps (atol 1e-6 on scores in [0, 2])."""
     flags = ["--model", "tiny-qwen3", "--micro-batch", "2", "--no-grad-checkpointing",
              *([] if share else ["--no-share-prefix"])]

@@ -35,7 +35,7 @@ from evaluation import probes
 from tasks import answers
 from tasks.answers import find_answer_span
 from training import checkpoint as ckpt_io
-from training import policy, rewards, usercode
+from training import policy, reward_code, usercode
 from training.models import load_model
 
 
@@ -527,13 +527,13 @@ def test_a_reward_past_float32_is_refused_in_either_form():
     rec = {"id": "r0", "question": "q"}
     for fn in (lambda completion, record: 1e300, lambda completions, **k: [1e300], lambda c, r: 10 ** 400,
                lambda c, r: -float("inf"), lambda completions, **k: [torch.tensor(float("nan"))]):
-        with pytest.raises(rewards.RewardError, match="finite as a float32"):
-            rewards.Rewards([rewards.Term("r.py:f", fn, 1.0)]).batch([""], [rec], [[]])
-    big = [rewards.Term(f"r.py:f{i}", lambda c, r: 3e38, 1.0) for i in range(2)]    # each fits, the sum not
-    with pytest.raises(rewards.RewardError, match="weighted sum .* is 6e\\+38 on row 'r0'"):
-        rewards.Rewards(big).batch([""], [rec], [[]])
-    ok = rewards.Rewards([rewards.Term("r.py:f", lambda c, r: torch.tensor(0.5), 1.0),
-                          rewards.Term("r.py:g", lambda c, r: True, 2.0)])
+        with pytest.raises(reward_code.RewardError, match="finite as a float32"):
+            reward_code.UserReward([reward_code.Term("r.py:f", fn, 1.0)]).batch([""], [rec], [[]])
+    big = [reward_code.Term(f"r.py:f{i}", lambda c, r: 3e38, 1.0) for i in range(2)]  # each fits, the sum not
+    with pytest.raises(reward_code.RewardError, match="weighted sum .* is 6e\\+38 on row 'r0'"):
+        reward_code.UserReward(big).batch([""], [rec], [[]])
+    ok = reward_code.UserReward([reward_code.Term("r.py:f", lambda c, r: torch.tensor(0.5), 1.0),
+                                 reward_code.Term("r.py:g", lambda c, r: True, 2.0)])
     assert ok("", rec) == 2.5                                             # a 0-d tensor, a bool: numbers
 
 
@@ -590,14 +590,14 @@ def test_a_reward_interrupted_at_setup_is_one_line_and_writes_nothing(tmp_path, 
     """A Ctrl-C while setup's check (or the import) runs the user's code: one line, not a traceback."""
     (tmp_path / "r.py").write_text("from training import usercode\nraise usercode.Interrupted('SIGTERM')\n")
     cfg = grpo.Config(reward=f"{tmp_path / 'r.py'}:f")
-    with pytest.raises(rewards.RewardError, match=r"interrupted \(SIGTERM\) while importing it"):
-        rewards.load(cfg, {"id": "x", "question": "q"})
+    with pytest.raises(reward_code.RewardError, match=r"interrupted \(SIGTERM\) while importing it"):
+        reward_code.load(cfg, {"id": "x", "question": "q"})
 
     def stuck(completion, record):
         raise usercode.Interrupted("SIGINT")                 # what the handler raises inside the call
-    monkeypatch.setattr(rewards, "import_function", lambda s, modules=None: stuck)
-    with pytest.raises(rewards.RewardError, match=r"r\.py:f: interrupted \(SIGINT\) in the check at"):
-        rewards.load(cfg, {"id": "x", "question": "q"})
+    monkeypatch.setattr(reward_code, "import_function", lambda s, modules=None: stuck)
+    with pytest.raises(reward_code.RewardError, match=r"r\.py:f: interrupted \(SIGINT\) in the check at"):
+        reward_code.load(cfg, {"id": "x", "question": "q"})
 
 
 CATASTROPHIC = r"([\s\S]|[\s\S][\s\S])+(?=\Z)(?<=\d\d\d)"   # Fibonacci-many ways to split any text

@@ -15,7 +15,7 @@ import data
 import grpo
 from tasks import custom
 from tasks.answers import find_answer_span
-from training import rewards, runlog
+from training import reward_code, runlog
 from training.models import load_model
 from training.rollout import build_batch
 
@@ -100,7 +100,7 @@ def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_da
     offline data what its task's verifier (math_reward / choice_reward / countdown_reward, called as before:
     (completion, answer)) gives: the boxed ground truth, an empty completion, and (every 20th) a wrong box."""
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
-    run_reward = rewards.load(grpo.Config(), None)
+    run_reward = reward_code.load(grpo.Config(), None)
     assert run_reward is data.reward
     n = 0
     for name in data.TASKS:
@@ -120,13 +120,14 @@ def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_da
 
 
 def test_weighted_rewards_sum_and_name_the_failing_function():
-    terms = [rewards.Term("a.py:f", lambda c, r: len(c), 0.5), rewards.Term("b.py:g", lambda c, r: 1, 2.0)]
-    assert rewards.Rewards(terms)("abcd", {"id": "x"}) == 0.5 * 4 + 2.0
-    bad = rewards.Rewards([rewards.Term("b.py:g", lambda c, r: math.nan, 1.0)])
-    with pytest.raises(rewards.RewardError, match=r"b\.py:g returned nan on row 'x'"):
+    terms = [reward_code.Term("a.py:f", lambda c, r: len(c), 0.5),
+             reward_code.Term("b.py:g", lambda c, r: 1, 2.0)]
+    assert reward_code.UserReward(terms)("abcd", {"id": "x"}) == 0.5 * 4 + 2.0
+    bad = reward_code.UserReward([reward_code.Term("b.py:g", lambda c, r: math.nan, 1.0)])
+    with pytest.raises(reward_code.RewardError, match=r"b\.py:g returned nan on row 'x'"):
         bad("", {"id": "x"})
     record = {"id": "y", "cols": 1}
-    rewards.Rewards([rewards.Term("c.py:h", lambda c, r: r.clear() or 0, 1.0)])("", record)
+    reward_code.UserReward([reward_code.Term("c.py:h", lambda c, r: r.clear() or 0, 1.0)])("", record)
     assert record == {"id": "y", "cols": 1}                               # the function got a copy
 
 
@@ -247,7 +248,7 @@ def test_chat_template_kwargs_reach_the_template_and_the_run_config(tok, tmp_pat
     finally:
         tok.chat_template = template
     cfg = grpo.parse_args([*TINY, "--chat-template-kwargs", '{"enable_thinking": false}'])
-    assert rewards.template_kwargs(cfg) == {"enable_thinking": False}
+    assert reward_code.template_kwargs(cfg) == {"enable_thinking": False}
 
 
 def test_with_fields_refuses_countdown_and_names_the_columns():
@@ -269,7 +270,7 @@ def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
 
     def exact(completion, record):
         return float(completion == record["answer"])
-    fn = flowtracer_trl.trl_reward(rewards.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
+    fn = flowtracer_trl.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
     assert fn.__name__ == "exact"
     assert fn(None, ["7", "8"], [json.dumps({"id": "a", "answer": "7"})] * 2) == [1.0, 0.0]
 
@@ -335,13 +336,13 @@ def test_trl_form_rewards_equal_the_per_row_form_on_the_same_completions(tmp_pat
     rows = [recs[i % 3] for i in range(6)]
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     for style, chat in (("question", True), ("plain", False)):
-        prompt = rewards.trl_prompt(tok, style)
+        prompt = reward_code.trl_prompt(tok, style)
         if chat:                             # TRL's documented functions read completion[0]["content"]
-            mine = rewards.load(grpo.Config(reward=trl, dataset="custom"), recs[0], prompt)
-            per_row = rewards.load(grpo.Config(reward=row, dataset="custom"), recs[0], prompt)
+            mine = reward_code.load(grpo.Config(reward=trl, dataset="custom"), recs[0], prompt)
+            per_row = reward_code.load(grpo.Config(reward=row, dataset="custom"), recs[0], prompt)
             got = data.batch_reward(mine, texts, rows, ids)
             assert got == data.batch_reward(per_row, texts, rows, ids) == [2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
-        rewards.Rewards([rewards.Term("s.py:spy", spy, 1.0)], prompt).table(texts, rows, ids)
+        reward_code.UserReward([reward_code.Term("s.py:spy", spy, 1.0)], prompt).table(texts, rows, ids)
         assert seen["solution"] == [7, 8, 12, 7, 8, 12] and seen["ids"] == ids
         if chat:
             assert seen["prompts"][1] == [{"role": "user", "content": "What is 10 - 2?"}]
@@ -354,9 +355,10 @@ def test_none_is_trl_s_not_scored_and_a_row_no_function_scores_gets_no_advantage
     """A TRL-form None adds nothing to the weighted sum; a completion that every function leaves unscored
     is NaN, one warning line names it, and its advantage is 0 while its group's others are scored among
     themselves (TRL's nanmean / nanstd)."""
-    some = rewards.Term("a.py:some", lambda completions, **k: [1.0 if c else None for c in completions], 2.0)
-    always = rewards.Term("b.py:always", lambda completions, **k: [None, 0.5, None, None], 1.0)
-    got = rewards.Rewards([some, always]).batch(["x", "", "y", ""], [{"id": str(i)} for i in range(4)])
+    some = reward_code.Term("a.py:some", lambda completions, **k: [1.0 if c else None for c in completions],
+                            2.0)
+    always = reward_code.Term("b.py:always", lambda completions, **k: [None, 0.5, None, None], 1.0)
+    got = reward_code.UserReward([some, always]).batch(["x", "", "y", ""], [{"id": str(i)} for i in range(4)])
     assert got[:3] == [2.0, 0.5, 2.0] and math.isnan(got[3])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "1 of 4" in err and "row '3'" in err and "advantage 0" in err
@@ -374,8 +376,8 @@ def test_none_is_trl_s_not_scored_and_a_row_no_function_scores_gets_no_advantage
 ])
 def test_an_error_names_the_form_it_expected_and_what_came_back(fn, words):
     rec = {"id": "custom/train/0", "question": "q"}
-    with pytest.raises(rewards.RewardError) as e:
-        rewards.Rewards([rewards.Term("r.py:f", fn, 1.0)]).batch([""], [rec], [[]])
+    with pytest.raises(reward_code.RewardError) as e:
+        reward_code.UserReward([reward_code.Term("r.py:f", fn, 1.0)]).batch([""], [rec], [[]])
     assert words in str(e.value), str(e.value)
     assert ("TRL's form" if "completions" in str(fn.__code__.co_varnames) else "takes `completions`") \
         in str(e.value)
@@ -437,17 +439,19 @@ def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
         seen.update(kw)
         return [None, 1.0]
     for fn, want in ((a, [1.0, 2.0]), (gen, [2.0, 3.0]), (arr, [0.5, 0.25])):
-        assert rewards.Rewards([rewards.Term("r.py:f", fn, 1.0)]).batch(["xy", "xyz"], recs) == want
+        one = reward_code.UserReward([reward_code.Term("r.py:f", fn, 1.0)])
+        assert one.batch(["xy", "xyz"], recs) == want
 
     async def row(completion, record):
         return len(completion)
-    assert rewards.Rewards([rewards.Term("r.py:g", row, 1.0)])("abc", recs[0]) == 3.0
-    got = rewards.Rewards([rewards.Term("r.py:k", keywords, 1.0)]).table(["x", "y"], recs, trainer_state="S")
+    assert reward_code.UserReward([reward_code.Term("r.py:g", row, 1.0)])("abc", recs[0]) == 3.0
+    got = reward_code.UserReward([reward_code.Term("r.py:k", keywords, 1.0)]).table(["x", "y"], recs,
+                                                                                    trainer_state="S")
     assert got == [[None, 1.0]] and seen["trainer_state"] == "S" and seen["n"] == [1, 2]
     assert not {"prompt", "completion"} & set(seen) and seen["completions"] == ["x", "y"]
     assert seen["id"] == ["a", "b"] and seen["prompts"] == ["", ""]        # no question: plain text
     seen.clear()
-    rewards.Rewards([rewards.Term("r.py:k", keywords, 1.0)], keys=["id", "n", "extra", "n"]).table(
+    reward_code.UserReward([reward_code.Term("r.py:k", keywords, 1.0)], keys=["id", "n", "extra", "n"]).table(
         ["x", "y"], [recs[1], recs[1]])                                   # the dataset's columns, each once
     assert seen["extra"] == [None, None] and seen["n"] == [2, 2] and "trainer_state" not in seen
 
@@ -459,8 +463,9 @@ def test_the_held_out_evaluation_scores_with_either_form_alike():
     recs = [{"id": "h0", "question": "q", "answer": 7, "task": "custom"},
             {"id": "h1", "question": "q", "answer": 8, "task": "custom"}]
     texts = ["7", "so 7", "9", "8"]
-    row = rewards.Rewards([rewards.Term("r.py:row", lambda c, r: float(c.endswith(str(r["answer"]))), 1.0)])
-    trl = rewards.Rewards([rewards.Term("r.py:trl", lambda completions, answer, **k: [
+    row = reward_code.UserReward([reward_code.Term("r.py:row",
+                                                   lambda c, r: float(c.endswith(str(r["answer"]))), 1.0)])
+    trl = reward_code.UserReward([reward_code.Term("r.py:trl", lambda completions, answer, **k: [
         float(c.endswith(str(a))) if c != "9" else None for c, a in zip(completions, answer)], 1.0)])
     assert heldout.right(recs, texts, 2, row, [[1]] * 4) == heldout.right(recs, texts, 2, trl, [[1]] * 4) \
         == ([2, 1], [2, 1])

@@ -13,7 +13,7 @@ into a step. grpo.py reaches each phase through one call here:
            (rollout.generate appends each chunk as it ends). Out of memory: gen_chunk is halved, the engine
            resized to it (its buffers made again at the new width, its graphs captured again as the calls
            come: Engine.resize) and fn called again: it generates the rows not yet generated.
-  update   fn(run, ...) reads run.cfg.micro_batch (a separate credit pass too: credit.Baseline takes the same
+  update   fn(run, ...) reads run.cfg.micro_batch (a separate credit pass too: credit.OtherCredit takes the same
            micro-batches). Out of memory before the optimizer's step has begun (every PPO epoch of the
            default --num-iterations 1): what the step held is freed (the gradients set to None with the
            failed call's tensors), micro_batch is halved and the update redone from its start on the same

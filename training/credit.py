@@ -10,10 +10,10 @@ and GRPO multiplies each token's surrogate term by the weight gamma_{i,t} (eq. 5
 `assign` runs both, plus the token-class mask (Table 11b, below), and gives the response columns:
 flowtracer.Credit (weight, scores (B, R), fallback (B,)), the record flow_credit gives. It is the credit
 call of flowtracer_trl.py, and of grpo.py for every setting but the paper's default (PAPER), through
-`Baseline`, which has the call shape of grpo.update's own lines for the default (flow with top-k).
+`OtherCredit`, which has the call shape of grpo.update's own lines for the default (flow with top-k).
 `batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
 
-Which credit is fused into the training forward (--credit-pass fused, the default; Baseline decides):
+Which credit is fused into the training forward (--credit-pass fused, the default; OtherCredit decides):
   fused     signals none, random, flow, attention, entropy (signals.FUSED) with a per-row rule: the
             micro-batch's training forward captures the attention maps / entropy, then flow -> weight -> loss.
   separate  signals fai, gradient, correlation, oar-p, oar-g (their own passes), and the batch-wide rule 80-20
@@ -141,7 +141,7 @@ def signal_scores(model, batch, cfg, outputs=None, rows=None):
 
 def is_paper(cfg):
     """True for the paper's credit, which grpo.update computes in plain lines (PAPER): flow, top-k (eq. 6),
-    every response token eligible, fused into the training forward. Every other setting: Baseline."""
+    every response token eligible, fused into the training forward. Every other setting: OtherCredit."""
     return (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == PAPER
 
 
@@ -157,11 +157,11 @@ def reads_maps(cfg):
     return not separate_pass(cfg) and NEEDS.get(cfg.credit) == "attn"
 
 
-class Baseline:
+class OtherCredit:
     """Every credit but the paper's default (PAPER), with the paper's call shape (grpo.update):
 
-        baseline = Baseline(run, batch, trained, adv)      # a credit with a pass of its own runs it here
-        c = baseline(mb, sub, cap, entropy)                # Credit of the micro-batch's rows (b, R)
+        other = OtherCredit(run, batch, trained, adv)      # a credit with a pass of its own runs it here
+        c = other(mb, sub, cap, entropy)                   # Credit of the micro-batch's rows (b, R)
 
     where cap is the training forward's Capture (Run.layers not empty: reads_maps) or None. Fused or separate
     is decided here, not in the update: a signal with forwards of its own (fai, gradient, correlation, OAR),

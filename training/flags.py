@@ -38,7 +38,7 @@ import yaml
 import data
 from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, policy, reward_files, rewards
+from training import credit, policy, reward_files, reward_code
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -255,8 +255,8 @@ def check(cfg):
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    task_flags = cfg.dataset.lower() == "custom" or any(getattr(cfg, k) for k in rewards.TASK_FLAGS)
-    return policy.precision_problem(cfg) or credit.check(cfg) or (rewards.check(cfg) if task_flags else None)
+    task = cfg.dataset.lower() == "custom" or any(getattr(cfg, k) for k in reward_code.TASK_FLAGS)
+    return policy.precision_problem(cfg) or credit.check(cfg) or (reward_code.check(cfg) if task else None)
 
 
 def reward_record(cfg, given):
@@ -352,7 +352,7 @@ def unused(cfg, given, prog, for_gpu=False):
             tok = None
         task = data.TASKS[cfg.dataset.lower()].task if cfg.dataset.lower() in data.TASKS else "custom"
         style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, task)
-        why = tok and prompts.unread_kwargs(tok, style, rewards.template_kwargs(cfg))
+        why = tok and prompts.unread_kwargs(tok, style, reward_code.template_kwargs(cfg))
         lines += [f"--chat-template-kwargs {cfg.chat_template_kwargs}: {why}"] if why else []
     for line in lines:
         print(f"{prog}: notice: {line}", file=sys.stderr)

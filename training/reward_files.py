@@ -6,7 +6,7 @@
                 unless --reward is given again on the command line (then the new hash is recorded)
   recorded_paths, as_recorded   a file the run recorded is read where it recorded it: a resume from another
                 working directory (or with --reward given again by its absolute path) is the same reward
-Only the file named is hashed, not the modules it imports (training/rewards.py imports and calls it).
+Only the file named is hashed, not the modules it imports (training/reward_code.py imports and calls it).
 
 Run the tests: python -m pytest -q tests/test_your_task.py tests/test_odd_inputs.py -k "reward or resume"
 """
@@ -14,7 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from training.rewards import RewardError, sources
+from training.reward_code import RewardError, sources
 
 
 def fingerprint(spec):

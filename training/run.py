@@ -23,7 +23,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import budget, credit, heldout, models, policy, preflight, rewards, runlog, tracking
+from training import budget, credit, heldout, models, policy, preflight, reward_code, runlog, tracking
 from training.logprobs import sharing_problem
 from training.rollout import prompt_ids
 
@@ -52,7 +52,7 @@ class Run:
     bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
     widest_prompt: int          # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
                                 # held-out): what the decode engine and the budget's estimate are sized to
-    reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (rewards.py)
+    reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (reward_code.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
     budget: object = None       # budget.size's Budget on CUDA (the card, the plan), None on the CPU
 
@@ -72,15 +72,16 @@ def setup(cfg) -> Run:
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
     records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed,
                              question_field=cfg.question_field, answer_field=cfg.answer_field)
-    kwargs = rewards.template_kwargs(cfg) if cfg.chat_template_kwargs else None   # for apply_chat_template
+    kwargs = reward_code.template_kwargs(cfg) if cfg.chat_template_kwargs else None   # apply_chat_template's
     style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
                                                                                   records[0]["task"])
     evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
                             records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
         if cfg.eval_every else []
     tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
-    reward = data.reward if not cfg.reward else rewards.load(         # --reward: checked on the first row
-        cfg, records[0], rewards.trl_prompt(tok, style, kwargs), [k for r in [*records, *evals] for k in r])
+    columns = [k for r in [*records, *evals] for k in r]
+    reward = data.reward if not cfg.reward else reward_code.load(       # --reward: checked on the first row
+        cfg, records[0], reward_code.trl_prompt(tok, style, kwargs), columns)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts

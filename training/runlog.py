@@ -251,7 +251,7 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
     step = sum(sec.values())
     peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
-    scored = rewards[~rewards.isnan()]               # NaN: no --reward function scored it (rewards.py)
+    scored = rewards[~rewards.isnan()]               # NaN: no --reward function scored it (reward_code.py)
     some = len(scored) > 0
     return {"reward/mean": scored.mean().item() if some else None,
             "reward/std": scored.std(unbiased=False).item() if some else None,

@@ -1,13 +1,13 @@
 """Stopping the user's code: a --reward that never returns is stopped by the first Ctrl-C or SIGTERM.
 
-    with interruptible():           # training/rewards.py, around each call of a --reward function
+    with interruptible():           # training/reward_code.py, around each call of a --reward function
         value = fn(completion, record)
 
 Between steps a first Ctrl-C / SIGTERM only asks the run to stop after the step (training/runlog.py's
 RunLog.on_signal: stop_requested), and a second stops at once, losing the step. Inside a --reward the step
 cannot finish until the function returns, so there the first signal also raises Interrupted at once; grpo.py
 then saves the last completed step as it ended (RunLog.stopped) and exits. Exceptions the user's code raises
-are named by training/rewards.py (RewardError); Interrupted is a KeyboardInterrupt, which no guard keeps.
+are named by training/reward_code.py (RewardError); Interrupted is a KeyboardInterrupt, which no guard keeps.
 `guarded` adds one more: os._exit inside the user's code is a SystemExit, named like any other raise.
 
 Run the tests: python -m pytest -q tests/test_hardening.py -k interrupt
@@ -28,11 +28,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @contextlib.contextmanager
 def interruptible():
-    """Around a call of the user's code (training/rewards.py): a Ctrl-C or SIGTERM first goes to the handler
-    in force (RunLog's sets stop_requested; SIGTERM's default ends the process), then raises Interrupted at
-    once, so a reward that never returns is stopped by the first signal, not by a second that loses the step.
-    A call stuck in one C function that keeps Python's lock (a catastrophic `re` match) runs no handler: only
-    SIGKILL stops it. Outside the main thread nothing changes."""
+    """Around a call of the user's code (training/reward_code.py): a Ctrl-C or SIGTERM first goes to the
+    handler in force (RunLog's sets stop_requested; SIGTERM's default ends the process), then raises
+    Interrupted at once, so a reward that never returns is stopped by the first signal, not by a second that
+    loses the step. A call stuck in one C function that keeps Python's lock (a catastrophic `re` match) runs
+    no handler: only SIGKILL stops it. Outside the main thread nothing changes."""
     before = {s: signal.getsignal(s) for s in SIGNALS}
     if threading.current_thread() is not threading.main_thread() or None in before.values():
         yield

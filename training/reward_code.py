@@ -24,7 +24,7 @@ A reward file is code the run executes, and part of the experiment:
                 import its neighbours), finds the function, and calls it once on the first record and an
                 empty completion: a raise or a value other than a number stops the run at setup, before
                 anything is written (RewardError, one line naming the form expected and what came back)
-  Rewards       the weighted sum; later, anything the user's code raises (any BaseException but a
+  UserReward    the weighted sum; later, anything the user's code raises (any BaseException but a
                 KeyboardInterrupt: sys.exit too) or a value that is not a number finite as a float32
                 (|r| <= 3.4e38: 1e300 is refused, not turned into inf) is a RewardError naming the function
                 and the row: grpo.py stops, its last completed step saved (runlog.RunLog.stopped). A call
@@ -60,13 +60,13 @@ from training.usercode import Interrupted, guarded
 class TaskConfig:
     """grpo.Config's flags for your own task (docs/your-task.md): the reward, the dataset's fields, the
     answer region of eq. 2, the chat template's options."""
-    # your own task (training/rewards.py, tasks/custom.py; docs/your-task.md)
+    # your own task (training/reward_code.py, tasks/custom.py; docs/your-task.md)
     question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
     answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
     chat_template_kwargs: str = ""     # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
     reward: str = ""                   # FILE.py:FUNCTION[,...]: (completion, record) -> float, or TRL's form
     reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
-    reward_files: str = ""             # set by the run: each --reward file's path and SHA-256 (rewards.py)
+    reward_files: str = ""             # set by the run: each --reward file's path, SHA-256 (reward_files.py)
     answer_pattern: str = ""           # answer regex (eq. 2): last match, group 1; "": \boxed{} else <answer>
     eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
 
@@ -197,7 +197,7 @@ def plain_prompt(record):
     return record.get("question", "")
 
 
-class Rewards:
+class UserReward:
     """The weighted sum of the user's reward functions over a batch (`batch`), or one row (`__call__`, as
     data.reward is called). prompt: record -> what a TRL-form function gets as its prompt (trl_prompt: the
     chat turns when a chat template renders them, else the prompt text); the question without one. keys:
@@ -305,7 +305,7 @@ def trl_prompt(tok, style, template_kwargs=None):
 
 
 def load(cfg, first_record, prompt=None, keys=None):
-    """The run's reward: data.reward (the built-in task's) without --reward, else a Rewards of the user's
+    """The run's reward: data.reward (the built-in task's) without --reward, else a UserReward of the user's
     functions (prompt: trl_prompt's, keys: the dataset's columns, for TRL-form ones), each imported and
     called once on `first_record` and an empty completion (setup's check: a TRL-form one may answer None)."""
     import data
@@ -314,10 +314,10 @@ def load(cfg, first_record, prompt=None, keys=None):
     modules = {}                                         # each file imported once
     terms = [Term(f"{s.file}:{s.function}", import_function(s, modules), w)
              for s, w in zip(sources(cfg.reward), weights(cfg))]
-    reward = Rewards(terms, prompt, keys)
+    reward = UserReward(terms, prompt, keys)
     for t in terms:
         try:
-            Rewards([t], prompt, keys).table([""], [first_record], [[]])
+            UserReward([t], prompt, keys).table([""], [first_record], [[]])
         except RewardError as e:
             raise RewardError(f"{e} (the check at setup: the first record and an empty completion)") from None
         except Interrupted as e:          # a Ctrl-C / SIGTERM while it ran: one line, nothing written yet
