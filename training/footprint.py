@@ -33,8 +33,8 @@ def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=F
                  (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
     else:
         peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * matmul_bytes + 5 * g * V * 4)]
-    cache, ws = max(peaks, key=sum)
-    return {"KV cache": cache, "workspace": ws}
+    cache, workspace = max(peaks, key=sum)
+    return {"KV cache": cache, "workspace": workspace}
 
 
 def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
@@ -49,8 +49,8 @@ def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
     peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)),
              (2 * L * kv(k) + kv(g), 0),
              (2 * L * kv(k), 5 * g * mc.vocab_size * 4)]
-    cache, ws = max(peaks, key=sum)
-    return {"KV cache": cache, "workspace": ws}
+    cache, workspace = max(peaks, key=sum)
+    return {"KV cache": cache, "workspace": workspace}
 
 
 def prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math=False):
@@ -130,16 +130,16 @@ def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, F
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
-    nb = lambda x: 4 if x == 4 else x                                      # noqa: E731  the normalised value
-    norms = (4 * D * (residual_bytes != 4) + nb(residual_bytes) * D + matmul_bytes * D) \
-        + (4 * D + nb(residual_bytes) * D + matmul_bytes * D)                              # input, post-attn
-    qk_norms = qwen * (4 + nb(matmul_bytes)) * (q + k)
+    # each norm: its fp32 input (or fp32 copy), the normalised value (its input's width), its output
+    norms = (4 * D * (residual_bytes != 4) + residual_bytes * D + matmul_bytes * D) \
+        + (4 * D + residual_bytes * D + matmul_bytes * D)                                  # input, post-attn
+    qk_norms = qwen * (4 + matmul_bytes) * (q + k)
     sdpa = sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math)
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
     lin, r, cuda = lora
     if lin:                                                                # LoRA's terms (departure 5)
-        norms -= 2 * nb(residual_bytes) * D
-        qk_norms -= qwen * nb(matmul_bytes) * (q + k)
+        norms -= 2 * residual_bytes * D
+        qk_norms -= qwen * matmul_bytes * (q + k)
         adapters = len(lin) * r * matmul_bytes + cuda * matmul_bytes * (sum(i for i, _ in lin) - 2 * D - I)
         return norms + qk_norms + sdpa + rsqrt + 4 * I * matmul_bytes + adapters
     return norms + qk_norms + sdpa + rsqrt + 4 * I * matmul_bytes

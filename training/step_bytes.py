@@ -228,13 +228,11 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     on, else 0). release: the engine released for the update (the plan's layout "released"), else resident.
     A size left at 0 is counted at SIZES'."""
     cfg = largest(cfg)
-    s = read_step(cfg, mc, device, prompt_tokens, cap)
+    s = read_step(cfg, mc, device, prompt_tokens, cap)                 # the shapes and byte widths, once
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
-    S = 64 * -(-((widest or s.P) - 1 + s.R) // 64)                     # the decode engine's positions (ALIGN)
-    rows = engine_rows(cfg, n_eval)                                    # as preflight.make_engine reserves
-    engine = s.cuda * cfg.share_prefix * 2 * s.L * s.Hkv * s.hd * S * rows * s.matmul_bytes   # its K, V
-    held = resident(cfg, mc, s, 0 if release else engine)              # released: not in the update
-    fwd = Forward.of(cfg, mc, s)
+    engine = engine_bytes(cfg, s, widest or s.P, n_eval)              # the decode engine's K, V buffers
+    held = resident(cfg, mc, s, 0 if release else engine)              # every phase's (released: no engine)
+    fwd = Forward.of(cfg, mc, s)                                       # the forward's terms, read again later
     return {"generation": generation_phase(cfg, mc, s, held, engine, n_eval),
             "update forward": forward_phase(cfg, mc, s, held, fwd),
             "credit": credit_phase(cfg, s, held, fwd),
@@ -250,6 +248,15 @@ def largest(cfg):
         return cfg
     return dataclasses.replace(cfg, **zero) if dataclasses.is_dataclass(cfg) else \
         SimpleNamespace(**{**vars(cfg), **zero})
+
+
+def engine_bytes(cfg, s, widest, n_eval) -> int:
+    """The run's decode engine's K, V buffers on CUDA (none on the CPU, or without --share-prefix): 2 L Hkv hd
+    S e in the matmul width, S the widest prompt + R in multiples of 64 (engine.ALIGN), e the rows
+    preflight.make_engine reserves (engine_rows)."""
+    positions = 64 * -(-(widest - 1 + s.R) // 64)
+    rows = engine_rows(cfg, n_eval)
+    return s.cuda * cfg.share_prefix * 2 * s.L * s.Hkv * s.hd * positions * rows * s.matmul_bytes
 
 
 def resident(cfg, mc, s, engine) -> dict:
@@ -359,16 +366,17 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
     `dq`: on CUDA a fused attention backward (cuDNN's, FlashAttention's, the memory-efficient one) sums dQ
     over the key blocks in an fp32 buffer of the queries' size (cuDNN frontend: dQ_accum), 0.13 GB here.
     LoRA: the head and the embedding are frozen, no (V, D) gradient; the adapters' gradients are small."""
-    b, Tq, T, D, V, cb = s.b, s.Tq, s.T, s.D, s.V, s.matmul_bytes
+    b, Tq, T, D, V, matmul = s.b, s.Tq, s.T, s.D, s.V, s.matmul_bytes
     head_grad = V * D * s.weight_bytes * (not s.lora)
     tied = bool(getattr(mc, "tie_word_embeddings", False))
     dq = s.cuda * b * s.Hq * Tq * s.hd * 4 * (not s.math)                 # the math kernel: its dP, dS
     dq += math_scores(b, s.Hq, Tq, T) * s.math
     final = b * Tq * (4 * D + (1 + (not s.lora)) * D * s.residual_bytes)   # LoRA: no normalised value kept
-    chunk = max(3 * b * s.c * V * 4, b * s.c * V * (4 + cb * (cb != 4)) + head_grad) + (s.R > s.c) * head_grad
-    replay = cfg.grad_checkpointing * (Tq < T) * b * s.P * 2 * cb * s.hd * max(s.Hq, s.Hkv)  # its prompt K, V
-    last_layer = b * Tq * (cfg.grad_checkpointing * fwd.per_token + 3 * s.I * cb + 2 * D * 4) \
-        + s.I * D * (s.weight_bytes + cb) * (not s.lora) + dq + replay
+    log_softmax = b * s.c * V * (4 + matmul * (matmul != 4))          # a chunk's fp32 logits (+ their cast)
+    chunk = max(3 * b * s.c * V * 4, log_softmax + head_grad) + (s.R > s.c) * head_grad
+    replay = cfg.grad_checkpointing * (Tq < T) * b * s.P * 2 * matmul * s.hd * max(s.Hq, s.Hkv)  # prompt K, V
+    last_layer = b * Tq * (cfg.grad_checkpointing * fwd.per_token + 3 * s.I * matmul + 2 * D * 4) \
+        + s.I * D * (s.weight_bytes + matmul) * (not s.lora) + dq + replay
     cast = held["cast cache"]                                             # the reference casts its own
     reference = (cfg.beta > 0) * (2 * b * T * D * s.residual_bytes + fwd.layer + fwd.logits + cast)
     paths = [(fwd.kept, chunk, 0), (fwd.kept - final, tied * head_grad, last_layer), (fwd.kept, 0, reference)]
