@@ -140,6 +140,23 @@ def test_a_custom_record_holds_every_column(tmp_path):
     assert data.make_prompt(recs[0], None, data.default_style("tiny-qwen3", "custom")) == "What is 3 + 4?"
 
 
+def test_fields_name_a_files_columns_not_a_generated_tasks(tmp_path, capsys):
+    """A generated task's rows have no columns to pick: the fields leave them as they are (the fields of an
+    --eval-data-path file no longer stop a run that trains on arithmetic), and given with nothing but
+    generated rows to read, one notice each says they have no effect (the run goes on)."""
+    plain = data.load_task("arithmetic", "test", limit=5, seed=1)
+    assert data.load_task("arithmetic", "test", limit=5, seed=1, question_field="q", answer_field="a") == plain
+    from training import flags
+    given = {"question_field": "q", "answer_field": "a"}
+    lines = flags.unused(grpo.Config(**given), given, "grpo.py")
+    assert [line.split(" has no effect: ")[0] for line in lines] == ["--question-field", "--answer-field"]
+    assert "arithmetic's rows are generated" in lines[0] and "notice: --question-field" in capsys.readouterr().err
+    task_files(tmp_path)
+    for more in ({"data_path": str(tmp_path / "train.jsonl")}, {"dataset": "gsm8k"},
+                 {"eval_every": 2, "eval_dataset": "gsm8k"}):
+        assert flags.unused(grpo.Config(**given, **more), given, "grpo.py") == [], more
+
+
 def test_fields_read_a_builtin_task_from_other_columns(tmp_path, shared_data, monkeypatch):
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
     want = data.load_task("gsm8k", "test", limit=5)

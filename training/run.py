@@ -79,9 +79,10 @@ def setup(cfg) -> Run:
                             records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
         if cfg.eval_every else []
     tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
-    columns = [k for r in [*records, *evals] for k in r]
-    reward = data.reward if not cfg.reward else reward_code.load(       # --reward: checked on the first row
-        cfg, records[0], reward_code.trl_prompt(tok, style, kwargs), columns)
+    reward = data.reward                                             # the task's, or --reward's: the user's
+    if cfg.reward:                                                   # functions, checked on the first row
+        reward = reward_code.load(cfg, records[0], reward_code.trl_prompt(tok, style, kwargs),
+                                  [k for r in [*records, *evals] for k in r])      # TRL's form: the columns
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
