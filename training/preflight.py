@@ -30,10 +30,10 @@ and only at 1 row does the fallback follow.
 Also here, on CUDA: the run's decode engine is made and its buffers reserved once, for the run's
 widest prompt (its training prompts after --max-prompt-tokens, and the held-out ones) plus --max-new-tokens
 and gen_chunk rows, so no prompt met mid-run grows them (held-out evaluation decodes with it too, greedy as a
-second set of graphs); and, on every device (on the CPU run.setup calls `settle` alone: there is no GPU
-part to try, and no engine), torch-optimi's step setting is written into the optimizer's param groups, after
-the checkpoint's state has loaded (which holds the setting of the run that saved it: a fallback chosen now
-must survive --resume).
+second set of graphs); and, on every device (on the CPU, with no GPU part to try and no engine, run.setup
+writes it without calling `check`), torch-optimi's step setting is written into the optimizer's param
+groups, after the checkpoint's state has loaded (which holds the setting of the run that saved it: a
+fallback chosen now must survive --resume).
 
 Run: python grpo.py --model tiny-qwen3 --steps 1     (on a GPU: the preflight's lines before the first step)
      python -m pytest -q tests/test_preflight.py    (each fallback forced on the CPU)
