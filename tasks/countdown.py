@@ -8,7 +8,8 @@ construction protocol of TinyZero (Pan et al., 2025) that the paper cites:
     10..100.
     The small exhaustive `solve` then verifies every kept problem. Splits are disjoint by construction: a
     multiset of numbers belongs to "test" when its hash is 0 mod 5, else to "train" (`split_of`).
-    App. C.3 sizes: 20,000 train and 5,000 test (`SIZES`).
+    App. C.3 sizes: 20,000 train and 5,000 test (`SIZES`). `rows(split, seed, limit)`: the same problems as
+    data.py's records hold them, each with its question and answer.
   - `reward(completion, answer)`: TinyZero's rule. 1.0 when the last <answer>...</answer> holds a correct
     expression, 0.1 when an <answer> tag is there but the expression is wrong (a wrong value, a number used
     the wrong number of times, an unparsable or disallowed expression, a division by zero), 0.0 when there
