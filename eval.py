@@ -184,7 +184,7 @@ def bench(args):
     save(args, {"model": args.model, "benchmarks": results}, stats.table(results, n, ks), rows)
 
 
-# ----------------------------------------------------------------------------- intervene, recall (probes.py, recall.py)
+# ------------------------------------------------------------------- intervene, recall (probes.py, recall.py)
 def intervene(args):
     model, tok, style = setup(args, args.task)
     out, s = probes.intervene(model, tok, inputs(args, tok, style, sample=True), args, style)
