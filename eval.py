@@ -23,7 +23,7 @@
 Formulas (pass@k: evaluation/stats.py):
   EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
 
-Departures (numbered; probes.py lists those of intervene and recall):
+Departures (numbered; probes.py and recall.py list those of intervene and recall):
  1. The paper does not give alpha for its EMA: default 0.2. It does not say how EMA_0 is set: EMA_0 = x_0.
  2. bench samples with the training settings of App. C.3 (T = 0.99, top-p 1.0, top-k 100); greedy is argmax.
     A response counts as correct when its reward is 1 (Countdown's 0.1 format reward is not a pass); a
@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 import data
 from evaluation import credit_page, figures, highflow, probes, stats
+from evaluation import recall as recall_probe
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import flags, oar, signals
@@ -183,7 +184,7 @@ def bench(args):
     save(args, {"model": args.model, "benchmarks": results}, stats.table(results, n, ks), rows)
 
 
-# ----------------------------------------------------------------------------- intervene, recall (probes.py)
+# ------------------------------------------------------------------- intervene, recall (probes.py, recall.py)
 def intervene(args):
     model, tok, style = setup(args, args.task)
     out, s = probes.intervene(model, tok, inputs(args, tok, style, sample=True), args, style)
@@ -195,13 +196,13 @@ def intervene(args):
 def recall(args):
     model, tok, style = setup(args, args.task)
     try:
-        out, s = probes.recall(model, tok, inputs(args, tok, style), args, style)
+        out, s = recall_probe.recall(model, tok, inputs(args, tok, style), args, style)
     except ValueError as e:
         fail(str(e), 1)
-    save(args, {"model": args.model, "summary": s}, probes.recall_table(s), out)
+    save(args, {"model": args.model, "summary": s}, recall_probe.recall_table(s), out)
     if not s["n_causal"]:
         fail("empty result set: the Oracle found no causal token, so recall is undefined", 1)
-    probes.recall_figure(s, Path(args.out) / "recall.png")
+    recall_probe.recall_figure(s, Path(args.out) / "recall.png")
 
 
 def answer_forms(args):

@@ -18,7 +18,8 @@ its process group, SIGKILL 10 s later), each writing its log (<out>/<part>.log) 
              time left: its counts, and those of its cuda cases
   static     generate_speed.py's whole table: HF's static cache, compiled, beside the other two; last, so it
              runs only when the time allows
-Then each goal (docs/gpu.md, "Not yet measured") with its figure: met, short, or why there is none.
+Then each goal (docs/gpu.md, "Not yet measured") with its figure: met, short, or why there is none
+(benchmarks/gpu_figures.py reads each part's figures and judges the goals).
 
 --budget SECONDS: a part runs only when its limit fits in the time left; the suite's limit is the time left
 (at most SUITE_S). A part is never shrunk: one that does not fit is cut whole ("cut: no time left"), so its
@@ -50,18 +51,25 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_figures import (  # noqa: E402
+    decoder_figures,
+    goals,
+    preflight_figures,
+    step_figures,
+    suite_figures,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 GRACE_S = 10  # seconds between SIGTERM and SIGKILL
 SUITE_S = 1800  # the suite's limit without --budget (and its most with one)
 SUITE_MIN_S = 120  # less time left than this: the suite is cut
-GB = 1e9  # evaluation/memory.py's unit
 
 
 class Part(NamedTuple):
@@ -69,82 +77,6 @@ class Part(NamedTuple):
     limit_s: object  # seconds; None: the time left (the suite), at most SUITE_S, at least SUITE_MIN_S
     command: Callable  # (out folder, scratch folder) -> argv
     figures: Callable  # (out folder, log text) -> dict of figures, or None when it left none
-
-
-# ----------------------------------------------------------------------------- what each part leaves
-def read_json(path):
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def preflight_figures(out, log):
-    lines = [s for s in log.splitlines() if s.startswith(("preflight:", "engine:"))]
-    t = re.search(r"^preflight: .* ran on \S+ in ([\d.]+) s", log, re.M)
-    return {"lines": lines, "preflight_s": float(t.group(1)) if t else None} if lines else None
-
-
-def step_figures(name):
-    """gpu_headline.py's --json (one budget) as the report's figures: memory in GB, the step's times."""
-
-    def figures(out, log):
-        res = read_json(out / f"{name}.json")
-        if not res:
-            return None
-        r = res["results"][0]
-        o, g = r["overhead"], r["generation"]
-        mem = {
-            ph: {k: m[k] / GB if m[k] is not None else None for k in ("estimate", "allocated", "reserved")}
-            for ph, m in r["memory"].items()
-        }  # GB
-        for ph, m in mem.items():
-            m["ratio"] = r["memory"][ph]["ratio"]  # estimate / allocated
-        keys = ("rows", "max_new_tokens", "gen_chunk", "micro_batch")
-        return {
-            **{k: r[k] for k in keys},
-            "generate_s": o["generate_s"],
-            "update_none_s": o["update_none_s"],
-            "update_flow_s": o["update_flow_s"],
-            "step_s": o["step_flow_s"],
-            "flow_of_update": o["of_update"],
-            "tok_s": g["tok_s"],
-            "of_bound": g["of_bound"],
-            "memory": mem,
-            "peak_gb": max(max(m["allocated"], m["reserved"] or 0) for m in mem.values()),
-        }
-
-    return figures
-
-
-def decoder_figures(name):
-    def figures(out, log):
-        res = read_json(out / f"{name}.json")
-        if not res:
-            return None
-        tok_s = {k: d["tok_s"] for k, d in res["speed"].items()}
-        return {
-            "tok_s": tok_s,
-            "rows": res["rows"],
-            "greedy_equal_fp32": res["equal"]["float32"],
-            "engine_x": {k: tok_s["engine"] / v for k, v in tok_s.items() if k != "engine"},
-            "of_bound": tok_s["engine"] / res["bound_tok_s"],
-            "captures": res["captures"],
-        }
-
-    return figures
-
-
-def suite_figures(out, log):
-    """Counts of the JUnit XML pytest wrote: all tests, and the cases whose id names cuda."""
-    if not (out / "suite.xml").is_file():
-        return None
-    count = {"all": {}, "cuda": {}}
-    for case in ET.parse(out / "suite.xml").iter("testcase"):
-        kinds = {c.tag for c in case} & {"failure", "error", "skipped"}
-        outcome = (
-            {"failure": "failed", "error": "errors", "skipped": "skipped"}[min(kinds)] if kinds else "passed"
-        )
-        for k in ("all", "cuda") if "cuda" in case.get("name", "") else ("all",):
-            count[k][outcome] = count[k].get(outcome, 0) + 1
-    return count
 
 
 LIMITS = {"preflight": 300, "headline": 900, "lora24": 900, "decoders": 420, "suite": None, "static": 600}
@@ -292,79 +224,6 @@ def run(parts, out, budget=None, given=None, start=None):
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
     return records
-
-
-# ----------------------------------------------------------------------------- the goals
-def worst_phase(f):
-    """The phase whose estimate / allocated is furthest from 1, and whether it is within 10%."""
-    ph, m = max(f["memory"].items(), key=lambda kv: abs(kv[1]["ratio"] - 1))
-    return f"worst {ph}: estimate/allocated {m['ratio']:.3f}", abs(m["ratio"] - 1) <= 0.10
-
-
-def counts(c):
-    return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
-
-
-def suite_check(f):
-    bad = f["all"].get("failed", 0) + f["all"].get("errors", 0)
-    return f"{counts(f['all'])} (cuda cases: {counts(f['cuda'])})", bad == 0
-
-
-class Goal(NamedTuple):
-    text: str
-    part: str
-    check: Callable  # the part's figures -> (the figure shown, met)
-
-
-GOALS = [  # docs/gpu.md's targets
-    Goal(
-        "generation >= 50% of the bandwidth bound (1K)",
-        "headline",
-        lambda f: (f"{100 * f['of_bound']:.1f}%", f["of_bound"] >= 0.5),
-    ),
-    Goal(
-        "the 1K step of 128 rows <= 45 s",
-        "headline",
-        lambda f: (f"{f['step_s']:.1f} s, {f['rows']} rows", f["step_s"] <= 45),
-    ),
-    Goal(
-        "flow credit <= 3% of the update (1K)",
-        "headline",
-        lambda f: (f"{100 * f['flow_of_update']:.1f}%", f["flow_of_update"] <= 0.03),
-    ),
-    Goal("every phase within 10% of its estimate (1K)", "headline", worst_phase),
-    Goal("every phase within 10% of its estimate (LoRA, 24 GB)", "lora24", worst_phase),
-    Goal("the LoRA step under 24 GB", "lora24", lambda f: (f"peak {f['peak_gb']:.2f} GB", f["peak_gb"] < 24)),
-    Goal(
-        "the engine's greedy rows equal HF's in fp32",
-        "decoders",
-        lambda f: (
-            f"{f['greedy_equal_fp32']['engine']}/{f['rows']}; {f['engine_x']['HF dynamic']:.2f}x HF dynamic",
-            f["greedy_equal_fp32"]["engine"] == f["rows"],
-        ),
-    ),
-    Goal(
-        "the engine >= 2x HF's static cache",
-        "static",
-        lambda f: (f"{f['engine_x']['HF static']:.2f}x", f["engine_x"]["HF static"] >= 2),
-    ),
-    Goal("the suite on CUDA with 0 failed", "suite", suite_check),
-]
-
-
-def goals(records):
-    """(goal, figure, verdict) for each of GOALS: "met", "short", or why its part left no figure."""
-    rec, out = {r["part"]: r for r in records}, []
-    for g in GOALS:
-        r = rec.get(g.part)
-        if r is None:
-            out.append((g.text, "-", "not run (--parts)"))
-        elif not r["figures"] or "error" in r["figures"]:
-            out.append((g.text, "-", r.get("why") or f"{r['status']}: no figure (its log: {r['log']})"))
-        else:
-            shown, met = g.check(r["figures"])
-            out.append((g.text, shown, "met" if met else "short"))
-    return out
 
 
 CARD = (

@@ -1,5 +1,5 @@
-"""Causal probes of token importance: the masking intervention (FlowTracer Table 1), the Oracle recall
-(OAR Fig. 5a).
+"""Causal probes of token importance: the masking intervention (FlowTracer Table 1); the Oracle recall (OAR
+Fig. 5a) is evaluation/recall.py, on the same decoder and helpers.
 
 Both experiments take a finished response, change something at or before a position, regenerate the rest,
 and ask whether the final answer moved. Both use the same decoder, regenerate.decode: its masked tokens keep
@@ -20,12 +20,6 @@ intervene  (FlowTracer §3.2, Table 1, App. E.1). On a seeded random sample of p
     paper's, App. E.1: "instances where answer extraction failed were treated as incorrect"): every response;
     one without an extractable answer is incorrect and its flow targets its last token (departure 6).
     In both, a regeneration without an extractable answer is incorrect and counts as an answer change.
-recall     (OAR §5.1, eq. 19). For a correct greedy response y: O_t = 1 if replacing y_t by the most probable
-    token other than y_t, then decoding the rest greedily, makes the answer wrong. recall@K% = the share of
-    the causal tokens that rank in the top K% by a credit signal (pooled over responses). OAR-P / OAR-G score
-    tokens against an outcome phi (oar.py): --oar-outcomes picks it (OAR §6.2, Fig. 5b). The default is
-    AS-Mean, the paper's (§6.2: its training runs and this experiment use it; Fig. 5b's best). Several
-    outcomes give one row per OAR signal and outcome, named like "oar-p:lt-logits".
 
 Departures (numbered):
  1. Regeneration samples with the Gumbel-max trick, temperature only (App. E.1: T = 0.7; no top-k / top-p),
@@ -35,10 +29,7 @@ Departures (numbered):
     re-derives the answer; a later t0 could not change it. Responses with no answer are counted and reported
     ("no_answer"), left out of the "answered" table and kept in the "all" one (departure 6).
  3. The regeneration gets the budget the original had left: max_new_tokens - t0.
- 4. Oracle responses are greedy, so decoding the suffix greedily without a replacement gives them back (up to
-    float near-ties) and a flip is due to the replacement. "Second most probable" is read as the best token
-    other than y_t (the same for greedy y). Positions are a seeded sample of at most max_positions among the
-    tokens before the answer ends; tokens are ranked among those same tokens. recall = hits / causal, pooled.
+ 4. (recall's: evaluation/recall.py)
  5. Both accept fixed responses instead (--responses, load_responses), e.g. a trained policy's rollouts; those
     need not be greedy or sampled at T.
  6. A response without an answer has no answer region, so no flow. For the "all" rates (the paper's
@@ -50,10 +41,10 @@ Run: python eval.py intervene --model smollm2-135m --task gsm8k --n-problems 200
      python eval.py recall --model smollm2-135m --task arithmetic --n-responses 32 --max-positions 32
      python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint  # 5b
 """
+
 import math
 import random
 
-import torch
 from tqdm import tqdm
 
 import data
@@ -63,8 +54,6 @@ from training.credit import CreditConfig
 from training.rollout import build_batch
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
-KS = list(range(10, 101, 10))                   # recall@K% (OAR Fig. 5a)
-OAR = ("oar-p", "oar-g")                        # the signals scored against an outcome (oar.OUTCOMES)
 
 
 def markdown(header, rows):
@@ -76,8 +65,10 @@ def markdown(header, rows):
 
 def pyplot():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -86,11 +77,12 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
     """One response per record (prompt ids, response ids, text, reward), decoded in batches."""
     rows = []
     for i in tqdm(range(0, len(records), args.batch_size), desc=desc, unit="batch"):
-        recs = records[i:i + args.batch_size]
+        recs = records[i : i + args.batch_size]
         prompts = [tok(data.make_prompt(r, tok, style)).input_ids for r in recs]
         seeds = [seed * 1_000_003 + i + j for j in range(len(recs))]
-        outs = decode(model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature,
-                      seeds=seeds)
+        outs = decode(
+            model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature, seeds=seeds
+        )
         for r, p, y in zip(recs, prompts, outs):
             text = tok.decode(y, skip_special_tokens=True)
             rows.append(dict(record=r, prompt=p, response=y, text=text, reward=data.reward(text, r)))
@@ -104,20 +96,34 @@ def load_responses(path, tok, style):
     for where, row in data.read_rows(path):
         if not all(isinstance(row.get(k), (str, int, float)) for k in ("question", "answer", "response")):
             raise data.DataError(f"{where}: needs the fields question, answer and response")
-        task = row.get("task", "math")     # "custom": your task's rows (no built-in reward: reward None)
+        task = row.get("task", "math")  # "custom": your task's rows (no built-in reward: reward None)
         kinds = (*data.REWARDS, "custom")
         if not isinstance(task, str) or task not in kinds or not data.style_fits(style, task):
-            raise data.DataError(f"{where}: task {task!r} is not one of {', '.join(kinds)} that the "
-                                 f"{style!r} prompt style fits")
+            raise data.DataError(
+                f"{where}: task {task!r} is not one of {', '.join(kinds)} that the "
+                f"{style!r} prompt style fits"
+            )
         data.unicode_text(where, question=row["question"], answer=row["answer"], response=row["response"])
-        rec = dict(id=str(row.get("id", f"responses/{len(rows)}")), source="responses",
-                   question=row["question"], answer=data.answer_text(row["answer"]), task=task)
+        rec = dict(
+            id=str(row.get("id", f"responses/{len(rows)}")),
+            source="responses",
+            question=row["question"],
+            answer=data.answer_text(row["answer"]),
+            task=task,
+        )
         y = tok(str(row["response"]), add_special_tokens=False).input_ids
         if not y:
             raise data.DataError(f"{where}: empty response")
         text = tok.decode(y, skip_special_tokens=True)
-        rows.append(dict(record=rec, prompt=tok(data.make_prompt(rec, tok, style)).input_ids, response=y,
-                         text=text, reward=data.reward(text, rec) if task in data.REWARDS else None))
+        rows.append(
+            dict(
+                record=rec,
+                prompt=tok(data.make_prompt(rec, tok, style)).input_ids,
+                response=y,
+                text=text,
+                reward=data.reward(text, rec) if task in data.REWARDS else None,
+            )
+        )
     if not rows:
         raise data.DataError(f"{path}: no rows")
     return rows
@@ -125,14 +131,15 @@ def load_responses(path, tok, style):
 
 def regions(tok, rows, answer_pattern=None):
     """The rows' Batch; the answer region: answers.find_answer_span's (eval.py plot --answer-pattern)."""
-    return build_batch(tok, [r["prompt"] for r in rows], [r["response"] for r in rows],
-                       answer_pattern=answer_pattern)
+    return build_batch(
+        tok, [r["prompt"] for r in rows], [r["response"] for r in rows], answer_pattern=answer_pattern
+    )
 
 
 def last_token_answers(batch):
     """The batch with the last response token as the answer region of the rows without one (departure 6)."""
     am, P = batch.answer_mask.clone(), batch.prompt_width
-    n = batch.response_mask[:, P:].sum(-1)                                   # (B,) response lengths
+    n = batch.response_mask[:, P:].sum(-1)  # (B,) response lengths
     for b in ((~am.any(-1)) & (n > 0)).nonzero().flatten().tolist():
         am[b, P + int(n[b]) - 1] = True
     return batch._replace(answer_mask=am)
@@ -154,73 +161,120 @@ def select(tau, t0, frac, rng):
     n = max(1, math.ceil(frac * t0 - 1e-9))
     order = sorted(range(t0), key=lambda j: (-tau[j], j))
     low = sorted(range(t0), key=lambda j: (tau[j], j))[:n]
-    return {"none": [], "high": sorted(order[:n]), "low": sorted(low),
-            "random": sorted(rng.sample(range(t0), n))}
+    return {
+        "none": [],
+        "high": sorted(order[:n]),
+        "low": sorted(low),
+        "random": sorted(rng.sample(range(t0), n)),
+    }
 
 
 def intervene(model, tok, records, args, style):
     """Returns (per-response rows, summary). records: task records, or rows from load_responses."""
     rng, cfg = random.Random(args.seed), CreditConfig(layers=args.layers, seed=args.seed)
-    rows = records if "response" in records[0] else \
-        sample_responses(model, tok, records, args, style, args.temperature, args.seed, "intervene: sample")
+    rows = (
+        records
+        if "response" in records[0]
+        else sample_responses(
+            model, tok, records, args, style, args.temperature, args.seed, "intervene: sample"
+        )
+    )
     out = []
     for i in tqdm(range(0, len(rows), args.batch_size), desc="intervene: regenerate", unit="batch"):
-        chunk = rows[i:i + args.batch_size]
+        chunk = rows[i : i + args.batch_size]
         batch = regions(tok, chunk)
-        found = batch.answer_mask.any(-1).tolist()                          # (B,) an answer was extracted
-        batch = last_token_answers(batch)                                   # departure 6
+        found = batch.answer_mask.any(-1).tolist()  # (B,) an answer was extracted
+        batch = last_token_answers(batch)  # departure 6
         tau = signals.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
-            seed = 10 ** 9 + args.seed * 1_000_003 + i + b                  # one noise stream per problem
-            ans = batch.answer_mask[b, batch.prompt_width:].nonzero().flatten()
-            if len(ans) == 0:                                               # an empty response
+            seed = 10**9 + args.seed * 1_000_003 + i + b  # one noise stream per problem
+            ans = batch.answer_mask[b, batch.prompt_width :].nonzero().flatten()
+            if len(ans) == 0:  # an empty response
                 out.append(dict(id=r["record"]["id"], no_answer=True, empty=True, reward=r["reward"]))
                 continue
-            k0 = int(ans[0])                                                # first answer token
+            k0 = int(ans[0])  # first answer token
             t0 = rng.randint(1, max(1, k0))
-            tau_r = tau[b, batch.prompt_width:batch.prompt_width + t0].tolist()
+            tau_r = tau[b, batch.prompt_width : batch.prompt_width + t0].tolist()
             jobs.append((r, t0, select(tau_r, t0, args.frac, rng), seed, not found[b]))
         prefixes, blocked, budgets, seeds, groups = [], [], [], [], []
         for r, t0, sel, seed, _ in jobs:
             P = len(r["prompt"])
-            for c in CONDITIONS:                                            # four rows, one noise stream
+            for c in CONDITIONS:  # four rows, one noise stream
                 prefixes.append(r["prompt"] + r["response"][:t0])
                 blocked.append([P + k for k in sel[c]])
                 budgets.append(args.max_new_tokens - t0)
                 seeds.append(seed)
-                groups.append(seed)                                         # the four rows share their prefix
+                groups.append(seed)  # the four rows share their prefix
         new = decode(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups) if jobs else []
         for j, (r, t0, sel, _, no_answer) in enumerate(jobs):
-            row = dict(id=r["record"]["id"], no_answer=no_answer, empty=False, t0=t0,
-                       n_selected=len(sel["high"]), reward=r["reward"], text=r["text"])
+            row = dict(
+                id=r["record"]["id"],
+                no_answer=no_answer,
+                empty=False,
+                t0=t0,
+                n_selected=len(sel["high"]),
+                reward=r["reward"],
+                text=r["text"],
+            )
             for c_i, c in enumerate(CONDITIONS):
                 text = tok.decode(r["response"][:t0] + new[4 * j + c_i], skip_special_tokens=True)
                 rew, base = data.reward(text, r["record"]), row["none"] if c != "none" else None
-                row[c] = dict(selected=sel[c], text=text, reward=rew, changed=changed(r["text"], text),
-                              no_answer=data.last_boxed(text) is None,     # vs the unmasked row, same noise:
-                              changed_vs_none=changed(base["text"], text) if base else False,
-                              reversed_vs_none=base is not None and rew != base["reward"])
+                row[c] = dict(
+                    selected=sel[c],
+                    text=text,
+                    reward=rew,
+                    changed=changed(r["text"], text),
+                    no_answer=data.last_boxed(text) is None,  # vs the unmasked row, same noise:
+                    changed_vs_none=changed(base["text"], text) if base else False,
+                    reversed_vs_none=base is not None and rew != base["reward"],
+                )
             out.append(row)
     return out, summarize_intervene(out)
 
 
 def intervene_table(s, args):
-    names = {"none": "None (no mask: noise floor)", "random": f"Random ({args.frac:.0%})",
-             "low": f"Low-flow (Bottom {args.frac:.0%})", "high": f"High-flow (Top {args.frac:.0%})"}
-    keys = ("answer_change", "correctness_reverse", "correct_to_wrong", "wrong_to_correct", "no_answer_after",
-            "answer_change_vs_none", "correctness_reverse_vs_none")
-    header = ["Perturbation target", "Answer change", "Correctness reverse", "correct->wrong",
-              "wrong->correct", "no answer after", "Answer change vs none", "Correctness reverse vs none"]
+    names = {
+        "none": "None (no mask: noise floor)",
+        "random": f"Random ({args.frac:.0%})",
+        "low": f"Low-flow (Bottom {args.frac:.0%})",
+        "high": f"High-flow (Top {args.frac:.0%})",
+    }
+    keys = (
+        "answer_change",
+        "correctness_reverse",
+        "correct_to_wrong",
+        "wrong_to_correct",
+        "no_answer_after",
+        "answer_change_vs_none",
+        "correctness_reverse_vs_none",
+    )
+    header = [
+        "Perturbation target",
+        "Answer change",
+        "Correctness reverse",
+        "correct->wrong",
+        "wrong->correct",
+        "no answer after",
+        "Answer change vs none",
+        "Correctness reverse vs none",
+    ]
     table = lambda r: markdown(header, [[names[c], *(r[c][k] for k in keys)] for c in CONDITIONS])  # noqa
     a = s["all"]
-    return table(s) + (
-        f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and "
-        f"are left out); original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. "
-        f"\"vs none\": against the unmasked regeneration with the same noise (departure 1).\n\nAll "
-        f"responses, failed extraction counted as incorrect (App. E.1; departure 6):\n\n") + table(a) + (
-        f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their last "
-        f"token; {s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n")
+    return (
+        table(s)
+        + (
+            f"\nn = {s['n']} responses with an answer ({s['n_no_answer']} of {s['n_responses']} had none and "
+            f"are left out); original accuracy {s['original_accuracy']:.3f}; T = {args.temperature}. "
+            f'"vs none": against the unmasked regeneration with the same noise (departure 1).\n\nAll '
+            f"responses, failed extraction counted as incorrect (App. E.1; departure 6):\n\n"
+        )
+        + table(a)
+        + (
+            f"\nn = {a['n']} responses ({s['n_no_answer'] - s['n_empty']} without an answer, flow to their "
+            f"last token; {s['n_empty']} empty, left out); original accuracy {a['original_accuracy']:.3f}.\n"
+        )
+    )
 
 
 def rates(done):
@@ -228,123 +282,27 @@ def rates(done):
     s = dict(n=len(done), original_accuracy=sum(r["reward"] for r in done) / max(1, len(done)))
     for c in CONDITIONS:
         flips = [(r["reward"] > 0.5, r[c]["reward"] > 0.5) for r in done]
-        s[c] = dict(answer_change=sum(r[c]["changed"] for r in done) / max(1, len(done)),
-                    correctness_reverse=sum(a != b for a, b in flips) / max(1, len(done)),
-                    correct_to_wrong=sum(a and not b for a, b in flips),
-                    wrong_to_correct=sum(b and not a for a, b in flips),
-                    no_answer_after=sum(r[c]["no_answer"] for r in done),
-                    answer_change_vs_none=sum(r[c]["changed_vs_none"] for r in done) / max(1, len(done)),
-                    correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done)
-                    / max(1, len(done)))
+        s[c] = dict(
+            answer_change=sum(r[c]["changed"] for r in done) / max(1, len(done)),
+            correctness_reverse=sum(a != b for a, b in flips) / max(1, len(done)),
+            correct_to_wrong=sum(a and not b for a, b in flips),
+            wrong_to_correct=sum(b and not a for a, b in flips),
+            no_answer_after=sum(r[c]["no_answer"] for r in done),
+            answer_change_vs_none=sum(r[c]["changed_vs_none"] for r in done) / max(1, len(done)),
+            correctness_reverse_vs_none=sum(r[c]["reversed_vs_none"] for r in done) / max(1, len(done)),
+        )
     return s
 
 
 def summarize_intervene(out):
     """The "answered" rates at the top level (with the counts), the paper's "all" rates under "all"."""
     done = [r for r in out if not r["no_answer"]]
-    s = dict(n_responses=len(out), n_no_answer=len(out) - len(done), n_empty=sum(r["empty"] for r in out),
-             **rates(done), all=rates([r for r in out if not r["empty"]]))
-    s["original_accuracy"] = sum(r["reward"] for r in out) / max(1, len(out))   # of every sampled response
+    s = dict(
+        n_responses=len(out),
+        n_no_answer=len(out) - len(done),
+        n_empty=sum(r["empty"] for r in out),
+        **rates(done),
+        all=rates([r for r in out if not r["empty"]]),
+    )
+    s["original_accuracy"] = sum(r["reward"] for r in out) / max(1, len(out))  # of every sampled response
     return s
-
-
-# ----------------------------------------------------------------------------- recall (OAR §5.1)
-@torch.no_grad()
-def alternatives(model, r):
-    """(n,) the best token other than y_t at every response position t, under pi(. | x, y_<t)
-    (departure 4)."""
-    ids = torch.tensor([r["prompt"] + r["response"]], device=model.device)
-    logits = model(input_ids=ids).logits[0, len(r["prompt"]) - 1:-1].float()  # (n, V): column t predicts y_t
-    top2 = logits.topk(2, dim=-1).indices.cpu()                               # (n, 2)
-    y = torch.tensor(r["response"])
-    return torch.where(top2[:, 0] == y, top2[:, 1], top2[:, 0]).tolist()
-
-
-def recall(model, tok, records, args, style):
-    """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
-    rng, outcomes = random.Random(args.seed), args.oar_outcomes
-    cfgs = {o: CreditConfig(layers=args.layers, seed=args.seed, oar_outcome=o) for o in outcomes}
-    runs = {(f"{s}:{o}" if s in OAR and len(outcomes) > 1 else s): (s, o)      # Fig. 5b: one row per outcome
-            for s in args.signals for o in (outcomes if s in OAR else outcomes[:1])}
-    unknown = [s for s in args.signals if s not in signals.SIGNALS]
-    if unknown:
-        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
-    pool = records if "response" in records[0] else []
-    for i in range(0, len(records) if not pool else 0, args.batch_size):   # greedy, until enough are correct
-        batches = math.ceil(len(records) / args.batch_size)
-        pool += sample_responses(model, tok, records[i:i + args.batch_size], args, style, 0.0, args.seed + i,
-                                 f"recall: greedy {i // args.batch_size + 1}/{batches}")
-        if sum(r["reward"] == 1.0 for r in pool) >= args.n_responses:
-            break
-    rows = [r for r in pool if r["reward"] == 1.0][:args.n_responses]
-    if not rows:
-        raise ValueError(f"recall: none of the {len(pool)} greedy responses is correct (no_answer: "
-                         f"{sum(data.last_boxed(r['text']) is None for r in pool)}); nothing to probe. "
-                         f"Use more problems or an easier task (--task arithmetic).")
-    out = []
-    for i in tqdm(range(0, len(rows), args.batch_size), desc="recall: signals", unit="batch"):
-        chunk = rows[i:i + args.batch_size]
-        batch = regions(tok, chunk)
-        P = batch.prompt_width
-        # (B, R)
-        scores = {k: signals.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu()
-                  for k, (s, o) in runs.items()}
-        for b, r in enumerate(chunk):
-            # answer end: the candidate tokens
-            end = int(batch.answer_mask[b, P:].nonzero().flatten()[-1]) + 1
-            out.append(dict(id=r["record"]["id"], record=r, end=end,
-                            scores={s: v[b, :end].tolist() for s, v in scores.items()}))
-    for o in tqdm(out, desc="recall: oracle", unit="response"):
-        r = o.pop("record")
-        alt = alternatives(model, r)
-        pos = sorted(rng.sample(range(o["end"]), min(args.max_positions, o["end"])))
-        causal = []
-        for c in range(0, len(pos), args.batch_size * 4):
-            ts = pos[c:c + args.batch_size * 4]
-            new = decode(model, tok, [r["prompt"] + r["response"][:t] + [alt[t]] for t in ts],
-                         [args.max_new_tokens - t - 1 for t in ts])
-            for t, y in zip(ts, new):
-                text = tok.decode(r["response"][:t] + [alt[t]] + y, skip_special_tokens=True)
-                causal.append(data.reward(text, r["record"]) != r["reward"])         # eq. 19
-        o.update(positions=pos, causal=[t for t, c in zip(pos, causal) if c], text=r["text"])
-    s = summarize_recall(out, list(runs))
-    s.update(n_pool=len(pool), pool_correct=sum(r["reward"] == 1.0 for r in pool),  # the responses searched
-             pool_no_answer=sum(data.last_boxed(r["text"]) is None for r in pool))
-    return out, s
-
-
-def summarize_recall(out, signals):
-    """recall@K% = sum over responses |causal in top ceil(K% n)| / sum |causal| (departure 4)."""
-    n_causal = sum(len(o["causal"]) for o in out)
-    s = dict(n_responses=len(out), n_positions=sum(len(o["positions"]) for o in out), n_causal=n_causal,
-             causal_rate=n_causal / max(1, sum(len(o["positions"]) for o in out)), ks=KS, recall={})
-    for sig in signals:
-        hits = [0] * len(KS)
-        for o in out:
-            sc = o["scores"][sig]
-            order = sorted(range(len(sc)), key=lambda j: (-sc[j], j))        # ties: the earlier token
-            for i, K in enumerate(KS):
-                top = set(order[:math.ceil(K / 100 * len(sc) - 1e-9)])
-                hits[i] += sum(t in top for t in o["causal"])
-        s["recall"][sig] = [h / n_causal if n_causal else None for h in hits]
-    return s
-
-
-def recall_table(s):
-    rows = [[sig] + v for sig, v in s["recall"].items()]
-    return markdown(["signal"] + [f"@{k}%" for k in s["ks"]], rows) + (
-        f"\n{s['n_responses']} correct responses (of {s.get('n_pool', '?')} searched, "
-        f"{s.get('pool_correct', '?')} correct, {s.get('pool_no_answer', '?')} without an answer), "
-        f"{s['n_positions']} oracle positions, {s['n_causal']} causal ({s['causal_rate']:.3f}).\n")
-
-
-def recall_figure(s, path):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for sig, v in s["recall"].items():
-        ax.plot(s["ks"], v, marker="o", label=sig)
-    ax.plot([0, 100], [0, 1], "k:", lw=0.8, label="chance")
-    ax.set(xlabel="top K% tokens", ylabel="causal-token recall", title="Oracle recall (OAR Fig. 5a)")
-    ax.legend(fontsize=7)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 from training import footprint, step_bytes
 from evaluation.memtrace import track_peak
-from training import engine, rollout
+from training import decode_step, engine, rollout
 from training.models import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -136,7 +136,7 @@ def test_slot_layer_writes_one_column_in_place():
     the layer hands back the buffer itself (the same storage: no copy, no concatenation)."""
     keys, values = torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4)
     before = keys.clone()
-    layer = engine.SlotLayer(keys, values, torch.tensor([5]))
+    layer = decode_step.SlotLayer(keys, values, torch.tensor([5]))
     k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
     K, Vv = layer.update(k, v)
     assert K.data_ptr() == keys.data_ptr() and Vv.data_ptr() == values.data_ptr()
@@ -347,7 +347,7 @@ def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monke
     for ok in (True, False):
         monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention",
                             lambda p, debug=False, ok=ok: seen.append(p) or ok)
-        kernels = eng.attention_kernels(4, 128)
+        kernels = decode_step.attention_kernels(model.config, eng.keys, 4, 128)
         assert (torch.nn.attention.SDPBackend.MATH in kernels) != ok
         assert ("math kernel" in capsys.readouterr().out) != ok
     assert isinstance(seen[0], torch.backends.cuda.SDPAParams)
@@ -382,9 +382,9 @@ def test_an_engine_kept_for_a_run_captures_each_shape_once():
 
 
 def test_row_buckets_go_by_eight_below_the_chunk():
-    assert engine.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert engine.row_buckets(5) == [1, 2, 4, 5] and engine.row_buckets(1) == [1]
-    assert engine.row_buckets(12) == [1, 2, 4, 8, 12]
+    assert decode_step.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert decode_step.row_buckets(5) == [1, 2, 4, 5] and decode_step.row_buckets(1) == [1]
+    assert decode_step.row_buckets(12) == [1, 2, 4, 8, 12]
 
 
 def trace_one_step(model, tok):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import eval as ev
 from evaluation import highflow, probes, regenerate, stats
+from evaluation import recall as recall_probe
 from evaluation.figures import peak_ema
 from training.models import load_model
 from training.rollout import eos_ids, generate
@@ -169,7 +170,7 @@ def test_changed_compares_final_answers_as_math():
 def test_recall_at_k_hand_case():
     out = [dict(positions=[0, 1, 2, 3], causal=[1, 3], scores={"s": [0.1, 0.9, 0.5, 0.2], "t": [4, 3, 2, 1]}),
            dict(positions=[0, 1], causal=[0], scores={"s": [1.0, 0.0], "t": [0, 1]})]
-    r = probes.summarize_recall(out, ["s", "t"])
+    r = recall_probe.summarize_recall(out, ["s", "t"])
     # K=10%: top ceil(.4)=1 of response 1 = {1} (hit 1), top ceil(.2)=1 of response 2 = {0} (hit 1) -> 2/3
     # K=50%: {1, 2} -> 1 hit; {0} -> 1 hit -> 2/3.  K=60%: ceil(2.4)=3 -> {1, 2, 3} -> 2 hits; ceil(1.2)=2 -> 1 -> 1
     assert r["recall"]["s"][0] == pytest.approx(2 / 3) and r["recall"]["s"][4] == pytest.approx(2 / 3)

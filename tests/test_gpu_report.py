@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_figures  # noqa: E402
 import gpu_report  # noqa: E402
 from gpu_report import Part  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_parts_run_in_order_under_their_limits_and_a_hang_is_killed(tmp_path, mo
             "first",
             30,
             code("print('preflight: head-mean kernel ran on cuda in 1.5 s')"),
-            gpu_report.preflight_figures,
+            gpu_figures.preflight_figures,
         ),
         Part("hangs", 1, code(HANG), nothing),
         Part("fails", 30, code("import sys; print('boom'); sys.exit(3)"), nothing),
@@ -78,7 +79,7 @@ def test_parts_run_in_order_under_their_limits_and_a_hang_is_killed(tmp_path, mo
             "suite",
             None,
             lambda out, tmp: [*suite, f"--junitxml={out / 'suite.xml'}"],
-            gpu_report.suite_figures,
+            gpu_figures.suite_figures,
         ),
     ]
     t0 = time.monotonic()
@@ -155,7 +156,7 @@ def test_main_writes_the_device_line_then_each_part_and_the_goals(monkeypatch, c
     lines = [json.loads(s) for s in (tmp_path / "report.jsonl").read_text().splitlines()]
     assert e.value.code == 1 and [r["part"] for r in lines] == ["device", "headline"]
     assert lines[0]["device"] == "Fake GPU 24.0 GB, torch x" and lines[0]["budget_s"] == 100
-    verdicts = {g: v for g, _, v in gpu_report.goals(lines[1:])}
+    verdicts = {g: v for g, _, v in gpu_figures.goals(lines[1:])}
     assert verdicts["the 1K step of 128 rows <= 45 s"] == "failed: no figure (its log: headline.log)"
     assert verdicts["the suite on CUDA with 0 failed"] == "not run (--parts)"
     assert "the LoRA step under 24 GB" in text and "not run (--parts)" in text

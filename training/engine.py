@@ -8,13 +8,8 @@ Engine.decode copies its keys and values to its G rows in static buffers, and de
 decode was bound by the host (kernel launches, cuDNN plans, a host sync a step), not by the GPU's memory,
 whose ceiling is reading the weights and the rows' KV cache once a step.
 
-  1. A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the widest prompt + max_new_tokens, and a
-     (rows, 1, 1, S) boolean mask, written in place at the step's position `at` (SlotLayer, a transformers
-     cache layer): no concatenation, no mask grown by a column, and the same shapes at every step. Why: with a
-     new key length every step, cuDNN's attention built a new plan each time (half the step's CPU time on
-     the H100: docs/gpu.md). Fixed shapes are also what a graph needs.
-     Attention reads the first s keys, s a multiple of S / 8 or of 128 (masked beyond each row's own), so a
-     step reads the cache that exists, not all of S.
+  1. A static KV cache (training/decode_step.py's SlotLayer): buffers of fixed shape written in place, so
+     no step builds a new attention plan, and a graph can hold the step.
   2. Graph replay. On CUDA the whole step (forward, sampling, bookkeeping) is captured once per (rows bucket,
      key-length bucket) as a torch.cuda.CUDAGraph (warmed up on a side stream first) and replayed: one launch
      instead of ~1,860 kernel launches a step, each a few microseconds of Python and driver. Decode
@@ -22,11 +17,8 @@ whose ceiling is reading the weights and the rows' KV cache once a step.
      kernel only where neither can run it, and then with one line); cuDNN stays for training's
      long sequences, where its plans are reused. Rows are bucketed by 1, 2, 4, then multiples of 8: when the
      rows still writing fit a smaller bucket, they move to the front and its graph takes over.
-  3. Sampling without a sync. Temperature, top-k and top-p on the GPU, and the draw by an exponential race
-     (argmax p / E, E ~ Exp(1): the chosen token is j with probability p_j), not torch.multinomial; a
-     finished row writes pad inside the step; the host reads EOS every `check_every` steps (16). Why:
-     rollout.decode (and HF's loop) read EOS on the host every step, so the CPU waited for the GPU to finish
-     each step before it could launch the next, and the GPU then waited for the CPU's launches.
+  3. Sampling without a sync (decode_step.sample): the draw on the GPU, EOS read by the host every
+     `check_every` steps (16), not every step.
 
 An Engine lives for a run: grpo.py's is made at setup (training/preflight.py) and reserved once for the
 run's widest prompt + max_new_tokens, so no prompt met mid-run grows it; a caller that passes one to every
@@ -35,14 +27,9 @@ that needs more rows, positions or new tokens, or other EOS ids or pad, grows th
 not: each warp (greedy, or temperature / top-k / top-p) has its own graphs over the same buffers, so
 held-out evaluation's greedy decode shares the rollouts' engine.
 `captures` counts the graphs captured (eagerly: those the step would capture; docs/gpu.md: how many).
-Fallbacks (the run goes on; one line each, docs/gpu.md has their cost):
-  capture  fails: the side stream is left, the line names the first error (training/cudagraph.py), the
-           graphs are off for the engine's life and the step runs eagerly (its warm-up ran: the step works).
-  warm-up  fails: the step itself fails, so the eager step would repeat the failing call: the engine stops
-           (`off`, its buffers freed) and rollout.generate decodes with rollout.decode from there on.
-  replay   a fault surfaces at the next host read, not at replay(): with graphs the whole decode call is
-           the guarded region and ends with one sync (once a call, not a step); a fault turns the graphs off
-           and the call is decoded again eagerly from its inputs.
+Fallbacks (the run goes on; one line each, docs/gpu.md has their cost and what each one means): a failed
+capture turns the graphs off (eager steps); a failed warm-up stops the engine (rollout.decode decodes); a
+replay's fault, read at the call's one sync, turns the graphs off and decodes the call again eagerly.
 An out-of-memory error (cudagraph.out_of_memory) in a warm-up, a capture or the guarded call is none of
 these: nothing is turned off, the error goes on to the caller, and grpo.py's back-off (training/backoff.py)
 halves gen_chunk, `resize`s the engine (its buffers made again at the new width) and decodes the rows left.
@@ -71,6 +58,7 @@ Run: python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random  
      python benchmarks/generate_speed.py --engine --model tiny-qwen3 --shape tiny --rounds 1   # CPU, eager
      python -m pytest -q tests/test_engine.py
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,16 +66,13 @@ import functools
 import math
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.cache_utils import Cache, CacheLayerMixin
+from torch.nn.attention import sdpa_kernel
+from transformers.cache_utils import Cache
 
 from training import cudagraph
+from training.decode_step import ALIGN, FAST, LENGTHS, SlotLayer, attention_kernels, row_buckets, sample
 
-ALIGN = 64          # S and the key-length buckets are multiples of this (mem-efficient SDPA copies a mask
-                    # whose length is not a multiple of 16)
-LENGTHS = 8         # key-length buckets, at most (each one a graph to capture per row bucket)
-OPTIONS = frozenset({"min_new_tokens", "graphs", "check_every"})   # Engine options rollout.generate passes
-FAST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]   # decode attention's kernels
+OPTIONS = frozenset({"min_new_tokens", "graphs", "check_every"})  # Engine options rollout.generate passes
 
 
 def supports(model):
@@ -102,56 +87,6 @@ def wanted(model, extra):
     """rollout.generate's choice for its shared-prefix path: the engine on CUDA unless `extra` holds an
     HF-only option; anywhere when `extra` names `graphs` (graphs=False: the CPU tests' way in)."""
     return set(extra) <= OPTIONS and supports(model) and (model.device.type == "cuda" or "graphs" in extra)
-
-
-def row_buckets(rows):
-    """The row counts a step runs at: 1, 2, 4, then the multiples of 8 below `rows`, and `rows`."""
-    return sorted({b for b in (1, 2, 4) if b < rows} | set(range(8, rows, 8)) | {rows})
-
-
-def sample(logits, temperature, top_k, top_p):
-    """(B,) one token per row drawn from HF's warped distribution of logits (B, V): p = softmax of
-    logits / T over the top-k, less the tail that top-p cuts; drawn as argmax_j p_j / E_j, E_j ~ Exp(1)
-    (departure 1). Tensor work only: no host sync, so a CUDA graph can hold it."""
-    k = min(top_k or logits.shape[-1], logits.shape[-1])
-    v, i = torch.topk(logits / temperature, k)                            # (B, k), descending
-    if top_p < 1.0:
-        p = torch.softmax(v, dim=-1)                                      # (B, k)
-        tail = p.flip(-1).cumsum(-1).flip(-1)                             # (B, k) mass of j and all below it
-        cut = tail <= 1 - top_p                                           # HF's rule, in descending order
-        cut[:, 0] = False                                                 # the top token always stays
-        v = v.masked_fill(cut, float("-inf"))
-    p = torch.softmax(v, dim=-1)                                          # (B, k)
-    e = torch.empty_like(p).exponential_().clamp_min_(torch.finfo(p.dtype).tiny)   # (B, k) Exp(1)
-    return i.gather(-1, (p / e).argmax(-1, keepdim=True)).squeeze(-1)     # (B,)
-
-
-class SlotLayer(CacheLayerMixin):
-    """One layer's static cache for transformers' models: keys and values (b, Hkv, s, d) are views of the
-    engine's buffers; each forward writes its one new position at `at` (a (1,) device tensor that the step
-    advances) in place and hands back the whole view: attention reads s keys, the mask hides the unused."""
-    is_compileable, is_sliding = True, False
-
-    def __init__(self, keys, values, at):
-        super().__init__()
-        self.keys, self.values, self.at, self.is_initialized = keys, values, at, True
-
-    def lazy_initialization(self, key_states, value_states):
-        raise RuntimeError("SlotLayer is built over the engine's buffers")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.at, key_states.to(self.keys.dtype))        # (b, Hkv, 1, d) at `at`
-        self.values.index_copy_(2, self.at, value_states.to(self.values.dtype))
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        return self.at                                    # a tensor, as transformers' StaticLayer returns
-
-    def get_mask_sizes(self, query_length):
-        return self.keys.shape[-2], 0
-
-    def get_max_length(self):
-        return self.keys.shape[-2]
 
 
 class Stopped(Exception):
@@ -176,9 +111,9 @@ class Engine:
             raise ValueError("CUDA graphs need a CUDA model")
         self.rows = self.S = self.width = self.new = self.captures = 0
         self.settings, self.kernels, self.keys, self.values, self.warp = None, None, None, None, None
-        self.mask = None            # the state buffers (make); None: not reserved, or released
+        self.mask = None  # the state buffers (make); None: not reserved, or released
         self.graph, self.caches, self.pool, self.side = {}, {}, None, None
-        self.off = None             # why the engine stopped (its step failed in a warm-up), else None
+        self.off = None  # why the engine stopped (its step failed in a warm-up), else None
 
     def reserve(self, rows, width, new, eos, pad, warp):
         """Room for `rows` rows of `width` positions (prompt and new tokens), `new` tokens a call, decoded
@@ -186,36 +121,43 @@ class Engine:
         Kept while the call fits and eos, pad are the same; else new buffers, at least as large, the graphs
         dropped and one line. The warp is not a reason to rebuild: each warp has its own graphs over the same
         buffers (greedy evaluation beside sampled rollouts). grpo.py reserves its widest call at setup."""
-        S = ALIGN * math.ceil(width / ALIGN)                              # cache positions
+        S = ALIGN * math.ceil(width / ALIGN)  # cache positions
         settings = (tuple(eos), pad)
         self.new, self.warp = new, warp
         if rows <= self.rows and S <= self.S and new <= self.width and settings == self.settings:
-            return self.make() if self.mask is None else self    # released for the update: made again
-        if self.rows:                   # reserved before (grpo.py: at setup): a call it did not foresee
-            print(f"engine: a call of {rows} rows x {S} positions x {new} new tokens (EOS, pad "
-                  f"{settings}) is past the {self.rows} x {self.S} x {self.width} reserved: new buffers, "
-                  f"graphs captured again")
+            return self.make() if self.mask is None else self  # released for the update: made again
+        if self.rows:  # reserved before (grpo.py: at setup): a call it did not foresee
+            print(
+                f"engine: a call of {rows} rows x {S} positions x {new} new tokens (EOS, pad "
+                f"{settings}) is past the {self.rows} x {self.S} x {self.width} reserved: new buffers, "
+                f"graphs captured again"
+            )
         rows, S, self.width = max(rows, self.rows), max(S, self.S), max(new, self.width)
         self.rows, self.S, self.settings, self.pad = rows, S, settings, pad
-        self.span = ALIGN * max(2, math.ceil(S / LENGTHS / ALIGN))       # key-length bucket, >= 128
+        self.span = ALIGN * max(2, math.ceil(S / LENGTHS / ALIGN))  # key-length bucket, >= 128
         self.buckets = row_buckets(rows)
         return self.make()
 
     def make(self):
         """The reservation's state buffers; the K, V ones come with the first decode (allocate)."""
-        dev, V, rows, S, (eos, pad) = self.model.device, self.model.config.vocab_size, self.rows, self.S, \
-            self.settings
-        self.ends = torch.tensor(eos, device=dev)                         # (e,) the EOS ids
-        self.ban = torch.zeros(V, dtype=torch.bool, device=dev)           # (V,) EOS, banned before min_new
+        dev, V, rows, S, (eos, pad) = (
+            self.model.device,
+            self.model.config.vocab_size,
+            self.rows,
+            self.S,
+            self.settings,
+        )
+        self.ends = torch.tensor(eos, device=dev)  # (e,) the EOS ids
+        self.ban = torch.zeros(V, dtype=torch.bool, device=dev)  # (V,) EOS, banned before min_new
         self.ban[self.ends] = True
-        self.mask = torch.zeros(rows, 1, 1, S, dtype=torch.bool, device=dev)      # (rows, 1, 1, S) visible
-        self.x = torch.full((rows,), pad, dtype=torch.long, device=dev)   # (rows,) the token to read next
-        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)     # (rows, 1) its position
-        self.done = torch.ones(rows, dtype=torch.bool, device=dev)        # (rows,) EOS emitted (or idle)
-        self.out = torch.full((rows, self.width), pad, dtype=torch.long, device=dev)   # (rows, N) tokens
-        self.at = torch.zeros(1, dtype=torch.long, device=dev)           # the cache column written next
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)            # the step, = column of out
-        self.keys = self.values = None                                   # (L, rows, Hkv, S, d): first chunk
+        self.mask = torch.zeros(rows, 1, 1, S, dtype=torch.bool, device=dev)  # (rows, 1, 1, S) visible
+        self.x = torch.full((rows,), pad, dtype=torch.long, device=dev)  # (rows,) the token to read next
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (rows, 1) its position
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)  # (rows,) EOS emitted (or idle)
+        self.out = torch.full((rows, self.width), pad, dtype=torch.long, device=dev)  # (rows, N) tokens
+        self.at = torch.zeros(1, dtype=torch.long, device=dev)  # the cache column written next
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)  # the step, = column of out
+        self.keys = self.values = None  # (L, rows, Hkv, S, d): first chunk
         self.graph, self.caches, self.pool = {}, {}, None
         return self
 
@@ -246,36 +188,26 @@ class Engine:
         mc, first = self.model.config, cache.layers[0] if cache.layers else None
         hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         shape = (mc.num_hidden_layers, self.rows, mc.num_key_value_heads, self.S, hd)
-        self.keys, self.values = (torch.zeros(shape, device=self.model.device, dtype=getattr(
-            getattr(first, name, None), "dtype", self.model.dtype)) for name in ("keys", "values"))
-        self.graph, self.caches, self.pool = {}, {}, None                # graphs of the old buffers: gone
+        self.keys, self.values = (
+            torch.zeros(
+                shape,
+                device=self.model.device,
+                dtype=getattr(getattr(first, name, None), "dtype", self.model.dtype),
+            )
+            for name in ("keys", "values")
+        )
+        self.graph, self.caches, self.pool = {}, {}, None  # graphs of the old buffers: gone
 
     def cache(self, b, s):
         """transformers' Cache over rows :b and keys :s of the buffers (views: one Cache per graph)."""
         if (b, s) not in self.caches:
-            self.caches[b, s] = Cache(layers=[SlotLayer(self.keys[i, :b, :, :s], self.values[i, :b, :, :s],
-                                                        self.at) for i in range(len(self.keys))])
+            self.caches[b, s] = Cache(
+                layers=[
+                    SlotLayer(self.keys[i, :b, :, :s], self.values[i, :b, :, :s], self.at)
+                    for i in range(len(self.keys))
+                ]
+            )
         return self.caches[b, s]
-
-    def attention_kernels(self, b, s):
-        """The SDPA kernels of the decode step, checked once per engine with torch's own tests on its shapes
-        (transformers' decode query, (b, Hkv, H / Hkv, d) over (b, Hkv, s, d) keys, a (b, 1, 1, s) mask):
-        flash and memory-efficient; the math kernel only when neither can run, with one line (and torch's
-        warnings saying why)."""
-        mc, dt, dev = self.model.config, self.keys.dtype, self.model.device
-        H, Hkv, d = mc.num_attention_heads, mc.num_key_value_heads, self.keys.shape[-1]
-        q = torch.zeros(b, Hkv, H // Hkv, d, dtype=dt, device=dev)       # (b, Hkv, H / Hkv, d)
-        k = torch.zeros(b, Hkv, s, d, dtype=dt, device=dev)              # (b, Hkv, s, d)
-        p = torch.backends.cuda.SDPAParams(q, k, k, torch.ones(b, 1, 1, s, dtype=torch.bool, device=dev),
-                                           0.0, False, False)
-        cuda = torch.backends.cuda
-        if cuda.can_use_flash_attention(p) or cuda.can_use_efficient_attention(p):
-            return FAST
-        cuda.can_use_flash_attention(p, True)                            # again, debug on: torch says why
-        cuda.can_use_efficient_attention(p, True)
-        print(f"engine: neither flash nor memory-efficient attention can run the decode step ({dt}, head dim "
-              f"{d}): it runs on SDPA's math kernel, slower", flush=True)
-        return FAST + [SDPBackend.MATH]
 
     def scope(self):
         """Decode attention on the kernels `attention_kernels` allows (not cuDNN: idea 2), and the caller's
@@ -283,23 +215,38 @@ class Engine:
         dev, stack = self.model.device.type, contextlib.ExitStack()
         if dev == "cuda":
             stack.enter_context(sdpa_kernel(self.kernels or FAST, set_priority=True))
-        stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False,
-                                           enabled=torch.is_autocast_enabled(dev)))
+        stack.enter_context(
+            torch.autocast(
+                dev,
+                dtype=torch.get_autocast_dtype(dev),
+                cache_enabled=False,
+                enabled=torch.is_autocast_enabled(dev),
+            )
+        )
         return stack
 
     def step(self, b, s):
         """One decode step of rows :b reading keys :s. Tensor work only, no host sync: a graph captures it.
         Reads x at pos, writes its K, V at `at`, samples y, then x = y, pos, at and t advance by one."""
         m = self.mask[:b]
-        m.index_fill_(-1, self.at, True)                                  # (b, 1, 1, S) column `at` visible
-        logits = self.model(input_ids=self.x[:b, None], attention_mask=m[..., :s], position_ids=self.pos[:b],
-                            past_key_values=self.cache(b, s), use_cache=True,
-                            logits_to_keep=1).logits[:, -1].float()      # (b, V) as HF: an fp32 copy
-        if self.min_new:                                                  # HF's min_new_tokens: no EOS yet
+        m.index_fill_(-1, self.at, True)  # (b, 1, 1, S) column `at` visible
+        logits = (
+            self.model(
+                input_ids=self.x[:b, None],
+                attention_mask=m[..., :s],
+                position_ids=self.pos[:b],
+                past_key_values=self.cache(b, s),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )  # (b, V) as HF: an fp32 copy
+        if self.min_new:  # HF's min_new_tokens: no EOS yet
             logits.masked_fill_(self.ban & (self.t < self.min_new), float("-inf"))
-        y = logits.argmax(-1) if self.warp is None else sample(logits, *self.warp)   # (b,)
-        y = torch.where(self.done[:b], self.pad, y)                       # finished rows write pad
-        self.out[:b].index_copy_(1, self.t, y[:, None])                   # (b, N) column t
+        y = logits.argmax(-1) if self.warp is None else sample(logits, *self.warp)  # (b,)
+        y = torch.where(self.done[:b], self.pad, y)  # finished rows write pad
+        self.out[:b].index_copy_(1, self.t, y[:, None])  # (b, N) column t
         self.done[:b].logical_or_((y[:, None] == self.ends).any(-1))
         self.x[:b] = y
         self.pos[:b] += 1
@@ -311,32 +258,32 @@ class Engine:
         (`captures` counts them on either path). A capture that raises: graphs off, this step eager (its
         warm-up ran; the capture is what failed). A warm-up that raises: the step itself fails, so running
         it eagerly would repeat the failing call: the engine stops (Stopped; rollout.generate decodes)."""
-        key = (b, s, self.warp)                                            # greedy and sampling: two sets
+        key = (b, s, self.warp)  # greedy and sampling: two sets
         if key not in self.graph:
             self.captures += 1
             self.graph[key] = None
             saved = [x.clone() for x in self.state()] if self.graphs else []
             if self.graphs:
-                step = functools.partial(self.step, b, s)                 # cudagraph.py runs it, records it
+                step = functools.partial(self.step, b, s)  # cudagraph.py runs it, records it
                 try:
                     self.side = self.side or torch.cuda.Stream()
                     cudagraph.warm_up(step, self.side)
-                except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                except Exception as e:  # noqa: BLE001 (the run goes on)
                     if self.forget(key, e):
                         raise
                     raise self.stop(e) from e
                 try:
                     self.graph[key] = cudagraph.capture(step, self.side, self.pool)
                     self.pool = self.graph[key].pool()
-                except Exception as e:                                     # noqa: BLE001 (the run goes on)
+                except Exception as e:  # noqa: BLE001 (the run goes on)
                     if self.forget(key, e):
                         raise
                     self.fall_back("capture", e)
-            for x, v in zip(self.state(), saved):                         # undo the warm-up (its K, V column
-                x.copy_(v)                                                 # is rewritten before it is read)
+            for x, v in zip(self.state(), saved):  # undo the warm-up (its K, V column
+                x.copy_(v)  # is rewritten before it is read)
         if self.graph[key] is None or not self.graphs:
             return self.step(b, s)
-        self.graph[key].replay()                                          # a fault: decode's guard reads it
+        self.graph[key].replay()  # a fault: decode's guard reads it
 
     def forget(self, key, error):
         """True for an out-of-memory error (cudagraph.out_of_memory) in a warm-up or capture: no graph fault,
@@ -349,17 +296,23 @@ class Engine:
     def fall_back(self, what, error):
         """Graphs off for the engine's life, said in one line (it cannot come twice: graphs are off)."""
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
-        print(f"engine: CUDA graph {what} failed ({cudagraph.one_line(error)}); the decode step runs eagerly "
-              f"from here on", flush=True)
+        print(
+            f"engine: CUDA graph {what} failed ({cudagraph.one_line(error)}); the decode step runs eagerly "
+            f"from here on",
+            flush=True,
+        )
 
     def stop(self, error):
         """The engine off for its life (`off`), said in one line: its step failed eagerly, in a warm-up."""
         self.off = cudagraph.one_line(error)
         self.graphs, self.graph, self.pool = False, dict.fromkeys(self.graph), None
-        self.keys = self.values = None                                     # rollout.decode needs the memory
+        self.keys = self.values = None  # rollout.decode needs the memory
         self.caches = {}
-        print(f"engine: the decode step failed in its warm-up ({self.off}); rollouts decode with "
-              f"rollout.decode, without the engine, from here on", flush=True)
+        print(
+            f"engine: the decode step failed in its warm-up ({self.off}); rollouts decode with "
+            f"rollout.decode, without the engine, from here on",
+            flush=True,
+        )
         return Stopped(self.off)
 
     @torch.no_grad()
@@ -377,47 +330,47 @@ class Engine:
             return self.steps(inp, mask, cache, which)
         try:
             res = self.steps(inp, mask, cache, which)
-            torch.cuda.current_stream().synchronize()                      # a replay's fault: here, guarded
+            torch.cuda.current_stream().synchronize()  # a replay's fault: here, guarded
             return res
         except Stopped:
             return None
-        except Exception as e:                                             # noqa: BLE001 (the run goes on)
-            if not self.graphs or cudagraph.out_of_memory(e):   # an eager step's own error; out of memory:
-                raise                                           # the back-off's (training/backoff.py)
+        except Exception as e:  # noqa: BLE001 (the run goes on)
+            if not self.graphs or cudagraph.out_of_memory(e):  # an eager step's own error; out of memory:
+                raise  # the back-off's (training/backoff.py)
             self.fall_back("replay", e)
         return self.steps(inp, mask, cache, which)
 
     def steps(self, inp, mask, cache, which):
         """decode's work: the prompts' K, V to their rows, then steps until every row is done."""
         g, W, N = len(which), inp.shape[1], self.new
-        first = cache.layers[0].keys if W > 1 else None                   # (k, Hkv, W - 1, d) the prefill's
+        first = cache.layers[0].keys if W > 1 else None  # (k, Hkv, W - 1, d) the prefill's
         if self.keys is None or (first is not None and first.dtype != self.keys.dtype):
             self.allocate(cache)
-        for i, layer in enumerate(cache.layers if W > 1 else []):        # (g, Hkv, W - 1, d) per layer
-            self.keys[i, :g, :, :W - 1] = layer.keys[which]
-            self.values[i, :g, :, :W - 1] = layer.values[which]
+        for i, layer in enumerate(cache.layers if W > 1 else []):  # (g, Hkv, W - 1, d) per layer
+            self.keys[i, :g, :, : W - 1] = layer.keys[which]
+            self.values[i, :g, :, : W - 1] = layer.values[which]
         self.mask.zero_()
         self.mask[:g, 0, 0, :W] = mask[which].bool()
         self.x.fill_(self.pad)
-        self.x[:g] = inp[which, -1]                                       # each row's last prompt token
+        self.x[:g] = inp[which, -1]  # each row's last prompt token
         self.pos.zero_()
-        self.pos[:g] = mask[which].sum(-1, keepdim=True) - 1              # positions count real tokens
+        self.pos[:g] = mask[which].sum(-1, keepdim=True) - 1  # positions count real tokens
         self.done.fill_(True)
         self.done[:g] = False
         self.out.fill_(self.pad)
         self.at.fill_(W - 1)
         self.t.zero_()
-        res = torch.full((g, N), self.pad, dtype=torch.long, device=inp.device)    # (g, N)
-        rows, b = torch.arange(g, device=inp.device), self.bucket(g)     # rows[j]: the chunk row in slot j
-        if self.kernels is None and inp.device.type == "cuda":          # once per engine
-            self.kernels = self.attention_kernels(b, min(self.S, self.span))
+        res = torch.full((g, N), self.pad, dtype=torch.long, device=inp.device)  # (g, N)
+        rows, b = torch.arange(g, device=inp.device), self.bucket(g)  # rows[j]: the chunk row in slot j
+        if self.kernels is None and inp.device.type == "cuda":  # once per engine
+            self.kernels = attention_kernels(self.model.config, self.keys, b, min(self.S, self.span))
         with self.scope():
             for t in range(N):
-                self.run(b, min(self.S, self.span * math.ceil((W + t) / self.span)))   # keys :W + t needed
+                self.run(b, min(self.S, self.span * math.ceil((W + t) / self.span)))  # keys :W + t needed
                 if (t + 1) % self.check_every and t + 1 < N:
                     continue
-                res[rows] = self.out[:len(rows), :N]            # host sync: every check_every steps
-                live = (~self.done[:len(rows)]).nonzero().squeeze(1)      # (n,) slots still writing
+                res[rows] = self.out[: len(rows), :N]  # host sync: every check_every steps
+                live = (~self.done[: len(rows)]).nonzero().squeeze(1)  # (n,) slots still writing
                 if len(live) == 0:
                     break
                 if self.bucket(len(live)) < b and t + 1 < N:
@@ -431,11 +384,11 @@ class Engine:
         """Move the slots still writing (live, ascending) to the front, so that a smaller bucket decodes them:
         one layer at a time, only the rows that move and the positions filled. Returns the new bucket."""
         n, moved = len(live), live.tolist()
-        f = next((j for j, i in enumerate(moved) if i != j), n)          # slots f.. move up
+        f = next((j for j, i in enumerate(moved) if i != j), n)  # slots f.. move up
         for buf in (self.keys, self.values):
             for i in range(len(buf)) if f < n else []:
-                buf[i, f:n, :, :filled] = buf[i, live[f:], :, :filled]   # (n - f, Hkv, filled, d)
+                buf[i, f:n, :, :filled] = buf[i, live[f:], :, :filled]  # (n - f, Hkv, filled, d)
         for x in (self.mask, self.x, self.pos, self.done, self.out):
             x[:n] = x[live]
-        self.done[n:] = True                                              # the new bucket's idle slots
+        self.done[n:] = True  # the new bucket's idle slots
         return self.bucket(n)

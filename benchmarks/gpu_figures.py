@@ -1,0 +1,161 @@
+"""What each part of benchmarks/gpu_report.py leaves (its figures, read from its JSON, log or JUnit XML),
+and the goals of docs/gpu.md judged on them: met, short, or why there is no figure.
+
+Test: python -m pytest -q tests/test_gpu_report.py
+"""
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from typing import Callable, NamedTuple
+
+GB = 1e9  # training/budget.py's unit
+
+
+# ----------------------------------------------------------------------------- what each part leaves
+def read_json(path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def preflight_figures(out, log):
+    lines = [s for s in log.splitlines() if s.startswith(("preflight:", "engine:"))]
+    t = re.search(r"^preflight: .* ran on \S+ in ([\d.]+) s", log, re.M)
+    return {"lines": lines, "preflight_s": float(t.group(1)) if t else None} if lines else None
+
+
+def step_figures(name):
+    """gpu_headline.py's --json (one budget) as the report's figures: memory in GB, the step's times."""
+
+    def figures(out, log):
+        res = read_json(out / f"{name}.json")
+        if not res:
+            return None
+        r = res["results"][0]
+        o, g = r["overhead"], r["generation"]
+        mem = {
+            ph: {k: m[k] / GB if m[k] is not None else None for k in ("estimate", "allocated", "reserved")}
+            for ph, m in r["memory"].items()
+        }  # GB
+        for ph, m in mem.items():
+            m["ratio"] = r["memory"][ph]["ratio"]  # estimate / allocated
+        keys = ("rows", "max_new_tokens", "gen_chunk", "micro_batch")
+        return {
+            **{k: r[k] for k in keys},
+            "generate_s": o["generate_s"],
+            "update_none_s": o["update_none_s"],
+            "update_flow_s": o["update_flow_s"],
+            "step_s": o["step_flow_s"],
+            "flow_of_update": o["of_update"],
+            "tok_s": g["tok_s"],
+            "of_bound": g["of_bound"],
+            "memory": mem,
+            "peak_gb": max(max(m["allocated"], m["reserved"] or 0) for m in mem.values()),
+        }
+
+    return figures
+
+
+def decoder_figures(name):
+    def figures(out, log):
+        res = read_json(out / f"{name}.json")
+        if not res:
+            return None
+        tok_s = {k: d["tok_s"] for k, d in res["speed"].items()}
+        return {
+            "tok_s": tok_s,
+            "rows": res["rows"],
+            "greedy_equal_fp32": res["equal"]["float32"],
+            "engine_x": {k: tok_s["engine"] / v for k, v in tok_s.items() if k != "engine"},
+            "of_bound": tok_s["engine"] / res["bound_tok_s"],
+            "captures": res["captures"],
+        }
+
+    return figures
+
+
+def suite_figures(out, log):
+    """Counts of the JUnit XML pytest wrote: all tests, and the cases whose id names cuda."""
+    if not (out / "suite.xml").is_file():
+        return None
+    count = {"all": {}, "cuda": {}}
+    for case in ET.parse(out / "suite.xml").iter("testcase"):
+        kinds = {c.tag for c in case} & {"failure", "error", "skipped"}
+        outcome = (
+            {"failure": "failed", "error": "errors", "skipped": "skipped"}[min(kinds)] if kinds else "passed"
+        )
+        for k in ("all", "cuda") if "cuda" in case.get("name", "") else ("all",):
+            count[k][outcome] = count[k].get(outcome, 0) + 1
+    return count
+
+
+# ----------------------------------------------------------------------------- the goals
+def worst_phase(f):
+    """The phase whose estimate / allocated is furthest from 1, and whether it is within 10%."""
+    ph, m = max(f["memory"].items(), key=lambda kv: abs(kv[1]["ratio"] - 1))
+    return f"worst {ph}: estimate/allocated {m['ratio']:.3f}", abs(m["ratio"] - 1) <= 0.10
+
+
+def counts(c):
+    return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+
+
+def suite_check(f):
+    bad = f["all"].get("failed", 0) + f["all"].get("errors", 0)
+    return f"{counts(f['all'])} (cuda cases: {counts(f['cuda'])})", bad == 0
+
+
+class Goal(NamedTuple):
+    text: str
+    part: str
+    check: Callable  # the part's figures -> (the figure shown, met)
+
+
+GOALS = [  # docs/gpu.md's targets
+    Goal(
+        "generation >= 50% of the bandwidth bound (1K)",
+        "headline",
+        lambda f: (f"{100 * f['of_bound']:.1f}%", f["of_bound"] >= 0.5),
+    ),
+    Goal(
+        "the 1K step of 128 rows <= 45 s",
+        "headline",
+        lambda f: (f"{f['step_s']:.1f} s, {f['rows']} rows", f["step_s"] <= 45),
+    ),
+    Goal(
+        "flow credit <= 3% of the update (1K)",
+        "headline",
+        lambda f: (f"{100 * f['flow_of_update']:.1f}%", f["flow_of_update"] <= 0.03),
+    ),
+    Goal("every phase within 10% of its estimate (1K)", "headline", worst_phase),
+    Goal("every phase within 10% of its estimate (LoRA, 24 GB)", "lora24", worst_phase),
+    Goal("the LoRA step under 24 GB", "lora24", lambda f: (f"peak {f['peak_gb']:.2f} GB", f["peak_gb"] < 24)),
+    Goal(
+        "the engine's greedy rows equal HF's in fp32",
+        "decoders",
+        lambda f: (
+            f"{f['greedy_equal_fp32']['engine']}/{f['rows']}; {f['engine_x']['HF dynamic']:.2f}x HF dynamic",
+            f["greedy_equal_fp32"]["engine"] == f["rows"],
+        ),
+    ),
+    Goal(
+        "the engine >= 2x HF's static cache",
+        "static",
+        lambda f: (f"{f['engine_x']['HF static']:.2f}x", f["engine_x"]["HF static"] >= 2),
+    ),
+    Goal("the suite on CUDA with 0 failed", "suite", suite_check),
+]
+
+
+def goals(records):
+    """(goal, figure, verdict) for each of GOALS: "met", "short", or why its part left no figure."""
+    rec, out = {r["part"]: r for r in records}, []
+    for g in GOALS:
+        r = rec.get(g.part)
+        if r is None:
+            out.append((g.text, "-", "not run (--parts)"))
+        elif not r["figures"] or "error" in r["figures"]:
+            out.append((g.text, "-", r.get("why") or f"{r['status']}: no figure (its log: {r['log']})"))
+        else:
+            shown, met = g.check(r["figures"])
+            out.append((g.text, shown, "met" if met else "short"))
+    return out
