@@ -54,7 +54,7 @@ import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import checkpoint as ckpt_io
-from training import budget, flags, heldout, policy, signals
+from training import budget, flags, heldout, load, signals
 from training.models import ModelError, load_model
 
 
@@ -250,8 +250,8 @@ def record_evaluation(g, run, step):
 def evaluate_model(g, name, greedy=True):
     """The model `name` (the recipe's, a checkpoint) loaded as grpo.py loads it: its greedy results (if
     greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
-    rc, cfg, device = g.rc, g.cfg, policy.device_of(g.rc.device)
-    model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
+    rc, cfg, device = g.rc, g.cfg, load.device_of(g.rc.device)
+    model, tok = load_model(name, device=device, dtype=load.weight_dtype(rc, device))
     args = (model, tok, g.recs, g.style, rc.max_new_tokens, g.setting["eval_chunk"])
     res = heldout.greedy(*args) if greedy else {}
     if cfg.eval_k:

@@ -106,8 +106,8 @@ def test_the_gradient_after_a_back_off_is_the_smaller_micro_batchs(monkeypatch):
     monkeypatch.setattr(grpo, "token_logprobs", partial)
 
     def first_gradient(run):
-        got, names = {}, {p: n for n, p in run.model.named_parameters()}
-        run.opt.register_step_pre_hook(lambda opt, *_: got or got.update(
+        got, names = {}, {p: n for n, p in run.policy.model.named_parameters()}
+        run.policy.opt.register_step_pre_hook(lambda opt, *_: got or got.update(
             {names[p]: p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}))
         return got
     runs = grpo_steps(monkeypatch, "cpu", [
@@ -226,7 +226,7 @@ def test_held_out_evaluation_backs_off_and_the_run_resumes_at_its_size(tmp_path,
                              "kept, the others made"]
     m = metrics(out)
     assert saved(out)["gen_chunk"] == 2 and [x["oom/backoffs"] for x in m] == [1, 0]
-    want = heldout.accuracy(run.model, run.tok, run.eval_records, run.style, 6, 2, reward=run.reward)
+    want = heldout.accuracy(run.policy.model, run.policy.tok, run.task.eval_records, run.task.style, 6, 2, reward=run.task.reward)
     assert m[-1]["eval/right"] == want["eval/right"] and m[-1]["eval/total"] == 5
     grpo.main(["--resume", str(out), "--steps", "3"])
     assert lines(capsys) == [] and saved(out)["gen_chunk"] == 2

@@ -22,7 +22,7 @@ import grpo
 from evaluation import memtrace
 from tasks import prompts
 from training import budget, checkpoint as ckpt_io
-from training import flags, policy, runlog
+from training import flags, load, runlog
 from training.models import ModelError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -420,7 +420,7 @@ def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tm
     shutil.copytree(lora_run, run)
     f = run / "ckpt" / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     for main, argv in ((grpo.main, ["--resume", str(run), "--steps", "2"]),
                        (ev.main, ["bench", "--model", str(run), "--benchmarks", "gsm8k", "--n-problems", "1",

@@ -13,7 +13,7 @@ from conftest import subprocess_env
 
 import grpo
 from flowtracer import Capture, select_layers
-from training import logprobs, runlog
+from training import policy, runlog
 from training.attention import use_capture_attention
 from training.models import load_model
 
@@ -147,7 +147,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
     ckpt.load_state_dict(model.state_dict())
     use_capture_attention(ckpt)
-    logprobs.checkpointing(ckpt)
+    policy.checkpointing(ckpt)
     ckpt.train()
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 11]])
     mask = torch.ones_like(ids)
@@ -155,7 +155,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     maps = []
     for m in (model, ckpt):
         cap = Capture(layers)
-        lp, _ = logprobs.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
+        lp, _ = policy.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
         maps.append(cap.maps(mask))                                # read before backward, as grpo.update
         lp.sum().backward()                                        # the replay reaches cap.take again
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)

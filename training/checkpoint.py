@@ -58,7 +58,7 @@ from training.runlog import (  # noqa: F401
     write_metrics,
 )
 
-# Bytes per trained parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32 | fp32 LoRA
+# Bytes per trained parameter a checkpoint holds, by load.scheme: the weights (bf16 | fp32 | fp32 LoRA
 # adapters: peft's files, the frozen base is not saved) and the optimizer's state (AdamW's m and v, bf16 + a
 # bf16 Kahan compensation | fp32 | fp32); the tokenizer and scalars are small.
 WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4, "lora": 4}, {"kahan": 6, "adamw": 8, "lora": 8}

@@ -38,7 +38,7 @@ import yaml
 import data
 from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, policy, reward_files, rewards
+from training import credit, load, reward_files, rewards
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -257,7 +257,7 @@ def check(cfg):
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
-    return policy.precision_problem(cfg) or credit.check(cfg) or rewards.check(cfg)
+    return load.precision_problem(cfg) or credit.check(cfg) or rewards.check(cfg)
 
 
 def reward_record(cfg, given):

@@ -1,6 +1,6 @@
 """What a GRPO run writes, and the run directory while it writes: never lost, never split.
 
-    log = RunLog(out, cfg, model, tok, opt, sched, metrics)   # run.setup: the directory is locked already
+    log = RunLog(out, cfg, policy, metrics)                   # run.setup: the directory is locked already
     with log.clock.phase("credit"): ...                       # grpo's phases, timed (time/*)
     log.step(step, m, rollouts, bad, stopping)                # grpo.train, after every step
     log.finish(stop)                                          # the end of the run, however it ended
@@ -81,18 +81,17 @@ class Rollouts(NamedTuple):
 
 class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
-    alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
-    def __init__(self, out, cfg, model, tok, opt, sched, metrics, tracker=None):
-        self.out, self.cfg, self.model, self.tok, self.opt = Path(out), cfg, model, tok, opt
-        self.sched = sched
-        self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
+    alone), and what a save needs (the policy.Policy: model, tokenizer, optimizer, schedule; the config)."""
+    def __init__(self, out, cfg, policy, metrics, tracker=None):
+        self.out, self.cfg, self.policy = Path(out), cfg, policy
+        self.metrics, self.tracker, self.clock = metrics, tracker, Clock(policy.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         self.warned_answers = False        # the missing answer regions were said (once a run)
         self.last = None                   # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         self.backoffs = 0                  # out-of-memory back-offs this step (training/backoff.py counts)
         self.moved = False                 # an optimizer step began since that step: its state is gone
-        opt.register_step_pre_hook(self.on_optimizer_step)
+        policy.opt.register_step_pre_hook(self.on_optimizer_step)
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
@@ -137,7 +136,7 @@ class RunLog:
             if self.tracker is not None:
                 self.tracker.log(m, done)
             if rollouts is not None and done % cfg.rollouts_every == 0:
-                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, rollouts)
+                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.policy.tok, rollouts)
             due = done % cfg.save_every == 0 or done == cfg.steps or stopping
             if due:
                 self.save(done, bad)
@@ -149,8 +148,8 @@ class RunLog:
     def save(self, done, bad, rng=None):
         """The checkpoint of step `done` (ckpt/, atomically; rng: the RNG states to record, else the current
         ones), curves.png redrawn."""
-        cfg = self.cfg
-        save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
+        cfg, pol = self.cfg, self.policy
+        save_checkpoint(self.out / "ckpt", pol.model, pol.tok, pol.opt, pol.sched, done, cfg, bad,
                         keep=getattr(cfg, "keep_checkpoints", 1), rng=rng)
         plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
                     f"{cfg.credit}/{cfg.shaping}")
