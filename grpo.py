@@ -186,9 +186,8 @@ class Step(NamedTuple):
 def grpo_step(run, step, bad) -> Step:
     """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
     cfg, pol, task, G, clock = run.cfg, run.policy, run.task, run.cfg.group_size, run.log.clock   # phases
-    n = cfg.prompts_per_step
-    ids = [i for i in task.order[step * n:(step + 1) * n]
-           if len(task.prompt_ids[i]) <= cfg.max_prompt_tokens]
+    n, prompts = cfg.prompts_per_step, task.prompt_ids                # prompts: {record: its token ids}
+    ids = [i for i in task.order[step * n:(step + 1) * n] if len(prompts[i]) <= cfg.max_prompt_tokens]
     m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}
     if len(ids) < n:
         tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
@@ -197,7 +196,7 @@ def grpo_step(run, step, bad) -> Step:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
     with clock.phase("generation"), torch.no_grad(), pol.autocast:
-        gen = backoff.generate(run, "rollout", generate, pol.model, pol.tok, [task.prompt_ids[i] for i in ids],
+        gen = backoff.generate(run, "rollout", generate, pol.model, pol.tok, [prompts[i] for i in ids],
                                n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                top_p=cfg.top_p, top_k=cfg.top_k, share_prefix=cfg.share_prefix,
                                engine=run.engine)

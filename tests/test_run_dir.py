@@ -13,7 +13,8 @@ from conftest import subprocess_env
 
 import grpo
 from flowtracer import Capture, select_layers
-from training import policy, runlog
+from training import checkpoint as ckpt_io
+from training import policy, rundir, runlog
 from training.attention import use_capture_attention
 from training.models import load_model
 
@@ -41,8 +42,8 @@ def test_a_moved_run_resumes_in_its_new_directory(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert not a.exists()                                      # nothing re-created where the run began
     assert steps_in(b) == [1, 2, 3]
-    assert (b / "ckpt" / runlog.MARK).read_text() == "3"
-    assert json.loads((b / "ckpt" / runlog.RUN_CONFIG).read_text())["out_dir"] == str(b)
+    assert (b / "ckpt" / ckpt_io.MARK).read_text() == "3"
+    assert json.loads((b / "ckpt" / ckpt_io.RUN_CONFIG).read_text())["out_dir"] == str(b)
 
 
 def test_resume_refuses_another_out_dir(tmp_path):
@@ -71,7 +72,7 @@ def test_keep_checkpoints_keeps_the_last_k(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
     assert kept == ["ckpt", "ckpt-00002", "ckpt-00003"]
-    assert [(tmp_path / d / runlog.MARK).read_text() for d in kept] == ["4", "2", "3"]
+    assert [(tmp_path / d / ckpt_io.MARK).read_text() for d in kept] == ["4", "2", "3"]
     default = run(*SMOKE, "--steps", "2", "--save-every", "1", "--out-dir", str(tmp_path / "one"))
     assert default.returncode == 0, default.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "one").iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
@@ -88,7 +89,7 @@ def test_curves_are_drawn_at_every_save(tmp_path, monkeypatch):
 
 def test_a_config_file_replays_a_run_and_flags_win(tmp_path):
     cfg = grpo.parse_args([*SMOKE, "--lr", "3e-4", "--seed", "7", "--out-dir", str(tmp_path / "a")])
-    runlog.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
+    rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
     again = grpo.parse_args(["--config", str(tmp_path / "run_config.json")])
     assert {**again.__dict__, "config": ""} == cfg.__dict__
     over = grpo.parse_args(["--config", str(tmp_path / "run_config.json"), "--lr", "1e-5"])

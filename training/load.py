@@ -1,6 +1,6 @@
 """The policy as setup loads it: the device, the weights' dtype, the optimizer for that dtype, LoRA.
 
-    policy = load_policy(cfg, device, path)     # run.setup (and memtrace.measure, benchmarks): a policy.Policy
+    policy = load_policy(cfg, device, path)    # run.setup, memtrace.measure, benchmarks: a policy.Policy
 
 run.setup and memtrace.measure both build the policy here, so the step memtrace.py measures is grpo.py's.
 What the step does with it (log-probs, backward, the optimizer step, the schedule) is training/policy.py's.
@@ -10,8 +10,8 @@ Departures (numbered; grpo.py's departure 3 in full):
     compensation of each weight (torch-optimi's AdamW, kahan_sum=True): 10 bytes a parameter instead of fp32
     AdamW's 16 plus autocast's bf16 copies, so Qwen3-4B's 1K step fits one 80 GB GPU. p + c, the weight plus
     its compensation, is the weight the optimizer tracks (policy.master_weights): at lr 1e-6 a plain bf16
-    AdamW rounds every update away, the Kahan sum keeps it. The accounting, the alternatives tried and how close
-    the updates stay to fp32 AdamW's: docs/method.md, "The optimizer on one GPU". The CPU: fp32 AdamW.
+    AdamW rounds every update away, the Kahan sum keeps it. The accounting, the alternatives tried and how
+    close the updates stay to fp32 AdamW's: docs/method.md, "The optimizer on one GPU". The CPU: fp32 AdamW.
  2. optimi's step is chosen here, not left to optimi (policy.optimi_kernel, one printed line): its Triton step
     needs a C compiler for Triton's launcher (gpu_kernels/availability.py), and runtime images often have
     none; CUDA then runs its foreach step, the same arithmetic.

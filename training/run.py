@@ -23,7 +23,7 @@ import torch
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import budget, credit, heldout, load, models, preflight, rewards, runlog, tracking
+from training import budget, credit, heldout, load, models, preflight, rewards, rundir, runlog, tracking
 from training.policy import Policy, sharing_problem
 from training.rollout import prompt_ids
 
@@ -62,7 +62,7 @@ def setup(cfg) -> Run:
     is sized to the card before the weights load (training/budget.py); the run directory is created (and
     locked) once the model has loaded, so a model that fails leaves nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
-    mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
+    mark = (ckpt / ckpt_io.MARK).read_text().strip() if ckpt else ""
     done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
     if ckpt and done >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
@@ -100,13 +100,13 @@ def setup(cfg) -> Run:
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
-    metrics = ckpt_io.open_metrics(out, start if ckpt else None)
+    metrics = rundir.open_metrics(out, start if ckpt else None)
     log = runlog.RunLog(out, cfg, run.policy, metrics, tracker)
     where = "" if credit.is_paper(cfg) else " (training/credit.py)"
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    parts = preflight.check(cfg, run, device, widest, len(evals))   # CUDA: each GPU part tried, or its fallback
+    parts = preflight.check(cfg, run, device, widest, len(evals))  # CUDA: each GPU part tried, or fallback
     task = Task(records, order, ids, style, evals, widest, reward, kwargs)
     return dataclasses.replace(run, cfg=cfg, head_mean=parts.head_mean, task=task, engine=parts.engine,
                                log=log, start=start, bad_steps=bad, budget=sized)   # cfg: the one log saves
