@@ -63,7 +63,7 @@ from evaluation import credit_page, figures, highflow, probes, stats
 from evaluation import recall as recall_probe
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
-from training import flags, oar, signals
+from training import flags, oar, rundir, signals
 from training.models import ModelError, adapter_dir, device_problem, load_model
 from training.rollout import generate
 
@@ -87,7 +87,7 @@ def resolve_model(name):
         (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
     path = Path(name).expanduser()
     if looks_local and not path.exists():
-        fail(f"--model {ckpt_io.link_problem(path) or name + ': not found'} (give a run directory, its "
+        fail(f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
              "ckpt/, a save_pretrained directory or a .gguf file)")
     run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")   # a run: full or LoRA
     if not run and path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
@@ -380,7 +380,7 @@ def check_ranges(ap, args):
         if v is not None and not all((isinstance(x, int) or math.isfinite(x)) and ok(x) for x in each(v)):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
     for flag, problem in (("--device", getattr(args, "device", None) and device_problem(args.device)),
-                          ("--out", getattr(args, "out", None) and ckpt_io.dir_problem(args.out))):
+                          ("--out", getattr(args, "out", None) and rundir.dir_problem(args.out))):
         if problem:                      # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")
     try:                                 # the spec's syntax here; whether it fits the model's depth: setup

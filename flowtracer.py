@@ -114,7 +114,7 @@ class Capture:
     The attention function calls `take` on each layer; the maps travel on this object. Gradient checkpointing
     replays a checkpointed layer in backward with the same keywords: a layer taken already adds nothing then.
     A second forward given the same Capture is refused (make a new one per forward), but for the prompt and
-    response passes of one forward that reads each prompt once (expand_prompts, training/logprobs.py).
+    response passes of one forward that reads each prompt once (expand_prompts, training/policy.py).
     `head_mean`: the function that sums a layer's head means into the buffer (add_head_mean, or
     head_mean_kernel's choice on CUDA).
     `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
@@ -149,7 +149,7 @@ class Capture:
             raise _Stop
 
     def expand_prompts(self, which, width):
-        """The two-pass forward that reads each distinct prompt once (training/logprobs.py): after the prompt
+        """The two-pass forward that reads each distinct prompt once (training/policy.py): after the prompt
         pass, this Capture holds (k, P, P) maps of the k prompts; they become the top-left of each row b's
         (B, T, T) maps (prompt which[b]), T = width, and the response pass, given this same Capture, adds
         the rows from P on."""

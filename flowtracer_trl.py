@@ -39,7 +39,7 @@ Departures from grpo.py (numbered):
     a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
  6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
-    (policy.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
+    (load.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
     --learning-rate, 10x the lr (grpo.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
@@ -77,7 +77,7 @@ except ImportError as e:                                         # no TRL: one l
 import data
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
-from training import credit, flags, policy, reward_code, runlog, signals
+from training import credit, flags, load, reward_code, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, build_batch, prompt_ids, take
@@ -377,7 +377,7 @@ def main(argv=None):
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        lora = policy.lora_config(args, model) if lora else None                      # departure 6; checked
+        lora = load.lora_config(args, model) if lora else None                      # departure 6; checked
         trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
                                         train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
                                         answer_pattern=args.answer_pattern, peft_config=lora)

@@ -24,11 +24,11 @@ Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
     over micro-batches stands in for data parallelism: --paper-batch (PAPER_BATCH) is the paper's 64 x 8.
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
-    fp32 logits of the whole batch never exist (training/logprobs.py).
+    fp32 logits of the whole batch never exist (training/policy.py).
  3. On CUDA (--optimizer auto = kahan) weights, gradients and AdamW states are bf16 with a bf16 Kahan
     compensation of each weight (torch-optimi), so lr 1e-6 updates are kept and Qwen3-4B's 1K step fits one
-    80 GB GPU (training/policy.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
-    A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision, policy.py).
+    80 GB GPU (training/load.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
+    A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision, load.py).
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. The embedded SmolLM2-135M-Instruct (the default --model, named or not) trains on the offline arithmetic
     dataset with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
@@ -43,7 +43,7 @@ Departures from the paper (numbered):
  9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer (attention and MLP), not every weight,
     so Qwen3-4B's step fits a 24 GB GPU; "LoRA Without Regret" (Schulman et al., Thinking Machines Lab, 2025)
     finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (LORA below).
-    The base stays frozen; rollouts, credit and update read the adapted model (training/policy.py, dep. 4).
+    The base stays frozen; rollouts, credit and update read the adapted model (training/load.py, dep. 4).
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
@@ -61,16 +61,16 @@ from tqdm import tqdm
 import data
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
-from training import backoff, credit, flags, heldout, models, policy, runlog, tracking
-from training.logprobs import fixed_logprobs, token_logprobs
-from training.policy import AdapterConfig
+from training import backoff, credit, flags, heldout, load, models, runlog, tracking
+from training.load import AdapterConfig
+from training.policy import fixed_logprobs, token_logprobs
 from training.reward_code import RewardError, TaskConfig
 from training.rollout import build_batch, generate, take
 from training.run import setup
 
 
 # One flat set of flags, with those of the credit (--credit, --shaping, --gamma, ...: credit.py), of your own
-# task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank, ...: policy.py) inherited.
+# task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank, ...: load.py) inherited.
 @dataclass
 class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     # model and dataset
@@ -88,7 +88,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     top_p: float = 1.0                 # nucleus sampling: the top tokens of this mass (the paper's, App. C.3)
     top_k: int = 100                   # sample among the k most likely tokens only (the paper's, App. C.3)
     gen_chunk: int = 0                 # rows per generate call (the KV cache); 0: sized to the card, CPU: 64
-    share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (logprobs.py)
+    share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (policy.py)
     # reward and advantages
     scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
     adv_clip: float = 2.0              # clip each advantage A_i to [-x, x] (the paper's, App. C.3)
@@ -159,9 +159,10 @@ def train(cfg: Config, run=None) -> Outcome:
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):   # eval/*
-            m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, run.model, run.tok,
-                                      run.eval_records, run.style, cfg.max_new_tokens, engine=run.engine,
-                                      reward=run.reward, template_kwargs=run.template_kwargs))
+            m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, run.policy.model,
+                                      run.policy.tok, run.task.eval_records, run.task.style,
+                                      cfg.max_new_tokens, engine=run.engine, reward=run.task.reward,
+                                      template_kwargs=run.task.template_kwargs))
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
@@ -184,9 +185,9 @@ class Step(NamedTuple):
 
 def grpo_step(run, step, bad) -> Step:
     """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
-    cfg, model, G, clock = run.cfg, run.model, run.cfg.group_size, run.log.clock   # times the phases
-    n = cfg.prompts_per_step
-    ids = [i for i in run.order[step * n:(step + 1) * n] if len(run.prompt_ids[i]) <= cfg.max_prompt_tokens]
+    cfg, pol, task, G, clock = run.cfg, run.policy, run.task, run.cfg.group_size, run.log.clock   # phases
+    n, prompts = cfg.prompts_per_step, task.prompt_ids                # prompts: {record: its token ids}
+    ids = [i for i in task.order[step * n:(step + 1) * n] if len(prompts[i]) <= cfg.max_prompt_tokens]
     m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}
     if len(ids) < n:
         tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
@@ -194,15 +195,15 @@ def grpo_step(run, step, bad) -> Step:
     if not ids:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
-    with clock.phase("generation"), torch.no_grad(), run.autocast:
-        gen = backoff.generate(run, "rollout", generate, model, run.tok, [run.prompt_ids[i] for i in ids],
+    with clock.phase("generation"), torch.no_grad(), pol.autocast:
+        gen = backoff.generate(run, "rollout", generate, pol.model, pol.tok, [prompts[i] for i in ids],
                                n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                top_p=cfg.top_p, top_k=cfg.top_k, share_prefix=cfg.share_prefix,
                                engine=run.engine)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
-        rows = [run.records[i] for i in ids for _ in range(G)]                     # row j: prompt j // G
-        rewards = torch.tensor(data.batch_reward(run.reward, gen.texts, rows, gen.response_ids))    # (B,)
+        rows = [task.records[i] for i in ids for _ in range(G)]                    # row j: prompt j // G
+        rewards = torch.tensor(data.batch_reward(task.reward, gen.texts, rows, gen.response_ids))   # (B,)
         m["answers/missing"] = sum(find_answer_span(t, cfg.answer_pattern) is None for t in gen.texts)
         adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
         kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
@@ -210,17 +211,16 @@ def grpo_step(run, step, bad) -> Step:
     m.update(dropped)
     if not kept:
         return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
-    batch = build_batch(run.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
-                        device=run.device, answer_pattern=cfg.answer_pattern)                 # (B, T) masks
-    adv = adv[kept].to(run.device)                                                           # (B,)
+    batch = build_batch(pol.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
+                        device=pol.device, answer_pattern=cfg.answer_pattern)                 # (B, T) masks
+    adv = adv[kept].to(pol.device)                                                           # (B,)
     trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(len(kept)))  # dep. 7
     # ---------------------------------------------------------- credit and update, micro-batch by micro-batch
     up = backoff.update(run, update, batch, trained, adv, clock)   # out of memory: a smaller micro_batch
     bad = 0 if up.stepped or up.skipped else bad + 1    # non-finite loss or gradient: no step (train stops)
-    if up.stepped:
-        run.sched.step()
-    m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad,
-                                 run.sched.get_last_lr()[0], run.device))
+    lr = pol.next_lr(up.stepped)                        # the warmup schedule: once a GRPO step that stepped
+    m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr,
+                                 pol.device))
     return Step(m, runlog.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
@@ -250,7 +250,7 @@ def update(run, batch, trained, adv, clock) -> Update:
       loss       the clipped surrogate with gamma on each token term (eq. 5); backward accumulates
     then clip and one optimizer step, per PPO epoch (--num-iterations; departure 8). `clock` times the
     phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
-    cfg, model, P = run.cfg, run.model, batch.prompt_width
+    cfg, pol, model, P = run.cfg, run.policy, run.policy.model, batch.prompt_width
     loss_mask = batch.response_mask[:, P:]                                                  # (B, R)
     weight = loss_mask.float()                                          # (B, R) gamma_it; untrained rows: 1
     scores = torch.zeros(loss_mask.shape, device=loss_mask.device)      # (B, R) untrained rows: 0
@@ -259,13 +259,13 @@ def update(run, batch, trained, adv, clock) -> Update:
     paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
     with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
         other = None if paper else credit.OtherCredit(run, batch, trained, adv)    # call shape and record
-    with clock.phase("update forward"), run.autocast:
+    with clock.phase("update forward"), pol.autocast:
         if cfg.num_iterations > 1:                   # PPO's old log pi (B, R): the pre-update policy's
             model.eval()                             # (on-policy: the forward's own, detached; test_fused.py)
         old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk,
                              cfg.share_prefix) if cfg.num_iterations > 1 else None
-        ref = None if run.ref is None else fixed_logprobs(run.ref, batch, trained, cfg.micro_batch,
-                                                          cfg.logprob_chunk, cfg.share_prefix)     # (B, R)
+        ref = None if pol.ref is None else pol.ref_logprobs(batch, trained, cfg.micro_batch,
+                                                            cfg.logprob_chunk, cfg.share_prefix)   # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
         first = epoch == 0                           # the first epoch's forward gives the credit (dep. 8)
@@ -273,7 +273,7 @@ def update(run, batch, trained, adv, clock) -> Update:
             mb = trained[s:s + cfg.micro_batch]
             sub = take(batch, mb)                                                           # b rows
             cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
-            with clock.phase("update forward"), run.autocast:
+            with clock.phase("update forward"), pol.autocast:
                 logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
                                            cfg.share_prefix, capture=cap)                  # (b, R)
             if first:
@@ -292,14 +292,13 @@ def update(run, batch, trained, adv, clock) -> Update:
                                  old_logp=logp.detach() if old is None else old[mb],
                                  ref_logp=None if ref is None else ref[mb], denom=denom)
                 loss, st = grpo_loss(logp, exp, cfg)                                        # eq. 5
-                policy.scaled(run.opt, loss).backward()          # fp16: times the GradScaler's scale
+                pol.backward(loss)                   # fp16: times the GradScaler's scale
             stats["loss"] += loss.item()
             stats["entropy"].append(ent[loss_mask[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
-            s = policy.optimizer_step(run.opt, [p for p in model.parameters() if p.requires_grad],
-                                      cfg.max_grad_norm, stats["loss"])      # LoRA: the adapters alone
+            s = pol.step(stats["loss"], cfg.max_grad_norm)      # clip, step, zero (LoRA: the adapters)
         stats.update({"grad_norm": s.grad_norm, **({"scaler/scale": s.scale} if s.scale else {})})
         if not s.stepped:                            # train counts the streak of non-finite steps
             break
@@ -374,7 +373,7 @@ def parse_args(argv=None, for_gpu=False, say=False) -> Config:
 
 CHOICES = {**credit.CHOICES, "dataset": data.DATASETS, "prompt_style": ("auto", *data.STYLES),   # closed sets
            "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
-           "optimizer": policy.OPTIMIZERS, "precision": policy.PRECISIONS, "report_to": tracking.KINDS}
+           "optimizer": load.OPTIMIZERS, "precision": load.PRECISIONS, "report_to": tracking.KINDS}
 PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
 
 

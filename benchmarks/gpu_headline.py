@@ -83,7 +83,7 @@ from flowtracer import head_mean_kernel, select_layers  # noqa: E402
 from training import budget, credit, runlog, step_bytes  # noqa: E402
 from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
-from training.run import for_update  # noqa: E402
+from training.run import load_for_update  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8               # departure 1
@@ -119,19 +119,19 @@ def synced(device):
 
 
 def load(cfg, device, P, short=0):
-    """The policy and optimizer as run.setup makes them (policy.load_policy), the `run` grpo's step
+    """The policy and optimizer as run.setup makes them (load.load_policy), the `run` grpo's step
     functions read, and on CUDA the run's decode engine (run.engine), made and reserved as setup makes it
     (preflight.make_engine: memtrace.run_engine), for the prompts `prompts` (run.prompts) and every row
     running to its budget (min_new_tokens: max_new_tokens, or --quick's `short`)."""
-    run = for_update(cfg, device)                                  # run.setup's policy and credit
+    run = load_for_update(cfg, device)                                  # run.setup's policy and credit
     g = torch.Generator().manual_seed(0)
     lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
     run.prompts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g))
                    for n in lens]                                                  # departure 1
     run.new = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
-    run.model.generation_config.min_new_tokens = run.new           # the engine reads it when it is made
-    run.engine = memtrace.run_engine(cfg, run.model, run.tok, run.prompts, device)
-    return run, run.tok
+    run.policy.model.generation_config.min_new_tokens = run.new    # the engine reads it when it is made
+    run.engine = memtrace.run_engine(cfg, run.policy.model, run.policy.tok, run.prompts, device)
+    return run, run.policy.tok
 
 
 def rollout(run, tok, P, short=0):
@@ -139,20 +139,20 @@ def rollout(run, tok, P, short=0):
     through the run's engine on CUDA (on the CPU, as before the engine: HF generate, min_new_tokens).
     short > 0 (--quick): `short` tokens are sampled, then random printable ones fill each row up to R."""
     cfg, g = run.cfg, torch.Generator().manual_seed(1)
-    run.model.eval()
-    t0 = synced(run.device)
-    with torch.no_grad(), run.autocast:
+    run.policy.model.eval()
+    t0 = synced(run.policy.device)
+    with torch.no_grad(), run.policy.autocast:
         n, extra = run.new, {} if run.engine is not None else {"min_new_tokens": run.new}
-        gen = generate(run.model, tok, run.prompts, n=cfg.group_size, max_new_tokens=n,
+        gen = generate(run.policy.model, tok, run.prompts, n=cfg.group_size, max_new_tokens=n,
                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                        chunk_size=cfg.gen_chunk, engine=run.engine, **extra)
-    seconds = synced(run.device) - t0
+    seconds = synced(run.policy.device) - t0
     if short:                                                                       # up to R: the shapes
         gen = gen._replace(response_ids=[r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),),
                                                            generator=g).tolist() for r in gen.response_ids])
-    batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(run.device)
+    batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(run.policy.device)
     n = batch.response_mask.sum(-1, keepdim=True)                                   # (B, 1)
-    col = torch.arange(batch.input_ids.shape[1], device=run.device) - batch.prompt_width      # (T,)
+    col = torch.arange(batch.input_ids.shape[1], device=run.policy.device) - batch.prompt_width      # (T,)
     answer = (col >= n - ANSWER_TOKENS) & (col < n)                                 # (B, T) last tokens
     return batch._replace(answer_mask=answer), seconds, sum(map(len, gen.response_ids))
 
@@ -161,13 +161,13 @@ def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
-    run.layers = select_layers(run.cfg.layers, run.model.config.num_hidden_layers) \
+    run.layers = select_layers(run.cfg.layers, run.policy.model.config.num_hidden_layers) \
         if credit.reads_maps(run.cfg) else []                                       # as run.py's setup
     if credit.reads_maps(run.cfg) and run.head_mean is None:
-        run.head_mean = head_mean_kernel(run.device)
+        run.head_mean = head_mean_kernel(run.policy.device)
     B = batch.input_ids.shape[0]
-    adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.device)  # (B,) every row trained
-    clock = runlog.Clock(run.device)                                                 # grpo.update marks it
+    adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.policy.device)  # (B,) all trained
+    clock = runlog.Clock(run.policy.device)                                          # grpo.update marks it
     grpo.update(run, batch, list(range(B)), adv, clock)
     return sum(clock.seconds.values())
 
@@ -191,18 +191,18 @@ def rereserve(run, graphs):
     call_s: a short call (one chunk, 16 new tokens) with the engine resident, released_s: the same right
     after a release (its buffers made and its graphs captured again); captures: that call's}."""
     from training import preflight
-    widest = max(map(len, prompt_ids(run.tok, run.prompts)))
-    eng = run.engine or preflight.make_engine(run.cfg, run.model, run.tok, widest, 0)
+    widest = max(map(len, prompt_ids(run.policy.tok, run.prompts)))
+    eng = run.engine or preflight.make_engine(run.cfg, run.policy.model, run.policy.tok, widest, 0)
     if eng is None:
         return None
-    cfg, dev = run.cfg, run.device
+    cfg, dev = run.cfg, run.policy.device
     kw = dict(n=cfg.group_size, max_new_tokens=min(16, run.new), temperature=cfg.temperature, top_p=cfg.top_p,
               top_k=cfg.top_k, chunk_size=cfg.gen_chunk, engine=eng)
     one = run.prompts[:max(1, cfg.gen_chunk // cfg.group_size)]                   # one chunk of rows
-    with torch.no_grad(), run.autocast:
-        generate(run.model, run.tok, one, **kw)                                   # warm: graphs captured
+    with torch.no_grad(), run.policy.autocast:
+        generate(run.policy.model, run.policy.tok, one, **kw)                       # warm: graphs captured
         t0 = synced(dev)
-        generate(run.model, run.tok, one, **kw)
+        generate(run.policy.model, run.policy.tok, one, **kw)
         t1 = synced(dev)
         eng.release()
         t2 = synced(dev)
@@ -212,7 +212,7 @@ def rereserve(run, graphs):
         c = eng.captures
         eng.release()
         t4 = synced(dev)
-        generate(run.model, run.tok, one, **kw)
+        generate(run.policy.model, run.policy.tok, one, **kw)
         t5 = synced(dev)
     return dict(bytes=eng.keys.nbytes + eng.values.nbytes, reserve_s=t3 - t2, graphs=graphs, call_s=t1 - t0,
                 released_s=t5 - t4, captures=eng.captures - c, eager=not eng.graphs)
@@ -288,11 +288,11 @@ def headline(args, R, device):
         del run, batch
         free(device)
         return res
-    bound = bandwidth_bound(run.model, cfg, P, args.bandwidth)
+    bound = bandwidth_bound(run.policy.model, cfg, P, args.bandwidth)
     res["generation"] = dict(tokens=tokens, seconds=gen_s, tok_s=tokens / gen_s, bound_tok_s=bound,
                              of_bound=tokens / gen_s / bound, bandwidth=args.bandwidth)
     if R == max(args.max_new_tokens):
-        res["attention"] = attention_maps(args, run.model, cfg, P + R)
+        res["attention"] = attention_maps(args, run.policy.model, cfg, P + R)
     del run, batch
     free(device)
     return res

@@ -1,7 +1,7 @@
 """LoRA's update against full fine-tuning's on the same work (grpo.py departure 9), and their generation.
 
-One process builds both policies as run.setup does (training/run.py's for_update: full fine-tuning, and
---lora-rank R on the same base), generates one rollout batch with the full policy (at initialisation the
+One process builds both policies as run.setup does (training/run.py's load_for_update: full fine-tuning,
+and --lora-rank R on the same base), generates one rollout batch with the full policy (at initialisation the
 adapted model is the same function) and gives it rewards that vary in every group (row j: j mod 4 / 3), so
 every row is trained in both arms. Then, in `--rounds` alternating rounds (a shared machine's noise spread
 over both arms alike), each arm runs grpo.update on that batch (grpo.py's own micro-batch loop: forward with
@@ -25,21 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import data  # noqa: E402
 import grpo  # noqa: E402
-from training import budget, policy, runlog  # noqa: E402
+from training import budget, load, runlog  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
-from training.run import for_update  # noqa: E402
+from training.run import load_for_update  # noqa: E402
 
 UPDATE = ("update forward", "backward", "optimizer step")       # grpo.py's time/update (runlog.step_metrics)
 
 
 def rollouts(run, cfg, prompts):
     """grpo.grpo_step's rollout call on run's policy; returns (its seconds, the generation)."""
-    clock = runlog.Clock(run.device)
-    with clock.phase("generation"), torch.no_grad(), run.autocast:
-        run.model.eval()
-        gen = generate(run.model, run.tok, prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                       chunk_size=cfg.gen_chunk, share_prefix=cfg.share_prefix)
+    clock = runlog.Clock(run.policy.device)
+    with clock.phase("generation"), torch.no_grad(), run.policy.autocast:
+        run.policy.model.eval()
+        gen = generate(run.policy.model, run.policy.tok, prompts, n=cfg.group_size,
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                       top_k=cfg.top_k, chunk_size=cfg.gen_chunk, share_prefix=cfg.share_prefix)
     return clock.seconds["generation"], gen
 
 
@@ -60,13 +60,13 @@ def main(argv=None):
             grpo.parse_args([*flags, "--lora-rank", str(args.lora_rank)])}
     cfgs = {k: budget.largest(c) for k, c in cfgs.items()}       # a size left at 0: the CPU's, as setup's
     full = cfgs["full"]
-    device = policy.device_of(full.device)
+    device = load.device_of(full.device)
     torch.manual_seed(full.seed)
-    runs = {k: for_update(c, device) for k, c in cfgs.items()}
+    runs = {k: load_for_update(c, device) for k, c in cfgs.items()}
     records = data.load_task(full.dataset, split="train", path=full.data_path or None, seed=full.seed)
     style = full.prompt_style if full.prompt_style != "auto" else data.default_style(full.model,
                                                                                      records[0]["task"])
-    tok = runs["full"].tok
+    tok = runs["full"].policy.tok
     prompts = prompt_ids(tok, [data.make_prompt(r, tok, style) for r in records[:full.prompts_per_step]])
     _, gen = rollouts(runs["full"], full, prompts)
     batch = build_batch(tok, gen.prompt_ids, gen.response_ids, device=device)

@@ -37,7 +37,7 @@ import torch
 from evaluation import credit_page, highflow, probes, token_page
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
 from training.attention import attention_graph
-from training.checkpoint import file_problem
+from training.rundir import file_problem
 from training.credit import CreditConfig
 
 

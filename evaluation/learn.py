@@ -54,7 +54,7 @@ import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import checkpoint as ckpt_io
-from training import budget, flags, heldout, policy, signals
+from training import budget, flags, heldout, load, rundir, signals
 from training.models import ModelError, load_model
 
 
@@ -114,7 +114,7 @@ class Grid:
                                  "another --out-dir, or --overwrite to delete it")
             for d in ("runs", "eval", "logs"):
                 shutil.rmtree(self.out / d, ignore_errors=True)
-        ckpt_io.write_atomic(f, json.dumps(self.setting, indent=1))
+        rundir.write_atomic(f, json.dumps(self.setting, indent=1))
 
     def eval_file(self, run, step):
         """The done-marker and result of one evaluation; step 0 is shared by every arm-seed."""
@@ -143,7 +143,7 @@ def run_grid(g):
     bar = tqdm(total=len(runs) * steps, initial=done, desc="learn", unit="step")
     if not g.done("", 0):                                  # step 0: the recipe's model, shared
         res = result(g, evaluate_model(g, g.rc.model))
-        ckpt_io.write_atomic(g.eval_file("", 0), json.dumps(res))
+        rundir.write_atomic(g.eval_file("", 0), json.dumps(res))
         tqdm.write(f"learn: step 0: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
     for run in runs:
         if g.done(run, g.eval_steps[-1]):
@@ -243,15 +243,15 @@ def record_evaluation(g, run, step):
             raise LearnError(f"{ckpt}: not the checkpoint of step {step}; delete {path.parent} to rerun it")
         right |= evaluate_model(g, str(ckpt), greedy=False)
     res = result(g, right)
-    ckpt_io.write_atomic(g.eval_file(run, step), json.dumps(res))
+    rundir.write_atomic(g.eval_file(run, step), json.dumps(res))
     return res
 
 
 def evaluate_model(g, name, greedy=True):
     """The model `name` (the recipe's, a checkpoint) loaded as grpo.py loads it: its greedy results (if
     greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
-    rc, cfg, device = g.rc, g.cfg, policy.device_of(g.rc.device)
-    model, tok = load_model(name, device=device, dtype=policy.weight_dtype(rc, device))
+    rc, cfg, device = g.rc, g.cfg, load.device_of(g.rc.device)
+    model, tok = load_model(name, device=device, dtype=load.weight_dtype(rc, device))
     args = (model, tok, g.recs, g.style, rc.max_new_tokens, g.setting["eval_chunk"])
     res = heldout.greedy(*args) if greedy else {}
     if cfg.eval_k:
@@ -316,7 +316,7 @@ def parse(argv, prog):
                      (cfg.eval_dataset and cfg.eval_dataset.lower() not in data.TASKS,
                       f"--eval-dataset {cfg.eval_dataset}: unknown; tasks: {', '.join(data.TASKS)}"),
                      (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
-                     (ckpt_io.dir_problem(cfg.out_dir), f"--out-dir {ckpt_io.dir_problem(cfg.out_dir)}"),
+                     (rundir.dir_problem(cfg.out_dir), f"--out-dir {rundir.dir_problem(cfg.out_dir)}"),
                      *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
                        for k in ("eval_size", "bootstrap"))):
         if bad:

@@ -18,7 +18,7 @@ import numpy as np
 from evaluation.probes import markdown, pyplot
 from evaluation.stats import (fmt_p, paired_bootstrap, seed_test, seeds_needed, sign_test, t_interval,
                               two_level, variance_parts)
-from training import checkpoint as ckpt_io
+from training import rundir
 
 QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")   # per question, right of 1 / k
 SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
@@ -55,8 +55,8 @@ def summarize(g, runs, finals):
             vs["power"] = {"sd_diff": sd, "seeds_for_half_width_0.05": seeds_needed(sd, 0.05),
                            "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05)}
     result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
-    ckpt_io.write_atomic(g.out / "learn.json", json.dumps(result))
-    ckpt_io.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
+    rundir.write_atomic(g.out / "learn.json", json.dumps(result))
+    rundir.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
     plot(g.out / "learn.png", runs)
     return table
 

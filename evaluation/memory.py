@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from training.budget import GB, RESERVE, GiB, LAYOUTS, margin, planned, what_fits
 from training.checkpoint import checkpoint_bytes
-from training.policy import precision, precision_problem, scheme
+from training.load import precision, precision_problem, scheme
 from training.step_bytes import COMPONENTS, estimate, lora_linears, model_config, param_counts, peak
 
 

@@ -1,6 +1,6 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
-measure() runs grpo.py's own step on a real policy (policy.load_policy, as run.setup builds it; the update is
+measure() runs grpo.py's own step on a real policy (load.load_policy, as run.setup builds it; the update is
 grpo.update, passed in) twice and counts the second one, in step_bytes.PHASES. It rolls out as grpo.py does: on
 CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
 as setup makes it), so its cache is in every phase of the update it measures, or freed before the update
@@ -30,9 +30,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from training import budget, policy, preflight, rollout, step_bytes
+from training import budget, load, preflight, rollout, step_bytes
 from training.rollout import build_batch
-from training.run import for_update
+from training.run import load_for_update
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
@@ -209,24 +209,25 @@ def site(frames):
 def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None,
             release=False) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    policy.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
+    load.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
     before the first step as setup reserves it; release: freed before each update, budget.plan's layout
     "released"), then `update` (grpo.update: grpo.py's own micro-batch loop, the credit inside, a credit's
     own pass too), which marks the phases on the clock it is given. Every response runs to max_new_tokens
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
     (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
     where one is given; `snapshot`: cuda_peak's."""
-    device, cfg = policy.device_of(device or "auto"), budget.largest(cfg)      # a size at 0: the CPU's
+    device, cfg = load.device_of(device or "auto"), budget.largest(cfg)      # a size at 0: the CPU's
     torch.manual_seed(seed)
-    run = for_update(cfg, device)                                # run.setup's policy and credit
-    model, tok, ref, opt = run.model, run.tok, run.ref, run.opt
+    run = load_for_update(cfg, device)                           # run.setup's policy and credit
+    pol = run.policy
+    model, tok, ref, opt = pol.model, pol.tok, pol.ref, pol.opt
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
     model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
     run.engine = run_engine(cfg, model, tok, prompts, device)
 
     def step(clock):
-        with clock.phase("generation"), torch.no_grad(), run.autocast:
+        with clock.phase("generation"), torch.no_grad(), pol.autocast:
             model.eval()
             gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
                                    temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,

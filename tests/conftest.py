@@ -105,30 +105,31 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     so every row is trained. The order of `runs` is the order they run in; `watch` sees each run after its
     setup."""
     import grpo
-    from training import models, policy
-    real_generate, real_load, rollouts = grpo.generate, policy.load_model, []
+    from training import load as loading
+    from training import models
+    real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
 
     def generate(*a, **k):
         if not rollouts:
             rollouts.append(real_generate(*a, **k))
         return rollouts[0]
     monkeypatch.setattr(grpo, "generate", generate)
-    monkeypatch.setattr(policy, "autocast",
+    monkeypatch.setattr(loading, "autocast",
                         lambda cfg, dev: torch.autocast(torch.device(dev).type, enabled=False))
     out = {}
     for name, argv, wide in runs:
         def load(*a, wide=wide, **k):
             model, tok = real_load(*a, **k)
             return (models.to_dtype(model, model.device, torch.float64) if wide else model), tok
-        monkeypatch.setattr(policy, "load_model", load)
+        monkeypatch.setattr(loading, "load_model", load)
         rows = itertools.count()
         monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
         cfg = grpo.parse_args([*argv, "--device", torch.device(device).type, "--optimizer", "adamw"])
         run = grpo.setup(cfg)
         seen = watch(run)
-        before = {k: v.detach().clone() for k, v in run.model.named_parameters()}
+        before = {k: v.detach().clone() for k, v in run.policy.model.named_parameters()}
         m = grpo.train(cfg, run).history[0]
-        out[name] = (m, {k: v.detach() - before[k] for k, v in run.model.named_parameters()}, seen)
+        out[name] = (m, {k: v.detach() - before[k] for k, v in run.policy.model.named_parameters()}, seen)
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import grpo
 from conftest import assert_to_rounding, flat, grpo_steps
 from training import budget, engine, heldout, preflight, rollout, runlog
+from training import checkpoint as ckpt_io
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB"
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
@@ -106,8 +107,8 @@ def test_the_gradient_after_a_back_off_is_the_smaller_micro_batchs(monkeypatch):
     monkeypatch.setattr(grpo, "token_logprobs", partial)
 
     def first_gradient(run):
-        got, names = {}, {p: n for n, p in run.model.named_parameters()}
-        run.opt.register_step_pre_hook(lambda opt, *_: got or got.update(
+        got, names = {}, {p: n for n, p in run.policy.model.named_parameters()}
+        run.policy.opt.register_step_pre_hook(lambda opt, *_: got or got.update(
             {names[p]: p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}))
         return got
     runs = grpo_steps(monkeypatch, "cpu", [
@@ -226,7 +227,8 @@ def test_held_out_evaluation_backs_off_and_the_run_resumes_at_its_size(tmp_path,
                              "kept, the others made"]
     m = metrics(out)
     assert saved(out)["gen_chunk"] == 2 and [x["oom/backoffs"] for x in m] == [1, 0]
-    want = heldout.accuracy(run.model, run.tok, run.eval_records, run.style, 6, 2, reward=run.reward)
+    pol, task = run.policy, run.task
+    want = heldout.accuracy(pol.model, pol.tok, task.eval_records, task.style, 6, 2, reward=task.reward)
     assert m[-1]["eval/right"] == want["eval/right"] and m[-1]["eval/total"] == 5
     grpo.main(["--resume", str(out), "--steps", "3"])
     assert lines(capsys) == [] and saved(out)["gen_chunk"] == 2
@@ -251,7 +253,7 @@ def test_out_of_memory_at_every_size_is_one_line_exit_1_and_the_last_step_saved(
                               f"4, 2, 1; {tried}; OutOfMemoryError: {OOM}); the estimate at these sizes: ")
     assert " GB at its peak (" in said[0] and said[0].endswith(
         f"on the cpu; step 1 is saved ({out / 'ckpt'}): --resume continues from it")
-    assert (out / "ckpt" / runlog.MARK).read_text() == "1" and len(metrics(out)) == 1
+    assert (out / "ckpt" / ckpt_io.MARK).read_text() == "1" and len(metrics(out)) == 1
     assert saved(out)[field] == 1
     monkeypatch.undo()                                               # the memory is there again
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
@@ -298,7 +300,6 @@ def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_ro
     """The plan's layout "released" (forced here; budget.plan picks it where it lets larger sizes fit): the
     engine's buffers are freed before each update (no tensor keeps their storage alive) and made again, its
     graphs captured again, by the next rollout; the run equals the one whose engine stays resident."""
-    from training import run as run_mod
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     a, b = tmp_path / "a", tmp_path / "b"
     grpo.main([*TINY, "--steps", "2", "--out-dir", str(b)])                      # resident

@@ -7,7 +7,7 @@ import torch
 
 import grpo
 from evaluation import memory, memtrace
-from training import budget, policy, step_bytes
+from training import budget, load, step_bytes
 from training import run as run_mod
 from training.models import qwen3_4b_config
 
@@ -25,7 +25,7 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
     cfg = grpo.parse_args(SMALL + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
     est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
-    model = policy.load_policy(cfg, torch.device("cpu"))[0]
+    model = load.load_policy(cfg, torch.device("cpu")).model
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert est["optimizer step"]["grads"] == 4 * adapters                          # fp32, the adapters only
     for phase in step_bytes.PHASES:
@@ -70,7 +70,7 @@ def fake_gpu(monkeypatch, total):
 
     def no_weights(*a, **k):
         raise AssertionError("the weights were loaded")
-    monkeypatch.setattr(policy, "load_model", no_weights)
+    monkeypatch.setattr(load, "load_model", no_weights)
     return card
 
 
@@ -110,7 +110,7 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
 
     def stop(*a, **k):
         raise Loaded
-    monkeypatch.setattr(run_mod, "for_update", stop)
+    monkeypatch.setattr(run_mod, "load_for_update", stop)
     got = {}
     real = budget.plan
     monkeypatch.setattr(budget, "plan", lambda c, m, d, w, b, *a, **kw:

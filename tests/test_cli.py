@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from training import gguf, models, policy
+from training import gguf, load, models
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -77,7 +77,7 @@ BAD_FILES = [  # (file name, content, a word the line must contain); each fails 
 def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsys, name, content, word):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(path), "--dataset", "arithmetic", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -85,7 +85,7 @@ def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsy
 
 
 def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(tmp_path / "nosuch.jsonl"), "--out-dir", str(tmp_path / "r")])
     assert e.value.code == 2 and "nosuch.jsonl" in capsys.readouterr().err
@@ -127,7 +127,7 @@ def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatc
     only then, so a failed load keeps it."""
     def fails(cfg, *a, **k):
         raise models.ModelError(f"--model {cfg.model}: not in the local hub cache")
-    monkeypatch.setattr(policy, "load_policy", fails)
+    monkeypatch.setattr(load, "load_policy", fails)
     with pytest.raises(SystemExit) as e:
         grpo.main(["--model", "org/name", "--out-dir", str(tmp_path / "run")])
     assert e.value.code == 2 and "org/name" in capsys.readouterr().err

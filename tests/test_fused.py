@@ -17,11 +17,11 @@ from conftest import assert_to_rounding
 import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
-from training import credit, logprobs, runlog, signals
+from training import credit, policy, runlog, signals
 from training.attention import attention_graph, capturing, use_capture_attention
 from training.models import load_model
 from training.rollout import build_batch
-from training.run import for_update
+from training.run import load_for_update
 
 
 def batch_with_answers(tok):
@@ -49,13 +49,13 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     sep = credit.assign(model, tok, b, adv, cfg)                                 # its own no-grad pass
     exact = credit.assign(copy.deepcopy(model).double(), tok, b, adv, cfg)      # the same pass in fp64
     if ckpt:
-        logprobs.checkpointing(model)
+        policy.checkpointing(model)
     model.train()
     calls = []
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        use_capture_attention(model)                                 # as policy.load_policy
+        use_capture_attention(model)                                 # as load.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers))   # as grpo.update
         logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, capture=cap)
         with torch.no_grad():
@@ -82,8 +82,8 @@ def test_update_own_flow_lines_equal_credit_assign(share):
     out = {}
     for credit_pass in ("fused", "separate"):
         cfg = grpo.parse_args([*flags, "--credit-pass", credit_pass])
-        run = for_update(cfg, torch.device("cpu"))                   # the model as setup loads it (seeded)
-        tok = run.tok
+        run = load_for_update(cfg, torch.device("cpu"))                   # the model as setup loads it (seeded)
+        tok = run.policy.tok
         b = build_batch(tok, [tok("Q: 2+2=?").input_ids] * 2 + [tok("Q: 9*9?").input_ids] * 2,  # 2 groups
                         [tok(r).input_ids for r in ("so it is 4, answer \\boxed{4} ok", "four: \\boxed{4}",
                                                     "nine nines, so \\boxed{81}", "\\boxed{18} it is")])
@@ -145,7 +145,7 @@ def one_step(tmp_path, monkeypatch, two_pass, extra=()):
     cfg = grpo.parse_args([*SMOKE, *extra, "--out-dir", str(out)] +
                           (["--num-iterations", "2", "--lr", "1e-30"] if two_pass else []))
     run = grpo.setup(cfg)
-    names = [n for n, _ in run.model.named_parameters()]
+    names = [n for n, _ in run.policy.model.named_parameters()]
     m = grpo.train(cfg, run).history[0]
     return {**m, "loss": m["loss"] / cfg.num_iterations}, grads       # the epochs' mean: the first's, here
 

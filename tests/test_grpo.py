@@ -65,7 +65,7 @@ def test_token_logprobs_gradient_matches_full_logits(device):
 
 
 def test_token_logprobs_in_bf16_are_as_close_to_fp32_as_hf(device):
-    """bf16 is the CUDA run's dtype (policy.weight_dtype under --optimizer kahan): the chunked log-softmax of
+    """bf16 is the CUDA run's dtype (load.weight_dtype under --optimizer kahan): the chunked log-softmax of
     a
     bf16 model (bf16 logits, then fp32, as token_logprobs takes them) is no further from the fp32 model's
     log-probs and LM-head gradient than twice HF's own bf16 forward with its full logits, plus 2 bf16 eps of

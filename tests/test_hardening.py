@@ -35,7 +35,7 @@ from evaluation import probes
 from tasks import answers
 from tasks.answers import find_answer_span
 from training import checkpoint as ckpt_io
-from training import policy, reward_code, usercode
+from training import load, reward_code, runlog, usercode
 from training.models import load_model
 
 
@@ -53,7 +53,7 @@ def last_line(capsys):
 
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
-    for module in (policy, ev):
+    for module in (load, ev):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 
@@ -249,7 +249,7 @@ def test_a_full_disk_while_logging_names_the_file(tmp_path):
         name = str(tmp_path / "metrics.jsonl")
         write = staticmethod(enospc)
     with pytest.raises(ckpt_io.RunError, match="metrics.jsonl: no space left .* step 3"):
-        ckpt_io.write_metrics(Full(), {"step": 3})
+        runlog.write_metrics(Full(), {"step": 3})
 
 
 # ----------------------------------------------------------------------------- 5-7. rewards

@@ -17,7 +17,7 @@ import pytest
 import eval as ev
 import grpo
 from evaluation import learn
-from training import flags, policy
+from training import flags, load
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -199,7 +199,7 @@ GRPO_PATHS = [("--out-dir", "loop", "symlink loop"), ("--out-dir", "dangling", "
 @pytest.mark.parametrize("flag, name, says", GRPO_PATHS, ids=[f"{f} {n}" for f, n, _ in GRPO_PATHS])
 def test_grpo_path_flags(flag, name, says, paths, capsys, monkeypatch):
     if flag == "--model":                                             # the model is the last thing loaded
-        monkeypatch.setattr(policy, "load_policy", lambda cfg, *a, **k: policy.load_model(cfg.model))
+        monkeypatch.setattr(load, "load_policy", lambda cfg, *a, **k: load.load_model(cfg.model))
     argv = ["--out-dir", str(paths / "run"), flag, str(paths / name)]
     line = one_line(capsys, lambda: grpo.main(argv), "grpo.py")
     assert says in line and (flag in line or name in line), line

@@ -1,4 +1,4 @@
-"""LoRA (grpo.py departure 9, policy.py departure 4): at initialisation the adapted model is the base model
+"""LoRA (grpo.py departure 9, load.py departure 4): at initialisation the adapted model is the base model
 (log-probs, FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the
 reference of --beta is the base with the adapters off, the learning rate preset, and --resume continues a
 LoRA run exactly."""
@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import flowtracer
 import grpo
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
-from training import logprobs, models, policy, rollout
+from training import load, models, policy, rollout
 from training.rollout import build_batch
 
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
@@ -42,7 +42,7 @@ def batch_of(tok):
 def credit_of(model, batch, share, layers):
     """(log-probs (B, R), captured maps (B, T, T), weight (B, R)) of grpo.update's first micro-batch."""
     cap = Capture(layers)
-    logp, _ = logprobs.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4,
+    logp, _ = policy.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4,
                                       share, capture=cap)
     W = cap.maps(batch.attention_mask)
     flow = trace_flow(W.clone(), batch.question_mask, batch.answer_mask, batch.attention_mask)
@@ -58,12 +58,12 @@ def test_at_initialisation_lora_equals_the_base_exactly(share, ckpt):
     cfg = grpo.parse_args([*TINY, "--lora-rank", "8"])
     base, tok = models.load_model("tiny-qwen3", device="cpu", attn_implementation=flowtracer.IMPL)
     if ckpt:
-        logprobs.checkpointing(base)
+        policy.checkpointing(base)
     batch, layers = batch_of(tok), select_layers(cfg.layers, base.config.num_hidden_layers)
     base.train()
     base.requires_grad_(False)
     want = credit_of(base, batch, share, layers)
-    lora = policy.with_lora(base, cfg)
+    lora = load.with_lora(base, cfg)
     assert any("lora_A" in n for n, _ in lora.named_parameters())
     lora.train()
     for a, b in zip(want, credit_of(lora, batch, share, layers)):
@@ -76,13 +76,13 @@ def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
     toy_reward(monkeypatch)
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--steps", "1", "--out-dir", str(tmp_path)])
     run = grpo.setup(cfg)
-    assert policy.scheme(cfg, "cpu") == "lora"
-    trainable = [p for p in run.model.parameters() if p.requires_grad]
-    assert {id(p) for g in run.opt.param_groups for p in g["params"]} == {id(p) for p in trainable}
+    assert load.scheme(cfg, "cpu") == "lora"
+    trainable = [p for p in run.policy.model.parameters() if p.requires_grad]
+    assert {id(p) for g in run.policy.opt.param_groups for p in g["params"]} == {id(p) for p in trainable}
     out = grpo.train(cfg, run)
     assert out.history[0]["rows/trained"] > 0 and out.history[0]["grad_norm"] > 0
     init = dict(models.load_model("tiny-qwen3", device="cpu")[0].named_parameters())
-    for name, p in run.model.named_parameters():
+    for name, p in run.policy.model.named_parameters():
         if "lora_" in name:
             assert p.dtype == torch.float32 and p.requires_grad
             if "lora_B" in name:
@@ -94,9 +94,12 @@ def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
 
 
 def test_the_reference_is_the_base_with_the_adapters_off():
-    """--beta > 0 under LoRA: policy.Reference's log-probs are the base model's, after the adapters moved."""
+    """--beta > 0 under LoRA: Policy.ref_logprobs are the base model's (peft's disable_adapter), after the
+    adapters moved; the reference is no second model."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--beta", "0.1"])
-    model, tok, ref, _ = policy.load_policy(cfg, torch.device("cpu"))
+    pol = load.load_policy(cfg, torch.device("cpu"))
+    model, tok = pol.model, pol.tok
+    assert pol.ref is model
     base = models.load_model("tiny-qwen3", device="cpu")[0]
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -104,9 +107,9 @@ def test_the_reference_is_the_base_with_the_adapters_off():
                 p.normal_()
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
-    want = logprobs.fixed_logprobs(base, batch, rows, 2, 4)
-    got = logprobs.fixed_logprobs(ref, batch, rows, 2, 4)
-    moved = logprobs.fixed_logprobs(model, batch, rows, 2, 4)
+    want = policy.fixed_logprobs(base, batch, rows, 2, 4)
+    got = pol.ref_logprobs(batch, rows, 2, 4)
+    moved = policy.fixed_logprobs(model, batch, rows, 2, 4)
     assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(moved, want, atol=1e-3)
 
 
@@ -162,7 +165,7 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
     import flowtracer_trl as ft
     from training.credit import CreditConfig
     args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
-    tr, _, init = one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=policy.lora_config(args),
+    tr, _, init = one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=load.lora_config(args),
                            credit_cfg=CreditConfig(credit_pass=credit_pass))
     assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
     logged = next(m for m in tr.state.log_history if "loss" in m)
@@ -227,9 +230,9 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     base = models.load_model("tiny-qwen3", device="cpu")[0]
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
-    want = logprobs.fixed_logprobs(run.model.eval(), batch, rows, 4, 4)
-    assert torch.allclose(logprobs.fixed_logprobs(merged, batch, rows, 4, 4), want, atol=1e-4)
-    assert not torch.allclose(logprobs.fixed_logprobs(base, batch, rows, 4, 4), want, atol=1e-4)
+    want = policy.fixed_logprobs(run.policy.model.eval(), batch, rows, 4, 4)
+    assert torch.allclose(policy.fixed_logprobs(merged, batch, rows, 4, 4), want, atol=1e-4)
+    assert not torch.allclose(policy.fixed_logprobs(base, batch, rows, 4, 4), want, atol=1e-4)
     assert ev.resolve_model(str(out)) == str(out / "ckpt")
     if why := task_data_missing("gsm8k"):
         pytest.skip(why)
@@ -250,7 +253,7 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path):
     out = grpo.train(cfg, run)
     assert sum(m["rows/trained"] for m in out.history) > 0
     init = dict(models.load_model("smollm2-135m", device="cpu")[0].named_parameters())
-    for name, p in run.model.named_parameters():
+    for name, p in run.policy.model.named_parameters():
         if "lora_B" in name:
             assert p.abs().max() > 0, name
         elif "lora_" not in name:
@@ -265,7 +268,7 @@ def test_the_engine_decodes_the_adapted_model():
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
     base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     plain = rollout.generate(base, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
-    lora = policy.with_lora(base, cfg)
+    lora = load.with_lora(base, cfg)
     with torch.no_grad():
         for n, p in lora.named_parameters():
             if "lora_B" in n:
@@ -288,7 +291,7 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
     base.save_pretrained(tmp_path / "base")                  # a bf16 checkpoint, as a hub model's
     tok.save_pretrained(tmp_path / "base")
-    lora = policy.with_lora(base, cfg)
+    lora = load.with_lora(base, cfg)
     with torch.no_grad():
         for n, p in lora.named_parameters():
             if "lora_B" in n:
@@ -299,7 +302,7 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     (ckpt / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
-    lp = lambda m: logprobs.fixed_logprobs(m, batch, rows, 4, 4)               # noqa: E731  (B, R)
+    lp = lambda m: policy.fixed_logprobs(m, batch, rows, 4, 4)               # noqa: E731  (B, R)
     loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)   # eval.py bench on CUDA
     assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(lora.eval()))
     W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]   # noqa: E731

@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 import grpo
 from evaluation import memory, memtrace
 from training import budget, footprint, step_bytes
-from training import logprobs, policy
+from training import load, policy
 from training.models import load_model, qwen3_4b_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def total(est, phase):
 
 def live_at_the_first_layers_backward(tied, device):
     """Live tensor bytes (track_peak) when backward reaches decoder layer 0 of a checkpointed, shared-prompt
-    update (logprobs.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
+    update (policy.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
     the second micro-batch on)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -119,13 +119,13 @@ def live_at_the_first_layers_backward(tied, device):
                                          eos_token_id=259)).to(device)
     b = build_batch(tok, [list(range(3, 43))] * 4, [list(range(50, 82))] * 4).to(device)
     model.train()
-    logprobs.checkpointing(model)
+    policy.checkpointing(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     seen = []
     with memtrace.track_peak(model) as tr:
         hook = model.model.layers[0].register_full_backward_pre_hook(lambda mod, g: seen.append(tr.now))
-        lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, True)
+        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, True)
         after = tr.now
         (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
         hook.remove()
@@ -165,7 +165,7 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     assert base["credit"]["activations"] == P * prompt + b * R * resp + L * P * 2 * 2 * 8 * 128
     assert base["credit"]["activations"] < unshared["credit"]["activations"]
     assert 60e9 < b * T * L * footprint.layer_saved(mc, T, 2, 2) < 75e9                # "about 68 GB" at 1K
-    # and with the micro-batch's one prompt read once (--share-prefix, logprobs.response_states): the prompt
+    # and with the micro-batch's one prompt read once (--share-prefix, policy.response_states): the prompt
     # pass keeps 1 x P tokens, the response pass 8 x R queries and the prompt's K, V (bf16, repeated to the
     # 32 query heads) of each of its 8 rows in each layer
     shared, _ = qwen3_4b("--no-grad-checkpointing")
@@ -223,12 +223,12 @@ def test_margin_is_printed_and_counted_in_the_fit():
 def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert policy.device_of("cpu").type == "cpu"
+    assert load.device_of("cpu").type == "cpu"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    assert policy.device_of("cuda").type == "cuda"
+    assert load.device_of("cuda").type == "cuda"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")   # the user's setting wins
-    policy.device_of("cuda")
+    load.device_of("cuda")
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
@@ -266,12 +266,12 @@ def test_autocast_caches_a_bf16_copy_of_each_weight_for_the_region():
 def cumulative_updates(steps=20, lr=1e-6, device="cpu"):
     """{scheme: relative norm of (its cumulative update - fp32 AdamW's)} on tiny-qwen3, same gradients. The
     kahan optimizer is what grpo.py builds for weights on `device` (on CUDA optimi's Triton or foreach step,
-    on the CPU its for-loop: policy.make_optimizer chooses by where the weights are)."""
+    on the CPU its for-loop: load.make_optimizer chooses by where the weights are)."""
     ref, _ = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     cfg = SimpleNamespace(optimizer="kahan", lr=lr, weight_decay=0.0)
     runs = {"fp32": (ref, torch.optim.AdamW(ref.parameters(), lr=lr))}
     m = copy.deepcopy(ref).to(torch.bfloat16)
-    runs["kahan"] = (m, policy.make_optimizer(m, cfg, "cuda"))           # the CUDA scheme, the weights' step
+    runs["kahan"] = (m, load.make_optimizer(m, cfg, "cuda"))           # the CUDA scheme, the weights' step
     m = copy.deepcopy(ref).to(torch.bfloat16)
     runs["bf16"] = (m, torch.optim.AdamW(m.parameters(), lr=lr))         # naive bf16 weights
     w0 = {k: policy.master_weights(m, opt) for k, (m, opt) in runs.items()}
@@ -297,13 +297,13 @@ def test_kahan_keeps_lr_1e6_updates_and_plain_bf16_loses_them(device):
 
 def test_scheme_defaults_and_errors():
     cfg = SimpleNamespace(optimizer="auto", lr=1e-6, weight_decay=0.0)
-    assert policy.scheme(cfg, "cuda") == "kahan" and policy.scheme(cfg, "cpu") == "adamw"
-    assert policy.weight_dtype(cfg, "cpu") == torch.float32                # the CPU path stays fp32
+    assert load.scheme(cfg, "cuda") == "kahan" and load.scheme(cfg, "cpu") == "adamw"
+    assert load.weight_dtype(cfg, "cpu") == torch.float32                # the CPU path stays fp32
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16"):
-        policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
+        load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
     with pytest.raises(ValueError, match="--optimizer"):
-        policy.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
+        load.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
 
 
 def test_eval_memory_command():

@@ -22,7 +22,7 @@ import grpo
 from evaluation import memtrace
 from tasks import prompts
 from training import budget, checkpoint as ckpt_io
-from training import flags, policy, runlog
+from training import flags, load
 from training.models import ModelError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_a_runs_own_run_config_json_reads_back_equal(tmp_path):
     model, tok = load_model("tiny-llama")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    runlog.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
+    ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     got = flags.read_config(tmp_path / "run" / "ckpt" / ckpt_io.RUN_CONFIG, grpo.Config, grpo.CHOICES)
     assert got == dataclasses.asdict(cfg) and grpo.Config(**got) == cfg
 
@@ -420,7 +420,7 @@ def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tm
     shutil.copytree(lora_run, run)
     f = run / "ckpt" / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    monkeypatch.setattr(policy, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     for main, argv in ((grpo.main, ["--resume", str(run), "--steps", "2"]),
                        (ev.main, ["bench", "--model", str(run), "--benchmarks", "gsm8k", "--n-problems", "1",

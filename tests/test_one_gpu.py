@@ -24,7 +24,7 @@ from conftest import DEVICES, assert_to_rounding
 import flowtracer
 import grpo
 from gpu_kernels import availability
-from training import attention, logprobs, models, policy, rollout, step_bytes
+from training import attention, load, models, policy, rollout, step_bytes
 from training import checkpoint as ckpt_io
 from training.models import load_model
 
@@ -160,8 +160,8 @@ def test_checkpoint_bytes_is_what_a_checkpoint_holds(tmp_path, optimizer):
     weights and optimizer tensors (state_bytes), and the files on disk, which add only the tokenizer, the
     config and the pickle's framing (under 2 MB at this size)."""
     cfg = grpo.Config(model="tiny-qwen3", optimizer=optimizer, lr=1e-3)
-    model, tok = load_model("tiny-qwen3", device="cpu", dtype=policy.weight_dtype(cfg, "cpu"))
-    opt = policy.make_optimizer(model, cfg, "cpu")
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=load.weight_dtype(cfg, "cpu"))
+    opt = load.make_optimizer(model, cfg, "cpu")
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-2)
     opt.step()
@@ -258,18 +258,18 @@ def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share
     float64: conftest.assert_to_rounding): the padding rows add nothing to the loss."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
-    logp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
+    logp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
     resp = b.response_mask[:, b.prompt_width:]
     (logp * resp).sum().backward()
     assert torch.isfinite(logp).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
-        exact, _ = logprobs.token_logprobs(copy.deepcopy(model).double(), b.input_ids, b.attention_mask,
+        exact, _ = policy.token_logprobs(copy.deepcopy(model).double(), b.input_ids, b.attention_mask,
                                          b.prompt_width, 2, share)
     assert nan_kernel and sum(nan_kernel) == 0, nan_kernel                 # no fully masked row was built
     for j, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):                    # each row alone, no padding
         one = rollout.build_batch(tok, [p], [r]).to(model.device)
-        alone, _ = logprobs.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
+        alone, _ = policy.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
         assert_to_rounding(alone[0][: len(r)], logp[j][resp[j]], exact[j][resp[j]], what=f"row {j}")
 
 
@@ -291,7 +291,7 @@ def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel, device):
     b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
     attn = attention.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
     with attention.capturing(model, b.attention_mask, "all") as cap:
-        logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
+        policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
     assert torch.isfinite(attn).all() and torch.isfinite(cap.attn).all()
     torch.testing.assert_close(cap.attn, attn)
     assert sum(nan_kernel) == 0, nan_kernel
@@ -324,7 +324,7 @@ def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, c
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
     assert policy.optimi_kernel("cuda") == "triton"                       # what "cuda" alone would choose
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    opt = policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cuda")
+    opt = load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cuda")
     assert "its for-loop step" in capsys.readouterr().out
     assert (opt.param_groups[0]["triton"], opt.param_groups[0]["foreach"]) == (False, False)
     before = policy.master_weights(model, opt)
@@ -341,7 +341,7 @@ def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
     monkeypatch.setattr(policy, "optimi_kernel", lambda device: kernel)
     cfg = grpo.Config(model="tiny-qwen3", optimizer="kahan", lr=1e-3)
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    opt = policy.make_optimizer(model, cfg, "cpu")
+    opt = load.make_optimizer(model, cfg, "cpu")
     assert f"its {kernel} step" in capsys.readouterr().out
     g = opt.param_groups[0]
     assert (g["foreach"], g["triton"]) == (kernel == "foreach", False)
@@ -350,7 +350,7 @@ def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
     opt.step()
     monkeypatch.setattr(policy, "optimi_kernel", lambda device: "for-loop")
     ref_model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    ref = policy.make_optimizer(ref_model, cfg, "cpu")
+    ref = load.make_optimizer(ref_model, cfg, "cpu")
     for p in ref_model.parameters():
         p.grad = torch.ones_like(p) * 1e-2
     ref.step()

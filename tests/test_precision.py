@@ -1,4 +1,4 @@
-"""--precision (training/policy.py departure 5): what auto picks by the card's compute capability (faked), the
+"""--precision (training/load.py departure 5): what auto picks by the card's compute capability (faked), the
 flags that cannot go together (one error line each), an fp16 LoRA run on the CPU (fp16 base, fp32 adapters,
 fp16 autocast, a GradScaler) that trains, says so in one line and resumes exactly with the scaler's state, a
 step the scaler skips that is not a non-finite one, and the learning rate's line and notice."""
@@ -9,7 +9,7 @@ import torch
 
 import grpo
 from test_lora import TINY, stable, toy_reward
-from training import policy
+from training import load, policy
 
 T4, A100 = (7, 5), (8, 0)
 
@@ -26,26 +26,26 @@ def test_auto_picks_by_the_cards_compute_capability(lora, monkeypatch):
     c = cfg(*(["--lora-rank", "8"] if lora else []))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: T4)
-    t4 = policy.precision(c, "cuda")
+    t4 = load.precision(c, "cuda")
     assert (t4.name, t4.scheme) == (("fp16", "lora") if lora else ("fp32", "adamw"))
     assert t4.weights == (torch.float16 if lora else torch.float32)
     assert t4.autocast == (torch.float16 if lora else None) and not t4.math_sdpa
     assert "compute capability 7.5 has no bf16 tensor cores" in t4.line and t4.line.count("\n") == 0
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: A100)
-    a100 = policy.precision(c, "cuda")
+    a100 = load.precision(c, "cuda")
     assert (a100.name, a100.scheme, a100.weights) == ("bf16", "lora" if lora else "kahan", torch.bfloat16)
-    cpu = policy.precision(c, "cpu")
+    cpu = load.precision(c, "cpu")
     assert (cpu.name, cpu.weights, cpu.autocast) == ("fp32", torch.float32, None)
-    assert policy.precision(c, "cuda", T4) == t4                             # the capability as an argument
+    assert load.precision(c, "cuda", T4) == t4                             # the capability as an argument
 
 
 def test_bf16_below_8_runs_the_math_kernel_and_says_so():
     """--precision bf16 (or --optimizer kahan) on a T4: it runs, emulated, on SDPA's math kernel: said in the
     line, and memory.py counts the kernel's score matrices."""
     for c in (cfg("--lora-rank", "8", "--precision", "bf16"), cfg("--optimizer", "kahan")):
-        p = policy.precision(c, "cuda", T4)
+        p = load.precision(c, "cuda", T4)
         assert p.name == "bf16" and p.math_sdpa and "SDPA's math kernel" in p.line
-        assert not policy.precision(c, "cuda", A100).math_sdpa
+        assert not load.precision(c, "cuda", A100).math_sdpa
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -79,18 +79,18 @@ def test_an_fp16_lora_run_trains_says_so_and_resumes_exactly_with_its_scaler(tmp
     assert [x for x in out.splitlines() if x.startswith("precision:")] == [
         "precision: fp16 (--precision fp16): fp16 frozen base, fp32 adapters and AdamW, fp16 autocast, "
         "a GradScaler"]
-    dtypes = {n: p.dtype for n, p in run.model.named_parameters()}
+    dtypes = {n: p.dtype for n, p in run.policy.model.named_parameters()}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.float16}
-    assert all(v.dtype == torch.float32 for st in run.opt.state.values() for v in st.values()
+    assert all(v.dtype == torch.float32 for st in run.policy.opt.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() > 0)
     assert sum(m["rows/trained"] for m in full) > 0 and all("scaler/scale" in m for m in full)
-    assert any(p.abs().max() > 0 for n, p in run.model.named_parameters() if "lora_B" in n)
+    assert any(p.abs().max() > 0 for n, p in run.policy.model.named_parameters() if "lora_B" in n)
     grpo.train(grpo.parse_args([*argv, "--steps", "2", "--out-dir", str(b)]))
     saved = scaler_state(b)
     assert saved["_growth_tracker"] + (saved["scale"] < 2 ** 16) > 0          # not a fresh scaler's state
     resumed = grpo.setup(grpo.parse_args(["--resume", str(b), "--steps", "3"]))
-    assert resumed.opt.scaler.state_dict() == saved
+    assert resumed.policy.opt.scaler.state_dict() == saved
     more = grpo.train(resumed.cfg, resumed).history
     assert stable(more[0]) == stable(full[2])
     assert scaler_state(a) == scaler_state(b)
@@ -108,33 +108,39 @@ def test_a_step_the_scaler_skips_is_not_a_non_finite_step(tmp_path, monkeypatch)
     c = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--precision", "fp16", "--steps", "2",
                          "--max-bad-steps", "1", "--out-dir", str(tmp_path)])
     run = grpo.setup(c)
-    run.opt.scaler.load_state_dict({**run.opt.scaler.state_dict(), "scale": 2.0 ** 120})   # fp32 holds it
-    before = {n: p.detach().clone() for n, p in run.model.named_parameters() if "lora_" in n}
+    run.policy.opt.scaler.load_state_dict({**run.policy.opt.scaler.state_dict(), "scale": 2.0 ** 120})   # fp32 holds it
+    before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters() if "lora_" in n}
     out = grpo.train(c, run)
     first = next(m for m in out.history if m["rows/trained"] > 0)
     assert out.status == 0 and out.stop is None and len(out.history) == 2
     assert first["scaler/skipped"] == 1 and first["bad_steps"] == 0 and first["scaler/scale"] == 2.0 ** 119
     assert all(m["scaler/skipped"] == 1 for m in out.history if m["rows/trained"] > 0)
-    assert all(torch.equal(p, before[n]) for n, p in run.model.named_parameters() if "lora_" in n)
-    assert int(run.sched.last_epoch) == 0                                     # no optimizer step was taken
+    assert all(torch.equal(p, before[n]) for n, p in run.policy.model.named_parameters() if "lora_" in n)
+    assert int(run.policy.sched.last_epoch) == 0                                     # no optimizer step was taken
 
 
 def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
-    """policy.optimizer_step under a GradScaler (CPU): a finite step steps; an overflowing gradient is a
-    skip (the scale halves); a NaN loss is neither: a non-finite step, as without a scaler."""
-    w = torch.nn.Parameter(torch.ones(4))
-    opt = policy.ScaledAdamW([w], "cpu", lr=0.1)
-    policy.scaled(opt, (w * 2).sum()).backward()
-    s = policy.optimizer_step(opt, [w], 1.0, 8.0)
-    assert (s.stepped, s.skipped, s.scale) == (True, False, 2.0 ** 16) and not torch.equal(w, torch.ones(4))
-    w.grad = torch.full((4,), float("inf"))
-    s = policy.optimizer_step(opt, [w], 1.0, 8.0)
+    """Policy.step under a GradScaler (CPU): a finite step steps; an overflowing gradient is a skip (the
+    scale halves); a NaN loss is neither: a non-finite step, as without a scaler."""
+    m = torch.nn.Linear(4, 1, bias=False)
+    w = m.weight
+    torch.nn.init.ones_(w)
+
+    def policy_of(opt):
+        return policy.Policy(m, None, None, opt, None, None, torch.device("cpu"))
+    pol = policy_of(policy.ScaledAdamW([w], "cpu", lr=0.1))
+    pol.backward((w * 2).sum())
+    s = pol.step(8.0, 1.0)
+    assert (s.stepped, s.skipped, s.scale) == (True, False, 2.0 ** 16) and not torch.equal(w, torch.ones(1, 4))
+    w.grad = torch.full((1, 4), float("inf"))
+    s = pol.step(8.0, 1.0)
     assert (s.stepped, s.skipped, s.scale) == (False, True, 2.0 ** 15)
-    w.grad = torch.ones(4)
-    s = policy.optimizer_step(opt, [w], 1.0, float("nan"))
+    w.grad = torch.ones(1, 4)
+    s = pol.step(float("nan"), 1.0)
     assert (s.stepped, s.skipped) == (False, False) and w.grad is None
-    plain = torch.optim.AdamW([w], lr=0.1)
-    assert policy.scaled(plain, torch.tensor(3.0)) == 3.0
+    x = torch.tensor(3.0, requires_grad=True)
+    policy_of(torch.optim.AdamW([w], lr=0.1)).backward(x * 1.0)
+    assert x.grad == 1.0                                         # no scaler: the loss itself
 
 
 # ----------------------------------------------------------------------------- the learning rate, said

@@ -13,8 +13,9 @@ import torch
 import grpo
 from flowtracer import add_head_mean
 from gpu_kernels import availability
-from training import engine, heldout, policy, preflight, rollout
+from training import engine, heldout, load, policy, preflight, rollout
 from training.models import load_model
+from training.run import Run
 
 LIB = "libcuda.so.1"
 
@@ -114,13 +115,13 @@ def cfg_of(**kw):
 
 
 def record(model, tok, opt, head_mean, layers=(1, 2)):
-    """run.for_update's record as the preflight reads it (no autocast: the CPU's bf16 weights as they are)."""
-    return SimpleNamespace(model=model, tok=tok, opt=opt, head_mean=head_mean, layers=list(layers),
-                           autocast=contextlib.nullcontext())
+    """run.load_for_update's Run as the preflight reads it (no autocast: the CPU's bf16 weights as they are)."""
+    pol = policy.Policy(model, tok, None, opt, None, contextlib.nullcontext(), torch.device("cpu"))
+    return Run(cfg_of(), pol, list(layers), head_mean)
 
 
 def kahan(model):
-    return policy.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cpu")
+    return load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cpu")
 
 
 def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
@@ -141,7 +142,7 @@ def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
     capsys.readouterr()
     got = preflight.check(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is add_head_mean and got.engine is None and got.optimizer == "foreach"
-    assert all((g["triton"], g["foreach"]) == (False, True) for g in u.opt.param_groups)
+    assert all((g["triton"], g["foreach"]) == (False, True) for g in u.policy.opt.param_groups)
     err = "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert capsys.readouterr().out.splitlines() == got.lines == [
         "preflight: the head-mean kernel failed (RuntimeError: Failed to find C compiler. Please specify via "
@@ -216,7 +217,7 @@ def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
     assert len(made) == 1 and [c[3] for c in calls] == [None, True, None, True]  # step, eval, step, eval
     assert all(c[0] is run.engine for c in calls) and len({c[2] for c in calls}) == 1
     assert calls[1][1] == calls[3][1] and calls[0][1] < calls[1][1]        # nothing new after the first pair
-    assert run.engine.S >= run.widest_prompt - 1 + 6
+    assert run.engine.S >= run.task.widest_prompt - 1 + 6
 
 
 # ----------------------------------------------------------------------------- the optimizer's setting
@@ -242,8 +243,8 @@ def test_an_optimizer_fallback_survives_resume(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     cfg = grpo.parse_args(args + ["--steps", "2", "--resume", out])
     run = grpo.setup(cfg)
-    assert all((g["triton"], g["foreach"]) == (False, True) for g in run.opt.param_groups)
-    assert grpo.train(cfg, run).status == 0 and int(run.sched.last_epoch) == 2
+    assert all((g["triton"], g["foreach"]) == (False, True) for g in run.policy.opt.param_groups)
+    assert grpo.train(cfg, run).status == 0 and int(run.policy.sched.last_epoch) == 2
     assert capsys.readouterr().out.count("preflight: the optimizer's Triton step failed") == 1
 
 

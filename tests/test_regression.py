@@ -45,12 +45,12 @@ def gamma_of(credit_name, shaping_name):
     import grpo
     from training import runlog
     from training.rollout import build_batch
-    from training.run import for_update
+    from training.run import load_for_update
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--micro-batch", "4", "--no-grad-checkpointing",
                            "--device", "cpu", "--credit", credit_name, "--shaping", shaping_name])
     torch.manual_seed(cfg.seed)                                   # as setup seeds before the model loads
-    run = for_update(cfg, torch.device("cpu"))
-    tok = run.tok
+    run = load_for_update(cfg, torch.device("cpu"))
+    tok = run.policy.tok
     batch = build_batch(tok, [tok(PROMPTS[j // 4]).input_ids for j in range(8)],
                         [tok(r).input_ids + [tok.eos_token_id] for r in RESPONSES])
     adv = torch.tensor(ADV)

@@ -18,7 +18,7 @@ import grpo
 from evaluation import figures
 from tasks import answers, countdown
 from training import checkpoint as ckpt_io
-from training import runlog
+from training import rundir, runlog
 from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,14 +357,14 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state):
 
 
 def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
-    f = ckpt_io.open_metrics(tmp_path, None)
+    f = rundir.open_metrics(tmp_path, None)
     for s in (1, 2, 3):
-        ckpt_io.write_metrics(f, {"step": s})
+        runlog.write_metrics(f, {"step": s})
     f.close()
     with open(tmp_path / "metrics.jsonl", "a") as g:
         g.write('{"step": 4, "cut by a ki')                                   # a line cut by a kill
-    f = ckpt_io.open_metrics(tmp_path, 2)
-    ckpt_io.write_metrics(f, {"step": 3})
+    f = rundir.open_metrics(tmp_path, 2)
+    runlog.write_metrics(f, {"step": 3})
     f.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
@@ -377,16 +377,16 @@ def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monke
 
     def killed(*a):
         raise Killed("os.replace")
-    monkeypatch.setattr(ckpt_io.os, "replace", killed)
+    monkeypatch.setattr(rundir.os, "replace", killed)
     with pytest.raises(Killed):                         # a kill during the cut: nothing lost
-        ckpt_io.open_metrics(tmp_path, 3)
+        rundir.open_metrics(tmp_path, 3)
     assert m.read_text() == before
     monkeypatch.undo()
-    ckpt_io.open_metrics(tmp_path, 3).close()
+    rundir.open_metrics(tmp_path, 3).close()
     kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
     assert kept == [(1, 0), (2, 0), (3, 1)]                       # the last line of step 3: the redone one
-    f = ckpt_io.open_metrics(tmp_path, None)            # a plain open appends, it never truncates
-    ckpt_io.write_metrics(f, {"step": 4, "v": 2})
+    f = rundir.open_metrics(tmp_path, None)            # a plain open appends, it never truncates
+    runlog.write_metrics(f, {"step": 4, "v": 2})
     f.close()
     assert len(m.read_text().splitlines()) == 4
 

@@ -13,7 +13,8 @@ from conftest import subprocess_env
 
 import grpo
 from flowtracer import Capture, select_layers
-from training import logprobs, runlog
+from training import checkpoint as ckpt_io
+from training import policy, rundir, runlog
 from training.attention import use_capture_attention
 from training.models import load_model
 
@@ -41,8 +42,8 @@ def test_a_moved_run_resumes_in_its_new_directory(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert not a.exists()                                      # nothing re-created where the run began
     assert steps_in(b) == [1, 2, 3]
-    assert (b / "ckpt" / runlog.MARK).read_text() == "3"
-    assert json.loads((b / "ckpt" / runlog.RUN_CONFIG).read_text())["out_dir"] == str(b)
+    assert (b / "ckpt" / ckpt_io.MARK).read_text() == "3"
+    assert json.loads((b / "ckpt" / ckpt_io.RUN_CONFIG).read_text())["out_dir"] == str(b)
 
 
 def test_resume_refuses_another_out_dir(tmp_path):
@@ -71,7 +72,7 @@ def test_keep_checkpoints_keeps_the_last_k(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
     assert kept == ["ckpt", "ckpt-00002", "ckpt-00003"]
-    assert [(tmp_path / d / runlog.MARK).read_text() for d in kept] == ["4", "2", "3"]
+    assert [(tmp_path / d / ckpt_io.MARK).read_text() for d in kept] == ["4", "2", "3"]
     default = run(*SMOKE, "--steps", "2", "--save-every", "1", "--out-dir", str(tmp_path / "one"))
     assert default.returncode == 0, default.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "one").iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
@@ -88,7 +89,7 @@ def test_curves_are_drawn_at_every_save(tmp_path, monkeypatch):
 
 def test_a_config_file_replays_a_run_and_flags_win(tmp_path):
     cfg = grpo.parse_args([*SMOKE, "--lr", "3e-4", "--seed", "7", "--out-dir", str(tmp_path / "a")])
-    runlog.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
+    rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
     again = grpo.parse_args(["--config", str(tmp_path / "run_config.json")])
     assert {**again.__dict__, "config": ""} == cfg.__dict__
     over = grpo.parse_args(["--config", str(tmp_path / "run_config.json"), "--lr", "1e-5"])
@@ -147,7 +148,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
     ckpt.load_state_dict(model.state_dict())
     use_capture_attention(ckpt)
-    logprobs.checkpointing(ckpt)
+    policy.checkpointing(ckpt)
     ckpt.train()
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 11]])
     mask = torch.ones_like(ids)
@@ -155,7 +156,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     maps = []
     for m in (model, ckpt):
         cap = Capture(layers)
-        lp, _ = logprobs.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
+        lp, _ = policy.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
         maps.append(cap.maps(mask))                                # read before backward, as grpo.update
         lp.sum().backward()                                        # the replay reaches cap.take again
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Each prompt read once in the update (logprobs.response_states, share_prefix; logprobs.py dep. 1) against
+"""Each prompt read once in the update (policy.response_states, share_prefix; policy.py dep. 1) against
 one pass over every row's [prompt | response] (share_prefix=False): the same log-probs, entropies and
 parameter gradients, the same captured attention and flow credit, the fallbacks, and one grpo.py step with
 --share-prefix against --no-share-prefix. Tiny random Qwen3 / Llama in fp32, on each device present (cpu, and
@@ -20,7 +20,7 @@ from conftest import assert_to_rounding, flat, grpo_steps
 import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
-from training import attention, credit, logprobs, policy, signals
+from training import attention, credit, load, policy, signals
 from training.models import load_model
 from training.rollout import build_batch
 
@@ -60,13 +60,13 @@ def decoder_calls(model, training=None):
 def forward(model, b, share, chunk=4, layers=None):
     """(log-probs, entropies, captured maps or None, capture calls) of token_logprobs, with grad."""
     if layers is None:
-        lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
+        lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    attention.use_capture_attention(model)                                  # as policy.load_policy
+    attention.use_capture_attention(model)                                  # as load.load_policy
     calls = []                                                                  # head-mean maps summed
     cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
                   head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1])
-    lp, ent = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
+    lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
     return lp, ent, cap.maps(b.attention_mask), len(calls)
 
 
@@ -141,7 +141,7 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
 
 def test_a_layer_missing_from_a_pass_is_an_error(monkeypatch, device):
     """If a pass takes not every chosen layer (here: the first chosen layer is skipped), the capture says so,
-    in the prompt pass (logprobs.response_states checks it) as in the response pass (Capture.maps)."""
+    in the prompt pass (policy.response_states checks it) as in the response pass (Capture.maps)."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     b = mixed_batch(tok, model.device)
     real = flowtracer.Capture.take
@@ -164,7 +164,7 @@ def test_fallbacks_run_one_full_pass(tiny):
     ref = forward(model, b, False, layers="middle")
     with torch.no_grad():
         exact = forward(fp64(model), b, False, layers="middle")
-    logprobs.checkpointing(model, reentrant=True)
+    policy.checkpointing(model, reentrant=True)
     calls, handle = decoder_calls(model)
     got = forward(model, b, True, layers="middle")
     assert calls == [(5, T)] and got[3] == ref[3]                     # one pass, each layer captured once
@@ -186,7 +186,7 @@ def test_one_grpo_step_equals_with_and_without_sharing(tmp_path, monkeypatch, de
     scale). The optimizer is plain SGD, so that the new weights read the gradient itself (AdamW's first step,
     g / (|g| + eps), magnifies float noise where |g| is near eps)."""
     sgd = lambda model, cfg, device: torch.optim.SGD(model.parameters(), lr=cfg.lr)   # noqa: E731
-    monkeypatch.setattr(policy, "make_optimizer", sgd)
+    monkeypatch.setattr(load, "make_optimizer", sgd)
     flags = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4",
              "--max-new-tokens", "12", "--steps", "1", "--lr", "1e-3", "--warmup-steps", "0",
              "--no-grad-checkpointing", "--save-every", "5", "--rollouts-every", "5"]
@@ -194,7 +194,7 @@ def test_one_grpo_step_equals_with_and_without_sharing(tmp_path, monkeypatch, de
         (name, [*flags, share, "--out-dir", str(tmp_path / name)], name == "fp64")
         for name, share in (("shared", "--share-prefix"), ("full", "--no-share-prefix"),
                             ("fp64", "--no-share-prefix"))],
-        watch=lambda run: decoder_calls(run.model, training=True)[0])          # the update's forwards
+        watch=lambda run: decoder_calls(run.policy.model, training=True)[0])          # the update's forwards
     (a, da, calls_a), (b, db, calls_b), (x, dx, _) = runs["shared"], runs["full"], runs["fp64"]
     assert a["rows/trained"] == b["rows/trained"] == x["rows/trained"] > 0
     assert len(calls_a) > len(calls_b)                             # a prompt pass of its own: shared
@@ -219,13 +219,13 @@ def test_update_benchmark_runs_and_both_paths_agree():
 
 def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=True):
     """The fused update of one micro-batch with gradient checkpointing on (non-reentrant, as
-    policy.load_policy enables it): (log-probs, entropies, captured maps, flow credit, every parameter's
+    load.load_policy enables it): (log-probs, entropies, captured maps, flow credit, every parameter's
     gradient, the decoder calls) of token_logprobs under a capture, credit.assign and a GRPO loss. `gamma`:
     weigh the loss with these instead of the credit's (the fp64 reference takes the fp32 run's, so that it
     computes the same loss); checkpointed=False: the same values, computed once (the reference)."""
     model.train()
     if checkpointed:
-        logprobs.checkpointing(model)
+        policy.checkpointing(model)
     model.zero_grad(set_to_none=True)
     calls, handle = decoder_calls(model)
     lp, ent, attn, n = forward(model, b, share, layers="middle")
@@ -284,13 +284,13 @@ def test_checkpointed_shared_update_holds_less_memory(device):
     b = build_batch(tok, [prompt] * 4, [torch.randint(3, 200, (20 - j,)).tolist() for j in range(4)])
     b = b.to(model.device)
     model.train()
-    logprobs.checkpointing(model)
+    policy.checkpointing(model)
     peak = {}
     for share in (False, True, False, True):
         model.zero_grad(set_to_none=True)
         with track_peak(model) as tr:
             tr.phase("update")
-            lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
+            lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
             (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
         peak[share] = tr.peak["update"]
         del lp
@@ -316,13 +316,13 @@ def test_checkpointed_shared_update_peak_not_above_the_full_pass_with_tied_embed
     prompt = torch.randint(3, 200, (160,)).tolist()
     b = build_batch(tok, [prompt] * 4, [torch.randint(3, 200, (12 - j,)).tolist() for j in range(4)])
     model.train()
-    logprobs.checkpointing(model)
+    policy.checkpointing(model)
     peak = {}
     for share in (False, True):
         model.zero_grad(set_to_none=True)
         with track_peak(model) as tr:
             tr.phase("update")
-            lp, _ = logprobs.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
+            lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
             (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
             del lp
         peak[share] = tr.peak["update"]

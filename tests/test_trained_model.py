@@ -55,9 +55,9 @@ def test_from_pretrained_gives_the_trained_models_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "reward", lambda text, record: float(len(text) % 2 == 0))
     cfg = grpo.parse_args([*RUN, "--lr", "1e-2", "--warmup-steps", "1", "--out-dir", str(tmp_path / "run")])
     run = grpo.setup(cfg)
-    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
     out = grpo.train(cfg, run)
     assert out.status == 0 and out.history[0]["rows/trained"] > 0
-    assert any(not torch.equal(before[n], p) for n, p in run.model.named_parameters())     # it trained
+    assert any(not torch.equal(before[n], p) for n, p in run.policy.model.named_parameters())     # it trained
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "ckpt", dtype=torch.float32)
-    assert torch.equal(logits(loaded, run.tok), logits(run.model, run.tok))
+    assert torch.equal(logits(loaded, run.policy.tok), logits(run.policy.model, run.policy.tok))

@@ -117,7 +117,7 @@ def reference_gamma(keys, A, cfg, fused=False):
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
     if fused:
-        use_capture_attention(model)                                       # as policy.load_policy
+        use_capture_attention(model)                                       # as load.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers)) if credit.reads_maps(cfg) \
             else None                                                         # None: the signal reads no map
         with torch.no_grad():

@@ -123,7 +123,7 @@ def update(run, fn, *args):
             if not out_of_memory(e):
                 raise
             why = one_line(e)
-        run.opt.zero_grad(set_to_none=True)                             # no partial sum carries over
+        run.policy.opt.zero_grad(set_to_none=True)                           # no partial sum carries over
         free()
         if run.log.moved:                                               # an optimizer step began
             raise OutOfMemory(last_line(run, "update", tried, why, "after an optimizer step began (the "
@@ -161,13 +161,13 @@ def last_line(run, phase, tried, why, when=""):
 def estimate(run):
     """The step's estimate (training/step_bytes.py) at the run's sizes now, as words: the peak and its phase,
     the margin included on CUDA, beside the card setup sized the step to (Run.budget)."""
-    cfg, dev = run.cfg, run.device.type
+    cfg, dev = run.cfg, run.policy.device.type
     try:
-        mc, n = step_bytes.model_config(cfg.model), len(run.eval_records)
+        mc, n = step_bytes.model_config(cfg.model), len(run.task.eval_records)
         release = run.budget is not None and run.budget.plan.release
-        est = step_bytes.estimate(cfg, mc, dev, run.widest_prompt, n_eval=n, release=release)
+        est = step_bytes.estimate(cfg, mc, dev, run.task.widest_prompt, n_eval=n, release=release)
         phase, top = step_bytes.peak(est)
-        top += sum(budget.margin(cfg, mc, run.widest_prompt, n).values()) if dev == "cuda" else 0
+        top += sum(budget.margin(cfg, mc, run.task.widest_prompt, n).values()) if dev == "cuda" else 0
     except Exception as e:                                             # noqa: BLE001 (words for a last line)
         return f"no estimate ({one_line(e)})"
     card = f" for {run.budget.total / budget.GB:.1f} GB ({run.budget.source})" if run.budget else \

@@ -41,7 +41,7 @@ def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
     regrown by a wider prompt): freed blocks too small to reuse. The engine's buffers are now reserved once
     for the run and never freed, so they leave none; what a chunk still allocates and frees is the
     prefill's cache of its prompts, copied to its rows (P wide, freed before the next chunk), and under
-    expandable_segments (policy.device_of) its freed pages are reused. A chunk of held-out evaluation
+    expandable_segments (load.device_of) its freed pages are reused. A chunk of held-out evaluation
     (n_eval: as estimate's) prefills each of its rows' prompts, min(gen_chunk, n_eval) of them."""
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval

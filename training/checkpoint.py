@@ -1,6 +1,12 @@
-"""Reading a run back: the checkpoint --resume continues from, the config it was run with, and the checks
-that a run directory can be used (training/runlog.py writes them; its docstring says how a save survives a
-kill at any point).
+"""Checkpoints, written and read: the save (atomic: a kill at any point of it leaves one that --resume loads),
+the checkpoint --resume continues from, the config it was run with, and the check that a run directory can
+take a new run (check_out_dir; the directory itself, its lock and its files: training/rundir.py).
+
+The save (save_checkpoint; RunLog.save calls it when a save is due), and why a kill at any point of it leaves
+a checkpoint that --resume loads: 1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ ->
+ckpt.old/; 3. ckpt.tmp/ -> ckpt/; 4. ckpt.old/ is deleted (or kept as ckpt-<step>/, the K - 1 newest of
+--keep-checkpoints K). A directory is deleted marker first (`discard`), and a save first finishes one killed
+between 2 and 3. A full disk is one line with the space needed, and the last complete checkpoint stands.
 
 `python grpo.py --resume <out_dir>` continues from <out_dir>/ckpt in <out_dir> itself (the out_dir saved in
 run_config.json is a record of where the run began, not a destination: a moved run continues where it is).
@@ -28,12 +34,13 @@ What grpo.py calls, in order:
   check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # creates nothing
   ... the model loads, then the same with claim=True: out_dir created and locked (rundir.lock_out_dir)
   step, bad = load_checkpoint(ckpt, opt, sched) if ckpt else (0, 0)
-  metrics = open_metrics(out, step if ckpt else None)            # then runlog.RunLog writes each step
+  metrics = rundir.open_metrics(out, step if ckpt else None)     # then runlog.RunLog writes each step
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
+import contextlib
+import dataclasses
 import errno
 import json
-import os
 import pickle
 import random
 import shutil
@@ -41,24 +48,130 @@ from pathlib import Path
 
 import torch
 
-from training.rundir import check_unlocked, lock_out_dir, unlock_out_dir  # noqa: F401
-from training.runlog import (  # noqa: F401
-    MARK,
-    RUN_CONFIG,
+from training.rundir import (  # noqa: F401  (unlock_out_dir: the tests' way to let a directory go)
     RunError,
-    complete,
-    discard,
-    full_disk,
-    gb,
-    no_space,
-    quiet_bars,
-    save_checkpoint,
-    state_bytes,
-    write_atomic,
-    write_metrics,
+    check_unlocked,
+    WRITES,
+    dir_problem,
+    link_problem,
+    lock_out_dir,
+    unlock_out_dir,
 )
 
-# Bytes per trained parameter a checkpoint holds, by policy.scheme: the weights (bf16 | fp32 | fp32 LoRA
+MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
+RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
+
+
+# ----------------------------------------------------------------------------- a checkpoint, written
+def rng_state():
+    """The RNGs a checkpoint restores: Python's, torch's, and CUDA's where it is available."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, rng=None):
+    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG (rng_state(),
+    or `rng`), step, config into `path` (ckpt/), atomically (above). keep > 1: the previous checkpoint stays
+    as ckpt-<its step>/, and the keep - 1 newest of those are kept."""
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
+        discard(path)                                                    #    finish it, so that ckpt.tmp (the
+        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
+    discard(tmp)
+    try:
+        with quiet_bars():
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+        rng = rng or rng_state()
+        optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
+        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
+                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
+        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
+        (tmp / MARK).write_text(str(step))                              # 1. complete
+    except Exception as e:
+        if not no_space(e):
+            raise
+        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
+        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
+                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
+                       f"{gb(shutil.disk_usage(path.parent).free)} are "
+                       f"free); the last complete checkpoint is kept") from None
+    if complete(path):
+        discard(old)
+        path.rename(old)                                                 # 2. keep the previous one ...
+    discard(path)                                                        # (a partial ckpt/ is garbage)
+    tmp.rename(path)                                                     # 3. ... until the new one is in
+    if keep > 1 and complete(old):                                       # 4. the old one kept, or deleted
+        old.rename(path.with_name(f"{path.name}-{int((old / MARK).read_text()):05d}"))
+        for d in sorted(path.parent.glob(f"{path.name}-*"))[:-(keep - 1)]:
+            discard(d)
+    discard(old)
+
+
+def state_bytes(model, opt, with_optimizer=True):
+    """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
+    moments = [v for st in opt.state.values() for v in st.values()] if with_optimizer else []
+    ts = [*model.state_dict().values(), *moments]
+    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+
+def complete(d):
+    return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
+
+
+def discard(d):
+    """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
+    "complete" one with files missing."""
+    Path(d, MARK).unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_bars():
+    """transformers' progress bars off inside the block (save_pretrained's "Writing model shards" bar)."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
+# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" ("basic_ios::clear:
+# iostream error" for a small file); older versions "PytorchStreamWriter failed writing file".
+ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
+
+
+def no_space(e):
+    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
+    zip writer failing to write (ZIP_WRITER)."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            or "No space left on device" in str(e) or "os error 28" in str(e)
+            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
+
+
+@contextlib.contextmanager
+def full_disk(path, what):
+    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
+    it as one line); every other error passes."""
+    try:
+        yield
+    except Exception as e:
+        if not no_space(e):
+            raise
+        raise RunError(f"{path}: no space left on the device to write {what}") from None
+
+
+def gb(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- its size, and reading it back
+# Bytes per trained parameter a checkpoint holds, by load.scheme: the weights (bf16 | fp32 | fp32 LoRA
 # adapters: peft's files, the frozen base is not saved) and the optimizer's state (AdamW's m and v, bf16 + a
 # bf16 Kahan compensation | fp32 | fp32); the tokenizer and scalars are small.
 WEIGHT_BYTES, STATE_BYTES = {"kahan": 2, "adamw": 4, "lora": 4}, {"kahan": 6, "adamw": 8, "lora": 8}
@@ -215,54 +328,7 @@ def check_resume_config(saved, given):
                        f"--allow-config-change")
 
 
-# ----------------------------------------------------------------------------- the run directory and metrics
-def link_problem(path):
-    """A symlink loop or a dangling symlink on the way to `path` (it or a parent): one sentence, or None."""
-    for p in (Path(path), *Path(path).parents):
-        if p.is_symlink() and not p.exists():
-            try:
-                os.stat(p)
-                continue                                                   # created meanwhile: fine
-            except OSError as e:
-                why = "a symlink loop" if e.errno == errno.ELOOP else \
-                    f"a symlink to {os.readlink(p)}, which does not exist"
-            return f"{path}: {why}" if p == Path(path) else f"{path}: {p} is {why}"
-    return None
-
-
-def file_problem(path):
-    """Why `path` is not a file to read, as one sentence naming it, or None."""
-    p = Path(path)
-    return None if p.is_file() else link_problem(p) or f"{path}: " + ("a directory, not a file" if p.is_dir()
-                                                                       else "no such file")
-
-
-# What a run writes in its out_dir, and of which kind: a path of the other kind there (a directory named
-# curves.png, a file named ckpt) would stop the run when it first writes, after the model loaded, or mid-run.
-WRITES = {"metrics.jsonl": "file", "curves.png": "file", ".lock": "file", "rollouts": "directory",
-          "ckpt": "directory", "ckpt.tmp": "directory", "ckpt.old": "directory"}
-
-
-def dir_problem(out, writes=None):
-    """Why `out` cannot become a directory to write into, as one sentence, or None (checked up front): a
-    broken symlink on the way, a file, no write permission; with `writes` ({name: "file" | "directory"}, a
-    run's WRITES), also the first of those paths in `out` that holds the other kind of thing or is a broken
-    symlink. --overwrite deletes only what a run wrote, so it is no way out of that: the user moves it."""
-    if link_problem(out):
-        return link_problem(out)
-    path = Path(out).absolute()
-    there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
-    if not there.is_dir():
-        return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
-    if not os.access(there, os.W_OK | os.X_OK):
-        return f"{out}: {there} is not writable"
-    for name, kind in (writes or {}).items():
-        p = Path(out) / name
-        what = link_problem(p) or (p.exists() and p.is_dir() != (kind == "directory")
-                                   and f"{p}: a {'directory' if p.is_dir() else 'file'}")
-        if what:
-            return f"{what}, where the run writes a {kind}: move it away or choose another --out-dir"
-    return None
+# ----------------------------------------------------------------------------- the run directory
 
 
 def run_dir(ckpt):
@@ -295,26 +361,3 @@ def check_out_dir(out, resume, overwrite, claim=True):
         discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
 
 
-def open_metrics(out, resume_step):
-    """metrics.jsonl opened for appending. Resuming at step k: first cut it back to the lines of steps <= k,
-    the last line of each step (a duplicate from an older run is dropped), written to a temp file, fsynced,
-    then os.replace'd over the old one, so a kill during the cut loses nothing."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "metrics.jsonl"
-    if resume_step is not None and path.exists():
-        keep = {}
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                step = json.loads(line)["step"]
-                if step <= resume_step:
-                    keep[step] = line + "\n"               # the last line of each step
-            except (ValueError, KeyError, TypeError):    # a line cut by the kill: dropped
-                pass
-        tmp = path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            f.write("".join(keep[s] for s in sorted(keep)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    return open(path, "a")                               # check_out_dir made sure a new run starts empty

@@ -167,12 +167,13 @@ class OtherCredit:
     is decided here, not in the update: a signal with forwards of its own (fai, gradient, correlation, OAR),
     the batch-wide 80-20 rule and --credit-pass separate run `assign` once over the trained rows, before the
     first micro-batch (no grad); the others read what the training forward computed (its captured maps and
-    entropy). run: grpo's Run (model, tok, cfg, autocast)."""
+    entropy). run: grpo's Run (cfg; policy: model, tok, autocast)."""
     def __init__(self, run, batch, trained, adv):
         self.run, self.adv, self.given = run, adv, None
         if separate_pass(run.cfg) and trained:
-            with torch.no_grad(), run.autocast:
-                self.given = assign(run.model, run.tok, take(batch, trained), adv[trained], run.cfg,
+            with torch.no_grad(), run.policy.autocast:
+                pol = run.policy
+                self.given = assign(pol.model, pol.tok, take(batch, trained), adv[trained], run.cfg,
                                     rows=run.cfg.micro_batch)                                     # (b, R)
             self.where = {r: i for i, r in enumerate(trained)}           # batch row -> row of `given`
 
@@ -181,7 +182,7 @@ class OtherCredit:
             i = torch.tensor([self.where[r] for r in mb], device=self.given.weight.device)
             return Credit(*(x[i] for x in self.given))
         outputs = ForwardOutputs(cap.maps(sub.attention_mask) if cap is not None else None, entropy)
-        return assign(self.run.model, self.run.tok, sub, self.adv[mb], self.run.cfg, outputs)
+        return assign(self.run.policy.model, self.run.policy.tok, sub, self.adv[mb], self.run.cfg, outputs)
 
 
 # ----------------------------------------------------------------------------- the flags

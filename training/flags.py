@@ -38,7 +38,7 @@ import yaml
 import data
 from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, policy, reward_files, reward_code
+from training import credit, load, reward_code, reward_files
 from training.rollout import MIN_TEMPERATURE
 
 
@@ -256,7 +256,7 @@ def check(cfg):
         if not ok:
             return f"{name} {why}"
     task = cfg.dataset.lower() == "custom" or any(getattr(cfg, k) for k in reward_code.TASK_FLAGS)
-    return policy.precision_problem(cfg) or credit.check(cfg) or (reward_code.check(cfg) if task else None)
+    return load.precision_problem(cfg) or credit.check(cfg) or (reward_code.check(cfg) if task else None)
 
 
 def reward_record(cfg, given):

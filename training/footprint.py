@@ -88,7 +88,7 @@ def kept(mc, n, layer_bytes, residual_bytes, checkpointed, lora=()):
 def update_kept(mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, lora=((), 0, False),
                 math=False):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
-    with k < b distinct prompts (logprobs.response_states), the prompt pass over k x P tokens, the response
+    with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
     the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
     which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer).
@@ -150,7 +150,7 @@ def sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math=False):
     Hkv hd). A fused kernel (flash, memory-efficient, cuDNN, the CPU's flash): q, k and v (k, v repeated to
     the Hq heads when a padding mask is passed: gqa), its output, the logsumexp and the mask as a float.
     The math kernel (torch's _scaled_dot_product_attention_math; the fallback where no fused kernel takes
-    the dtype: bf16 below compute capability 8.0, policy.precision): q and k scaled and v in fp32 (bf16 and
+    the dtype: bf16 below compute capability 8.0, load.precision): q and k scaled and v in fp32 (bf16 and
     fp16 inputs are upcast: torch's allow_fp16_bf16_reduction_math_sdp is off by default) at the Hq heads,
     the output, and the probabilities (b, Hq, Tq, T) in fp32: 4 Hq T per query, the score matrices."""
     if math:

@@ -13,7 +13,7 @@ loaded; on CUDA it tries, in this order:
                      flowtracer.add_head_mean (the reference; 1e-4). Triton compiles a kernel per dtype, head
                      dim and mask kind: a toy input in another dtype would try another kernel.
   optimizer step     torch-optimi's AdamW step with Kahan summation on a scratch bf16 parameter, on the step
-                     policy.optimi_kernel chose, when it chose Triton
+                     policy.optimi_kernel chose, when it chose Triton (Policy.use_kernel writes it)
   decode engine      rollout.generate of 2 new tokens on a 4-token prompt through the run's engine, greedy
                      (held-out evaluation's graph) and sampled at the run's temperature, top-k and top-p (the
                      rollouts' graph): a capture and a replay of each at the smallest bucket. Sampling draws
@@ -45,16 +45,17 @@ from typing import NamedTuple
 import torch
 
 from flowtracer import Capture, add_head_mean
-from training import backoff, policy
+from training import backoff
 from training.cudagraph import one_line
 from training.engine import Engine, supports
-from training.logprobs import token_logprobs
+from training.policy import token_logprobs
 from training.rollout import build_batch, eos_ids, generate
 
 TOLERANCE = 1e-4    # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
 
 
-class Checked(NamedTuple):
+class GpuParts(NamedTuple):
+    """The GPU parts a run uses after the preflight: each tried once on CUDA, or its fallback."""
     head_mean: object   # the function a Capture sums head means with (the kernel, or add_head_mean)
     engine: object      # the run's decode engine, its buffers reserved for the run, or None: rollout.decode
     optimizer: str      # torch-optimi's step in force (triton | foreach | for-loop), "" for torch's AdamW
@@ -66,30 +67,21 @@ def on_gpu(device):
     return torch.device(device).type == "cuda"
 
 
-def settle(opt, kernel):
-    """torch-optimi's step `kernel` written into each param group (optimi reads the triton and foreach
-    flags at every step; a loaded checkpoint wrote its own). torch's AdamW: untouched, ''."""
-    groups = [g for g in opt.param_groups if "triton" in g and "kahan_sum" in g]
-    for g in groups:
-        g["triton"], g["foreach"] = kernel == "triton", kernel == "foreach"
-    return kernel if groups else ""
-
-
 def first_token(tok):
     return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
 
 
-def head_mean_trial(fn, u, cfg, device):
+def head_mean_trial(fn, run, cfg, device):
     """The kernel `fn` as the run calls it (see the docstring): the maps of one forward captured with `fn`
     against those captured with add_head_mean; raises when it fails or they differ."""
-    s = first_token(u.tok)
+    s, pol = first_token(run.policy.tok), run.policy
     prompts = [[s, 17, 18, 19, 20, 21]] * 2 + [[s, 22, 23]] * 2                    # one left-padded
-    batch = build_batch(u.tok, prompts, [[30, 31, 32], [33], [34, 35], [36]], device=device)    # (4, T)
+    batch = build_batch(pol.tok, prompts, [[30, 31, 32], [33], [34, 35], [36]], device=device)    # (4, T)
     maps = []
     for f in (fn, add_head_mean):
-        cap = Capture(u.layers, head_mean=f)
-        with torch.no_grad(), u.autocast:
-            token_logprobs(u.model, batch.input_ids, batch.attention_mask, batch.prompt_width,
+        cap = Capture(run.layers, head_mean=f)
+        with torch.no_grad(), pol.autocast:
+            token_logprobs(pol.model, batch.input_ids, batch.attention_mask, batch.prompt_width,
                            cfg.logprob_chunk, cfg.share_prefix, capture=cap)
         maps.append(cap.maps(batch.attention_mask))                                # (4, T, T)
     gap = (maps[0] - maps[1]).abs().max().item()                          # a host read: the launch is done
@@ -140,16 +132,16 @@ def make_engine(cfg, model, tok, widest, n_eval):
                                  eos_ids(model, tok), tok.pad_token_id, warp)
 
 
-def check(cfg, u, device, widest, n_eval=0) -> Checked:
-    """The parts `u` (run.for_update's record) will use, each tried once on CUDA (see the docstring), and
-    the optimizer's step setting applied after a checkpoint's load. widest: the run's widest prompt in
-    tokens; n_eval: its held-out questions."""
-    kernel = policy.optimi_kernel(next(u.model.parameters()).device)
-    step = settle(u.opt, kernel)
+def check(cfg, run, device, widest, n_eval=0) -> GpuParts:
+    """The parts `run` (run.load_for_update's) will use, each tried once on CUDA (see the docstring), and
+    the optimizer's step setting applied after a checkpoint's load (Policy.use_kernel). widest: the run's
+    widest prompt in tokens; n_eval: its held-out questions."""
+    pol = run.policy
+    step = pol.use_kernel()                          # optimi_kernel's choice, where the weights are
     if not on_gpu(device):
-        return Checked(u.head_mean, None, step, [])
+        return GpuParts(run.head_mean, None, step, [])
     clock, lines, ran = time.perf_counter(), [], []
-    head_mean, engine = u.head_mean, make_engine(cfg, u.model, u.tok, widest, n_eval)
+    head_mean, engine = run.head_mean, make_engine(cfg, pol.model, pol.tok, widest, n_eval)
 
     def fails(part, trial, instead):
         try:
@@ -161,15 +153,16 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
             print(lines[-1], flush=True)
             return True
     if head_mean not in (None, add_head_mean) and fails(
-            "head-mean kernel", lambda: head_mean_trial(head_mean, u, cfg, device),
+            "head-mean kernel", lambda: head_mean_trial(head_mean, run, cfg, device),
             "flow credit uses add_head_mean, the PyTorch reference"):
         head_mean = add_head_mean
     if step == "triton" and fails("optimizer's Triton step", lambda: optimizer_trial(device),
                                   "torch-optimi's foreach step runs instead (the same arithmetic)"):
-        step = settle(u.opt, "foreach")
+        step = pol.use_kernel("foreach")
 
     def decode():                                                      # out of memory: a smaller gen_chunk
-        return backoff.trial(cfg, engine, lambda: engine_trial(engine, u.model, u.tok, device, cfg, u.autocast))
+        return backoff.trial(cfg, engine, lambda: engine_trial(engine, pol.model, pol.tok, device, cfg,
+                                                                 pol.autocast))
     if engine is not None and fails("decode engine", decode,
                                     "rollouts decode with rollout.decode, without the engine"):
         engine = None
@@ -179,4 +172,4 @@ def check(cfg, u, device, widest, n_eval=0) -> Checked:
                  f"{time.perf_counter() - clock:.1f} s" + ("" if engine is None or engine.graphs else
                                                           " (the decode engine without graphs)"))
     print(lines[-1], flush=True)
-    return Checked(head_mean, engine, step, lines)
+    return GpuParts(head_mean, engine, step, lines)

@@ -16,44 +16,43 @@ import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
 import data
 import flowtracer
 from training import checkpoint as ckpt_io
-from training import budget, credit, heldout, models, policy, preflight, reward_code, runlog, tracking
-from training.logprobs import sharing_problem
+from training import budget, credit, heldout, load, models, preflight, reward_code, rundir, runlog, tracking
+from training.policy import Policy, sharing_problem
 from training.rollout import prompt_ids
 
 
-@dataclass
-class Run:
-    """Everything a step reads, made once by `setup`."""
-    cfg: object                 # grpo.Config
-    model: torch.nn.Module
-    tok: object                 # the tokenizer (left padding)
-    ref: torch.nn.Module | None  # the frozen reference of the k3 KL term (beta > 0), else None
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    device: torch.device
-    autocast: torch.autocast    # the precision's: bf16 or fp16, off under fp32 (policy.autocast)
+class Task(NamedTuple):
+    """The task as a run reads it: its records, the order a step takes them in, their prompts."""
     records: list               # the task's training records
     order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
     prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
     style: str                  # the prompt style in force (data.make_prompt)
-    layers: list                # the layers the update's Capture reads (--layers); []: the credit reads none
-    head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
-    engine: object              # the CUDA decode engine, reserved and kept for the run (preflight.py)
     eval_records: list          # the held-out questions of --eval-every (empty when off)
-    log: runlog.RunLog          # the run directory: metrics, rollouts, checkpoints, curves
-    start: int                  # the first step to run (the checkpoint's, on --resume)
-    bad_steps: int              # consecutive non-finite steps, as the checkpoint left them
     widest_prompt: int          # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
                                 # held-out): what the decode engine and the budget's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (reward_code.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
+
+
+@dataclass
+class Run:
+    """Everything a step reads, made once by `setup`; load_for_update makes the part grpo.update reads."""
+    cfg: object                 # grpo.Config
+    policy: Policy              # the model, tokenizer, reference, optimizer, schedule, autocast (policy.py)
+    layers: list                # the layers the update's Capture reads (--layers); []: the credit reads none
+    head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
+    task: Task | None = None    # the records, their order and prompts, the reward
+    engine: object = None       # the CUDA decode engine, reserved and kept for the run (preflight.py)
+    log: runlog.RunLog | None = None   # the run directory: metrics, rollouts, checkpoints, curves
+    start: int = 0              # the first step to run (the checkpoint's, on --resume)
+    bad_steps: int = 0          # consecutive non-finite steps, as the checkpoint left them
     budget: object = None       # budget.size's Budget on CUDA (the card, the plan), None on the CPU
 
 
@@ -63,7 +62,7 @@ def setup(cfg) -> Run:
     is sized to the card before the weights load (training/budget.py); the run directory is created (and
     locked) once the model has loaded, so a model that fails leaves nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
-    mark = (ckpt / runlog.MARK).read_text().strip() if ckpt else ""
+    mark = (ckpt / ckpt_io.MARK).read_text().strip() if ckpt else ""
     done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
     if ckpt and done >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
@@ -85,7 +84,7 @@ def setup(cfg) -> Run:
                                   [k for r in [*records, *evals] for k in r])      # TRL's form: the columns
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = policy.device_of(cfg.device)                        # CUDA: expandable segments, before it starts
+    device = load.device_of(cfg.device)                          # CUDA: expandable segments, before it starts
     n = cfg.prompts_per_step
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
@@ -95,40 +94,38 @@ def setup(cfg) -> Run:
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)                              # the engine and the estimate are sized to it
     sized = budget.size(cfg, device, widest, len(evals))       # sizes left at 0 chosen; CUDA: to the card
-    u = for_update(cfg, device, str(ckpt) if ckpt else None)     # the policy (departure 3) and its credit
+    run = load_for_update(cfg, device, str(ckpt) if ckpt else None)   # the policy (departure 3), its credit
     ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
-    sched = torch.optim.lr_scheduler.LambdaLR(u.opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    start, bad = ckpt_io.load_checkpoint(ckpt, u.opt, sched) if ckpt else (0, 0)
-    ckpt_io.check_disk(out, u.model, policy.scheme(cfg, device), start, cfg.steps, cfg.save_every,  # 2 ckpts
-                       cfg.save_optimizer)
+    start, bad = ckpt_io.load_checkpoint(ckpt, run.policy.opt, run.policy.sched) if ckpt else (0, 0)
+    ckpt_io.check_disk(out, run.policy.model, load.scheme(cfg, device), start, cfg.steps,   # 2 ckpts
+                       cfg.save_every, cfg.save_optimizer)
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
     tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
                                                                  resume_step=start or None)
-    metrics = ckpt_io.open_metrics(out, start if ckpt else None)
-    log = runlog.RunLog(out, cfg, u.model, u.tok, u.opt, sched, metrics, tracker)
+    metrics = rundir.open_metrics(out, start if ckpt else None)
+    log = runlog.RunLog(out, cfg, run.policy, metrics, tracker)
     where = "" if credit.is_paper(cfg) else " (training/credit.py)"
     print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
           f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
           f"rollouts/step, device={device}, out={out}")
-    gpu = preflight.check(cfg, u, device, widest, len(evals)) if preflight.on_gpu(device) else \
-        preflight.Checked(u.head_mean, None, preflight.settle(u.opt, "for-loop"), [])   # CPU: no GPU part
-    return Run(cfg, u.model, u.tok, u.ref, u.opt, sched, device, u.autocast, records, order, ids, style,
-               u.layers, gpu.head_mean, gpu.engine, evals, log, start, bad, widest, reward,
-               kwargs, sized)
+    parts = preflight.check(cfg, run, device, widest, len(evals)) if preflight.on_gpu(device) else \
+        preflight.GpuParts(run.head_mean, None, run.policy.use_kernel(), [])     # the CPU: no GPU part
+    task = Task(records, order, ids, style, evals, widest, reward, kwargs)
+    return dataclasses.replace(run, cfg=cfg, head_mean=parts.head_mean, task=task, engine=parts.engine,
+                               log=log, start=start, bad_steps=bad, budget=sized)   # cfg: the one log saves
 
 
-def for_update(cfg, device, path=None):
-    """What grpo.update reads of a Run, made as setup makes it: the policy (policy.load_policy: the model from
-    `path`, a checkpoint, or cfg.model), its tokenizer, reference and optimizer, the autocast, and the
-    credit's layers, head-mean kernel (said in one line on CUDA) and kind. memtrace.measure and
-    benchmarks/gpu_headline.py run grpo.update on this, so what they measure is what grpo.py runs. A model
-    whose update cannot read each prompt once says so here, once (logprobs.sharing_problem)."""
+def load_for_update(cfg, device, path=None) -> Run:
+    """The part of a Run that grpo.update reads, made as setup makes it: the policy (load.load_policy: the
+    model from `path`, a checkpoint, or cfg.model; its tokenizer, reference, optimizer, schedule and
+    autocast) and the credit's layers and head-mean kernel. memtrace.measure and benchmarks/gpu_headline.py
+    run grpo.update on this, so what they measure is what grpo.py runs. A model whose update cannot read
+    each prompt once says so here, once (policy.sharing_problem)."""
     cfg = budget.largest(cfg)                           # a size left at 0: the CPU's, as setup's (a copy)
-    model, tok, ref, opt = policy.load_policy(cfg, device, path)
-    problem = sharing_problem(model) if cfg.share_prefix else None
+    pol = load.load_policy(cfg, device, path)
+    problem = sharing_problem(pol.model) if cfg.share_prefix else None
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
-    return SimpleNamespace(cfg=cfg, model=model, tok=tok, ref=ref, opt=opt, device=device,
-                           autocast=policy.autocast(cfg, device), layers=flowtracer.select_layers(
-                               cfg.layers, model.config.num_hidden_layers) if credit.reads_maps(cfg) else [],
-                           head_mean=flowtracer.head_mean_kernel(device) if credit.reads_maps(cfg) else None)
+    maps = credit.reads_maps(cfg)
+    return Run(cfg, pol, flowtracer.select_layers(cfg.layers, pol.model.config.num_hidden_layers) if maps
+               else [], flowtracer.head_mean_kernel(device) if maps else None)

@@ -1,6 +1,6 @@
 """What a GRPO run writes, and the run directory while it writes: never lost, never split.
 
-    log = RunLog(out, cfg, model, tok, opt, sched, metrics)   # run.setup: the directory is locked already
+    log = RunLog(out, cfg, policy, metrics)                   # run.setup: the directory is locked already
     with log.clock.phase("credit"): ...                       # grpo's phases, timed (time/*)
     log.step(step, m, rollouts, bad, stopping)                # grpo.train, after every step
     log.finish(stop)                                          # the end of the run, however it ended
@@ -19,26 +19,19 @@ of trained tokens clipped), credit/* (weight statistics over the trained rows), 
 oom/backoffs (out-of-memory back-offs in the step: training/backoff.py); under --precision fp16 scaler/scale
 (the GradScaler's) and scaler/skipped (1: it skipped the step).
 
-The save, and why a kill at any point of it leaves a checkpoint that --resume loads (training/checkpoint.py):
-1. all is written to ckpt.tmp/, the marker COMPLETE last; 2. ckpt/ -> ckpt.old/; 3. ckpt.tmp/ -> ckpt/;
-4. ckpt.old/ is deleted (or kept as ckpt-<step>/, the K - 1 newest of --keep-checkpoints K). A directory is
-deleted marker first (`discard`), and a save first finishes one killed between 2 and 3. metrics.jsonl gets
-one line per step, fsynced. The run directory is locked (fcntl.flock on <out_dir>/.lock) while the process
-lives (training/rundir.py). A full disk is one line with the space needed, and the last complete checkpoint
-stands.
+The checkpoint is written (and read) by training/checkpoint.py, atomically: a kill at any point of a save
+leaves one that --resume loads. metrics.jsonl gets one line per step, fsynced. The run directory is locked
+(fcntl.flock on <out_dir>/.lock) while the process lives (training/rundir.py). A full disk is one line with
+the space needed, and the last complete checkpoint stands.
 
 Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
                 'smollm2-135m', 'arithmetic', 'flow/topk')"
 """
 import contextlib
-import dataclasses
-import errno
 import json
 import math
 import os
-import random
 import resource
-import shutil
 import signal
 import threading
 import time
@@ -50,6 +43,7 @@ from tqdm import tqdm
 
 from tasks.answers import find_answer_span
 from training import rundir
+from training.checkpoint import MARK, complete, full_disk, rng_state, save_checkpoint
 from training.rundir import RunError
 from training.usercode import Interrupted
 
@@ -60,10 +54,6 @@ class Last(NamedTuple):
     bad: int                    # the non-finite streak after it
     saved: bool                 # its checkpoint was written
     rng: dict                   # the RNG states the next step started from (rng_state)
-
-
-MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
-RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
 
 
 # ----------------------------------------------------------------------------- the run's log
@@ -81,18 +71,17 @@ class Rollouts(NamedTuple):
 
 class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
-    alone), and what a save needs (model, tokenizer, optimizer, scheduler, config)."""
-    def __init__(self, out, cfg, model, tok, opt, sched, metrics, tracker=None):
-        self.out, self.cfg, self.model, self.tok, self.opt = Path(out), cfg, model, tok, opt
-        self.sched = sched
-        self.metrics, self.tracker, self.clock = metrics, tracker, Clock(model.device)
+    alone), and what a save needs (the policy.Policy: model, tokenizer, optimizer, schedule; the config)."""
+    def __init__(self, out, cfg, policy, metrics, tracker=None):
+        self.out, self.cfg, self.policy = Path(out), cfg, policy
+        self.metrics, self.tracker, self.clock = metrics, tracker, Clock(policy.device)
         self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
         self.warned_answers = False        # the missing answer regions were said (once a run)
         self.last = None                   # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         self.backoffs = 0                  # out-of-memory back-offs this step (training/backoff.py counts)
         self.moved = False                 # an optimizer step began since that step: its state is gone
-        opt.register_step_pre_hook(self.on_optimizer_step)
+        policy.opt.register_step_pre_hook(self.on_optimizer_step)
         if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
@@ -137,7 +126,7 @@ class RunLog:
             if self.tracker is not None:
                 self.tracker.log(m, done)
             if rollouts is not None and done % cfg.rollouts_every == 0:
-                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.tok, rollouts)
+                save_rollouts(self.out / "rollouts" / f"step_{done:05d}.jsonl", self.policy.tok, rollouts)
             due = done % cfg.save_every == 0 or done == cfg.steps or stopping
             if due:
                 self.save(done, bad)
@@ -149,8 +138,8 @@ class RunLog:
     def save(self, done, bad, rng=None):
         """The checkpoint of step `done` (ckpt/, atomically; rng: the RNG states to record, else the current
         ones), curves.png redrawn."""
-        cfg = self.cfg
-        save_checkpoint(self.out / "ckpt", self.model, self.tok, self.opt, self.sched, done, cfg, bad,
+        cfg, pol = self.cfg, self.policy
+        save_checkpoint(self.out / "ckpt", pol.model, pol.tok, pol.opt, pol.sched, done, cfg, bad,
                         keep=getattr(cfg, "keep_checkpoints", 1), rng=rng)
         plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
                     f"{cfg.credit}/{cfg.shaping}")
@@ -343,126 +332,6 @@ def plot_curves(metrics_path, png_path, model, dataset, credit):
         fig.savefig(png_path, dpi=80)
     plt.close(fig)
     return fig
-
-
-# ----------------------------------------------------------------------------- checkpoints, atomically
-def rng_state():
-    """The RNGs a checkpoint restores: Python's, torch's, and CUDA's where it is available."""
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, rng=None):
-    """Weights, tokenizer, optimizer (its moments only if cfg.save_optimizer), scheduler, RNG (rng_state(),
-    or `rng`), step, config into `path` (ckpt/), atomically (above). keep > 1: the previous checkpoint stays
-    as ckpt-<its step>/, and the keep - 1 newest of those are kept."""
-    path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
-        discard(path)                                                    #    finish it, so that ckpt.tmp (the
-        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
-    discard(tmp)
-    try:
-        with quiet_bars():
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-        rng = rng or rng_state()
-        optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
-        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
-                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
-        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
-        (tmp / MARK).write_text(str(step))                              # 1. complete
-    except Exception as e:
-        if not no_space(e):
-            raise
-        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
-        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
-                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
-                       f"{gb(shutil.disk_usage(path.parent).free)} are "
-                       f"free); the last complete checkpoint is kept") from None
-    if complete(path):
-        discard(old)
-        path.rename(old)                                                 # 2. keep the previous one ...
-    discard(path)                                                        # (a partial ckpt/ is garbage)
-    tmp.rename(path)                                                     # 3. ... until the new one is in
-    if keep > 1 and complete(old):                                       # 4. the old one kept, or deleted
-        old.rename(path.with_name(f"{path.name}-{int((old / MARK).read_text()):05d}"))
-        for d in sorted(path.parent.glob(f"{path.name}-*"))[:-(keep - 1)]:
-            discard(d)
-    discard(old)
-
-
-# torch.save's zip writer reports a failed write as a RuntimeError without errno: into /dev/full, torch 2.13
-# raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" ("basic_ios::clear:
-# iostream error" for a small file); older versions "PytorchStreamWriter failed writing file".
-ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "PytorchStreamWriter failed")
-
-
-def no_space(e):
-    """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
-    zip writer failing to write (ZIP_WRITER)."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            or "No space left on device" in str(e) or "os error 28" in str(e)
-            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
-
-
-@contextlib.contextmanager
-def full_disk(path, what):
-    """A full disk inside the block is a RunError naming the file and what was being written (grpo.py prints
-    it as one line); every other error passes."""
-    try:
-        yield
-    except Exception as e:
-        if not no_space(e):
-            raise
-        raise RunError(f"{path}: no space left on the device to write {what}") from None
-
-
-def state_bytes(model, opt, with_optimizer=True):
-    """About the bytes of a checkpoint: the weights and the optimizer's tensors (the tokenizer is small)."""
-    moments = [v for st in opt.state.values() for v in st.values()] if with_optimizer else []
-    ts = [*model.state_dict().values(), *moments]
-    return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
-
-
-def gb(n):
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def complete(d):
-    return (Path(d) / MARK).is_file() and (Path(d) / "trainer_state.pt").is_file()
-
-
-def discard(d):
-    """Delete a checkpoint directory, its marker first: a kill half-way leaves a partial one, never a
-    "complete" one with files missing."""
-    Path(d, MARK).unlink(missing_ok=True)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def quiet_bars():
-    """transformers' progress bars off inside the block (save_pretrained's "Writing model shards" bar)."""
-    from transformers.utils import logging as hf_logging
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
-def write_atomic(path, text):
-    """A small file written whole or not at all (a temp file, fsync, os.replace): learn.py's results."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_metrics(fh, record):

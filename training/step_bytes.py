@@ -58,7 +58,7 @@ Departures (numbered):
     normalised values the frozen RMSNorms no longer keep left out (layer_saved). Held within 10% of a CPU
     step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
     a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
- 6. --precision (policy.precision, on a card of compute capability `cap`: eval.py memory --capability, else
+ 6. --precision (load.precision, on a card of compute capability `cap`: eval.py memory --capability, else
     the visible GPU's, else 8.0): the weights' bytes in its dtype (fp16 and bf16 2, fp32 4), matmul outputs
     and autocast's copies only under an autocast; and the attention kernel the card runs. Below 8.0 SDPA's
     fused kernels refuse bf16 and its math kernel runs: it keeps fp32 q, k, v and the probabilities,
@@ -91,7 +91,7 @@ from training.footprint import (
     prefill_rows,
     update_kept,
 )
-from training.policy import precision
+from training.load import precision
 
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
 COMPONENTS = ("weights", "grads", "optimizer", "cast cache", "KV cache", "activations", "logits", "attention",
@@ -140,7 +140,7 @@ def counts(config_json):
 def lora_linears(cfg, mc):
     """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
     one, the LM head is not in a layer; a target outside the layers, lm_head, is not counted); ValueError
-    naming a target that no module of the model is called (a run grpo.py refuses: policy.lora_problem)."""
+    naming a target that no module of the model is called (a run grpo.py refuses: load.lora_problem)."""
     names = None if cfg.lora_targets == "all-linear" else \
         {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
     _, _, _, layer, modules = counts(mc.to_json_string())
@@ -151,7 +151,7 @@ def lora_linears(cfg, mc):
                          f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)")
     got = [(i, o) for n, i, o in layer if names is None or n in names]
     widest = max((min(i, o) for i, o in got), default=0)
-    if got and getattr(cfg, "lora_rank", 0) > widest:             # grpo.py refuses it (policy.lora_problem)
+    if got and getattr(cfg, "lora_rank", 0) > widest:             # grpo.py refuses it (load.lora_problem)
         raise ValueError(f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, "
                          f"min(d_in, d_out) <= {widest}")
     return got
@@ -167,7 +167,7 @@ def engine_rows(cfg, n_eval=0):
 # ----------------------------------------------------------------------------- the step, read once
 class Step(NamedTuple):
     """One step's shapes and byte widths, as estimate reads them once from cfg, the model's config and the
-    precision (policy.precision). The model: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv
+    precision (load.precision). The model: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv
     query / key-value heads of hd each. The run: P prompt + R response = T tokens a row; B rows a step."""
     L: int
     D: int
@@ -221,7 +221,7 @@ def read_step(cfg, mc, device, prompt_tokens, cap=None) -> Step:
 def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False,
              cap=None) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
-    every row trained) on `device` under policy.precision (departure 6; cap: the card's compute capability,
+    every row trained) on `device` under load.precision (departure 6; cap: the card's compute capability,
     None: the device's own); nothing is allocated. The docstring has each phase.
     widest: the widest prompt the decode engine is reserved for (Run's widest prompt); None: prompt_tokens.
     n_eval: the held-out questions of --eval-every (setup's count; None: cfg.eval_size when --eval-every is
@@ -387,7 +387,7 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
 
 def optimizer_phase(mc, s, held) -> dict:
     """Weights, gradients and states, and the step's temporaries: torch's AdamW is foreach on CUDA (one fp32
-    copy of v), fused on the CPU (none: policy.make_optimizer); optimi's Kahan step has none on CUDA and one
+    copy of v), fused on the CPU (none: load.make_optimizer); optimi's Kahan step has none on CUDA and one
     of the largest weight on the CPU (its for-loop)."""
     N, _, N_max = param_counts(mc)
     temp = 0 if s.kahan and s.cuda else N_max * s.weight_bytes if s.kahan else \

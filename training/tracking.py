@@ -1,6 +1,6 @@
 """Experiment tracking: grpo.py --report-to none | tensorboard | wandb.
 
-metrics.jsonl stays the run's record (checkpoint.write_metrics); a tracker shows the same lines live in
+metrics.jsonl stays the run's record (runlog.write_metrics); a tracker shows the same lines live in
 TensorBoard or Weights & Biases. One call opens it, one call a step logs a metrics line, one call closes it:
 
   tracker = tracking.open(cfg.report_to, cfg.out_dir, dataclasses.asdict(cfg), resume_step=start or None)
