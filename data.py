@@ -42,6 +42,7 @@ Departures (numbered; 1-3, on the prompts, are prompts.py's):
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
 Test: python -m pytest -q tests/test_data.py      Time the rewards: python benchmarks/reward_speed.py
 """
+
 import argparse
 import json
 import logging
@@ -52,8 +53,19 @@ from typing import Callable, NamedTuple
 from tasks import arithmetic, countdown, custom, prompts
 from tasks.answers import answer_text, equivalent, last_boxed, not_finite, option_letter
 from tasks.prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface)
-from tasks.rows import (DataError, aime25_row, choice_row, countdown_row, dapo_row, gsm8k_row, math_row,
-                        minerva_row, olympiad_row, read_rows, unicode_text)
+from tasks.rows import (
+    DataError,
+    aime25_row,
+    choice_row,
+    countdown_row,
+    dapo_row,
+    gsm8k_row,
+    math_row,
+    minerva_row,
+    olympiad_row,
+    read_rows,
+    unicode_text,
+)
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"  # offline copies, see its README
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeout during ..." warnings
@@ -61,11 +73,12 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeou
 
 # ----------------------------------------------------------------------------- the task table
 
+
 class Task(NamedTuple):
-    task: str                  # "math" | "countdown" | "choice": which reward `score` uses
-    local: str                 # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
-    hub: tuple                 # (hub name, config, {our split: hub split}); () for generated tasks
-    normalise: Callable        # row -> (question, answer); raises DataError naming the field
+    task: str  # "math" | "countdown" | "choice": which reward `score` uses
+    local: str  # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
+    hub: tuple  # (hub name, config, {our split: hub split}); () for generated tasks
+    normalise: Callable  # row -> (question, answer); raises DataError naming the field
     generate: Callable = None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
 
 
@@ -75,22 +88,33 @@ TASKS = {
     "aime24": Task("math", "aime24", ("HuggingFaceH4/aime_2024", None, {"test": "train"}), math_row),
     "aime25": Task("math", "aime25", ("math-ai/aime25", None, {"test": "test"}), aime25_row),
     "amc23": Task("math", "amc23", ("math-ai/amc23", None, {"test": "test"}), math_row),
-    "olympiadbench": Task("math", "olympiadbench",
-                          ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", {"test": "train"}), olympiad_row),
+    "olympiadbench": Task(
+        "math",
+        "olympiadbench",
+        ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", {"test": "train"}),
+        olympiad_row,
+    ),
     "minerva": Task("math", "minerva_math", ("math-ai/minervamath", None, {"test": "test"}), minerva_row),
-    "dapo-math-17k": Task("math", "dapo-math-17k",
-                          ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row),
+    "dapo-math-17k": Task(
+        "math", "dapo-math-17k", ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row
+    ),
     # Table 9's link; "test" is the validation split (App. C.3)
-    "crossthinkqa": Task("choice", "crossthinkqa",
-                         ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}),
-                         choice_row),
+    "crossthinkqa": Task(
+        "choice",
+        "crossthinkqa",
+        ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}),
+        choice_row,
+    ),
     "countdown": Task("countdown", "countdown", (), countdown_row, countdown.rows),
-    "countdown-3to4": Task("countdown", "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
-                           ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
-                           countdown_row),
+    "countdown-3to4": Task(
+        "countdown",
+        "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
+        ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
+        countdown_row,
+    ),
     "arithmetic": Task("math", "arithmetic", (), math_row, arithmetic.generate),
 }
-DATASETS = (*TASKS, custom.NAME)     # grpo.py's --dataset: the tasks, and your own file (custom.py)
+DATASETS = (*TASKS, custom.NAME)  # grpo.py's --dataset: the tasks, and your own file (custom.py)
 SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
 
 
@@ -98,14 +122,17 @@ def hub_rows(name, t, split):
     hub, config, splits = t.hub
     try:
         import datasets
+
         ds = datasets.load_dataset(hub, config, split=splits[split])
     except Exception as e:
         where = Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}.jsonl"
-        why = " ".join(str(e).split())[:300]                           # one line
-        raise DataError(f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: "
-                        f"{why}). Offline: download its {split} split as JSONL or parquet and pass it with "
-                        f"--data-path FILE, or put it at {where} (eval.py reads it there; $FLOWTRACER_DATA "
-                        f"moves it)") from e
+        why = " ".join(str(e).split())[:300]  # one line
+        raise DataError(
+            f"{name}: could not load {hub!r} from the Hugging Face hub ({type(e).__name__}: "
+            f"{why}). Offline: download its {split} split as JSONL or parquet and pass it with "
+            f"--data-path FILE, or put it at {where} (eval.py reads it there; $FLOWTRACER_DATA "
+            f"moves it)"
+        ) from e
     return ((f"{hub} [{splits[split]}] row {i}", dict(r)) for i, r in enumerate(ds, 1))
 
 
@@ -129,13 +156,22 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
     t = TASKS[key]
     if split not in SPLITS[key]:
         raise ValueError(f"task {key!r} has splits {SPLITS[key]}, not {split!r}")
-    if path is None and t.generate is not None:     # the generator's rows, each a question and its answer as
-        return [{"id": f"{key}/{split}/{i}", "source": key, "question": r["question"],   # made: no file's
-                 "answer": r["answer"], "task": t.task,                                 # columns to pick
-                 **{k: r[k] for k in ("steps", "nums", "target") if k in r}}            # or to check
-                for i, r in enumerate(t.generate(split, seed, limit))]
-    local = [Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
-             for ext in (".jsonl", ".parquet")]
+    if path is None and t.generate is not None:  # the generator's rows, each a question and its answer as
+        return [
+            {
+                "id": f"{key}/{split}/{i}",
+                "source": key,
+                "question": r["question"],  # made: no file's
+                "answer": r["answer"],
+                "task": t.task,  # columns to pick
+                **{k: r[k] for k in ("steps", "nums", "target") if k in r},
+            }  # or to check
+            for i, r in enumerate(t.generate(split, seed, limit))
+        ]
+    local = [
+        Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
+        for ext in (".jsonl", ".parquet")
+    ]
     if path is not None:
         rows, source = read_rows(path), str(path)
     elif any(p.is_file() for p in local):
@@ -160,8 +196,16 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
             continue
         seen.add(q)
         extra = {k: row[k] for k in ("steps", "nums", "target") if k in row}
-        records.append({"id": f"{key}/{split}/{len(records)}", "source": key, "question": q, "answer": a,
-                        "task": t.task, **extra})
+        records.append(
+            {
+                "id": f"{key}/{split}/{len(records)}",
+                "source": key,
+                "question": q,
+                "answer": a,
+                "task": t.task,
+                **extra,
+            }
+        )
     if key == "countdown-3to4" and split == "test":
         records = records[n:]
     if not records:
@@ -209,8 +253,9 @@ def reward(completion, record):
     unknown record["task"] is a programming error and raises ValueError."""
     verify = REWARDS.get(record.get("task"))
     if verify is None:
-        raise ValueError(f"record {record.get('id')!r} has task {record.get('task')!r}; "
-                         f"known: {list(REWARDS)}")
+        raise ValueError(
+            f"record {record.get('id')!r} has task {record.get('task')!r}; known: {list(REWARDS)}"
+        )
     return verify(completion, record["answer"])
 
 
@@ -225,9 +270,12 @@ def batch_reward(reward, completions, records, completion_ids=None):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="data.py", allow_abbrev=False,
-                                 description="Print a few records of a task, their prompts, a self-check.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="data.py",
+        allow_abbrev=False,
+        description="Print a few records of a task, their prompts, a self-check.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--task", default="arithmetic", choices=list(TASKS), help="which task")
     ap.add_argument("--split", default="test", choices=["train", "test"], help="which split")
     ap.add_argument("--path", default=None, help="a local JSONL/parquet file of the task instead")
@@ -236,11 +284,15 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.limit < 1:
         ap.error("--limit must be >= 1")
-    try:                     # a bad --path, a split the task lacks, a style that does not fit: one line
+    try:  # a bad --path, a split the task lacks, a style that does not fit: one line
         for r in load_task(args.task, args.split, args.path, args.limit):
-            good = (f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>" if r["task"] == "countdown"
-                    else f"\\boxed{{{r['answer']}}}")
-            print(json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", reward(good, r),
-                  "\n")
+            good = (
+                f"<answer>{countdown.solve(r['nums'], r['target'])}</answer>"
+                if r["task"] == "countdown"
+                else f"\\boxed{{{r['answer']}}}"
+            )
+            print(
+                json.dumps(r), "\n", make_prompt(r, None, args.style), "\n self-check:", reward(good, r), "\n"
+            )
     except ValueError as e:
         ap.error(str(e))

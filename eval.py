@@ -47,6 +47,7 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
      python eval.py answer-forms --task arithmetic --n-problems 24 --max-new-tokens 128 --threads 1
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
+
 import argparse
 import json
 import math
@@ -67,9 +68,18 @@ from training import flags, oar, rundir, signals
 from training.models import ModelError, adapter_dir, device_problem, load_model
 from training.rollout import generate
 
-CMDS = flags.commands(__doc__)   # {name: (summary, description)}: the subcommands' --help
-BENCHMARKS = ["gsm8k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "countdown",
-              "crossthinkqa"]
+CMDS = flags.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
+BENCHMARKS = [
+    "gsm8k",
+    "math500",
+    "aime24",
+    "aime25",
+    "amc23",
+    "olympiadbench",
+    "minerva",
+    "countdown",
+    "crossthinkqa",
+]
 
 
 class EvalError(Exception):
@@ -83,18 +93,26 @@ def fail(msg, code=2):
 # ----------------------------------------------------------------------------- model, prompts, output
 def resolve_model(name):
     """A model name for load_model. Paths must exist (exit 2); a grpo run directory means its ckpt/."""
-    looks_local = name.endswith(".gguf") or name.startswith((".", "/", "~")) or name.count("/") > 1 or \
-        (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
+    looks_local = (
+        name.endswith(".gguf")
+        or name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
+    )
     path = Path(name).expanduser()
     if looks_local and not path.exists():
-        fail(f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
-             "ckpt/, a save_pretrained directory or a .gguf file)")
-    run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")   # a run: full or LoRA
+        fail(
+            f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
+            "ckpt/, a save_pretrained directory or a .gguf file)"
+        )
+    run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")  # a run: full or LoRA
     if not run and path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
-        fail(f"--model {name}: a directory without config.json (or a LoRA checkpoint's adapter_config.json), "
-             f"not a checkpoint or run directory")
+        fail(
+            f"--model {name}: a directory without config.json (or a LoRA checkpoint's adapter_config.json), "
+            f"not a checkpoint or run directory"
+        )
     if problem := path.is_dir() and ckpt_io.safetensors_problem(path / "ckpt" if run else path):
-        fail(f"--model {problem}")                                 # a cut file: before the model loads
+        fail(f"--model {problem}")  # a cut file: before the model loads
     return str(path / "ckpt") if run else str(path) if looks_local else name
 
 
@@ -102,9 +120,9 @@ def auto_style(model_name, task, style):
     """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
     if style != "auto":
         return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
-    state = Path(model_name) / "trainer_state.pt"     # a grpo checkpoint: the style of the model it began as
+    state = Path(model_name) / "trainer_state.pt"  # a grpo checkpoint: the style of the model it began as
     if state.is_file():
-        model_name = ckpt_io.read_state(model_name)["config"]["model"]     # checked whole (CPU), or RunError
+        model_name = ckpt_io.read_state(model_name)["config"]["model"]  # checked whole (CPU), or RunError
     return data.default_style(model_name, task)
 
 
@@ -112,7 +130,7 @@ def save(args, result, table, rows=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": args.cmd, "args": {k: v for k, v in vars(args).items() if k != "func"}, **result}
-    try:                                                                     # a full disk, a read-only dir
+    try:  # a full disk, a read-only dir
         (out / f"{args.cmd}.json").write_text(json.dumps(result, indent=1))
         (out / f"{args.cmd}.md").write_text(table)
         if rows is not None:
@@ -128,17 +146,17 @@ def setup(args, task):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = None if args.dtype is None else getattr(torch, args.dtype)      # float32, bfloat16, float16
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)  # float32, bfloat16, float16
     try:
         model, tok = load_model(model_name, device=args.device, dtype=dtype)
-    except (RuntimeError, OSError, ValueError, ImportError) as e:    # offline hub, missing wheel, bad dir
+    except (RuntimeError, OSError, ValueError, ImportError) as e:  # offline hub, missing wheel, bad dir
         fail(f"--model {args.model}: cannot be loaded: {e}")
     try:
         select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
-    except ValueError as e:                                                  # e.g. 40:48 of a 30-layer model
+    except ValueError as e:  # e.g. 40:48 of a 30-layer model
         fail(f"--layers: {e}")
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    if args.max_new_tokens > context:                           # positions the model has no embedding for
+    if args.max_new_tokens > context:  # positions the model has no embedding for
         fail(f"--max-new-tokens {args.max_new_tokens}: more than the model's {context} positions")
     kind = data.TASKS[task].task if task in data.TASKS else task
     return model, tok, auto_style(model_name, kind, args.style)
@@ -150,15 +168,21 @@ def records_for(args, task, sample=False):
         recs = data.load_task(task, split="test", limit=None if sample else args.n_problems, seed=args.seed)
     except (ValueError, OSError) as e:
         fail(str(e))
-    return random.Random(f"problems-{args.seed}").sample(recs, min(args.n_problems or len(recs), len(recs))) \
-        if sample else recs
+    return (
+        random.Random(f"problems-{args.seed}").sample(recs, min(args.n_problems or len(recs), len(recs)))
+        if sample
+        else recs
+    )
 
 
 def inputs(args, tok, style, sample=False):
     """--responses rows (fixed responses), else the task's records (the probes sample the responses)."""
     try:
-        return probes.load_responses(args.responses, tok, style) if args.responses else \
-            records_for(args, args.task, sample)
+        return (
+            probes.load_responses(args.responses, tok, style)
+            if args.responses
+            else records_for(args, args.task, sample)
+        )
     except data.DataError as e:
         fail(str(e))
 
@@ -172,13 +196,27 @@ def bench(args):
         recs = records_for(args, name)
         style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
         prompts = [data.make_prompt(r, tok, style) for r in recs]
-        smp = generate(model, tok, prompts, n=n, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k or model.config.vocab_size,     # 0: off (k = every token)
-                       chunk_size=args.batch_size)
-        grd = generate(model, tok, prompts, n=1, max_new_tokens=args.max_new_tokens, greedy=True,
-                       chunk_size=args.batch_size)
-        mine = stats.problem_rows(name, recs, smp, grd, n)               # correct: reward 1 (departure 2)
+        smp = generate(
+            model,
+            tok,
+            prompts,
+            n=n,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or model.config.vocab_size,  # 0: off (k = every token)
+            chunk_size=args.batch_size,
+        )
+        grd = generate(
+            model,
+            tok,
+            prompts,
+            n=1,
+            max_new_tokens=args.max_new_tokens,
+            greedy=True,
+            chunk_size=args.batch_size,
+        )
+        mine = stats.problem_rows(name, recs, smp, grd, n)  # correct: reward 1 (departure 2)
         rows += mine
         results[name] = stats.summary(mine, n, ks, style, smp, grd)
     save(args, {"model": args.model, "benchmarks": results}, stats.table(results, n, ks), rows)
@@ -220,11 +258,11 @@ def plot(args):
     out.mkdir(parents=True, exist_ok=True)
     result = {"figures": figs}
     try:
-        figures.use_run(args)                            # --run: its rollouts, checkpoint and answer pattern
+        figures.use_run(args)  # --run: its rollouts, checkpoint and answer pattern
         if "curves" in figs:
             if not args.metrics:
                 fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
-            runs = figures.metrics_runs(args.metrics)               # a bad file, a bad line: ValueError
+            runs = figures.metrics_runs(args.metrics)  # a bad file, a bad line: ValueError
             if not all(runs.values()):
                 fail(f"empty result set: {next(n for n, r in runs.items() if not r)} has no metrics rows", 1)
             result["curves"] = figures.curves(runs, args.keys, args.alpha, out / "curves.png")
@@ -232,14 +270,18 @@ def plot(args):
             model, tok, style = setup(args, args.task)
             rows = figures.run_rows(args, tok) if args.run else inputs(args, tok, style)
             if "response" not in rows[0]:
-                rows = probes.sample_responses(model, tok, rows, args, style, args.temperature, args.seed,
-                                               "plot: sample")
+                rows = probes.sample_responses(
+                    model, tok, rows, args, style, args.temperature, args.seed, "plot: sample"
+                )
             result.update(figures.flow_figures(model, tok, rows, args, figs, out))
-    except ValueError as e:                              # a bad metrics line, an unknown key, --token
+    except ValueError as e:  # a bad metrics line, an unknown key, --token
         fail(str(e))
     if result.get("n_no_answer", 0) and result["n_no_answer"] == result["n_responses"]:
-        fail(f"empty result set: none of the {result['n_responses']} responses has an answer, so there is "
-             "no flow", 1)
+        fail(
+            f"empty result set: none of the {result['n_responses']} responses has an answer, so there is "
+            "no flow",
+            1,
+        )
     save(args, result, probes.markdown(["figure", "files"], [[f, f"{f}.png"] for f in figs]))
 
 
@@ -248,23 +290,35 @@ def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
     import grpo
     from evaluation import memtrace
+
     try:
-        print(memtrace.command(args, grpo))                # grpo.py's flags: its parser, its errors
+        print(memtrace.command(args, grpo))  # grpo.py's flags: its parser, its errors
     except (ValueError, OSError) as e:
         fail(str(e))
 
 
 # ----------------------------------------------------------------------------- command line
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False,
-                                 epilog="eval.py CMD --help: its flags", formatter_class=flags.Formatter)
+    ap = argparse.ArgumentParser(
+        prog="eval.py",
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        epilog="eval.py CMD --help: its flags",
+        formatter_class=flags.Formatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True, title="commands", metavar="CMD")
 
-    def command(name, fn, **kw):                          # the summary and description: the docstring's table
-        p = sub.add_parser(name, allow_abbrev=False, help=CMDS[name][0].replace("%", "%%"),
-                           description=CMDS[name][1], formatter_class=flags.Formatter,
-                           usage="%(prog)s [--flag VALUE ...]", **kw)
-        p.error = ap.error                                 # every error reads "eval.py: error: ..."
+    def command(name, fn, **kw):  # the summary and description: the docstring's table
+        p = sub.add_parser(
+            name,
+            allow_abbrev=False,
+            help=CMDS[name][0].replace("%", "%%"),
+            description=CMDS[name][1],
+            formatter_class=flags.Formatter,
+            usage="%(prog)s [--flag VALUE ...]",
+            **kw,
+        )
+        p.error = ap.error  # every error reads "eval.py: error: ..."
         return p.set_defaults(func=fn) or p
 
     def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):
@@ -272,33 +326,64 @@ def parse(argv=None):
         p.add_argument("--out", default=f"results/{name}", help="output directory")
         p.add_argument("--seed", type=int, default=0, help="seed for sampling, truncation points, selections")
         if model:
-            p.add_argument("--model", default="smollm2-135m",
-                           help="any name grpo.py accepts, or a checkpoint directory")
+            p.add_argument(
+                "--model", default="smollm2-135m", help="any name grpo.py accepts, or a checkpoint directory"
+            )
             p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-            p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                           help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+            p.add_argument(
+                "--dtype",
+                default=None,
+                choices=["float32", "bfloat16", "float16"],
+                help="weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)",
+            )
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-            p.add_argument("--style", default="auto", choices=["auto", *data.STYLES],
-                           help="prompt style (auto: as grpo.py)")
+            p.add_argument(
+                "--style",
+                default="auto",
+                choices=["auto", *data.STYLES],
+                help="prompt style (auto: as grpo.py)",
+            )
             if task:
                 p.add_argument("--task", default=task, choices=list(data.TASKS), help="the test split's task")
-            p.add_argument("--n-problems", type=int, default=problems, help="N problems of the test split "
-                           "(None: all); intervene, answer-forms: a seeded random sample, others: the first")
+            p.add_argument(
+                "--n-problems",
+                type=int,
+                default=problems,
+                help="N problems of the test split "
+                "(None: all); intervene, answer-forms: a seeded random sample, others: the first",
+            )
             p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
             p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate")
         if model and task:
-            p.add_argument("--layers", default="middle",
-                           help="the flow graph's attention layers: middle, early, late, all or A:B")
-            p.add_argument("--responses", default=None,
-                           help="JSONL of fixed responses {question, answer, response} instead of sampling")
+            p.add_argument(
+                "--layers",
+                default="middle",
+                help="the flow graph's attention layers: middle, early, late, all or A:B",
+            )
+            p.add_argument(
+                "--responses",
+                default=None,
+                help="JSONL of fixed responses {question, answer, response} instead of sampling",
+            )
         return p
 
     p = cmd("bench", bench, task=None, max_new=1024)
-    p.add_argument("--benchmarks", nargs="+", default=BENCHMARKS, choices=list(data.TASKS), metavar="TASK",
-                   help=f"tasks: {', '.join(data.TASKS)}")
+    p.add_argument(
+        "--benchmarks",
+        nargs="+",
+        default=BENCHMARKS,
+        choices=list(data.TASKS),
+        metavar="TASK",
+        help=f"tasks: {', '.join(data.TASKS)}",
+    )
     p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
-    p.add_argument("--ks", type=int, nargs="+", default=None, help="k values for pass@k, each <= n "
-                   "(default: 1 2 4 8 16 up to n)")
+    p.add_argument(
+        "--ks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="k values for pass@k, each <= n (default: 1 2 4 8 16 up to n)",
+    )
     for flag, v, off in (("--temperature", 0.99, ""), ("--top-p", 1.0, ""), ("--top-k", 100, " (0: off)")):
         p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3" + off)
     p = cmd("intervene", intervene, problems=200)
@@ -307,45 +392,87 @@ def parse(argv=None):
     p = cmd("recall", recall, task="arithmetic", problems=100)
     p.add_argument("--n-responses", type=int, default=32, help="correct greedy responses to probe")
     p.add_argument("--max-positions", type=int, default=32, help="oracle positions per response (seeded)")
-    p.add_argument("--signals", nargs="+", default=["flow", "attention", "fai", "entropy", "gradient",
-                                                     "correlation", "random", "oar-p", "oar-g"],
-                   choices=list(signals.SIGNALS), help="credit signals to rank tokens by")
-    p.add_argument("--oar-outcomes", nargs="+", choices=oar.OUTCOMES,
-                   default=[probes.CreditConfig.oar_outcome],
-                   help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each")
+    p.add_argument(
+        "--signals",
+        nargs="+",
+        default=[
+            "flow",
+            "attention",
+            "fai",
+            "entropy",
+            "gradient",
+            "correlation",
+            "random",
+            "oar-p",
+            "oar-g",
+        ],
+        choices=list(signals.SIGNALS),
+        help="credit signals to rank tokens by",
+    )
+    p.add_argument(
+        "--oar-outcomes",
+        nargs="+",
+        choices=oar.OUTCOMES,
+        default=[probes.CreditConfig.oar_outcome],
+        help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each",
+    )
     p = cmd("plot", plot, problems=8)
-    p.add_argument("--figures", nargs="+", choices=["heatmap", "inout", "tokens", "curves"], default=None,
-                   help="default: curves with --metrics, else heatmap inout tokens")
+    p.add_argument(
+        "--figures",
+        nargs="+",
+        choices=["heatmap", "inout", "tokens", "curves"],
+        default=None,
+        help="default: curves with --metrics, else heatmap inout tokens",
+    )
     p.add_argument("--metrics", nargs="+", default=None, help="metrics.jsonl files of runs to compare")
     p.add_argument("--keys", nargs="+", default=["acc", "reward/mean"], help="metrics to plot")
     p.add_argument("--alpha", type=float, default=0.2, help="peak-tracking EMA weight (departure 1)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (App. E.1)")
     p.add_argument("--index", type=int, default=0, help="which response (among those with an answer) to draw")
-    p.add_argument("--answer-pattern", default=None, type=flags.answer_pattern, help="regex of the answer "
-                   "region, as grpo.py's (default: the last \\boxed{}, else <answer>...</answer>)")
+    p.add_argument(
+        "--answer-pattern",
+        default=None,
+        type=flags.answer_pattern,
+        help="regex of the answer "
+        "region, as grpo.py's (default: the last \\boxed{}, else <answer>...</answer>)",
+    )
     p.add_argument("--token", type=int, default=None, help="inout: response position (default: top flow)")
     p.add_argument("--context", type=int, default=48, help="prompt tokens shown before the response")
-    p.add_argument("--frac", type=float, default=0.2,
-                   help="top / bottom share per response for the token charts")
+    p.add_argument(
+        "--frac", type=float, default=0.2, help="top / bottom share per response for the token charts"
+    )
     p.add_argument("--top", type=int, default=20, help="bars per token chart")
     figures.add_run_flags(p)
     credit_page.add_flags(command("credit", lambda a: save(a, *credit_page.draw(a))))
     p = cmd("answer-forms", answer_forms, task="math500", problems=32, max_new=512)
     p.add_argument("--temperature", type=float, default=0.7, help="responses sampled at T (App. E.1)")
-    p.add_argument("--forms", nargs="+", choices=list(highflow.FORMS), default=list(highflow.FORMS),
-                   help="answer forms to compare with answer-only")
+    p.add_argument(
+        "--forms",
+        nargs="+",
+        choices=list(highflow.FORMS),
+        default=list(highflow.FORMS),
+        help="answer forms to compare with answer-only",
+    )
     p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
     p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
     p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
-    p.add_argument("--capability", type=float, help="the card's compute capability (7.5: a T4): --precision "
-                   "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)")
-    p.add_argument("--snapshot", metavar="PATH", default=None,
-                   help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
-                        "stack) to PATH and print what its peak holds, by site")
-    sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)     # listed; main hands it to learn.py
+    p.add_argument(
+        "--capability",
+        type=float,
+        help="the card's compute capability (7.5: a T4): --precision "
+        "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)",
+    )
+    p.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        default=None,
+        help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
+        "stack) to PATH and print what its peak holds, by site",
+    )
+    sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)  # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
-    if rest and args.cmd != "memory":                      # memory hands the rest to grpo.parse_args
+    if rest and args.cmd != "memory":  # memory hands the rest to grpo.parse_args
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     args.grpo_flags = rest
     check_ranges(ap, args)
@@ -361,29 +488,40 @@ def check_ranges(ap, args):
     ...`, exit 2. An integer must first fit in int64: torch's integers, range()'s (no OverflowError later)."""
     each = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
     for name, v in vars(args).items():
-        if any(isinstance(x, int) and abs(x) >= 2 ** 63 for x in each(v)):
+        if any(isinstance(x, int) and abs(x) >= 2**63 for x in each(v)):
             ap.error(f"--{name.replace('_', '-')} must fit in int64 (|value| < 2**63), got {v}")
-    sampling = args.cmd == "bench"                                   # bench samples; the others may be greedy
+    sampling = args.cmd == "bench"  # bench samples; the others may be greedy
     counts = ("n", "batch_size", "max_new_tokens", "n_responses", "max_positions", "top", "prompt_tokens")
-    rules = [*((name, lambda v: v >= 1, ">= 1") for name in counts),
-             ("n_problems", lambda v: v >= 1, ">= 1 (leave it out for every problem)"),
-             ("threads", lambda v: 1 <= v <= (os.cpu_count() or 1), f"in 1..{os.cpu_count()}"),
-             ("seed", lambda v: 0 <= v < 2 ** 63, "in [0, 2**63) (torch seeds are 64-bit)"),
-             ("temperature", (lambda v: v > 0) if sampling else (lambda v: v >= 0),
-              "> 0" if sampling else ">= 0 (0: greedy)"),
-             ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
-             ("frac", lambda v: 0 < v <= 1, "in (0, 1]"), ("percents", lambda v: 0 < v <= 100, "in 1..100"),
-             ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"), ("index", lambda v: v >= 0, ">= 0"),
-             ("token", lambda v: v >= 0, ">= 0"), ("context", lambda v: v >= 0, ">= 0")]
+    rules = [
+        *((name, lambda v: v >= 1, ">= 1") for name in counts),
+        ("n_problems", lambda v: v >= 1, ">= 1 (leave it out for every problem)"),
+        ("threads", lambda v: 1 <= v <= (os.cpu_count() or 1), f"in 1..{os.cpu_count()}"),
+        ("seed", lambda v: 0 <= v < 2**63, "in [0, 2**63) (torch seeds are 64-bit)"),
+        (
+            "temperature",
+            (lambda v: v > 0) if sampling else (lambda v: v >= 0),
+            "> 0" if sampling else ">= 0 (0: greedy)",
+        ),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v >= 0, ">= 0 (0: off)"),
+        ("frac", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("percents", lambda v: 0 < v <= 100, "in 1..100"),
+        ("alpha", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("index", lambda v: v >= 0, ">= 0"),
+        ("token", lambda v: v >= 0, ">= 0"),
+        ("context", lambda v: v >= 0, ">= 0"),
+    ]
     for flag, ok, rule in rules:
         v = getattr(args, flag, None)
         if v is not None and not all((isinstance(x, int) or math.isfinite(x)) and ok(x) for x in each(v)):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
-    for flag, problem in (("--device", getattr(args, "device", None) and device_problem(args.device)),
-                          ("--out", getattr(args, "out", None) and rundir.dir_problem(args.out))):
-        if problem:                      # a GPU that is not there, an --out that cannot be written: now
+    for flag, problem in (
+        ("--device", getattr(args, "device", None) and device_problem(args.device)),
+        ("--out", getattr(args, "out", None) and rundir.dir_problem(args.out)),
+    ):
+        if problem:  # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")
-    try:                                 # the spec's syntax here; whether it fits the model's depth: setup
+    try:  # the spec's syntax here; whether it fits the model's depth: setup
         select_layers(getattr(args, "layers", None), 1000)
     except ValueError as e:
         ap.error(f"--layers: {e}")
@@ -391,14 +529,15 @@ def check_ranges(ap, args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["learn"]:                                      # its own parser and recipe: learn.py
+    if argv[:1] == ["learn"]:  # its own parser and recipe: learn.py
         import grpo
         from evaluation import learn
+
         return learn.main(argv[1:], grpo)
     args = parse(argv)
     try:
         args.func(args)
-    except (EvalError, data.DataError, ModelError, ckpt_io.RunError) as e:   # one line, never a bug's
+    except (EvalError, data.DataError, ModelError, ckpt_io.RunError) as e:  # one line, never a bug's
         msg, code = e.args if isinstance(e, EvalError) else (e, 2)
         print(f"eval.py: error: {msg}", file=sys.stderr)
         sys.exit(code)

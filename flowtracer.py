@@ -54,6 +54,7 @@ Departures from the paper (numbered):
 Run the tests: python -m pytest -q tests/test_flowtracer.py
 Time it:       python benchmarks/flow_speed.py
 """
+
 from __future__ import annotations
 
 import math
@@ -76,19 +77,28 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE. register_attention (below)
 # names it to transformers; nothing is registered on import.
 IMPL = "sdpa_capture"
-LAYER_SPECS = ("None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
-               "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
-               "or 'A:B'")
+LAYER_SPECS = (
+    "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
+    "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
+    "or 'A:B'"
+)
 FIG6 = (15, 25)  # Fig. 6's stage boundaries in Qwen3-4B's 36 layers (§4.3; departure 4)
 
 
 def select_layers(spec, num_layers):
     """Layer indices for a spec; see LAYER_SPECS. 'A:B' uses Python slice semantics (negatives, open ends)."""
     L = num_layers
-    b1, b2 = ((b * L + 18) // 36 for b in FIG6)                  # round(b L / 36), halves up; exact at L = 36
-    named = {None: (L // 3, 2 * L // 3), "middle": (L // 3, 2 * L // 3), "early": (0, L // 3),
-             "late": (2 * L // 3, L), "all": (0, L), "fig6-early": (0, b1), "fig6-middle": (b1, b2),
-             "fig6-late": (b2, L)}
+    b1, b2 = ((b * L + 18) // 36 for b in FIG6)  # round(b L / 36), halves up; exact at L = 36
+    named = {
+        None: (L // 3, 2 * L // 3),
+        "middle": (L // 3, 2 * L // 3),
+        "early": (0, L // 3),
+        "late": (2 * L // 3, L),
+        "all": (0, L),
+        "fig6-early": (0, b1),
+        "fig6-middle": (b1, b2),
+        "fig6-late": (b2, L),
+    }
     if spec is None or (isinstance(spec, str) and spec in named):
         layers = list(range(*named[spec]))
     elif isinstance(spec, str) and spec.count(":") == 1:
@@ -118,13 +128,14 @@ class Capture:
     `head_mean`: the function that sums a layer's head means into the buffer (add_head_mean, or
     head_mean_kernel's choice on CUDA).
     `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
+
     def __init__(self, layers, chunk=None, stop_after_last=False, head_mean=None):
         if not layers:
             raise ValueError("a Capture needs at least one layer (select_layers gives them)")
         self.layers, self.last, self.chunk, self.stop = set(layers), max(layers), chunk, stop_after_last
         self.head_mean = head_mean or add_head_mean
-        self.W = None           # (B, T, T) fp32: sum over the layers taken of their head means
-        self.seen = set()       # layers taken (a replay in backward takes nothing new)
+        self.W = None  # (B, T, T) fp32: sum over the layers taken of their head means
+        self.seen = set()  # layers taken (a replay in backward takes nothing new)
 
     def take(self, layer, query, key, attention_mask, scaling):
         """Called by capture_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
@@ -133,17 +144,26 @@ class Capture:
         if layer in self.seen:
             if torch._C._current_graph_task_id() >= 0:  # inside backward: gradient checkpointing's replay
                 return
-            raise RuntimeError("this Capture has taken a forward already: make a new Capture for each "
-                               "forward")
-        (B, H, T, _), S = query.shape, key.shape[2]       # T queries: the last T of S (a cached prefix)
+            raise RuntimeError(
+                "this Capture has taken a forward already: make a new Capture for each forward"
+            )
+        (B, H, T, _), S = query.shape, key.shape[2]  # T queries: the last T of S (a cached prefix)
         if self.W is None:
-            self.W = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)     # (B, S, S)
+            self.W = torch.zeros(B, S, S, dtype=torch.float32, device=query.device)  # (B, S, S)
         if tuple(self.W.shape) != (B, S, S):
-            raise RuntimeError(f"a forward of {B} x {S} tokens reached a Capture of {tuple(self.W.shape)}: "
-                               "make a new Capture for each forward")
+            raise RuntimeError(
+                f"a forward of {B} x {S} tokens reached a Capture of {tuple(self.W.shape)}: "
+                "make a new Capture for each forward"
+            )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.head_mean(self.W[:, S - T:S, :S], query.detach(), key.detach(), attention_mask, scale,
-                       self.chunk or auto_chunk(B, H, S))
+        self.head_mean(
+            self.W[:, S - T : S, :S],
+            query.detach(),
+            key.detach(),
+            attention_mask,
+            scale,
+            self.chunk or auto_chunk(B, H, S),
+        )
         self.seen.add(layer)
         if self.stop and layer == self.last:
             raise _Stop
@@ -154,25 +174,30 @@ class Capture:
         (B, T, T) maps (prompt which[b]), T = width, and the response pass, given this same Capture, adds
         the rows from P on."""
         if self.seen != self.layers or self.W is None:
-            raise RuntimeError(f"the prompt pass captured {len(self.seen)} of {len(self.layers)} chosen "
-                               "layers")
+            raise RuntimeError(
+                f"the prompt pass captured {len(self.seen)} of {len(self.layers)} chosen layers"
+            )
         P = self.W.shape[-1]
-        prompts, self.W = self.W, self.W.new_zeros(len(which), width, width)            # (B, T, T)
-        self.W[:, :P, :P] = prompts[which]                                              # (B, P, P)
-        self.seen = set()                                                               # the response pass
+        prompts, self.W = self.W, self.W.new_zeros(len(which), width, width)  # (B, T, T)
+        self.W[:, :P, :P] = prompts[which]  # (B, P, P)
+        self.seen = set()  # the response pass
 
     def maps(self, attention_mask):
         """(B, T, T) the layer mean of the head means, zero on padding rows and columns: eq. 1's W. Made in
         place from the buffer (no second (B, T, T) exists), so it can be read once."""
         if self.seen != self.layers or self.W is None:
-            raise RuntimeError(f"captured {len(self.seen)} of {len(self.layers)} chosen layers, or the maps "
-                               "were read already")
+            raise RuntimeError(
+                f"captured {len(self.seen)} of {len(self.layers)} chosen layers, or the maps "
+                "were read already"
+            )
         if tuple(attention_mask.shape) != tuple(self.W.shape[:2]):
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not fit the captured "
-                             f"forward {tuple(self.W.shape[:2])}")
-        m = attention_mask.to(self.W.device).float()                                    # (B, T) 0 / 1
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} does not fit the captured "
+                f"forward {tuple(self.W.shape[:2])}"
+            )
+        m = attention_mask.to(self.W.device).float()  # (B, T) 0 / 1
         W, self.W = self.W, None
-        return W.div_(len(self.layers)).mul_(m[:, :, None]).mul_(m[:, None, :])          # (B, T, T)
+        return W.div_(len(self.layers)).mul_(m[:, :, None]).mul_(m[:, None, :])  # (B, T, T)
 
 
 class _Stop(Exception):
@@ -185,12 +210,12 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
     query heads of a KV head are folded into the rows, (G c, D) @ (D, S), so no key is copied G times."""
     (B, H, T, D), (Hkv, S) = query.shape, key.shape[1:3]
     q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
-    kT = key.float().mT                             # (B, Hkv, D, S), a view
-    with torch.autocast(query.device.type, enabled=False):    # fp32 also under the run's bf16 autocast
+    kT = key.float().mT  # (B, Hkv, D, S), a view
+    with torch.autocast(query.device.type, enabled=False):  # fp32 also under the run's bf16 autocast
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
             score = (q[:, :, :, s:e].reshape(B, Hkv, -1, D) @ kT).view(B, Hkv, H // Hkv, e - s, S)
-            score.mul_(scaling)                                                     # (B, Hkv, G, c, S)
+            score.mul_(scaling)  # (B, Hkv, G, c, S)
             if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
                 allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s + S - T)  # (c, S)
                 score.masked_fill_(~allowed, torch.finfo(score.dtype).min)
@@ -203,8 +228,7 @@ def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
             del score, p  # freed before the next chunk's score is made: two blocks at most, not three
 
 
-def capture_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None,
-                         **kwargs):
+def capture_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None, **kwargs):
     """AttentionInterface function: sdpa's output, and the head-mean map of this layer into `flow_capture`
     when the forward was given one (Capture.take)."""
     if flow_capture is not None:
@@ -222,9 +246,9 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
     if mask is None:
         return None
-    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset    # (q, 1) positions in the cache
+    q = torch.arange(q_length, device=mask.device)[:, None] + q_offset  # (q, 1) positions in the cache
     kv = torch.arange(kv_length, device=mask.device)[None, :] + kv_offset  # (1, kv)
-    return mask | (q == kv)                                                # (B, 1, q, kv)
+    return mask | (q == kv)  # (B, 1, q, kv)
 
 
 def register_attention():
@@ -241,32 +265,33 @@ def head_mean_kernel(device):
     """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
     setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
     add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
-    if torch.device(device).type != "cuda":                  # the kernels are built for CUDA: nothing to ask
+    if torch.device(device).type != "cuda":  # the kernels are built for CUDA: nothing to ask
         return add_head_mean
     why = availability.unavailable(device)
     if why is None:
         from gpu_kernels.head_mean import head_mean_triton
+
         print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
         return head_mean_triton
     print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
     return add_head_mean
 
 
-def auto_chunk(B, H, T, budget=2 ** 25):
+def auto_chunk(B, H, T, budget=2**25):
     """Query rows per chunk so that one (B, H, chunk, T) fp32 score block stays under `budget` floats."""
     return max(1, min(T, budget // max(1, B * H * T)))
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow
 class Flow(NamedTuple):
-    h: torch.Tensor           # (B, T) answer reachability, eq. 2 (1 on the answer, 0 where unreachable)
-    flow: torch.Tensor        # (B, T) f, eq. 4: share of the question->answer flow through each token
+    h: torch.Tensor  # (B, T) answer reachability, eq. 2 (1 on the answer, 0 where unreachable)
+    flow: torch.Tensor  # (B, T) f, eq. 4: share of the question->answer flow through each token
     throughput: torch.Tensor  # (B, T) tau = f + outflow = 2f off the answer, f on it (Theorem 3.1)
 
 
 def dag_weights(attn: torch.Tensor, answer_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """M_ik = attn[k, i] for i < k (eq. 1) in fp64, answer rows and padding cut out. (B, T, T) view."""
-    v = attention_mask.bool()                                                   # (B, T) real tokens
+    v = attention_mask.bool()  # (B, T) real tokens
     return _neg_dag(attn, answer_mask.bool() & v, v).neg_().tril_(diagonal=-1).mT  # neg first: no -0.0
 
 
@@ -274,21 +299,25 @@ def _neg_dag(attn, answer_mask, valid):
     """-M in query-major layout, in one fp64 copy: A[b, k, i] = -W_ik below the diagonal. The diagonal and
     the upper triangle are left as they are: the unitriangular solves never read them. This is
     memory-bound, so each full pass over the T x T matrix counts: one copy, one sign + answer cut."""
-    A = attn.to(torch.float64, copy=True)                          # (B, T, T) query k, key i; a copy
-    A.mul_(-(valid & ~answer_mask).to(A.dtype).unsqueeze(-2))       # key i: answers pass nothing on; sign
+    A = attn.to(torch.float64, copy=True)  # (B, T, T) query k, key i; a copy
+    A.mul_(-(valid & ~answer_mask).to(A.dtype).unsqueeze(-2))  # key i: answers pass nothing on; sign
     if not bool(valid.all()):
-        A.mul_(valid.to(A.dtype).unsqueeze(-1))                     # query k: padding reads nothing
+        A.mul_(valid.to(A.dtype).unsqueeze(-1))  # query k: padding reads nothing
     return A
 
 
 def reweight(M: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """W'_ik = W_ik h(k) / h(i) where h(i) > 0, else 0 (eq. 3). For inspection; trace_flow never builds it."""
     inv = torch.where(h > 0, 1.0 / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T)
-    return M * inv.unsqueeze(-1) * h.unsqueeze(-2)                             # (B, T, T)
+    return M * inv.unsqueeze(-1) * h.unsqueeze(-2)  # (B, T, T)
 
 
-def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: torch.Tensor,
-               attention_mask: torch.Tensor | None = None) -> Flow:
+def trace_flow(
+    attn: torch.Tensor,
+    question_mask: torch.Tensor,
+    answer_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> Flow:
     """Answer-targeted flow on the attention DAG (eq. 1-4). Vectorised, fp64, no loop over tokens.
 
     attn:          (T, T) or (B, T, T) head-averaged attention as transformers returns it:
@@ -309,42 +338,49 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
     If no question token reaches the answer (no answer, answer before the question, T = 1), all flow is 0;
     flow_credit then falls back to uniform credit.
     """
-    if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:           # the inputs, checked first
+    if attn.dim() not in (2, 3) or attn.shape[-1] != attn.shape[-2]:  # the inputs, checked first
         raise ValueError(f"attn must be (T, T) or (B, T, T), got shape {tuple(attn.shape)}")
     single = attn.dim() == 2
     attention_mask = torch.ones_like(question_mask) if attention_mask is None else attention_mask
-    for name, m in dict(question_mask=question_mask, answer_mask=answer_mask,
-                        attention_mask=attention_mask).items():
+    for name, m in dict(
+        question_mask=question_mask, answer_mask=answer_mask, attention_mask=attention_mask
+    ).items():
         if tuple(m.shape) != tuple(attn.shape[:-1]):
             raise ValueError(f"{name} must have shape {tuple(attn.shape[:-1])}, got {tuple(m.shape)}")
-    if not bool((attn >= 0).all()):                 # one pass: False for NaN and for negatives
+    if not bool((attn >= 0).all()):  # one pass: False for NaN and for negatives
         if torch.isnan(attn).any():
             raise ValueError("attn contains NaN: check the model's forward pass (fp16 overflow?)")
         raise ValueError(f"attn must be non-negative (probabilities), min is {attn.min().item():.3g}")
     if single:
         attn, question_mask, answer_mask, attention_mask = (
-            x.unsqueeze(0) for x in (attn, question_mask, answer_mask, attention_mask))
-    v = attention_mask.bool()                                       # (B, T) real tokens
+            x.unsqueeze(0) for x in (attn, question_mask, answer_mask, attention_mask)
+        )
+    v = attention_mask.bool()  # (B, T) real tokens
     q, a = question_mask.bool(), answer_mask.bool() & v
 
-    A = _neg_dag(attn, a, v)                                        # (B, T, T) A[k, i] = -W_ik, eq. 1
+    A = _neg_dag(attn, a, v)  # (B, T, T) A[k, i] = -W_ik, eq. 1
     # eq. 2: (I - M) h = 1_A. unitriangular=True reads only the strict upper part of -M (A.mT) and takes
     # the diagonal as 1: that is I - M. Below H_FLOOR, h counts as 0 (departure 1).
-    h = torch.linalg.solve_triangular(A.mT, a.to(A.dtype).unsqueeze(-1), upper=True,
-                                      unitriangular=True).squeeze(-1)                  # (B, T)
+    h = torch.linalg.solve_triangular(
+        A.mT, a.to(A.dtype).unsqueeze(-1), upper=True, unitriangular=True
+    ).squeeze(-1)  # (B, T)
     h = torch.where(h > H_FLOOR, h, torch.zeros_like(h))
 
-    src = (q & v & (h > 0)).to(h.dtype)                                # (B, T) question tokens that reach A
-    s = src / src.sum(-1, keepdim=True).clamp_min(1.0)              # (B, T) unit injection, 1/|Q'| each
+    src = (q & v & (h > 0)).to(h.dtype)  # (B, T) question tokens that reach A
+    s = src / src.sum(-1, keepdim=True).clamp_min(1.0)  # (B, T) unit injection, 1/|Q'| each
     rhs = torch.where(h > 0, s / h.clamp_min(H_FLOOR), torch.zeros_like(h))  # (B, T) s / h
-    g = torch.linalg.solve_triangular(A, rhs.unsqueeze(-1),                  # A = -M^T, lower
-                                      upper=False, unitriangular=True).squeeze(-1)  # (B, T) (I - M^T) g = s/h
-    f = h * g                                                       # (B, T) eq. 4
+    g = torch.linalg.solve_triangular(
+        A,
+        rhs.unsqueeze(-1),  # A = -M^T, lower
+        upper=False,
+        unitriangular=True,
+    ).squeeze(-1)  # (B, T) (I - M^T) g = s/h
+    f = h * g  # (B, T) eq. 4
     # g(k) = s(k)/h(k) + sum_i attn[k, i] g(i) and attention rows sum to <= 1, so g <= max(s/h) < 1/H_FLOOR:
     # no overflow, and unreachable nodes (h = 0) get f = 0 without being cut from the matrix.
     if not bool(torch.isfinite(f).all()):
         raise FloatingPointError("flow is not finite: are the attention rows probabilities (sum <= 1)?")
-    tau = torch.where(a, f, 2.0 * f)                                # (B, T) Theorem 3.1
+    tau = torch.where(a, f, 2.0 * f)  # (B, T) Theorem 3.1
     out = Flow(h, f, tau)
     return Flow(*(x.squeeze(0) for x in out)) if single else out
 
@@ -353,13 +389,20 @@ def trace_flow(attn: torch.Tensor, question_mask: torch.Tensor, answer_mask: tor
 class Credit(NamedTuple):
     """The credit of B rows on the columns from prompt_width on, (B, R) with R = T - prompt_width: every
     credit gives this record (flow_credit here, credit.assign and credit.OtherCredit for the others)."""
-    weight: torch.Tensor    # (B, R) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
-    scores: torch.Tensor    # (B, R) float32 what ranked the tokens (flow: the throughput tau)
+
+    weight: torch.Tensor  # (B, R) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
+    scores: torch.Tensor  # (B, R) float32 what ranked the tokens (flow: the throughput tau)
     fallback: torch.Tensor  # (B,) bool: no answer / no path -> all-1 weights (plain GRPO)
 
 
-def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac: float = 0.4,
-                gamma: float = 1.5, largest: bool = True, prompt_width: int = 0) -> Credit:
+def flow_credit(
+    throughput: torch.Tensor,
+    response_mask: torch.Tensor,
+    top_frac: float = 0.4,
+    gamma: float = 1.5,
+    largest: bool = True,
+    prompt_width: int = 0,
+) -> Credit:
     """Per-token GRPO weights from flow throughput (eq. 6; top_frac 0.4 and gamma 1.5 as in Table 5/7).
 
     In each sequence with n response tokens, the ceil(top_frac * n) tokens with the highest throughput
@@ -376,15 +419,15 @@ def flow_credit(throughput: torch.Tensor, response_mask: torch.Tensor, top_frac:
     resp = resp.bool()
     if torch.isnan(tau).any():
         raise ValueError("throughput contains NaN")
-    n = resp.sum(-1)                                                    # (B,)
-    k = torch.ceil(top_frac * n.double() - 1e-9).long()                 # (B,) ceil without float fuzz
-    r, _ = rank(tau.double() if largest else -tau.double(), resp)     # (B, T) 0 = the highest
-    chosen = (r < k.unsqueeze(-1)) & resp                               # (B, T)
-    fallback = ~((tau > 0) & resp).any(-1)                              # (B,) no flow reaches the response
+    n = resp.sum(-1)  # (B,)
+    k = torch.ceil(top_frac * n.double() - 1e-9).long()  # (B,) ceil without float fuzz
+    r, _ = rank(tau.double() if largest else -tau.double(), resp)  # (B, T) 0 = the highest
+    chosen = (r < k.unsqueeze(-1)) & resp  # (B, T)
+    fallback = ~((tau > 0) & resp).any(-1)  # (B,) no flow reaches the response
     chosen &= ~fallback.unsqueeze(-1)
     w = resp.to(torch.float32) + (gamma - 1.0) * chosen.to(torch.float32)  # (B, T)
     P = prompt_width
-    out = Credit(w[:, P:], tau[:, P:].float(), fallback)                  # (B, R), (B, R), (B,)
+    out = Credit(w[:, P:], tau[:, P:].float(), fallback)  # (B, R), (B, R), (B,)
     return Credit(*(x.squeeze(0) for x in out)) if single else out
 
 

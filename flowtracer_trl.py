@@ -49,6 +49,7 @@ Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.js
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
 """
+
 import argparse
 import contextlib
 import dataclasses
@@ -68,7 +69,7 @@ try:
     import trl
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import unwrap_model_for_generation
-except ImportError as e:                                         # no TRL: one line from the command line
+except ImportError as e:  # no TRL: one line from the command line
     if __name__ != "__main__":
         raise
     print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
@@ -82,7 +83,7 @@ from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import Batch, build_batch, prompt_ids, take
 
-TRL_VERSION = "1.16.0"   # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
+TRL_VERSION = "1.16.0"  # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
 
 def trl_problem(trainer=None):
@@ -94,10 +95,17 @@ def trl_problem(trainer=None):
     (ids, images, fields); and on an instance (trainer): _dist.summon_full_params, _metrics, temperature,
     num_iterations."""
     if trl.__version__ != TRL_VERSION:
-        return (f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
-                f"{TRL_VERSION} only: pip install -r requirements.txt")
-    need = ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies",
-            "_prepare_inputs", "_tokenize_prompts")
+        return (
+            f"trl {trl.__version__} is installed, but this plug-in knows the internals of trl "
+            f"{TRL_VERSION} only: pip install -r requirements.txt"
+        )
+    need = (
+        "_generate_and_score_completions",
+        "_compute_loss",
+        "_get_per_token_logps_and_entropies",
+        "_prepare_inputs",
+        "_tokenize_prompts",
+    )
     if not all(callable(getattr(GRPOTrainer, n, None)) for n in need):
         return f"trl's GRPOTrainer lacks one of {', '.join(need)}"
     loss, prep = inspect.getsource(GRPOTrainer._compute_loss), inspect.getsource(GRPOTrainer._prepare_inputs)
@@ -108,9 +116,11 @@ def trl_problem(trainer=None):
         return "trl's GRPOTrainer._get_per_token_logps_and_entropies has no compute_entropy argument"
     if not all(k in prep for k in ("_buffered_inputs", "steps_per_generation", "self._step")):
         return "trl's GRPOTrainer._prepare_inputs no longer buffers steps_per_generation slices"
-    if trainer is not None and not (hasattr(getattr(trainer, "_dist", None), "summon_full_params")
-                                    and isinstance(getattr(trainer, "_metrics", None), dict)
-                                    and all(hasattr(trainer, k) for k in ("temperature", "num_iterations"))):
+    if trainer is not None and not (
+        hasattr(getattr(trainer, "_dist", None), "summon_full_params")
+        and isinstance(getattr(trainer, "_metrics", None), dict)
+        and all(hasattr(trainer, k) for k in ("temperature", "num_iterations"))
+    ):
         return "trl's GRPOTrainer has no _dist.summon_full_params, _metrics, temperature or num_iterations"
     return None
 
@@ -121,8 +131,10 @@ def on_policy_credit(steps_per_generation, accumulation, iterations):
     steps_per_generation * iterations micro-steps (_prepare_inputs) and steps the optimizer every
     `accumulation` micro-steps; the pattern repeats with their least common multiple."""
     every = steps_per_generation * iterations
-    return all(s % accumulation + steps_per_generation <= accumulation
-               for s in range(0, math.lcm(every, accumulation), every))
+    return all(
+        s % accumulation + steps_per_generation <= accumulation
+        for s in range(0, math.lcm(every, accumulation), every)
+    )
 
 
 class FlowTracerGRPOTrainer(GRPOTrainer):
@@ -130,27 +142,31 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
         self.credit_cfg = credit_cfg or credit.CreditConfig()
-        self.answer_pattern = answer_pattern or None     # eq. 2's answer region (answers.find_answer_span)
+        self.answer_pattern = answer_pattern or None  # eq. 2's answer region (answers.find_answer_span)
         if problem := trl_problem() or credit.check(self.credit_cfg) or pattern_problem(answer_pattern):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
         if problem := trl_problem(self):
             raise ValueError(problem)
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
-        self.separate_why = self.separate_reason()                      # departure 2
+        self.separate_why = self.separate_reason()  # departure 2
         self.fused, self._loss_inputs = not self.separate_why, None
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:
-            raise ValueError("ZeRO-3 needs ds3_gather_for_generation (the default): the credit pass stops "
-                             "its forward after the last chosen layer, with the parameters gathered")
+            raise ValueError(
+                "ZeRO-3 needs ds3_gather_for_generation (the default): the credit pass stops "
+                "its forward after the last chosen layer, with the parameters gathered"
+            )
 
     def separate_reason(self):
-        """"" when the fused credit pass reads what grpo.py's reads; else why credit runs at rollout time."""
+        """ "" when the fused credit pass reads what grpo.py's reads; else why credit runs at rollout time."""
         a, c = self.args, self.credit_cfg
         if credit.separate_pass(c):
             return "asked for, or the signal or the shaping needs it"
         if not on_policy_credit(a.steps_per_generation, a.gradient_accumulation_steps, self.num_iterations):
-            return (f"steps_per_generation {a.steps_per_generation} spans an optimizer step (gradient "
-                    f"accumulation {a.gradient_accumulation_steps}): credit from the generating weights")
+            return (
+                f"steps_per_generation {a.steps_per_generation} spans an optimizer step (gradient "
+                f"accumulation {a.gradient_accumulation_steps}): credit from the generating weights"
+            )
         if c.credit == "entropy" and self.temperature != 1.0:
             return f"TRL's entropy is at temperature {self.temperature}, grpo.py's of the untempered logits"
         return ""
@@ -164,18 +180,18 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         return super()._tokenize_prompts(prompts)
 
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)   # TRL: generate, reward, A (B,) of this rank
-        if not self.model.training or self.fused:               # departure 4: eval keeps plain advantages
-            return out                                          # fused: gamma comes with the loss (dep. 2)
+        out = super()._generate_and_score_completions(inputs)  # TRL: generate, reward, A (B,) of this rank
+        if not self.model.training or self.fused:  # departure 4: eval keeps plain advantages
+            return out  # fused: gamma comes with the loss (dep. 2)
         prompts = [p[m.bool()].tolist() for p, m in zip(out["prompt_ids"], out["prompt_mask"])]
-        comps = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
+        comps = [c[: int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
         t = time.perf_counter()
-        weight, fallback = self.token_credit(prompts, comps, out["advantages"])        # (B, R), R <= C; (B,)
+        weight, fallback = self.token_credit(prompts, comps, out["advantages"])  # (B, R), R <= C; (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
         C = out["completion_ids"].shape[1]
         weight = F.pad(weight, (0, C - weight.shape[1])).to(out["advantages"].device)  # (B, C) TRL's columns
         self.log_credit(weight, out["advantages"], out["completion_mask"], fallback)
-        out["advantages"] = out["advantages"].unsqueeze(-1) * weight                   # (B, C) eq. 5
+        out["advantages"] = out["advantages"].unsqueeze(-1) * weight  # (B, C) eq. 5
         return out
 
     def _compute_loss(self, model, inputs):
@@ -192,38 +208,44 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             return forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         self._loss_inputs, policy = None, self.accelerator.unwrap_model(model)
         attn = signals.NEEDS.get(self.credit_cfg.credit) == "attn"
-        with (capturing(policy, attention_mask, self.credit_cfg.layers) if attn
-              else contextlib.nullcontext(argparse.Namespace(attn=None))) as cap:
+        with (
+            capturing(policy, attention_mask, self.credit_cfg.layers)
+            if attn
+            else contextlib.nullcontext(argparse.Namespace(attn=None))
+        ) as cap:
             out = forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         t = time.perf_counter()
-        adv = inputs["advantages"]                                                              # (B,)
+        adv = inputs["advantages"]  # (B,)
         with torch.no_grad():
-            weight, fallback = self.fused_credit(policy, input_ids, attention_mask, logits_to_keep, adv,
-                                                cap.attn, out[1])                               # (B, C), (B,)
+            weight, fallback = self.fused_credit(
+                policy, input_ids, attention_mask, logits_to_keep, adv, cap.attn, out[1]
+            )  # (B, C), (B,)
         self._metrics["train"]["time/credit"].append(time.perf_counter() - t)
         self.log_credit(weight, adv, attention_mask[:, -logits_to_keep:], fallback)
-        inputs["advantages"] = adv.unsqueeze(-1) * weight                                       # (B, C) eq. 5
+        inputs["advantages"] = adv.unsqueeze(-1) * weight  # (B, C) eq. 5
         return out
 
     def fused_credit(self, policy, input_ids, attention_mask, C, adv, attn, entropy):
         """(gamma (B, C), fallback (B,)) on TRL's layout [left-padded prompt | right-padded completion] from
         the maps and the entropy its training forward gave; rows with A = 0 get 1 on their tokens."""
         tok, P = self.processing_class, input_ids.shape[1] - C
-        pm, cm = attention_mask[:, :P].bool(), attention_mask[:, P:].bool()             # (B, P), (B, C)
+        pm, cm = attention_mask[:, :P].bool(), attention_mask[:, P:].bool()  # (B, P), (B, C)
         special = torch.tensor(tok.all_special_ids, device=input_ids.device)
-        q = torch.cat([pm & ~torch.isin(input_ids[:, :P], special), torch.zeros_like(cm)], 1)   # no specials
+        q = torch.cat([pm & ~torch.isin(input_ids[:, :P], special), torch.zeros_like(cm)], 1)  # no specials
         resp = torch.cat([torch.zeros_like(pm), cm], 1)
         ans = torch.zeros_like(resp)
-        for b in cm.any(-1).nonzero().flatten().tolist():                     # the rows with a completion
+        for b in cm.any(-1).nonzero().flatten().tolist():  # the rows with a completion
             if k := answer_token_range(tok, input_ids[b, P:][cm[b]].tolist(), self.answer_pattern):
-                ans[b, P + k[0]:P + k[1]] = True
+                ans[b, P + k[0] : P + k[1]] = True
         weight, fallback = cm.float(), torch.zeros(len(cm), dtype=torch.bool, device=cm.device)
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
         if len(rows):
             batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
-            got = signals.ForwardOutputs(attn[rows] if attn is not None else None,
-                                   entropy[rows].detach() if entropy is not None else None)
-            c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)    # (b, C)
+            got = signals.ForwardOutputs(
+                attn[rows] if attn is not None else None,
+                entropy[rows].detach() if entropy is not None else None,
+            )
+            c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)  # (b, C)
             weight[rows], fallback[rows] = c.weight.float(), c.fallback.to(cm.device)
         return weight, fallback
 
@@ -234,37 +256,55 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given the
         rows and the policy."""
         n = [len(c) for c in completion_ids]
-        weight = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()   # (B, R) 1 on tokens
+        weight = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()  # (B, R) 1 on tokens
         fallback = torch.zeros(len(n), dtype=torch.bool)
         rows = [i for i, c in enumerate(completion_ids) if c and adv[i] != 0]
         tok, dev = self.processing_class, self.accelerator.device
-        pairs = ([(prompt_ids[i], completion_ids[i]) for i in rows] if rows else       # the placeholder:
-                 [(prompt_ids[0], completion_ids[0] or [tok.eos_token_id])])           # its gamma is dropped
+        pairs = (
+            [(prompt_ids[i], completion_ids[i]) for i in rows]
+            if rows
+            # the placeholder:
+            else [(prompt_ids[0], completion_ids[0] or [tok.eos_token_id])]
+        )  # its gamma is dropped
         A = adv[rows].to(dev).float() if rows else torch.ones(1, device=dev)
         batch = build_batch(tok, *map(list, zip(*pairs)), answer_pattern=self.answer_pattern).to(dev)
-        a = self.args                                                 # the model as TRL's generation sees it
-        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                          gather_deepspeed3_params=a.ds3_gather_for_generation,
-                                          gradient_checkpointing_kwargs=a.gradient_checkpointing_kwargs)
-              as policy, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False),
-              self.accelerator.autocast()):
-            c = credit.assign(policy, tok, batch, A, self.credit_cfg)                          # (b, R')
+        a = self.args  # the model as TRL's generation sees it
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=a.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=a.gradient_checkpointing_kwargs,
+            ) as policy,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            self.accelerator.autocast(),
+        ):
+            c = credit.assign(policy, tok, batch, A, self.credit_cfg)  # (b, R')
         if rows:
-            weight[rows, :c.weight.shape[1]], fallback[rows] = c.weight.float().cpu(), c.fallback.cpu()
+            weight[rows, : c.weight.shape[1]], fallback[rows] = c.weight.float().cpu(), c.fallback.cpu()
         return weight, fallback
 
     def log_credit(self, weight, adv, mask, fallback):
         """grpo.py's credit/* metrics (runlog.py) over every rank's credited rows (A != 0): weight (B, C),
         adv (B,), mask (B, C) the completion tokens, fallback (B,). One gather, entered by every rank."""
-        on = mask.bool() & (adv != 0)[:, None]                                             # (B, C)
+        on = mask.bool() & (adv != 0)[:, None]  # (B, C)
         g, A, o = weight.float().cpu(), adv.float().cpu(), on.cpu()
-        per_row = [runlog.credit_stats(g[b:b + 1], A[b:b + 1], o[b:b + 1]) for b in range(len(g))]
+        per_row = [runlog.credit_stats(g[b : b + 1], A[b : b + 1], o[b : b + 1]) for b in range(len(g))]
         ess = [r["credit/ess_ratio"] for r in per_row if r["credit/ess_ratio"] is not None]
         mass = [r["credit/top10_adv_mass"] for r in per_row if r["credit/top10_adv_mass"] is not None]
-        local = [((g != 1) & o).sum().item(), o.sum().item(), (fallback.cpu() & o.any(-1)).sum().item(),
-                 o.any(-1).sum().item(), sum(ess), len(ess), sum(mass), len(mass)]
+        local = [
+            ((g != 1) & o).sum().item(),
+            o.sum().item(),
+            (fallback.cpu() & o.any(-1)).sum().item(),
+            o.any(-1).sum().item(),
+            sum(ess),
+            len(ess),
+            sum(mass),
+            len(mass),
+        ]
         total = self.accelerator.gather(torch.tensor(local, dtype=torch.float64, device=adv.device)[None])
-        boosted, tokens, fell, n, ess, n_ess, mass, n_mass = total.sum(0).tolist()        # every rank's
+        boosted, tokens, fell, n, ess, n_ess, mass, n_mass = total.sum(0).tolist()  # every rank's
         if n:
             m = self._metrics["train"]
             m["credit/boosted_frac"].append(boosted / tokens)
@@ -286,110 +326,185 @@ def trl_reward(term, prompt=None, keys=None):
 
     def reward(prompts, completions, record, completion_ids=None, **kwargs):
         return one.table(completions, [json.loads(r) for r in record], completion_ids, **kwargs)[0]
+
     reward.__name__ = term.fn.__name__
     return reward
 
 
-LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")    # grpo.Config's, departure 6
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")  # grpo.Config's, departure 6
 # GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
-DEFAULTS = dict(output_dir="runs/trl", num_generations=8, max_completion_length=1024, temperature=0.99,
-                top_p=1.0, top_k=100, learning_rate=1e-6, lr_scheduler_type="constant_with_warmup",
-                warmup_steps=20, loss_type="grpo", logging_steps=1, report_to="none", seed=0,
-                bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
+DEFAULTS = dict(
+    output_dir="runs/trl",
+    num_generations=8,
+    max_completion_length=1024,
+    temperature=0.99,
+    top_p=1.0,
+    top_k=100,
+    learning_rate=1e-6,
+    lr_scheduler_type="constant_with_warmup",
+    warmup_steps=20,
+    loss_type="grpo",
+    logging_steps=1,
+    report_to="none",
+    seed=0,
+    bf16=torch.cuda.is_available(),
+    use_cpu=not torch.cuda.is_available(),
+)
 
 
 def parse_args(argv=None):
     """(ours, CreditConfig, GRPOConfig). Our flags and the credit flags as grpo.py spells them; the rest go
     to HfArgumentParser as GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...)."""
-    p = argparse.ArgumentParser(prog="flowtracer_trl.py", description=__doc__.splitlines()[0],
-                                allow_abbrev=False, formatter_class=flags.Formatter,
-                                usage="%(prog)s [--flag VALUE ...] [trl.GRPOConfig flags]",
-                                epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
-                                       "--per-device-train-batch-size, ...: see TRL's GRPOConfig).")
+    p = argparse.ArgumentParser(
+        prog="flowtracer_trl.py",
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        formatter_class=flags.Formatter,
+        usage="%(prog)s [--flag VALUE ...] [trl.GRPOConfig flags]",
+        epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
+        "--per-device-train-batch-size, ...: see TRL's GRPOConfig).",
+    )
     p.add_argument("--model", default="smollm2-135m", help="a models.py name, a local directory, a hub name")
-    p.add_argument("--dataset", default="arithmetic", choices=list(data.DATASETS),
-                   help="a data.py task; custom: your --data-path rows and --reward (docs/your-task.md)")
+    p.add_argument(
+        "--dataset",
+        default="arithmetic",
+        choices=list(data.DATASETS),
+        help="a data.py task; custom: your --data-path rows and --reward (docs/your-task.md)",
+    )
     p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
     p.add_argument("--question-field", default="", help="the question's column (\"\": the task's, guessed)")
     p.add_argument("--answer-field", default="", help="the answer's column (\"\": the task's, guessed)")
-    p.add_argument("--reward", default="", help="FILE.py:FUNCTION[,...]: (completion, record) -> float or "
-                   "TRL's (completions, **columns), as grpo.py's; weights: GRPOConfig's --reward-weights")
-    p.add_argument("--answer-pattern", default="", help="regex of eq. 2's answer region: its last match "
-                   "(group 1 if any); \"\": the last \\boxed{}, else <answer>...</answer>")
-    p.add_argument("--chat-template-kwargs", default="", help="JSON object for apply_chat_template, e.g. "
-                   "{\"enable_thinking\": false}")
+    p.add_argument(
+        "--reward",
+        default="",
+        help="FILE.py:FUNCTION[,...]: (completion, record) -> float or "
+        "TRL's (completions, **columns), as grpo.py's; weights: GRPOConfig's --reward-weights",
+    )
+    p.add_argument(
+        "--answer-pattern",
+        default="",
+        help="regex of eq. 2's answer region: its last match "
+        '(group 1 if any); "": the last \\boxed{}, else <answer>...</answer>',
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        default="",
+        help='JSON object for apply_chat_template, e.g. {"enable_thinking": false}',
+    )
     p.add_argument("--prompt-style", default="auto", choices=["auto", *data.STYLES], help="prompt style")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
-    own = {"seed"}                       # --seed is GRPOConfig's
+    own = {"seed"}  # --seed is GRPOConfig's
     fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
-    flags.add_fields(p, credit.CreditConfig, credit.CHOICES, skip=own)        # help: the fields' comments
-    import grpo                          # grpo.py's LoRA flags, their defaults and help (departure 6)
+    flags.add_fields(p, credit.CreditConfig, credit.CHOICES, skip=own)  # help: the fields' comments
+    import grpo  # grpo.py's LoRA flags, their defaults and help (departure 6)
+
     flags.add_fields(p, grpo.Config, skip={f.name for f in dataclasses.fields(grpo.Config)} - set(LORA_FLAGS))
     args, rest = p.parse_known_args(argv)
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
     lr_given = any(a.split("=")[0] == "--learning-rate" for a in rest)
-    hf.set_defaults(**{**DEFAULTS, **({"learning_rate": grpo.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
-                                      if args.lora_rank > 0 and not lr_given else {})})
+    hf.set_defaults(
+        **{
+            **DEFAULTS,
+            **(
+                {"learning_rate": grpo.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
+                if args.lora_rank > 0 and not lr_given
+                else {}
+            ),
+        }
+    )
     try:
         targs, unknown = hf.parse_args_into_dataclasses(rest, return_remaining_strings=True)
-    except ValueError as e:                                    # GRPOConfig's own checks
+    except ValueError as e:  # GRPOConfig's own checks
         p.error(str(e))
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
     task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
-    problem = credit.check(ccfg) or reward_code.check(task) or \
-        ("--lora-rank must be >= 0" if args.lora_rank < 0 else
-         "--lora-alpha must be > 0" if not args.lora_alpha > 0 else
-         "--lora-dropout must be in [0, 1)" if not 0 <= args.lora_dropout < 1 else None)
+    problem = (
+        credit.check(ccfg)
+        or reward_code.check(task)
+        or (
+            "--lora-rank must be >= 0"
+            if args.lora_rank < 0
+            else "--lora-alpha must be > 0"
+            if not args.lora_alpha > 0
+            else "--lora-dropout must be in [0, 1)"
+            if not 0 <= args.lora_dropout < 1
+            else None
+        )
+    )
     if problem:
         p.error(problem)
-    flags.unused(task, {k for k, v in vars(args).items() if v != p.get_default(k)}, p.prog)   # notices
+    flags.unused(task, {k for k, v in vars(args).items() if v != p.get_default(k)}, p.prog)  # notices
     return args, ccfg, targs
 
 
 def main(argv=None):
-    problem = trl_problem()                                   # an unknown TRL: one line, before any flag
+    problem = trl_problem()  # an unknown TRL: one line, before any flag
     if problem:
         print(f"flowtracer_trl.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     args, ccfg, targs = parse_args(argv)
     try:
-        records = data.load_task(args.dataset, split="train", path=args.data_path or None, seed=targs.seed,
-                                 question_field=args.question_field, answer_field=args.answer_field)
-        style = (args.prompt_style if args.prompt_style != "auto"
-                 else data.default_style(args.model, records[0]["task"]))
-        lora = args.lora_rank > 0                                                      # departure 6
+        records = data.load_task(
+            args.dataset,
+            split="train",
+            path=args.data_path or None,
+            seed=targs.seed,
+            question_field=args.question_field,
+            answer_field=args.answer_field,
+        )
+        style = (
+            args.prompt_style
+            if args.prompt_style != "auto"
+            else data.default_style(args.model, records[0]["task"])
+        )
+        lora = args.lora_rank > 0  # departure 6
         dt = torch.float32 if not lora or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
         if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
-            model, tok = load_model(args.model, device="cpu", dtype=dt)   # the Trainer places it
-        else:   # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
+            model, tok = load_model(args.model, device="cpu", dtype=dt)  # the Trainer places it
+        else:  # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
             model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-            targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}   # TRL's: fp32
+            targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}  # TRL's: fp32
         kwargs = reward_code.template_kwargs(args)
-        prompt = reward_code.trl_prompt(tok, style, kwargs)                            # a TRL-form one's
-        mine = reward_code.load(argparse.Namespace(reward=args.reward, reward_weights=""), records[0], prompt,
-                                keys := [k for r in records for k in r])                 # checked once
+        prompt = reward_code.trl_prompt(tok, style, kwargs)  # a TRL-form one's
+        mine = reward_code.load(
+            argparse.Namespace(reward=args.reward, reward_weights=""),
+            records[0],
+            prompt,
+            keys := [k for r in records for k in r],
+        )  # checked once
         funcs = [trl_reward(t, prompt, keys) for t in mine.terms] if args.reward else [verifier]
-        rows = [{"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
-                for r in records]
-        n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]   # as TRL will get them
+        rows = [
+            {"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
+            for r in records
+        ]
+        n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]  # as TRL will get them
         rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
         if not rows:
             raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        lora = load.lora_config(args, model) if lora else None                      # departure 6; checked
-        trainer = FlowTracerGRPOTrainer(model=model, reward_funcs=funcs, args=targs, processing_class=tok,
-                                        train_dataset=Dataset.from_list(rows), credit_cfg=ccfg,
-                                        answer_pattern=args.answer_pattern, peft_config=lora)
+        lora = load.lora_config(args, model) if lora else None  # departure 6; checked
+        trainer = FlowTracerGRPOTrainer(
+            model=model,
+            reward_funcs=funcs,
+            args=targs,
+            processing_class=tok,
+            train_dataset=Dataset.from_list(rows),
+            credit_cfg=ccfg,
+            answer_pattern=args.answer_pattern,
+            peft_config=lora,
+        )
     except (ValueError, OSError) as e:
         print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
-          f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
-          f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}")
+    print(
+        f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
+        f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
+        f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}"
+    )
     try:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    except (reward_code.RewardError, PatternError) as e:      # a --reward raised or gave NaN; a pattern hung
+    except (reward_code.RewardError, PatternError) as e:  # a --reward raised or gave NaN; a pattern hung
         print(f"flowtracer_trl.py: error: {e}; TRL's last checkpoint (--save-steps) stands", file=sys.stderr)
         sys.exit(2)
     trainer.save_model(targs.output_dir)
@@ -401,5 +516,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():    # before the interpreter ends: gloo's threads may abort it
+    if torch.distributed.is_initialized():  # before the interpreter ends: gloo's threads may abort it
         torch.distributed.destroy_process_group()

@@ -51,6 +51,7 @@ Run:  python grpo.py                                                    # embedd
       python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
 """
+
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -74,102 +75,130 @@ from training.run import setup
 @dataclass
 class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     # model and dataset
-    model: str = "smollm2-135m"        # hub name, local dir, .gguf file or alias (models.py); sets the preset
-    dataset: str = "arithmetic"        # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
-    data_path: str = ""                # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
-    prompt_style: str = "auto"         # how a question becomes a prompt; auto: by model and task (data.py)
-    max_prompt_tokens: int = 1024      # longer prompts are skipped with a warning and counted
+    model: str = "smollm2-135m"  # hub name, local dir, .gguf file or alias (models.py); sets the preset
+    dataset: str = "arithmetic"  # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
+    data_path: str = ""  # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
+    prompt_style: str = "auto"  # how a question becomes a prompt; auto: by model and task (data.py)
+    max_prompt_tokens: int = 1024  # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
-    prompts_per_step: int = 16         # prompts per step (the paper: 64 on 8 GPUs, App. C.3; 16 fit one GPU)
-    paper_batch: bool = False          # the paper's 64 x 8 samples per step, accumulated (PAPER_BATCH)
-    group_size: int = 8                # G, samples per prompt for the group advantage (the paper's, App. C.3)
-    max_new_tokens: int = 1024         # response budget in tokens (the paper's; 8,192 in long runs; App. C.3)
-    temperature: float = 0.99          # sampling temperature of the rollouts (the paper's, §4.1, App. C.3)
-    top_p: float = 1.0                 # nucleus sampling: the top tokens of this mass (the paper's, App. C.3)
-    top_k: int = 100                   # sample among the k most likely tokens only (the paper's, App. C.3)
-    gen_chunk: int = 0                 # rows per generate call (the KV cache); 0: sized to the card, CPU: 64
-    share_prefix: bool = True          # read each prompt once: rollouts (rollout.py), update (policy.py)
+    prompts_per_step: int = 16  # prompts per step (the paper: 64 on 8 GPUs, App. C.3; 16 fit one GPU)
+    paper_batch: bool = False  # the paper's 64 x 8 samples per step, accumulated (PAPER_BATCH)
+    group_size: int = 8  # G, samples per prompt for the group advantage (the paper's, App. C.3)
+    max_new_tokens: int = 1024  # response budget in tokens (the paper's; 8,192 in long runs; App. C.3)
+    temperature: float = 0.99  # sampling temperature of the rollouts (the paper's, §4.1, App. C.3)
+    top_p: float = 1.0  # nucleus sampling: the top tokens of this mass (the paper's, App. C.3)
+    top_k: int = 100  # sample among the k most likely tokens only (the paper's, App. C.3)
+    gen_chunk: int = 0  # rows per generate call (the KV cache); 0: sized to the card, CPU: 64
+    share_prefix: bool = True  # read each prompt once: rollouts (rollout.py), update (policy.py)
     # reward and advantages
-    scale_std: bool = True             # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
-    adv_clip: float = 2.0              # clip each advantage A_i to [-x, x] (the paper's, App. C.3)
-    dynamic_filter: bool = False       # train groups with accuracy in [low, high], uncut responses (App. C.3)
-    filter_low: float = 0.1            # --dynamic-filter: drop groups less accurate (the paper's, App. C.3)
-    filter_high: float = 0.95          # --dynamic-filter: drop groups more accurate (the paper's, App. C.3)
+    scale_std: bool = True  # divide by the group std (eq. 10); off = Dr. GRPO style mean-centering
+    adv_clip: float = 2.0  # clip each advantage A_i to [-x, x] (the paper's, App. C.3)
+    dynamic_filter: bool = False  # train groups with accuracy in [low, high], uncut responses (App. C.3)
+    filter_low: float = 0.1  # --dynamic-filter: drop groups less accurate (the paper's, App. C.3)
+    filter_high: float = 0.95  # --dynamic-filter: drop groups more accurate (the paper's, App. C.3)
     # credit (inherited from training/credit.py's CreditConfig)
     # update
-    lr: float = 1e-6                   # AdamW learning rate (the paper's, §4.1, App. C.3)
-    optimizer: str = "auto"            # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
-    precision: str = "auto"            # auto: bf16 from capability 8.0 (Ampere), below fp16 LoRA / fp32 AdamW
-    warmup_steps: int = 20             # steps of linear learning-rate warmup (the paper's, App. C.3)
-    weight_decay: float = 0.0          # AdamW weight decay (not given in the paper)
-    num_iterations: int = 1            # PPO epochs per batch; > 1 runs an old-log-prob pass first
-    micro_batch: int = 0               # rows per forward/backward (accumulated); 0: sized to the card, CPU: 8
-    eps_low: float = 0.2               # PPO clip: the ratio's floor is 1 - eps_low (eq. 5; paper: no value)
-    eps_high: float = 0.2              # clip-higher: the ratio's ceiling is 1 + eps_high (DAPO uses 0.28)
-    dual_clip: float = 3.0             # dual-clip c: an A < 0 token's loss is at most c |A| (App. C.3; no c)
-    beta: float = 0.0                  # k3 KL weight; 0 = no reference model loaded (§4.1: no KL)
-    loss_agg: str = "seq-mean"         # per response, then over responses (eq. 5) | over all tokens (DAPO)
-    max_grad_norm: float = 1.0         # clip the gradient's global norm to this (not given in the paper)
-    grad_checkpointing: bool = True    # recompute activations in backward (less memory, ~1/3 more compute)
-    logprob_chunk: int = 128           # positions per selective log-softmax chunk
+    lr: float = 1e-6  # AdamW learning rate (the paper's, §4.1, App. C.3)
+    optimizer: str = "auto"  # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
+    precision: str = "auto"  # auto: bf16 from capability 8.0 (Ampere), below fp16 LoRA / fp32 AdamW
+    warmup_steps: int = 20  # steps of linear learning-rate warmup (the paper's, App. C.3)
+    weight_decay: float = 0.0  # AdamW weight decay (not given in the paper)
+    num_iterations: int = 1  # PPO epochs per batch; > 1 runs an old-log-prob pass first
+    micro_batch: int = 0  # rows per forward/backward (accumulated); 0: sized to the card, CPU: 8
+    eps_low: float = 0.2  # PPO clip: the ratio's floor is 1 - eps_low (eq. 5; paper: no value)
+    eps_high: float = 0.2  # clip-higher: the ratio's ceiling is 1 + eps_high (DAPO uses 0.28)
+    dual_clip: float = 3.0  # dual-clip c: an A < 0 token's loss is at most c |A| (App. C.3; no c)
+    beta: float = 0.0  # k3 KL weight; 0 = no reference model loaded (§4.1: no KL)
+    loss_agg: str = "seq-mean"  # per response, then over responses (eq. 5) | over all tokens (DAPO)
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (not given in the paper)
+    grad_checkpointing: bool = True  # recompute activations in backward (less memory, ~1/3 more compute)
+    logprob_chunk: int = 128  # positions per selective log-softmax chunk
     # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
-    eval_every: int = 0                # evaluate every N steps and at the last (0: off); eval/* metrics
-    eval_dataset: str = ""             # the held-out dataset ("": the training dataset's test split)
-    eval_size: int = 200               # held-out questions (the first N of the test split)
+    eval_every: int = 0  # evaluate every N steps and at the last (0: off); eval/* metrics
+    eval_dataset: str = ""  # the held-out dataset ("": the training dataset's test split)
+    eval_size: int = 200  # held-out questions (the first N of the test split)
     # run
-    steps: int = 500                   # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
-    device: str = "auto"               # where to train; auto: the GPU when one is visible, else the CPU
-    gpu_gb: float = 0.0                # the GPU's memory in GB the step is sized to (0: the card's own total)
-    out_dir: str = "runs/grpo"         # the run directory: metrics.jsonl, rollouts/, ckpt/, curves.png
-    overwrite: bool = False            # start afresh in an out_dir that holds a run (else: an error)
-    save_every: int = 50               # checkpoint every N steps (and at the end, on Ctrl-C / SIGTERM)
-    keep_checkpoints: int = 1          # keep the last K checkpoints (ckpt/ and ckpt-<step>/ before it)
-    save_optimizer: bool = True        # save AdamW's state (2x weights): exact --resume; off: AdamW restarts
-    rollouts_every: int = 10           # save rollouts with per-token credit every N steps
-    report_to: str = "none"            # experiment tracker: none | tensorboard (in out_dir) | wandb (offline)
-    max_bad_steps: int = 3             # stop after this many consecutive NaN/inf steps
-    config: str = ""                   # a YAML or JSON file of these flags (a run's run_config.json too)
-    resume: str = ""                   # a run directory (or its ckpt/) to continue from, in that directory
+    steps: int = 500  # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
+    device: str = "auto"  # where to train; auto: the GPU when one is visible, else the CPU
+    gpu_gb: float = 0.0  # the GPU's memory in GB the step is sized to (0: the card's own total)
+    out_dir: str = "runs/grpo"  # the run directory: metrics.jsonl, rollouts/, ckpt/, curves.png
+    overwrite: bool = False  # start afresh in an out_dir that holds a run (else: an error)
+    save_every: int = 50  # checkpoint every N steps (and at the end, on Ctrl-C / SIGTERM)
+    keep_checkpoints: int = 1  # keep the last K checkpoints (ckpt/ and ckpt-<step>/ before it)
+    save_optimizer: bool = True  # save AdamW's state (2x weights): exact --resume; off: AdamW restarts
+    rollouts_every: int = 10  # save rollouts with per-token credit every N steps
+    report_to: str = "none"  # experiment tracker: none | tensorboard (in out_dir) | wandb (offline)
+    max_bad_steps: int = 3  # stop after this many consecutive NaN/inf steps
+    config: str = ""  # a YAML or JSON file of these flags (a run's run_config.json too)
+    resume: str = ""  # a run directory (or its ckpt/) to continue from, in that directory
     allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
 # Departure 5: the embedded model runs on a CPU in minutes, one checkpoint of its weights alone; flags win.
-EMBEDDED = dict(prompts_per_step=2, group_size=4, max_new_tokens=128, steps=6, lr=1e-5, warmup_steps=2,
-                micro_batch=4, gen_chunk=8, rollouts_every=2, max_prompt_tokens=768, save_optimizer=False,
-                grad_checkpointing=False, out_dir="runs/embedded")
-PAPER_MODEL = dict(dynamic_filter=True)   # departure 6: the paper's models get App. C.3's dynamic filter
-PAPER_BATCH = dict(prompts_per_step=64, group_size=8)   # departure 1: 64 prompts x 8, accumulated; flags win
-LORA_LR_FACTOR = 10   # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
-LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))                # 1e-5 (round: not 9.999999999999999e-06)
+EMBEDDED = dict(
+    prompts_per_step=2,
+    group_size=4,
+    max_new_tokens=128,
+    steps=6,
+    lr=1e-5,
+    warmup_steps=2,
+    micro_batch=4,
+    gen_chunk=8,
+    rollouts_every=2,
+    max_prompt_tokens=768,
+    save_optimizer=False,
+    grad_checkpointing=False,
+    out_dir="runs/embedded",
+)
+PAPER_MODEL = dict(dynamic_filter=True)  # departure 6: the paper's models get App. C.3's dynamic filter
+PAPER_BATCH = dict(prompts_per_step=64, group_size=8)  # departure 1: 64 prompts x 8, accumulated; flags win
+LORA_LR_FACTOR = 10  # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
+LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))  # 1e-5 (round: not 9.999999999999999e-06)
 LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
-PRESETS = {"the embedded model": EMBEDDED, "a paper model": PAPER_MODEL, "--paper-batch": PAPER_BATCH,
-           "--lora-rank": LORA, "--lora-rank on the embedded model": LORA_EMBEDDED}
+PRESETS = {
+    "the embedded model": EMBEDDED,
+    "a paper model": PAPER_MODEL,
+    "--paper-batch": PAPER_BATCH,
+    "--lora-rank": LORA,
+    "--lora-rank on the embedded model": LORA_EMBEDDED,
+}
 
 
 # ----------------------------------------------------------------------------- the loop
 class Outcome(NamedTuple):
-    history: list               # one metrics dict per step run
-    stop: str | None            # why the run ended early: "interrupted", a non-finite streak, a full disk
-    status: int                 # main's exit status: 0 (finished, interrupted), 1 (non-finite, OOM), 2 (disk)
+    history: list  # one metrics dict per step run
+    stop: str | None  # why the run ended early: "interrupted", a non-finite streak, a full disk
+    status: int  # main's exit status: 0 (finished, interrupted), 1 (non-finite, OOM), 2 (disk)
 
 
 def train(cfg: Config, run=None) -> Outcome:
-    run = run or setup(cfg)                  # data, model, optimizer, run directory; sized to a GPU
-    history, stop, status, bad = [], None, 0, run.bad_steps    # bad: consecutive non-finite steps
+    run = run or setup(cfg)  # data, model, optimizer, run directory; sized to a GPU
+    history, stop, status, bad = [], None, 0, run.bad_steps  # bad: consecutive non-finite steps
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
-        m, rollouts, bad = grpo_step(run, step, bad)           # rollout -> reward -> credit -> update
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):   # eval/*
-            m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, run.policy.model,
-                                      run.policy.tok, run.task.eval_records, run.task.style,
-                                      cfg.max_new_tokens, engine=run.engine, reward=run.task.reward,
-                                      template_kwargs=run.task.template_kwargs))
+        m, rollouts, bad = grpo_step(run, step, bad)  # rollout -> reward -> credit -> update
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):  # eval/*
+            m.update(
+                backoff.generate(
+                    run,
+                    "held-out evaluation",
+                    heldout.accuracy,
+                    run.policy.model,
+                    run.policy.tok,
+                    run.task.eval_records,
+                    run.task.style,
+                    cfg.max_new_tokens,
+                    engine=run.engine,
+                    reward=run.task.reward,
+                    template_kwargs=run.task.template_kwargs,
+                )
+            )
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
-        elif run.log.stop_requested:         # a first Ctrl-C / SIGTERM: this step is saved, the run stops
+        elif run.log.stop_requested:  # a first Ctrl-C / SIGTERM: this step is saved, the run stops
             stop = "interrupted"
-        full = run.log.step(step, m, rollouts, bad, stopping=stop is not None)   # metrics, saves when due
-        if full:                             # a full disk: the message, and the last checkpoint stands
+        full = run.log.step(step, m, rollouts, bad, stopping=stop is not None)  # metrics, saves when due
+        if full:  # a full disk: the message, and the last checkpoint stands
             stop, status = full, 2
         if stop:
             break
@@ -178,69 +207,90 @@ def train(cfg: Config, run=None) -> Outcome:
 
 
 class Step(NamedTuple):
-    metrics: dict               # the step's metrics line (runlog.step_metrics), or why it was skipped
-    rollouts: runlog.Rollouts | None   # what rollouts/step_N.jsonl shows (save_rollouts); None: skipped
-    bad: int                    # consecutive steps with a non-finite loss or gradient, this one included
+    metrics: dict  # the step's metrics line (runlog.step_metrics), or why it was skipped
+    rollouts: runlog.Rollouts | None  # what rollouts/step_N.jsonl shows (save_rollouts); None: skipped
+    bad: int  # consecutive steps with a non-finite loss or gradient, this one included
 
 
 def grpo_step(run, step, bad) -> Step:
     """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
-    cfg, pol, task, G, clock = run.cfg, run.policy, run.task, run.cfg.group_size, run.log.clock   # phases
-    n, prompts = cfg.prompts_per_step, task.prompt_ids                # prompts: {record: its token ids}
-    ids = [i for i in task.order[step * n:(step + 1) * n] if len(prompts[i]) <= cfg.max_prompt_tokens]
+    cfg, pol, task, G, clock = run.cfg, run.policy, run.task, run.cfg.group_size, run.log.clock  # phases
+    n, prompts = cfg.prompts_per_step, task.prompt_ids  # prompts: {record: its token ids}
+    ids = [i for i in task.order[step * n : (step + 1) * n] if len(prompts[i]) <= cfg.max_prompt_tokens]
     m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}
     if len(ids) < n:
-        tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
-                   f"{cfg.max_prompt_tokens} skipped")
+        tqdm.write(
+            f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
+            f"{cfg.max_prompt_tokens} skipped"
+        )
     if not ids:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
     with clock.phase("generation"), torch.no_grad(), pol.autocast:
-        gen = backoff.generate(run, "rollout", generate, pol.model, pol.tok, [prompts[i] for i in ids],
-                               n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                               top_p=cfg.top_p, top_k=cfg.top_k, share_prefix=cfg.share_prefix,
-                               engine=run.engine)
+        gen = backoff.generate(
+            run,
+            "rollout",
+            generate,
+            pol.model,
+            pol.tok,
+            [prompts[i] for i in ids],
+            n=G,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            share_prefix=cfg.share_prefix,
+            engine=run.engine,
+        )
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
-        rows = [task.records[i] for i in ids for _ in range(G)]                    # row j: prompt j // G
-        rewards = torch.tensor(data.batch_reward(task.reward, gen.texts, rows, gen.response_ids))   # (B,)
+        rows = [task.records[i] for i in ids for _ in range(G)]  # row j: prompt j // G
+        rewards = torch.tensor(data.batch_reward(task.reward, gen.texts, rows, gen.response_ids))  # (B,)
         m["answers/missing"] = sum(find_answer_span(t, cfg.answer_pattern) is None for t in gen.texts)
-        adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)          # (B,) eq. 10
-        kept, dropped = kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else \
-            (list(range(len(rewards))), {})                                                    # departure 6
+        adv, zero_std = compute_advantages(rewards, G, cfg.scale_std, cfg.adv_clip)  # (B,) eq. 10
+        kept, dropped = (
+            kept_rows(rewards, gen.truncated, cfg) if cfg.dynamic_filter else (list(range(len(rewards))), {})
+        )  # departure 6
     m.update(dropped)
     if not kept:
         return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
-    batch = build_batch(pol.tok, [gen.prompt_ids[j] for j in kept], [gen.response_ids[j] for j in kept],
-                        device=pol.device, answer_pattern=cfg.answer_pattern)                 # (B, T) masks
-    adv = adv[kept].to(pol.device)                                                           # (B,)
+    batch = build_batch(
+        pol.tok,
+        [gen.prompt_ids[j] for j in kept],
+        [gen.response_ids[j] for j in kept],
+        device=pol.device,
+        answer_pattern=cfg.answer_pattern,
+    )  # (B, T) masks
+    adv = adv[kept].to(pol.device)  # (B,)
     trained = (adv != 0).nonzero().flatten().tolist() if cfg.beta == 0 else list(range(len(kept)))  # dep. 7
     # ---------------------------------------------------------- credit and update, micro-batch by micro-batch
-    up = backoff.update(run, update, batch, trained, adv, clock)   # out of memory: a smaller micro_batch
-    bad = 0 if up.stepped or up.skipped else bad + 1    # non-finite loss or gradient: no step (train stops)
-    lr = pol.next_lr(up.stepped)                        # the warmup schedule: once a GRPO step that stepped
-    m.update(runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr,
-                                 pol.device))
+    up = backoff.update(run, update, batch, trained, adv, clock)  # out of memory: a smaller micro_batch
+    bad = 0 if up.stepped or up.skipped else bad + 1  # non-finite loss or gradient: no step (train stops)
+    lr = pol.next_lr(up.stepped)  # the warmup schedule: once a GRPO step that stepped
+    m.update(
+        runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr, pol.device)
+    )
     return Step(m, runlog.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
 # ----------------------------------------------------------------------------- policy math
 class Update(NamedTuple):
-    weight: torch.Tensor        # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
-    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput) on trained rows, 0 elsewhere
-    stats: dict                 # loss, grad_norm, clip counts, entropies, credit fallbacks
-    stepped: bool               # False: a non-finite loss or gradient, and the optimizer did not step
-    skipped: bool = False       # fp16: the GradScaler skipped the step at an overflow (not a non-finite one)
+    weight: torch.Tensor  # (B, R) gamma_it of every row: eq. 1-6 on the trained rows, 1 elsewhere
+    scores: torch.Tensor  # (B, R) the credit's scores (flow: throughput) on trained rows, 0 elsewhere
+    stats: dict  # loss, grad_norm, clip counts, entropies, credit fallbacks
+    stepped: bool  # False: a non-finite loss or gradient, and the optimizer did not step
+    skipped: bool = False  # fp16: the GradScaler skipped the step at an overflow (not a non-finite one)
 
 
 class Experience(NamedTuple):
     """One micro-batch's inputs to the loss besides the log-probs (tiny-grpo's Experience), b rows."""
-    adv: torch.Tensor           # (b,) A_i, eq. 10
-    weight: torch.Tensor        # (b, R) gamma_it, the credit (eq. 6)
-    loss_mask: torch.Tensor     # (b, R) bool: the response tokens among the response columns
-    old_logp: torch.Tensor      # (b, R) PPO's old log pi (on-policy: the forward's own, detached)
-    ref_logp: torch.Tensor | None   # (b, R) the reference's log pi for the k3 KL term; None when beta = 0
-    denom: float                # the whole batch's normaliser: B rows (seq-mean) or its response tokens
+
+    adv: torch.Tensor  # (b,) A_i, eq. 10
+    weight: torch.Tensor  # (b, R) gamma_it, the credit (eq. 6)
+    loss_mask: torch.Tensor  # (b, R) bool: the response tokens among the response columns
+    old_logp: torch.Tensor  # (b, R) PPO's old log pi (on-policy: the forward's own, detached)
+    ref_logp: torch.Tensor | None  # (b, R) the reference's log pi for the k3 KL term; None when beta = 0
+    denom: float  # the whole batch's normaliser: B rows (seq-mean) or its response tokens
 
 
 def update(run, batch, trained, adv, clock) -> Update:
@@ -251,56 +301,79 @@ def update(run, batch, trained, adv, clock) -> Update:
     then clip and one optimizer step, per PPO epoch (--num-iterations; departure 8). `clock` times the
     phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
     cfg, pol, model, P = run.cfg, run.policy, run.policy.model, batch.prompt_width
-    loss_mask = batch.response_mask[:, P:]                                                  # (B, R)
-    weight = loss_mask.float()                                          # (B, R) gamma_it; untrained rows: 1
-    scores = torch.zeros(loss_mask.shape, device=loss_mask.device)      # (B, R) untrained rows: 0
+    loss_mask = batch.response_mask[:, P:]  # (B, R)
+    weight = loss_mask.float()  # (B, R) gamma_it; untrained rows: 1
+    scores = torch.zeros(loss_mask.shape, device=loss_mask.device)  # (B, R) untrained rows: 0
     stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
     denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
-    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER    # eq. 1-6
-    with clock.phase("credit"):                # every other credit: training/credit.py, one object, the same
-        other = None if paper else credit.OtherCredit(run, batch, trained, adv)    # call shape and record
+    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER  # eq. 1-6
+    with clock.phase("credit"):  # every other credit: training/credit.py, one object, the same
+        other = None if paper else credit.OtherCredit(run, batch, trained, adv)  # call shape and record
     with clock.phase("update forward"), pol.autocast:
-        if cfg.num_iterations > 1:                   # PPO's old log pi (B, R): the pre-update policy's
-            model.eval()                             # (on-policy: the forward's own, detached; test_fused.py)
-        old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk,
-                             cfg.share_prefix) if cfg.num_iterations > 1 else None
-        ref = None if pol.ref is None else pol.ref_logprobs(batch, trained, cfg.micro_batch,
-                                                            cfg.logprob_chunk, cfg.share_prefix)   # (B, R)
+        if cfg.num_iterations > 1:  # PPO's old log pi (B, R): the pre-update policy's
+            model.eval()  # (on-policy: the forward's own, detached; test_fused.py)
+        old = (
+            fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
+            if cfg.num_iterations > 1
+            else None
+        )
+        ref = (
+            None
+            if pol.ref is None
+            else pol.ref_logprobs(batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
+        )  # (B, R)
     model.train()
     for epoch in range(cfg.num_iterations):
-        first = epoch == 0                           # the first epoch's forward gives the credit (dep. 8)
+        first = epoch == 0  # the first epoch's forward gives the credit (dep. 8)
         for s in range(0, len(trained), cfg.micro_batch):
-            mb = trained[s:s + cfg.micro_batch]
-            sub = take(batch, mb)                                                           # b rows
+            mb = trained[s : s + cfg.micro_batch]
+            sub = take(batch, mb)  # b rows
             cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), pol.autocast:
-                logp, ent = token_logprobs(model, sub.input_ids, sub.attention_mask, P, cfg.logprob_chunk,
-                                           cfg.share_prefix, capture=cap)                  # (b, R)
+                logp, ent = token_logprobs(
+                    model,
+                    sub.input_ids,
+                    sub.attention_mask,
+                    P,
+                    cfg.logprob_chunk,
+                    cfg.share_prefix,
+                    capture=cap,
+                )  # (b, R)
             if first:
                 with clock.phase("credit"), torch.no_grad():
-                    if other is None:                # FlowTracer's credit of this forward, eq. 1-4 then 6
-                        flow = trace_flow(cap.maps(sub.attention_mask),             # W (b, T, T), eq. 1
-                                          sub.question_mask, sub.answer_mask, sub.attention_mask)
-                        c = flow_credit(flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma,
-                                        prompt_width=P)                                     # (b, R) eq. 6
-                    else:                            # another credit (Tables 2, 5, 7; OAR): the same record
+                    if other is None:  # FlowTracer's credit of this forward, eq. 1-4 then 6
+                        flow = trace_flow(
+                            cap.maps(sub.attention_mask),  # W (b, T, T), eq. 1
+                            sub.question_mask,
+                            sub.answer_mask,
+                            sub.attention_mask,
+                        )
+                        c = flow_credit(
+                            flow.throughput, sub.response_mask, cfg.top_frac, cfg.gamma, prompt_width=P
+                        )  # (b, R) eq. 6
+                    else:  # another credit (Tables 2, 5, 7; OAR): the same record
                         c = other(mb, sub, cap, ent)
-                weight[mb], scores[mb] = c.weight, c.scores                                 # (b, R)
+                weight[mb], scores[mb] = c.weight, c.scores  # (b, R)
                 stats["credit/fallback"] += int(c.fallback.sum())
             with clock.phase("backward"):
-                exp = Experience(adv=adv[mb], weight=weight[mb], loss_mask=loss_mask[mb],
-                                 old_logp=logp.detach() if old is None else old[mb],
-                                 ref_logp=None if ref is None else ref[mb], denom=denom)
-                loss, st = grpo_loss(logp, exp, cfg)                                        # eq. 5
-                pol.backward(loss)                   # fp16: times the GradScaler's scale
+                exp = Experience(
+                    adv=adv[mb],
+                    weight=weight[mb],
+                    loss_mask=loss_mask[mb],
+                    old_logp=logp.detach() if old is None else old[mb],
+                    ref_logp=None if ref is None else ref[mb],
+                    denom=denom,
+                )
+                loss, st = grpo_loss(logp, exp, cfg)  # eq. 5
+                pol.backward(loss)  # fp16: times the GradScaler's scale
             stats["loss"] += loss.item()
             stats["entropy"].append(ent[loss_mask[mb]])
             stats.update({k: stats[k] + v for k, v in st.items()})
-            del cap, logp, ent, loss                 # the next micro-batch's forward starts empty
-        with clock.phase("optimizer step"):          # clip, then step; a non-finite loss or gradient: no step
-            s = pol.step(stats["loss"], cfg.max_grad_norm)      # clip, step, zero (LoRA: the adapters)
+            del cap, logp, ent, loss  # the next micro-batch's forward starts empty
+        with clock.phase("optimizer step"):  # clip, then step; a non-finite loss or gradient: no step
+            s = pol.step(stats["loss"], cfg.max_grad_norm)  # clip, step, zero (LoRA: the adapters)
         stats.update({"grad_norm": s.grad_norm, **({"scaler/scale": s.scale} if s.scale else {})})
-        if not s.stepped:                            # train counts the streak of non-finite steps
+        if not s.stepped:  # train counts the streak of non-finite steps
             break
     return Update(weight, scores, stats, s.stepped, s.skipped)
 
@@ -308,10 +381,13 @@ def update(run, batch, trained, adv, clock) -> Update:
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     """Group-relative advantages (eq. 10): A_i = (r_i - mean_g) / std_g, clipped to [-clip, clip]. Returns
     (adv (B,), zero_std (B/G,) bool); a group without variation gets A = 0, a NaN (unscored) reward too."""
-    r = rewards.view(-1, G)                                               # (B/G, G)
-    adv = r - r.nanmean(-1, keepdim=True)                                 # over the scored rewards
-    std = r.std(-1, unbiased=False, keepdim=True) if not r.isnan().any() else \
-        adv.double().pow(2).nanmean(-1, keepdim=True).sqrt().float()      # population std, as in OAR eq. 2
+    r = rewards.view(-1, G)  # (B/G, G)
+    adv = r - r.nanmean(-1, keepdim=True)  # over the scored rewards
+    std = (
+        r.std(-1, unbiased=False, keepdim=True)
+        if not r.isnan().any()
+        else adv.double().pow(2).nanmean(-1, keepdim=True).sqrt().float()
+    )  # population std, as in OAR eq. 2
     if scale_std:
         adv = adv / (std + 1e-6)
     return adv.nan_to_num(0.0).clamp(-clip, clip).view(-1), ~(std.squeeze(-1) >= 1e-8)
@@ -321,23 +397,25 @@ def grpo_loss(logp, exp: Experience, cfg):
     """Eq. 5 with dual-clip, summed over this micro-batch and divided by the whole batch's exp.denom (B rows
     for seq-mean, its response tokens for token-mean). logp: (b, R), the policy's log pi with grad.
     Returns (loss, stats of summed counts)."""
-    A, mask = exp.adv.unsqueeze(-1), exp.loss_mask                       # (b, 1), (b, R)
-    ratio = torch.exp(logp - exp.old_logp)                                # (b, R)
+    A, mask = exp.adv.unsqueeze(-1), exp.loss_mask  # (b, 1), (b, R)
+    ratio = torch.exp(logp - exp.old_logp)  # (b, R)
     obj = torch.min(ratio * A, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * A)
-    obj = torch.where(A < 0, torch.max(obj, cfg.dual_clip * A), obj)      # dual-clip for A < 0
-    per_tok = -exp.weight * obj                                           # (b, R) eq. 5-6: gamma on each term
-    if cfg.beta > 0:                                                      # k3 estimator of KL(pi || ref)
+    obj = torch.where(A < 0, torch.max(obj, cfg.dual_clip * A), obj)  # dual-clip for A < 0
+    per_tok = -exp.weight * obj  # (b, R) eq. 5-6: gamma on each term
+    if cfg.beta > 0:  # k3 estimator of KL(pi || ref)
         d = exp.ref_logp - logp
         per_tok = per_tok + cfg.beta * (torch.exp(d) - d - 1)
     m = mask.float()
-    if cfg.loss_agg == "seq-mean":                                        # 1/G sum_i 1/N_i sum_t
+    if cfg.loss_agg == "seq-mean":  # 1/G sum_i 1/N_i sum_t
         loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / exp.denom
-    else:                                                                 # token-mean: sum_it / sum_i N_i
+    else:  # token-mean: sum_it / sum_i N_i
         loss = (per_tok * m).sum() / exp.denom
     with torch.no_grad():
-        stats = {"clip/low": ((ratio < 1 - cfg.eps_low) & (A < 0) & mask).sum().item(),
-                 "clip/high": ((ratio > 1 + cfg.eps_high) & (A > 0) & mask).sum().item(),
-                 "clip/dual": ((ratio > cfg.dual_clip) & (A < 0) & mask).sum().item()}
+        stats = {
+            "clip/low": ((ratio < 1 - cfg.eps_low) & (A < 0) & mask).sum().item(),
+            "clip/high": ((ratio > 1 + cfg.eps_high) & (A > 0) & mask).sum().item(),
+            "clip/dual": ((ratio > cfg.dual_clip) & (A < 0) & mask).sum().item(),
+        }
     return loss, stats
 
 
@@ -345,7 +423,7 @@ def kept_rows(rewards, truncated, cfg):
     """(row indices for the update, {metric: count dropped}) under --dynamic-filter (App. C.3, departure 6):
     groups with accuracy in [filter_low, filter_high], and in them the responses that ended before
     max_new_tokens."""
-    acc = (rewards.view(-1, cfg.group_size) >= 1).float().mean(-1)        # (B/G,)
+    acc = (rewards.view(-1, cfg.group_size) >= 1).float().mean(-1)  # (B/G,)
     ok = (acc >= cfg.filter_low) & (acc <= cfg.filter_high)
     kept = [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
     return kept, {"groups/filtered": int((~ok).sum()), "rows/truncated_dropped": int(sum(truncated))}
@@ -357,7 +435,7 @@ def presets(model, paper_batch, lora_rank=0) -> list:
     --paper-batch, LoRA's learning rate (--lora-rank > 0; the embedded model's own); applied in this order,
     and the flags given win over them."""
     paper, embedded = any(k in str(model).lower() for k in PAPER_MODELS), models.is_embedded(model)
-    lora = str(lora_rank).isdigit() and int(lora_rank) > 0        # as given on the command line: a word
+    lora = str(lora_rank).isdigit() and int(lora_rank) > 0  # as given on the command line: a word
     on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)
     return [k for k, use in zip(PRESETS, on) if use]
 
@@ -367,31 +445,47 @@ def parse_args(argv=None, for_gpu=False, say=False) -> Config:
     force, a --config file, then the flags given; or, with --resume, the saved run's config (it continues in
     place). for_gpu: the flags are judged as for a GPU whatever this machine has (eval.py memory); say: print
     where the learning rate came from (main)."""
-    return flags.parse(Config, sys.argv[1:] if argv is None else list(argv), __doc__, CHOICES, PRESETS,
-                       presets, "grpo.py", for_gpu, say)
+    return flags.parse(
+        Config,
+        sys.argv[1:] if argv is None else list(argv),
+        __doc__,
+        CHOICES,
+        PRESETS,
+        presets,
+        "grpo.py",
+        for_gpu,
+        say,
+    )
 
 
-CHOICES = {**credit.CHOICES, "dataset": data.DATASETS, "prompt_style": ("auto", *data.STYLES),   # closed sets
-           "device": ("auto", "cpu", "cuda"), "loss_agg": ("seq-mean", "token-mean"),
-           "optimizer": load.OPTIMIZERS, "precision": load.PRECISIONS, "report_to": tracking.KINDS}
-PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")   # §4.1, App. C.3
+CHOICES = {
+    **credit.CHOICES,
+    "dataset": data.DATASETS,
+    "prompt_style": ("auto", *data.STYLES),  # closed sets
+    "device": ("auto", "cpu", "cuda"),
+    "loss_agg": ("seq-mean", "token-mean"),
+    "optimizer": load.OPTIMIZERS,
+    "precision": load.PRECISIONS,
+    "report_to": tracking.KINDS,
+}
+PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")  # §4.1, App. C.3
 
 
 def main(argv=None):
     cfg = parse_args(argv, say=True)
     try:
-        run = setup(cfg)                              # on CUDA: sized to the card before the weights load
-    except (ValueError, OSError, ImportError) as e:   # the user's files, model, checkpoint, out_dir
+        run = setup(cfg)  # on CUDA: sized to the card before the weights load
+    except (ValueError, OSError, ImportError) as e:  # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         out = train(cfg, run)
-    except (RewardError, PatternError, runlog.Interrupted) as e:   # your reward or pattern, mid-step
-        out = Outcome([], *run.log.stopped(e))        # the last completed step saved, the run finished
-    except backoff.OutOfMemory as e:                  # out of memory at gen_chunk or micro_batch 1
+    except (RewardError, PatternError, runlog.Interrupted) as e:  # your reward or pattern, mid-step
+        out = Outcome([], *run.log.stopped(e))  # the last completed step saved, the run finished
+    except backoff.OutOfMemory as e:  # out of memory at gen_chunk or micro_batch 1
         run.log.finish(str(e))
         out = Outcome([], str(e), 1)
-    if out.status:                                    # a non-finite streak (1), a full disk (2)
+    if out.status:  # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)
         sys.exit(out.status)
     return out

@@ -16,6 +16,7 @@ Run: python benchmarks/flow_speed.py [--sizes 256 1024 4096] [--device cuda]
      python benchmarks/flow_speed.py --solves --device cuda             # T = 1024 and 8192, 4 rows
      python benchmarks/flow_speed.py --solves --sizes 128 --rows 2      # the format, on a CPU, in seconds
 """
+
 import argparse
 import math
 import sys
@@ -39,9 +40,9 @@ def synthetic_attention(T, device):
     scores[:, 0] = 2.0
     attn = scores.softmax(-1)
     q = torch.zeros(T, dtype=torch.bool, device=device)
-    q[1:max(2, T // 8)] = True                                    # the question
+    q[1 : max(2, T // 8)] = True  # the question
     a = torch.zeros(T, dtype=torch.bool, device=device)
-    a[T - 6:T - 1] = True                                         # the answer
+    a[T - 6 : T - 1] = True  # the answer
     return attn, q, a
 
 
@@ -61,7 +62,7 @@ def time_loop(attn, q, a, budget_s=20.0):
     """Run the reference in full when it fits the budget, else scale from a smaller T (cost ~ T^2)."""
     T = attn.shape[0]
     T_run = T
-    while T_run > 64 and (T_run / 1024) ** 2 * 2.0 > budget_s:   # ~2 s at T=1024 on 2 CPU cores
+    while T_run > 64 and (T_run / 1024) ** 2 * 2.0 > budget_s:  # ~2 s at T=1024 on 2 CPU cores
         T_run //= 2
     sub, qs, as_ = synthetic_attention(T_run, "cpu")
     rows = sub.double().tolist()
@@ -88,14 +89,19 @@ def timed(fn, device, repeats):
 
 def solve_pieces(A, a, q, device, repeats):
     """Seconds of trace_flow's two solves on -M^T = A (its dtype), and h: (t_h, t_g, h)."""
-    t_h, h = timed(lambda: torch.linalg.solve_triangular(A.mT, a.to(A.dtype).unsqueeze(-1), upper=True,
-                                                         unitriangular=True).squeeze(-1),
-                   device, repeats)                                         # (B, T) (I - M) h = 1_A (eq. 2)
-    src = (q & (h > 0)).to(A.dtype)                                         # (B, T)
+    t_h, h = timed(
+        lambda: torch.linalg.solve_triangular(
+            A.mT, a.to(A.dtype).unsqueeze(-1), upper=True, unitriangular=True
+        ).squeeze(-1),
+        device,
+        repeats,
+    )  # (B, T) (I - M) h = 1_A (eq. 2)
+    src = (q & (h > 0)).to(A.dtype)  # (B, T)
     s_over_h = src / src.sum(-1, keepdim=True).clamp_min(1) / h.clamp_min(torch.finfo(A.dtype).tiny)
-    rhs = torch.where(h > 0, s_over_h, torch.zeros_like(h)).unsqueeze(-1)   # (B, T, 1) s / h
-    t_g, _ = timed(lambda: torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True),
-                   device, repeats)                                         # (I - M^T) g = s / h
+    rhs = torch.where(h > 0, s_over_h, torch.zeros_like(h)).unsqueeze(-1)  # (B, T, 1) s / h
+    t_g, _ = timed(
+        lambda: torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True), device, repeats
+    )  # (I - M^T) g = s / h
     return t_h, t_g, h
 
 
@@ -103,49 +109,74 @@ def solves(T, rows, device, repeats):
     """trace_flow's pieces on `rows` copies of the synthetic (T, T) map, fp64 then fp32 (module docstring)."""
     attn, q, a = synthetic_attention(T, device)
     attn, q, a = attn.expand(rows, T, T).contiguous(), q.expand(rows, T), a.expand(rows, T)  # (B, T, T)
-    v = torch.ones_like(a)                                                                    # (B, T)
-    t_copy, A64 = timed(lambda: _neg_dag(attn, a, v), device, repeats)     # (B, T, T) -M^T, fp64
+    v = torch.ones_like(a)  # (B, T)
+    t_copy, A64 = timed(lambda: _neg_dag(attn, a, v), device, repeats)  # (B, T, T) -M^T, fp64
     t_all, _ = timed(lambda: trace_flow(attn, q, a), device, repeats)
     h64_t, g64_t, h64 = solve_pieces(A64, a, q, device, repeats)
     A32 = A64.float()
     del A64
     h32_t, g32_t, h32 = solve_pieces(A32, a, q, device, repeats)
-    h64, h32 = h64[0], h32[0].double()                                      # (T,) row 0
+    h64, h32 = h64[0], h32[0].double()  # (T,) row 0
     both = (h64 > 0) & (h32 > 0)
     lost = int(((h64 > 0) & (h32 == 0)).sum())
     rel = float(((h32 - h64).abs() / h64)[both].max()) if bool(both.any()) else 0.0
-    return {"fp64": {"copy": t_copy, "h_solve": h64_t, "g_solve": g64_t, "trace_flow": t_all},
-            "fp32": {"copy": None, "h_solve": h32_t, "g_solve": g32_t, "trace_flow": None},
-            "check": {"reachable": int((h64 > 0).sum()), "lost": lost, "min_h64": float(h64[h64 > 0].min()),
-                      "max_rel": rel, "exact": lost == 0 and rel <= T * 2.0 ** -24}}
+    return {
+        "fp64": {"copy": t_copy, "h_solve": h64_t, "g_solve": g64_t, "trace_flow": t_all},
+        "fp32": {"copy": None, "h_solve": h32_t, "g_solve": g32_t, "trace_flow": None},
+        "check": {
+            "reachable": int((h64 > 0).sum()),
+            "lost": lost,
+            "min_h64": float(h64[h64 > 0].min()),
+            "max_rel": rel,
+            "exact": lost == 0 and rel <= T * 2.0**-24,
+        },
+    }
 
 
 def show_solves(args):
-    print(f"device={args.device} torch={torch.__version__} rows={args.rows} repeats={args.repeats}: "
-          f"trace_flow's solves alone (median seconds)")
+    print(
+        f"device={args.device} torch={torch.__version__} rows={args.rows} repeats={args.repeats}: "
+        f"trace_flow's solves alone (median seconds)"
+    )
     print(f"{'T':>6} {'dtype':>6} {'copy -M':>10} {'h solve':>10} {'g solve':>10} {'trace_flow':>11}")
     f = lambda x: f"{x:10.4f}" if x is not None else f"{'-':>10}"  # noqa: E731
     for T in args.sizes:
         res = solves(T, args.rows, args.device, args.repeats)
         for name in ("fp64", "fp32"):
             r = res[name]
-            print(f"{T:>6} {name:>6} {f(r['copy'])} {f(r['h_solve'])} {f(r['g_solve'])} "
-                  f"{f(r['trace_flow']):>11}")
+            print(
+                f"{T:>6} {name:>6} {f(r['copy'])} {f(r['h_solve'])} {f(r['g_solve'])} "
+                f"{f(r['trace_flow']):>11}"
+            )
         c = res["check"]
         verdict = "exact in fp32" if c["exact"] else "NOT exact in fp32: keep fp64"
-        print(f"       h: {c['reachable']} of {T} nodes reachable in fp64 (smallest h {c['min_h64']:.3g}); "
-              f"{c['lost']} underflow to 0 in fp32; max |h32 - h64| / h64 = {c['max_rel']:.3g} "
-              f"(bound T 2^-24 = {T * 2.0 ** -24:.3g}): {verdict}")
+        print(
+            f"       h: {c['reachable']} of {T} nodes reachable in fp64 (smallest h {c['min_h64']:.3g}); "
+            f"{c['lost']} underflow to 0 in fp32; max |h32 - h64| / h64 = {c['max_rel']:.3g} "
+            f"(bound T 2^-24 = {T * 2.0**-24:.3g}): {verdict}"
+        )
 
 
 def main():
-    p = argparse.ArgumentParser(prog="flow_speed.py", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=None,
-                   help="lengths T to time; None: 256 1024 4096, or 1024 8192 with --solves")
+    p = argparse.ArgumentParser(
+        prog="flow_speed.py",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="lengths T to time; None: 256 1024 4096, or 1024 8192 with --solves",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the vectorised flow runs")
-    p.add_argument("--solves", action="store_true",
-                   help="trace_flow's solves alone, fp64 and fp32, and whether h is exact in fp32")
+    p.add_argument(
+        "--solves",
+        action="store_true",
+        help="trace_flow's solves alone, fp64 and fp32, and whether h is exact in fp32",
+    )
     p.add_argument("--rows", type=int, default=4, help="--solves: rows solved at once (8K micro-batch: 4)")
     p.add_argument("--repeats", type=int, default=3, help="--solves: timed calls per piece (median)")
     args = p.parse_args()

@@ -49,6 +49,7 @@ Run:  python benchmarks/generate_speed.py                          # embedded sh
       python benchmarks/generate_speed.py --update --grad-checkpointing --prompt-tokens 150 \
           --response-tokens 512 --rounds 2                              # a DAPO-like prompt, long responses
 """
+
 import argparse
 import gc
 import json
@@ -64,15 +65,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from training.engine import Engine  # noqa: E402
-from training.policy import checkpointing, token_logprobs  # noqa: E402
 from training.models import load_model  # noqa: E402
+from training.policy import checkpointing, token_logprobs  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 
-SHAPES = {"embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
-          "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64),
-          "gpu": dict(prompts=8, group_size=8, max_new_tokens=256, gen_chunk=64),
-          "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8)}
-WIDTH = {"long": 512, "gpu": 256, "tiny": 32}           # prompt tokens: a shared preamble, then the question
+SHAPES = {
+    "embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
+    "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64),
+    "gpu": dict(prompts=8, group_size=8, max_new_tokens=256, gen_chunk=64),
+    "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8),
+}
+WIDTH = {"long": 512, "gpu": 256, "tiny": 32}  # prompt tokens: a shared preamble, then the question
 DECODERS = ("engine", "HF dynamic", "HF static")
 
 
@@ -83,8 +86,8 @@ def shape_prompts(tok, shape, n):
     if shape == "embedded":
         return [data.make_prompt(r, tok, "fewshot3") for r in recs]
     shot, w = data.make_prompt(recs[0], tok, "fewshot3"), WIDTH[shape]
-    pre = tok.decode((tok(shot).input_ids * 2)[:w - w // 8])
-    own = [tok(" ".join([r["question"]] * 8)).input_ids[:w // 8] for r in recs]
+    pre = tok.decode((tok(shot).input_ids * 2)[: w - w // 8])
+    own = [tok(" ".join([r["question"]] * 8)).input_ids[: w // 8] for r in recs]
     return [pre + tok.decode(q) for q in own]
 
 
@@ -93,8 +96,18 @@ def run(model, tok, prompts, s, share, seed):
     steadier of the two (other jobs stretch the wall clock, not this process's own work)."""
     torch.manual_seed(seed)
     t0, c0 = time.perf_counter(), time.process_time()
-    g = generate(model, tok, prompts, n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99,
-                 top_p=1.0, top_k=100, chunk_size=s["gen_chunk"], share_prefix=share)
+    g = generate(
+        model,
+        tok,
+        prompts,
+        n=s["group_size"],
+        max_new_tokens=s["max_new_tokens"],
+        temperature=0.99,
+        top_p=1.0,
+        top_k=100,
+        chunk_size=s["gen_chunk"],
+        share_prefix=share,
+    )
     return time.perf_counter() - t0, time.process_time() - c0, g
 
 
@@ -118,7 +131,7 @@ def forward_backward(model, b, share):
         lp, _ = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, share_prefix=share)
     finally:
         hook.remove()
-    (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
+    (lp * b.response_mask[:, b.prompt_width :]).sum().backward()
     return lp.detach(), len(passes)
 
 
@@ -126,7 +139,7 @@ def update_batch(model, tok, prompts, s, seed):
     """The G rows of the first prompt (cut to s["prompt_tokens"] if set) with random responses of R - 3j."""
     g, R = torch.Generator().manual_seed(seed), s["response_tokens"]
     vocab = min(len(tok), model.config.vocab_size)
-    prompt = prompt_ids(tok, prompts[:1])[0][:s["prompt_tokens"] or None]
+    prompt = prompt_ids(tok, prompts[:1])[0][: s["prompt_tokens"] or None]
     resp = [torch.randint(vocab, (R - 3 * j,), generator=g).tolist() for j in range(s["group_size"])]
     return build_batch(tok, [prompt] * s["group_size"], resp)
 
@@ -134,8 +147,9 @@ def update_batch(model, tok, prompts, s, seed):
 def update_peak(model, tok, prompts, s, share):
     """Peak live tensor bytes of one update micro-batch (memtrace.track_peak), weights and gradients in."""
     from evaluation.memtrace import track_peak
+
     b = update_batch(model, tok, prompts, s, 0)
-    model.zero_grad(set_to_none=True)                  # the previous call's gradients are not this call's
+    model.zero_grad(set_to_none=True)  # the previous call's gradients are not this call's
     with track_peak(model) as tr:
         tr.phase("update")
         forward_backward(model, b, share)
@@ -146,12 +160,22 @@ def decoders(model, tok, prompts, s, greedy, eng, static=True):
     """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
     cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
     eager on the CPU)."""
-    kw = dict(n=s["group_size"], max_new_tokens=s["max_new_tokens"], temperature=0.99, top_p=1.0, top_k=100,
-              greedy=greedy, chunk_size=s["gen_chunk"])
-    calls = {"engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
-             "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
-             "HF static": lambda: generate(model, tok, prompts, share_prefix=False,
-                                           cache_implementation="static", **kw)}
+    kw = dict(
+        n=s["group_size"],
+        max_new_tokens=s["max_new_tokens"],
+        temperature=0.99,
+        top_p=1.0,
+        top_k=100,
+        greedy=greedy,
+        chunk_size=s["gen_chunk"],
+    )
+    calls = {
+        "engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
+        "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
+        "HF static": lambda: generate(
+            model, tok, prompts, share_prefix=False, cache_implementation="static", **kw
+        ),
+    }
     return calls if static else {k: c for k, c in calls.items() if k != "HF static"}
 
 
@@ -169,24 +193,27 @@ def timed(call, device):
 def compare(args, s):
     """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
     from benchmarks.gpu_headline import H100_BANDWIDTH, bandwidth_bound
+
     names = [k for k in DECODERS if k != "HF static" or not args.no_static]
     device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in names}, None, None
     captures = None
-    torch.backends.cuda.matmul.allow_tf32 = False                        # fp32 means fp32 (README)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (README)
     for dtype in (torch.bfloat16, torch.float32):
         model, tok = load_model(args.model, device=device, dtype=dtype)
         prompts = shape_prompts(tok, args.shape, s["prompts"])
         lens = [len(p) for p in prompt_ids(tok, prompts)]
         torch.manual_seed(0)
-        eng = Engine(model, graphs=device.type == "cuda")                 # kept: captures are not timed
-        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True, eng,
-                                                    not args.no_static).items()}              # + warm-up
+        eng = Engine(model, graphs=device.type == "cuda")  # kept: captures are not timed
+        greedy = {
+            k: call() for k, call in decoders(model, tok, prompts, s, True, eng, not args.no_static).items()
+        }  # + warm-up
         ref = greedy["HF dynamic"].response_ids
-        equal[str(dtype)[6:]] = {k: sum(a == b for a, b in zip(g.response_ids, ref))
-                                 for k, g in greedy.items()}
+        equal[str(dtype)[6:]] = {
+            k: sum(a == b for a, b in zip(g.response_ids, ref)) for k, g in greedy.items()
+        }
         if dtype == torch.bfloat16:
             calls = decoders(model, tok, prompts, s, not args.sampled, eng, not args.no_static)
-            for call in calls.values() if args.sampled else []:          # warm-up: sampling's graphs
+            for call in calls.values() if args.sampled else []:  # warm-up: sampling's graphs
                 call()
             warm = eng.captures
             for r in range(args.rounds):
@@ -194,42 +221,71 @@ def compare(args, s):
                     torch.manual_seed(r)
                     sec, g = timed(calls[k], device)
                     c = s["gen_chunk"]
-                    steps = sum(max(map(len, g.response_ids[i:i + c])) for i in range(0, len(ref), c))
+                    steps = sum(max(map(len, g.response_ids[i : i + c])) for i in range(0, len(ref), c))
                     speed[k].append((sec, sum(map(len, g.response_ids)), steps))
-                    print(f"round {r + 1}: {k:<11}{sec:8.2f} s  {speed[k][-1][1]} tokens  {steps} steps",
-                          flush=True)
-            cfg = SimpleNamespace(max_new_tokens=s["max_new_tokens"], prompts_per_step=s["prompts"],
-                                  group_size=s["group_size"], gen_chunk=s["gen_chunk"])
+                    print(
+                        f"round {r + 1}: {k:<11}{sec:8.2f} s  {speed[k][-1][1]} tokens  {steps} steps",
+                        flush=True,
+                    )
+            cfg = SimpleNamespace(
+                max_new_tokens=s["max_new_tokens"],
+                prompts_per_step=s["prompts"],
+                group_size=s["group_size"],
+                gen_chunk=s["gen_chunk"],
+            )
             bound = bandwidth_bound(model, cfg, max(lens), H100_BANDWIDTH)
             captures = (warm, eng.captures - warm, eng.graphs)
-        model = greedy = calls = eng = None                             # the next dtype's model: alone
+        model = greedy = calls = eng = None  # the next dtype's model: alone
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows = s["prompts"] * s["group_size"]
-    print(f"\n{args.model} on {device.type}: {s['prompts']} prompts x {s['group_size']}, prompt tokens "
-          f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
-          f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)")
+    print(
+        f"\n{args.model} on {device.type}: {s['prompts']} prompts x {s['group_size']}, prompt tokens "
+        f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
+        f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)"
+    )
     print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
-    print(f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
-          f"{'' if captures[2] else ' (eager: the captures it would make)'}")
-    base = names[-1]                                                       # HF static, or HF dynamic
-    print(f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x ' + base:>14}"
-          f"{'greedy = HF fp32':>18}{'bf16':>6}")
-    res = {k: dict(tok_s=statistics.median(t / sec for sec, t, _ in v),
-                   ms_step=statistics.median(1e3 * sec / n for sec, _, n in v)) for k, v in speed.items()}
+    print(
+        f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
+        f"{'' if captures[2] else ' (eager: the captures it would make)'}"
+    )
+    base = names[-1]  # HF static, or HF dynamic
+    print(
+        f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x ' + base:>14}"
+        f"{'greedy = HF fp32':>18}{'bf16':>6}"
+    )
+    res = {
+        k: dict(
+            tok_s=statistics.median(t / sec for sec, t, _ in v),
+            ms_step=statistics.median(1e3 * sec / n for sec, _, n in v),
+        )
+        for k, v in speed.items()
+    }
     for k, d in res.items():
-        print(f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
-              f"{d['tok_s'] / res[base]['tok_s']:>14.2f}{equal['float32'][k]:>12}/{rows}"
-              f"{equal['bfloat16'][k]:>3}/{rows}")
-    return {"speed": res, "equal": equal, "bound_tok_s": bound, "rows": rows, "captures": captures[:2],
-            "tokens": {k: [t for _, t, _ in v] for k, v in speed.items()}, "model": args.model,
-            "device": args.device, "max_new_tokens": s["max_new_tokens"], "sampled": args.sampled}
+        print(
+            f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
+            f"{d['tok_s'] / res[base]['tok_s']:>14.2f}{equal['float32'][k]:>12}/{rows}"
+            f"{equal['bfloat16'][k]:>3}/{rows}"
+        )
+    return {
+        "speed": res,
+        "equal": equal,
+        "bound_tok_s": bound,
+        "rows": rows,
+        "captures": captures[:2],
+        "tokens": {k: [t for _, t, _ in v] for k, v in speed.items()},
+        "model": args.model,
+        "device": args.device,
+        "max_new_tokens": s["max_new_tokens"],
+        "sampled": args.sampled,
+    }
 
 
 def profile(model, tok, prompts, s):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         _, _, g = run(model, tok, prompts, s, True, seed=0)
     steps = max(map(len, g.response_ids))
@@ -238,25 +294,40 @@ def profile(model, tok, prompts, s):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="generate_speed.py", description=__doc__.splitlines()[0],
-                                 allow_abbrev=False)
-    ap.add_argument("--shape", default=None, choices=SHAPES,
-                    help="embedded or long; with --engine: gpu or tiny (default embedded; gpu with --engine)")
+    ap = argparse.ArgumentParser(
+        prog="generate_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    ap.add_argument(
+        "--shape",
+        default=None,
+        choices=SHAPES,
+        help="embedded or long; with --engine: gpu or tiny (default embedded; gpu with --engine)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the GPU table (--engine)")
-    ap.add_argument("--engine", action="store_true", help="the engine beside HF generate, dynamic and static "
-                    "cache (the default with --device cuda)")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="the engine beside HF generate, dynamic and static cache (the default with --device cuda)",
+    )
     ap.add_argument("--sampled", action="store_true", help="with --engine: time App. C.3 sampling")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="with --engine: override the shape's")
-    ap.add_argument("--no-static", action="store_true", help="with --engine: leave out HF's static cache "
-                    "(and its compilation); ratios to HF's dynamic cache")
+    ap.add_argument(
+        "--no-static",
+        action="store_true",
+        help="with --engine: leave out HF's static cache (and its compilation); ratios to HF's dynamic cache",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
     ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
     ap.add_argument("--update", action="store_true", help="time the update's micro-batch instead (above)")
     ap.add_argument("--grad-checkpointing", action="store_true", help="with --update: checkpointed layers")
-    ap.add_argument("--prompt-tokens", type=int, default=0, help="with --update: cut the prompt to this many "
-                    "tokens (0: the shape's whole prompt)")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="with --update: cut the prompt to this many tokens (0: the shape's whole prompt)",
+    )
     ap.add_argument("--response-tokens", type=int, default=100, help="with --update: R, row j has R - 3j")
     ap.add_argument("--json", default="", help="also write what is printed here (with --engine)")
     args = ap.parse_args(argv)
@@ -264,10 +335,13 @@ def main(argv=None):
     args.shape = args.shape or ("gpu" if args.engine else "embedded")
     if args.engine and (args.update or args.profile or args.shape not in ("gpu", "tiny")):
         ap.error("--device cuda / --engine: --shape gpu or tiny, without --update or --profile")
-    if not args.engine and (args.sampled or args.max_new_tokens or args.no_static or args.json
-                            or args.shape in ("gpu", "tiny")):
-        ap.error("--sampled, --max-new-tokens, --no-static, --json and --shape gpu / tiny need --engine (or "
-                 "--device cuda)")
+    if not args.engine and (
+        args.sampled or args.max_new_tokens or args.no_static or args.json or args.shape in ("gpu", "tiny")
+    ):
+        ap.error(
+            "--sampled, --max-new-tokens, --no-static, --json and --shape gpu / tiny need --engine (or "
+            "--device cuda)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --engine --shape tiny shows the format)")
     if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0 or args.max_new_tokens < 0:
@@ -285,47 +359,65 @@ def main(argv=None):
         return out
     model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     if args.grad_checkpointing:
-        checkpointing(model)                                  # as grpo.py: the shared prompt's keys survive
+        checkpointing(model)  # as grpo.py: the shared prompt's keys survive
     prompts = shape_prompts(tok, args.shape, s["prompts"])
     lens = [len(p) for p in prompt_ids(tok, prompts)]
     times, cpu, same, fell = {"plain": [], "shared": []}, {"plain": [], "shared": []}, True, False
     for r in range(args.rounds):
         outs = {}
-        for name in (("plain", "shared") if r % 2 == 0 else ("shared", "plain")):
+        for name in ("plain", "shared") if r % 2 == 0 else ("shared", "plain"):
             sec, c, outs[name] = (update if args.update else run)(model, tok, prompts, s, name == "shared", r)
             times[name].append(sec)
             cpu[name].append(c)
             if args.update:
                 outs[name], passes = outs[name]
-                if name == "shared" and passes < 2 and not fell:                    # said once
-                    print("generate_speed.py: the shared-prompt update fell back to the full pass (one "
-                          "decoder pass): shared/full below is no measurement of sharing")
+                if name == "shared" and passes < 2 and not fell:  # said once
+                    print(
+                        "generate_speed.py: the shared-prompt update fell back to the full pass (one "
+                        "decoder pass): shared/full below is no measurement of sharing"
+                    )
                     fell = True
-            made = (f"log-probs {tuple(outs[name].shape)}" if args.update
-                    else f"{sum(map(len, outs[name].response_ids))} tokens")
+            made = (
+                f"log-probs {tuple(outs[name].shape)}"
+                if args.update
+                else f"{sum(map(len, outs[name].response_ids))} tokens"
+            )
             print(f"round {r + 1}: {name:<7}{sec:8.2f} s wall {c:8.2f} s CPU  {made}", flush=True)
-        same &= (torch.allclose(outs["plain"], outs["shared"], atol=1e-4) if args.update
-                 else outs["plain"] == outs["shared"])
+        same &= (
+            torch.allclose(outs["plain"], outs["shared"], atol=1e-4)
+            if args.update
+            else outs["plain"] == outs["shared"]
+        )
     med = {k: statistics.median(v) for k, v in times.items()}
     mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     if args.update:
         P = min(lens[0], args.prompt_tokens or lens[0])
-        shape = (f"update: {s['group_size']} rows of a {P}-token prompt, {args.response_tokens} - 3j "
-                 f"response tokens{', gradient checkpointing' if args.grad_checkpointing else ''}")
+        shape = (
+            f"update: {s['group_size']} rows of a {P}-token prompt, {args.response_tokens} - 3j "
+            f"response tokens{', gradient checkpointing' if args.grad_checkpointing else ''}"
+        )
     else:
-        shape = (f"{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-"
-                 f"{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}")
+        shape = (
+            f"{args.shape}: {s['prompts']} prompts x {s['group_size']}, prompt tokens {min(lens)}-"
+            f"{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}"
+        )
     print(f"\n{shape}, {args.threads} thread(s), {args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
     for what, m in (("wall", med), ("CPU", mcpu)):
-        print(f"{what:<5} {'full pass' if args.update else 'plain HF'} {m['plain']:8.2f} s   shared "
-              f"{m['shared']:8.2f} s   ratio shared/plain {m['shared'] / m['plain']:.3f}")
-    print(f"same {'log-probs' if args.update else 'tokens'} in every round: {same}"
-          f"{'; the shared update FELL BACK to the full pass' if fell else ''}")
+        print(
+            f"{what:<5} {'full pass' if args.update else 'plain HF'} {m['plain']:8.2f} s   shared "
+            f"{m['shared']:8.2f} s   ratio shared/plain {m['shared'] / m['plain']:.3f}"
+        )
+    print(
+        f"same {'log-probs' if args.update else 'tokens'} in every round: {same}"
+        f"{'; the shared update FELL BACK to the full pass' if fell else ''}"
+    )
     peak = {}
     if args.update:
         peak = {name: update_peak(model, tok, prompts, s, name == "shared") for name in ("plain", "shared")}
-        print(f"peak  full pass {peak['plain'] / 1e6:8.1f} MB   shared {peak['shared'] / 1e6:8.1f} MB   "
-              f"ratio shared/plain {peak['shared'] / peak['plain']:.3f}")
+        print(
+            f"peak  full pass {peak['plain'] / 1e6:8.1f} MB   shared {peak['shared'] / 1e6:8.1f} MB   "
+            f"ratio shared/plain {peak['shared'] / peak['plain']:.3f}"
+        )
     if args.profile:
         profile(model, tok, prompts, s)
     return {"wall": med, "cpu": mcpu, "same": same, "peak": peak, "fell_back": fell}

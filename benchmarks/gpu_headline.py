@@ -63,6 +63,7 @@ Run:  python benchmarks/gpu_headline.py                                  # one 8
           --prompt-tokens 16 --prompts-per-step 2 --group-size 2 --micro-batch 2 --gen-chunk 4 --rounds 1
                                                                          # the format, on a CPU, in seconds
 """
+
 import argparse
 import dataclasses
 import gc
@@ -85,8 +86,8 @@ from training.attention import capturing  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 from training.run import load_for_update  # noqa: E402
 
-H100_BANDWIDTH = 3.35e12        # bytes/s, H100 SXM5 HBM3
-ANSWER_TOKENS = 8               # departure 1
+H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
+ANSWER_TOKENS = 8  # departure 1
 
 
 # ----------------------------------------------------------------------------- the step's pieces
@@ -94,13 +95,31 @@ def step_config(args, R):
     """(grpo.py's Config for this shape, parsed by grpo.py: its checks; whether the plan releases the engine
     for the update): on CUDA its chunks and the engine's layout sized to the card (or --gpu-gb, then enforced
     by the allocator) as grpo.py's setup sizes them (budget.size)."""
-    flags = ["--model", args.model, "--device", args.device, "--max-new-tokens", str(R),
-             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-             "--micro-batch", str(args.micro_batch), "--gen-chunk", str(args.gen_chunk), "--credit", "flow",
-             "--lora-rank", str(args.lora_rank), "--gpu-gb", str(args.gpu_gb)]
+    flags = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--max-new-tokens",
+        str(R),
+        "--prompts-per-step",
+        str(args.prompts_per_step),
+        "--group-size",
+        str(args.group_size),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--gen-chunk",
+        str(args.gen_chunk),
+        "--credit",
+        "flow",
+        "--lora-rank",
+        str(args.lora_rank),
+        "--gpu-gb",
+        str(args.gpu_gb),
+    ]
     cfg = grpo.parse_args(flags)
     if args.device == "cuda":
-        if args.gpu_gb:                           # a smaller card on a large one: the allocator's limit
+        if args.gpu_gb:  # a smaller card on a large one: the allocator's limit
             total = torch.cuda.mem_get_info()[1]
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gb * budget.GB / total))
         try:
@@ -108,7 +127,7 @@ def step_config(args, R):
         except ValueError as e:
             raise SystemExit(f"gpu_headline.py: error: R = {R}: {e}") from None
         return cfg, sized.plan.release
-    return budget.largest(cfg), False                                   # the CPU's sizes, as setup's
+    return budget.largest(cfg), False  # the CPU's sizes, as setup's
 
 
 def synced(device):
@@ -123,13 +142,14 @@ def load(cfg, device, P, short=0):
     functions read, and on CUDA the run's decode engine (run.engine), made and reserved as setup makes it
     (preflight.make_engine: memtrace.run_engine), for the prompts `prompts` (run.prompts) and every row
     running to its budget (min_new_tokens: max_new_tokens, or --quick's `short`)."""
-    run = load_for_update(cfg, device)                                  # run.setup's policy and credit
+    run = load_for_update(cfg, device)  # run.setup's policy and credit
     g = torch.Generator().manual_seed(0)
-    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]     # as memtrace.measure's
-    run.prompts = ["".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g))
-                   for n in lens]                                                  # departure 1
+    lens = [P - (i * 7) % max(1, P // 4) for i in range(cfg.prompts_per_step)]  # as memtrace.measure's
+    run.prompts = [
+        "".join(chr(32 + int(c)) for c in torch.randint(95, (n,), generator=g)) for n in lens
+    ]  # departure 1
     run.new = min(short, cfg.max_new_tokens) if short else cfg.max_new_tokens
-    run.policy.model.generation_config.min_new_tokens = run.new    # the engine reads it when it is made
+    run.policy.model.generation_config.min_new_tokens = run.new  # the engine reads it when it is made
     run.engine = memtrace.run_engine(cfg, run.policy.model, run.policy.tok, run.prompts, device)
     return run, run.policy.tok
 
@@ -143,17 +163,31 @@ def rollout(run, tok, P, short=0):
     t0 = synced(run.policy.device)
     with torch.no_grad(), run.policy.autocast:
         n, extra = run.new, {} if run.engine is not None else {"min_new_tokens": run.new}
-        gen = generate(run.policy.model, tok, run.prompts, n=cfg.group_size, max_new_tokens=n,
-                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                       chunk_size=cfg.gen_chunk, engine=run.engine, **extra)
+        gen = generate(
+            run.policy.model,
+            tok,
+            run.prompts,
+            n=cfg.group_size,
+            max_new_tokens=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            chunk_size=cfg.gen_chunk,
+            engine=run.engine,
+            **extra,
+        )
     seconds = synced(run.policy.device) - t0
-    if short:                                                                       # up to R: the shapes
-        gen = gen._replace(response_ids=[r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),),
-                                                           generator=g).tolist() for r in gen.response_ids])
+    if short:  # up to R: the shapes
+        gen = gen._replace(
+            response_ids=[
+                r + torch.randint(32, 127, (cfg.max_new_tokens - len(r),), generator=g).tolist()
+                for r in gen.response_ids
+            ]
+        )
     batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(run.policy.device)
-    n = batch.response_mask.sum(-1, keepdim=True)                                   # (B, 1)
-    col = torch.arange(batch.input_ids.shape[1], device=run.policy.device) - batch.prompt_width      # (T,)
-    answer = (col >= n - ANSWER_TOKENS) & (col < n)                                 # (B, T) last tokens
+    n = batch.response_mask.sum(-1, keepdim=True)  # (B, 1)
+    col = torch.arange(batch.input_ids.shape[1], device=run.policy.device) - batch.prompt_width  # (T,)
+    answer = (col >= n - ANSWER_TOKENS) & (col < n)  # (B, T) last tokens
     return batch._replace(answer_mask=answer), seconds, sum(map(len, gen.response_ids))
 
 
@@ -161,13 +195,16 @@ def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
     its seconds (runlog.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
-    run.layers = select_layers(run.cfg.layers, run.policy.model.config.num_hidden_layers) \
-        if credit.reads_maps(run.cfg) else []                                       # as run.py's setup
+    run.layers = (
+        select_layers(run.cfg.layers, run.policy.model.config.num_hidden_layers)
+        if credit.reads_maps(run.cfg)
+        else []
+    )  # as run.py's setup
     if credit.reads_maps(run.cfg) and run.head_mean is None:
         run.head_mean = head_mean_kernel(run.policy.device)
     B = batch.input_ids.shape[0]
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.policy.device)  # (B,) all trained
-    clock = runlog.Clock(run.policy.device)                                          # grpo.update marks it
+    clock = runlog.Clock(run.policy.device)  # grpo.update marks it
     grpo.update(run, batch, list(range(B)), adv, clock)
     return sum(clock.seconds.values())
 
@@ -176,9 +213,9 @@ def bandwidth_bound(model, cfg, P, bandwidth):
     """Generated tokens/s if every decode step only read the weights and its rows' KV cache (departure 3)."""
     mc, R, B = model.config, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv_bytes = 2 if model.device.type == "cuda" else model.dtype.itemsize           # bf16 under autocast
-    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * kv_bytes   # K and V, every layer
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())         # tied weights once
+    kv_bytes = 2 if model.device.type == "cuda" else model.dtype.itemsize  # bf16 under autocast
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * kv_bytes  # K and V, every layer
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     chunks = [min(cfg.gen_chunk, B - c) for c in range(0, B, cfg.gen_chunk)]
     total = sum(R * weights + g * per_token * (R * P + R * (R - 1) / 2) for g in chunks)
     return B * R * bandwidth / total
@@ -191,39 +228,54 @@ def rereserve(run, graphs):
     call_s: a short call (one chunk, 16 new tokens) with the engine resident, released_s: the same right
     after a release (its buffers made and its graphs captured again); captures: that call's}."""
     from training import preflight
+
     widest = max(map(len, prompt_ids(run.policy.tok, run.prompts)))
     eng = run.engine or preflight.make_engine(run.cfg, run.policy.model, run.policy.tok, widest, 0)
     if eng is None:
         return None
     cfg, dev = run.cfg, run.policy.device
-    kw = dict(n=cfg.group_size, max_new_tokens=min(16, run.new), temperature=cfg.temperature, top_p=cfg.top_p,
-              top_k=cfg.top_k, chunk_size=cfg.gen_chunk, engine=eng)
-    one = run.prompts[:max(1, cfg.gen_chunk // cfg.group_size)]                   # one chunk of rows
+    kw = dict(
+        n=cfg.group_size,
+        max_new_tokens=min(16, run.new),
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        chunk_size=cfg.gen_chunk,
+        engine=eng,
+    )
+    one = run.prompts[: max(1, cfg.gen_chunk // cfg.group_size)]  # one chunk of rows
     with torch.no_grad(), run.policy.autocast:
-        generate(run.policy.model, run.policy.tok, one, **kw)                       # warm: graphs captured
+        generate(run.policy.model, run.policy.tok, one, **kw)  # warm: graphs captured
         t0 = synced(dev)
         generate(run.policy.model, run.policy.tok, one, **kw)
         t1 = synced(dev)
         eng.release()
         t2 = synced(dev)
         eng.reserve(eng.rows, eng.S, eng.width, *eng.settings, eng.warp)
-        eng.allocate(SimpleNamespace(layers=[]))                                  # in the model's dtype
+        eng.allocate(SimpleNamespace(layers=[]))  # in the model's dtype
         t3 = synced(dev)
         c = eng.captures
         eng.release()
         t4 = synced(dev)
         generate(run.policy.model, run.policy.tok, one, **kw)
         t5 = synced(dev)
-    return dict(bytes=eng.keys.nbytes + eng.values.nbytes, reserve_s=t3 - t2, graphs=graphs, call_s=t1 - t0,
-                released_s=t5 - t4, captures=eng.captures - c, eager=not eng.graphs)
+    return dict(
+        bytes=eng.keys.nbytes + eng.values.nbytes,
+        reserve_s=t3 - t2,
+        graphs=graphs,
+        call_s=t1 - t0,
+        released_s=t5 - t4,
+        captures=eng.captures - c,
+        eager=not eng.graphs,
+    )
 
 
 # ----------------------------------------------------------------------------- the attention maps
 def attention_peaks(model, cfg, rows, T):
     """{plain, capture, eager: peak bytes of one no-grad forward of `rows` rows of T tokens} (None: OOM)."""
     dev = model.device
-    ids = torch.randint(256, (rows, T), generator=torch.Generator().manual_seed(1)).to(dev)   # (b, T)
-    mask = torch.ones_like(ids)                                                               # (b, T)
+    ids = torch.randint(256, (rows, T), generator=torch.Generator().manual_seed(1)).to(dev)  # (b, T)
+    mask = torch.ones_like(ids)  # (b, T)
     tracker = memtrace.cuda_peak() if dev.type == "cuda" else memtrace.track_peak()
     impl, out = model.config._attn_implementation, {}
     model.eval()
@@ -234,18 +286,23 @@ def attention_peaks(model, cfg, rows, T):
                 if name == "capture":
                     with capturing(model, mask, cfg.layers) as cap:
                         model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-                    kept = cap.attn                                                 # (b, T, T) fp32
+                    kept = cap.attn  # (b, T, T) fp32
                 elif name == "eager":
                     model.set_attn_implementation("eager")
-                    kept = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1,
-                                 output_attentions=True).attentions                 # L x (b, H, T, T)
+                    kept = model(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        use_cache=False,
+                        logits_to_keep=1,
+                        output_attentions=True,
+                    ).attentions  # L x (b, H, T, T)
                 else:
                     kept = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
                 out[name] = True
             except torch.OutOfMemoryError:
                 out[name] = None
             finally:
-                kept = None                          # noqa: F841  the next phase starts empty
+                kept = None  # noqa: F841  the next phase starts empty
                 model.set_attn_implementation(impl)
         tr.phase(None)
     return {k: tr.peak[k] if ok else None for k, ok in out.items()}
@@ -256,41 +313,67 @@ def headline(args, R, device):
     """Every number of one table (response budget R) as a dict: memory, overhead, generation, attention."""
     cfg, release = step_config(args, R)
     P, B = args.prompt_tokens, cfg.prompts_per_step * cfg.group_size
-    res = dict(max_new_tokens=R, prompt_tokens=P, rows=B, gen_chunk=cfg.gen_chunk,
-               micro_batch=cfg.micro_batch, engine=budget.LAYOUTS[release] if device.type == "cuda" else "-")
+    res = dict(
+        max_new_tokens=R,
+        prompt_tokens=P,
+        rows=B,
+        gen_chunk=cfg.gen_chunk,
+        micro_batch=cfg.micro_batch,
+        engine=budget.LAYOUTS[release] if device.type == "cuda" else "-",
+    )
     if not args.quick:
         est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), device.type, P, release=release)
         reserved = {}
         measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved, release=release)
-        res["memory"] = {ph: dict(estimate=sum(est[ph].values()), allocated=measured[ph],
-                                  reserved=reserved.get(ph), ratio=sum(est[ph].values()) / measured[ph])
-                         for ph in step_bytes.PHASES}
+        res["memory"] = {
+            ph: dict(
+                estimate=sum(est[ph].values()),
+                allocated=measured[ph],
+                reserved=reserved.get(ph),
+                ratio=sum(est[ph].values()) / measured[ph],
+            )
+            for ph in step_bytes.PHASES
+        }
         free(device)
     run, tok = load(cfg, device, P, args.quick_tokens if args.quick else 0)
     before = run.engine.captures if run.engine is not None else 0
     batch, gen_s, tokens = rollout(run, tok, P, args.quick_tokens if args.quick else 0)
-    graphs = run.engine.captures - before if run.engine is not None else None      # a rollout's graphs
+    graphs = run.engine.captures - before if run.engine is not None else None  # a rollout's graphs
     if not args.quick:
         res["rereserve"] = rereserve(run, graphs)
     if release and run.engine is not None:
-        run.engine.release()                                     # the update without it, as grpo.py's
+        run.engine.release()  # the update without it, as grpo.py's
     times = {"none": [], "flow": []}
-    update(run, tok, batch, "none")                                                # warm-up, not counted
+    update(run, tok, batch, "none")  # warm-up, not counted
     for r in range(args.rounds):
-        for s in (("none", "flow") if r % 2 == 0 else ("flow", "none")):           # alternating
+        for s in ("none", "flow") if r % 2 == 0 else ("flow", "none"):  # alternating
             times[s].append(update(run, tok, batch, s))
     off, on = (statistics.median(times[s]) for s in ("none", "flow"))
-    res["overhead"] = dict(generate_s=gen_s, update_none_s=off, update_flow_s=on, step_none_s=gen_s + off,
-                           step_flow_s=gen_s + on, fraction=(on - off) / (gen_s + off), rounds=args.rounds,
-                           of_update=(on - off) / off, response_tokens=batch.input_ids.shape[1] - P)
-    if args.quick:                                         # a short rollout: no step share, no generation
+    res["overhead"] = dict(
+        generate_s=gen_s,
+        update_none_s=off,
+        update_flow_s=on,
+        step_none_s=gen_s + off,
+        step_flow_s=gen_s + on,
+        fraction=(on - off) / (gen_s + off),
+        rounds=args.rounds,
+        of_update=(on - off) / off,
+        response_tokens=batch.input_ids.shape[1] - P,
+    )
+    if args.quick:  # a short rollout: no step share, no generation
         res["overhead"].update(generate_s=None, step_none_s=None, step_flow_s=None, fraction=None)
         del run, batch
         free(device)
         return res
     bound = bandwidth_bound(run.policy.model, cfg, P, args.bandwidth)
-    res["generation"] = dict(tokens=tokens, seconds=gen_s, tok_s=tokens / gen_s, bound_tok_s=bound,
-                             of_bound=tokens / gen_s / bound, bandwidth=args.bandwidth)
+    res["generation"] = dict(
+        tokens=tokens,
+        seconds=gen_s,
+        tok_s=tokens / gen_s,
+        bound_tok_s=bound,
+        of_bound=tokens / gen_s / bound,
+        bandwidth=args.bandwidth,
+    )
     if R == max(args.max_new_tokens):
         res["attention"] = attention_maps(args, run.policy.model, cfg, P + R)
     del run, batch
@@ -304,9 +387,15 @@ def attention_maps(args, model, cfg, T):
     mc = model.config
     eager_need = mc.num_hidden_layers * args.attn_rows * mc.num_attention_heads * T * T * model.dtype.itemsize
     extra = {k: v - peaks["plain"] if v is not None and peaks["plain"] else None for k, v in peaks.items()}
-    return dict(rows=args.attn_rows, tokens=T, layers=len(select_layers(cfg.layers, mc.num_hidden_layers)),
-                peak=peaks, extra=extra, eager_maps_bytes=eager_need,
-                capture_maps_bytes=args.attn_rows * T * T * 4)
+    return dict(
+        rows=args.attn_rows,
+        tokens=T,
+        layers=len(select_layers(cfg.layers, mc.num_hidden_layers)),
+        peak=peaks,
+        extra=extra,
+        eager_maps_bytes=eager_need,
+        capture_maps_bytes=args.attn_rows * T * T * 4,
+    )
 
 
 def free(device):
@@ -321,81 +410,125 @@ def show(args, res, device):
     unit, name = (1e9, "GB") if device.type == "cuda" else (1e6, "MB")
     f = lambda v: f"{v / unit:10.2f}" if v is not None else f"{'-':>10s}"  # noqa: E731
     m = res.get("memory", {})
-    print(f"\n== {args.model} on {device.type}: {res['rows']} rows ({args.prompts_per_step} prompts x "
-          f"{args.group_size}), {res['prompt_tokens']} + {res['max_new_tokens']} tokens, gen_chunk "
-          f"{res['gen_chunk']}, micro_batch {res['micro_batch']}, engine {res['engine']} ==")
+    print(
+        f"\n== {args.model} on {device.type}: {res['rows']} rows ({args.prompts_per_step} prompts x "
+        f"{args.group_size}), {res['prompt_tokens']} + {res['max_new_tokens']} tokens, gen_chunk "
+        f"{res['gen_chunk']}, micro_batch {res['micro_batch']}, engine {res['engine']} =="
+    )
     if m:
         print(f"memory ({name})     estimate  allocated   reserved  estimate/allocated")
     for ph, d in m.items():
         print(f"  {ph:15s}{f(d['estimate'])} {f(d['allocated'])} {f(d['reserved'])} {d['ratio']:10.3f}")
     o = res["overhead"]
     if args.quick:
-        print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow): "
-              f"+{100 * o['of_update']:.2f}% of the update (rounds: {o['rounds']}; --quick: no step share)")
+        print(
+            f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow): "
+            f"+{100 * o['of_update']:.2f}% of the update (rounds: {o['rounds']}; --quick: no step share)"
+        )
         return
-    print(f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow); "
-          f"generate {o['generate_s']:.3f} s; {100 * o['fraction']:.2f}% of the step (rounds: {o['rounds']})")
+    print(
+        f"flow credit    update {o['update_none_s']:.3f} s (none), {o['update_flow_s']:.3f} s (flow); "
+        f"generate {o['generate_s']:.3f} s; {100 * o['fraction']:.2f}% of the step (rounds: {o['rounds']})"
+    )
     g = res["generation"]
-    print(f"generation     {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; bound "
-          f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
-          f"{100 * g['of_bound']:.3g}% of it")
+    print(
+        f"generation     {g['tokens']} tokens in {g['seconds']:.2f} s = {g['tok_s']:.1f} tok/s; bound "
+        f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
+        f"{100 * g['of_bound']:.3g}% of it"
+    )
     e = res.get("rereserve")
     if e:
         graphs = "" if e["graphs"] is None else f"; the rollout captured {e['graphs']} graphs"
-        print(f"engine release {e['bytes'] / unit:.2f} {name} of K, V made again in {e['reserve_s']:.4f} s"
-              f"{graphs}; a 16-token call {e['call_s']:.3f} s resident, {e['released_s']:.3f} s released "
-              f"({e['captures']} graph shape(s): "
-              f"{'eager, none captured' if e['eager'] else 'captured again'})")
+        print(
+            f"engine release {e['bytes'] / unit:.2f} {name} of K, V made again in {e['reserve_s']:.4f} s"
+            f"{graphs}; a 16-token call {e['call_s']:.3f} s resident, {e['released_s']:.3f} s released "
+            f"({e['captures']} graph shape(s): "
+            f"{'eager, none captured' if e['eager'] else 'captured again'})"
+        )
     a = res.get("attention")
     if a:
-        print(f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
-              f"peak / extra over plain")
-        for k, why in (("plain", "sdpa"), ("capture", f"attention.capturing, mean of {a['layers']} layer(s)"),
-                       ("eager", "eager, output_attentions")):
+        print(
+            f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
+            f"peak / extra over plain"
+        )
+        for k, why in (
+            ("plain", "sdpa"),
+            ("capture", f"attention.capturing, mean of {a['layers']} layer(s)"),
+            ("eager", "eager, output_attentions"),
+        ):
             oom = f"out of memory (the maps alone: {a['eager_maps_bytes'] / unit:.2f} {name})"
-            print(f"  {k:8s} {f(a['peak'][k]) if a['peak'][k] is not None else oom:>10s}"
-                  f" {f(a['extra'][k]) if a['peak'][k] is not None else '':>10s}   {why}")
+            print(
+                f"  {k:8s} {f(a['peak'][k]) if a['peak'][k] is not None else oom:>10s}"
+                f" {f(a['extra'][k]) if a['peak'][k] is not None else '':>10s}   {why}"
+            )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="gpu_headline.py", description=__doc__.splitlines()[0],
-                                 allow_abbrev=False, epilog="Time on one H100 (estimated): the 1K table "
-                                 "minutes, the 8K table about 2 hours (three 8K rollouts); --quick, the flow "
-                                 "overhead alone at 1K and 8K: under 10 minutes.")
-    ap.add_argument("--model", default="qwen3-4b-random",
-                    help="a models.py name (qwen3-4b-random: no download)")
+    ap = argparse.ArgumentParser(
+        prog="gpu_headline.py",
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        epilog="Time on one H100 (estimated): the 1K table "
+        "minutes, the 8K table about 2 hours (three 8K rollouts); --quick, the flow "
+        "overhead alone at 1K and 8K: under 10 minutes.",
+    )
+    ap.add_argument(
+        "--model", default="qwen3-4b-random", help="a models.py name (qwen3-4b-random: no download)"
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[1024, 8192], help="one table each")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt width (memory.py's default)")
-    ap.add_argument("--prompts-per-step", type=int, default=None,
-                    help="the paper's 1K step on one GPU: 16 (--quick: 2)")
+    ap.add_argument(
+        "--prompts-per-step", type=int, default=None, help="the paper's 1K step on one GPU: 16 (--quick: 2)"
+    )
     ap.add_argument("--group-size", type=int, default=8, help="G rollouts per prompt (App. C.3)")
-    ap.add_argument("--micro-batch", type=int, default=0,
-                    help="rows per forward (grpo.py's; 0: sized to the card on CUDA, 8 on the CPU)")
-    ap.add_argument("--gen-chunk", type=int, default=0,
-                    help="rows per generate call (grpo.py's; 0: sized to the card on CUDA, 64 on the CPU)")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="rows per forward (grpo.py's; 0: sized to the card on CUDA, 8 on the CPU)",
+    )
+    ap.add_argument(
+        "--gen-chunk",
+        type=int,
+        default=0,
+        help="rows per generate call (grpo.py's; 0: sized to the card on CUDA, 64 on the CPU)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
     ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
     ap.add_argument("--lora-rank", type=int, default=0, help="grpo.py's --lora-rank (0: full fine-tuning)")
-    ap.add_argument("--gpu-gb", type=float, default=0.0,
-                    help="size the step to this many GB and hold the allocator to it (0: the card's own)")
+    ap.add_argument(
+        "--gpu-gb",
+        type=float,
+        default=0.0,
+        help="size the step to this many GB and hold the allocator to it (0: the card's own)",
+    )
     ap.add_argument("--json", default="", help="also write every number here")
-    ap.add_argument("--quick", action="store_true",
-                    help="the flow overhead alone, short rollouts: < 10 minutes on an H100 (docstring)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the flow overhead alone, short rollouts: < 10 minutes on an H100 (docstring)",
+    )
     ap.add_argument("--quick-tokens", type=int, default=16, help="--quick: tokens sampled per row")
     args = ap.parse_args(argv)
     if args.prompts_per_step is None:
         args.prompts_per_step = 2 if args.quick else 16
     counts = ("prompt_tokens", "prompts_per_step", "rounds", "attn_rows", "quick_tokens")
-    for flag, ok in [*((k, getattr(args, k) >= 1) for k in counts),
-                     *((k, getattr(args, k) >= 0) for k in ("micro_batch", "gen_chunk")),
-                     ("max_new_tokens", min(args.max_new_tokens) >= 1), ("group_size", args.group_size >= 2),
-                     ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0)]:
+    for flag, ok in [
+        *((k, getattr(args, k) >= 1) for k in counts),
+        *((k, getattr(args, k) >= 0) for k in ("micro_batch", "gen_chunk")),
+        ("max_new_tokens", min(args.max_new_tokens) >= 1),
+        ("group_size", args.group_size >= 2),
+        ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0),
+    ]:
         if not ok:
             least = {"group_size": 2, "micro_batch": 0, "gen_chunk": 0}.get(flag, 1)
-            ap.error(f"--{flag.replace('_', '-')} must be >= {least}"
-                     if flag != "bandwidth" else "--bandwidth must be a positive number of bytes/s")
+            ap.error(
+                f"--{flag.replace('_', '-')} must be >= {least}"
+                if flag != "bandwidth"
+                else "--bandwidth must be a positive number of bytes/s"
+            )
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --model tiny-qwen3 shows the format)")
     device = torch.device(args.device)

@@ -14,6 +14,7 @@ Run:  python benchmarks/lora_speed.py                              # the embedde
       python benchmarks/lora_speed.py --lora-rank 16 -- --model Qwen/Qwen3-4B-Base --prompts-per-step 4
 Flags after `--` are grpo.py's (both arms get them; the LoRA arm also --lora-rank and its lr preset).
 """
+
 import argparse
 import statistics
 import sys
@@ -29,7 +30,7 @@ from training import budget, load, runlog  # noqa: E402
 from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
 from training.run import load_for_update  # noqa: E402
 
-UPDATE = ("update forward", "backward", "optimizer step")       # grpo.py's time/update (runlog.step_metrics)
+UPDATE = ("update forward", "backward", "optimizer step")  # grpo.py's time/update (runlog.step_metrics)
 
 
 def rollouts(run, cfg, prompts):
@@ -37,17 +38,27 @@ def rollouts(run, cfg, prompts):
     clock = runlog.Clock(run.policy.device)
     with clock.phase("generation"), torch.no_grad(), run.policy.autocast:
         run.policy.model.eval()
-        gen = generate(run.policy.model, run.policy.tok, prompts, n=cfg.group_size,
-                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       top_k=cfg.top_k, chunk_size=cfg.gen_chunk, share_prefix=cfg.share_prefix)
+        gen = generate(
+            run.policy.model,
+            run.policy.tok,
+            prompts,
+            n=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            chunk_size=cfg.gen_chunk,
+            share_prefix=cfg.share_prefix,
+        )
     return clock.seconds["generation"], gen
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser(prog="lora_speed.py", description=__doc__.splitlines()[0],
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        prog="lora_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     ap.add_argument("--lora-rank", type=int, default=8, help="the LoRA arm's rank")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds; the first is not counted")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
@@ -55,22 +66,27 @@ def main(argv=None):
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the first is warm-up)")
     torch.set_num_threads(args.threads)
-    flags = argv[cut + 1:]
-    cfgs = {"full": grpo.parse_args(flags), f"lora-{args.lora_rank}":
-            grpo.parse_args([*flags, "--lora-rank", str(args.lora_rank)])}
-    cfgs = {k: budget.largest(c) for k, c in cfgs.items()}       # a size left at 0: the CPU's, as setup's
+    flags = argv[cut + 1 :]
+    cfgs = {
+        "full": grpo.parse_args(flags),
+        f"lora-{args.lora_rank}": grpo.parse_args([*flags, "--lora-rank", str(args.lora_rank)]),
+    }
+    cfgs = {k: budget.largest(c) for k, c in cfgs.items()}  # a size left at 0: the CPU's, as setup's
     full = cfgs["full"]
     device = load.device_of(full.device)
     torch.manual_seed(full.seed)
     runs = {k: load_for_update(c, device) for k, c in cfgs.items()}
     records = data.load_task(full.dataset, split="train", path=full.data_path or None, seed=full.seed)
-    style = full.prompt_style if full.prompt_style != "auto" else data.default_style(full.model,
-                                                                                     records[0]["task"])
+    style = (
+        full.prompt_style
+        if full.prompt_style != "auto"
+        else data.default_style(full.model, records[0]["task"])
+    )
     tok = runs["full"].policy.tok
-    prompts = prompt_ids(tok, [data.make_prompt(r, tok, style) for r in records[:full.prompts_per_step]])
+    prompts = prompt_ids(tok, [data.make_prompt(r, tok, style) for r in records[: full.prompts_per_step]])
     _, gen = rollouts(runs["full"], full, prompts)
     batch = build_batch(tok, gen.prompt_ids, gen.response_ids, device=device)
-    rewards = torch.tensor([(j % 4) / 3 for j in range(len(gen.texts))])                         # (B,)
+    rewards = torch.tensor([(j % 4) / 3 for j in range(len(gen.texts))])  # (B,)
     adv, _ = grpo.compute_advantages(rewards, full.group_size, full.scale_std, full.adv_clip)
     adv = adv.to(device)
     trained = (adv != 0).nonzero().flatten().tolist()
@@ -81,19 +97,23 @@ def main(argv=None):
             up = grpo.update(run, batch, trained, adv, clock)
             assert up.stepped and up.stats["grad_norm"] > 0, f"{name}: nothing trained"
             gen_s, _ = rollouts(run, cfgs[name], prompts)
-            if r:                                            # the first round warms both arms up
+            if r:  # the first round warms both arms up
                 times[name]["update"].append(sum(clock.seconds.get(k, 0.0) for k in UPDATE))
                 times[name]["credit"].append(clock.seconds.get("credit", 0.0))
                 times[name]["generation"].append(gen_s)
     med = {k: {p: statistics.median(v) for p, v in t.items()} for k, t in times.items()}
     lora = f"lora-{args.lora_rank}"
-    print(f"{full.model}, {device}: {len(trained)} of {len(adv)} rows trained, {full.max_new_tokens} new "
-          f"tokens, micro_batch {full.micro_batch}, {args.rounds - 1} counted rounds (medians, s)")
+    print(
+        f"{full.model}, {device}: {len(trained)} of {len(adv)} rows trained, {full.max_new_tokens} new "
+        f"tokens, micro_batch {full.micro_batch}, {args.rounds - 1} counted rounds (medians, s)"
+    )
     print(f"{'arm':10s} {'update':>9s} {'credit':>9s} {'generation':>11s}")
     for name, m in med.items():
         print(f"{name:10s} {m['update']:9.3f} {m['credit']:9.3f} {m['generation']:11.3f}")
-    print(f"{lora} / full: update {med[lora]['update'] / med['full']['update']:.3f}, generation "
-          f"{med[lora]['generation'] / med['full']['generation']:.3f}")
+    print(
+        f"{lora} / full: update {med[lora]['update'] / med['full']['update']:.3f}, generation "
+        f"{med[lora]['generation'] / med['full']['generation']:.3f}"
+    )
     return med
 
 

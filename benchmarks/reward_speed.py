@@ -11,6 +11,7 @@ The parse caches are cleared and math-verify is imported before the clock starts
 
 Run: python benchmarks/reward_speed.py [--n 1000] [--budget 10] [--seed 0]
 """
+
 import argparse
 import random
 import sys
@@ -21,8 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from tasks import answers, countdown  # noqa: E402
 
-ap = argparse.ArgumentParser(prog="reward_speed.py", description=__doc__.splitlines()[0], allow_abbrev=False,
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+ap = argparse.ArgumentParser(
+    prog="reward_speed.py",
+    description=__doc__.splitlines()[0],
+    allow_abbrev=False,
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+)
 ap.add_argument("--n", type=int, default=1000, help="completions per reward")
 ap.add_argument("--budget", type=float, default=10.0, help="seconds allowed for n math completions")
 ap.add_argument("--seed", type=int, default=0, help="which completions are drawn")
@@ -41,9 +46,29 @@ def records():
 
 
 def reasoning():
-    words = ["Let", "x", "be", "the", "number", "so", "$x^{2} + \\frac{1}{2}$", "=", "then", "we", "get",
-             "\\left(a + b\\right)", "Step", "1.", "{", "}", "therefore", "$\\sqrt{3}$", "is", "not",
-             "\\boxed{7}"]
+    words = [
+        "Let",
+        "x",
+        "be",
+        "the",
+        "number",
+        "so",
+        "$x^{2} + \\frac{1}{2}$",
+        "=",
+        "then",
+        "we",
+        "get",
+        "\\left(a + b\\right)",
+        "Step",
+        "1.",
+        "{",
+        "}",
+        "therefore",
+        "$\\sqrt{3}$",
+        "is",
+        "not",
+        "\\boxed{7}",
+    ]
     text = " ".join(rng.choice(words) for _ in range(300))
     return text[:1500]
 
@@ -54,7 +79,7 @@ def rewrite(gold):
     if n is not None:
         return f"{n[0]}.0" if n[1] else f"{n[0]}0"
     if gold.startswith("\\frac{") and gold.count("{") == 2:
-        a, b = gold[len("\\frac{"):-1].split("}{")
+        a, b = gold[len("\\frac{") : -1].split("}{")
         return f"{a}/{b}"
     return gold
 
@@ -75,11 +100,13 @@ for _ in range(args.n):
 cd_recs = data.load_task("countdown", "test", limit=200)
 cd_cases = []
 for r in (rng.choice(cd_recs) for _ in range(args.n)):
-    text = reasoning()                                 # the rng draws in the same order as before
-    expr = countdown.solve(r["nums"], r["target"]) if rng.random() < 0.5 else "1+2"   # right, or wrong
+    text = reasoning()  # the rng draws in the same order as before
+    expr = countdown.solve(r["nums"], r["target"]) if rng.random() < 0.5 else "1+2"  # right, or wrong
     cd_cases.append((r, text + f"<answer>{expr}</answer>"))
-ch_cases = [({"task": "choice", "answer": "B"}, reasoning() + f"\\boxed{{{rng.choice('ABCD')}}}")
-            for _ in range(args.n)]
+ch_cases = [
+    ({"task": "choice", "answer": "B"}, reasoning() + f"\\boxed{{{rng.choice('ABCD')}}}")
+    for _ in range(args.n)
+]
 
 data.math_reward("\\boxed{\\frac{1}{3}}", "x^2")  # import math-verify and sympy before the clock starts
 answers.kept_parse.cache_clear()  # start with an empty parse cache
@@ -89,8 +116,10 @@ for name, cases in (("math", math_cases), ("countdown", cd_cases), ("choice", ch
     rewards = [data.reward(c, r) for r, c in cases]
     results[name] = (time.perf_counter() - t, sum(rewards) / len(rewards))
 for name, (secs, mean) in results.items():
-    print(f"{name:9s}: {len(math_cases)} completions in {secs:6.2f} s ({1000 * secs / args.n:6.2f} ms each), "
-          f"mean reward {mean:.3f}")
+    print(
+        f"{name:9s}: {len(math_cases)} completions in {secs:6.2f} s ({1000 * secs / args.n:6.2f} ms each), "
+        f"mean reward {mean:.3f}"
+    )
 ok = results["math"][0] < args.budget
 print(f"math grading {'within' if ok else 'OVER'} the {args.budget:.0f} s budget for {args.n} completions")
 sys.exit(0 if ok else 1)

@@ -34,6 +34,7 @@ Bad input (no run, no rollouts, a step that was not saved, a broken line) is a R
 
 Run: python eval.py credit runs/embedded --step 6       Test: python -m pytest -q tests/test_credit_page.py
 """
+
 import argparse
 import json
 import re
@@ -45,13 +46,16 @@ from training.checkpoint import RUN_CONFIG
 from training.rundir import RunError
 
 FIELDS = ("prompt", "response", "reward", "adv", "tokens", "answer", "score", "weight")
-PROMPT_CHARS = 320                        # the prompt's tail shown (the whole: folded under it in the HTML)
+PROMPT_CHARS = 320  # the prompt's tail shown (the whole: folded under it in the HTML)
 
 
 # ----------------------------------------------------------------------------- a run's saved step
 def steps_saved(run):
-    return sorted(int(p.stem.split("_")[1]) for p in (Path(run) / "rollouts").glob("step_*.jsonl")
-                  if p.stem.split("_")[1].isdigit())
+    return sorted(
+        int(p.stem.split("_")[1])
+        for p in (Path(run) / "rollouts").glob("step_*.jsonl")
+        if p.stem.split("_")[1].isdigit()
+    )
 
 
 def read_step(run, step=None):
@@ -90,8 +94,11 @@ def check_row(row, where):
     n = len(row["tokens"]) if isinstance(row["tokens"], list) else -1
     if not all(isinstance(row[k], list) and len(row[k]) == n for k in FIELDS[4:]):
         raise RunError(f"{where}: tokens, answer, score and weight must be lists of one length")
-    if not (isinstance(row["prompt"], str) and all(isinstance(t, str) for t in row["tokens"])
-            and all(map(num, [row["reward"], row["adv"], *row["score"], *row["weight"]]))):
+    if not (
+        isinstance(row["prompt"], str)
+        and all(isinstance(t, str) for t in row["tokens"])
+        and all(map(num, [row["reward"], row["adv"], *row["score"], *row["weight"]]))
+    ):
         raise RunError(f"{where}: prompt and tokens must be text; reward, adv, score and weight numbers")
     return row
 
@@ -138,15 +145,17 @@ def prompt_row(prompt, label="prompt"):
             break
         keep.insert(0, line[-PROMPT_CHARS:])
     cut = "\n".join(keep) != tail
-    words = re.findall(r"\S+\s*|\s+", visible(("…" if cut else "") + "\n".join(keep)))   # wraps between words
+    words = re.findall(r"\S+\s*|\s+", visible(("…" if cut else "") + "\n".join(keep)))  # wraps between words
     return Row([label], [Tok(w) for w in words], prompt=True, full=visible(prompt) if cut else "")
 
 
 def response_row(row, bar, sym="score"):
     """A saved rollout drawn: its tokens coloured by score (none where A = 0), marked; reward, A beside."""
     color = bar.color if row["adv"] != 0 else lambda s: None
-    toks = [Tok(visible(t), color(s), bool(a), w > 1, f"{sym} {s:.3g} · γ {w:g}")
-            for t, a, s, w in zip(row["tokens"], row["answer"], row["score"], row["weight"])]
+    toks = [
+        Tok(visible(t), color(s), bool(a), w > 1, f"{sym} {s:.3g} · γ {w:g}")
+        for t, a, s, w in zip(row["tokens"], row["answer"], row["score"], row["weight"])
+    ]
     return Row([f"reward {row['reward']:.3g}", adv_text(row["adv"]), credit_note(row)], toks)
 
 
@@ -158,12 +167,15 @@ def describe(cfg):
     """The run's credit in words, from its run_config.json ({}: unknown)."""
     if not cfg:
         return "the run's flags are not known (no ckpt/run_config.json): the marks are the saved weights"
-    rule = (f"γ = {cfg.get('gamma')} on the top {cfg.get('top_frac', 0):.0%} of each response's tokens by "
-            "score" if cfg.get("shaping") == "topk" else f"shaping {cfg.get('shaping')}")
+    rule = (
+        f"γ = {cfg.get('gamma')} on the top {cfg.get('top_frac', 0):.0%} of each response's tokens by score"
+        if cfg.get("shaping") == "topk"
+        else f"shaping {cfg.get('shaping')}"
+    )
     return f"{cfg.get('model')} on {cfg.get('dataset')}; credit {cfg.get('credit')}: {rule}"
 
 
-COLUMNS = ["prompt", "row", "reward", "adv", "tokens", "answer_tokens", "boosted", "credit"]   # credit.md
+COLUMNS = ["prompt", "row", "reward", "adv", "tokens", "answer_tokens", "boosted", "credit"]  # credit.md
 #          (the prompt's group, from 1, as on the page; the row: its line in the rollouts file, from 0)
 
 
@@ -171,7 +183,7 @@ def draw(args):
     """eval.py credit: the page of one saved step into --out. Returns (result, table) for eval.py's save."""
     step, path, rows = read_step(args.run_dir, args.step)
     cfg, spans = run_config(args.run_dir), groups(rows)
-    shown = spans[:args.groups or None]
+    shown = spans[: args.groups or None]
     args.out = args.out or str(Path(args.run_dir) / "credit" / f"step_{step:05d}")
     flow = cfg.get("credit", "flow") == "flow"
     label = "flow throughput τ (eq. 4)" if flow else f"score of --credit {cfg['credit']}"
@@ -185,21 +197,42 @@ def draw(args):
     notes = [describe(cfg), f"{path}: {len(rows)} responses in {len(spans)} groups{more}"]
     title = f"Credit at step {step}: {Path(args.run_dir).resolve().name}"
     html_path, png_path = write_page(Path(args.out) / "credit", title, notes, page, [bar])
-    table = [[g, i, r["reward"], r["adv"], len(r["tokens"]), sum(map(bool, r["answer"])),
-              sum(w > 1 for w in r["weight"]), credit_note(r)]
-             for g, (a, b) in enumerate(spans, 1) for i, r in enumerate(rows[a:b], a)]
+    table = [
+        [
+            g,
+            i,
+            r["reward"],
+            r["adv"],
+            len(r["tokens"]),
+            sum(map(bool, r["answer"])),
+            sum(w > 1 for w in r["weight"]),
+            credit_note(r),
+        ]
+        for g, (a, b) in enumerate(spans, 1)
+        for i, r in enumerate(rows[a:b], a)
+    ]
     from evaluation.probes import markdown
-    result = {"run": str(args.run_dir), "step": step, "rollouts": str(path), "config": describe(cfg),
-              "html": str(html_path), "png": str(png_path), "rows": [dict(zip(COLUMNS, r)) for r in table]}
+
+    result = {
+        "run": str(args.run_dir),
+        "step": step,
+        "rollouts": str(path),
+        "config": describe(cfg),
+        "html": str(html_path),
+        "png": str(png_path),
+        "rows": [dict(zip(COLUMNS, r)) for r in table],
+    }
     return result, markdown(COLUMNS, table) + f"\npage: {html_path}\npng:  {png_path}"
 
 
 def at_least(lo):
     """An argparse type: an int >= lo; else argparse's one line `eval.py: error: argument --flag: ...`."""
+
     def value(text):
-        if int(text) < lo:                                 # not an int: argparse's "invalid ... value"
+        if int(text) < lo:  # not an int: argparse's "invalid ... value"
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {text}")
         return int(text)
+
     value.__name__ = f"int >= {lo}"
     return value
 
@@ -208,9 +241,15 @@ def add_flags(p):
     """eval.py credit's flags (its entry: eval.py's parse)."""
     p.usage = "%(prog)s RUN_DIR [--step N] [--groups N] [--out DIR]"
     p.add_argument("run_dir", metavar="RUN_DIR", help="a grpo.py run directory (its --out-dir)")
-    p.add_argument("--step", type=at_least(1), default=None, metavar="N",
-                   help="the saved step to draw (default: the last saved)")
-    p.add_argument("--groups", type=at_least(0), default=4, metavar="N",
-                   help="draw the first N prompts' groups (0: all)")
+    p.add_argument(
+        "--step",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="the saved step to draw (default: the last saved)",
+    )
+    p.add_argument(
+        "--groups", type=at_least(0), default=4, metavar="N", help="draw the first N prompts' groups (0: all)"
+    )
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/credit/step_N)")
     return p

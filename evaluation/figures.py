@@ -24,6 +24,7 @@ Bad input is a ValueError with a one-line message (eval.py prints it as `eval.py
 
 Run: python eval.py plot [--metrics runs/a/metrics.jsonl ...]
 """
+
 import html
 import json
 import math
@@ -37,8 +38,8 @@ import torch
 from evaluation import credit_page, highflow, probes, token_page
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
 from training.attention import attention_graph
-from training.rundir import file_problem
 from training.credit import CreditConfig
+from training.rundir import file_problem
 
 
 def token_figure(path, tokens, colors, title, width=100):
@@ -46,7 +47,7 @@ def token_figure(path, tokens, colors, title, width=100):
     plt, lines, col = probes.pyplot(), [[]], 0
     for t, c in zip(tokens, colors):
         for n, piece in enumerate(t.split("\n")):
-            if n or (col + len(piece) > width and col):                      # a newline, or the line is full
+            if n or (col + len(piece) > width and col):  # a newline, or the line is full
                 lines.append([])
                 col = 0
             if piece:
@@ -63,12 +64,16 @@ def token_figure(path, tokens, colors, title, width=100):
     fig.savefig(str(path) + ".png", dpi=110)
     plt.close(fig)
     rgba = lambda c: f"rgba({int(255 * c[0])},{int(255 * c[1])},{int(255 * c[2])},{c[3]:.2f})"  # noqa: E731
-    span = lambda t, c: (f'<span style="background:{rgba(c)}">'                                 # noqa: E731
-                         f'{html.escape(t).replace(chr(10), "<br>")}</span>')
-    Path(str(path) + ".html").write_text(f"<html><body><h3>{html.escape(title)}</h3>"
-                                         "<pre style='white-space:pre-wrap'>"
-                                         + "".join(span(t, c) for t, c in zip(tokens, colors))
-                                         + "</pre></body></html>")
+    span = lambda t, c: (
+        f'<span style="background:{rgba(c)}">'  # noqa: E731
+        f"{html.escape(t).replace(chr(10), '<br>')}</span>"
+    )
+    Path(str(path) + ".html").write_text(
+        f"<html><body><h3>{html.escape(title)}</h3>"
+        "<pre style='white-space:pre-wrap'>"
+        + "".join(span(t, c) for t, c in zip(tokens, colors))
+        + "</pre></body></html>"
+    )
 
 
 def log_scale(x):
@@ -109,7 +114,7 @@ def metrics_rows(path):
     for i, raw in enumerate(lines, 1):
         try:
             row = json.loads(raw.decode("utf-8")) if raw.strip() else {}
-        except ValueError as e:                                             # JSON or UTF-8
+        except ValueError as e:  # JSON or UTF-8
             if i == len(lines):
                 print(f"eval.py: {path}, line {i}: cut short (a killed run?), skipped", file=sys.stderr)
                 continue
@@ -117,7 +122,7 @@ def metrics_rows(path):
         if not isinstance(row, dict):
             raise ValueError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
         step = row.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:       # null, "3", 1.5, -1
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # null, "3", 1.5, -1
             raise ValueError(f"{path}, line {i}: step {json.dumps(step)[:40]} is not a step (an int >= 0)")
         rows += [row] if row else []
     return rows
@@ -129,7 +134,7 @@ def metrics_runs(paths):
     names = [Path(p).parent.name or str(p) for p in paths]
     runs = {}
     for p, name in zip(paths, names):
-        if file_problem(p):                              # missing, a directory, a symlink loop or dangling
+        if file_problem(p):  # missing, a directory, a symlink loop or dangling
             raise ValueError(f"--metrics {file_problem(p)} (give a run's metrics.jsonl)")
         runs[name if names.count(name) == 1 else str(p)] = metrics_rows(p)
     return runs
@@ -146,13 +151,16 @@ def curves(runs, keys, alpha, png):
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for name, rows in runs.items():
-            pts = [(r.get("step", i), r[key]) for i, r in enumerate(rows, 1)
-                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            pts = [
+                (r.get("step", i), r[key])
+                for i, r in enumerate(rows, 1)
+                if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+            ]
             if not pts:
                 continue
             xs, ys = zip(*pts)
             ema = peak_ema(ys, alpha)
-            line, = ax.plot(xs, ema, label=name)
+            (line,) = ax.plot(xs, ema, label=name)
             ax.plot(xs, ys, color=line.get_color(), alpha=0.25, lw=0.8)
             smooth[f"{name}/{key}"] = ema[-1]
         ax.set(title=f"{key} (peak EMA, alpha={alpha})", xlabel="step")
@@ -165,10 +173,20 @@ def curves(runs, keys, alpha, png):
 # ----------------------------------------------------------------------------- the flow of one response
 def add_run_flags(p):
     """plot's --run and --step; --model's default becomes the run's checkpoint (use_run)."""
-    p.add_argument("--run", default=None, metavar="RUN_DIR", help="draw a grpo.py run's saved rollouts "
-                   "(rollouts/step_N.jsonl) with its checkpoint, --answer-pattern, --top-frac and --gamma")
-    p.add_argument("--step", type=credit_page.at_least(1), default=None, metavar="N",
-                   help="--run's saved step (default: the last saved)")
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="RUN_DIR",
+        help="draw a grpo.py run's saved rollouts "
+        "(rollouts/step_N.jsonl) with its checkpoint, --answer-pattern, --top-frac and --gamma",
+    )
+    p.add_argument(
+        "--step",
+        type=credit_page.at_least(1),
+        default=None,
+        metavar="N",
+        help="--run's saved step (default: the last saved)",
+    )
     model = p._option_string_actions["--model"]
     model.default, model.help = None, model.help + " (default: --run's checkpoint, else smollm2-135m)"
 
@@ -181,8 +199,9 @@ def use_run(args):
     if args.run and args.responses:
         raise ValueError("plot: --run draws the run's rollouts; leave out --responses")
     if args.run and not args.model and not cfg:
-        raise ValueError(f"--run {args.run}: no checkpoint (ckpt/run_config.json) to draw the flow with; "
-                         "give --model")
+        raise ValueError(
+            f"--run {args.run}: no checkpoint (ckpt/run_config.json) to draw the flow with; give --model"
+        )
     args.model = args.model or args.run or "smollm2-135m"
     if args.answer_pattern is None:
         args.answer_pattern = cfg.get("answer_pattern") or None
@@ -195,9 +214,16 @@ def run_rows(args, tok):
     again from their saved text (the response's tokens joined: its EOS included), with the reward and A."""
     step, path, saved = credit_page.read_step(args.run, args.step)
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
-    rows = [{"record": {"id": f"step {step}, row {i}"}, "prompt": ids(r["prompt"]),
-             "response": ids("".join(r["tokens"])), "reward": r["reward"], "adv": r["adv"]}
-            for i, r in enumerate(saved)]
+    rows = [
+        {
+            "record": {"id": f"step {step}, row {i}"},
+            "prompt": ids(r["prompt"]),
+            "response": ids("".join(r["tokens"])),
+            "reward": r["reward"],
+            "adv": r["adv"],
+        }
+        for i, r in enumerate(saved)
+    ]
     rows = [r for r in rows if r["response"] and r["prompt"]]
     if not rows:
         raise ValueError(f"{path}: no rollout with a prompt and a response")
@@ -210,7 +236,7 @@ def flow_figures(model, tok, rows, args, figs, out):
     batch = probes.regions(tok, rows, getattr(args, "answer_pattern", None))
     dev, P = model.device, batch.prompt_width
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
-    attn = attention_graph(model, ids, mask, args.layers)                   # (B, T, T)
+    attn = attention_graph(model, ids, mask, args.layers)  # (B, T, T)
     valid, ans = batch.attention_mask.bool().to(dev), batch.answer_mask.to(dev)
     fl = trace_flow(attn, batch.question_mask.to(dev), ans, attention_mask=valid)
     has = [b for b in range(len(rows)) if batch.answer_mask[b].any()]
@@ -222,34 +248,53 @@ def flow_figures(model, tok, rows, args, figs, out):
     toks = [token_page.visible(tok.decode([t])) for t in batch.input_ids[b, lo:end].tolist()]
     gamma, top = getattr(args, "gamma", CreditConfig.gamma), getattr(args, "top_frac", CreditConfig.top_frac)
     c = flow_credit(fl.throughput[b], batch.response_mask[b].to(dev), top, gamma, prompt_width=P)  # eq. 6
-    n, tau = P - lo, fl.throughput[b, lo:end].tolist()                     # n: the prompt tokens drawn
+    n, tau = P - lo, fl.throughput[b, lo:end].tolist()  # n: the prompt tokens drawn
     side = [f"reward {rows[b]['reward']:.3g}"] if isinstance(rows[b].get("reward"), (int, float)) else []
     side += [credit_page.adv_text(rows[b]["adv"])] if isinstance(rows[b].get("adv"), (int, float)) else []
-    marks = Marks(toks, n, batch.answer_mask[b, P:end].tolist(), c.weight[:end - P].tolist(), tau,
-                  side + [f"γ {gamma:g}: top {top:.0%} by τ"],
-                  f"{rows[b]['record']['id']}: response {has.index(b) + 1} of the {len(has)} with an answer "
-                  f"region (--index); the prompt's last {n} tokens above it")
-    if "heatmap" in figs:                                                    # Fig. 2
+    marks = Marks(
+        toks,
+        n,
+        batch.answer_mask[b, P:end].tolist(),
+        c.weight[: end - P].tolist(),
+        tau,
+        side + [f"γ {gamma:g}: top {top:.0%} by τ"],
+        f"{rows[b]['record']['id']}: response {has.index(b) + 1} of the {len(has)} with an answer "
+        f"region (--index); the prompt's last {n} tokens above it",
+    )
+    if "heatmap" in figs:  # Fig. 2
         bar = token_page.scale(tau[n:], "flow throughput τ (eq. 4)")
-        marks.draw(out / "heatmap", f"flow throughput, {rows[b]['record']['id']}",
-                   [None] * n + [bar.color(x) for x in tau[n:]], [bar])
-    if "inout" in figs:                                                      # Fig. 7
+        marks.draw(
+            out / "heatmap",
+            f"flow throughput, {rows[b]['record']['id']}",
+            [None] * n + [bar.color(x) for x in tau[n:]],
+            [bar],
+        )
+    if "inout" in figs:  # Fig. 7
         resp_tau = torch.where(batch.answer_mask[b, P:end].to(dev), 0, fl.throughput[b, P:end])
         if args.token is not None and not 0 <= args.token < end - P:
             raise ValueError(f"--token {args.token}: the response has {end - P} tokens")
         k = P + (args.token if args.token is not None else int(resp_tau.argmax()))
-        Wp = reweight(dag_weights(attn[b:b + 1], ans[b:b + 1], valid[b:b + 1]), fl.h[b:b + 1])[0]  # (T, T) W'
-        inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]      # phi(i -> k), phi(k -> j)
+        Wp = reweight(dag_weights(attn[b : b + 1], ans[b : b + 1], valid[b : b + 1]), fl.h[b : b + 1])[
+            0
+        ]  # (T, T) W'
+        inflow, outflow = fl.flow[b] * Wp[:, k], fl.flow[b, k] * Wp[k]  # phi(i -> k), phi(k -> j)
         vin, vout = inflow[lo:end].tolist(), outflow[lo:end].tolist()
         bin_ = token_page.scale(vin, f"inflow φ(i → k) into {toks[k - lo]!r} (red)", "Blues")
         bout = token_page.scale(vout, "outflow φ(k → j)", "Oranges")
-        colors = [(1, 0.2, 0.2, 1) if lo + j == k else bin_.color(a) if lo + j < k else bout.color(c)
-                  for j, (a, c) in enumerate(zip(vin, vout))]
+        colors = [
+            (1, 0.2, 0.2, 1) if lo + j == k else bin_.color(a) if lo + j < k else bout.color(c)
+            for j, (a, c) in enumerate(zip(vin, vout))
+        ]
         title = f"inflow (blue) into / outflow (orange) from {toks[k - lo]!r} (red)"
         marks.draw(out / "inout", title, colors, [bin_, bout])
-        res["inout"] = {"token": toks[k - lo], "position": k - P, "inflow_total": float(inflow.sum()),
-                        "outflow_total": float(outflow.sum()), "inflow_from_prompt": float(inflow[:P].sum())}
-    if "tokens" in figs:                                                     # Fig. 3
+        res["inout"] = {
+            "token": toks[k - lo],
+            "position": k - P,
+            "inflow_total": float(inflow.sum()),
+            "outflow_total": float(outflow.sum()),
+            "inflow_from_prompt": float(inflow[:P].sum()),
+        }
+    if "tokens" in figs:  # Fig. 3
         res["tokens"] = token_charts(tok, batch, fl, has, args, out / "tokens.png")
     return res
 
@@ -257,22 +302,36 @@ def flow_figures(model, tok, rows, args, figs, out):
 class Marks(NamedTuple):
     """One response drawn by a flow figure: its prompt's last n tokens apart, then the response's tokens with
     the answer region and the boosted tokens marked (token_page's page: PNG + HTML)."""
-    toks: list                  # the tokens drawn: n prompt tokens, then the response's
+
+    toks: list  # the tokens drawn: n prompt tokens, then the response's
     n: int
-    answer: list                # per response token: in the answer region (eq. 2)
-    weight: list                # per response token: gamma (eq. 6); > 1: boosted
-    tau: list                   # per token drawn: the throughput (the hover text)
-    side: list                  # the lines beside the response: reward, A, the rule of the marks
-    note: str                   # the line under the title: which response, which prompt tokens
+    answer: list  # per response token: in the answer region (eq. 2)
+    weight: list  # per response token: gamma (eq. 6); > 1: boosted
+    tau: list  # per token drawn: the throughput (the hover text)
+    side: list  # the lines beside the response: reward, A, the rule of the marks
+    note: str  # the line under the title: which response, which prompt tokens
 
     def draw(self, stem, title, colors, bars):
         """<stem>.png and <stem>.html: the tokens on `colors` (one per token drawn), `bars` their scales."""
         n, Tok = self.n, token_page.Tok
         prompt = [Tok(self.toks[j], colors[j], tip=f"τ {self.tau[j]:.3g}") for j in range(n)]
-        resp = [Tok(self.toks[j], colors[j], self.answer[j - n], self.weight[j - n] > 1,
-                    f"τ {self.tau[j]:.3g} · γ {self.weight[j - n]:g}") for j in range(n, len(self.toks))]
-        token_page.write_page(stem, title, [self.note], [token_page.Row(["prompt"], prompt, prompt=True),
-                                                          token_page.Row(self.side, resp)], bars)
+        resp = [
+            Tok(
+                self.toks[j],
+                colors[j],
+                self.answer[j - n],
+                self.weight[j - n] > 1,
+                f"τ {self.tau[j]:.3g} · γ {self.weight[j - n]:g}",
+            )
+            for j in range(n, len(self.toks))
+        ]
+        token_page.write_page(
+            stem,
+            title,
+            [self.note],
+            [token_page.Row(["prompt"], prompt, prompt=True), token_page.Row(self.side, resp)],
+            bars,
+        )
 
 
 def token_charts(tok, batch, fl, has, args, png):
@@ -282,13 +341,13 @@ def token_charts(tok, batch, fl, has, args, png):
     for i in has:
         a_end = int(batch.answer_mask[i].nonzero().max()) + 1
         pieces = [tok.decode([x]) for x in batch.input_ids[i, P:a_end].tolist()]
-        hi, lo = highflow.per_sentence(fl.throughput[i, P:a_end].tolist(), pieces, args.frac)   # App. E.1
+        hi, lo = highflow.per_sentence(fl.throughput[i, P:a_end].tolist(), pieces, args.frac)  # App. E.1
         high.update(pieces[j] for j in hi)
         low.update(pieces[j] for j in lo)
     fig, axes = plt.subplots(1, 2, figsize=(10, 5))
     panels = (("high-flow (top", high, "tab:red"), ("low-flow (bottom", low, "tab:gray"))
     for ax, (name, cnt, color) in zip(axes, panels):
-        top = cnt.most_common(args.top)[::-1]                                # spaces as ␣, newlines as \n
+        top = cnt.most_common(args.top)[::-1]  # spaces as ␣, newlines as \n
         ax.barh([repr(w)[1:-1].replace(" ", "␣") for w, _ in top], [c for _, c in top], color=color)
         ax.set_title(f"{name} {args.frac:.0%} of each sentence)")
     fig.tight_layout()

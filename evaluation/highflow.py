@@ -37,6 +37,7 @@ Departures (numbered):
 Run: python eval.py answer-forms --model smollm2-135m --task arithmetic --n-problems 24 --max-new-tokens 128 \
          --batch-size 8 --threads 1          (about 2 minutes on one CPU thread)
 """
+
 import math
 import re
 
@@ -49,10 +50,14 @@ from training import signals
 from training.credit import CreditConfig
 from training.rollout import build_batch
 
-FORMS = {"answer-only": "{a}", "full-line": "The final answer is {a}.",           # departure 2
-         "with-explanation": "{a}, which follows from the steps above", "multiple-choice": "B"}
-PERCENTS = [20, 40, 60, 80, 100]                                                  # Table 11a's columns
-FORMATS = ("boxed", "tags", "choice", "fallback")                                 # departure 4
+FORMS = {
+    "answer-only": "{a}",
+    "full-line": "The final answer is {a}.",  # departure 2
+    "with-explanation": "{a}, which follows from the steps above",
+    "multiple-choice": "B",
+}
+PERCENTS = [20, 40, 60, 80, 100]  # Table 11a's columns
+FORMATS = ("boxed", "tags", "choice", "fallback")  # departure 4
 
 
 # ----------------------------------------------------------------------------- Fig. 3: within each sentence
@@ -96,7 +101,7 @@ def rewrite(tok, ids, template):
         return None
     k0, text = rng[0], tok.decode(core, skip_special_tokens=False)
     s0, s1 = find_answer_span(text)
-    c0 = len(tok.decode(core[:k0], skip_special_tokens=False))               # where the kept prefix ends
+    c0 = len(tok.decode(core[:k0], skip_special_tokens=False))  # where the kept prefix ends
     rest = text[c0:s0] + template.format(a=text[s0:s1].strip()) + text[s1:]
     return core[:k0] + tok(rest, add_special_tokens=False).input_ids + tail, k0
 
@@ -106,43 +111,59 @@ def answer_format(text):
     span = find_answer_span(text)
     if span is None:
         return "fallback"
-    if re.fullmatch(r"\(?[A-Ja-j]\)?", text[span[0]:span[1]].strip()):
+    if re.fullmatch(r"\(?[A-Ja-j]\)?", text[span[0] : span[1]].strip()):
         return "choice"
     return "boxed" if data.last_boxed(text) is not None else "tags"
 
 
 def top(tau, K):
     """The ceil(K% n) indices with the highest tau (ties: the earlier)."""
-    return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[:math.ceil(K / 100 * len(tau) - 1e-9)])
+    return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[: math.ceil(K / 100 * len(tau) - 1e-9)])
 
 
 def answer_forms(model, tok, records, args, style):
     """Returns (per-response rows, summary). records: task records (responses are sampled at args.temperature)
     or rows from probes.load_responses."""
     cfg = CreditConfig(layers=args.layers, seed=args.seed)
-    rows = records if "response" in records[0] else probes.sample_responses(
-        model, tok, records, args, style, args.temperature, args.seed, "answer-forms: sample")
+    rows = (
+        records
+        if "response" in records[0]
+        else probes.sample_responses(
+            model, tok, records, args, style, args.temperature, args.seed, "answer-forms: sample"
+        )
+    )
     forms = ["answer-only"] + [f for f in args.forms if f != "answer-only"]
     out = []
     for i in tqdm(range(0, len(rows), args.batch_size), desc="answer-forms: flow", unit="batch"):
-        chunk = rows[i:i + args.batch_size]
+        chunk = rows[i : i + args.batch_size]
         new = {f: [rewrite(tok, r["response"], FORMS[f]) for r in chunk] for f in forms}
         keep = [b for b, v in enumerate(new["answer-only"]) if v is not None and v[1] > 0]
         tau = {}
-        for f in forms if keep else []:                                      # one flow pass per form
+        for f in forms if keep else []:  # one flow pass per form
             batch = build_batch(tok, [chunk[b]["prompt"] for b in keep], [new[f][b][0] for b in keep])
-            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width:].double().cpu()  # B,R
+            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width :].double().cpu()  # B,R
         for b, r in enumerate(chunk):
             if b not in keep:
-                out.append(dict(id=r["record"]["id"], no_answer=True, reward=r["reward"],
-                                format=answer_format(r["text"])))
+                out.append(
+                    dict(
+                        id=r["record"]["id"],
+                        no_answer=True,
+                        reward=r["reward"],
+                        format=answer_format(r["text"]),
+                    )
+                )
                 continue
             j, k0 = keep.index(b), new["answer-only"][b][1]
             ref = tau["answer-only"][j, :k0].tolist()
-            row = dict(id=r["record"]["id"], no_answer=False, k0=k0, reward=r["reward"],
-                       format=answer_format(r["text"]),
-                       answers={f: tok.decode(new[f][b][0][k0:], skip_special_tokens=True) for f in forms},
-                       overlap={})
+            row = dict(
+                id=r["record"]["id"],
+                no_answer=False,
+                k0=k0,
+                reward=r["reward"],
+                format=answer_format(r["text"]),
+                answers={f: tok.decode(new[f][b][0][k0:], skip_special_tokens=True) for f in forms},
+                overlap={},
+            )
             for f in forms[1:]:
                 t = tau[f][j, :k0].tolist()
                 row["overlap"][f] = [len(top(ref, K) & top(t, K)) / len(top(ref, K)) for K in args.percents]
@@ -153,27 +174,46 @@ def answer_forms(model, tok, records, args, style):
 def summarize(out, forms, percents):
     done = [r for r in out if not r["no_answer"]]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    overlap = lambda rows: {f: [mean([r["overlap"][f][i] for r in rows if not r["no_answer"]])  # noqa: E731
-                                for i in range(len(percents))] for f in forms}
+    overlap = lambda rows: {
+        f: [
+            mean([r["overlap"][f][i] for r in rows if not r["no_answer"]])  # noqa: E731
+            for i in range(len(percents))
+        ]
+        for f in forms
+    }
     by = {k: [r for r in out if r["format"] == k] for k in FORMATS}
-    formats = {k: dict(n=len(rows), accuracy=mean([r["reward"] for r in rows]), overlap=overlap(rows))
-               for k, rows in by.items()}
-    return dict(n_responses=len(out), n_no_answer=len(out) - len(done), n=len(done), percents=percents,
-                original_accuracy=mean([r["reward"] for r in out]), mean_k0=mean([r["k0"] for r in done]),
-                overlap=overlap(done), formats=formats)
+    formats = {
+        k: dict(n=len(rows), accuracy=mean([r["reward"] for r in rows]), overlap=overlap(rows))
+        for k, rows in by.items()
+    }
+    return dict(
+        n_responses=len(out),
+        n_no_answer=len(out) - len(done),
+        n=len(done),
+        percents=percents,
+        original_accuracy=mean([r["reward"] for r in out]),
+        mean_k0=mean([r["k0"] for r in done]),
+        overlap=overlap(done),
+        formats=formats,
+    )
 
 
 def forms_table(s, args):
     header = ["Format", *(f"Top-{K}%" for K in s["percents"])]
     rows = [["answer-only", *("-" for _ in s["percents"])]] + [[f, *v] for f, v in s["overlap"].items()]
     k0 = f"{s['mean_k0']:.1f}" if s["mean_k0"] is not None else "-"
-    return probes.markdown(header, rows) + (
-        f"\nOverlap with the answer-only high-flow set (Table 11a), mean over n = {s['n']} responses "
-        f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before the "
-        f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n\n"
-        "Per answer format of the responses (departure 4): count, accuracy, overlap per form:\n\n") + \
-        probes.markdown(["Answer format", "n", "Acc.", "Form", *(f"Top-{K}%" for K in s["percents"])],
-                        format_rows(s))
+    return (
+        probes.markdown(header, rows)
+        + (
+            f"\nOverlap with the answer-only high-flow set (Table 11a), mean over n = {s['n']} responses "
+            f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before the "
+            f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n\n"
+            "Per answer format of the responses (departure 4): count, accuracy, overlap per form:\n\n"
+        )
+        + probes.markdown(
+            ["Answer format", "n", "Acc.", "Form", *(f"Top-{K}%" for K in s["percents"])], format_rows(s)
+        )
+    )
 
 
 def format_rows(s):
@@ -182,6 +222,7 @@ def format_rows(s):
     rows = []
     for k, d in s["formats"].items():
         answered = [(f, v) for f, v in d["overlap"].items() if v and v[0] is not None]
-        rows += [[k, d["n"], d["accuracy"], f, *v] for f, v in answered] or \
-            [[k, d["n"], d["accuracy"], "-", *(None for _ in s["percents"])]]
+        rows += [[k, d["n"], d["accuracy"], f, *v] for f, v in answered] or [
+            [k, d["n"], d["accuracy"], "-", *(None for _ in s["percents"])]
+        ]
     return rows

@@ -33,6 +33,7 @@ Departures (numbered):
 Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
      (learn's flags, then after -- grpo.py's, or -- --config recipe.yaml: the shared recipe; runs/learn/)
 """
+
 import argparse
 import contextlib
 import io
@@ -53,28 +54,37 @@ from tqdm import tqdm
 import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
-from training import checkpoint as ckpt_io
 from training import budget, flags, heldout, load, rundir, signals
+from training import checkpoint as ckpt_io
 from training.models import ModelError, load_model
 
 
 @dataclass
 class LearnConfig:
-    arms: str = "none,flow,random"     # credit signals (grpo.py --credit values), comma-separated
-    seeds: str = "2"                   # N (seeds 0..N-1) or a comma-separated list of seeds
-    out_dir: str = "runs/learn"        # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
-    overwrite: bool = False            # delete a grid of another recipe in --out-dir first (else: an error)
-    eval_every: int = 0                # evaluate every N steps and at the last; 0: every steps/4 (rounded up)
-    eval_dataset: str = ""             # the held-out dataset ("": the recipe's --dataset); its test split
-    eval_size: int = 500               # held-out questions: the first N of the test split (all, if fewer)
-    eval_k: int = 4                    # samples per question for mean@k (step 0, last); 0: greedy only
-    eval_seed: int = 0                 # torch seed of every evaluation's sampling (the same for every arm)
-    bootstrap: int = 10_000            # paired bootstrap resamples
+    arms: str = "none,flow,random"  # credit signals (grpo.py --credit values), comma-separated
+    seeds: str = "2"  # N (seeds 0..N-1) or a comma-separated list of seeds
+    out_dir: str = "runs/learn"  # learn.json, learn.md, learn.png; runs/, eval/, logs/ of the grid
+    overwrite: bool = False  # delete a grid of another recipe in --out-dir first (else: an error)
+    eval_every: int = 0  # evaluate every N steps and at the last; 0: every steps/4 (rounded up)
+    eval_dataset: str = ""  # the held-out dataset ("": the recipe's --dataset); its test split
+    eval_size: int = 500  # held-out questions: the first N of the test split (all, if fewer)
+    eval_k: int = 4  # samples per question for mean@k (step 0, last); 0: greedy only
+    eval_seed: int = 0  # torch seed of every evaluation's sampling (the same for every arm)
+    bootstrap: int = 10_000  # paired bootstrap resamples
 
 
-SET_BY_LEARN = ("--seed", "--credit", "--out-dir", "--resume", "--overwrite", "--no-overwrite",
-                "--eval-every", "--eval-size", "--eval-dataset")
-MAX_SEEDS = 1000   # --seeds N: at most this many (each seed is one grpo.py run per arm)
+SET_BY_LEARN = (
+    "--seed",
+    "--credit",
+    "--out-dir",
+    "--resume",
+    "--overwrite",
+    "--no-overwrite",
+    "--eval-every",
+    "--eval-size",
+    "--eval-dataset",
+)
+MAX_SEEDS = 1000  # --seeds N: at most this many (each seed is one grpo.py run per arm)
 
 
 class LearnError(ValueError):
@@ -92,26 +102,38 @@ class Grid:
 
     def __init__(self, cfg, recipe, arms, seeds, grpo):
         self.cfg, self.recipe, self.arms, self.seeds, self.out = cfg, recipe, arms, seeds, Path(cfg.out_dir)
-        self.grpo = grpo                                   # the grpo.py module, passed in by eval.py
+        self.grpo = grpo  # the grpo.py module, passed in by eval.py
         self.rc = rc = [recipe_config(grpo, recipe, a, seeds[0], self.out / "runs") for a in arms][0]
-        self.every = cfg.eval_every or (rc.steps + 3) // 4                # 0: four evaluations
+        self.every = cfg.eval_every or (rc.steps + 3) // 4  # 0: four evaluations
         self.eval_steps = sorted({*range(self.every, rc.steps + 1, self.every), rc.steps})
         self.eval_dataset = (cfg.eval_dataset or rc.dataset).lower()
-        try:                                               # the same questions as grpo.py's (heldout.py)
+        try:  # the same questions as grpo.py's (heldout.py)
             self.recs = heldout.records(rc.dataset, self.eval_dataset, cfg.eval_size, seeds, rc.data_path)
-        except ValueError as e:                            # no test split; a held-out question in training
+        except ValueError as e:  # no test split; a held-out question in training
             raise LearnError(str(e)) from None
-        self.style = rc.prompt_style if rc.prompt_style != "auto" else \
-            data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)   # grpo.py's rule
-        self.setting = {"recipe": recipe, "eval_dataset": self.eval_dataset, "eval_size": len(self.recs),
-                        "style": self.style, "eval_steps": self.eval_steps, "eval_k": cfg.eval_k,
-                        "eval_seed": cfg.eval_seed, "eval_max_new_tokens": rc.max_new_tokens,
-                        "eval_chunk": budget.largest(rc).gen_chunk}     # 0 (sized): the CPU's
+        self.style = (
+            rc.prompt_style
+            if rc.prompt_style != "auto"
+            else data.default_style(rc.model, data.TASKS[rc.dataset.lower()].task)
+        )  # grpo.py's rule
+        self.setting = {
+            "recipe": recipe,
+            "eval_dataset": self.eval_dataset,
+            "eval_size": len(self.recs),
+            "style": self.style,
+            "eval_steps": self.eval_steps,
+            "eval_k": cfg.eval_k,
+            "eval_seed": cfg.eval_seed,
+            "eval_max_new_tokens": rc.max_new_tokens,
+            "eval_chunk": budget.largest(rc).gen_chunk,
+        }  # 0 (sized): the CPU's
         f = self.out / "grid.json"
         if f.is_file() and json.loads(f.read_text()) != self.setting:
             if not cfg.overwrite:
-                raise LearnError(f"{self.out} holds a grid of another recipe or evaluation ({f}): use "
-                                 "another --out-dir, or --overwrite to delete it")
+                raise LearnError(
+                    f"{self.out} holds a grid of another recipe or evaluation ({f}): use "
+                    "another --out-dir, or --overwrite to delete it"
+                )
             for d in ("runs", "eval", "logs"):
                 shutil.rmtree(self.out / d, ignore_errors=True)
         rundir.write_atomic(f, json.dumps(self.setting, indent=1))
@@ -141,7 +163,7 @@ def run_grid(g):
     runs, steps = [f"{a}-s{s}" for s in g.seeds for a in g.arms], g.rc.steps
     done = sum(min(steps, steps_logged(g.out / "runs" / r)) for r in runs)
     bar = tqdm(total=len(runs) * steps, initial=done, desc="learn", unit="step")
-    if not g.done("", 0):                                  # step 0: the recipe's model, shared
+    if not g.done("", 0):  # step 0: the recipe's model, shared
         res = result(g, evaluate_model(g, g.rc.model))
         rundir.write_atomic(g.eval_file("", 0), json.dumps(res))
         tqdm.write(f"learn: step 0: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
@@ -150,11 +172,11 @@ def run_grid(g):
             tqdm.write(f"learn: {run} finished earlier: skipped")
             continue
         train(g, run, bar)
-        for e in g.eval_steps:                             # the last step's file last: the done-marker
+        for e in g.eval_steps:  # the last step's file last: the done-marker
             if not g.done(run, e):
                 res = record_evaluation(g, run, e)
                 tqdm.write(f"learn: {run} step {e}: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
-        summarize(g, *collect(g))                          # partial results after every arm-seed
+        summarize(g, *collect(g))  # partial results after every arm-seed
     bar.close()
     print(summarize(g, *collect(g)) + f"\nwrote {g.out}/learn.json, learn.md, learn.png")
 
@@ -166,22 +188,41 @@ def train(g, run, bar):
     d, log = g.out / "runs" / run, g.out / "logs" / f"{run}.log"
     try:
         ckpt = ckpt_io.find_checkpoint(d)
-    except ckpt_io.RunError:                           # not started, or stopped before its first save
+    except ckpt_io.RunError:  # not started, or stopped before its first save
         ckpt = None
     if ckpt and ckpt_io.read_state(ckpt)["step"] >= g.rc.steps:
         return
     script = str(Path(g.grpo.__file__))
-    cmd = ([sys.executable, script, "--resume", str(d)] if ckpt else
-           [sys.executable, script, *g.recipe, "--credit", arm, "--seed", seed, "--out-dir", str(d),
-            "--overwrite", "--save-optimizer", "--eval-every", str(g.every), "--eval-size",
-            str(g.cfg.eval_size), "--eval-dataset", g.eval_dataset])                   # an exact --resume
+    cmd = (
+        [sys.executable, script, "--resume", str(d)]
+        if ckpt
+        else [
+            sys.executable,
+            script,
+            *g.recipe,
+            "--credit",
+            arm,
+            "--seed",
+            seed,
+            "--out-dir",
+            str(d),
+            "--overwrite",
+            "--save-optimizer",
+            "--eval-every",
+            str(g.every),
+            "--eval-size",
+            str(g.cfg.eval_size),
+            "--eval-dataset",
+            g.eval_dataset,
+        ]
+    )  # an exact --resume
     log.parent.mkdir(parents=True, exist_ok=True)
     seen = steps_logged(d)
     with open(log, "a") as fh:
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:                                           # its own session: signals reach it from here, once
+        try:  # its own session: signals reach it from here, once
             while proc.poll() is None:
                 time.sleep(1.0)
                 now = min(g.rc.steps, steps_logged(d))
@@ -214,7 +255,7 @@ def evaluations(path):
     """{step: metrics line} of a metrics.jsonl's lines that hold an evaluation (a step's last line wins)."""
     rows = {}
     for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        with contextlib.suppress(ValueError):                         # a line cut by a kill
+        with contextlib.suppress(ValueError):  # a line cut by a kill
             row = json.loads(line)
             rows |= {row["step"]: row} if "eval/accuracy" in row else {}
     return rows
@@ -224,9 +265,11 @@ def result(g, right):
     """One evaluation's file: per question (right; samples None where not sampled), then the four means."""
     k, n = g.cfg.eval_k, len(g.recs)
     res = {"ids": [r["id"] for r in g.recs], "samples": None, "samples_lenient": None, **right}
-    return res | {score + sfx: sum(res[key + sfx]) / (n * m) if res[key + sfx] is not None and m else None
-                  for score, key, m in (("acc", "greedy", 1), ("mean@k", "samples", k))
-                  for sfx in ("", "_lenient")}
+    return res | {
+        score + sfx: sum(res[key + sfx]) / (n * m) if res[key + sfx] is not None and m else None
+        for score, key, m in (("acc", "greedy", 1), ("mean@k", "samples", k))
+        for sfx in ("", "_lenient")
+    }
 
 
 def record_evaluation(g, run, step):
@@ -234,8 +277,10 @@ def record_evaluation(g, run, step):
     path = g.out / "runs" / run / "metrics.jsonl"
     m = evaluations(path).get(step, {})
     if len(m.get("eval/right") or []) != len(g.recs):
-        raise LearnError(f"{path}: no evaluation of {len(g.recs)} questions at step {step} (eval/right); "
-                         f"delete {path.parent} to run it again")
+        raise LearnError(
+            f"{path}: no evaluation of {len(g.recs)} questions at step {step} (eval/right); "
+            f"delete {path.parent} to run it again"
+        )
     right = {"greedy": m["eval/right"], "greedy_lenient": m["eval/right_lenient"]}
     if step == g.eval_steps[-1] and g.cfg.eval_k:
         ckpt = ckpt_io.find_checkpoint(path.parent)
@@ -258,7 +303,7 @@ def evaluate_model(g, name, greedy=True):
         res |= heldout.sampled(*args, cfg.eval_k, rc.temperature, rc.top_p, rc.top_k, cfg.eval_seed)
     del model
     if device.type == "cuda":
-        torch.cuda.empty_cache()                       # the next grpo.py run gets the GPU's memory back
+        torch.cuda.empty_cache()  # the next grpo.py run gets the GPU's memory back
     return res
 
 
@@ -272,14 +317,21 @@ def collect(g):
         for seed in (s for s in g.seeds if all(g.done(f"{arm}-s{s}", e) for e in g.eval_steps)):
             ev = [before] + [json.loads(g.eval_file(f"{arm}-s{seed}", e).read_text()) for e in g.eval_steps]
             finals[arm, seed] = ev[-1]
-            runs.setdefault(arm, []).append({
-                "seed": seed, **{f"before{sfx}": before[m] for m, sfx in SCORES.items()},
-                **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
-                "auc": float(np.mean([x["acc"] for x in ev[1:]])),            # held-out area, steps > 0
-                "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
-                "questions": {str(e): {q: x[q] for q in QUESTION_KEYS}
-                              for e, x in zip([0, *g.eval_steps], ev)},
-                "reward": metric_series(g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean")})
+            runs.setdefault(arm, []).append(
+                {
+                    "seed": seed,
+                    **{f"before{sfx}": before[m] for m, sfx in SCORES.items()},
+                    **{f"after{sfx}": ev[-1][m] for m, sfx in SCORES.items()},
+                    "auc": float(np.mean([x["acc"] for x in ev[1:]])),  # held-out area, steps > 0
+                    "curve": [[e, *(x[m] for m in SCORES)] for e, x in zip([0, *g.eval_steps], ev)],
+                    "questions": {
+                        str(e): {q: x[q] for q in QUESTION_KEYS} for e, x in zip([0, *g.eval_steps], ev)
+                    },
+                    "reward": metric_series(
+                        g.out / "runs" / f"{arm}-s{seed}" / "metrics.jsonl", "reward/mean"
+                    ),
+                }
+            )
     return runs, finals
 
 
@@ -288,37 +340,47 @@ def parse(argv, prog):
     """(config, recipe, arms, seeds), checked; Grid runs grpo.py's own checks (before any model loads)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog=f"{prog} learn", description=__doc__, allow_abbrev=False,
-                                usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
-                                epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
-                                formatter_class=flags.Formatter)
-    p.error = refuse                                                   # one line, no usage block
+    p = argparse.ArgumentParser(
+        prog=f"{prog} learn",
+        description=__doc__,
+        allow_abbrev=False,
+        usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
+        epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
+        formatter_class=flags.Formatter,
+    )
+    p.error = refuse  # one line, no usage block
     flags.add_fields(p, LearnConfig)
     ns, rest = p.parse_known_args(argv[:cut])
-    cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1:]
+    cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1 :]
     arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in signals.SIGNALS]
     try:
-        seeds = [int(s) for s in cfg.seeds.split(",") if s.strip()] if "," in cfg.seeds else \
-            list(range(min(int(cfg.seeds), MAX_SEEDS + 1)))            # no list of 10**20 seeds
+        seeds = (
+            [int(s) for s in cfg.seeds.split(",") if s.strip()]
+            if "," in cfg.seeds
+            else list(range(min(int(cfg.seeds), MAX_SEEDS + 1)))
+        )  # no list of 10**20 seeds
     except ValueError:
         p.error(f"--seeds {cfg.seeds!r}: give a number of seeds N (0..N-1) or a comma list like 0,1,2")
     taken = [f for f in recipe if f.split("=")[0] in SET_BY_LEARN]
-    for bad, why in ((not arms, "--arms is empty: give credit signals, e.g. none,flow"),
-                     (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}"),
-                     (len(set(arms)) < len(arms), f"--arms {cfg.arms}: an arm twice"),
-                     (not seeds, f"--seeds {cfg.seeds}: zero seeds; give N >= 1 or a comma list"),
-                     (len(seeds) > MAX_SEEDS, f"--seeds {cfg.seeds}: at most {MAX_SEEDS} (a run each)"),
-                     (any(not 0 <= s < 2 ** 63 for s in seeds), f"--seeds {cfg.seeds}: each in [0, 2**63)"),
-                     (len(set(seeds)) < len(seeds), f"--seeds {cfg.seeds}: a seed twice"),
-                     (taken, f"{' '.join(taken)}: set by learn per arm-seed (its --arms, --seeds, --eval-*)"),
-                     (cfg.eval_every < 0, "--eval-every must be >= 0 (0: four evaluations)"),
-                     (cfg.eval_dataset and cfg.eval_dataset.lower() not in data.TASKS,
-                      f"--eval-dataset {cfg.eval_dataset}: unknown; tasks: {', '.join(data.TASKS)}"),
-                     (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
-                     (rundir.dir_problem(cfg.out_dir), f"--out-dir {rundir.dir_problem(cfg.out_dir)}"),
-                     *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1")
-                       for k in ("eval_size", "bootstrap"))):
+    for bad, why in (
+        (not arms, "--arms is empty: give credit signals, e.g. none,flow"),
+        (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}"),
+        (len(set(arms)) < len(arms), f"--arms {cfg.arms}: an arm twice"),
+        (not seeds, f"--seeds {cfg.seeds}: zero seeds; give N >= 1 or a comma list"),
+        (len(seeds) > MAX_SEEDS, f"--seeds {cfg.seeds}: at most {MAX_SEEDS} (a run each)"),
+        (any(not 0 <= s < 2**63 for s in seeds), f"--seeds {cfg.seeds}: each in [0, 2**63)"),
+        (len(set(seeds)) < len(seeds), f"--seeds {cfg.seeds}: a seed twice"),
+        (taken, f"{' '.join(taken)}: set by learn per arm-seed (its --arms, --seeds, --eval-*)"),
+        (cfg.eval_every < 0, "--eval-every must be >= 0 (0: four evaluations)"),
+        (
+            cfg.eval_dataset and cfg.eval_dataset.lower() not in data.TASKS,
+            f"--eval-dataset {cfg.eval_dataset}: unknown; tasks: {', '.join(data.TASKS)}",
+        ),
+        (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
+        (rundir.dir_problem(cfg.out_dir), f"--out-dir {rundir.dir_problem(cfg.out_dir)}"),
+        *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1") for k in ("eval_size", "bootstrap")),
+    ):
         if bad:
             p.error(why)
     return cfg, recipe, arms, seeds
@@ -327,12 +389,11 @@ def parse(argv, prog):
 def main(argv, grpo, prog="eval.py"):
     """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs)."""
     try:
-        if threading.current_thread() is threading.main_thread():     # SIGTERM: stop like Ctrl-C (stop)
+        if threading.current_thread() is threading.main_thread():  # SIGTERM: stop like Ctrl-C (stop)
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        run_grid(Grid(*parse(argv, prog), grpo))                      # parse: config, recipe, arms, seeds
+        run_grid(Grid(*parse(argv, prog), grpo))  # parse: config, recipe, arms, seeds
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
-

@@ -18,9 +18,10 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
      python eval.py memory --model qwen3-4b-random --max-new-tokens 8192 --gen-chunk 16 --micro-batch 4
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
+
 from types import SimpleNamespace
 
-from training.budget import GB, RESERVE, GiB, LAYOUTS, margin, planned, what_fits
+from training.budget import GB, LAYOUTS, RESERVE, GiB, margin, planned, what_fits
 from training.checkpoint import checkpoint_bytes
 from training.load import precision, precision_problem, scheme
 from training.step_bytes import COMPONENTS, estimate, lora_linears, model_config, param_counts, peak
@@ -29,23 +30,29 @@ from training.step_bytes import COMPONENTS, estimate, lora_linears, model_config
 def table(est, title, unit=GB) -> str:
     """The estimate as a fixed-width table, one row per phase (unit GB = 1e9 bytes, or MB = 1e6)."""
     head = f"{'phase':15s}" + "".join(f"{k:>12s}" for k in (*COMPONENTS, "total"))
-    rows = [f"{ph:15s}" + "".join(f"{v / unit:12.2f}" for v in (*comp.values(), sum(comp.values())))
-            for ph, comp in est.items()]
+    rows = [
+        f"{ph:15s}" + "".join(f"{v / unit:12.2f}" for v in (*comp.values(), sum(comp.values())))
+        for ph, comp in est.items()
+    ]
     return "\n".join([title, head, *rows])
 
 
 def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap=None):
     """One line: the engine's layout in force and what the other would give at the same sizes."""
     kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r, cap=cap) for r in (False, True))
-    cache = kept["backward"]["KV cache"]                                  # the engine's K, V buffers
+    cache = kept["backward"]["KV cache"]  # the engine's K, V buffers
     (kph, ktop), (fph, ftop) = peak(kept), peak(freed)
     if release:
-        return (f"engine: released for the update ({cache / unit:.2f} {name} freed after each rollout, "
-                f"reserved and its graphs captured again before the next); resident it would peak at "
-                f"{ktop / unit:.2f} {name} in {kph}")
-    return (f"engine: resident through the update (its graphs captured once); released for it, the update's "
-            f"phases would hold {cache / unit:.2f} {name} less (its cache) and the step peak at "
-            f"{ftop / unit:.2f} {name} in {fph}, its graphs captured again every step")
+        return (
+            f"engine: released for the update ({cache / unit:.2f} {name} freed after each rollout, "
+            f"reserved and its graphs captured again before the next); resident it would peak at "
+            f"{ktop / unit:.2f} {name} in {kph}"
+        )
+    return (
+        f"engine: resident through the update (its graphs captured once); released for it, the update's "
+        f"phases would hold {cache / unit:.2f} {name} less (its cache) and the step peak at "
+        f"{ftop / unit:.2f} {name} in {fph}, its graphs captured again every step"
+    )
 
 
 def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> str:
@@ -59,40 +66,65 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
     unit, name = (GB, "GB") if peak(est)[1] >= GB else (1e6, "MB")
     T = prompt_tokens + cfg.max_new_tokens
     which = "" if p is None else f", the plan for {card / GB:g} GB" if p.gen_chunk else ", as given"
-    out = [precision(cfg, device, cap).line,
-           table(est, f"{cfg.model} on {device}, scheme {scheme(cfg, device, cap)}: {cfg.prompts_per_step} x "
-                      f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
-                      f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
-                      f"logprob_chunk {cfg.logprob_chunk}{which} ({name})", unit)]
+    out = [
+        precision(cfg, device, cap).line,
+        table(
+            est,
+            f"{cfg.model} on {device}, scheme {scheme(cfg, device, cap)}: {cfg.prompts_per_step} x "
+            f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
+            f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
+            f"logprob_chunk {cfg.logprob_chunk}{which} ({name})",
+            unit,
+        ),
+    ]
     if measured:
         out.append(f"measured ({'torch.cuda.max_memory_allocated' if device != 'cpu' else 'track_peak'}):")
-        out += [f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
-                f"ratio {sum(c.values()) / measured[ph]:.3f}" for ph, c in est.items()]
+        out += [
+            f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
+            f"ratio {sum(c.values()) / measured[ph]:.3f}"
+            for ph, c in est.items()
+        ]
     if p is not None and cfg.share_prefix:
         out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name, cap))
     for other in ("adamw", "kahan", "lora"):
-        c = {"optimizer": other, "lora_rank": 0} if other != "lora" else {"lora_rank": cfg.lora_rank or 16,
-                                                                          "optimizer": "auto"}
+        c = (
+            {"optimizer": other, "lora_rank": 0}
+            if other != "lora"
+            else {"lora_rank": cfg.lora_rank or 16, "optimizer": "auto"}
+        )
         c = SimpleNamespace(**{**vars(cfg), **c})
-        c.precision = "auto" if precision_problem(c) else c.precision     # fp16 is LoRA's, bf16 kahan's
+        c.precision = "auto" if precision_problem(c) else c.precision  # fp16 is LoRA's, bf16 kahan's
         q = peak(estimate(c, mc, device, prompt_tokens, release=release, cap=cap))
-        out.append(f"scheme {other:6s}: peak {q[1] / unit:.2f} {name} in {q[0]}"
-                   + (f" (--lora-rank {c.lora_rank})" if other == "lora" else ""))
+        out.append(
+            f"scheme {other:6s}: peak {q[1] / unit:.2f} {name} in {q[0]}"
+            + (f" (--lora-rank {c.lora_rank})" if other == "lora" else "")
+        )
     ph, top = peak(est)
     if p is not None:
         m = margin(cfg, mc, prompt_tokens)
-        out.append(f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
-                   + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items()) + "): "
-                   + (f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
-                      f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase}"
-                      if p.gen_chunk else "nothing fits (" + what_fits(cfg, mc, device, prompt_tokens,
-                                                                       card * (1 - RESERVE), cap=cap))
-                   + f"; {card * (1 - RESERVE) / GB:.1f} GB planned, a {RESERVE:.0%} reserve)")
+        out.append(
+            f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
+            + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items())
+            + "): "
+            + (
+                f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
+                f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase}"
+                if p.gen_chunk
+                else "nothing fits ("
+                + what_fits(cfg, mc, device, prompt_tokens, card * (1 - RESERVE), cap=cap)
+            )
+            + f"; {card * (1 - RESERVE) / GB:.1f} GB planned, a {RESERVE:.0%} reserve)"
+        )
     lora = scheme(cfg, device, cap) == "lora"
-    n = mc.num_hidden_layers * cfg.lora_rank * sum(i + o for i, o in lora_linears(cfg, mc)) if lora else \
-        param_counts(mc)[0]
+    n = (
+        mc.num_hidden_layers * cfg.lora_rank * sum(i + o for i, o in lora_linears(cfg, mc))
+        if lora
+        else param_counts(mc)[0]
+    )
     disk = checkpoint_bytes(n, scheme(cfg, device, cap))
-    out.append(f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
-               f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)")
+    out.append(
+        f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
+        f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)"
+    )
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
     return "\n".join(out)

@@ -17,6 +17,7 @@ command() is `eval.py memory`: the estimate, and with --measure the measured ste
 Run: python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
      python eval.py memory --model qwen3-4b-random --measure --snapshot runs/backward.pickle   # on a GPU
 """
+
 import contextlib
 import json
 import os
@@ -45,6 +46,7 @@ class track_peak(TorchDispatchMode):
             tr.phase("generation"); ...
         tr.peak  # {phase: bytes}
     """
+
     def __init__(self, *resident):
         super().__init__()
         self.live, self.now, self.peak, self.name = {}, 0, {}, None
@@ -98,6 +100,7 @@ class cuda_peak:
     the allocator's history of the second "backward" phase (the first micro-batch whose gradients exist) is
     recorded, every allocation with its Python and C++ stack, and saved there with the bytes allocated when
     it began (https://pytorch.org/memory_viz draws it), its held_at_peak beside it (save_snapshot)."""
+
     def __init__(self, *resident, reserved=None, snapshot=None):
         self.peak, self.name, self.reserved = {}, None, {} if reserved is None else reserved
         self.snapshot, self.entered, self.base = snapshot, {}, None
@@ -110,7 +113,7 @@ class cuda_peak:
         self.entered[name] = self.entered.get(name, 0) + 1
         if self.snapshot and name == "backward" and self.entered[name] == 2:
             self.base = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=10 ** 6, clear_history=True)
+            torch.cuda.memory._record_memory_history(max_entries=10**6, clear_history=True)
 
     def close(self):
         if self.name is not None:
@@ -140,16 +143,17 @@ def held_at_peak(snap, top=12):
     largest value. A site is where the block was made: the autograd node, the ATen function and the
     innermost Python line of its stack (a backward node's allocations have no Python line, a replayed
     checkpointed layer's have its forward's)."""
-    trace = [e for device in snap["device_traces"] for e in device
-             if e["action"] in ("alloc", "free_requested")]
+    trace = [
+        e for device in snap["device_traces"] for e in device if e["action"] in ("alloc", "free_requested")
+    ]
     now = best = snap["base_allocated"]
-    at = -1                                                     # index of the event that reached the peak
+    at = -1  # index of the event that reached the peak
     for i, e in enumerate(trace):
         now += e["size"] if e["action"] == "alloc" else -e["size"]
         if now > best:
             best, at = now, i
     live = {}
-    for e in trace[:at + 1]:                                     # the window's blocks live at the peak
+    for e in trace[: at + 1]:  # the window's blocks live at the peak
         if e["action"] == "alloc":
             live[e["addr"]] = e
         else:
@@ -171,8 +175,13 @@ def save_snapshot(snap, path):
     with open(path, "wb") as f:
         pickle.dump(snap, f)
     peak, before, rows = held_at_peak(snap, top=None)
-    summary = {"peak": peak, "before": before, "rows": rows, "window_peak": snap["window_peak"],
-               "base_allocated": snap["base_allocated"]}
+    summary = {
+        "peak": peak,
+        "before": before,
+        "rows": rows,
+        "window_peak": snap["window_peak"],
+        "base_allocated": snap["base_allocated"],
+    }
     Path(str(path) + ".json").write_text(json.dumps(summary))
 
 
@@ -185,12 +194,15 @@ def report_held(path, estimated, top=12):
         s = json.loads(f.read_text())
         peak, before, window, rows = s["peak"], s["before"], s["window_peak"], [tuple(r) for r in s["rows"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{f}: not a snapshot summary of eval.py memory --snapshot ({type(e).__name__}: "
-                         f"{str(e)[:120]})") from None
-    out = [f"the 2nd micro-batch's backward ({path}): peak {peak / 1e9:.2f} GB allocated (replayed; the "
-           f"allocator's {window / 1e9:.2f}), estimated {estimated / 1e9:.2f}; "
-           f"{before / 1e9:.2f} GB of it from before the phase; the phase's own blocks live at the peak:",
-           f"  {'GB':>7s} {'blocks':>6s}  autograd node | ATen function | Python line"]
+        raise ValueError(
+            f"{f}: not a snapshot summary of eval.py memory --snapshot ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
+    out = [
+        f"the 2nd micro-batch's backward ({path}): peak {peak / 1e9:.2f} GB allocated (replayed; the "
+        f"allocator's {window / 1e9:.2f}), estimated {estimated / 1e9:.2f}; "
+        f"{before / 1e9:.2f} GB of it from before the phase; the phase's own blocks live at the peak:",
+        f"  {'GB':>7s} {'blocks':>6s}  autograd node | ATen function | Python line",
+    ]
     out += [f"  {n / 1e9:7.3f} {b:6d}  {site}" for n, b, site in rows[:top]]
     return "\n".join(out)
 
@@ -200,14 +212,21 @@ def site(frames):
     names = [f["name"] for f in frames]
     node = next((m.group(1) for n in names for m in [re.search(r"(\w+Backward\w*)::apply", n)] if m), "-")
     aten = next((n.split("(")[0] for n in names if n.startswith("at::native::")), "-")
-    py = next((f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
-               if f["filename"].endswith(".py")), "-")
+    py = next(
+        (
+            f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+            for f in frames
+            if f["filename"].endswith(".py")
+        ),
+        "-",
+    )
     return f"{node} | {aten} | {py}"
 
 
 # ----------------------------------------------------------------------------- one real step, measured
-def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None,
-            release=False) -> dict:
+def measure(
+    cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None, release=False
+) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
     load.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
     before the first step as setup reserves it; release: freed before each update, budget.plan's layout
@@ -216,31 +235,41 @@ def measure(cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snap
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
     (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
     where one is given; `snapshot`: cuda_peak's."""
-    device, cfg = load.device_of(device or "auto"), budget.largest(cfg)      # a size at 0: the CPU's
+    device, cfg = load.device_of(device or "auto"), budget.largest(cfg)  # a size at 0: the CPU's
     torch.manual_seed(seed)
-    run = load_for_update(cfg, device)                           # run.setup's policy and credit
+    run = load_for_update(cfg, device)  # run.setup's policy and credit
     pol = run.policy
     model, tok, ref, opt = pol.model, pol.tok, pol.ref, pol.opt
     B, R = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
     prompts = random_prompts(tok, cfg.prompts_per_step, prompt_tokens)
-    model.generation_config.min_new_tokens = R                   # no EOS before max_new_tokens
+    model.generation_config.min_new_tokens = R  # no EOS before max_new_tokens
     run.engine = run_engine(cfg, model, tok, prompts, device)
 
     def step(clock):
         with clock.phase("generation"), torch.no_grad(), pol.autocast:
             model.eval()
-            gen = rollout.generate(model, tok, prompts, n=cfg.group_size, max_new_tokens=R, top_k=cfg.top_k,
-                                   temperature=cfg.temperature, top_p=cfg.top_p, chunk_size=cfg.gen_chunk,
-                                   share_prefix=cfg.share_prefix, engine=run.engine)
+            gen = rollout.generate(
+                model,
+                tok,
+                prompts,
+                n=cfg.group_size,
+                max_new_tokens=R,
+                top_k=cfg.top_k,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                chunk_size=cfg.gen_chunk,
+                share_prefix=cfg.share_prefix,
+                engine=run.engine,
+            )
         if release and run.engine is not None:
-            run.engine.release()                                 # as backoff.update does for the plan
+            run.engine.release()  # as backoff.update does for the plan
         batch = build_batch(tok, gen.prompt_ids, gen.response_ids).to(device)
-        adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)            # (B,)
+        adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=device)  # (B,)
         update(run, batch, list(range(B)), adv, clock)
 
     step(Phases(SimpleNamespace(phase=lambda name: None)))
     cuda = device.type == "cuda"
-    with (cuda_peak(reserved=reserved, snapshot=snapshot) if cuda else track_peak(model, ref, opt)) as tr:
+    with cuda_peak(reserved=reserved, snapshot=snapshot) if cuda else track_peak(model, ref, opt) as tr:
         step(Phases(tr))
     return tr.peak
 
@@ -258,6 +287,7 @@ def run_engine(cfg, model, tok, prompts, device):
 class Phases:
     """grpo.update's clock (`with clock.phase(name): ...`) over a tracker's marks (tr.phase(name) starts a
     phase, tr.phase(None) ends it)."""
+
     def __init__(self, tracker):
         self.tracker = tracker
 
@@ -273,13 +303,24 @@ class Phases:
 def random_prompts(tok, n, width, seed=0):
     """n texts of width - (7 i mod width/4) tokens (the first one `width`): random words that tokenize back
     to themselves (space-led ASCII words, or single characters for a byte tokenizer); no shared prefix."""
-    singles = [i for i in range(min(len(tok), 4096)) if i not in set(tok.all_special_ids)
-               and tok(tok.decode([i]), add_special_tokens=False).input_ids == [i]]
-    words = [i for i in singles if tok.decode([i])[:1] == " " and tok.decode([i])[1:].isalpha()
-             and tok.decode([i]).isascii()]
+    singles = [
+        i
+        for i in range(min(len(tok), 4096))
+        if i not in set(tok.all_special_ids)
+        and tok(tok.decode([i]), add_special_tokens=False).input_ids == [i]
+    ]
+    words = [
+        i
+        for i in singles
+        if tok.decode([i])[:1] == " " and tok.decode([i])[1:].isalpha() and tok.decode([i]).isascii()
+    ]
     pool, g = words if len(words) >= 100 else singles, torch.Generator().manual_seed(seed)
-    return [tok.decode([pool[j] for j in torch.randint(len(pool), (width - (i * 7) % max(1, width // 4),),
-                                                       generator=g)]) for i in range(n)]
+    return [
+        tok.decode(
+            [pool[j] for j in torch.randint(len(pool), (width - (i * 7) % max(1, width // 4),), generator=g)]
+        )
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- the command
@@ -289,21 +330,30 @@ def command(args, grpo):
     backward's peak by site (report_held). grpo: the grpo.py module (its parser and its update). Bad input is
     a ValueError."""
     from evaluation import memory
-    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)          # --gpu-gb: it plans for a GPU anywhere
+
+    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)  # --gpu-gb: it plans for a GPU anywhere
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
-    if args.capability is not None and not 3 <= args.capability < 20:       # a float: any number parses
+    if args.capability is not None and not 3 <= args.capability < 20:  # a float: any number parses
         raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
     cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
-    cfg, plan, _ = budget.planned(cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, cap=cap)
+    cfg, plan, _ = budget.planned(
+        cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, cap=cap
+    )
     release = bool(plan and plan.gen_chunk and plan.release)
-    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, release=release,
-                          cap=cap)
+    est = step_bytes.estimate(
+        cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, release=release, cap=cap
+    )
     if args.measure and device == "cpu" and step_bytes.peak(est)[1] > 8e9:
-        raise ValueError("--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
-                         f"is {step_bytes.peak(est)[1] / 1e9:.0f} GB")
+        raise ValueError(
+            "--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
+            f"is {step_bytes.peak(est)[1] / 1e9:.0f} GB"
+        )
     if args.snapshot and not (args.measure and device == "cuda"):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
-    measured = measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot,
-                       release=release) if args.measure else None
+    measured = (
+        measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release)
+        if args.measure
+        else None
+    )
     table = memory.report(cfg, args.prompt_tokens, measured, device, cap)
     return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

@@ -12,6 +12,7 @@ noise at every step (probes.py departure 1).
 
 Run the tests: python -m pytest -q tests/test_eval.py -k decode
 """
+
 import os
 
 import torch
@@ -31,9 +32,9 @@ def prefill_mask(keys, q_start):
     and keys[b, i] (a real, unblocked token), or i == q. So a blocked token still reads itself and what came
     before it, and no later token reads it."""
     S = keys.shape[-1]
-    q = torch.arange(q_start, S, device=keys.device)[:, None]              # (S - q_start, 1)
-    i = torch.arange(S, device=keys.device)[None, :]                       # (1, S)
-    return (((i <= q) & keys[:, None, :]) | (i == q))[:, None]             # (B, 1, S - q_start, S)
+    q = torch.arange(q_start, S, device=keys.device)[:, None]  # (S - q_start, 1)
+    i = torch.arange(S, device=keys.device)[None, :]  # (1, S)
+    return (((i <= q) & keys[:, None, :]) | (i == q))[:, None]  # (B, 1, S - q_start, S)
 
 
 def extend(model, cache, keys, pos, segs, blocked=None):
@@ -51,13 +52,19 @@ def extend(model, cache, keys, pos, segs, blocked=None):
     new, blk = torch.zeros(b, W, dtype=torch.bool), torch.zeros(b, W, dtype=torch.bool)
     for r, s in enumerate(segs):
         if s:
-            ids[r, W - len(s):], new[r, W - len(s):] = torch.tensor(s, dtype=torch.long), True
+            ids[r, W - len(s) :], new[r, W - len(s) :] = torch.tensor(s, dtype=torch.long), True
             blk[r, [W - len(s) + j for j in (blocked[r] if blocked else [])]] = True
     ids, new, blk = ids.to(dev), new.to(dev), blk.to(dev)
-    cols = torch.cat([keys, new & ~blk], -1)                               # (b, K + W)
-    p = pos[:, None] + (new.long().cumsum(-1) - 1).clamp(min=0)            # (b, W) true positions
-    out = model(input_ids=ids, attention_mask=additive(prefill_mask(cols, keys.shape[-1]), model.dtype),
-                position_ids=p, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cols = torch.cat([keys, new & ~blk], -1)  # (b, K + W)
+    p = pos[:, None] + (new.long().cumsum(-1) - 1).clamp(min=0)  # (b, W) true positions
+    out = model(
+        input_ids=ids,
+        attention_mask=additive(prefill_mask(cols, keys.shape[-1]), model.dtype),
+        position_ids=p,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return out.logits[:, -1].float(), cols, pos + new.sum(-1)
 
 
@@ -78,27 +85,39 @@ def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=N
     members = {}
     for b, g in enumerate(groups):
         members.setdefault(g, []).append(b)
-    order = [b for rows in members.values() for b in rows]                  # batch rows, grouped
+    order = [b for rows in members.values() for b in rows]  # batch rows, grouped
     L1 = min(len(os.path.commonprefix(prefixes)), min(cut))
-    L2 = {g: max(L1, min(len(os.path.commonprefix([prefixes[b] for b in rows])), min(cut[b] for b in rows)))
-          for g, rows in members.items()}
+    L2 = {
+        g: max(L1, min(len(os.path.commonprefix([prefixes[b] for b in rows])), min(cut[b] for b in rows)))
+        for g, rows in members.items()
+    }
     cache = DynamicCache(config=model.config)
     keys, pos = torch.zeros(1, 0, dtype=torch.bool, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
-    _, keys, pos = extend(model, cache, keys, pos, [prefixes[0][:L1]])     # level 1: all rows
+    _, keys, pos = extend(model, cache, keys, pos, [prefixes[0][:L1]])  # level 1: all rows
     idx = torch.zeros(len(members), dtype=torch.long, device=dev)
     cache.batch_select_indices(idx)
-    _, keys, pos = extend(model, cache, keys[idx], pos[idx],                # level 2: each group
-                          [prefixes[rows[0]][L1:L2[g]] for g, rows in members.items()])
+    _, keys, pos = extend(
+        model,
+        cache,
+        keys[idx],
+        pos[idx],  # level 2: each group
+        [prefixes[rows[0]][L1 : L2[g]] for g, rows in members.items()],
+    )
     idx = torch.tensor([i for i, rows in enumerate(members.values()) for _ in rows], device=dev)
     cache.batch_select_indices(idx)
-    logits, keys, pos = extend(model, cache, keys[idx], pos[idx],           # level 3: each row
-                               [prefixes[b][L2[groups[b]]:] for b in order],
-                               [[j - L2[groups[b]] for j in blocked[b]] for b in order])
+    logits, keys, pos = extend(
+        model,
+        cache,
+        keys[idx],
+        pos[idx],  # level 3: each row
+        [prefixes[b][L2[groups[b]] :] for b in order],
+        [[j - L2[groups[b]] for j in blocked[b]] for b in order],
+    )
     gens = {s: torch.Generator().manual_seed(s) for s in set(seeds or [])} if temperature > 0 else {}
     eos, new, alive = set(eos_ids(model, tok)), [[] for _ in prefixes], list(order)
     keep = [i for i, b in enumerate(alive) if budgets[b] > 0]
     while keep:
-        if len(keep) < len(alive):                                          # finished rows leave the batch
+        if len(keep) < len(alive):  # finished rows leave the batch
             idx = torch.tensor(keep, device=dev)
             cache.batch_select_indices(idx)
             logits, keys, pos, alive = logits[idx], keys[idx], pos[idx], [alive[i] for i in keep]
@@ -107,7 +126,7 @@ def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=N
             u = {s: torch.rand(logits.shape[-1], generator=g).clamp_(1e-20, 1.0) for s, g in gens.items()}
             noise = torch.stack([u[seeds[b]] for b in alive]).to(dev).log().neg().log()  # (b, V) log(-log u)
             logits = logits / temperature - noise
-        step = logits.argmax(-1).tolist()                                   # (b,)
+        step = logits.argmax(-1).tolist()  # (b,)
         for b, t in zip(alive, step):
             new[b].append(t)
         keep = [i for i, (b, t) in enumerate(zip(alive, step)) if t not in eos and len(new[b]) < budgets[b]]

@@ -34,6 +34,7 @@ over (seed, question) pairs:
 
 Run: python -c "from evaluation import stats; print(stats.sign_test([1] * 8 + [0] * 2, [0] * 8 + [1] * 2))"
 """
+
 import math
 
 import numpy as np
@@ -57,17 +58,24 @@ def seed_test(a, b):
     difference with its t interval and ttest_rel p, and the exact sign-flip test over seeds."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     d, S = a - b, len(a)
-    out = {"seeds": S, "diff": float(d.mean()), "ci95": None, "p_t": None,
-           "p_signflip": None, "p_signflip_min": min(1.0, 2 / 2 ** S)}
+    out = {
+        "seeds": S,
+        "diff": float(d.mean()),
+        "ci95": None,
+        "p_t": None,
+        "p_signflip": None,
+        "p_signflip_min": min(1.0, 2 / 2**S),
+    }
     if S < 2:
         return out
     if d.std(ddof=1) > 0:
         t = sps.ttest_rel(a, b)
         out["ci95"], out["p_t"] = [float(x) for x in t.confidence_interval(0.95)], float(t.pvalue)
-    else:                                                   # every seed the same difference: no spread
+    else:  # every seed the same difference: no spread
         out["ci95"] = [float(d.mean())] * 2
-    flip = sps.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=np.inf,
-                                alternative="two-sided")    # exact: all 2^S sign patterns
+    flip = sps.permutation_test(
+        (d,), np.mean, permutation_type="samples", n_resamples=np.inf, alternative="two-sided"
+    )  # exact: all 2^S sign patterns
     out["p_signflip"] = float(flip.pvalue)
     return out
 
@@ -76,14 +84,14 @@ def two_level(a, b, n_boot=10_000, seed=0):
     """a, b: (S, Q) outcomes of two arms, paired by seed and question. (Delta, low, high): the mean paired
     difference and the 2.5/97.5 percentiles of B two-level resamples (seeds with replacement, then questions
     with replacement within each drawn seed)."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)                  # (S, Q)
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)  # (S, Q)
     S, Q = d.shape
     rng, boot = np.random.default_rng(seed), []
-    for n in [1000] * (n_boot // 1000) + [n_boot % 1000]:                        # chunks: (1000, S, Q) ints
-        s_idx = rng.integers(0, S, size=(n, S))                                  # (n, S) seeds drawn
-        q_idx = rng.integers(0, Q, size=(n, S, Q))                               # (n, S, Q) questions drawn
-        boot.append(d[s_idx[..., None], q_idx].mean(axis=(1, 2)))                # (n,)
-    boot = np.concatenate(boot)                                                  # (B,)
+    for n in [1000] * (n_boot // 1000) + [n_boot % 1000]:  # chunks: (1000, S, Q) ints
+        s_idx = rng.integers(0, S, size=(n, S))  # (n, S) seeds drawn
+        q_idx = rng.integers(0, Q, size=(n, S, Q))  # (n, S, Q) questions drawn
+        boot.append(d[s_idx[..., None], q_idx].mean(axis=(1, 2)))  # (n,)
+    boot = np.concatenate(boot)  # (B,)
     lo, hi = np.percentile(boot, [2.5, 97.5])
     return float(d.mean()), float(lo), float(hi)
 
@@ -108,8 +116,11 @@ def variance_parts(acc, n_questions):
     acc = np.asarray(acc, dtype=float)
     var = float(acc.var(ddof=1)) if len(acc) > 1 else float("nan")
     binom = float(np.mean(acc * (1 - acc)) / n_questions)
-    return {"sd": math.sqrt(var), "binomial_sd": math.sqrt(binom),
-            "training_sd": math.sqrt(max(0.0, var - binom))}
+    return {
+        "sd": math.sqrt(var),
+        "binomial_sd": math.sqrt(binom),
+        "training_sd": math.sqrt(max(0.0, var - binom)),
+    }
 
 
 def fmt_p(p, n_boot=None):
@@ -122,10 +133,10 @@ def fmt_p(p, n_boot=None):
 def paired_bootstrap(a, b, n_boot=10_000, seed=0):
     """(Delta, CI low, CI high, two-sided p) for a - b; a, b: (S, Q) outcomes, resampled over questions."""
     diff = np.asarray(a) - np.asarray(b)
-    d = diff.reshape(-1, diff.shape[-1]).sum(0)                     # (Q,) S d_q: exact for 0/1 outcomes
-    n = diff.size                                                   # S Q
-    idx = np.random.default_rng(seed).integers(0, d.shape[0], size=(n_boot, d.shape[0]))    # (B, Q)
-    tot = d[idx].sum(1)                                             # (B,) S Q Delta*: its sign is exact
+    d = diff.reshape(-1, diff.shape[-1]).sum(0)  # (Q,) S d_q: exact for 0/1 outcomes
+    n = diff.size  # S Q
+    idx = np.random.default_rng(seed).integers(0, d.shape[0], size=(n_boot, d.shape[0]))  # (B, Q)
+    tot = d[idx].sum(1)  # (B,) S Q Delta*: its sign is exact
     lo, hi = np.percentile(tot / n, [2.5, 97.5])
     p = min(1.0, 2 * min(float((tot <= 0).mean()), float((tot >= 0).mean())))
     return float(d.sum() / n), float(lo), float(hi), p
@@ -137,7 +148,7 @@ def sign_test(a, b):
     wins, losses = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
     n = wins + losses
     tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1))
-    return wins, losses, 1.0 if n == 0 else min(1.0, 2 * tail / 2 ** n)
+    return wins, losses, 1.0 if n == 0 else min(1.0, 2 * tail / 2**n)
 
 
 # ----------------------------------------------------------------------------- pass@k
@@ -160,11 +171,19 @@ def problem_rows(name, recs, samples, greedy, n):
     each correct when its reward is 1."""
     rows = []
     for i, r in enumerate(recs):
-        texts = samples.texts[i * n:(i + 1) * n]
-        rows.append(dict(benchmark=name, id=r["id"], correct=[data.reward(t, r) >= 1.0 for t in texts],
-                         greedy=data.reward(greedy.texts[i], r) >= 1.0, no_answer=sum(map(no_answer, texts)),
-                         greedy_no_answer=no_answer(greedy.texts[i]), texts=texts,
-                         greedy_text=greedy.texts[i]))
+        texts = samples.texts[i * n : (i + 1) * n]
+        rows.append(
+            dict(
+                benchmark=name,
+                id=r["id"],
+                correct=[data.reward(t, r) >= 1.0 for t in texts],
+                greedy=data.reward(greedy.texts[i], r) >= 1.0,
+                no_answer=sum(map(no_answer, texts)),
+                greedy_no_answer=no_answer(greedy.texts[i]),
+                texts=texts,
+                greedy_text=greedy.texts[i],
+            )
+        )
     return rows
 
 
@@ -172,18 +191,42 @@ def summary(rows, n, ks, style, samples, greedy):
     """One benchmark's numbers: pass@k for each k in ks (the mean over problems), greedy accuracy, and the
     responses without an answer or cut at the token budget."""
     pass_k = {f"pass@{k}": sum(pass_at_k(n, sum(x["correct"]), k) for x in rows) / len(rows) for k in ks}
-    return {"n_problems": len(rows), "n": n, "style": style, **pass_k,
-            "greedy": sum(x["greedy"] for x in rows) / len(rows),
-            "no_answer_samples": sum(x["no_answer"] for x in rows),
-            "no_answer_greedy": sum(x["greedy_no_answer"] for x in rows),
-            "truncated_samples": sum(samples.truncated), "truncated_greedy": sum(greedy.truncated)}
+    return {
+        "n_problems": len(rows),
+        "n": n,
+        "style": style,
+        **pass_k,
+        "greedy": sum(x["greedy"] for x in rows) / len(rows),
+        "no_answer_samples": sum(x["no_answer"] for x in rows),
+        "no_answer_greedy": sum(x["greedy_no_answer"] for x in rows),
+        "truncated_samples": sum(samples.truncated),
+        "truncated_greedy": sum(greedy.truncated),
+    }
 
 
 def table(results, n, ks):
     """Markdown: a line per benchmark of {name: summary}."""
-    header = ["benchmark", "problems", "n", *(f"pass@{k}" for k in ks), "greedy", "no answer (samples)",
-              "no answer (greedy)"]
-    return probes.markdown(header, [[b, r["n_problems"], n, *(r[f"pass@{k}"] for k in ks), r["greedy"],
-                                     f"{r['no_answer_samples']}/{r['n_problems'] * n}",
-                                     f"{r['no_answer_greedy']}/{r['n_problems']}"]
-                                    for b, r in results.items()])
+    header = [
+        "benchmark",
+        "problems",
+        "n",
+        *(f"pass@{k}" for k in ks),
+        "greedy",
+        "no answer (samples)",
+        "no answer (greedy)",
+    ]
+    return probes.markdown(
+        header,
+        [
+            [
+                b,
+                r["n_problems"],
+                n,
+                *(r[f"pass@{k}"] for k in ks),
+                r["greedy"],
+                f"{r['no_answer_samples']}/{r['n_problems'] * n}",
+                f"{r['no_answer_greedy']}/{r['n_problems']}",
+            ]
+            for b, r in results.items()
+        ],
+    )

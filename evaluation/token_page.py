@@ -14,35 +14,37 @@ step) and by `eval.py plot`'s heatmap and inout figures (figures.py).
 
 Run the tests: python -m pytest -q tests/test_credit_page.py
 """
+
 import html
 import math
 from pathlib import Path
 from typing import NamedTuple
 
-ANSWER, BOOST, PROMPT = "#1565c0", "#8e24aa", "#f1f1f1"   # the answer's box, the boosted line, prompt ground
-CMAP, DECADES = "YlOrRd", 3                               # the score's colours; a log scale's span
+ANSWER, BOOST, PROMPT = "#1565c0", "#8e24aa", "#f1f1f1"  # the answer's box, the boosted line, prompt ground
+CMAP, DECADES = "YlOrRd", 3  # the score's colours; a log scale's span
 
 
 # ----------------------------------------------------------------------------- what a page draws
 class Tok(NamedTuple):
-    text: str                    # as drawn: visible(the token's text)
-    color: tuple | None = None   # RGBA in [0, 1]; None: not coloured (a prompt, a row without credit)
-    answer: bool = False         # inside the answer region (eq. 2's sink): boxed
-    boosted: bool = False        # gamma > 1 on its loss term: underlined
-    tip: str = ""                # the HTML's hover text: its score and gamma
+    text: str  # as drawn: visible(the token's text)
+    color: tuple | None = None  # RGBA in [0, 1]; None: not coloured (a prompt, a row without credit)
+    answer: bool = False  # inside the answer region (eq. 2's sink): boxed
+    boosted: bool = False  # gamma > 1 on its loss term: underlined
+    tip: str = ""  # the HTML's hover text: its score and gamma
 
 
 class Row(NamedTuple):
-    side: list                   # the lines beside the tokens: reward, A, what became of the credit
-    tokens: list                 # [Tok]
-    prompt: bool = False         # a prompt: set apart (grey ground); `full` is folded under it in the HTML
+    side: list  # the lines beside the tokens: reward, A, what became of the credit
+    tokens: list  # [Tok]
+    prompt: bool = False  # a prompt: set apart (grey ground); `full` is folded under it in the HTML
     full: str = ""
 
 
 class Bar(NamedTuple):
     """One colour scale: value -> colour (None: not coloured), drawn as a colour bar with `label`."""
-    cmap: object                 # a matplotlib colormap (scale's: a named one without its two ends)
-    norm: object                 # a matplotlib Normalize (LogNorm for tau)
+
+    cmap: object  # a matplotlib colormap (scale's: a named one without its two ends)
+    norm: object  # a matplotlib Normalize (LogNorm for tau)
     label: str
 
     def color(self, x):
@@ -55,7 +57,7 @@ class Bar(NamedTuple):
         return type(self.norm).__name__ == "LogNorm"
 
 
-PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421}   # control pictures
+PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421}  # control pictures
 
 
 def visible(text):
@@ -70,20 +72,24 @@ def scale(values, label, cmap=CMAP):
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.colors import ListedColormap, LogNorm, Normalize
+
     colors = ListedColormap(colormaps[cmap](np.linspace(0.05, 0.85, 256)))
     xs = [x for x in values if math.isfinite(x)] or [0.0]
     top = max(xs)
     if min(xs) >= 0:
         top = top if top > 0 else 1.0
-        return Bar(colors, LogNorm(top / 10 ** DECADES, top, clip=True), label)
+        return Bar(colors, LogNorm(top / 10**DECADES, top, clip=True), label)
     return Bar(colors, Normalize(min(xs), top if top > min(xs) else min(xs) + 1, clip=True), label)
 
 
 def ticks(bar, n=DECADES + 1):
     """(position in [0, 1], label) of a bar's ticks: each decade of a log bar, n steps of a linear one."""
     lo, hi = bar.norm.vmin, bar.norm.vmax
-    vals = [lo * 10 ** k for k in range(DECADES + 1)] if bar.log else [lo + (hi - lo) * k / (n - 1)
-                                                                         for k in range(n)]
+    vals = (
+        [lo * 10**k for k in range(DECADES + 1)]
+        if bar.log
+        else [lo + (hi - lo) * k / (n - 1) for k in range(n)]
+    )
     return [(float(bar.norm(v)), f"{v:.2g}") for v in vals]
 
 
@@ -135,28 +141,43 @@ def html_page(title, notes, rows, bars):
     for bar in bars:
         stops = ", ".join(hex_color(bar.cmap(k / 10)) for k in range(11))
         marks = "".join(f'<span style="left:{100 * p:.1f}%">{html.escape(s)}</span>' for p, s in ticks(bar))
-        legend.append(f'<div class="bar"><div>{html.escape(bar.label)}</div><div class="grad" '
-                      f'style="background:linear-gradient(to right, {stops})"></div>'
-                      f'<div class="ticks">{marks}</div></div>')
-    legend += ['<div><span class="toks"><span class="ans">answer</span></span> answer region (eq. 2)</div>',
-               '<div><span class="toks"><span class="boost">token</span></span> boosted: γ &gt; 1</div>',
-               '<div class="prompt"><span class="toks">prompt</span></div>']
+        legend.append(
+            f'<div class="bar"><div>{html.escape(bar.label)}</div><div class="grad" '
+            f'style="background:linear-gradient(to right, {stops})"></div>'
+            f'<div class="ticks">{marks}</div></div>'
+        )
+    legend += [
+        '<div><span class="toks"><span class="ans">answer</span></span> answer region (eq. 2)</div>',
+        '<div><span class="toks"><span class="boost">token</span></span> boosted: γ &gt; 1</div>',
+        '<div class="prompt"><span class="toks">prompt</span></div>',
+    ]
     body = []
     for r in rows:
         if r.prompt and body:
             body.append('</section><section class="group">')
-        side = "<br>".join(f'<span class="note">{html.escape(s)}</span>' if k > 1 else html.escape(s)
-                           for k, s in enumerate(r.side))
-        fold = (f"<details><summary>the whole prompt ({len(r.full)} characters)</summary>"
-                f"<span class='toks'>{html.escape(r.full)}</span></details>" if r.full else "")
-        body.append(f'<div class="row{" prompt" if r.prompt else ""}"><div class="side">{side}</div>'
-                    f'<div><div class="toks">{html_tokens(r.tokens)}</div>{fold}</div></div>')
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
-            f"<h1>{html.escape(title)}</h1>\n"
-            + "".join(f'<p class="sub">{html.escape(n)}</p>\n' for n in notes)
-            + f'<div class="legend">{"".join(legend)}</div>\n<section class="group">'
-            + "\n".join(body) + "</section>\n</body></html>\n")
+        side = "<br>".join(
+            f'<span class="note">{html.escape(s)}</span>' if k > 1 else html.escape(s)
+            for k, s in enumerate(r.side)
+        )
+        fold = (
+            f"<details><summary>the whole prompt ({len(r.full)} characters)</summary>"
+            f"<span class='toks'>{html.escape(r.full)}</span></details>"
+            if r.full
+            else ""
+        )
+        body.append(
+            f'<div class="row{" prompt" if r.prompt else ""}"><div class="side">{side}</div>'
+            f'<div><div class="toks">{html_tokens(r.tokens)}</div>{fold}</div></div>'
+        )
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
+        f"<h1>{html.escape(title)}</h1>\n"
+        + "".join(f'<p class="sub">{html.escape(n)}</p>\n' for n in notes)
+        + f'<div class="legend">{"".join(legend)}</div>\n<section class="group">'
+        + "\n".join(body)
+        + "</section>\n</body></html>\n"
+    )
 
 
 # ----------------------------------------------------------------------------- the same page as a PNG
@@ -170,13 +191,13 @@ def wrap(toks, width):
                 lines.append([])
                 col = 0
             while len(piece) > width - col:
-                lines[-1].append((col, piece[:width - col], t))
+                lines[-1].append((col, piece[: width - col], t))
                 lines.append([])
-                piece, col = piece[width - col:], 0
+                piece, col = piece[width - col :], 0
             if piece:
                 lines[-1].append((col, piece, t))
                 col += len(piece)
-    return lines[:-1] if len(lines) > 1 and not lines[-1] else lines          # a last newline: no empty line
+    return lines[:-1] if len(lines) > 1 and not lines[-1] else lines  # a last newline: no empty line
 
 
 def answer_runs(line):
@@ -198,8 +219,9 @@ def png_page(path, title, notes, rows, bars, width=100):
     from matplotlib.cm import ScalarMappable
 
     from evaluation.probes import pyplot
+
     plt = pyplot()
-    S, em, lh = 21, 0.602 * 8 / 72, 0.2       # side column (chars); DejaVu Sans Mono's em, a line (inches)
+    S, em, lh = 21, 0.602 * 8 / 72, 0.2  # side column (chars); DejaVu Sans Mono's em, a line (inches)
     laid = [(r, wrap(r.tokens, width), [x for s in r.side for x in textwrap.wrap(s, S - 2)]) for r in rows]
     n = sum(max(len(lines), len(side)) + 0.4 for r, lines, side in laid)
     head = 1.0 + 0.2 * len(notes)
@@ -210,14 +232,20 @@ def png_page(path, title, notes, rows, bars, width=100):
         for k, note in enumerate(notes):
             fig.text(0.01, 1 - (0.5 + 0.2 * k) / H, note, fontsize=8, va="center", color="#444")
         y0 = 1 - (0.65 + 0.2 * len(notes)) / H
-        for k, bar in enumerate(bars):                     # the colour bars, then the marks' key
+        for k, bar in enumerate(bars):  # the colour bars, then the marks' key
             cax = fig.add_axes([0.02 + 0.3 * k, y0 - 0.1 / H, 0.25, 0.1 / H])
             cb = fig.colorbar(ScalarMappable(bar.norm, bar.cmap), cax=cax, orientation="horizontal")
             cax.set_title(bar.label, fontsize=7, loc="left", pad=2)
             cb.ax.tick_params(labelsize=6)
         x0 = 0.04 + 0.3 * len(bars)
-        fig.text(x0, y0 - 0.05 / H, "answer region (eq. 2)", fontsize=8, va="center",
-                 bbox={"facecolor": "none", "edgecolor": ANSWER, "lw": 1.5, "pad": 1.5})
+        fig.text(
+            x0,
+            y0 - 0.05 / H,
+            "answer region (eq. 2)",
+            fontsize=8,
+            va="center",
+            bbox={"facecolor": "none", "edgecolor": ANSWER, "lw": 1.5, "pad": 1.5},
+        )
         fig.text(x0 + 0.2, y0 - 0.05 / H, "boosted: γ > 1", fontsize=8, va="center")
         fig.add_artist(plt.Line2D([x0 + 0.2, x0 + 0.3], [y0 - 0.12 / H] * 2, color=BOOST, lw=2.5))
         ax = fig.add_axes([0, 0, 1, (n * lh + 0.2) / H])
@@ -229,21 +257,44 @@ def png_page(path, title, notes, rows, bars, width=100):
             if r.prompt:
                 ax.add_patch(plt.Rectangle((S, y), width + 1, len(lines), color=PROMPT, lw=0))
             for k, s in enumerate(side):
-                ax.text(0.5, y + k + 0.5, s, fontsize=7.5, va="center", parse_math=False,
-                        color="#777" if r.prompt or k >= 2 else "#222")
+                ax.text(
+                    0.5,
+                    y + k + 0.5,
+                    s,
+                    fontsize=7.5,
+                    va="center",
+                    parse_math=False,
+                    color="#777" if r.prompt or k >= 2 else "#222",
+                )
             for k, line in enumerate(lines):
-                for a, b in answer_runs(line):                  # one box round each run of answer tokens
-                    ax.add_patch(plt.Rectangle((S + 0.5 + a, y + k + 0.02), b - a, 0.96, fill=False, lw=1.2,
-                                               edgecolor=ANSWER))
+                for a, b in answer_runs(line):  # one box round each run of answer tokens
+                    ax.add_patch(
+                        plt.Rectangle(
+                            (S + 0.5 + a, y + k + 0.02), b - a, 0.96, fill=False, lw=1.2, edgecolor=ANSWER
+                        )
+                    )
                 for col, piece, t in line:
                     x = S + 0.5 + col
                     if t.color:
                         ax.add_patch(plt.Rectangle((x, y + k + 0.05), len(piece), 0.9, color=t.color, lw=0))
                     if t.boosted:
-                        ax.plot([x + 0.05, x + len(piece) - 0.05], [y + k + 0.93] * 2, color=BOOST, lw=2,
-                                solid_capstyle="butt")
-                    ax.text(x, y + k + 0.5, piece, family="monospace", fontsize=8, va="center",
-                            parse_math=False, color="#666" if r.prompt else "#111")
+                        ax.plot(
+                            [x + 0.05, x + len(piece) - 0.05],
+                            [y + k + 0.93] * 2,
+                            color=BOOST,
+                            lw=2,
+                            solid_capstyle="butt",
+                        )
+                    ax.text(
+                        x,
+                        y + k + 0.5,
+                        piece,
+                        family="monospace",
+                        fontsize=8,
+                        va="center",
+                        parse_math=False,
+                        color="#666" if r.prompt else "#111",
+                    )
             y += max(len(lines), len(side)) + 0.4
         fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,7 @@ old for the kernel, a compiler that fails).
 
 Run: CC=/nonexistent python -c "from gpu_kernels.availability import unavailable; print(unavailable('cuda'))"
 """
+
 import importlib.util
 import os
 import shutil
@@ -25,7 +26,7 @@ import sysconfig
 
 import torch
 
-LDCONFIG = "/sbin/ldconfig"   # the path Triton's driver runs (absolute: not looked up on $PATH)
+LDCONFIG = "/sbin/ldconfig"  # the path Triton's driver runs (absolute: not looked up on $PATH)
 
 
 def c_compiler():
@@ -40,7 +41,7 @@ def c_compiler():
 def python_headers():
     """The directory whose Python.h Triton's launcher includes, or None where it has none."""
     scheme = sysconfig.get_default_scheme()
-    scheme = "posix_prefix" if scheme == "posix_local" else scheme                 # as build.py
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme  # as build.py
     include = sysconfig.get_paths(scheme=scheme)["include"]
     return include if os.path.exists(os.path.join(include, "Python.h")) else None
 
@@ -58,10 +59,10 @@ def libcuda_dirs():
     except ImportError:
         return search()
     try:
-        found = triton_search.__wrapped__()                                # not its cache: the env may change
-    except Exception:                                        # noqa: BLE001 (its assert, no ldconfig)
+        found = triton_search.__wrapped__()  # not its cache: the env may change
+    except Exception:  # noqa: BLE001 (its assert, no ldconfig)
         return []
-    return [d for d in found if has_libcuda(d)]            # $TRITON_LIBCUDA_PATH is returned unchecked
+    return [d for d in found if has_libcuda(d)]  # $TRITON_LIBCUDA_PATH is returned unchecked
 
 
 def search():
@@ -75,7 +76,7 @@ def search():
         listed = subprocess.run([LDCONFIG, "-p"], capture_output=True, check=True).stdout
         listed = listed.decode(errors="ignore")
     except (OSError, subprocess.CalledProcessError):
-        return []                                                   # Triton's check_output raises here
+        return []  # Triton's check_output raises here
     dirs = [os.path.dirname(line.split()[-1]) for line in listed.splitlines() if "libcuda.so.1" in line]
     if not dirs:
         dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and has(d)]
@@ -92,9 +93,13 @@ def unavailable(device):
     if not c_compiler():
         return "no C compiler for Triton's launcher ($CC, gcc, clang)"
     if not python_headers():
-        return (f"no Python.h for Triton's launcher in {sysconfig.get_paths()['include']} (install this "
-                "Python's headers, e.g. python3-dev)")
+        return (
+            f"no Python.h for Triton's launcher in {sysconfig.get_paths()['include']} (install this "
+            "Python's headers, e.g. python3-dev)"
+        )
     if not libcuda_dirs():
-        return ("Triton's driver finds no libcuda.so.1 ($TRITON_LIBCUDA_PATH, `/sbin/ldconfig -p`, "
-                "$LD_LIBRARY_PATH)")
+        return (
+            "Triton's driver finds no libcuda.so.1 ($TRITON_LIBCUDA_PATH, `/sbin/ldconfig -p`, "
+            "$LD_LIBRARY_PATH)"
+        )
     return None

@@ -41,6 +41,7 @@ of one response (README, "Your own task"): a pattern whose backtracking grows ex
 
 Run the tests: python -m pytest -q tests/test_data.py tests/test_reliability.py
 """
+
 import bisect
 import functools
 import math
@@ -52,21 +53,22 @@ import regex
 
 PATTERN_TIMEOUT_S = 1.0  # seconds for one --answer-pattern search of one response (README): then PatternError
 MAX_ANSWER_CHARS = 512  # a longer answer is never parsed: equal only as a plain number or a normal form
-TIMEOUT_S = 2           # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
-MAX_DIGITS = 10_000     # the size guard: reject expressions whose value could have more digits than this
-REL_TOL = 1e-9          # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
-FLOAT_DIGITS = 12       # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
+TIMEOUT_S = 2  # seconds for one math-verify parse or comparison (signal.alarm takes whole seconds)
+MAX_DIGITS = 10_000  # the size guard: reject expressions whose value could have more digits than this
+REL_TOL = 1e-9  # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
+FLOAT_DIGITS = 12  # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
 # Every pattern below is linear in its input (no two quantifiers can trade the same characters): they run
 # on answers of any length (tests/test_hardening.py times 20,000 digits and 60,000 spaces).
 NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")
-LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")      # learn.py's lenient score
-SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")   # LaTeX thousands separators: 1\,000, 1{,}000
+LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # learn.py's lenient score
+SEPARATOR = re.compile(r"(?<=\d)(\\[!,;]|\{,\})(?=\d{3})")  # LaTeX thousands separators: 1\,000, 1{,}000
 TEX_TOKEN = re.compile(r"\\\\|\\[a-zA-Z]+|\\.|\$", re.DOTALL)  # a line break \\ first: in \\, a comma
 GAP = re.compile(r"(\\[a-zA-Z]+ (?=[^\W\d_])|\d (?=\d))| ")  # a space parting tokens ("\pi r", "1 2"), or not
-SPACING = frozenset({"\\left", "\\right", "\\,", "\\:", "\\;", "\\!", "\\quad", "\\qquad", "\\displaystyle",
-                     "\\$", "$"})  # only space in math mode; \left( is (, \$5 is 5 (as answer_text)
+SPACING = frozenset(
+    {"\\left", "\\right", "\\,", "\\:", "\\;", "\\!", "\\quad", "\\qquad", "\\displaystyle", "\\$", "$"}
+)  # only space in math mode; \left( is (, \$5 is 5 (as answer_text)
 
 
 def not_finite(s):
@@ -79,14 +81,14 @@ def number(s):
     "12\\%"), or None. A space inside the digits makes it no plain number: "1 2" is not 12."""
     s = SEPARATOR.sub(",", s)
     s = re.sub(r"\\[!,;]|\\?[$%]|\{,\}", "", s).strip().rstrip(".").lower()
-    s = re.sub(r"^([-+])\s+", r"\1", s)                      # "- 5" is -5
+    s = re.sub(r"^([-+])\s+", r"\1", s)  # "- 5" is -5
     if THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     if not DECIMAL.fullmatch(s):
         return None
     try:
         return Decimal(s), s.lstrip("+-").isdigit()
-    except ArithmeticError:      # an exponent beyond Decimal's range: 1e99999999999999999999
+    except ArithmeticError:  # an exponent beyond Decimal's range: 1e99999999999999999999
         return None
 
 
@@ -101,6 +103,7 @@ def last_number_equal(text, gold):
 def size(e):
     """An upper bound on log10|e| for a parsed sympy expression; math.inf for towers like 9^{9^{9}}."""
     import sympy
+
     if isinstance(e, sympy.MatrixBase):
         return max((size(x) for x in e), default=0.0)
     if isinstance(e, sympy.Rational):
@@ -109,13 +112,13 @@ def size(e):
         return math.log10(abs(float(e)) + 1)
     if isinstance(e, sympy.Pow):
         x = size(e.exp)
-        return math.inf if x > 6 else max(size(e.base), 1.0) * 10 ** x
+        return math.inf if x > 6 else max(size(e.base), 1.0) * 10**x
     if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.subfactorial, sympy.gamma)):
         x = max(size(a) for a in e.args)
-        return math.inf if x > 6 else 10 ** x * (x + 1)
+        return math.inf if x > 6 else 10**x * (x + 1)
     if isinstance(e, (sympy.Sum, sympy.Product)):  # \prod_{n=1}^{10^9} n would be multiplied out
         x = max((size(b) for lim in e.limits for b in lim[1:]), default=0.0)
-        return math.inf if x > 3 else size(e.function) * 10 ** x
+        return math.inf if x > 3 else size(e.function) * 10**x
     if not getattr(e, "args", ()):
         return 1.0  # symbols, constants, booleans
     sizes = [size(a) for a in e.args]
@@ -138,15 +141,17 @@ def parse_boxed(text, timeout):
 @functools.lru_cache(maxsize=8192)
 def kept_parse(text, timeout):
     from math_verify import LatexExtractionConfig, parse
+
     out = parse("\\boxed{" + text + "}", [LatexExtractionConfig()], parsing_timeout=timeout)
     if not out:
-        raise EmptyParse                                   # an exception is not cached by lru_cache
+        raise EmptyParse  # an exception is not cached by lru_cache
     return out
 
 
 def value(e):
     """A finite number parsed by math-verify (exact when rational, decimals as written), else None."""
     import sympy
+
     if not isinstance(e, sympy.Expr) or not e.is_number or e.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
         return None
     e = e.xreplace({f: sympy.Rational(str(f)) for f in e.atoms(sympy.Float)})  # 0.333333 is 333333/10^6
@@ -169,6 +174,7 @@ def false_equation(e):
     """An equation between two numbers that differ (5 = 6, also inside y = 5 = 6): its right side answers
     nothing."""
     import sympy
+
     return isinstance(e, sympy.Basic) and any(numbers_equal(q.lhs, q.rhs) is False for q in e.atoms(sympy.Eq))
 
 
@@ -177,7 +183,7 @@ def respell(m):
     t = m.group()
     if t in ("\\dfrac", "\\tfrac"):
         return "\\frac"
-    return " " if t in SPACING or t[1:].isspace() else t        # "\\ " is a space too
+    return " " if t in SPACING or t[1:].isspace() else t  # "\\ " is a space too
 
 
 def normal_form(s):
@@ -193,23 +199,24 @@ def math_verify_equal(gold, pred, timeout):
     from math_verify import verify
     from math_verify.errors import TimeoutException
     from math_verify.utils import timeout as alarm
+
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
     exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
     if any(size(x) > MAX_DIGITS for x in exprs):
-        return same_string(gold, pred)        # too big to evaluate: only the same string is equal
-    undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]   # 0/0, 1/0; or a misparse (\gamma^{2})
-    try:               # sympy's evaluations under the timeout
+        return same_string(gold, pred)  # too big to evaluate: only the same string is equal
+    undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]  # 0/0, 1/0; or a misparse (\gamma^{2})
+    try:  # sympy's evaluations under the timeout
         if any(alarm(timeout)(false_equation)(x) for x in exprs):
-            return False                                       # \boxed{5 = 6} does not answer 6
-        if same_string(gold, pred):      # the same normal form: equal, unless it is a number that is not one
-            return not any(getattr(x, "is_number", False) for x in undefined)   # \frac{0}{0}
+            return False  # \boxed{5 = 6} does not answer 6
+        if same_string(gold, pred):  # the same normal form: equal, unless it is a number that is not one
+            return not any(getattr(x, "is_number", False) for x in undefined)  # \frac{0}{0}
         if undefined:
             return False
         same = None
-        if g and p and "%" not in gold + pred:   # (percentages: math-verify's rule, 9\% == 9 == 0.09)
-            same = alarm(timeout)(numbers_equal)(g[0], p[0])   # two numbers: ours, not 6 decimals
-    except (Exception, TimeoutException):                      # TimeoutException is a BaseException
-        return same_string(gold, pred)                         # unchecked: only the same string is equal
+        if g and p and "%" not in gold + pred:  # (percentages: math-verify's rule, 9\% == 9 == 0.09)
+            same = alarm(timeout)(numbers_equal)(g[0], p[0])  # two numbers: ours, not 6 decimals
+    except (Exception, TimeoutException):  # TimeoutException is a BaseException
+        return same_string(gold, pred)  # unchecked: only the same string is equal
     if same is not None:
         return same
     return verify(g, p, float_rounding=FLOAT_DIGITS, timeout_seconds=timeout)
@@ -237,7 +244,7 @@ def written(n):
         return format(n, "f")
     sign, digits, _ = n.as_tuple()
     d = "".join(map(str, digits)).rstrip("0") or "0"
-    mantissa = d[0] + ("." + d[1:] if d[1:] else "")                  # d.ddd: 1.5e200 -> 1.5, 1e200 -> 1
+    mantissa = d[0] + ("." + d[1:] if d[1:] else "")  # d.ddd: 1.5e200 -> 1.5, 1e200 -> 1
     return f"{'-' * sign}{mantissa} \\times 10^{{{n.adjusted()}}}"
 
 
@@ -257,7 +264,7 @@ def compare(gold, pred):
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
         return g[0] == p[0]
     gold, pred = (s if n is None else written(n[0]) for s, n in ((gold, g), (pred, p)))
-    if max(len(gold), len(pred)) > MAX_ANSWER_CHARS:     # the guard, after the numbers: the normal form only
+    if max(len(gold), len(pred)) > MAX_ANSWER_CHARS:  # the guard, after the numbers: the normal form only
         return same_string(gold, pred)
     if threading.current_thread() is threading.main_thread():
         return math_verify_equal(gold, pred, TIMEOUT_S)  # math-verify's own signal.alarm timeouts
@@ -268,10 +275,11 @@ def compare(gold, pred):
             box.append(math_verify_equal(gold, pred, None))
         except Exception:  # leaves box empty: the same string only
             pass
+
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
     worker.join(4 * TIMEOUT_S)  # one parse each for gold and pred, the comparison, and slack
-    return bool(box[0]) if box else same_string(gold, pred)      # timed out: only the same string is equal
+    return bool(box[0]) if box else same_string(gold, pred)  # timed out: only the same string is equal
 
 
 # ----------------------------------------------------------------------------- where the answer is
@@ -283,12 +291,12 @@ def boxed_span(text):
     braces balanced), or None: last_boxed's answer, find_answer_span's span. One pass over
     the braces: linear in len(text), however many are left open."""
     stack, best = [], None
-    for m in BRACES.finditer(text):                        # an open brace: (content start, is a \boxed{)
+    for m in BRACES.finditer(text):  # an open brace: (content start, is a \boxed{)
         if m.group() != "}":
             stack.append((m.end(), m.group() != "{"))
         elif stack:
             start, boxed = stack.pop()
-            if boxed and text[start:m.start()].strip() and (best is None or start > best[0]):
+            if boxed and text[start : m.start()].strip() and (best is None or start > best[0]):
                 best = (start, m.start())
     return best
 
@@ -296,7 +304,7 @@ def boxed_span(text):
 def last_boxed(text):
     """The content of the last closed, non-empty \\boxed{...} (boxed_span), or None."""
     span = boxed_span(text)
-    return None if span is None else text[span[0]:span[1]]
+    return None if span is None else text[span[0] : span[1]]
 
 
 def answer_text(a):
@@ -305,7 +313,7 @@ def answer_text(a):
         return str(int(a))
     if isinstance(a, (list, tuple)):
         return ", ".join(answer_text(x) for x in a)
-    return re.sub(r"\\?\$", "", str(a)).strip()    # math-mode $ and the dollar sign \$ (not "\18.90")
+    return re.sub(r"\\?\$", "", str(a)).strip()  # math-mode $ and the dollar sign \$ (not "\18.90")
 
 
 class PatternError(ValueError):
@@ -328,13 +336,15 @@ def last_match(pattern, text):
     PATTERN_TIMEOUT_S: past it, a PatternError naming the pattern (its backtracking is what is slow)."""
     m = None
     try:
-        for m in regex.finditer(pattern, text, timeout=PATTERN_TIMEOUT_S):      # to the last match
+        for m in regex.finditer(pattern, text, timeout=PATTERN_TIMEOUT_S):  # to the last match
             pass
     except TimeoutError:
-        raise PatternError(f"--answer-pattern {pattern!r} did not finish searching one {len(text)}-character "
-                           f"response in {PATTERN_TIMEOUT_S:g} s: its backtracking grows exponentially "
-                           f"(nested or overlapping quantifiers such as (a|aa)+ or (x+)+); write it so that "
-                           f"no two quantifiers can take the same characters") from None
+        raise PatternError(
+            f"--answer-pattern {pattern!r} did not finish searching one {len(text)}-character "
+            f"response in {PATTERN_TIMEOUT_S:g} s: its backtracking grows exponentially "
+            f"(nested or overlapping quantifiers such as (a|aa)+ or (x+)+); write it so that "
+            f"no two quantifiers can take the same characters"
+        ) from None
     except regex.error as e:
         raise PatternError(pattern_problem(pattern) or f"--answer-pattern {pattern!r}: {e}") from None
     return m
@@ -349,12 +359,12 @@ def find_answer_span(text: str, pattern: str | None = None) -> tuple[int, int] |
     found under PATTERN_TIMEOUT_S (last_match: a PatternError past it).
     answer_token_range matches it on the response decoded with its special tokens (an EOS's text ends it)."""
     if pattern:
-        m = last_match(pattern, text)                                     # bounded: PATTERN_TIMEOUT_S
+        m = last_match(pattern, text)  # bounded: PATTERN_TIMEOUT_S
         start, end = m.span(1 if m.re.groups else 0) if m else (-1, -1)
         return (start, end) if start >= 0 and text[start:end].strip() else None
     best, tag, pos = boxed_span(text), None, 0
     while best is None and (i := text.find("<answer>", pos)) >= 0 and (j := text.find("</answer>", i)) >= 0:
-        tag, pos = (i + 8, j) if text[i + 8:j].strip() else tag, j + 9
+        tag, pos = (i + 8, j) if text[i + 8 : j].strip() else tag, j + 9
     return best or tag
 
 
@@ -370,14 +380,16 @@ def answer_token_range(tokenizer, ids: list[int], pattern: str | None = None) ->
     if span is None:
         return None
     c = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=False))  # noqa: E731
-    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1     # token holding the first char
-    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)          # first token at/after the end
+    k0 = bisect.bisect_right(range(len(ids) + 1), span[0], key=c) - 1  # token holding the first char
+    k1 = bisect.bisect_left(range(len(ids) + 1), span[1], key=c)  # first token at/after the end
     return (max(k0, 0), k1) if k1 > max(k0, 0) else None
 
 
 # ----------------------------------------------------------------------------- multiple choice
-SECOND_OPTION = re.compile(r"\)?\s*(?:[,/&;]\s*(?:(?i:or|and)\s+)?\(?[A-P]\b"   # right after the letter:
-                           r"|(?i:or|and)\s+\(?[A-P]\b|\([A-P]\))")           # , C  or C  and (C)  (C)
+SECOND_OPTION = re.compile(
+    r"\)?\s*(?:[,/&;]\s*(?:(?i:or|and)\s+)?\(?[A-P]\b"  # right after the letter:
+    r"|(?i:or|and)\s+\(?[A-P]\b|\([A-P]\))"
+)  # , C  or C  and (C)  (C)
 
 
 def option_letter(pred):

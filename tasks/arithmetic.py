@@ -12,11 +12,24 @@ The names and items never include prompts.EXTRA_EXEMPLAR's (Mia, stickers), so n
 
 Run: python data.py --task arithmetic --split test --limit 3
 """
+
 import random
 import zlib
 
-NAMES = [("Tom", "he"), ("Anna", "she"), ("Ben", "he"), ("Lily", "she"), ("Sam", "he"), ("Emma", "she"),
-         ("Jack", "he"), ("Zoe", "she"), ("Leo", "he"), ("Nora", "she"), ("Max", "he"), ("Ella", "she")]
+NAMES = [
+    ("Tom", "he"),
+    ("Anna", "she"),
+    ("Ben", "he"),
+    ("Lily", "she"),
+    ("Sam", "he"),
+    ("Emma", "she"),
+    ("Jack", "he"),
+    ("Zoe", "she"),
+    ("Leo", "he"),
+    ("Nora", "she"),
+    ("Max", "he"),
+    ("Ella", "she"),
+]
 ITEMS = ["apples", "marbles", "pencils", "cookies", "books", "shells", "cards", "balloons", "coins", "eggs"]
 SIZES = {"train": 10_000, "test": 1_000}
 STEP_WEIGHTS = (0.6, 0.25, 0.15)  # P(1, 2, 3 steps): SmolLM2 solves ~20% of 1-step, few longer problems

@@ -33,6 +33,7 @@ Departures (numbered):
 
 Run: python -m tasks.countdown   (prints a few generated problems with a solution each)
 """
+
 import ast
 import hashlib
 import itertools
@@ -41,26 +42,30 @@ import re
 from fractions import Fraction
 
 SIZES = {"train": 20_000, "test": 5_000}  # App. C.3: 20,000 training and 5,000 held-out problems
-NUM_RANGE = (1, 99)        # each given number is in 1..99
-TARGET_RANGE = (10, 100)   # the target is an integer in 10..100
-COUNTS = (3, 4)            # how many numbers a problem has
-MAX_EXPR_CHARS = 1000      # longer <answer> contents are scored as wrong without parsing
+NUM_RANGE = (1, 99)  # each given number is in 1..99
+TARGET_RANGE = (10, 100)  # the target is an integer in 10..100
+COUNTS = (3, 4)  # how many numbers a problem has
+MAX_EXPR_CHARS = 1000  # longer <answer> contents are scored as wrong without parsing
 FORMAT_SCORE, CORRECT_SCORE = 0.1, 1.0  # TinyZero's format_score and score
 
 
 def question(nums, target):
     """The user's request, with TinyZero's <think>/<answer> format instructions."""
-    return (f"Using the numbers {list(nums)}, create an equation that equals {target}. You can use basic "
-            "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
-            "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
-            "<answer> (1 + 2) / 3 </answer>.")
+    return (
+        f"Using the numbers {list(nums)}, create an equation that equals {target}. You can use basic "
+        "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
+        "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+        "<answer> (1 + 2) / 3 </answer>."
+    )
 
 
 def frame(text):
     """TinyZero's plain-text frame for base models: the model continues inside an opened <think> block."""
-    return ("A conversation between User and Assistant. The user asks a question, and the Assistant "
-            "solves it. The assistant first thinks about the reasoning process in the mind and then provides "
-            f"the user with the answer.\nUser: {text}\nAssistant: Let me solve this step by step.\n<think>")
+    return (
+        "A conversation between User and Assistant. The user asks a question, and the Assistant "
+        "solves it. The assistant first thinks about the reasoning process in the mind and then provides "
+        f"the user with the answer.\nUser: {text}\nAssistant: Let me solve this step by step.\n<think>"
+    )
 
 
 # ----------------------------------------------------------------------------- safe evaluation
@@ -102,7 +107,7 @@ def last_answer(text):
     """The content of the last complete <answer>...</answer> in text, or None."""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return None if start < 0 else text[start + len("<answer>"):end]
+    return None if start < 0 else text[start + len("<answer>") : end]
 
 
 def reward(completion, answer):
@@ -223,15 +228,25 @@ def rows(split, seed, limit):
     """data.py's generated rows (data.Task.generate): `limit` problems of `split` (all of SIZES' without one),
     each with its question and its answer as a record holds them (as rows.countdown_row reads a file's)."""
     problems = generate(limit or SIZES[split], split, seed)
-    return [{**p, "question": question(p["nums"], p["target"]),
-             "answer": {"nums": p["nums"], "target": p["target"]}} for p in problems]
+    return [
+        {
+            **p,
+            "question": question(p["nums"], p["target"]),
+            "answer": {"nums": p["nums"], "target": p["target"]},
+        }
+        for p in problems
+    ]
 
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m tasks.countdown", allow_abbrev=False,
-                                 description="Print generated Countdown problems, a solution, its reward.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="python -m tasks.countdown",
+        allow_abbrev=False,
+        description="Print generated Countdown problems, a solution, its reward.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--n", type=int, default=5, help="how many problems")
     ap.add_argument("--split", default="test", choices=["train", "test"], help="which split")
     ap.add_argument("--seed", type=int, default=0, help="the generator's seed")
@@ -239,5 +254,6 @@ if __name__ == "__main__":
     if args.n < 1:
         ap.error("--n must be >= 1")
     for p in generate(args.n, args.split, seed=args.seed):
-        print(p["nums"], "->", p["target"], ":", p["solution"],
-              reward(f"<answer>{p['solution']}</answer>", p))
+        print(
+            p["nums"], "->", p["target"], ":", p["solution"], reward(f"<answer>{p['solution']}</answer>", p)
+        )

@@ -18,17 +18,30 @@ its DataError).
 Run: python -c "import data; print(data.load_task('custom', 'train', 'docs/your-task/train.jsonl')[0])"
 """
 
-NAME = "custom"                                           # grpo.py --dataset custom
+NAME = "custom"  # grpo.py --dataset custom
 GUESS_QUESTION = ("question", "problem", "prompt", "Question", "Problem")
 GUESS_ANSWER = ("answer", "Answer", "solution", "label")
 
 # The columns each built-in task's normaliser reads first (data.py), which --question-field / --answer-field
 # fill: its question's, its answer's; None: the task builds its question from other fields (Countdown).
-READS = {"dapo-math-17k": ("prompt", "reward_model"), "olympiadbench": ("question", "final_answer"),
-         "countdown": None, "countdown-3to4": None}
-QUESTION_KEYS = ("problem", "question", "Problem", "Question", "prompt")     # every column a task reads
-ANSWER_KEYS = ("answer", "Answer", "final_answer", "solution", "label", "answer_key", "answerKey", "correct",
-               "reward_model")
+READS = {
+    "dapo-math-17k": ("prompt", "reward_model"),
+    "olympiadbench": ("question", "final_answer"),
+    "countdown": None,
+    "countdown-3to4": None,
+}
+QUESTION_KEYS = ("problem", "question", "Problem", "Question", "prompt")  # every column a task reads
+ANSWER_KEYS = (
+    "answer",
+    "Answer",
+    "final_answer",
+    "solution",
+    "label",
+    "answer_key",
+    "answerKey",
+    "correct",
+    "reward_model",
+)
 
 
 class ColumnError(ValueError):
@@ -47,12 +60,16 @@ def with_fields(row, task, question_field="", answer_field=""):
     if not question_field and not answer_field:
         return row
     if task in READS and READS[task] is None:
-        raise ColumnError(f"task {task!r} builds its question from the columns nums and target: "
-                        f"--question-field / --answer-field do not apply")
+        raise ColumnError(
+            f"task {task!r} builds its question from the columns nums and target: "
+            f"--question-field / --answer-field do not apply"
+        )
     q_key, a_key = READS.get(task, ("question", "answer"))
     out = dict(row)
-    for field, flag, keys, key in ((question_field, "--question-field", QUESTION_KEYS, q_key),
-                                   (answer_field, "--answer-field", ANSWER_KEYS, a_key)):
+    for field, flag, keys, key in (
+        (question_field, "--question-field", QUESTION_KEYS, q_key),
+        (answer_field, "--answer-field", ANSWER_KEYS, a_key),
+    ):
         if not field:
             continue
         if field not in row:
@@ -72,14 +89,21 @@ def records(rows, split, path, limit=None, question_field="", answer_field=""):
             break
         q_key = question_field or next((k for k in GUESS_QUESTION if k in row), None)
         if q_key is None or q_key not in row:
-            why = missing(row, question_field, "--question-field") if question_field else (
-                f"no question column (looked for {', '.join(GUESS_QUESTION)}); the row's columns: "
-                f"{', '.join(map(str, row))}; name it with --question-field")
+            why = (
+                missing(row, question_field, "--question-field")
+                if question_field
+                else (
+                    f"no question column (looked for {', '.join(GUESS_QUESTION)}); the row's columns: "
+                    f"{', '.join(map(str, row))}; name it with --question-field"
+                )
+            )
             raise ColumnError(f"{where}: {why}")
         q = row[q_key]
         if not isinstance(q, str) or not q.strip():
-            raise ColumnError(f"{where}: the question column {q_key!r} is {type(q).__name__} "
-                              f"{str(q)[:40]!r}, expected non-empty text")
+            raise ColumnError(
+                f"{where}: the question column {q_key!r} is {type(q).__name__} "
+                f"{str(q)[:40]!r}, expected non-empty text"
+            )
         if answer_field and answer_field not in row:
             raise ColumnError(f"{where}: {missing(row, answer_field, '--answer-field')}")
         a_key = answer_field or next((k for k in GUESS_ANSWER if k in row), None)

@@ -36,23 +36,33 @@ Departures (numbered; data.py goes on from 4):
 Run: python data.py --task arithmetic --split test --limit 3 --style fewshot3
 Test: python -m pytest -q tests/test_data.py -k "prompt or style or exemplar"
 """
+
 from tasks import countdown
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # App. E.1
 
 FEWSHOT = [  # App. C.3's two exemplars, the Llama prompt (departure 2)
-    ("Calculate $12 + 8 * 2$.",
-     "According to the order of operations, we first perform multiplication, then addition.\n"
-     "Step 1. $8 * 2 = 16$.\nStep 2. $12 + 16 = 28$.\nThe final answer is \\boxed{28}."),
-    ("Solve the equation: $2x - 5 = 5$.",
-     "To find the value of x, we need to isolate the variable.\n"
-     "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
-     "The final answer is \\boxed{5}."),
+    (
+        "Calculate $12 + 8 * 2$.",
+        "According to the order of operations, we first perform multiplication, then addition.\n"
+        "Step 1. $8 * 2 = 16$.\nStep 2. $12 + 16 = 28$.\nThe final answer is \\boxed{28}.",
+    ),
+    (
+        "Solve the equation: $2x - 5 = 5$.",
+        "To find the value of x, we need to isolate the variable.\n"
+        "Step 1: Add 5 to both sides of the equation: $2x = 10$.\nStep 2: Divide both sides by 2: $x = 5$.\n"
+        "The final answer is \\boxed{5}.",
+    ),
 ]
-EXTRA_EXEMPLAR = ("Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
-                  "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.")
-EXEMPLARS = {"fewshot": FEWSHOT, "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR],   # departure 3
-             "oneshot": [EXTRA_EXEMPLAR]}
+EXTRA_EXEMPLAR = (
+    "Mia has 6 stickers. She buys 4 more stickers. How many stickers does Mia have now?",
+    "Mia has 6 stickers and buys 4 more: $6 + 4 = 10$.\nThe final answer is \\boxed{10}.",
+)
+EXEMPLARS = {
+    "fewshot": FEWSHOT,
+    "fewshot3": FEWSHOT + [EXTRA_EXEMPLAR],  # departure 3
+    "oneshot": [EXTRA_EXEMPLAR],
+}
 STYLES = ("chat", "plain", "fewshot", "fewshot3", "oneshot", "countdown", "question")
 
 
@@ -64,8 +74,9 @@ def render(messages, tokenizer, template_kwargs=None):
     """Chat turns through the tokenizer's chat template (with template_kwargs), or as "User: ..." text when it
     has none."""
     if has_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
@@ -78,7 +89,7 @@ def default_style(model_name, task):
         return "question"
     if task == "countdown":
         return "countdown"
-    if "llama-3" in name and "instruct" not in name:   # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
+    if "llama-3" in name and "instruct" not in name:  # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-3B
         return "fewshot"
     if "smollm2" in name or name.endswith(".gguf"):
         return "fewshot3"
@@ -102,8 +113,10 @@ def turns(record, style="chat"):
         return [{"role": "user", "content": q}]
     if style == "chat":
         return [{"role": "user", "content": q if is_countdown else f"{q}\n{INSTRUCTION}"}]
-    shots = [[{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
-             for u, a in EXEMPLARS[style]]
+    shots = [
+        [{"role": "user", "content": f"{u} {INSTRUCTION}"}, {"role": "assistant", "content": a}]
+        for u, a in EXEMPLARS[style]
+    ]
     return sum(shots, []) + [{"role": "user", "content": f"{q} {INSTRUCTION}"}]
 
 
@@ -113,17 +126,19 @@ def make_prompt(record, tokenizer=None, style="chat", template_kwargs=None):
     if style not in STYLES:
         raise ValueError(f"unknown prompt style {style!r}; styles: {', '.join(STYLES)}")
     q, is_countdown = record["question"], record["task"] == "countdown"
-    if not style_fits(style, record["task"]):   # the countdown frame on math, math exemplars on Countdown
-        raise ValueError(f"style {style!r} has math exemplars; use countdown or chat for countdown records"
-                         if is_countdown else "style 'countdown' is for countdown records; use chat, plain "
-                         "or fewshot")
+    if not style_fits(style, record["task"]):  # the countdown frame on math, math exemplars on Countdown
+        raise ValueError(
+            f"style {style!r} has math exemplars; use countdown or chat for countdown records"
+            if is_countdown
+            else "style 'countdown' is for countdown records; use chat, plain or fewshot"
+        )
     messages = turns(record, style)
     if style == "countdown" or (style == "plain" and is_countdown):
         return countdown.frame(q)
     if style == "plain":
         return f"{INSTRUCTION}\n\nQuestion: {q}\nAnswer:"  # App. E.1's template, without the chat roles
     if style == "question" and not has_template(tokenizer):
-        return q                                       # the question as written
+        return q  # the question as written
     return render(messages, tokenizer, template_kwargs)
 
 
@@ -136,12 +151,17 @@ def template_variables(tokenizer):
     import jinja2
     from jinja2 import meta
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     templates = tokenizer.chat_template
     try:
-        return set().union(*(meta.find_undeclared_variables(env.parse(t)) for t in
-                             (templates.values() if isinstance(templates, dict) else [templates])))
-    except jinja2.TemplateError:          # a tag only transformers knows ({% generation %}): unknown
+        return set().union(
+            *(
+                meta.find_undeclared_variables(env.parse(t))
+                for t in (templates.values() if isinstance(templates, dict) else [templates])
+            )
+        )
+    except jinja2.TemplateError:  # a tag only transformers knows ({% generation %}): unknown
         return None
 
 
@@ -157,16 +177,24 @@ def unread_kwargs(tokenizer, style, template_kwargs):
     if not has_template(tokenizer):
         return "the tokenizer has no chat template, so nothing reads them"
     reads = template_variables(tokenizer)
-    unread = [k for k in template_kwargs if reads is not None and k not in reads
-              and k not in ("tools", "documents", "chat_template")]
+    unread = [
+        k
+        for k in template_kwargs
+        if reads is not None and k not in reads and k not in ("tools", "documents", "chat_template")
+    ]
     words = [k for k, v in template_kwargs.items() if isinstance(v, str) and v.lower() in ("false", "true")]
-    if not unread and words:                   # jinja2 reads the string "false" as true
-        return (f"{', '.join(map(repr, words))} is a string ({template_kwargs[words[0]]!r}), which the "
-                f"template reads as true: write JSON's false / true, without quotes")
+    if not unread and words:  # jinja2 reads the string "false" as true
+        return (
+            f"{', '.join(map(repr, words))} is a string ({template_kwargs[words[0]]!r}), which the "
+            f"template reads as true: write JSON's false / true, without quotes"
+        )
     if not unread:
         return None
     import difflib
+
     near = [m for k in unread for m in difflib.get_close_matches(k, sorted(reads), n=1)]
-    return (f"the chat template never reads {', '.join(map(repr, unread))}"
-            + (f" (did you mean {', '.join(map(repr, near))}?)" if near else "")
-            + f"; it reads {', '.join(sorted(reads)) or 'nothing'}")
+    return (
+        f"the chat template never reads {', '.join(map(repr, unread))}"
+        + (f" (did you mean {', '.join(map(repr, near))}?)" if near else "")
+        + f"; it reads {', '.join(sorted(reads)) or 'nothing'}"
+    )

@@ -5,6 +5,7 @@ A file or row that cannot be used is a DataError (a ValueError) naming the file,
 
 Run: python data.py --task gsm8k --split test --limit 3     (the rows of a task, read by these functions)
 """
+
 import json
 import math
 import os
@@ -24,23 +25,38 @@ def read_rows(path):
     with the file (missing, a directory, CSV, unreadable, not UTF-8, bad JSON, corrupt parquet) is a DataError
     naming it; an empty file yields nothing (load_task then says "no rows")."""
     path = Path(path)
-    if not path.exists():        # a symlink loop or a dangling symlink does not exist either
-        raise DataError(f"{path}: " + (f"a symlink to {os.readlink(path)}, which cannot be read (a loop or a "
-                                       "missing file)" if path.is_symlink() else "no such file"))
-    if not path.is_file():   # a directory; or a FIFO, device or socket, which open() would wait on forever
-        raise DataError(f"{path}: " + ("a directory, not a data file" if path.is_dir() else
-                                       "not a regular file (a FIFO, socket or device?); not read"))
+    if not path.exists():  # a symlink loop or a dangling symlink does not exist either
+        raise DataError(
+            f"{path}: "
+            + (
+                f"a symlink to {os.readlink(path)}, which cannot be read (a loop or a missing file)"
+                if path.is_symlink()
+                else "no such file"
+            )
+        )
+    if not path.is_file():  # a directory; or a FIFO, device or socket, which open() would wait on forever
+        raise DataError(
+            f"{path}: "
+            + (
+                "a directory, not a data file"
+                if path.is_dir()
+                else "not a regular file (a FIFO, socket or device?); not read"
+            )
+        )
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         csv = "; convert the CSV to JSONL, one object per line" if path.suffix == ".csv" else ""
-        raise DataError(f"{path}: unsupported format {path.suffix or '(no suffix)'} "
-                        f"(use .jsonl or .parquet{csv})")
+        raise DataError(
+            f"{path}: unsupported format {path.suffix or '(no suffix)'} (use .jsonl or .parquet{csv})"
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
+
         try:
             table = pq.read_table(path).to_pylist()
-        except Exception as e:       # not parquet, truncated, unreadable
-            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") \
-                from None
+        except Exception as e:  # not parquet, truncated, unreadable
+            raise DataError(
+                f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
         yield from ((f"{path}, row {i}", row) for i, row in enumerate(table, 1))
         return
     try:
@@ -73,8 +89,7 @@ def get(row, keys, types=(str,)):
                 raise DataError(f"field {k!r} is {type(v).__name__}, expected {want}")
             if isinstance(v, str) and not v.strip() or isinstance(v, (list, dict)) and not v:
                 raise DataError(f"field {k!r} is empty")
-            if (isinstance(v, float) and not math.isfinite(v)
-                    or isinstance(v, str) and not_finite(v)):
+            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and not_finite(v):
                 raise DataError(f"field {k!r} is {v!r}, not a finite value")
             return v
     raise DataError(f"missing field {' or '.join(repr(k) for k in keys)}")
@@ -89,8 +104,10 @@ def unicode_text(where, **fields):
     for name, text in fields.items():
         m = SURROGATE.search(text) if isinstance(text, str) else None
         if m:
-            raise DataError(f"{where}: field {name!r} holds a lone surrogate {m.group()!r} at character "
-                            f"{m.start()}: not Unicode text")
+            raise DataError(
+                f"{where}: field {name!r} holds a lone surrogate {m.group()!r} at character "
+                f"{m.start()}: not Unicode text"
+            )
 
 
 # ----------------------------------------------------------------------------- one normaliser per layout
@@ -157,8 +174,13 @@ def choice_row(row):
     opts = next((row[k] for k in ("options", "choices") if row.get(k) is not None), None)
     if opts is None and "A" in row and "B" in row:
         opts = {L: row[L] for L in LETTERS if row.get(L) is not None}
-    opts = dict(zip(opts.get("label", LETTERS), opts["text"]) if isinstance(opts, dict) and "text" in opts
-                else zip(LETTERS, opts) if isinstance(opts, list) else opts or {})
+    opts = dict(
+        zip(opts.get("label", LETTERS), opts["text"])
+        if isinstance(opts, dict) and "text" in opts
+        else zip(LETTERS, opts)
+        if isinstance(opts, list)
+        else opts or {}
+    )
     if not isinstance(opts, dict):
         raise DataError(f"field 'options' is {type(opts).__name__}, expected list or dict")
     a = get(row, ("answer", "label", "answer_key", "answerKey", "correct"), (str, int))

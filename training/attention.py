@@ -15,6 +15,7 @@ memory. Padding query rows and padding keys are zero (eager gives padding querie
 
 Run the tests: python -m pytest -q tests/test_attention_graph.py
 """
+
 import torch
 
 from flowtracer import IMPL, Capture, _Stop, register_attention, select_layers
@@ -40,6 +41,7 @@ class capturing:
             out = model(input_ids, attention_mask=mask, ...)   # the training forward, with grad
         cap.attn  # (B, T, T); cap.layers: the chosen layers
     Where you call the forward yourself, pass a Capture instead (token_logprobs(..., capture=cap))."""
+
     def __init__(self, model, attention_mask, layers=None, chunk=None):
         self.model, self.mask = model, attention_mask.long()
         self.layers = select_layers(layers, model.config.num_hidden_layers)
@@ -86,8 +88,13 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
     old_impl, was_training = use_capture_attention(model), model.training
     try:
         model.eval()
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-              flow_capture=cap)
+        model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=False,
+            flow_capture=cap,
+        )
         raise RuntimeError("the forward pass ended without reaching the last chosen layer")
     except _Stop:
         pass

@@ -44,6 +44,7 @@ Departures (numbered):
 
 Run: python -m pytest -q tests/test_backoff.py
 """
+
 from accelerate.utils.memory import clear_device_cache
 from tqdm import tqdm
 
@@ -64,16 +65,19 @@ def generate(run, phase, fn, *args, **kw):
     while True:
         try:
             return fn(*args, chunk_size=cfg.gen_chunk, done=done, **kw)
-        except Exception as e:                                         # noqa: BLE001 (only memory is caught)
+        except Exception as e:  # noqa: BLE001 (only memory is caught)
             if not out_of_memory(e):
                 raise
             why = one_line(e)
-        free()                                                          # the failed chunk's tensors are gone
+        free()  # the failed chunk's tensors are gone
         if rows(cfg, engine) == 1:
             raise OutOfMemory(last_line(run, phase, tried, why))
         halve_chunk(cfg, engine)
-        said(run, f"the {phase} ran out of memory at gen_chunk {tried[-1]} ({why}): gen_chunk "
-                  f"{cfg.gen_chunk} from here on; the {len(done.texts)} rows done are kept, the others made")
+        said(
+            run,
+            f"the {phase} ran out of memory at gen_chunk {tried[-1]} ({why}): gen_chunk "
+            f"{cfg.gen_chunk} from here on; the {len(done.texts)} rows done are kept, the others made",
+        )
         tried.append(cfg.gen_chunk)
 
 
@@ -85,14 +89,16 @@ def trial(cfg, engine, fn):
     while True:
         try:
             return fn()
-        except Exception as e:                                         # noqa: BLE001 (only memory is caught)
+        except Exception as e:  # noqa: BLE001 (only memory is caught)
             if not out_of_memory(e) or rows(cfg, engine) == 1:
                 raise
             why, old = one_line(e), cfg.gen_chunk
         free()
         halve_chunk(cfg, engine)
-        tqdm.write(f"backoff: the preflight's decode ran out of memory at gen_chunk {old} ({why}): gen_chunk "
-                   f"{cfg.gen_chunk} from here on")
+        tqdm.write(
+            f"backoff: the preflight's decode ran out of memory at gen_chunk {old} ({why}): gen_chunk "
+            f"{cfg.gen_chunk} from here on"
+        )
 
 
 def rows(cfg, engine):
@@ -115,24 +121,35 @@ def update(run, fn, *args):
     the plan says so."""
     cfg, tried, release = run.cfg, [run.cfg.micro_batch], run.budget is not None and run.budget.plan.release
     if release and run.engine is not None:
-        run.engine.release()                                            # reserved again by the next rollout
+        run.engine.release()  # reserved again by the next rollout
     while True:
         try:
             return fn(run, *args)
-        except Exception as e:                                         # noqa: BLE001 (only memory is caught)
+        except Exception as e:  # noqa: BLE001 (only memory is caught)
             if not out_of_memory(e):
                 raise
             why = one_line(e)
-        run.policy.opt.zero_grad(set_to_none=True)                           # no partial sum carries over
+        run.policy.opt.zero_grad(set_to_none=True)  # no partial sum carries over
         free()
-        if run.log.moved:                                               # an optimizer step began
-            raise OutOfMemory(last_line(run, "update", tried, why, "after an optimizer step began (the "
-                                        "weights moved: redone, it would train on these rollouts twice)"))
+        if run.log.moved:  # an optimizer step began
+            raise OutOfMemory(
+                last_line(
+                    run,
+                    "update",
+                    tried,
+                    why,
+                    "after an optimizer step began (the "
+                    "weights moved: redone, it would train on these rollouts twice)",
+                )
+            )
         if cfg.micro_batch == 1:
             raise OutOfMemory(last_line(run, "update", tried, why))
         cfg.micro_batch = cfg.micro_batch // 2
-        said(run, f"the update ran out of memory at micro_batch {tried[-1]} ({why}): micro_batch "
-                  f"{cfg.micro_batch} from here on; the update is redone from its start on the same rollouts")
+        said(
+            run,
+            f"the update ran out of memory at micro_batch {tried[-1]} ({why}): micro_batch "
+            f"{cfg.micro_batch} from here on; the update is redone from its start on the same rollouts",
+        )
         tried.append(cfg.micro_batch)
 
 
@@ -154,8 +171,10 @@ def last_line(run, phase, tried, why, when=""):
     field = "micro_batch" if phase == "update" else "gen_chunk"
     other = "gen_chunk" if phase == "update" else "micro_batch"
     at = f"at {field} {tried[-1]}" if not when else when
-    return (f"out of memory in the {phase} {at} ({field} tried: {', '.join(map(str, tried))}; {other} "
-            f"{getattr(run.cfg, other)}; {why}); {estimate(run)}; {run.log.save_last()}")
+    return (
+        f"out of memory in the {phase} {at} ({field} tried: {', '.join(map(str, tried))}; {other} "
+        f"{getattr(run.cfg, other)}; {why}); {estimate(run)}; {run.log.save_last()}"
+    )
 
 
 def estimate(run):
@@ -168,9 +187,14 @@ def estimate(run):
         est = step_bytes.estimate(cfg, mc, dev, run.task.widest_prompt, n_eval=n, release=release)
         phase, top = step_bytes.peak(est)
         top += sum(budget.margin(cfg, mc, run.task.widest_prompt, n).values()) if dev == "cuda" else 0
-    except Exception as e:                                             # noqa: BLE001 (words for a last line)
+    except Exception as e:  # noqa: BLE001 (words for a last line)
         return f"no estimate ({one_line(e)})"
-    card = f" for {run.budget.total / budget.GB:.1f} GB ({run.budget.source})" if run.budget else \
-        f" on the {dev}"
-    return (f"the estimate at these sizes: {top / budget.GB:.2f} GB at its peak ({phase}"
-            f"{', margin included' if dev == 'cuda' else ''}){card}")
+    card = (
+        f" for {run.budget.total / budget.GB:.1f} GB ({run.budget.source})"
+        if run.budget
+        else f" on the {dev}"
+    )
+    return (
+        f"the estimate at these sizes: {top / budget.GB:.2f} GB at its peak ({phase}"
+        f"{', margin included' if dev == 'cuda' else ''}){card}"
+    )

@@ -18,6 +18,7 @@ known to miss (step_bytes.py departure 4: the H100's backward 10.5% above it, no
 Run: python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # the plan for a 24 GB card
      python -m pytest -q tests/test_budget.py
 """
+
 import dataclasses
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -26,12 +27,12 @@ import torch
 
 from training.step_bytes import PHASES, SIZES, engine_rows, estimate, largest, model_config, peak
 
-GB, GiB = 1e9, 2 ** 30
-GPU = 80 * GB               # one 80 GB GPU (A100 / H100), the paper's
-CONTEXT = 1 * GB            # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
-RESERVE = 0.1               # the share of a card a plan leaves free (step_bytes.py departure 4: the backward's
-                            # estimate 10.5% below the H100's measure, not pinned down); size and report()
-                            # plan (1 - RESERVE) of it: a 16 GB T4 (15.8e9 bytes exposed) gets <= 14.4 GB
+GB, GiB = 1e9, 2**30
+GPU = 80 * GB  # one 80 GB GPU (A100 / H100), the paper's
+CONTEXT = 1 * GB  # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
+RESERVE = 0.1  # the share of a card a plan leaves free (step_bytes.py departure 4: the backward's
+# estimate 10.5% below the H100's measure, not pinned down); size and report()
+# plan (1 - RESERVE) of it: a 16 GB T4 (15.8e9 bytes exposed) gets <= 14.4 GB
 
 
 def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
@@ -54,6 +55,7 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU, cap=None):
     """The largest gen_chunk (every phase fitting at micro_batch 1: on CUDA the engine's buffers are kept),
     then micro_batch with it (powers of two up to cfg's), whose phases and margin stay under `budget`, or None
     where even 1 does not fit. A size left at 0 starts from SIZES'."""
+
     def top(cfg, field, phases):
         n = getattr(cfg, field)
         while n >= 1:
@@ -64,19 +66,20 @@ def fit(cfg, mc, device="cuda", prompt_tokens=256, budget=GPU, cap=None):
                 return n
             n = n // 2 if n & (n - 1) == 0 else 2 ** (n.bit_length() - 1)
         return None
+
     cfg = largest(cfg)
-    one = SimpleNamespace(**{**vars(cfg), "micro_batch": 1})        # the decode engine's buffers stay
-    g = top(one, "gen_chunk", PHASES)                               # through the update: all phases count
+    one = SimpleNamespace(**{**vars(cfg), "micro_batch": 1})  # the decode engine's buffers stay
+    g = top(one, "gen_chunk", PHASES)  # through the update: all phases count
     return g, top(SimpleNamespace(**{**vars(cfg), "gen_chunk": g or 1}), "micro_batch", PHASES[1:4])
 
 
 class Plan(NamedTuple):
-    gen_chunk: int | None       # rows per generate call that fit (None: no size tried fits)
-    micro_batch: int | None     # rows per forward / backward that fit (None: as gen_chunk)
-    phase: str                  # the phase of the peak: of the sizes chosen, or of the smallest tried
-    peak: float                 # that peak in bytes, the margin included
-    tried: tuple                # (gen_chunk, micro_batch) the peak is of
-    release: bool = False       # the engine released for the update (LAYOUTS[1]); False: resident through it
+    gen_chunk: int | None  # rows per generate call that fit (None: no size tried fits)
+    micro_batch: int | None  # rows per forward / backward that fit (None: as gen_chunk)
+    phase: str  # the phase of the peak: of the sizes chosen, or of the smallest tried
+    peak: float  # that peak in bytes, the margin included
+    tried: tuple  # (gen_chunk, micro_batch) the peak is of
+    release: bool = False  # the engine released for the update (LAYOUTS[1]); False: resident through it
 
 
 # the decode engine through the update: kept (its graphs captured once a run), or freed after each rollout,
@@ -88,7 +91,7 @@ def sizes(cfg, field):
     """The sizes tried for a flag: its value alone where one was given, and at 0 SIZES' and the powers of
     two below it."""
     n = getattr(cfg, field)
-    return [n] if n else [SIZES[field]] + [2 ** k for k in range(SIZES[field].bit_length() - 2, -1, -1)]
+    return [n] if n else [SIZES[field]] + [2**k for k in range(SIZES[field].bit_length() - 2, -1, -1)]
 
 
 def plan(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> Plan:
@@ -116,7 +119,7 @@ def plan(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> Plan:
                     key = (min(g / top_g, m / top_m), g, not release)
                     if best is None or key > best[0]:
                         best = (key, Plan(g, m, ph, top, (g, m), release))
-                    break                               # the largest micro_batch at this gen_chunk, layout
+                    break  # the largest micro_batch at this gen_chunk, layout
     return best[1] if best else Plan(None, None, *low)
 
 
@@ -130,8 +133,15 @@ def planned(cfg, mc, device, prompt_tokens, n_eval=None, cap=None):
     if p.gen_chunk is None:
         return largest(cfg), p, card
     sizes_ = {"gen_chunk": p.gen_chunk, "micro_batch": p.micro_batch}
-    return (dataclasses.replace(cfg, **sizes_) if dataclasses.is_dataclass(cfg) else
-            SimpleNamespace(**{**vars(cfg), **sizes_})), p, card
+    return (
+        (
+            dataclasses.replace(cfg, **sizes_)
+            if dataclasses.is_dataclass(cfg)
+            else SimpleNamespace(**{**vars(cfg), **sizes_})
+        ),
+        p,
+        card,
+    )
 
 
 def what_fits(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> str:
@@ -139,24 +149,37 @@ def what_fits(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> 
     chosen instead (a smaller --micro-batch, --gen-chunk, or 0), --lora-rank 16 (full fine-tuning), a smaller
     model."""
     out = []
-    p = plan(SimpleNamespace(**{**vars(cfg), "gen_chunk": 0, "micro_batch": 0}), mc, device, prompt_tokens,
-             budget, n_eval=n_eval, cap=cap)
+    p = plan(
+        SimpleNamespace(**{**vars(cfg), "gen_chunk": 0, "micro_batch": 0}),
+        mc,
+        device,
+        prompt_tokens,
+        budget,
+        n_eval=n_eval,
+        cap=cap,
+    )
     if p.gen_chunk is not None and (cfg.gen_chunk or cfg.micro_batch):
         out.append(f"--gen-chunk {p.gen_chunk} --micro-batch {p.micro_batch} would fit")
     if getattr(cfg, "lora_rank", 0) == 0:
-        lora = SimpleNamespace(**{**vars(cfg), "lora_rank": 16, "optimizer": "auto", "gen_chunk": 0,
-                                  "micro_batch": 0})                                  # kahan is not LoRA's
+        lora = SimpleNamespace(
+            **{**vars(cfg), "lora_rank": 16, "optimizer": "auto", "gen_chunk": 0, "micro_batch": 0}
+        )  # kahan is not LoRA's
         q = plan(lora, mc, device, prompt_tokens, budget, n_eval=n_eval, cap=cap)
-        out.append(f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
-                   f"{q.peak / GB:.1f} GB)" if q.gen_chunk else f"--lora-rank 16 needs {q.peak / GB:.1f} GB")
+        out.append(
+            f"--lora-rank 16 would fit (gen_chunk {q.gen_chunk}, micro_batch {q.micro_batch}, peak "
+            f"{q.peak / GB:.1f} GB)"
+            if q.gen_chunk
+            else f"--lora-rank 16 needs {q.peak / GB:.1f} GB"
+        )
     return "; ".join(out + ["or a smaller model, or fewer --max-new-tokens"])
 
 
 class Budget(NamedTuple):
     """What `size` sized the step to."""
-    total: float                # the card's bytes: its total, or --gpu-gb
-    source: str                 # where `total` came from: "--gpu-gb" or "torch.cuda.mem_get_info"
-    plan: Plan                  # the sizes, the engine's layout, the peak with the margin
+
+    total: float  # the card's bytes: its total, or --gpu-gb
+    source: str  # where `total` came from: "--gpu-gb" or "torch.cuda.mem_get_info"
+    plan: Plan  # the sizes, the engine's layout, the peak with the margin
 
 
 def size(cfg, device, widest, n_eval=0) -> Budget | None:
@@ -174,30 +197,41 @@ def size(cfg, device, widest, n_eval=0) -> Budget | None:
         for k in zero:
             setattr(cfg, k, SIZES[k])
         if zero:
-            print(f"budget: the CPU: gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch} (chosen: "
-                  f"{chosen}; a GPU's are sized to its card)")
+            print(
+                f"budget: the CPU: gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch} (chosen: "
+                f"{chosen}; a GPU's are sized to its card)"
+            )
         return None
     free_now, card = torch.cuda.mem_get_info(device)
     if cfg.gpu_gb and cfg.gpu_gb * GB <= card:
         total, held, source = cfg.gpu_gb * GB, 0, "--gpu-gb"
     else:
-        if cfg.gpu_gb:                                     # more than the card has: the card's, said
-            print(f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / GB:.1f} GB "
-                  f"(torch.cuda.mem_get_info): the step is sized to the card")
+        if cfg.gpu_gb:  # more than the card has: the card's, said
+            print(
+                f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / GB:.1f} GB "
+                f"(torch.cuda.mem_get_info): the step is sized to the card"
+            )
         total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
-    budget = total * (1 - RESERVE) - max(0, held - CONTEXT)            # the reserve; the context once
-    mc = model_config(cfg.model)                                       # the config alone, no weights
+    budget = total * (1 - RESERVE) - max(0, held - CONTEXT)  # the reserve; the context once
+    mc = model_config(cfg.model)  # the config alone, no weights
     p = plan(cfg, mc, device, widest, budget, n_eval)
     if p.gen_chunk is not None:
         cfg.gen_chunk, cfg.micro_batch = p.gen_chunk, p.micro_batch
-        layout = "released for the update (reserved again for each rollout)" if p.release else \
-            "resident through the update"
-        print(f"budget: {total / GB:.1f} GB GPU ({source}), {budget / GB:.1f} GB planned (a {RESERVE:.0%} "
-              f"reserve): gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the decode engine {layout} "
-              f"(chosen: {chosen}; peak {p.peak / GB:.1f} GB in {p.phase}, margin included)")
+        layout = (
+            "released for the update (reserved again for each rollout)"
+            if p.release
+            else "resident through the update"
+        )
+        print(
+            f"budget: {total / GB:.1f} GB GPU ({source}), {budget / GB:.1f} GB planned (a {RESERVE:.0%} "
+            f"reserve): gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the decode engine {layout} "
+            f"(chosen: {chosen}; peak {p.peak / GB:.1f} GB in {p.phase}, margin included)"
+        )
         return Budget(total, source, p)
-    raise ValueError(f"the step needs about {p.peak / GB:.1f} GB at its peak ({p.phase}; gen_chunk "
-                     f"{p.tried[0]}, micro_batch {p.tried[1]}, {widest}-token prompts + {cfg.max_new_tokens} "
-                     f"new tokens, margin included) and the GPU has {total / GB:.1f} GB ({source}), "
-                     f"{budget / GB:.1f} GB of it planned (a {RESERVE:.0%} reserve): "
-                     + what_fits(cfg, mc, device, widest, budget, n_eval))
+    raise ValueError(
+        f"the step needs about {p.peak / GB:.1f} GB at its peak ({p.phase}; gen_chunk "
+        f"{p.tried[0]}, micro_batch {p.tried[1]}, {widest}-token prompts + {cfg.max_new_tokens} "
+        f"new tokens, margin included) and the GPU has {total / GB:.1f} GB ({source}), "
+        f"{budget / GB:.1f} GB of it planned (a {RESERVE:.0%} reserve): "
+        + what_fits(cfg, mc, device, widest, budget, n_eval)
+    )

@@ -37,6 +37,7 @@ What grpo.py calls, in order:
   metrics = rundir.open_metrics(out, step if ckpt else None)     # then runlog.RunLog writes each step
 Every error about the user's files is a RunError (a ValueError) whose message names the file or directory.
 """
+
 import contextlib
 import dataclasses
 import errno
@@ -49,24 +50,27 @@ from pathlib import Path
 import torch
 
 from training.rundir import (  # noqa: F401  (unlock_out_dir: the tests' way to let a directory go)
+    WRITES,
     RunError,
     check_unlocked,
-    WRITES,
     dir_problem,
     link_problem,
     lock_out_dir,
     unlock_out_dir,
 )
 
-MARK = "COMPLETE"   # written last into a checkpoint directory: without it the directory is partial
-RUN_CONFIG = "run_config.json"   # the run's flags, beside the tensors (config.json is the model's)
+MARK = "COMPLETE"  # written last into a checkpoint directory: without it the directory is partial
+RUN_CONFIG = "run_config.json"  # the run's flags, beside the tensors (config.json is the model's)
 
 
 # ----------------------------------------------------------------------------- a checkpoint, written
 def rng_state():
     """The RNGs a checkpoint restores: Python's, torch's, and CUDA's where it is available."""
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),    # tuples of ints, tensors
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),  # tuples of ints, tensors
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, rng=None):
@@ -75,9 +79,9 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, 
     as ckpt-<its step>/, and the keep - 1 newest of those are kept."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if complete(tmp) and not complete(path):                             # 0. a save killed between 2 and 3:
-        discard(path)                                                    #    finish it, so that ckpt.tmp (the
-        tmp.rename(path)                                                 #    newest, maybe resumed) is kept
+    if complete(tmp) and not complete(path):  # 0. a save killed between 2 and 3:
+        discard(path)  #    finish it, so that ckpt.tmp (the
+        tmp.rename(path)  #    newest, maybe resumed) is kept
     discard(tmp)
     try:
         with quiet_bars():
@@ -85,26 +89,37 @@ def save_checkpoint(path, model, tok, opt, sched, step, cfg, bad_steps, keep=1, 
             tok.save_pretrained(tmp)
         rng = rng or rng_state()
         optim = opt.state_dict() if cfg.save_optimizer else {**opt.state_dict(), "state": {}}  # lr, betas
-        torch.save({"optimizer": optim, "scheduler": sched.state_dict(), "step": step, "rng": rng,
-                    "config": dataclasses.asdict(cfg), "bad_steps": bad_steps}, tmp / "trainer_state.pt")
-        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))   # parse_args reads it
-        (tmp / MARK).write_text(str(step))                              # 1. complete
+        torch.save(
+            {
+                "optimizer": optim,
+                "scheduler": sched.state_dict(),
+                "step": step,
+                "rng": rng,
+                "config": dataclasses.asdict(cfg),
+                "bad_steps": bad_steps,
+            },
+            tmp / "trainer_state.pt",
+        )
+        (tmp / RUN_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # parse_args reads it
+        (tmp / MARK).write_text(str(step))  # 1. complete
     except Exception as e:
         if not no_space(e):
             raise
-        discard(tmp)                                                     # the partial copy goes; ckpt/ stays
-        raise RunError(f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
-                       f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
-                       f"{gb(shutil.disk_usage(path.parent).free)} are "
-                       f"free); the last complete checkpoint is kept") from None
+        discard(tmp)  # the partial copy goes; ckpt/ stays
+        raise RunError(
+            f"{path}: no space left on the device to save the checkpoint of step {step} (it needs "
+            f"about {gb(state_bytes(model, opt, cfg.save_optimizer))}, "
+            f"{gb(shutil.disk_usage(path.parent).free)} are "
+            f"free); the last complete checkpoint is kept"
+        ) from None
     if complete(path):
         discard(old)
-        path.rename(old)                                                 # 2. keep the previous one ...
-    discard(path)                                                        # (a partial ckpt/ is garbage)
-    tmp.rename(path)                                                     # 3. ... until the new one is in
-    if keep > 1 and complete(old):                                       # 4. the old one kept, or deleted
+        path.rename(old)  # 2. keep the previous one ...
+    discard(path)  # (a partial ckpt/ is garbage)
+    tmp.rename(path)  # 3. ... until the new one is in
+    if keep > 1 and complete(old):  # 4. the old one kept, or deleted
         old.rename(path.with_name(f"{path.name}-{int((old / MARK).read_text()):05d}"))
-        for d in sorted(path.parent.glob(f"{path.name}-*"))[:-(keep - 1)]:
+        for d in sorted(path.parent.glob(f"{path.name}-*"))[: -(keep - 1)]:
             discard(d)
     discard(old)
 
@@ -131,6 +146,7 @@ def discard(d):
 def quiet_bars():
     """transformers' progress bars off inside the block (save_pretrained's "Writing model shards" bar)."""
     from transformers.utils import logging as hf_logging
+
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -149,9 +165,14 @@ ZIP_WRITER = ("inline_container.cc", "unexpected pos", "basic_ios::clear", "Pyto
 def no_space(e):
     """A full disk or quota: OSError ENOSPC / EDQUOT, safetensors' own error (os error 28), or torch.save's
     zip writer failing to write (ZIP_WRITER)."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-            or "No space left on device" in str(e) or "os error 28" in str(e)
-            or isinstance(e, RuntimeError) and any(m in str(e) for m in ZIP_WRITER))
+    return (
+        isinstance(e, OSError)
+        and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        or "No space left on device" in str(e)
+        or "os error 28" in str(e)
+        or isinstance(e, RuntimeError)
+        and any(m in str(e) for m in ZIP_WRITER)
+    )
 
 
 @contextlib.contextmanager
@@ -189,21 +210,31 @@ def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True
     """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
     checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
     a ckpt/ already there holds. The message says how much is needed and how to need less."""
-    one = checkpoint_bytes(sum(p.numel() for p in model.parameters() if p.requires_grad or scheme != "lora"),
-                           scheme, with_optimizer)                        # lora: the adapters are saved
+    one = checkpoint_bytes(
+        sum(p.numel() for p in model.parameters() if p.requires_grad or scheme != "lora"),
+        scheme,
+        with_optimizer,
+    )  # lora: the adapters are saved
     saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
     held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
     need = one * (2 if saves > 1 or held else 1) - held
     free = shutil.disk_usage(out).free
-    smaller = "" if scheme != "adamw" or not with_optimizer else (
-        f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
-        f"{checkpoint_bytes(1, scheme)}), ")
+    smaller = (
+        ""
+        if scheme != "adamw" or not with_optimizer
+        else (
+            f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
+            f"{checkpoint_bytes(1, scheme)}), "
+        )
+    )
     what = "weights + optimizer state" if with_optimizer else "weights"
     if saves and free < need:
-        raise RunError(f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
-                       f"({gb(one)} each, {what}; from the second save ckpt/ and "
-                       f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
-                       f"(--save-every >= --steps)")
+        raise RunError(
+            f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
+            f"({gb(one)} each, {what}; from the second save ckpt/ and "
+            f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
+            f"(--save-every >= --steps)"
+        )
 
 
 def find_checkpoint(resume):
@@ -216,10 +247,12 @@ def find_checkpoint(resume):
     for root in roots:
         for d in (root, root.with_name(root.name + ".tmp"), root.with_name(root.name + ".old")):
             if complete(d):
-                if problem := safetensors_problem(d):           # a cut or corrupted weights file
+                if problem := safetensors_problem(d):  # a cut or corrupted weights file
                     older = sorted(d.parent.glob("ckpt-*"))
-                    raise RunError(f"--resume {resume}: {problem}: the checkpoint is damaged" + (
-                        f"; an older one: --resume {older[-1]}" if older and complete(older[-1]) else ""))
+                    raise RunError(
+                        f"--resume {resume}: {problem}: the checkpoint is damaged"
+                        + (f"; an older one: --resume {older[-1]}" if older and complete(older[-1]) else "")
+                    )
                 return d
     raise RunError(f"--resume {resume}: no complete checkpoint there (expected {base / 'ckpt'}/{MARK})")
 
@@ -234,8 +267,11 @@ def safetensors_problem(d):
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(n)) if 8 + n <= size else None
-            end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                              default=0)
+            end = (
+                8
+                + n
+                + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            )
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             return f"{f}: cut short or corrupted (its header does not read)"
         if end != size:
@@ -243,25 +279,33 @@ def safetensors_problem(d):
     return None
 
 
-STATE = {"optimizer": dict, "scheduler": dict, "step": int, "rng": dict, "config": dict,   # key -> its type
-         "bad_steps": int}
+STATE = {
+    "optimizer": dict,
+    "scheduler": dict,
+    "step": int,
+    "rng": dict,
+    "config": dict,  # key -> its type
+    "bad_steps": int,
+}
 
 
 def read_state(ckpt):
     """trainer_state.pt, safely: weights_only=True unpickles tensors and plain types only, never code."""
     f = Path(ckpt) / "trainer_state.pt"
     try:
-        state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)   # never onto a GPU
-    except pickle.UnpicklingError:   # a pickle of other objects (a crafted file, another program's state)
-        raise RunError(f"{f}: not a grpo.py trainer state (it holds objects other than tensors and plain "
-                       f"types; not loaded)") from None
-    except Exception as e:       # missing, truncated, corrupted, not a torch file
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)  # never onto a GPU
+    except pickle.UnpicklingError:  # a pickle of other objects (a crafted file, another program's state)
+        raise RunError(
+            f"{f}: not a grpo.py trainer state (it holds objects other than tensors and plain "
+            f"types; not loaded)"
+        ) from None
+    except Exception as e:  # missing, truncated, corrupted, not a torch file
         raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
     missing = [k for k in STATE if not isinstance(state, dict) or k not in state]
     if missing:
         raise RunError(f"{f}: not a grpo.py trainer state (missing {', '.join(missing)})")
     wrong = [k for k, t in STATE.items() if not isinstance(state[k], t) or isinstance(state[k], bool)]
-    if not wrong:                # the values: counters >= 0, the three RNG states
+    if not wrong:  # the values: counters >= 0, the three RNG states
         wrong = [k for k in ("step", "bad_steps") if state[k] < 0]
         wrong += [] if {"python", "torch", "cuda"} <= state["rng"].keys() else ["rng"]
     if wrong:
@@ -277,7 +321,7 @@ def saved_config(ckpt):
         return read_state(ckpt)["config"]
     try:
         config = json.loads(f.read_text())
-    except (OSError, ValueError) as e:   # unreadable, cut short, not JSON
+    except (OSError, ValueError) as e:  # unreadable, cut short, not JSON
         raise RunError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(config, dict):
         raise RunError(f"{f}: not a grpo.py run config (a JSON object of flags)")
@@ -290,8 +334,10 @@ def load_checkpoint(path, opt, sched):
     and says in one line that the optimizer restarts: the continued run is not the uninterrupted one."""
     state = read_state(path)
     if not state["config"].get("save_optimizer", True):
-        print(f"resume: {path} was saved without the optimizer's state (--no-save-optimizer): AdamW restarts "
-              f"from zero moments; weights, schedule, RNG and step continue")
+        print(
+            f"resume: {path} was saved without the optimizer's state (--no-save-optimizer): AdamW restarts "
+            f"from zero moments; weights, schedule, RNG and step continue"
+        )
     try:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -299,9 +345,11 @@ def load_checkpoint(path, opt, sched):
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:   # another model's state
-        raise RunError(f"{Path(path) / 'trainer_state.pt'}: does not fit this run's model / optimizer "
-                       f"({type(e).__name__}: {str(e)[:200]})") from None
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:  # another model's state
+        raise RunError(
+            f"{Path(path) / 'trainer_state.pt'}: does not fit this run's model / optimizer "
+            f"({type(e).__name__}: {str(e)[:200]})"
+        ) from None
     return state["step"], state["bad_steps"]
 
 
@@ -311,21 +359,48 @@ def load_checkpoint(path, opt, sched):
 # layers, seed, group_size, prompts_per_step, lr, clips, beta, filters, optimizer, ...) changes what the run
 # samples or optimises, so the continued run would be another experiment under the old one's name: refused
 # unless --allow-config-change. A flag added later is a meaning flag until it is listed here.
-BOOKKEEPING = {"steps", "out_dir", "overwrite", "resume", "save_every", "rollouts_every", "max_bad_steps",
-               "device", "micro_batch", "gen_chunk", "logprob_chunk", "grad_checkpointing", "oar_chunk",
-               "oar_prefix_cache", "allow_config_change", "save_optimizer", "keep_checkpoints", "report_to",
-               "eval_every", "eval_dataset", "eval_size", "eval_data_path", "config", "gpu_gb"}
+BOOKKEEPING = {
+    "steps",
+    "out_dir",
+    "overwrite",
+    "resume",
+    "save_every",
+    "rollouts_every",
+    "max_bad_steps",
+    "device",
+    "micro_batch",
+    "gen_chunk",
+    "logprob_chunk",
+    "grad_checkpointing",
+    "oar_chunk",
+    "oar_prefix_cache",
+    "allow_config_change",
+    "save_optimizer",
+    "keep_checkpoints",
+    "report_to",
+    "eval_every",
+    "eval_dataset",
+    "eval_size",
+    "eval_data_path",
+    "config",
+    "gpu_gb",
+}
 
 
 def check_resume_config(saved, given):
     """RunError listing the flags given with --resume whose values differ from the saved run's and change its
     meaning (not in BOOKKEEPING), unless --allow-config-change is among them."""
-    changed = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}" for k, v in given.items()
-               if k not in BOOKKEEPING and saved.get(k) != v]
+    changed = [
+        f"--{k.replace('_', '-')} {saved.get(k)!r} -> {v!r}"
+        for k, v in given.items()
+        if k not in BOOKKEEPING and saved.get(k) != v
+    ]
     if changed and not given.get("allow_config_change"):
-        raise RunError(f"--resume {given['resume']}: these flags change the run's meaning: "
-                       f"{'; '.join(changed)}. Leave them out to continue the run, or pass "
-                       f"--allow-config-change")
+        raise RunError(
+            f"--resume {given['resume']}: these flags change the run's meaning: "
+            f"{'; '.join(changed)}. Leave them out to continue the run, or pass "
+            f"--allow-config-change"
+        )
 
 
 # ----------------------------------------------------------------------------- the run directory
@@ -345,19 +420,19 @@ def check_out_dir(out, resume, overwrite, claim=True):
     loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
     (lock_out_dir) and, with --overwrite, deletes the old run."""
     out, problem = Path(out), dir_problem(out, WRITES)
-    if problem:                  # a file, a symlink loop, a dangling link, no write permission, a directory
-        raise RunError(f"--out-dir {problem}")       # named metrics.jsonl, a file named ckpt: one line
+    if problem:  # a file, a symlink loop, a dangling link, no write permission, a directory
+        raise RunError(f"--out-dir {problem}")  # named metrics.jsonl, a file named ckpt: one line
     lock_out_dir(out) if claim else check_unlocked(out)
     held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
     if resume or not held:
         return
     if not overwrite:
-        raise RunError(f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
-                       f"or start afresh with --overwrite")
+        raise RunError(
+            f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
+            f"or start afresh with --overwrite"
+        )
     if not claim:
         return
-    kept = sorted(p.name for p in out.glob("ckpt-*"))                  # --keep-checkpoints' older saves
-    for p in held + kept + ["rollouts", "curves.png", "tensorboard", "wandb"]:   # + --report-to's files
+    kept = sorted(p.name for p in out.glob("ckpt-*"))  # --keep-checkpoints' older saves
+    for p in held + kept + ["rollouts", "curves.png", "tensorboard", "wandb"]:  # + --report-to's files
         discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
-
-

@@ -31,6 +31,7 @@ Departures (numbered):
 Run the tests: python -m pytest -q tests/test_credit.py
 Time them:     python benchmarks/credit_overhead.py
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,28 +51,29 @@ from training.signals import FUSED, NEEDS, SIGNALS, ForwardOutputs
 @dataclass
 class CreditConfig:
     """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
+
     # credit: the signal, the shaping rule and their knobs (training/credit.py)
-    credit: str = "flow"               # what ranks the tokens: flow (the paper's) or a baseline (signals.py)
-    shaping: str = "topk"              # how a signal's scores become the weight (shaping.py's SHAPINGS)
-    credit_pass: str = "fused"         # fused: credit from the update's own forward | separate: its own pass
-    top_frac: float = 0.4              # fraction of response tokens boosted (the paper's: eq. 6, Table 5)
-    gamma: float = 1.5                 # weight of a boosted token's loss term, gamma_flow (eq. 6, Table 7)
-    layers: str = "middle"             # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
-    token_class: str = ""              # "" | structural | semantic: select only within one class (Table 11b)
-    seed: int = 0                      # the run's seed; also seeds --credit random and OAR-G's noise
-    soft_mass: float = 0.4             # --shaping soft: cumulative score mass to cover (Table 7)
-    entropy_frac: float = 0.2          # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
-    entropy_alpha: float = 0.4         # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
-    entropy_kappa: float = 2.0         # --shaping entropy-adv: the bonus is capped at |A|/kappa (OAR eq. 6)
-    attn_window: str = "10:100"        # --credit fai: FAI reads queries t with s+10 <= t <= s+100
-    attn_global_frac: float = 0.3      # --credit fai: top 30% heads by mean attention distance
-    oar_outcome: str = "as-mean"       # OAR outcome: as-mean (OAR §6.2 trains with it), lt-logits, as-joint
-    oar_sigma: float = 1e-3            # std of OAR-G's Gaussian noise on the embeddings (OAR §3.2)
-    oar_chunk: int = 64                # OAR-P masked copies per forward pass
-    oar_prefix_cache: bool = True      # OAR-P/G: reuse the cached keys/values of the unchanged prefix
-    pad_id: int = -1                   # OAR-P replacement token; -1: the batch's padding id (oar.py dep. 2)
-    bilevel_tau: float = 0.4           # --shaping bilevel: percentile threshold (OAR §4.1)
-    bilevel_beta: float = 2.0          # --shaping bilevel: boost coefficient (OAR §4.1)
+    credit: str = "flow"  # what ranks the tokens: flow (the paper's) or a baseline (signals.py)
+    shaping: str = "topk"  # how a signal's scores become the weight (shaping.py's SHAPINGS)
+    credit_pass: str = "fused"  # fused: credit from the update's own forward | separate: its own pass
+    top_frac: float = 0.4  # fraction of response tokens boosted (the paper's: eq. 6, Table 5)
+    gamma: float = 1.5  # weight of a boosted token's loss term, gamma_flow (eq. 6, Table 7)
+    layers: str = "middle"  # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
+    token_class: str = ""  # "" | structural | semantic: select only within one class (Table 11b)
+    seed: int = 0  # the run's seed; also seeds --credit random and OAR-G's noise
+    soft_mass: float = 0.4  # --shaping soft: cumulative score mass to cover (Table 7)
+    entropy_frac: float = 0.2  # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
+    entropy_alpha: float = 0.4  # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)
+    entropy_kappa: float = 2.0  # --shaping entropy-adv: the bonus is capped at |A|/kappa (OAR eq. 6)
+    attn_window: str = "10:100"  # --credit fai: FAI reads queries t with s+10 <= t <= s+100
+    attn_global_frac: float = 0.3  # --credit fai: top 30% heads by mean attention distance
+    oar_outcome: str = "as-mean"  # OAR outcome: as-mean (OAR §6.2 trains with it), lt-logits, as-joint
+    oar_sigma: float = 1e-3  # std of OAR-G's Gaussian noise on the embeddings (OAR §3.2)
+    oar_chunk: int = 64  # OAR-P masked copies per forward pass
+    oar_prefix_cache: bool = True  # OAR-P/G: reuse the cached keys/values of the unchanged prefix
+    pad_id: int = -1  # OAR-P replacement token; -1: the batch's padding id (oar.py dep. 2)
+    bilevel_tau: float = 0.4  # --shaping bilevel: percentile threshold (OAR §4.1)
+    bilevel_beta: float = 2.0  # --shaping bilevel: boost coefficient (OAR §4.1)
 
 
 # ----------------------------------------------------------------------------- token classes (Table 11b)
@@ -107,8 +109,8 @@ def token_class_mask(tokenizer, input_ids, token_class):
 
 
 # ----------------------------------------------------------------------------- the credit step, one call
-PAPER = ("flow", "topk", "", "fused")   # (credit, shaping, token_class, credit_pass): grpo.update's own lines
-ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}   # a row's scores: its own
+PAPER = ("flow", "topk", "", "fused")  # (credit, shaping, token_class, credit_pass): grpo.update's own lines
+ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}  # a row's scores: its own
 
 
 def assign(model, tok, batch, adv, cfg, outputs=None, rows=None) -> Credit:
@@ -117,14 +119,14 @@ def assign(model, tok, batch, adv, cfg, outputs=None, rows=None) -> Credit:
     batch: rollout.Batch of B rows; adv: (B,) sequence advantages; outputs: what the training forward
     computed (fused pass) or None; rows: a ROWWISE signal's rows a forward (the separate pass's micro-batch),
     None: all B at once. The shaping rule always reads every row's scores."""
-    scores = signal_scores(model, batch, cfg, outputs, rows)                      # (B, T)
+    scores = signal_scores(model, batch, cfg, outputs, rows)  # (B, T)
     eligible = token_class_mask(tok, batch.input_ids, cfg.token_class)
-    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)                       # every column, (B, T)
+    c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible)  # every column, (B, T)
     P, resp = batch.prompt_width, batch.response_mask
-    weight = c.weight[:, P:]                                                        # (B, R)
-    if cfg.shaping == "entropy-adv":   # Cheng et al.: A_t = A + bonus_t, written as gamma_t = A_t / A
+    weight = c.weight[:, P:]  # (B, R)
+    if cfg.shaping == "entropy-adv":  # Cheng et al.: A_t = A + bonus_t, written as gamma_t = A_t / A
         A_t = entropy_bonus(adv, scores, resp & ~c.fallback[:, None], cfg.entropy_alpha, cfg.entropy_kappa)
-        ratio = A_t[:, P:] / torch.where(adv != 0, adv, 1.0)[:, None]               # (B, R)
+        ratio = A_t[:, P:] / torch.where(adv != 0, adv, 1.0)[:, None]  # (B, R)
         weight = torch.where(adv[:, None] != 0, ratio, weight) * resp[:, P:].float()
     return Credit(weight, scores[:, P:], c.fallback)
 
@@ -168,14 +170,16 @@ class OtherCredit:
     the batch-wide 80-20 rule and --credit-pass separate run `assign` once over the trained rows, before the
     first micro-batch (no grad); the others read what the training forward computed (its captured maps and
     entropy). run: grpo's Run (cfg; policy: model, tok, autocast)."""
+
     def __init__(self, run, batch, trained, adv):
         self.run, self.adv, self.given = run, adv, None
         if separate_pass(run.cfg) and trained:
             with torch.no_grad(), run.policy.autocast:
                 pol = run.policy
-                self.given = assign(pol.model, pol.tok, take(batch, trained), adv[trained], run.cfg,
-                                    rows=run.cfg.micro_batch)                                     # (b, R)
-            self.where = {r: i for i, r in enumerate(trained)}           # batch row -> row of `given`
+                self.given = assign(
+                    pol.model, pol.tok, take(batch, trained), adv[trained], run.cfg, rows=run.cfg.micro_batch
+                )  # (b, R)
+            self.where = {r: i for i, r in enumerate(trained)}  # batch row -> row of `given`
 
     def __call__(self, mb, sub, cap, entropy) -> Credit:
         if self.given is not None:
@@ -186,35 +190,53 @@ class OtherCredit:
 
 
 # ----------------------------------------------------------------------------- the flags
-CHOICES = {"credit": SIGNALS, "shaping": SHAPINGS, "credit_pass": ("fused", "separate"),   # for --help
-           "oar_outcome": OUTCOMES}
+CHOICES = {
+    "credit": SIGNALS,
+    "shaping": SHAPINGS,
+    "credit_pass": ("fused", "separate"),  # for --help
+    "oar_outcome": OUTCOMES,
+}
 
 
 def check(cfg):
     """The first bad credit flag as one sentence naming it, or None (grpo.py makes it its one-line error)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
-    rules = [("--credit", cfg.credit in SIGNALS, f"must be one of {', '.join(SIGNALS)}"),
-             ("--shaping", cfg.shaping in SHAPINGS, f"must be one of {', '.join(SHAPINGS)}"),
-             ("--credit-pass", cfg.credit_pass in ("fused", "separate"), "must be fused or separate"),
-             ("--top-frac", finite(cfg.top_frac) and 0 < cfg.top_frac <= 1, "must be in (0, 1]"),
-             ("--gamma", finite(cfg.gamma) and cfg.gamma > 0, "must be a finite number > 0 (eq. 6)"),
-             ("--token-class", cfg.token_class in ("", "none", "structural", "semantic"),
-              "must be structural or semantic (or empty)"),
-             ("--soft-mass", finite(cfg.soft_mass) and 0 < cfg.soft_mass <= 1, "must be in (0, 1]"),
-             ("--entropy-frac", finite(cfg.entropy_frac) and 0 <= cfg.entropy_frac <= 1, "must be in [0, 1]"),
-             ("--entropy-alpha", finite(cfg.entropy_alpha) and cfg.entropy_alpha >= 0, "must be >= 0"),
-             ("--entropy-kappa", finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1,
-              "must be > 1 (keeps A's sign)"),
-             ("--attn-global-frac", finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1,
-              "must be in (0, 1]"),
-             ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
-             ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
-             ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
-             ("--seed", 0 <= cfg.seed < 2 ** 63, "must be in [0, 2**63): torch seeds are 64-bit"),
-             ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),
-             ("--bilevel-beta", finite(cfg.bilevel_beta) and cfg.bilevel_beta >= 0, "must be >= 0"),
-             ("--shaping entropy-adv", cfg.shaping != "entropy-adv" or cfg.credit == "entropy",
-              "adds an entropy bonus to the advantage: use it with --credit entropy")]
+    rules = [
+        ("--credit", cfg.credit in SIGNALS, f"must be one of {', '.join(SIGNALS)}"),
+        ("--shaping", cfg.shaping in SHAPINGS, f"must be one of {', '.join(SHAPINGS)}"),
+        ("--credit-pass", cfg.credit_pass in ("fused", "separate"), "must be fused or separate"),
+        ("--top-frac", finite(cfg.top_frac) and 0 < cfg.top_frac <= 1, "must be in (0, 1]"),
+        ("--gamma", finite(cfg.gamma) and cfg.gamma > 0, "must be a finite number > 0 (eq. 6)"),
+        (
+            "--token-class",
+            cfg.token_class in ("", "none", "structural", "semantic"),
+            "must be structural or semantic (or empty)",
+        ),
+        ("--soft-mass", finite(cfg.soft_mass) and 0 < cfg.soft_mass <= 1, "must be in (0, 1]"),
+        ("--entropy-frac", finite(cfg.entropy_frac) and 0 <= cfg.entropy_frac <= 1, "must be in [0, 1]"),
+        ("--entropy-alpha", finite(cfg.entropy_alpha) and cfg.entropy_alpha >= 0, "must be >= 0"),
+        (
+            "--entropy-kappa",
+            finite(cfg.entropy_kappa) and cfg.entropy_kappa > 1,
+            "must be > 1 (keeps A's sign)",
+        ),
+        (
+            "--attn-global-frac",
+            finite(cfg.attn_global_frac) and 0 < cfg.attn_global_frac <= 1,
+            "must be in (0, 1]",
+        ),
+        ("--oar-outcome", cfg.oar_outcome in OUTCOMES, f"must be one of {', '.join(OUTCOMES)}"),
+        ("--oar-sigma", finite(cfg.oar_sigma) and cfg.oar_sigma > 0, "must be > 0"),
+        ("--oar-chunk", cfg.oar_chunk >= 1, "must be >= 1"),
+        ("--seed", 0 <= cfg.seed < 2**63, "must be in [0, 2**63): torch seeds are 64-bit"),
+        ("--bilevel-tau", finite(cfg.bilevel_tau) and 0 <= cfg.bilevel_tau <= 1, "must be in [0, 1]"),
+        ("--bilevel-beta", finite(cfg.bilevel_beta) and cfg.bilevel_beta >= 0, "must be >= 0"),
+        (
+            "--shaping entropy-adv",
+            cfg.shaping != "entropy-adv" or cfg.credit == "entropy",
+            "adds an entropy bonus to the advantage: use it with --credit entropy",
+        ),
+    ]
     for flag, ok, why in rules:
         if not ok:
             return f"{flag} {why}"
@@ -222,7 +244,7 @@ def check(cfg):
     if len(w) != 2 or not all(x.strip().isdigit() for x in w) or int(w[0]) > int(w[1]):
         return f"--attn-window must be A:B with 0 <= A <= B, got {cfg.attn_window!r}"
     try:
-        select_layers(cfg.layers, 10 ** 6)     # syntax only; the model's own depth is checked when it loads
+        select_layers(cfg.layers, 10**6)  # syntax only; the model's own depth is checked when it loads
     except ValueError as e:
         return f"--layers: {e}"
     return None

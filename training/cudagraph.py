@@ -7,6 +7,7 @@ tests/test_engine_fallbacks.py forces each failure on the CPU with a fake of tor
 
 Run: python -m pytest -q tests/test_engine_fallbacks.py
 """
+
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
@@ -43,12 +44,12 @@ def capture(step, side, pool):
     with torch.cuda.stream(side):
         g.capture_begin(pool=pool)
         try:
-            step()                                                         # recorded, not run
-        except Exception as e:                                             # noqa: BLE001 (raised below)
+            step()  # recorded, not run
+        except Exception as e:  # noqa: BLE001 (raised below)
             first = e
         try:
-            g.capture_end()                                                # the capture always ends
-        except Exception as e:                                             # noqa: BLE001
+            g.capture_end()  # the capture always ends
+        except Exception as e:  # noqa: BLE001
             first = first or e
     if first is not None:
         raise first

@@ -20,6 +20,7 @@ and a command line are checked by the same code (an int field refuses 1.5 as --s
 `parse` resolves a config once (defaults, presets, --config, the flags given) and says where the learning rate
 in force came from (lr_lines).
 """
+
 import argparse
 import dataclasses
 import difflib
@@ -56,25 +57,30 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
 def comments(cls):
     """({field: help}, [(section title, [fields])]) from the source of cls and its dataclass bases; the fields
     before any section comment come last, under the title None."""
-    helps, sections = {}, {}                          # key -> [title, fields], in the order of appearance
-    for klass in [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]:       # the derived class first
+    helps, sections = {}, {}  # key -> [title, fields], in the order of appearance
+    for klass in [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]:  # the derived class first
         try:
             src = inspect.getsource(klass)
-        except (OSError, TypeError):                  # no source (a frozen build): flags without help
+        except (OSError, TypeError):  # no source (a frozen build): flags without help
             continue
         names = set(klass.__dataclass_fields__)
-        lines = {}                                    # line number -> its tokens, without layout tokens
+        lines = {}  # line number -> its tokens, without layout tokens
         for t in tokenize.generate_tokens(io.StringIO(src).readline):
             if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
                 lines.setdefault(t.start[0], []).append(t)
         section = None
         for toks in lines.values():
-            if len(toks) == 1 and toks[0].type == tokenize.COMMENT and toks[0].start[1] > 0:   # a section
+            if len(toks) == 1 and toks[0].type == tokenize.COMMENT and toks[0].start[1] > 0:  # a section
                 title = toks[0].string.lstrip("#").strip()
-                key = re.split(r"[:(]", title, maxsplit=1)[0].strip().lower()    # "credit (...)": credit
+                key = re.split(r"[:(]", title, maxsplit=1)[0].strip().lower()  # "credit (...)": credit
                 section = sections.setdefault(key, [title, []])
-            elif len(toks) > 2 and toks[0].type == tokenize.NAME and toks[1].string == ":" \
-                    and toks[0].string in names and toks[0].start[1] > 0:
+            elif (
+                len(toks) > 2
+                and toks[0].type == tokenize.NAME
+                and toks[1].string == ":"
+                and toks[0].string in names
+                and toks[0].start[1] > 0
+            ):
                 name = toks[0].string
                 if toks[-1].type == tokenize.COMMENT and name not in helps:
                     helps[name] = toks[-1].string.lstrip("#").strip()
@@ -100,11 +106,11 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, active=(
     helps, sections = comments(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for title, names in sections:
-        group = parser.add_argument_group(title) if title else parser         # no section: "options"
+        group = parser.add_argument_group(title) if title else parser  # no section: "options"
         for name in (n for n in names if n not in skip):
             f = fields[name]
             text = helps.get(name, "").replace("%", "%%")
-            on = [label for label in active if name in presets[label]]             # in force, setting it
+            on = [label for label in active if name in presets[label]]  # in force, setting it
             notes = [f"{label}: {p[name]}" for label, p in presets.items() if name in p and label not in on]
             if suppress:
                 shown = f.default if f.default != "" else '""'
@@ -115,12 +121,12 @@ def add_fields(parser, cls, choices=None, suppress=False, presets=None, active=(
                 text += f" ({'; '.join(notes)})"
             kw = dict(default=argparse.SUPPRESS if suppress else f.default, help=text.strip())
             if f.type in (bool, "bool"):
-                kw["action"] = argparse.BooleanOptionalAction    # --flag / --no-flag
+                kw["action"] = argparse.BooleanOptionalAction  # --flag / --no-flag
             else:
                 kw["type"] = type(f.default)
-                kw["metavar"] = type(f.default).__name__.upper()         # INT, FLOAT, STR
+                kw["metavar"] = type(f.default).__name__.upper()  # INT, FLOAT, STR
             if name in choices:
-                kw["choices"], kw["metavar"] = list(choices[name]), None           # shown as {a,b,c}
+                kw["choices"], kw["metavar"] = list(choices[name]), None  # shown as {a,b,c}
             group.add_argument(flag(name), **kw)
     return parser
 
@@ -152,22 +158,29 @@ def read_config(path, cls, choices=None):
         raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    except (ValueError, yaml.YAMLError) as e:                        # json's errors are ValueErrors
+    except (ValueError, yaml.YAMLError) as e:  # json's errors are ValueErrors
         why = " ".join(str(e).split())[:200]
-        raise ValueError(f"{path}: not a {'JSON' if str(path).endswith('.json') else 'YAML'} file ({why})") \
-            from None
+        raise ValueError(
+            f"{path}: not a {'JSON' if str(path).endswith('.json') else 'YAML'} file ({why})"
+        ) from None
     if not isinstance(raw, dict) and raw is not None:
         raise ValueError(f"{path}: expected a mapping of flags (lr: 1e-5), got a {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    parser = add_fields(argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False),
-                        cls, choices, suppress=True)                   # the command line's parser
+    parser = add_fields(
+        argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False),
+        cls,
+        choices,
+        suppress=True,
+    )  # the command line's parser
     out = {}
     for key, value in (raw or {}).items():
         name = str(key).replace("-", "_")
         if name not in fields:
             near = difflib.get_close_matches(name, fields, n=1)
-            raise ValueError(f"{path}: unknown key {key!r} (not a flag of {cls.__name__}"
-                             + (f"; did you mean {near[0]!r}?)" if near else ")"))
+            raise ValueError(
+                f"{path}: unknown key {key!r} (not a flag of {cls.__name__}"
+                + (f"; did you mean {near[0]!r}?)" if near else ")")
+            )
         if name in out:
             raise ValueError(f"{path}: the key {key!r} is given twice (with dashes and with underscores)")
         try:
@@ -219,39 +232,80 @@ def check(cfg):
     """grpo.py's rules: the first bad flag of a grpo.Config as one sentence naming it, or None. Runs before
     anything loads (argparse's choices have checked the closed sets: --dataset, --device, --credit, ...)."""
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
-    rules = [("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
-             *[(flag(k), getattr(cfg, k) >= 1, "must be >= 1")
-               for k in ("prompts_per_step", "max_new_tokens", "num_iterations",
-                         "steps", "save_every", "rollouts_every", "max_bad_steps", "logprob_chunk",
-                         "max_prompt_tokens", "top_k", "eval_size", "keep_checkpoints")],
-             ("--eval-every", cfg.eval_every >= 0, "must be >= 0 (0: off)"),
-             *[(flag(k), getattr(cfg, k) >= 0, "must be >= 0 (0: sized to the card)")
-               for k in ("gen_chunk", "micro_batch")],
-             *[(flag(k), finite(getattr(cfg, k)), "must be a finite number")
-               for k in ("temperature", "top_p", "adv_clip", "lr", "eps_low", "eps_high", "dual_clip", "beta",
-                         "max_grad_norm", "weight_decay", "filter_low", "filter_high")],
-             ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
-             ("--lora-rank", cfg.lora_rank >= 0, "must be >= 0 (0: full fine-tuning)"),
-             ("--lora-alpha", finite(cfg.lora_alpha) and cfg.lora_alpha > 0, "must be a finite number > 0"),
-             ("--lora-dropout", finite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "must be in [0, 1)"),
-             ("--lora-targets", bool(cfg.lora_targets.strip(", ")), "must name modules (or all-linear)"),
-             ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0"),
-             *[(flag(f.name), abs(getattr(cfg, f.name)) < 2 ** 63, "must fit in int64")
-               for f in dataclasses.fields(cfg) if f.type in (int, "int")],             # torch's integers
-             ("--temperature", cfg.temperature >= MIN_TEMPERATURE,
-              f"must be >= {MIN_TEMPERATURE} (below, logits / T overflows; rollout.MIN_TEMPERATURE)"),
-             ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
-             ("--adv-clip", cfg.adv_clip > 0, "must be > 0"), ("--lr", cfg.lr > 0, "must be > 0"),
-             ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),
-             ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
-             ("--dual-clip", cfg.dual_clip > 1, "must be > 1"), ("--beta", cfg.beta >= 0, "must be >= 0"),
-             ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
-             ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
-             ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
-             ("--prompt-style", cfg.prompt_style == "auto" or data.style_fits(cfg.prompt_style,
-                                                                              cfg.dataset.lower()),
-              f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)"),
-             ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible")]
+    rules = [
+        ("--group-size", cfg.group_size >= 2, "must be >= 2: a group of one has no advantage (eq. 10)"),
+        *[
+            (flag(k), getattr(cfg, k) >= 1, "must be >= 1")
+            for k in (
+                "prompts_per_step",
+                "max_new_tokens",
+                "num_iterations",
+                "steps",
+                "save_every",
+                "rollouts_every",
+                "max_bad_steps",
+                "logprob_chunk",
+                "max_prompt_tokens",
+                "top_k",
+                "eval_size",
+                "keep_checkpoints",
+            )
+        ],
+        ("--eval-every", cfg.eval_every >= 0, "must be >= 0 (0: off)"),
+        *[
+            (flag(k), getattr(cfg, k) >= 0, "must be >= 0 (0: sized to the card)")
+            for k in ("gen_chunk", "micro_batch")
+        ],
+        *[
+            (flag(k), finite(getattr(cfg, k)), "must be a finite number")
+            for k in (
+                "temperature",
+                "top_p",
+                "adv_clip",
+                "lr",
+                "eps_low",
+                "eps_high",
+                "dual_clip",
+                "beta",
+                "max_grad_norm",
+                "weight_decay",
+                "filter_low",
+                "filter_high",
+            )
+        ],
+        ("--weight-decay", cfg.weight_decay >= 0, "must be >= 0"),
+        ("--lora-rank", cfg.lora_rank >= 0, "must be >= 0 (0: full fine-tuning)"),
+        ("--lora-alpha", finite(cfg.lora_alpha) and cfg.lora_alpha > 0, "must be a finite number > 0"),
+        ("--lora-dropout", finite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "must be in [0, 1)"),
+        ("--lora-targets", bool(cfg.lora_targets.strip(", ")), "must name modules (or all-linear)"),
+        ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0"),
+        *[
+            (flag(f.name), abs(getattr(cfg, f.name)) < 2**63, "must fit in int64")
+            for f in dataclasses.fields(cfg)
+            if f.type in (int, "int")
+        ],  # torch's integers
+        (
+            "--temperature",
+            cfg.temperature >= MIN_TEMPERATURE,
+            f"must be >= {MIN_TEMPERATURE} (below, logits / T overflows; rollout.MIN_TEMPERATURE)",
+        ),
+        ("--top-p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+        ("--adv-clip", cfg.adv_clip > 0, "must be > 0"),
+        ("--lr", cfg.lr > 0, "must be > 0"),
+        ("--eps-low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),
+        ("--eps-high", cfg.eps_high >= 0, "must be >= 0"),
+        ("--dual-clip", cfg.dual_clip > 1, "must be > 1"),
+        ("--beta", cfg.beta >= 0, "must be >= 0"),
+        ("--max-grad-norm", cfg.max_grad_norm > 0, "must be > 0"),
+        ("--warmup-steps", cfg.warmup_steps >= 0, "must be >= 0"),
+        ("--filter-low", 0 <= cfg.filter_low <= cfg.filter_high <= 1, "needs 0 <= low <= high <= 1"),
+        (
+            "--prompt-style",
+            cfg.prompt_style == "auto" or data.style_fits(cfg.prompt_style, cfg.dataset.lower()),
+            f"{cfg.prompt_style} does not fit --dataset {cfg.dataset} (data.style_fits)",
+        ),
+        ("--device", cfg.device != "cuda" or torch.cuda.is_available(), "cuda: no GPU is visible"),
+    ]
     for name, ok, why in rules:
         if not ok:
             return f"{name} {why}"
@@ -268,13 +322,15 @@ def reward_record(cfg, given):
     if cfg.reward and given.get("resume") and "reward" not in given:
         why = reward_files.changed(cfg.reward, cfg.reward_files)
         if why:
-            raise ValueError(f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
-                             f"continue with the file as it is now (its new hash is recorded)")
+            raise ValueError(
+                f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
+                f"continue with the file as it is now (its new hash is recorded)"
+            )
         cfg = dataclasses.replace(cfg, reward=reward_files.as_recorded(cfg.reward, cfg.reward_files))
     return dataclasses.replace(cfg, reward_files=reward_files.fingerprint(cfg.reward) if cfg.reward else "")
 
 
-PATHS = ("data_path", "eval_data_path")   # the run's files, as given (relative: to where it was launched)
+PATHS = ("data_path", "eval_data_path")  # the run's files, as given (relative: to where it was launched)
 
 
 def anchored(saved, here):
@@ -284,8 +340,11 @@ def anchored(saved, here):
     out, rel = dict(saved), Path(str(saved.get("out_dir") or ""))
     here = Path(here).resolve()
     n = len(rel.parts)
-    base = Path(*here.parts[:-n]) if 0 < n < len(here.parts) and not rel.is_absolute() and \
-        here.parts[-n:] == rel.parts else None
+    base = (
+        Path(*here.parts[:-n])
+        if 0 < n < len(here.parts) and not rel.is_absolute() and here.parts[-n:] == rel.parts
+        else None
+    )
     for k in PATHS:
         p = Path(str(saved.get(k) or ""))
         if base is not None and saved.get(k) and not p.is_absolute() and (base / p).exists():
@@ -303,16 +362,27 @@ def resume_flags(saved, given):
     functions of the same files as the run's, or a --data-path / --eval-data-path naming its file (by path:
     another spelling, or the same relative path from another directory) is no change. ValueError, even with
     --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER)."""
-    same = "reward" in given and reward_files.recorded_paths(given["reward"], saved.get("reward_files")) == \
-        reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
-    shape = [f"{flag(k)} {saved.get(k, d)!r} -> {given[k]!r}" for k, d in ADAPTER.items()
-             if k in given and given[k] != saved.get(k, d)]
+    same = "reward" in given and reward_files.recorded_paths(
+        given["reward"], saved.get("reward_files")
+    ) == reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
+    shape = [
+        f"{flag(k)} {saved.get(k, d)!r} -> {given[k]!r}"
+        for k, d in ADAPTER.items()
+        if k in given and given[k] != saved.get(k, d)
+    ]
     if shape:
-        raise ValueError(f"--resume {given['resume']}: {'; '.join(shape)}: the checkpoint's LoRA adapters "
-                         f"keep the run's rank, alpha, targets and dropout (adapter_config.json), even with "
-                         f"--allow-config-change; leave them out, or start a new run with --out-dir")
-    same_path = {k for k in PATHS if given.get(k) and saved.get(k)
-                 and Path(given[k]).expanduser().resolve() == Path(saved[k]).expanduser().resolve()}
+        raise ValueError(
+            f"--resume {given['resume']}: {'; '.join(shape)}: the checkpoint's LoRA adapters "
+            f"keep the run's rank, alpha, targets and dropout (adapter_config.json), even with "
+            f"--allow-config-change; leave them out, or start a new run with --out-dir"
+        )
+    same_path = {
+        k
+        for k in PATHS
+        if given.get(k)
+        and saved.get(k)
+        and Path(given[k]).expanduser().resolve() == Path(saved[k]).expanduser().resolve()
+    }
     return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in same_path}
 
 
@@ -323,32 +393,63 @@ def unused(cfg, given, prog, for_gpu=False):
     one on a GPU whatever this machine has (eval.py memory plans for one)."""
     g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
     made = lambda name: getattr(data.TASKS.get(str(name).lower()), "generate", None) is not None  # noqa: E731
-    columns = g("data_path") or g("eval_data_path") or not made(g("dataset")) or \
-        g("eval_every", 0) > 0 and not made(g("eval_dataset") or g("dataset"))   # a file's or the hub's rows
-    needs = [(("lora_alpha", "lora_targets", "lora_dropout"), g("lora_rank", 0) > 0, "--lora-rank is 0 "
-              "(full fine-tuning): give --lora-rank R for adapters"),
-             (("eval_data_path", "eval_dataset", "eval_size"), g("eval_every", 0) > 0, "--eval-every is 0 "
-              "(no held-out evaluation): give --eval-every N"),
-             (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
-             (("question_field", "answer_field"), columns, f"--dataset {g('dataset')}'s rows are generated "
-              f"(no columns to pick): they name a file's, with --data-path or --eval-data-path"),
-             (("gpu_gb",), for_gpu or g("device") == "cuda" or g("device") == "auto"
-              and torch.cuda.is_available(),
-              "the run is on the CPU (it sizes the step to a GPU's memory)"),
-             (("overwrite", "config"), not g("resume"), "--resume continues the run in place, from its own "
-              "run_config.json"),
-             (("allow_config_change",), bool(g("resume")), "it lets a --resume change flags; there is none"),
-             (("reward_files",), False, "the run records it itself (each --reward file's path and hash)"),
-             (("rollouts_every",), g("rollouts_every", 0) <= g("steps", 0), f"--steps is {g('steps')}: no "
-              f"step saves its rollouts")]
-    lines = [f"{flag(k)} has no effect: {why}" for names, ok, why in needs if not ok for k in names
-             if k in given and (k not in ("overwrite", "allow_config_change") or given[k])]
+    columns = (
+        g("data_path")
+        or g("eval_data_path")
+        or not made(g("dataset"))
+        or g("eval_every", 0) > 0
+        and not made(g("eval_dataset") or g("dataset"))
+    )  # a file's or the hub's rows
+    needs = [
+        (
+            ("lora_alpha", "lora_targets", "lora_dropout"),
+            g("lora_rank", 0) > 0,
+            "--lora-rank is 0 (full fine-tuning): give --lora-rank R for adapters",
+        ),
+        (
+            ("eval_data_path", "eval_dataset", "eval_size"),
+            g("eval_every", 0) > 0,
+            "--eval-every is 0 (no held-out evaluation): give --eval-every N",
+        ),
+        (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
+        (
+            ("question_field", "answer_field"),
+            columns,
+            f"--dataset {g('dataset')}'s rows are generated "
+            f"(no columns to pick): they name a file's, with --data-path or --eval-data-path",
+        ),
+        (
+            ("gpu_gb",),
+            for_gpu or g("device") == "cuda" or g("device") == "auto" and torch.cuda.is_available(),
+            "the run is on the CPU (it sizes the step to a GPU's memory)",
+        ),
+        (
+            ("overwrite", "config"),
+            not g("resume"),
+            "--resume continues the run in place, from its own run_config.json",
+        ),
+        (("allow_config_change",), bool(g("resume")), "it lets a --resume change flags; there is none"),
+        (("reward_files",), False, "the run records it itself (each --reward file's path and hash)"),
+        (
+            ("rollouts_every",),
+            g("rollouts_every", 0) <= g("steps", 0),
+            f"--steps is {g('steps')}: no step saves its rollouts",
+        ),
+    ]
+    lines = [
+        f"{flag(k)} has no effect: {why}"
+        for names, ok, why in needs
+        if not ok
+        for k in names
+        if k in given and (k not in ("overwrite", "allow_config_change") or given[k])
+    ]
     if "chat_template_kwargs" in given and cfg.chat_template_kwargs:
         from tasks import prompts
         from training.models import load_tokenizer
+
         try:
             tok = load_tokenizer(cfg.model)
-        except Exception:                     # the model's own load says what is wrong, at setup
+        except Exception:  # the model's own load says what is wrong, at setup
             tok = None
         task = data.TASKS[cfg.dataset.lower()].task if cfg.dataset.lower() in data.TASKS else "custom"
         style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, task)
@@ -368,32 +469,49 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
     notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever this
     machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where the
     learning rate in force came from (lr_lines)."""
-    argv_active = in_force(value_in(argv, "model", cls.model), value_in(argv, "paper_batch", False),
-                           value_in(argv, "lora_rank", 0))              # for the help, before argparse runs
-    head = doc.split("\n\n")[0] + (f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
-                                   f"default below says what it sets, and the flags given win.")
-    p = argparse.ArgumentParser(prog=prog, usage="%(prog)s [--flag VALUE ...]", allow_abbrev=False,
-                                description=head, epilog=doc[doc.index("Run:"):], formatter_class=Formatter)
+    argv_active = in_force(
+        value_in(argv, "model", cls.model),
+        value_in(argv, "paper_batch", False),
+        value_in(argv, "lora_rank", 0),
+    )  # for the help, before argparse runs
+    head = doc.split("\n\n")[0] + (
+        f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
+        f"default below says what it sets, and the flags given win."
+    )
+    p = argparse.ArgumentParser(
+        prog=prog,
+        usage="%(prog)s [--flag VALUE ...]",
+        allow_abbrev=False,
+        description=head,
+        epilog=doc[doc.index("Run:") :],
+        formatter_class=Formatter,
+    )
     add_fields(p, cls, choices, suppress=True, presets=presets, active=argv_active)
-    given = vars(p.parse_args(argv))                     # unknown flags are errors
+    given = vars(p.parse_args(argv))  # unknown flags are errors
     file, active = {}, []
     try:
-        if given.get("resume"):                          # the saved run's config, then the flags given now
+        if given.get("resume"):  # the saved run's config, then the flags given now
             ckpt = ckpt_io.find_checkpoint(given["resume"])
-            saved = read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices) \
-                if (ckpt / ckpt_io.RUN_CONFIG).is_file() else ckpt_io.saved_config(ckpt)
-            here = ckpt_io.run_dir(ckpt)                 # the run directory: where its checkpoint is
-            saved = anchored(saved, here)                # its files, from any working directory
-            ckpt_io.check_resume_config(saved, resume_flags(saved, given))   # another --model ...: refused
+            saved = (
+                read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices)
+                if (ckpt / ckpt_io.RUN_CONFIG).is_file()
+                else ckpt_io.saved_config(ckpt)
+            )
+            here = ckpt_io.run_dir(ckpt)  # the run directory: where its checkpoint is
+            saved = anchored(saved, here)  # its files, from any working directory
+            ckpt_io.check_resume_config(saved, resume_flags(saved, given))  # another --model ...: refused
             if "out_dir" in given and Path(given["out_dir"]).resolve() != here.resolve():
-                raise ValueError(f"--resume continues the run in its own directory, {here}: leave out "
-                                 f"--out-dir (copy the directory to continue a copy elsewhere)")
+                raise ValueError(
+                    f"--resume continues the run in its own directory, {here}: leave out "
+                    f"--out-dir (copy the directory to continue a copy elsewhere)"
+                )
             cfg = cls(**{**saved, **given, "out_dir": str(here)})
-        else:                                            # presets, a --config file, then the flags given
+        else:  # presets, a --config file, then the flags given
             file = read_config(given["config"], cls, choices) if given.get("config") else {}
             chosen = {**file, **given}
-            active = in_force(chosen.get("model", cls.model), chosen.get("paper_batch", False),
-                              chosen.get("lora_rank", 0))
+            active = in_force(
+                chosen.get("model", cls.model), chosen.get("paper_batch", False), chosen.get("lora_rank", 0)
+            )
             cfg = cls(**{k: v for name in active for k, v in presets[name].items()} | file | given)
     except ValueError as e:
         p.error(str(e))
@@ -401,7 +519,7 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
     if problem:
         p.error(problem)
     try:
-        cfg = reward_record(cfg, given) if cfg.reward or cfg.reward_files else cfg    # --reward's files
+        cfg = reward_record(cfg, given) if cfg.reward or cfg.reward_files else cfg  # --reward's files
     except ValueError as e:
         p.error(str(e))
     unused(cfg, given, prog, for_gpu)
@@ -417,11 +535,13 @@ def lr_lines(cfg, given, file, active) -> list:
     full fine-tuning, then overrides LoRA's 10x preset. given: the flags on the command line; file: the
     --config file's; active: [(label, preset)] in force, in order."""
     if cfg.resume:
-        return [f"lr {cfg.lr:g}: " + ("--lr, given with --resume" if "lr" in given else
-                                      "the resumed run's (its run_config.json)")]
+        return [
+            f"lr {cfg.lr:g}: "
+            + ("--lr, given with --resume" if "lr" in given else "the resumed run's (its run_config.json)")
+        ]
     values = [(type(cfg).lr, None)] + [(p["lr"], label) for label, p in active if "lr" in p]
-    value, label = values[-1]                                   # what the defaults and presets give
-    full = [v for v, k in values if not str(k).startswith("--lora-rank")][-1]   # full fine-tuning's
+    value, label = values[-1]  # what the defaults and presets give
+    full = [v for v, k in values if not str(k).startswith("--lora-rank")][-1]  # full fine-tuning's
     if "lr" in given:
         where = "--lr"
     elif "lr" in file:
@@ -429,11 +549,14 @@ def lr_lines(cfg, given, file, active) -> list:
     elif label is None:
         where = f"the default ({comments(type(cfg))[0].get('lr', type(cfg).__name__)})"
     else:
-        where = f"set by {label}" + (f": {cfg.lr / full:g} x {full:g}, full fine-tuning's" if value != full
-                                     else "")
+        where = f"set by {label}" + (
+            f": {cfg.lr / full:g} x {full:g}, full fine-tuning's" if value != full else ""
+        )
     lines = [f"lr {cfg.lr:g}: {where}"]
     if "lr" in file and "lr" not in given and "lora_rank" not in file and given.get("lora_rank", 0) > 0:
-        lines.append(f"notice: lr {cfg.lr:g} comes from --config {cfg.config}, which does not set lora_rank, "
-                     f"while --lora-rank {cfg.lora_rank} is given on the command line: the file's lr "
-                     f"replaces LoRA's preset ({value:g}); give --lr to choose")
+        lines.append(
+            f"notice: lr {cfg.lr:g} comes from --config {cfg.config}, which does not set lora_rank, "
+            f"while --lora-rank {cfg.lora_rank} is given on the command line: the file's lr "
+            f"replaces LoRA's preset ({value:g}); give --lr to choose"
+        )
     return lines

@@ -9,6 +9,7 @@ the residual stream (step_bytes.Step).
 
 Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms make up)
 """
+
 from flowtracer import auto_chunk
 
 
@@ -26,11 +27,14 @@ def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=F
     L, V, Hkv = mc.num_hidden_layers, mc.vocab_size, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     T, k = P + R, prefill_rows(g, G, shared)
-    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * matmul_bytes                          # noqa: E731
+    kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * matmul_bytes  # noqa: E731
     prefill = prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)
-    if k < g:                                          # prefix sharing: each prompt's cache reserved at T
-        peaks = [(kv(k, T), prefill), (kv(k, T) + kv(g, P), 0),
-                 (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4)]
+    if k < g:  # prefix sharing: each prompt's cache reserved at T
+        peaks = [
+            (kv(k, T), prefill),
+            (kv(k, T) + kv(g, P), 0),
+            (kv(g, T) + (kv(g, P) + kv(k, T)) // L, 5 * g * V * 4),
+        ]
     else:
         peaks = [(kv(g, P), prefill), (kv(g, T), Hkv * hd * T * g * matmul_bytes + 5 * g * V * 4)]
     cache, workspace = max(peaks, key=sum)
@@ -46,9 +50,11 @@ def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
     L, Hkv = mc.num_hidden_layers, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * matmul_bytes  # noqa: E731 one layer's K
-    peaks = [(2 * L * kv(k), prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)),
-             (2 * L * kv(k) + kv(g), 0),
-             (2 * L * kv(k), 5 * g * mc.vocab_size * 4)]
+    peaks = [
+        (2 * L * kv(k), prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)),
+        (2 * L * kv(k) + kv(g), 0),
+        (2 * L * kv(k), 5 * g * mc.vocab_size * 4),
+    ]
     cache, workspace = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": workspace}
 
@@ -61,9 +67,9 @@ def prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math=False):
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     attn = k * P * (P * (1 + matmul_bytes) + Hq * hd * matmul_bytes * (2 + 2 * (Hq > Hkv)) + 4 * Hq)
-    attn += math * math_scores(k, Hq, P, P)                                        # the math kernel's
+    attn += math * math_scores(k, Hq, P, P)  # the math kernel's
     mlp = k * P * (P + 3 * I * matmul_bytes)
-    hidden = k * P * (3 * D * residual_bytes + 2 * hd * residual_bytes + 32)    # + ids, positions, masks
+    hidden = k * P * (3 * D * residual_bytes + 2 * hd * residual_bytes + 32)  # + ids, positions, masks
     return hidden + max(attn, mlp) + 5 * k * mc.vocab_size * 4
 
 
@@ -85,8 +91,9 @@ def kept(mc, n, layer_bytes, residual_bytes, checkpointed, lora=()):
     return n * per_layer + last
 
 
-def update_kept(mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, lora=((), 0, False),
-                math=False):
+def update_kept(
+    mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, lora=((), 0, False), math=False
+):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
@@ -98,10 +105,13 @@ def update_kept(mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, l
         return b * T * kept(mc, n, per_token, residual_bytes, checkpointed, lora[0])
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     heads = mc.num_key_value_heads if checkpointed else max(mc.num_attention_heads, mc.num_key_value_heads)
-    kv = 2 * matmul_bytes * hd * (k if checkpointed else b) * heads    # PromptKV's of the k prompts; sdpa's
+    kv = 2 * matmul_bytes * hd * (k if checkpointed else b) * heads  # PromptKV's of the k prompts; sdpa's
     prompt, rows = (layer_saved(mc, t, matmul_bytes, residual_bytes, lora=lora, math=math) for t in (P, T))
-    return (k * P * kept(mc, n, prompt, residual_bytes, checkpointed, lora[0]) + n * P * kv
-            + b * (T - P) * kept(mc, n, rows, residual_bytes, checkpointed, lora[0]))
+    return (
+        k * P * kept(mc, n, prompt, residual_bytes, checkpointed, lora[0])
+        + n * P * kv
+        + b * (T - P) * kept(mc, n, rows, residual_bytes, checkpointed, lora[0])
+    )
 
 
 def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
@@ -111,7 +121,7 @@ def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
     of gpu_kernels/head_mean.py): its two (b, Hq, Tq) fp32 row statistics, no score block."""
     if fused:
         return 2 * b * Hq * (Tq or T) * 4
-    c = min(Tq or T, auto_chunk(b, Hq, T))                                # query rows per block
+    c = min(Tq or T, auto_chunk(b, Hq, T))  # query rows per block
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
@@ -131,13 +141,14 @@ def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, F
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
     # each norm: its fp32 input (or fp32 copy), the normalised value (its input's width), its output
-    norms = (4 * D * (residual_bytes != 4) + residual_bytes * D + matmul_bytes * D) \
-        + (4 * D + residual_bytes * D + matmul_bytes * D)                                  # input, post-attn
+    norms = (4 * D * (residual_bytes != 4) + residual_bytes * D + matmul_bytes * D) + (
+        4 * D + residual_bytes * D + matmul_bytes * D
+    )  # input, post-attn
     qk_norms = qwen * (4 + matmul_bytes) * (q + k)
     sdpa = sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math)
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
     lin, r, cuda = lora
-    if lin:                                                                # LoRA's terms (departure 5)
+    if lin:  # LoRA's terms (departure 5)
         norms -= 2 * residual_bytes * D
         qk_norms -= qwen * matmul_bytes * (q + k)
         adapters = len(lin) * r * matmul_bytes + cuda * matmul_bytes * (sum(i for i, _ in lin) - 2 * D - I)

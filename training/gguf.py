@@ -4,6 +4,7 @@ models.load_gguf puts them together: from the cache if present, else read, unfla
 
 Run: python -c "from training import gguf; print(gguf.smollm2_gguf_path())"
 """
+
 import importlib.util
 import os
 import shutil
@@ -43,10 +44,12 @@ def read_gguf(path):
 def unflag(gguf_model, attn_implementation="sdpa"):
     """A plain (not 'quantized') copy of a GGUF-loaded model: same config minus quantization_config."""
     cfg = gguf_model.config.__class__.from_dict(
-        {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+        {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
+    )
     with torch.random.fork_rng(devices=[]):  # from_config initialises weights; keep the caller's RNG intact
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32, attn_implementation=attn_implementation
+        )
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
     return model

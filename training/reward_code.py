@@ -36,6 +36,7 @@ Only the file named is hashed, not the modules it imports.
 Run: python grpo.py --dataset custom --data-path docs/your-task/train.jsonl \\
          --reward docs/your-task/reward.py:exact_number --answer-pattern '(-?\\d+)\\D*$'   (docs/your-task.md)
 """
+
 import asyncio
 import hashlib
 import importlib.util
@@ -60,15 +61,16 @@ from training.usercode import Interrupted, guarded
 class TaskConfig:
     """grpo.Config's flags for your own task (docs/your-task.md): the reward, the dataset's fields, the
     answer region of eq. 2, the chat template's options."""
+
     # your own task (training/reward_code.py, tasks/custom.py; docs/your-task.md)
-    question_field: str = ""           # the question's column ("": the task's, or guessed: tasks/custom.py)
-    answer_field: str = ""             # the answer's column ("": the task's, or guessed: tasks/custom.py)
-    chat_template_kwargs: str = ""     # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
-    reward: str = ""                   # FILE.py:FUNCTION[,...]: (completion, record) -> float, or TRL's form
-    reward_weights: str = ""           # W,... one weight per --reward function, summed ("": 1 each)
-    reward_files: str = ""             # set by the run: each --reward file's path, SHA-256 (reward_files.py)
-    answer_pattern: str = ""           # answer regex (eq. 2): last match, group 1; "": \boxed{} else <answer>
-    eval_data_path: str = ""           # local JSONL/parquet of the held-out rows (needed by --dataset custom)
+    question_field: str = ""  # the question's column ("": the task's, or guessed: tasks/custom.py)
+    answer_field: str = ""  # the answer's column ("": the task's, or guessed: tasks/custom.py)
+    chat_template_kwargs: str = ""  # JSON object for apply_chat_template, e.g. {"enable_thinking": false}
+    reward: str = ""  # FILE.py:FUNCTION[,...]: (completion, record) -> float, or TRL's form
+    reward_weights: str = ""  # W,... one weight per --reward function, summed ("": 1 each)
+    reward_files: str = ""  # set by the run: each --reward file's path, SHA-256 (reward_files.py)
+    answer_pattern: str = ""  # answer regex (eq. 2): last match, group 1; "": \boxed{} else <answer>
+    eval_data_path: str = ""  # local JSONL/parquet of the held-out rows (needed by --dataset custom)
 
 
 class RewardError(ValueError):
@@ -77,8 +79,8 @@ class RewardError(ValueError):
 
 
 class Source(NamedTuple):
-    file: str                   # FILE as given in --reward
-    function: str               # FUNCTION as given
+    file: str  # FILE as given in --reward
+    function: str  # FUNCTION as given
 
 
 def sources(spec):
@@ -116,22 +118,33 @@ def import_function(s, modules=None):
         try:
             with guarded():
                 spec.loader.exec_module(module)
-        except Interrupted as e:          # a Ctrl-C / SIGTERM while it imported: one line
-            raise RewardError(f"--reward {s.file}: interrupted ({e}) while importing it; nothing was "
-                              f"written") from None
+        except Interrupted as e:  # a Ctrl-C / SIGTERM while it imported: one line
+            raise RewardError(
+                f"--reward {s.file}: interrupted ({e}) while importing it; nothing was written"
+            ) from None
         except KeyboardInterrupt:
             raise
-        except BaseException as e:       # the user's code: a SyntaxError, an ImportError, sys.exit, anything
-            raise RewardError(f"--reward {s.file}: importing it raised {type(e).__name__}: "
-                              f"{one_line(e)}") from None
+        except BaseException as e:  # the user's code: a SyntaxError, an ImportError, sys.exit, anything
+            raise RewardError(
+                f"--reward {s.file}: importing it raised {type(e).__name__}: {one_line(e)}"
+            ) from None
         if modules is not None:
             modules[path] = module
     fn = getattr(module, s.function, None)
     if not callable(fn):
-        have = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                      and getattr(v, "__module__", None) == name)
-        raise RewardError(f"--reward {s.file}:{s.function}: " + ("not a function" if fn is not None else
-                          f"no function {s.function!r} there (it defines: {', '.join(have) or 'none'})"))
+        have = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == name
+        )
+        raise RewardError(
+            f"--reward {s.file}:{s.function}: "
+            + (
+                "not a function"
+                if fn is not None
+                else f"no function {s.function!r} there (it defines: {', '.join(have) or 'none'})"
+            )
+        )
     return fn
 
 
@@ -139,22 +152,22 @@ def one_line(e, n=200):
     """str(e) on one line, cut to n characters; an object whose str() itself raises: its type's name."""
     try:
         return " ".join(str(e).split())[:n]
-    except Exception:                    # the user's object: its __str__ may raise too
+    except Exception:  # the user's object: its __str__ may raise too
         return f"<a {type(e).__name__} whose str() raises>"
 
 
 # ----------------------------------------------------------------------------- the two forms
-F32_MAX = float(torch.finfo(torch.float32).max)     # 3.4e38: a reward beyond it is inf in float32
+F32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: a reward beyond it is inf in float32
 ROW_FORM = "the per-row form (completion, record) -> a number"
 TRL_FORM = "TRL's form (it takes `completions`) -> a list of one number or None per completion"
-NOT_COLUMNS = ("prompt", "completion", "prompts", "completions", "completion_ids")   # TRL's, and the call's
+NOT_COLUMNS = ("prompt", "completion", "prompts", "completions", "completion_ids")  # TRL's, and the call's
 
 
 def trl_form(fn):
     """Whether `fn` is called TRL's way: its signature takes `completions`, or keywords alone (**kwargs)."""
     try:
         params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):      # no signature to read (a builtin): the per-row form
+    except (TypeError, ValueError):  # no signature to read (a builtin): the per-row form
         return False
     kinds = {q.kind for q in params}
     return any(q.name == "completions" for q in params) or kinds == {inspect.Parameter.VAR_KEYWORD}
@@ -188,9 +201,9 @@ def columns(records, keys=None):
 
 
 class Term(NamedTuple):
-    name: str                   # "FILE.py:FUNCTION", as given
-    fn: Callable                # (completion, record) -> float, or TRL's (completions, **kwargs) -> list
-    weight: float               # w_k of the weighted sum
+    name: str  # "FILE.py:FUNCTION", as given
+    fn: Callable  # (completion, record) -> float, or TRL's (completions, **kwargs) -> list
+    weight: float  # w_k of the weighted sum
 
 
 def plain_prompt(record):
@@ -205,7 +218,7 @@ class UserReward:
 
     def __init__(self, terms, prompt=None, keys=None):
         self.terms, self.prompt = terms, prompt or plain_prompt
-        self.keys = list(dict.fromkeys(keys)) if keys else None           # each column once, in order
+        self.keys = list(dict.fromkeys(keys)) if keys else None  # each column once, in order
 
     def table(self, completions, records, completion_ids=None, **extra):
         """[per term: [its value (float) or None (not scored: TRL's form) per completion]], each checked.
@@ -218,49 +231,67 @@ class UserReward:
         if not trl_form(t.fn):
             return [self.one(t, c, r) for c, r in zip(completions, records)]
         prompts = [self.prompt(r) for r in records]
-        chat = any(isinstance(p, list) for p in prompts)              # TRL's rule: a conversational prompt
+        chat = any(isinstance(p, list) for p in prompts)  # TRL's rule: a conversational prompt
         comps = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
         rows = f"the batch of {len(records)} completion(s) of rows {ids_of(records)}"
         try:
             with guarded():
-                got = returned(t.fn(prompts=prompts, completions=comps, completion_ids=ids,
-                                    **{**columns(records, self.keys), **extra}))     # TRL's own keywords win
+                got = returned(
+                    t.fn(
+                        prompts=prompts,
+                        completions=comps,
+                        completion_ids=ids,
+                        **{**columns(records, self.keys), **extra},
+                    )
+                )  # TRL's own keywords win
                 if torch.is_tensor(got) or type(got).__module__ == "numpy":
                     got = got.tolist() if getattr(got, "ndim", 0) == 1 else got
                 elif inspect.isgenerator(got) or isinstance(got, (map, filter, zip, range)):
-                    got = list(got)                                    # TRL iterates what it gets
+                    got = list(got)  # TRL iterates what it gets
         except KeyboardInterrupt:
             raise
-        except BaseException as e:                                     # the user's code: anything, sys.exit
-            raise RewardError(f"--reward {t.name} (TRL's form) raised {type(e).__name__} ({one_line(e)}) on "
-                              f"{rows}") from None
+        except BaseException as e:  # the user's code: anything, sys.exit
+            raise RewardError(
+                f"--reward {t.name} (TRL's form) raised {type(e).__name__} ({one_line(e)}) on {rows}"
+            ) from None
         if not isinstance(got, (list, tuple)) or len(got) != len(completions):
             what = f"{len(got)} value(s)" if isinstance(got, (list, tuple)) else one_line(repr(got), 60)
-            raise RewardError(f"--reward {t.name} returned {what} for {len(completions)} completion(s) of "
-                              f"rows {ids_of(records)}: {TRL_FORM}")
+            raise RewardError(
+                f"--reward {t.name} returned {what} for {len(completions)} completion(s) of "
+                f"rows {ids_of(records)}: {TRL_FORM}"
+            )
         out = [None if v is None else number(v) for v in got]
         for v, x, r in zip(got, out, records):
             if v is not None and x is None:
-                raise RewardError(f"--reward {t.name} returned {one_line(repr(v), 60)} for row "
-                                  f"{r.get('id')!r} in its list: {TRL_FORM}, each finite as a float32 "
-                                  f"(|r| <= 3.4e38)")
+                raise RewardError(
+                    f"--reward {t.name} returned {one_line(repr(v), 60)} for row "
+                    f"{r.get('id')!r} in its list: {TRL_FORM}, each finite as a float32 "
+                    f"(|r| <= 3.4e38)"
+                )
         return out
 
     def one(self, t, completion, record):
         try:
             with guarded():
-                v = returned(t.fn(completion, dict(record)))   # a copy: it cannot change the records
+                v = returned(t.fn(completion, dict(record)))  # a copy: it cannot change the records
         except KeyboardInterrupt:
             raise
-        except BaseException as e:                      # the user's code: anything, sys.exit(0) too
-            raise RewardError(f"--reward {t.name} raised {type(e).__name__} ({one_line(e)}) on row "
-                              f"{record.get('id')!r} ({ROW_FORM})") from None
+        except BaseException as e:  # the user's code: anything, sys.exit(0) too
+            raise RewardError(
+                f"--reward {t.name} raised {type(e).__name__} ({one_line(e)}) on row "
+                f"{record.get('id')!r} ({ROW_FORM})"
+            ) from None
         x = number(v)
         if x is None:
-            hint = "; a function that scores a batch takes `completions` (TRL's form)" \
-                if isinstance(v, (list, tuple)) else ""
-            raise RewardError(f"--reward {t.name} returned {one_line(repr(v), 60)} on row "
-                              f"{record.get('id')!r}: {ROW_FORM} finite as a float32 (|r| <= 3.4e38){hint}")
+            hint = (
+                "; a function that scores a batch takes `completions` (TRL's form)"
+                if isinstance(v, (list, tuple))
+                else ""
+            )
+            raise RewardError(
+                f"--reward {t.name} returned {one_line(repr(v), 60)} on row "
+                f"{record.get('id')!r}: {ROW_FORM} finite as a float32 (|r| <= 3.4e38){hint}"
+            )
         return x
 
     def batch(self, completions, records, completion_ids=None):
@@ -271,18 +302,22 @@ class UserReward:
             got = [t.weight * col[i] for t, col in zip(self.terms, table) if col[i] is not None]
             total = math.fsum(got) if got else math.nan
             if got and number(total) is None:
-                raise RewardError(f"the weighted sum of --reward {', '.join(t.name for t in self.terms)} "
-                                  f"is {total:g} on row {r.get('id')!r}: not finite as a float32 "
-                                  f"(|r| <= 3.4e38)")
+                raise RewardError(
+                    f"the weighted sum of --reward {', '.join(t.name for t in self.terms)} "
+                    f"is {total:g} on row {r.get('id')!r}: not finite as a float32 "
+                    f"(|r| <= 3.4e38)"
+                )
             out.append(total)
         unscored = [i for i, x in enumerate(out) if math.isnan(x)]
         if unscored:
             i = unscored[0]
-            tqdm.write(f"reward: every --reward function returned None for {len(unscored)} of {len(out)} "
-                       f"completion(s) (first: row {records[i].get('id')!r}, completion "
-                       f"{one_line(repr(completions[i]), 80)}): no reward, left out of the group's mean and "
-                       f"std, advantage 0 (TRL's rule); make one function score every completion",
-                       file=sys.stderr)
+            tqdm.write(
+                f"reward: every --reward function returned None for {len(unscored)} of {len(out)} "
+                f"completion(s) (first: row {records[i].get('id')!r}, completion "
+                f"{one_line(repr(completions[i]), 80)}): no reward, left out of the group's mean and "
+                f"std, advantage 0 (TRL's rule); make one function score every completion",
+                file=sys.stderr,
+            )
         return out
 
     def __call__(self, completion, record):
@@ -297,10 +332,15 @@ def ids_of(records, n=3):
 def trl_prompt(tok, style, template_kwargs=None):
     """record -> the prompt a TRL-form function gets: the chat turns (prompts.turns) when the tokenizer's chat
     template renders them, else the prompt text (data.make_prompt), as TRL holds a dataset's prompts."""
+
     def prompt(record):
         messages = prompts_mod.turns(record, style)
-        return messages if messages is not None and prompts_mod.has_template(tok) else \
-            prompts_mod.make_prompt(record, tok, style, template_kwargs)
+        return (
+            messages
+            if messages is not None and prompts_mod.has_template(tok)
+            else prompts_mod.make_prompt(record, tok, style, template_kwargs)
+        )
+
     return prompt
 
 
@@ -309,20 +349,25 @@ def load(cfg, first_record, prompt=None, keys=None):
     functions (prompt: trl_prompt's, keys: the dataset's columns, for TRL-form ones), each imported and
     called once on `first_record` and an empty completion (setup's check: a TRL-form one may answer None)."""
     import data
+
     if not cfg.reward:
         return data.reward
-    modules = {}                                         # each file imported once
-    terms = [Term(f"{s.file}:{s.function}", import_function(s, modules), w)
-             for s, w in zip(sources(cfg.reward), weights(cfg))]
+    modules = {}  # each file imported once
+    terms = [
+        Term(f"{s.file}:{s.function}", import_function(s, modules), w)
+        for s, w in zip(sources(cfg.reward), weights(cfg))
+    ]
     reward = UserReward(terms, prompt, keys)
     for t in terms:
         try:
             UserReward([t], prompt, keys).table([""], [first_record], [[]])
         except RewardError as e:
             raise RewardError(f"{e} (the check at setup: the first record and an empty completion)") from None
-        except Interrupted as e:          # a Ctrl-C / SIGTERM while it ran: one line, nothing written yet
-            raise RewardError(f"--reward {t.name}: interrupted ({e}) in the check at setup (the first record "
-                              f"and an empty completion), before it returned; nothing was written") from None
+        except Interrupted as e:  # a Ctrl-C / SIGTERM while it ran: one line, nothing written yet
+            raise RewardError(
+                f"--reward {t.name}: interrupted ({e}) in the check at setup (the first record "
+                f"and an empty completion), before it returned; nothing was written"
+            ) from None
     return reward
 
 
@@ -330,9 +375,21 @@ def load(cfg, first_record, prompt=None, keys=None):
 # apply_chat_template's own arguments that prompts.render sets (tokenize=False, add_generation_prompt=True)
 # or that change what it returns: --chat-template-kwargs may not set them (tools, documents, chat_template
 # and the template's own variables, enable_thinking, ..., it may).
-TEMPLATE_OWN = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                "return_dict", "return_tensors", "padding", "truncation", "max_length",
-                "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens")
+TEMPLATE_OWN = (
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "sanitize_control_tokens",
+)
 
 
 # the flags `check` reads besides --dataset custom: with none of them given it has nothing to check
@@ -359,8 +416,10 @@ def check(cfg):
     if cfg.dataset.lower() == "custom" and not (cfg.reward and cfg.data_path):
         return "--dataset custom needs --data-path FILE (its rows) and --reward FILE.py:FUNCTION (its reward)"
     if cfg.dataset.lower() == "custom" and cfg.eval_every and not cfg.eval_data_path:
-        return ("--eval-every on --dataset custom needs --eval-data-path FILE (held-out rows, scored with "
-                "the same --reward)")
+        return (
+            "--eval-every on --dataset custom needs --eval-data-path FILE (held-out rows, scored with "
+            "the same --reward)"
+        )
     if pattern_problem(cfg.answer_pattern):
         return pattern_problem(cfg.answer_pattern)
     try:
@@ -368,12 +427,14 @@ def check(cfg):
     except ValueError as e:
         return f"--chat-template-kwargs {cfg.chat_template_kwargs!r} is not JSON: {e}"
     if not isinstance(kwargs, dict):
-        return f"--chat-template-kwargs must be a JSON object ({{\"enable_thinking\": false}}), not {kwargs}"
+        return f'--chat-template-kwargs must be a JSON object ({{"enable_thinking": false}}), not {kwargs}'
     own = [k for k in kwargs if k in TEMPLATE_OWN]
     if own:
-        return (f"--chat-template-kwargs sets {', '.join(map(repr, own))}, which the prompts set themselves "
-                f"(apply_chat_template(..., tokenize=False, add_generation_prompt=True): tasks/prompts.py): "
-                f"leave it out")
+        return (
+            f"--chat-template-kwargs sets {', '.join(map(repr, own))}, which the prompts set themselves "
+            f"(apply_chat_template(..., tokenize=False, add_generation_prompt=True): tasks/prompts.py): "
+            f"leave it out"
+        )
     return None
 
 

@@ -10,6 +10,7 @@ Only the file named is hashed, not the modules it imports (training/reward_code.
 
 Run the tests: python -m pytest -q tests/test_your_task.py tests/test_odd_inputs.py -k "reward or resume"
 """
+
 import hashlib
 import json
 from pathlib import Path
@@ -25,8 +26,10 @@ def fingerprint(spec):
     for s in sources(spec):
         path = Path(s.file).expanduser().resolve()
         if not path.is_file():
-            raise RewardError(f"--reward {s.file}: " + ("a directory, not a Python file" if path.is_dir()
-                                                        else "no such file"))
+            raise RewardError(
+                f"--reward {s.file}: "
+                + ("a directory, not a Python file" if path.is_dir() else "no such file")
+            )
         try:
             out[s.file] = (str(path), hashlib.sha256(path.read_bytes()).hexdigest())
         except OSError as e:
@@ -39,8 +42,9 @@ def recorded_paths(spec, recorded):
     recorded it, whatever the working directory now; another resolved from here. Two values with the same
     list name the same functions of the same files."""
     where = {e["file"]: e["path"] for e in json.loads(recorded or "[]") if "file" in e}
-    return [(where.get(s.file) or str(Path(s.file).expanduser().resolve()), s.function)
-            for s in sources(spec)]
+    return [
+        (where.get(s.file) or str(Path(s.file).expanduser().resolve()), s.function) for s in sources(spec)
+    ]
 
 
 def changed(spec, recorded):
@@ -49,8 +53,10 @@ def changed(spec, recorded):
     before = {e["path"]: e["sha256"] for e in json.loads(recorded or "[]")}
     for s, (path, _) in zip(sources(spec), recorded_paths(spec, recorded)):
         if path not in before:
-            return (f"the reward file {s.file} resolves to {path}, not to the file the run recorded "
-                    f"({', '.join(before) or 'none'}): it moved")
+            return (
+                f"the reward file {s.file} resolves to {path}, not to the file the run recorded "
+                f"({', '.join(before) or 'none'}): it moved"
+            )
         if not Path(path).is_file():
             return f"the reward file {path} is gone (moved or deleted)"
         if hashlib.sha256(Path(path).read_bytes()).hexdigest() != before[path]:

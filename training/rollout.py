@@ -41,6 +41,7 @@ the content of the last \\boxed{...} (else the last <answer>...</answer>), or th
 
 Run: python -m training.rollout --model tiny-qwen3 --prompt "2+2=" --n 2 --max-new-tokens 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,10 @@ from training.models import load_model
 
 
 class Generations(NamedTuple):
-    prompt_ids: list    # list[list[int]], one per row, without padding; row j holds prompt j // n
+    prompt_ids: list  # list[list[int]], one per row, without padding; row j holds prompt j // n
     response_ids: list  # list[list[int]], generated tokens without padding, ending in EOS if one was emitted
-    texts: list         # list[str], response_ids decoded with skip_special_tokens=True
-    truncated: list     # list[bool], True where no EOS came within max_new_tokens
+    texts: list  # list[str], response_ids decoded with skip_special_tokens=True
+    truncated: list  # list[bool], True where no EOS came within max_new_tokens
 
 
 def eos_ids(model, tokenizer):
@@ -77,8 +78,8 @@ def eos_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-MIN_TEMPERATURE = 1e-5   # below, sampling is argmax but for logit gaps < 1e-3 (weighed e^-100), and far below
-                         # logits / T overflows fp32 (T = 1e-300: inf, then NaN): greedy=True is argmax
+MIN_TEMPERATURE = 1e-5  # below, sampling is argmax but for logit gaps < 1e-3 (weighed e^-100), and far below
+# logits / T overflows fp32 (T = 1e-300: inf, then NaN): greedy=True is argmax
 
 
 def prompt_ids(tokenizer, prompts):
@@ -90,8 +91,22 @@ def prompt_ids(tokenizer, prompts):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.99, top_p=1.0, top_k=100,
-             greedy=False, chunk_size=16, share_prefix=True, engine=None, done=None, **extra):
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    n=1,
+    max_new_tokens=1024,
+    temperature=0.99,
+    top_p=1.0,
+    top_k=100,
+    greedy=False,
+    chunk_size=16,
+    share_prefix=True,
+    engine=None,
+    done=None,
+    **extra,
+):
     """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
 
     share_prefix (default, departure 1): each prompt is read once, not n times. The token prefix that all the
@@ -120,69 +135,108 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=1024, temperature=0.
     if n < 1 or max_new_tokens < 1 or chunk_size < 1:
         raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {max_new_tokens}, {chunk_size}")
     if not greedy and not (temperature >= MIN_TEMPERATURE and top_k >= 0 and 0 <= top_p <= 1):
-        raise ValueError(f"sampling needs temperature >= {MIN_TEMPERATURE}, top_k >= 0, 0 <= top_p <= 1; got "
-                         f"{temperature}, {top_k}, {top_p}; use greedy=True for argmax")
+        raise ValueError(
+            f"sampling needs temperature >= {MIN_TEMPERATURE}, top_k >= 0, 0 <= top_p <= 1; got "
+            f"{temperature}, {top_k}, {top_p}; use greedy=True for argmax"
+        )
     if engine is not None and (extra or not share_prefix):
-        raise ValueError("engine= decodes the shared-prefix path with the engine's own options; got "
-                         f"share_prefix={share_prefix}, options {sorted(extra)}")
+        raise ValueError(
+            "engine= decodes the shared-prefix path with the engine's own options; got "
+            f"share_prefix={share_prefix}, options {sorted(extra)}"
+        )
     ids = prompt_ids(tokenizer, prompts) if isinstance(prompts[0], str) else [list(p) for p in prompts]
     empty = next((j for j, (p, q) in enumerate(zip(prompts, ids)) if not p or not q), None)
     if empty is not None:
         raise ValueError(f"prompt {empty} ({prompts[empty]!r}) is empty or has no tokens")
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
-    sample = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy
-              else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k))
+    sample = (
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if greedy
+        else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    )
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
-    warpers = LogitsProcessorList([w for w, on in ((TemperatureLogitsWarper(temperature), temperature != 1.0),
-                                                   (TopKLogitsWarper(top_k), bool(top_k)),
-                                                   (TopPLogitsWarper(top_p), top_p < 1.0)) if on]) \
-        if not greedy else None                                           # HF's sampling warpers, HF's order
+    warpers = (
+        LogitsProcessorList(
+            [
+                w
+                for w, on in (
+                    (TemperatureLogitsWarper(temperature), temperature != 1.0),
+                    (TopKLogitsWarper(top_k), bool(top_k)),
+                    (TopPLogitsWarper(top_p), top_p < 1.0),
+                )
+                if on
+            ]
+        )
+        if not greedy
+        else None
+    )  # HF's sampling warpers, HF's order
     asked = model.device.type == "cuda" or set(extra) & ENGINE_OPTIONS  # CPU: no call into engine.py
-    eng = engine or (Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra)
-                     else None)
-    eng = None if eng is not None and eng.off else eng                    # a stopped engine: decode below
+    eng = engine or (
+        Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra) else None
+    )
+    eng = None if eng is not None and eng.off else eng  # a stopped engine: decode below
     if eng is not None:
-        eng.reserve(min(chunk_size, len(ids) * n), max(map(len, ids)) - 1 + max_new_tokens, max_new_tokens,
-                    eos, pad, None if greedy else (temperature, top_k, top_p))
+        eng.reserve(
+            min(chunk_size, len(ids) * n),
+            max(map(len, ids)) - 1 + max_new_tokens,
+            max_new_tokens,
+            eos,
+            pad,
+            None if greedy else (temperature, top_k, top_p),
+        )
     share = share_prefix and (not extra or eng is not None)
-    out = done if done is not None else Generations([], [], [], [])     # the rows so far: appended to
+    out = done if done is not None else Generations([], [], [], [])  # the rows so far: appended to
     modes = [m.training for m in model.modules()]
-    model.eval()                                   # no dropout, no checkpointing (it would drop the cache)
+    model.eval()  # no dropout, no checkpointing (it would drop the cache)
     try:
-        room = 0 if eng is not None else max_new_tokens + 1                # decode's spare cache positions
+        room = 0 if eng is not None else max_new_tokens + 1  # decode's spare cache positions
         prefix = shared_prefix(model, ids, room) if share else None
-        bar = tqdm(total=len(ids) * n, initial=len(out.texts), desc="rollout", unit="row", leave=False,
-                   disable=len(ids) * n <= chunk_size)                   # one chunk: no bar
-        for c in range(len(out.texts), len(prompts) * n, chunk_size):   # the rows not yet in `done`
-            rows = range(c, min(c + chunk_size, len(prompts) * n))        # row r holds prompt r // n
-            if prefix is None:                                            # HF generate, the same ids
-                inp, mask = left_pad([ids[r // n] for r in rows], pad, model.device)           # (B, T)
+        bar = tqdm(
+            total=len(ids) * n,
+            initial=len(out.texts),
+            desc="rollout",
+            unit="row",
+            leave=False,
+            disable=len(ids) * n <= chunk_size,
+        )  # one chunk: no bar
+        for c in range(len(out.texts), len(prompts) * n, chunk_size):  # the rows not yet in `done`
+            rows = range(c, min(c + chunk_size, len(prompts) * n))  # row r holds prompt r // n
+            if prefix is None:  # HF generate, the same ids
+                inp, mask = left_pad([ids[r // n] for r in rows], pad, model.device)  # (B, T)
                 cache = None
-                seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, mask.shape[1]:]
-            elif eng is not None:                                         # each prompt once, K/V to its rows
+                seq = model.generate(input_ids=inp, attention_mask=mask, **kw, **extra)[:, mask.shape[1] :]
+            elif eng is not None:  # each prompt once, K/V to its rows
                 uniq = list(dict.fromkeys(r // n for r in rows))
                 inp, mask, cache = prefill_rows(model, prefix, [ids[j] for j in uniq], pad)
-                which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)   # row -> prompt
+                which = torch.tensor([uniq.index(r // n) for r in rows], device=inp.device)  # row -> prompt
                 seq = eng.decode(inp, mask, cache, which)
-                if seq is None:                                           # the engine stopped (Engine.stop)
-                    cache.batch_select_indices(which)                     # each row: its prompt's K, V
-                    seq = decode(model, inp[which], mask[which], cache, max_new_tokens, eos, pad,
-                                 None if greedy else warpers)
+                if seq is None:  # the engine stopped (Engine.stop)
+                    cache.batch_select_indices(which)  # each row: its prompt's K, V
+                    seq = decode(
+                        model,
+                        inp[which],
+                        mask[which],
+                        cache,
+                        max_new_tokens,
+                        eos,
+                        pad,
+                        None if greedy else warpers,
+                    )
             else:
                 inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
                 seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)
             for r, gen in zip(rows, seq.tolist()):
-                stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)   # cut after 1st EOS
+                stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after 1st EOS
                 resp = gen[:stop]  # stop None: no EOS, all max_new_tokens tokens (no padding in such a row)
                 out.prompt_ids.append(ids[r // n])
                 out.response_ids.append(resp)
                 out.texts.append(tokenizer.decode(resp, skip_special_tokens=True))
                 out.truncated.append(stop is None)
-            del seq, cache              # this chunk's KV cache is gone before the next chunk's prefill
+            del seq, cache  # this chunk's KV cache is gone before the next chunk's prefill
             bar.update(len(rows))
         bar.close()
     finally:
-        for m, mode in zip(model.modules(), modes):                      # each module's mode, as it came
+        for m, mode in zip(model.modules(), modes):  # each module's mode, as it came
             m.training = mode
     return out
 
@@ -191,8 +245,8 @@ def left_pad(rows, pad, device):
     """(input_ids, attention_mask), both (B, T): the rows' token ids left-padded with pad, as HF generate
     takes them (what a left-padding tokenizer makes of the same ids)."""
     T = max(map(len, rows))
-    inp = torch.tensor([[pad] * (T - len(r)) + list(r) for r in rows], device=device)           # (B, T)
-    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=device)       # (B, T)
+    inp = torch.tensor([[pad] * (T - len(r)) + list(r) for r in rows], device=device)  # (B, T)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=device)  # (B, T)
     return inp, mask
 
 
@@ -204,30 +258,40 @@ def decode(model, inp, mask, cache, max_new_tokens, eos, pad, warpers):
     a seed gives HF's samples. warpers None: greedy (argmax)."""
     B, dev = inp.shape[0], inp.device
     out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=dev)  # (B, N)
-    live = torch.arange(B, device=dev)                                    # (b,) the rows still writing
-    x, pos = inp[:, -1:], mask.sum(-1, keepdim=True) - 1                  # (b, 1) last prompt token, position
-    t0, ends = cache.get_seq_length(), torch.tensor(eos, device=dev)       # ends: the EOS ids
+    live = torch.arange(B, device=dev)  # (b,) the rows still writing
+    x, pos = inp[:, -1:], mask.sum(-1, keepdim=True) - 1  # (b, 1) last prompt token, position
+    t0, ends = cache.get_seq_length(), torch.tensor(eos, device=dev)  # ends: the EOS ids
     for t in range(max_new_tokens):
-        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       cache_position=torch.arange(t0 + t, t0 + t + 1, device=dev), use_cache=True,
-                       logits_to_keep=1).logits[:, -1].float()               # (b, V) as HF: fp32 copy
+        logits = (
+            model(
+                input_ids=x,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                cache_position=torch.arange(t0 + t, t0 + t + 1, device=dev),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )  # (b, V) as HF: fp32 copy
         if warpers is None:
-            y = logits.argmax(-1)                                         # (b,)
+            y = logits.argmax(-1)  # (b,)
         else:
-            probs = torch.zeros(B, logits.shape[-1], device=dev)          # (B, V) the whole chunk, as HF
-            probs[:, pad] = 1.0                                           # finished rows: pad
+            probs = torch.zeros(B, logits.shape[-1], device=dev)  # (B, V) the whole chunk, as HF
+            probs[:, pad] = 1.0  # finished rows: pad
             probs[live] = torch.softmax(warpers(x, logits), dim=-1)
             y = torch.multinomial(probs, num_samples=1).squeeze(1)[live]  # (b,)
         out[live, t] = y
-        going = ~torch.isin(y, ends)                                      # (b,) no EOS yet
-        if not going.all():                                               # rows that finished leave
+        going = ~torch.isin(y, ends)  # (b,) no EOS yet
+        if not going.all():  # rows that finished leave
             if not going.any():
                 break
             keep = going.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             live, y, mask, pos = live[keep], y[keep], mask[keep], pos[keep]
-        x, pos = y[:, None], pos + 1                                      # (b, 1)
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)     # (b, T + t + 1)
+        x, pos = y[:, None], pos + 1  # (b, 1)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)  # (b, T + t + 1)
     return out
 
 
@@ -240,8 +304,8 @@ def shared_prefix(model, ids, room):
     cache = DynamicCache(config=model.config)
     cache.layers = [ReservedLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if L > 0:
-        x = torch.tensor([ids[0][:L]], device=model.device)              # (1, L)
-        model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)   # the cache, not logits
+        x = torch.tensor([ids[0][:L]], device=model.device)  # (1, L)
+        model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)  # the cache, not logits
     return L, cache
 
 
@@ -260,13 +324,18 @@ class ReservedLayer(DynamicLayer):
         t, n = self.get_seq_length(), key_states.shape[-2]
         if self.buf is None or self.keys is not self.buf[2] or t + n > self.buf[0].shape[-2]:
             # (re)seat: a new layer, a re-batched one (batch_select_indices makes new tensors), or a full one
-            self.buf = [s.new_empty((*s.shape[:-2], t + n + self.room, s.shape[-1]))
-                        for s in (key_states, value_states)] + [None]
+            self.buf = [
+                s.new_empty((*s.shape[:-2], t + n + self.room, s.shape[-1]))
+                for s in (key_states, value_states)
+            ] + [None]
             if t:
                 self.buf[0][..., :t, :], self.buf[1][..., :t, :] = self.keys, self.values
-        self.buf[0][..., t:t + n, :], self.buf[1][..., t:t + n, :] = key_states, value_states
-        self.keys, self.values = self.buf[0][..., :t + n, :], self.buf[1][..., :t + n, :]   # (B, H, t + n, d)
-        self.buf[2] = self.keys                           # the view handed out; other keys: re-batched
+        self.buf[0][..., t : t + n, :], self.buf[1][..., t : t + n, :] = key_states, value_states
+        self.keys, self.values = (
+            self.buf[0][..., : t + n, :],
+            self.buf[1][..., : t + n, :],
+        )  # (B, H, t + n, d)
+        self.buf[2] = self.keys  # the view handed out; other keys: re-batched
         return self.keys, self.values
 
     def batch_select_indices(self, indices):
@@ -276,15 +345,19 @@ class ReservedLayer(DynamicLayer):
         filled part, one layer at a time). Any other selection (prefill_rows' copy of each prompt to its
         rows) is DynamicLayer's, which makes new tensors that the next update re-seats."""
         keep = indices.tolist()
-        if self.buf is None or self.keys is not self.buf[2] or keep != sorted(set(keep)) \
-                or keep[-1] >= self.keys.shape[0]:
+        if (
+            self.buf is None
+            or self.keys is not self.buf[2]
+            or keep != sorted(set(keep))
+            or keep[-1] >= self.keys.shape[0]
+        ):
             return super().batch_select_indices(indices)
         t, b = self.get_seq_length(), len(keep)
-        f = next((j for j, i in enumerate(keep) if i != j), b)    # rows f.. move up over rows that left
+        f = next((j for j, i in enumerate(keep) if i != j), b)  # rows f.. move up over rows that left
         for s in self.buf[:2] if f < b else []:
-            s[f:b, :, :t] = s[indices[f:], :, :t]         # (b - f, H, t, d): the gather, then one copy
+            s[f:b, :, :t] = s[indices[f:], :, :t]  # (b - f, H, t, d): the gather, then one copy
         self.buf = [self.buf[0][:b], self.buf[1][:b], None]
-        self.keys, self.values = self.buf[0][..., :t, :], self.buf[1][..., :t, :]     # (b, H, t, d)
+        self.keys, self.values = self.buf[0][..., :t, :], self.buf[1][..., :t, :]  # (b, H, t, d)
         self.buf[2] = self.keys
 
 
@@ -294,37 +367,50 @@ def prefill_rows(model, prefix, row_ids, pad):
     positions count unmasked tokens, so every token sits where it would unpadded. The cache holds all but each
     row's last prompt token, copied to each row of the prompt."""
     L, cache = prefix[0], copy.deepcopy(prefix[1])
-    uniq = list(dict.fromkeys(map(tuple, row_ids)))                       # distinct prompts, first-seen order
-    S = max(map(len, uniq)) - L                                           # widest suffix, with its last token
-    gap = [S - len(p) + L for p in uniq]                                  # pads between prefix and suffix
+    uniq = list(dict.fromkeys(map(tuple, row_ids)))  # distinct prompts, first-seen order
+    S = max(map(len, uniq)) - L  # widest suffix, with its last token
+    gap = [S - len(p) + L for p in uniq]  # pads between prefix and suffix
     mask = torch.tensor([[1] * L + [0] * g + [1] * (S - g) for g in gap], device=model.device)  # (k, L + S)
-    inp = torch.tensor([list(p[:L]) + [pad] * g + list(p[L:]) for g, p in zip(gap, uniq)],
-                       device=model.device)                               # (k, L + S)
+    inp = torch.tensor(
+        [list(p[:L]) + [pad] * g + list(p[L:]) for g, p in zip(gap, uniq)], device=model.device
+    )  # (k, L + S)
     cache.batch_select_indices(torch.zeros(len(uniq), dtype=torch.long, device=model.device))
-    if S > 1:                                                             # each suffix but its last token
-        pos = mask.cumsum(-1) - 1                                         # (k, L + S)
-        model(input_ids=inp[:, L:-1], attention_mask=mask[:, :-1], position_ids=pos[:, L:-1].clamp_min(0),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)   # (k, 1, V), not (k, S - 1, V)
+    if S > 1:  # each suffix but its last token
+        pos = mask.cumsum(-1) - 1  # (k, L + S)
+        model(
+            input_ids=inp[:, L:-1],
+            attention_mask=mask[:, :-1],
+            position_ids=pos[:, L:-1].clamp_min(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )  # (k, 1, V), not (k, S - 1, V)
     which = torch.tensor([uniq.index(tuple(p)) for p in row_ids], device=model.device)  # row -> its prompt
-    cache.batch_select_indices(which)                                     # each row: a copy of its prompt's
+    cache.batch_select_indices(which)  # each row: a copy of its prompt's
     return inp[which], mask[which], cache
 
 
 # ----------------------------------------------------------------------------- the batch and its regions
 class Batch(NamedTuple):
-    input_ids: torch.Tensor       # (B, T) long: [left-padded prompt | right-padded response]
+    input_ids: torch.Tensor  # (B, T) long: [left-padded prompt | right-padded response]
     attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
-    question_mask: torch.Tensor   # (B, T) bool: prompt tokens (special tokens excluded unless asked)
-    response_mask: torch.Tensor   # (B, T) bool: generated tokens, EOS included
-    answer_mask: torch.Tensor     # (B, T) bool: tokens of the final answer span inside the response
-    prompt_width: int             # P: response token j of row b sits at column P + j
+    question_mask: torch.Tensor  # (B, T) bool: prompt tokens (special tokens excluded unless asked)
+    response_mask: torch.Tensor  # (B, T) bool: generated tokens, EOS included
+    answer_mask: torch.Tensor  # (B, T) bool: tokens of the final answer span inside the response
+    prompt_width: int  # P: response token j of row b sits at column P + j
 
     def to(self, device):
         return Batch(*(x.to(device) for x in self[:-1]), self.prompt_width)
 
 
-def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                question_special: bool = False, device=None, answer_pattern: str | None = None) -> Batch:
+def build_batch(
+    tokenizer,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    question_special: bool = False,
+    device=None,
+    answer_pattern: str | None = None,
+) -> Batch:
     """Lay out prompts + responses as HF generate does and mark the three regions (on `device`, else the CPU).
     answer_pattern: the answer region's regular expression (find_answer_span; None: \\boxed{} / <answer>).
 
@@ -340,14 +426,16 @@ def build_batch(tokenizer, prompt_ids: list[list[int]], response_ids: list[list[
     attn_mask = torch.zeros(B, P + R, dtype=torch.long)
     q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[b, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attn_mask[b, P - len(p):P + len(r)] = 1
-        q[b, P - len(p):P] = torch.tensor([question_special or t not in special for t in p], dtype=torch.bool)
-        resp[b, P:P + len(r)] = True
+        ids[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attn_mask[b, P - len(p) : P + len(r)] = 1
+        q[b, P - len(p) : P] = torch.tensor(
+            [question_special or t not in special for t in p], dtype=torch.bool
+        )
+        resp[b, P : P + len(r)] = True
         rng = answer_token_range(tokenizer, list(r), answer_pattern) if r else None
         if rng is not None:
-            ans[b, P + rng[0]:P + rng[1]] = True
+            ans[b, P + rng[0] : P + rng[1]] = True
     return Batch(*(x.to(device) for x in (ids, attn_mask, q, resp, ans)), P)
 
 
@@ -358,9 +446,12 @@ def take(batch: Batch, rows) -> Batch:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m training.rollout", description=__doc__.splitlines()[0] +
-                                 " Samples a few responses to one prompt.", allow_abbrev=False,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m training.rollout",
+        description=__doc__.splitlines()[0] + " Samples a few responses to one prompt.",
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--model", default="smollm2-135m", help="a name accepted by load_model")
     ap.add_argument("--prompt", default="What is 12 * 7?", help="user message, wrapped by the chat template")
     ap.add_argument("--n", type=int, default=2, help="samples per prompt")
@@ -373,10 +464,11 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
     try:
         model, tok = load_model(args.model)
-    except (ValueError, OSError, ImportError) as e:            # models.ModelError names the file
+    except (ValueError, OSError, ImportError) as e:  # models.ModelError names the file
         ap.error(str(e))
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+    )
     g = generate(model, tok, [text], n=args.n, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
     for j, (t, tr) in enumerate(zip(g.texts, g.truncated)):
         print(f"--- row {j} ({len(g.response_ids[j])} tokens{', truncated' if tr else ''})\n{t}")

@@ -12,6 +12,7 @@ the decode engine is reserved for the widest prompt the run decodes.
 
 Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 """
+
 import dataclasses
 import random
 from dataclasses import dataclass
@@ -22,21 +23,22 @@ import torch
 
 import data
 import flowtracer
-from training import checkpoint as ckpt_io
 from training import budget, credit, heldout, load, models, preflight, reward_code, rundir, runlog, tracking
+from training import checkpoint as ckpt_io
 from training.policy import Policy, sharing_problem
 from training.rollout import prompt_ids
 
 
 class Task(NamedTuple):
     """The task as a run reads it: its records, the order a step takes them in, their prompts."""
-    records: list               # the task's training records
-    order: list                 # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
-    prompt_ids: dict            # {record: its prompt as token ids}, for the records this run reads
-    style: str                  # the prompt style in force (data.make_prompt)
-    eval_records: list          # the held-out questions of --eval-every (empty when off)
-    widest_prompt: int          # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
-                                # held-out): what the decode engine and the budget's estimate are sized to
+
+    records: list  # the task's training records
+    order: list  # the record each prompt slot reads: step s reads order[s n:(s + 1) n]
+    prompt_ids: dict  # {record: its prompt as token ids}, for the records this run reads
+    style: str  # the prompt style in force (data.make_prompt)
+    eval_records: list  # the held-out questions of --eval-every (empty when off)
+    widest_prompt: int  # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
+    # held-out): what the decode engine and the budget's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (reward_code.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
 
@@ -44,16 +46,17 @@ class Task(NamedTuple):
 @dataclass
 class Run:
     """Everything a step reads, made once by `setup`; load_for_update makes the part grpo.update reads."""
-    cfg: object                 # grpo.Config
-    policy: Policy              # the model, tokenizer, reference, optimizer, schedule, autocast (policy.py)
-    layers: list                # the layers the update's Capture reads (--layers); []: the credit reads none
-    head_mean: object           # the function a Capture sums head means with (flowtracer.head_mean_kernel)
-    task: Task | None = None    # the records, their order and prompts, the reward
-    engine: object = None       # the CUDA decode engine, reserved and kept for the run (preflight.py)
-    log: runlog.RunLog | None = None   # the run directory: metrics, rollouts, checkpoints, curves
-    start: int = 0              # the first step to run (the checkpoint's, on --resume)
-    bad_steps: int = 0          # consecutive non-finite steps, as the checkpoint left them
-    budget: object = None       # budget.size's Budget on CUDA (the card, the plan), None on the CPU
+
+    cfg: object  # grpo.Config
+    policy: Policy  # the model, tokenizer, reference, optimizer, schedule, autocast (policy.py)
+    layers: list  # the layers the update's Capture reads (--layers); []: the credit reads none
+    head_mean: object  # the function a Capture sums head means with (flowtracer.head_mean_kernel)
+    task: Task | None = None  # the records, their order and prompts, the reward
+    engine: object = None  # the CUDA decode engine, reserved and kept for the run (preflight.py)
+    log: runlog.RunLog | None = None  # the run directory: metrics, rollouts, checkpoints, curves
+    start: int = 0  # the first step to run (the checkpoint's, on --resume)
+    bad_steps: int = 0  # consecutive non-finite steps, as the checkpoint left them
+    budget: object = None  # budget.size's Budget on CUDA (the card, the plan), None on the CPU
 
 
 def setup(cfg) -> Run:
@@ -63,56 +66,104 @@ def setup(cfg) -> Run:
     locked) once the model has loaded, so a model that fails leaves nothing."""
     ckpt = ckpt_io.find_checkpoint(cfg.resume) if cfg.resume else None
     mark = (ckpt / ckpt_io.MARK).read_text().strip() if ckpt else ""
-    done = int(mark) if mark.isdigit() else 0                          # the checkpoint's step (its marker)
+    done = int(mark) if mark.isdigit() else 0  # the checkpoint's step (its marker)
     if ckpt and done >= cfg.steps:
-        raise ValueError(f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
-                         f"{cfg.steps}: nothing to run (give --steps more than {done})")
+        raise ValueError(
+            f"--resume {cfg.resume}: the run is at step {done} already and --steps is "
+            f"{cfg.steps}: nothing to run (give --steps more than {done})"
+        )
     out = Path(cfg.out_dir)
-    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)   # no mkdir
-    records = data.load_task(cfg.dataset, split="train", path=cfg.data_path or None, seed=cfg.seed,
-                             question_field=cfg.question_field, answer_field=cfg.answer_field)
-    kwargs = reward_code.template_kwargs(cfg) if cfg.chat_template_kwargs else None   # apply_chat_template's
-    style = cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model,
-                                                                                  records[0]["task"])
-    evals = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path,
-                            records, cfg.eval_data_path, (cfg.question_field, cfg.answer_field)) \
-        if cfg.eval_every else []
-    tok = models.load_tokenizer(cfg.model)                           # the tokenizer alone: no weights yet
-    reward = data.reward                                             # the task's, or --reward's: the user's
-    if cfg.reward:                                                   # functions, checked on the first row
-        reward = reward_code.load(cfg, records[0], reward_code.trl_prompt(tok, style, kwargs),
-                                  [k for r in [*records, *evals] for k in r])      # TRL's form: the columns
+    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)  # no mkdir
+    records = data.load_task(
+        cfg.dataset,
+        split="train",
+        path=cfg.data_path or None,
+        seed=cfg.seed,
+        question_field=cfg.question_field,
+        answer_field=cfg.answer_field,
+    )
+    kwargs = reward_code.template_kwargs(cfg) if cfg.chat_template_kwargs else None  # apply_chat_template's
+    style = (
+        cfg.prompt_style if cfg.prompt_style != "auto" else data.default_style(cfg.model, records[0]["task"])
+    )
+    evals = (
+        heldout.records(
+            cfg.dataset,
+            cfg.eval_dataset,
+            cfg.eval_size,
+            cfg.seed,
+            cfg.data_path,
+            records,
+            cfg.eval_data_path,
+            (cfg.question_field, cfg.answer_field),
+        )
+        if cfg.eval_every
+        else []
+    )
+    tok = models.load_tokenizer(cfg.model)  # the tokenizer alone: no weights yet
+    reward = data.reward  # the task's, or --reward's: the user's
+    if cfg.reward:  # functions, checked on the first row
+        reward = reward_code.load(
+            cfg,
+            records[0],
+            reward_code.trl_prompt(tok, style, kwargs),
+            [k for r in [*records, *evals] for k in r],
+        )  # TRL's form: the columns
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = load.device_of(cfg.device)                          # CUDA: expandable segments, before it starts
+    device = load.device_of(cfg.device)  # CUDA: expandable segments, before it starts
     n = cfg.prompts_per_step
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    order = [perm[i % len(perm)] for i in range(cfg.steps * n)]      # a function of (seed, step): --resume
-    todo = sorted(set(order[done * n:]))                             # the prompts left, tokenized once
+    order = [perm[i % len(perm)] for i in range(cfg.steps * n)]  # a function of (seed, step): --resume
+    todo = sorted(set(order[done * n :]))  # the prompts left, tokenized once
     ids = dict(zip(todo, prompt_ids(tok, [data.make_prompt(records[i], tok, style, kwargs) for i in todo])))
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
     widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
-    widest = max(widths, default=1)                              # the engine and the estimate are sized to it
-    sized = budget.size(cfg, device, widest, len(evals))       # sizes left at 0 chosen; CUDA: to the card
-    run = load_for_update(cfg, device, str(ckpt) if ckpt else None)   # the policy (departure 3), its credit
-    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)          # created, locked
+    widest = max(widths, default=1)  # the engine and the estimate are sized to it
+    sized = budget.size(cfg, device, widest, len(evals))  # sizes left at 0 chosen; CUDA: to the card
+    run = load_for_update(cfg, device, str(ckpt) if ckpt else None)  # the policy (departure 3), its credit
+    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)  # created, locked
     start, bad = ckpt_io.load_checkpoint(ckpt, run.policy.opt, run.policy.sched) if ckpt else (0, 0)
-    ckpt_io.check_disk(out, run.policy.model, load.scheme(cfg, device), start, cfg.steps,   # 2 ckpts
-                       cfg.save_every, cfg.save_optimizer)
+    ckpt_io.check_disk(
+        out,
+        run.policy.model,
+        load.scheme(cfg, device),
+        start,
+        cfg.steps,  # 2 ckpts
+        cfg.save_every,
+        cfg.save_optimizer,
+    )
     (out / "rollouts").mkdir(parents=True, exist_ok=True)
-    tracker = None if cfg.report_to == "none" else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg),
-                                                                 resume_step=start or None)
+    tracker = (
+        None
+        if cfg.report_to == "none"
+        else tracking.open(cfg.report_to, out, dataclasses.asdict(cfg), resume_step=start or None)
+    )
     metrics = rundir.open_metrics(out, start if ckpt else None)
     log = runlog.RunLog(out, cfg, run.policy, metrics, tracker)
     where = "" if credit.is_paper(cfg) else " (training/credit.py)"
-    print(f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
-          f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
-          f"rollouts/step, device={device}, out={out}")
-    parts = preflight.check(cfg, run, device, widest, len(evals)) if preflight.on_gpu(device) else \
-        preflight.GpuParts(run.head_mean, None, run.policy.use_kernel(), [])     # the CPU: no GPU part
+    print(
+        f"GRPO: {cfg.model} on {cfg.dataset} ({style} prompts), credit={cfg.credit}/{cfg.shaping}"
+        f"{where}, {cfg.prompts_per_step}x{cfg.group_size} "
+        f"rollouts/step, device={device}, out={out}"
+    )
+    parts = (
+        preflight.check(cfg, run, device, widest, len(evals))
+        if preflight.on_gpu(device)
+        else preflight.GpuParts(run.head_mean, None, run.policy.use_kernel(), [])
+    )  # the CPU: no GPU part
     task = Task(records, order, ids, style, evals, widest, reward, kwargs)
-    return dataclasses.replace(run, cfg=cfg, head_mean=parts.head_mean, task=task, engine=parts.engine,
-                               log=log, start=start, bad_steps=bad, budget=sized)   # cfg: the one log saves
+    return dataclasses.replace(
+        run,
+        cfg=cfg,
+        head_mean=parts.head_mean,
+        task=task,
+        engine=parts.engine,
+        log=log,
+        start=start,
+        bad_steps=bad,
+        budget=sized,
+    )  # cfg: the one log saves
 
 
 def load_for_update(cfg, device, path=None) -> Run:
@@ -121,11 +172,15 @@ def load_for_update(cfg, device, path=None) -> Run:
     autocast) and the credit's layers and head-mean kernel. memtrace.measure and benchmarks/gpu_headline.py
     run grpo.update on this, so what they measure is what grpo.py runs. A model whose update cannot read
     each prompt once says so here, once (policy.sharing_problem)."""
-    cfg = budget.largest(cfg)                           # a size left at 0: the CPU's, as setup's (a copy)
+    cfg = budget.largest(cfg)  # a size left at 0: the CPU's, as setup's (a copy)
     pol = load.load_policy(cfg, device, path)
     problem = sharing_problem(pol.model) if cfg.share_prefix else None
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
     maps = credit.reads_maps(cfg)
-    return Run(cfg, pol, flowtracer.select_layers(cfg.layers, pol.model.config.num_hidden_layers) if maps
-               else [], flowtracer.head_mean_kernel(device) if maps else None)
+    return Run(
+        cfg,
+        pol,
+        flowtracer.select_layers(cfg.layers, pol.model.config.num_hidden_layers) if maps else [],
+        flowtracer.head_mean_kernel(device) if maps else None,
+    )

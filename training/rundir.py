@@ -14,14 +14,15 @@ network mounts) gets one warning line and runs unlocked.
 
 Run the tests: python -m pytest -q tests/test_hardening.py -k lock
 """
+
 import errno
 import fcntl
 import json
 import os
 from pathlib import Path
 
-LOCK = ".lock"   # in out_dir; holds the PID of the run that has it locked
-_held = {}       # resolved out_dir -> this process's lock file (the flock lasts while it is open)
+LOCK = ".lock"  # in out_dir; holds the PID of the run that has it locked
+_held = {}  # resolved out_dir -> this process's lock file (the flock lasts while it is open)
 
 
 class RunError(ValueError):
@@ -49,7 +50,7 @@ def lock_out_dir(out):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise in_use(out, f) from None
-    except OSError as e:         # a file system without flock (some network mounts): warn, run unlocked
+    except OSError as e:  # a file system without flock (some network mounts): warn, run unlocked
         print(f"warning: {out / LOCK}: cannot lock ({e.strerror}); a second run into {out} is not stopped")
     f.truncate(0)
     f.write(str(os.getpid()))
@@ -62,8 +63,10 @@ def in_use(out, f):
     f.seek(0)
     pid = f.read().strip() or "unknown"
     f.close()
-    return RunError(f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
-                    f"choose another --out-dir")
+    return RunError(
+        f"{out} is in use by another run (PID {pid} holds {out / LOCK}): wait for it to end or "
+        f"choose another --out-dir"
+    )
 
 
 def check_unlocked(out):
@@ -71,19 +74,19 @@ def check_unlocked(out):
     lock = Path(out) / LOCK
     if held(out) is not None or not lock.is_file():
         return
-    with open(lock) as f:                                                  # closing it lets the lock go
+    with open(lock) as f:  # closing it lets the lock go
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise in_use(out, f) from None
-        except OSError:          # a file system without flock: lock_out_dir warns
+        except OSError:  # a file system without flock: lock_out_dir warns
             pass
 
 
 def unlock_out_dir(out):
     f = _held.pop(Path(out).resolve(), None)
     if f is not None:
-        f.close()                # closing the file releases the lock
+        f.close()  # closing the file releases the lock
 
 
 # ----------------------------------------------------------------------------- the paths a run writes
@@ -107,10 +110,13 @@ def link_problem(path):
         if p.is_symlink() and not p.exists():
             try:
                 os.stat(p)
-                continue                                                   # created meanwhile: fine
+                continue  # created meanwhile: fine
             except OSError as e:
-                why = "a symlink loop" if e.errno == errno.ELOOP else \
-                    f"a symlink to {os.readlink(p)}, which does not exist"
+                why = (
+                    "a symlink loop"
+                    if e.errno == errno.ELOOP
+                    else f"a symlink to {os.readlink(p)}, which does not exist"
+                )
             return f"{path}: {why}" if p == Path(path) else f"{path}: {p} is {why}"
     return None
 
@@ -118,14 +124,24 @@ def link_problem(path):
 def file_problem(path):
     """Why `path` is not a file to read, as one sentence naming it, or None."""
     p = Path(path)
-    return None if p.is_file() else link_problem(p) or f"{path}: " + ("a directory, not a file" if p.is_dir()
-                                                                       else "no such file")
+    return (
+        None
+        if p.is_file()
+        else link_problem(p) or f"{path}: " + ("a directory, not a file" if p.is_dir() else "no such file")
+    )
 
 
 # What a run writes in its out_dir, and of which kind: a path of the other kind there (a directory named
 # curves.png, a file named ckpt) would stop the run when it first writes, after the model loaded, or mid-run.
-WRITES = {"metrics.jsonl": "file", "curves.png": "file", ".lock": "file", "rollouts": "directory",
-          "ckpt": "directory", "ckpt.tmp": "directory", "ckpt.old": "directory"}
+WRITES = {
+    "metrics.jsonl": "file",
+    "curves.png": "file",
+    ".lock": "file",
+    "rollouts": "directory",
+    "ckpt": "directory",
+    "ckpt.tmp": "directory",
+    "ckpt.old": "directory",
+}
 
 
 def dir_problem(out, writes=None):
@@ -136,15 +152,18 @@ def dir_problem(out, writes=None):
     if link_problem(out):
         return link_problem(out)
     path = Path(out).absolute()
-    there = next(p for p in (path, *path.parents) if p.exists())             # the part that exists already
+    there = next(p for p in (path, *path.parents) if p.exists())  # the part that exists already
     if not there.is_dir():
         return (f"{out} is a file" if there == path else f"{out}: {there} is a file") + ", not a directory"
     if not os.access(there, os.W_OK | os.X_OK):
         return f"{out}: {there} is not writable"
     for name, kind in (writes or {}).items():
         p = Path(out) / name
-        what = link_problem(p) or (p.exists() and p.is_dir() != (kind == "directory")
-                                   and f"{p}: a {'directory' if p.is_dir() else 'file'}")
+        what = link_problem(p) or (
+            p.exists()
+            and p.is_dir() != (kind == "directory")
+            and f"{p}: a {'directory' if p.is_dir() else 'file'}"
+        )
         if what:
             return f"{what}, where the run writes a {kind}: move it away or choose another --out-dir"
     return None
@@ -163,8 +182,8 @@ def open_metrics(out, resume_step):
             try:
                 step = json.loads(line)["step"]
                 if step <= resume_step:
-                    keep[step] = line + "\n"               # the last line of each step
-            except (ValueError, KeyError, TypeError):    # a line cut by the kill: dropped
+                    keep[step] = line + "\n"  # the last line of each step
+            except (ValueError, KeyError, TypeError):  # a line cut by the kill: dropped
                 pass
         tmp = path.with_suffix(".jsonl.tmp")
         with open(tmp, "w") as f:
@@ -172,4 +191,4 @@ def open_metrics(out, resume_step):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    return open(path, "a")                               # check_out_dir made sure a new run starts empty
+    return open(path, "a")  # check_out_dir made sure a new run starts empty

@@ -27,6 +27,7 @@ the space needed, and the last complete checkpoint stands.
 Run: python -c "from training import runlog as r; r.plot_curves('runs/embedded/metrics.jsonl', 'curves.png',
                 'smollm2-135m', 'arithmetic', 'flow/topk')"
 """
+
 import contextlib
 import json
 import math
@@ -50,39 +51,42 @@ from training.usercode import Interrupted
 
 class Last(NamedTuple):
     """The last completed step as it ended (RunLog.step), what RunLog.stopped saves when it was not."""
-    done: int                   # the steps completed
-    bad: int                    # the non-finite streak after it
-    saved: bool                 # its checkpoint was written
-    rng: dict                   # the RNG states the next step started from (rng_state)
+
+    done: int  # the steps completed
+    bad: int  # the non-finite streak after it
+    saved: bool  # its checkpoint was written
+    rng: dict  # the RNG states the next step started from (rng_state)
 
 
 # ----------------------------------------------------------------------------- the run's log
 class Rollouts(NamedTuple):
     """What a step hands the run's files (grpo.grpo_step -> RunLog.step -> save_rollouts): the B rows it
     trained on, of the N it sampled."""
-    batch: object               # rollout.Batch of the kept rows, (B, T)
-    gen: object                 # rollout.Generations of every sampled row (N)
-    kept: list                  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
-    rewards: torch.Tensor       # (N,) every sampled row's reward
-    adv: torch.Tensor           # (B,) A_i, eq. 10
-    scores: torch.Tensor        # (B, R) the credit's scores (flow: throughput tau)
-    weight: torch.Tensor        # (B, R) gamma_it on each response token (eq. 6)
+
+    batch: object  # rollout.Batch of the kept rows, (B, T)
+    gen: object  # rollout.Generations of every sampled row (N)
+    kept: list  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
+    rewards: torch.Tensor  # (N,) every sampled row's reward
+    adv: torch.Tensor  # (B,) A_i, eq. 10
+    scores: torch.Tensor  # (B, R) the credit's scores (flow: throughput tau)
+    weight: torch.Tensor  # (B, R) gamma_it on each response token (eq. 6)
 
 
 class RunLog:
     """The run directory while a run writes into it: the metrics file (open), the tracker (None: metrics.jsonl
     alone), and what a save needs (the policy.Policy: model, tokenizer, optimizer, schedule; the config)."""
+
     def __init__(self, out, cfg, policy, metrics, tracker=None):
         self.out, self.cfg, self.policy = Path(out), cfg, policy
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(policy.device)
-        self.stop_requested = False        # a first Ctrl-C / SIGTERM: the step finishes and is saved
-        self.warned_answers = False        # the missing answer regions were said (once a run)
-        self.last = None                   # Last: the last step this process completed (None: none yet)
+        self.stop_requested = False  # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        self.warned_answers = False  # the missing answer regions were said (once a run)
+        self.last = None  # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
-        self.backoffs = 0                  # out-of-memory back-offs this step (training/backoff.py counts)
-        self.moved = False                 # an optimizer step began since that step: its state is gone
+        self.backoffs = 0  # out-of-memory back-offs this step (training/backoff.py counts)
+        self.moved = False  # an optimizer step began since that step: its state is gone
         policy.opt.register_step_pre_hook(self.on_optimizer_step)
-        if threading.current_thread() is threading.main_thread():   # (a test's thread installs nothing)
+        if threading.current_thread() is threading.main_thread():  # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
 
@@ -101,26 +105,33 @@ class RunLog:
         answer region (answers/missing: their flow credit falls back to plain GRPO). Returns None, or the
         one-line reason when the disk is full: the loop stops on it, and the last complete checkpoint
         stands."""
-        cfg, done, self.clock.seconds = self.cfg, step + 1, {}      # the next step's phases start at 0
-        m["oom/backoffs"], self.backoffs = self.backoffs, 0          # training/backoff.py's, this step
+        cfg, done, self.clock.seconds = self.cfg, step + 1, {}  # the next step's phases start at 0
+        m["oom/backoffs"], self.backoffs = self.backoffs, 0  # training/backoff.py's, this step
         missing, n = m.get("answers/missing", 0), len(rollouts.gen.texts) if rollouts is not None else 0
-        if 2 * missing > n > 0 and not self.warned_answers:        # eq. 2's sink: said once a run
+        if 2 * missing > n > 0 and not self.warned_answers:  # eq. 2's sink: said once a run
             self.warned_answers = True
             tqdm.write(answers_notice(done, missing, n, cfg.answer_pattern, rollouts.gen.texts))
         if "skipped" in m:
             tqdm.write(f"step {done}: {m['skipped']}; no update")
         elif bad:
-            tqdm.write(f"step {done}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}: "
-                       f"update skipped ({bad} in a row)")
+            tqdm.write(
+                f"step {done}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}: "
+                f"update skipped ({bad} in a row)"
+            )
         else:
             held_out = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-            held_out += f" (fp16 overflow: step skipped, scale {m['scaler/scale']:g})" \
-                if m.get("scaler/skipped") else ""
-            mean = math.nan if m["reward/mean"] is None else m["reward/mean"]      # None: no reward scored
-            tqdm.write(f"step {done}: reward {mean:.3f} acc {m['acc']:.2f} "
-                       f"len {m['len/mean']:.0f} "
-                       f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
-                       f"{m['time/step']:.1f}s")
+            held_out += (
+                f" (fp16 overflow: step skipped, scale {m['scaler/scale']:g})"
+                if m.get("scaler/skipped")
+                else ""
+            )
+            mean = math.nan if m["reward/mean"] is None else m["reward/mean"]  # None: no reward scored
+            tqdm.write(
+                f"step {done}: reward {mean:.3f} acc {m['acc']:.2f} "
+                f"len {m['len/mean']:.0f} "
+                f"boosted {m['credit/boosted_frac']:.2f} trained {m['rows/trained']}{held_out} "
+                f"{m['time/step']:.1f}s"
+            )
         try:
             write_metrics(self.metrics, m)
             if self.tracker is not None:
@@ -132,17 +143,32 @@ class RunLog:
                 self.save(done, bad)
         except RunError as e:
             return str(e)
-        self.last, self.moved = Last(done, bad, due, rng_state()), False    # what the next step starts from
+        self.last, self.moved = Last(done, bad, due, rng_state()), False  # what the next step starts from
         return None
 
     def save(self, done, bad, rng=None):
         """The checkpoint of step `done` (ckpt/, atomically; rng: the RNG states to record, else the current
         ones), curves.png redrawn."""
         cfg, pol = self.cfg, self.policy
-        save_checkpoint(self.out / "ckpt", pol.model, pol.tok, pol.opt, pol.sched, done, cfg, bad,
-                        keep=getattr(cfg, "keep_checkpoints", 1), rng=rng)
-        plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", cfg.model, cfg.dataset,
-                    f"{cfg.credit}/{cfg.shaping}")
+        save_checkpoint(
+            self.out / "ckpt",
+            pol.model,
+            pol.tok,
+            pol.opt,
+            pol.sched,
+            done,
+            cfg,
+            bad,
+            keep=getattr(cfg, "keep_checkpoints", 1),
+            rng=rng,
+        )
+        plot_curves(
+            self.out / "metrics.jsonl",
+            self.out / "curves.png",
+            cfg.model,
+            cfg.dataset,
+            f"{cfg.credit}/{cfg.shaping}",
+        )
 
     def save_last(self):
         """The checkpoint of the last completed step, as a save at its end would have written it (the RNG as
@@ -158,8 +184,11 @@ class RunLog:
             except RunError as full:
                 note = f" ({full})"
         mark = self.out / "ckpt" / MARK
-        return (f"the last checkpoint stands (step {mark.read_text().strip()}, {mark.parent})"
-                if complete(mark.parent) else "no checkpoint was written yet") + note
+        return (
+            f"the last checkpoint stands (step {mark.read_text().strip()}, {mark.parent})"
+            if complete(mark.parent)
+            else "no checkpoint was written yet"
+        ) + note
 
     def stopped(self, e):
         """grpo.main's end of a run stopped by the user's code mid-step (e: RewardError, PatternError, or
@@ -179,15 +208,20 @@ class RunLog:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self.lock is not None:
-            self.lock.close()              # closing the lock file lets the directory go (rundir.py)
-        print(f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
-              f"rollouts: {self.out / 'rollouts'}")
+            self.lock.close()  # closing the lock file lets the directory go (rundir.py)
+        print(
+            f"metrics: {self.out / 'metrics.jsonl'}\nplots:   {self.out / 'curves.png'}\n"
+            f"rollouts: {self.out / 'rollouts'}"
+        )
         if (self.out / "ckpt").is_dir():
             print(f"checkpoint: {self.out / 'ckpt'}")
         if stop == "interrupted":
-            print(f"interrupted: checkpoint saved (step {(self.out / 'ckpt' / MARK).read_text().strip()}); "
-                  f"continue with --resume {self.out}" if complete(self.out / "ckpt") else
-                  "interrupted before the first step completed: nothing saved")
+            print(
+                f"interrupted: checkpoint saved (step {(self.out / 'ckpt' / MARK).read_text().strip()}); "
+                f"continue with --resume {self.out}"
+                if complete(self.out / "ckpt")
+                else "interrupted before the first step completed: nothing saved"
+            )
 
 
 def answers_notice(step, missing, n, pattern, texts, head=60, tail=100):
@@ -195,21 +229,27 @@ def answers_notice(step, missing, n, pattern, texts, head=60, tail=100):
     the rule they were matched against and one sampled reply without one, cut short (its first `head` and
     last `tail` characters: where an answer would be), so that one sees whether the model does not write the
     answer's form or the pattern does not match it."""
-    rule = (f"--answer-pattern '{pattern}'" if pattern else
-            "the default: the last \\boxed{...}, else <answer>...</answer> (--answer-pattern: none given)")
+    rule = (
+        f"--answer-pattern '{pattern}'"
+        if pattern
+        else "the default: the last \\boxed{...}, else <answer>...</answer> (--answer-pattern: none given)"
+    )
     reply = next((t for t in texts if find_answer_span(t, pattern or None) is None), "")
     shown = repr(reply) if len(reply) <= head + tail + 5 else f"{reply[:head]!r} [...] {reply[-tail:]!r}"
-    return (f"step {step}: {missing} of {n} responses have no answer region (eq. 2's sink), so their flow "
-            f"credit falls back to plain GRPO\n  matched against: {rule}\n"
-            f"  one reply ({len(reply)} characters): {shown}\n"
-            "  if the model writes its answer in another form, give --answer-pattern REGEX for that form; "
-            "if it writes none, ask for one in the prompt")
+    return (
+        f"step {step}: {missing} of {n} responses have no answer region (eq. 2's sink), so their flow "
+        f"credit falls back to plain GRPO\n  matched against: {rule}\n"
+        f"  one reply ({len(reply)} characters): {shown}\n"
+        "  if the model writes its answer in another form, give --answer-pattern REGEX for that form; "
+        "if it writes none, ask for one in the prompt"
+    )
 
 
 class Clock:
     """Seconds per phase of a step: `with clock.phase("credit"): ...` adds the block's time to
     seconds["credit"]. On CUDA each mark first waits for the queued kernels (torch.cuda.synchronize): a phase
     is charged its own GPU time, not the time of the forward whose result its first host sync waits for."""
+
     def __init__(self, device, now=time.perf_counter, sync=None):
         cuda = torch.device(device).type == "cuda"
         self.sync = sync or (torch.cuda.synchronize if cuda else (lambda: None))
@@ -231,35 +271,52 @@ def step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, sec, bad, lr, devi
     """One step's metrics; up: grpo.Update; sec: Clock.seconds; bad: the non-finite streak; lr: the step's.
     time/credit is the credit after the forward (the capture runs inside the update's forward: time/update);
     time/credit_share is its share of the step (FlowTracer's Table 6: ~2%)."""
-    loss_mask, weight, stats = batch.response_mask[:, batch.prompt_width:], up.weight, up.stats   # (B, R)
-    trained = (adv != 0) if cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)       # (B,)
+    loss_mask, weight, stats = batch.response_mask[:, batch.prompt_width :], up.weight, up.stats  # (B, R)
+    trained = (adv != 0) if cfg.beta == 0 else torch.ones_like(adv, dtype=torch.bool)  # (B,)
     n_tok = loss_mask.sum().clamp_min(1).item() * cfg.num_iterations
     ent = torch.cat(stats["entropy"]) if stats["entropy"] else torch.zeros(0)
-    on = loss_mask & trained[:, None]                                                        # (B, R)
+    on = loss_mask & trained[:, None]  # (B, R)
     update = sum(sec.get(k, 0.0) for k in ("update forward", "backward", "optimizer step"))
     step = sum(sec.values())
-    peak = (torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # Linux: KiB -> GiB, peak RSS
-    scored = rewards[~rewards.isnan()]               # NaN: no --reward function scored it (reward_code.py)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if torch.device(device).type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )  # Linux: KiB -> GiB, peak RSS
+    scored = rewards[~rewards.isnan()]  # NaN: no --reward function scored it (reward_code.py)
     some = len(scored) > 0
-    return {"reward/mean": scored.mean().item() if some else None,
-            "reward/std": scored.std(unbiased=False).item() if some else None,
-            "reward/unscored": len(rewards) - len(scored),
-            "acc": (rewards >= 1).float().mean().item(), "frac_zero_std": zero_std.float().mean().item(),
-            "len/mean": loss_mask.sum(-1).float().mean().item(),
-            "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
-            "gen/tokens": sum(map(len, gen.response_ids)),
-            "entropy": ent.float().mean().item() if ent.numel() else None, "loss": stats["loss"],
-            "grad_norm": stats.get("grad_norm", 0.0), "lr": lr, "bad_steps": bad,
-            **({"scaler/scale": stats["scaler/scale"], "scaler/skipped": int(up.skipped)}   # fp16 alone
-               if "scaler/scale" in stats else {}),
-            "rows/trained": int(trained.sum()), "credit/fallback": stats["credit/fallback"],
-            **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
-            "credit/boosted_frac": ((weight != 1) & on).sum().item() / max(1, on.sum().item()),
-            **credit_stats(weight, adv, on),
-            "time/generate": sec.get("generation", 0.0), "time/reward": sec.get("reward", 0.0),
-            "time/credit": sec.get("credit", 0.0), "time/update": update, "time/step": step,
-            "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0, "mem/peak_gb": peak}
+    return {
+        "reward/mean": scored.mean().item() if some else None,
+        "reward/std": scored.std(unbiased=False).item() if some else None,
+        "reward/unscored": len(rewards) - len(scored),
+        "acc": (rewards >= 1).float().mean().item(),
+        "frac_zero_std": zero_std.float().mean().item(),
+        "len/mean": loss_mask.sum(-1).float().mean().item(),
+        "len/truncated_frac": sum(gen.truncated) / len(gen.truncated),
+        "gen/tokens": sum(map(len, gen.response_ids)),
+        "entropy": ent.float().mean().item() if ent.numel() else None,
+        "loss": stats["loss"],
+        "grad_norm": stats.get("grad_norm", 0.0),
+        "lr": lr,
+        "bad_steps": bad,
+        **(
+            {"scaler/scale": stats["scaler/scale"], "scaler/skipped": int(up.skipped)}  # fp16 alone
+            if "scaler/scale" in stats
+            else {}
+        ),
+        "rows/trained": int(trained.sum()),
+        "credit/fallback": stats["credit/fallback"],
+        **{k: stats[k] / n_tok for k in ("clip/low", "clip/high", "clip/dual")},
+        "credit/boosted_frac": ((weight != 1) & on).sum().item() / max(1, on.sum().item()),
+        **credit_stats(weight, adv, on),
+        "time/generate": sec.get("generation", 0.0),
+        "time/reward": sec.get("reward", 0.0),
+        "time/credit": sec.get("credit", 0.0),
+        "time/update": update,
+        "time/step": step,
+        "time/credit_share": sec.get("credit", 0.0) / step if step > 0 else 0.0,
+        "mem/peak_gb": peak,
+    }
 
 
 def credit_stats(weight, adv, on):
@@ -270,10 +327,10 @@ def credit_stats(weight, adv, on):
         g, n = weight[b][on[b]].double(), int(on[b].sum())
         if n == 0:
             continue
-        ess.append((g.sum() ** 2 / (n * (g ** 2).sum())).item())
+        ess.append((g.sum() ** 2 / (n * (g**2).sum())).item())
         At = (g * adv[b].abs()).sort(descending=True).values
         if At.sum() > 0:
-            mass.append((At[:max(1, n // 10)].sum() / At.sum()).item())
+            mass.append((At[: max(1, n // 10)].sum() / At.sum()).item())
     mean = lambda x: sum(x) / len(x) if x else None  # noqa: E731
     return {"credit/ess_ratio": mean(ess), "credit/top10_adv_mass": mean(mass)}
 
@@ -289,22 +346,34 @@ def save_rollouts(path, tok, rollouts):
     with full_disk(path, "the rollouts"), open(path, "w") as fh:
         for b, j in enumerate(rollouts.kept):
             n = int(batch.response_mask[b].sum())
-            ids = batch.input_ids[b, P:P + n].tolist()
-            fh.write(json.dumps({"prompt": tok.decode(gen.prompt_ids[j]), "response": gen.texts[j],
-                                 "reward": nan_none(rollouts.rewards[j].item()),
-                                 "adv": rollouts.adv[b].item(),
-                                 "tokens": [tok.decode([t]) for t in ids],
-                                 "answer": batch.answer_mask[b, P:P + n].tolist(),
-                                 "score": rollouts.scores[b, :n].float().tolist(),
-                                 "weight": rollouts.weight[b, :n].tolist()}) + "\n")
+            ids = batch.input_ids[b, P : P + n].tolist()
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": tok.decode(gen.prompt_ids[j]),
+                        "response": gen.texts[j],
+                        "reward": nan_none(rollouts.rewards[j].item()),
+                        "adv": rollouts.adv[b].item(),
+                        "tokens": [tok.decode([t]) for t in ids],
+                        "answer": batch.answer_mask[b, P : P + n].tolist(),
+                        "score": rollouts.scores[b, :n].float().tolist(),
+                        "weight": rollouts.weight[b, :n].tolist(),
+                    }
+                )
+                + "\n"
+            )
 
 
 def nan_none(x):
-    return None if x != x else x                     # NaN (an unscored reward) is null in JSON
+    return None if x != x else x  # NaN (an unscored reward) is null in JSON
 
 
-CURVES = {"reward/mean": "mean reward", "acc": "accuracy (reward >= 1)",      # metric -> its y label
-          "entropy": "policy entropy (nats/token)", "len/mean": "response length (tokens)"}
+CURVES = {
+    "reward/mean": "mean reward",
+    "acc": "accuracy (reward >= 1)",  # metric -> its y label
+    "entropy": "policy entropy (nats/token)",
+    "len/mean": "response length (tokens)",
+}
 
 
 def plot_curves(metrics_path, png_path, model, dataset, credit):
@@ -312,9 +381,11 @@ def plot_curves(metrics_path, png_path, model, dataset, credit):
     its y label, under a title naming the run (model, dataset, credit). Returns the figure (closed), or None
     when no step has any of them."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
     rows = [json.loads(line) for line in open(metrics_path)]
     if not any(r.get(k) is not None for r in rows for k in CURVES):
         return None
@@ -325,7 +396,7 @@ def plot_curves(metrics_path, png_path, model, dataset, credit):
         ax.set_title(k)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))             # steps are whole: no 1.5, 2.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 1.5, 2.5
     fig.suptitle(f"{model} on {dataset}, credit {credit}")
     fig.tight_layout()
     with full_disk(png_path, "the curves"):

@@ -43,6 +43,7 @@ Departures (numbered; credit.py's departure 1: rows with A = 0 get no credit):
 
 Run the tests: python -m pytest -q tests/test_credit.py
 """
+
 from __future__ import annotations
 
 import math
@@ -67,9 +68,9 @@ def prepare(scores, batch, eligible=None):
     s = scores.to(resp.device, torch.float32)
     if not bool(torch.isfinite(s[sel]).all()):
         raise ValueError("scores contain NaN or inf on the response")
-    s = torch.where(sel, s, torch.zeros_like(s))                               # (B, T)
-    hi = torch.where(sel, s, torch.full_like(s, -math.inf)).amax(-1)           # (B,)
-    lo = torch.where(sel, s, torch.full_like(s, math.inf)).amin(-1)            # (B,)
+    s = torch.where(sel, s, torch.zeros_like(s))  # (B, T)
+    hi = torch.where(sel, s, torch.full_like(s, -math.inf)).amax(-1)  # (B,)
+    lo = torch.where(sel, s, torch.full_like(s, math.inf)).amin(-1)  # (B,)
     fallback = ~batch.answer_mask.to(resp.device).bool().any(-1) | ~sel.any(-1) | ~(hi > lo)
     return s, sel, fallback
 
@@ -90,8 +91,10 @@ def nonnegative(s, sel, rule):
 
 def check_eligible(cfg, eligible):
     if cfg.token_class not in (None, "", "none") and eligible is None:
-        raise ValueError("cfg.token_class is set: pass eligible=token_class_mask(tokenizer, input_ids, "
-                         "cfg.token_class) to the shaping rule, or call credit.assign()")
+        raise ValueError(
+            "cfg.token_class is set: pass eligible=token_class_mask(tokenizer, input_ids, "
+            "cfg.token_class) to the shaping rule, or call credit.assign()"
+        )
 
 
 def shape_topk(scores, batch, cfg, eligible=None, largest=True):
@@ -99,7 +102,7 @@ def shape_topk(scores, batch, cfg, eligible=None, largest=True):
     Bottom-k ablation of Table 5) scores, ties to the earlier token; 1 on the rest (flow_credit)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
-    c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)                # every column
+    c = flow_credit(s, sel, cfg.top_frac, cfg.gamma, largest=largest)  # every column
     return finish(c.weight, sel, fallback | c.fallback, batch, s)
 
 
@@ -111,9 +114,9 @@ def shape_bottomk(scores, batch, cfg, eligible=None):
 def masked_quantile(x, m, q):
     """(B,) the q-quantile of x over the tokens in m, per row, linear interpolation (as torch.quantile);
     0 for a row without tokens."""
-    n = m.sum(-1)                                                              # (B,)
-    srt = torch.where(m, x, torch.full_like(x, math.inf)).sort(-1).values      # (B, T) tokens first
-    pos = q * (n - 1).clamp_min(0).to(x.dtype)                                 # (B,)
+    n = m.sum(-1)  # (B,)
+    srt = torch.where(m, x, torch.full_like(x, math.inf)).sort(-1).values  # (B, T) tokens first
+    pos = q * (n - 1).clamp_min(0).to(x.dtype)  # (B,)
     lo = pos.floor().long()
     hi = torch.minimum(lo + 1, (n - 1).clamp_min(0))
     vlo, vhi = srt.gather(-1, lo[:, None]).squeeze(-1), srt.gather(-1, hi[:, None]).squeeze(-1)
@@ -123,31 +126,33 @@ def masked_quantile(x, m, q):
 
 def shape_continuous(kind):
     """Table 7 continuous reweighting (departure 3): gamma = phi(s) / mean(phi(s)) over selectable tokens."""
+
     def rule(scores, batch, cfg, eligible=None):
         check_eligible(cfg, eligible)
         s, sel, fallback = prepare(scores, batch, eligible)
         m = sel.float()
-        n = m.sum(-1, keepdim=True).clamp_min(1.0)                             # (B, 1)
-        mean = (s * m).sum(-1, keepdim=True) / n                               # (B, 1)
+        n = m.sum(-1, keepdim=True).clamp_min(1.0)  # (B, 1)
+        mean = (s * m).sum(-1, keepdim=True) / n  # (B, 1)
         if kind in ("raw", "log1p"):
             nonnegative(s, sel, kind)
         if kind == "raw":
             phi = s
         elif kind == "log1p":
-            phi = torch.log1p(s / mean.clamp_min(1e-30))                       # scale-free: log1p(s / mean s)
+            phi = torch.log1p(s / mean.clamp_min(1e-30))  # scale-free: log1p(s / mean s)
         elif kind in ("sigmoid", "tanh-z"):
             std = (((s - mean) ** 2 * m).sum(-1, keepdim=True) / n).sqrt()
             z = (s - mean) / std.clamp_min(1e-30)  # (B, T) within-sequence z-score
             phi = torch.sigmoid(z) if kind == "sigmoid" else 1.0 + torch.tanh(z)
         else:  # "mad": robust z-score; MAD = 0 (over half the scores tie) -> mean absolute deviation instead
-            med = masked_quantile(s, sel, 0.5).unsqueeze(-1)                   # (B, 1)
+            med = masked_quantile(s, sel, 0.5).unsqueeze(-1)  # (B, 1)
             dev = (s - med).abs()
-            mad = 1.4826 * masked_quantile(dev, sel, 0.5).unsqueeze(-1)        # consistent for a normal
+            mad = 1.4826 * masked_quantile(dev, sel, 0.5).unsqueeze(-1)  # consistent for a normal
             scale = torch.where(mad > 0, mad, 1.2533 * (dev * m).sum(-1, keepdim=True) / n)
             phi = 1.0 + torch.tanh((s - med) / scale.clamp_min(1e-30))
         phi = phi * m
-        weight = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)          # (B, T) mean 1 over sel
+        weight = phi * n / phi.sum(-1, keepdim=True).clamp_min(1e-30)  # (B, T) mean 1 over sel
         return finish(weight, sel, fallback, batch, s)
+
     rule.__name__ = f"shape_{kind.replace('-', '_')}"
     rule.__doc__ = shape_continuous.__doc__
     return rule
@@ -163,10 +168,10 @@ def shape_soft(scores, batch, cfg, eligible=None):
     s, sel, fallback = prepare(scores, batch, eligible)
     nonnegative(s, sel, "soft")
     rank, order = ranks(s.double(), sel)
-    srt = s.double().gather(-1, order)                                         # (B, T) descending, 0 off sel
-    before = srt.cumsum(-1) - srt                                              # mass ranked strictly above
+    srt = s.double().gather(-1, order)  # (B, T) descending, 0 off sel
+    before = srt.cumsum(-1) - srt  # mass ranked strictly above
     total = srt.sum(-1, keepdim=True)
-    chosen = (before < p * total).gather(-1, rank) & sel                       # (B, T) back in token order
+    chosen = (before < p * total).gather(-1, rank) & sel  # (B, T) back in token order
     return finish(1.0 + (cfg.gamma - 1.0) * chosen.float(), sel, fallback, batch, s)
 
 
@@ -179,9 +184,9 @@ def shape_8020(scores, batch, cfg, eligible=None):
     if not 0.0 <= frac <= 1.0:
         raise ValueError(f"entropy_frac must be in [0, 1], got {frac}")
     s, sel, fallback = prepare(scores, batch, eligible)
-    pool = sel & ~fallback.unsqueeze(-1)                                       # (B, T)
+    pool = sel & ~fallback.unsqueeze(-1)  # (B, T)
     k = math.ceil(frac * int(pool.sum()) - 1e-9)
-    rank, _ = ranks(s.double().flatten()[None], pool.flatten()[None])      # one row: the whole batch
+    rank, _ = ranks(s.double().flatten()[None], pool.flatten()[None])  # one row: the whole batch
     kept = (rank.view_as(s) < k) & pool
     return finish(kept.float(), sel, fallback, batch, s)
 
@@ -197,13 +202,13 @@ def shape_bilevel(scores, batch, cfg, eligible=None):
     s, sel, fallback = prepare(scores, batch, eligible)
     nonnegative(s, sel, "bilevel")
     m = sel.float()
-    Ib = torch.log1p(s)                                                        # (B, T) eq. 14, log
+    Ib = torch.log1p(s)  # (B, T) eq. 14, log
     lo = torch.where(sel, Ib, torch.full_like(Ib, math.inf)).amin(-1, keepdim=True)
     hi = torch.where(sel, Ib, torch.full_like(Ib, -math.inf)).amax(-1, keepdim=True)
     lo, hi = torch.where(sel.any(-1, keepdim=True), lo, 0.0), torch.where(sel.any(-1, keepdim=True), hi, 0.0)
-    I = (Ib - lo) / (hi - lo + EPS) * m                                        # (B, T) eq. 14, min-max
-    t = masked_quantile(I, sel, tau).unsqueeze(-1)                             # (B, 1) percentile threshold
-    weight = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m   # eq. 16
+    I = (Ib - lo) / (hi - lo + EPS) * m  # (B, T) eq. 14, min-max
+    t = masked_quantile(I, sel, tau).unsqueeze(-1)  # (B, 1) percentile threshold
+    weight = torch.where(I < t, I / (t + EPS), 1.0 + beta * (I - t) / (1.0 - t + EPS)) * m  # eq. 16
     weight = weight * m.sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp_min(1e-30)  # eq. 17
     return finish(weight, sel, fallback, batch, s)
 
@@ -219,7 +224,7 @@ def shape_identity(scores, batch, cfg, eligible=None):
 
 
 def shape_entropy_adv(scores, batch, cfg, eligible=None):
-    """"Entropy Adv" (OAR Table 1): the multiplicative gamma stays 1 (plain GRPO); assign adds the additive
+    """ "Entropy Adv" (OAR Table 1): the multiplicative gamma stays 1 (plain GRPO); assign adds the additive
     bonus entropy_bonus(adv, scores, response_mask & ~fallback, entropy_alpha, entropy_kappa)."""
     check_eligible(cfg, eligible)
     s, sel, fallback = prepare(scores, batch, eligible)
@@ -234,13 +239,19 @@ def entropy_bonus(adv, entropy, mask, alpha=0.4, kappa=2.0):
     tokens). kappa > 1 keeps the sign of A. alpha = 0.4, kappa = 2: our reading of Cheng et al.'s defaults."""
     if not (alpha >= 0 and kappa > 0):
         raise ValueError(f"need entropy_alpha >= 0 and entropy_kappa > 0, got {alpha}, {kappa}")
-    A = adv.unsqueeze(-1) if adv.dim() == 1 else adv                            # (B, 1) or (B, T)
-    bonus = torch.minimum(alpha * entropy.detach().float(), A.abs() / kappa)   # (B, T) sg(H) as in eq. 6
+    A = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
+    bonus = torch.minimum(alpha * entropy.detach().float(), A.abs() / kappa)  # (B, T) sg(H) as in eq. 6
     return A + bonus * mask.float()
 
 
-SHAPINGS = {"topk": shape_topk, "bottomk": shape_bottomk,
-            **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
-            "soft": shape_soft, "80-20": shape_8020, "bilevel": shape_bilevel,
-            "entropy-adv": shape_entropy_adv, "identity": shape_identity}
-BATCH_RULES = {"80-20"}   # one threshold over the whole batch: scores of every row before any loss
+SHAPINGS = {
+    "topk": shape_topk,
+    "bottomk": shape_bottomk,
+    **{k: shape_continuous(k) for k in ("raw", "log1p", "sigmoid", "tanh-z", "mad")},
+    "soft": shape_soft,
+    "80-20": shape_8020,
+    "bilevel": shape_bilevel,
+    "entropy-adv": shape_entropy_adv,
+    "identity": shape_identity,
+}
+BATCH_RULES = {"80-20"}  # one threshold over the whole batch: scores of every row before any loss

@@ -49,6 +49,7 @@ Departures (numbered):
 
 Run the tests: python -m pytest -q tests/test_credit.py tests/test_baselines.py
 """
+
 from __future__ import annotations
 
 import math
@@ -71,7 +72,8 @@ from training.oar import (
 
 class ForwardOutputs(NamedTuple):
     """What the training forward already computed, for the fused signals. Either field may be None."""
-    attn: torch.Tensor | None     # (B, T, T) head/layer-mean attention of cfg.layers, detached
+
+    attn: torch.Tensor | None  # (B, T, T) head/layer-mean attention of cfg.layers, detached
     entropy: torch.Tensor | None  # (B, R) entropy of the distribution that predicts response column P + j
 
 
@@ -83,7 +85,7 @@ def signal_none(model, batch, cfg, outputs=None):
 def signal_random(model, batch, cfg, outputs=None):
     """Uniform [0, 1) scores on the response, the neutral lower bound of Table 2 ("Random")."""
     g = torch.Generator().manual_seed(batch_seed(batch.input_ids, cfg.seed))
-    u = torch.rand(batch.input_ids.shape, generator=g)                       # (B, T) drawn on the CPU
+    u = torch.rand(batch.input_ids.shape, generator=g)  # (B, T) drawn on the CPU
     return u.to(batch.response_mask.device) * batch.response_mask.float()
 
 
@@ -98,13 +100,13 @@ def graph(model, batch, cfg, outputs):
 
 def signal_flow(model, batch, cfg, outputs=None):
     """FlowTracer: throughput tau of the answer-targeted flow on the middle layers' attention DAG (§3.3)."""
-    attn = graph(model, batch, cfg, outputs)                                  # (B, T, T)
+    attn = graph(model, batch, cfg, outputs)  # (B, T, T)
     dev = attn.device
     valid = batch.attention_mask.to(dev).bool()
     q, a = batch.question_mask.to(dev), batch.answer_mask.to(dev)
-    tau = trace_flow(attn, q, a, attention_mask=valid).throughput                 # (B, T) eq. 1-4
+    tau = trace_flow(attn, q, a, attention_mask=valid).throughput  # (B, T) eq. 1-4
     resp = batch.response_mask
-    return (tau.float() * resp.to(dev)).to(resp.device)                       # (B, T)
+    return (tau.float() * resp.to(dev)).to(resp.device)  # (B, T)
 
 
 @torch.no_grad()
@@ -122,16 +124,18 @@ def signal_entropy(model, batch, cfg, outputs=None, rows_per_block=None):
     mask = batch.attention_mask.to(dev)
     resp = batch.response_mask.to(dev).bool()
     with eval_mode(model):
-        h = hidden(model, mask, batch.input_ids.to(dev))                       # (B, T, D)
+        h = hidden(model, mask, batch.input_ids.to(dev))  # (B, T, D)
         pred = torch.zeros_like(resp)
-        pred[:, :-1] = resp[:, 1:]                                             # column t - 1 predicts token t
-        rows, cols = pred.nonzero(as_tuple=True)                               # (N,)
+        pred[:, :-1] = resp[:, 1:]  # column t - 1 predicts token t
+        rows, cols = pred.nonzero(as_tuple=True)  # (N,)
         V = model.get_output_embeddings().weight.shape[0]
-        step = rows_per_block or max(1, 2 ** 25 // V)
+        step = rows_per_block or max(1, 2**25 // V)
         H = torch.zeros(len(rows), dtype=torch.float32, device=dev)
         for i in range(0, len(rows), step):
-            logp = torch.log_softmax(lm_logits(model, h[rows[i:i + step], cols[i:i + step]]), -1)  # (n, V)
-            H[i:i + step] = -(logp.exp() * logp).sum(-1)
+            logp = torch.log_softmax(
+                lm_logits(model, h[rows[i : i + step], cols[i : i + step]]), -1
+            )  # (n, V)
+            H[i : i + step] = -(logp.exp() * logp).sum(-1)
     out = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
     out[rows, cols + 1] = H.clamp_min(0.0)
     return out.to(batch.response_mask.device)
@@ -141,9 +145,9 @@ def signal_attention(model, batch, cfg, outputs=None):
     """FlowTracer's "Attention" baseline ("using maximum attention scores as a proxy for importance", §4.1):
     max over later queries t > s of the head- and layer-mean attention a(t, s) of cfg.layers (departure 5).
     Li et al.'s own score, which §4.1 cites for it, is signal_fai."""
-    A = graph(model, batch, cfg, outputs)                                     # (B, T, T)
+    A = graph(model, batch, cfg, outputs)  # (B, T, T)
     dev = A.device
-    received = A.tril(-1).amax(-2)                                             # (B, T) max over queries t > s
+    received = A.tril(-1).amax(-2)  # (B, T) max over queries t > s
     return (received * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
 
 
@@ -157,21 +161,21 @@ def signal_gradient(model, batch, cfg, outputs=None, rows_per_block=None):
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
     resp = batch.response_mask.to(dev).bool()
     pred = torch.zeros_like(resp)
-    pred[:, :-1] = resp[:, 1:]                                                 # column l predicts token l + 1
-    rows, cols = pred.nonzero(as_tuple=True)                                   # (N,)
+    pred[:, :-1] = resp[:, 1:]  # column l predicts token l + 1
+    rows, cols = pred.nonzero(as_tuple=True)  # (N,)
     score = torch.zeros(resp.shape, dtype=torch.float32, device=dev)
     if not len(rows):
         return score.to(batch.response_mask.device)
     V = model.get_output_embeddings().weight.shape[0]
-    step = rows_per_block or max(1, 2 ** 25 // V)
+    step = rows_per_block or max(1, 2**25 // V)
     logp = lambda h, y: torch.log_softmax(lm_logits(model, h), -1).gather(-1, y[:, None]).sum()  # noqa: E731
     with eval_mode(model), torch.autocast(dev.type, enabled=False), torch.enable_grad():
-        e = model.get_input_embeddings()(ids).detach().requires_grad_(True)   # (B, T, D)
-        h = hidden(model, mask, inputs_embeds=e)                               # (B, T, D)
-        blocks = [(rows[i:i + step], cols[i:i + step]) for i in range(0, len(rows), step)]
+        e = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # (B, T, D)
+        h = hidden(model, mask, inputs_embeds=e)  # (B, T, D)
+        blocks = [(rows[i : i + step], cols[i : i + step]) for i in range(0, len(rows), step)]
         L = sum(checkpoint(logp, h[r, c], ids[r, c + 1], use_reentrant=False) for r, c in blocks)  # eq. above
-        (g,) = torch.autograd.grad(L, e)                                       # (B, T, D)
-    score = g.float().norm(dim=-1)                                             # (B, T) ||g_t||
+        (g,) = torch.autograd.grad(L, e)  # (B, T, D)
+    score = g.float().norm(dim=-1)  # (B, T) ||g_t||
     return (score * resp.float()).to(batch.response_mask.device)
 
 
@@ -184,14 +188,14 @@ def signal_correlation(model, batch, cfg, outputs=None):
     dev = model.device
     resp = batch.response_mask.to(dev).bool()
     with eval_mode(model):
-        h = hidden(model, batch.attention_mask.to(dev), batch.input_ids.to(dev)).float()   # (B, T, D)
+        h = hidden(model, batch.attention_mask.to(dev), batch.input_ids.to(dev)).float()  # (B, T, D)
     z = h - h.mean(-1, keepdim=True)
-    z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-12)                     # (B, T, D) unit, centred
-    m = resp.float()                                                           # (B, T)
-    pooled = (z * m[..., None]).sum(1, keepdim=True)                           # (B, 1, D) sum_s z_s
-    n = m.sum(-1, keepdim=True)                                                # (B, 1)
-    self_dot = (z * z).sum(-1)                                                 # (B, T) 1 (0: h_t constant)
-    r = ((z * pooled).sum(-1) - self_dot) / (n - 1).clamp_min(1.0)             # (B, T) mean over s != t
+    z = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, T, D) unit, centred
+    m = resp.float()  # (B, T)
+    pooled = (z * m[..., None]).sum(1, keepdim=True)  # (B, 1, D) sum_s z_s
+    n = m.sum(-1, keepdim=True)  # (B, 1)
+    self_dot = (z * z).sum(-1)  # (B, T) 1 (0: h_t constant)
+    r = ((z * pooled).sum(-1) - self_dot) / (n - 1).clamp_min(1.0)  # (B, T) mean over s != t
     r = torch.where(n > 1, r, torch.zeros_like(r)).clamp(-1.0, 1.0)
     return ((1.0 + r) / 2.0 * m).to(batch.response_mask.device)
 
@@ -209,31 +213,32 @@ def signal_fai(model, batch, cfg, outputs=None):
     per-head maps, so the model runs with eager attention; one layer's (B, H, T, T) maps exist at a time.
     Tokens with no t in the window get 0."""
     win = cfg.attn_window
-    w0, w1 = (int(x) for x in (win.split(":") if isinstance(win, str) else win))   # (10, 100) or "10:100"
+    w0, w1 = (int(x) for x in (win.split(":") if isinstance(win, str) else win))  # (10, 100) or "10:100"
     frac = cfg.attn_global_frac
     if not (0 <= w0 <= w1 and 0.0 < frac <= 1.0):
         raise ValueError("need 0 <= attn_window[0] <= attn_window[1] and 0 < attn_global_frac <= 1")
     dev = model.device
     ids, mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)
-    valid = mask.bool().float()                                                # (B, T)
+    valid = mask.bool().float()  # (B, T)
     T = ids.shape[-1]
     ar = torch.arange(T, device=dev)
-    lag = (ar[:, None] - ar[None, :]).float()                                  # (T, T) t - s, query t, key s
-    band = ((lag >= w0) & (lag <= w1)).float()                                 # (T, T) the FAI window
-    count = torch.einsum("bt,ts->bs", valid, band).clamp_min(1.0)              # (B, T) queries in the window
+    lag = (ar[:, None] - ar[None, :]).float()  # (T, T) t - s, query t, key s
+    band = ((lag >= w0) & (lag <= w1)).float()  # (T, T) the FAI window
+    count = torch.einsum("bt,ts->bs", valid, band).clamp_min(1.0)  # (B, T) queries in the window
     layers = select_layers(cfg.layers, model.config.num_hidden_layers)
-    dist, fai = [], []                                                         # per layer: (H,), (B, H, T)
+    dist, fai = [], []  # per layer: (H,), (B, H, T)
 
     def keep(module, args, out):
         A = out[1].float() * valid[:, None, :, None] * valid[:, None, None, :]  # (B, H, T, T) query t, key s
         d = (A * lag.clamp_min(0)).sum((-1, -2)) / valid.sum(-1, keepdim=True)  # (B, H) mean distance
         dist.append(d.mean(0))
-        fai.append(torch.einsum("bhts,ts->bhs", A, band) / count[:, None])       # (B, H, T)
+        fai.append(torch.einsum("bhts,ts->bhs", A, band) / count[:, None])  # (B, H, T)
         if module.layer_idx == layers[-1]:
-            raise _Done                                                        # later layers are not needed
+            raise _Done  # later layers are not needed
 
-    attn_modules = [m for m in model.modules()
-                    if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")]
+    attn_modules = [
+        m for m in model.modules() if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")
+    ]
     old = model.config._attn_implementation
     hooks = [m.register_forward_hook(keep) for m in attn_modules]
     try:
@@ -248,14 +253,23 @@ def signal_fai(model, batch, cfg, outputs=None):
         model.set_attn_implementation(old)
     if len(dist) != len(layers):
         raise RuntimeError(f"captured {len(dist)} of {len(layers)} attention layers; is this a decoder LM?")
-    D, F = torch.cat(dist), torch.cat(fai, dim=1)                              # (L*H,), (B, L*H, T)
+    D, F = torch.cat(dist), torch.cat(fai, dim=1)  # (L*H,), (B, L*H, T)
     k = max(1, math.ceil(frac * len(D) - 1e-9))
-    top = torch.topk(D, k).indices                                             # the global heads
+    top = torch.topk(D, k).indices  # the global heads
     return (F[:, top].mean(1) * batch.response_mask.to(dev).float()).to(batch.response_mask.device)
 
 
-SIGNALS = {"none": signal_none, "flow": signal_flow, "random": signal_random, "entropy": signal_entropy,
-           "gradient": signal_gradient, "correlation": signal_correlation, "attention": signal_attention,
-           "fai": signal_fai, "oar-p": signal_oar_p, "oar-g": signal_oar_g}
-FUSED = {"none", "random", "flow", "entropy", "attention"}   # can read `outputs` instead of a forward
-NEEDS = {"flow": "attn", "attention": "attn", "entropy": "entropy"}   # what each fused signal reads
+SIGNALS = {
+    "none": signal_none,
+    "flow": signal_flow,
+    "random": signal_random,
+    "entropy": signal_entropy,
+    "gradient": signal_gradient,
+    "correlation": signal_correlation,
+    "attention": signal_attention,
+    "fai": signal_fai,
+    "oar-p": signal_oar_p,
+    "oar-g": signal_oar_g,
+}
+FUSED = {"none", "random", "flow", "entropy", "attention"}  # can read `outputs` instead of a forward
+NEEDS = {"flow": "attn", "attention": "attn", "entropy": "entropy"}  # what each fused signal reads

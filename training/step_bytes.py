@@ -70,6 +70,7 @@ Departures (numbered):
 Run: python eval.py memory --model qwen3-4b-random      (the table of this estimate, in a second)
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
+
 import dataclasses
 import functools
 import json
@@ -94,8 +95,17 @@ from training.footprint import (
 from training.load import precision
 
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
-COMPONENTS = ("weights", "grads", "optimizer", "cast cache", "KV cache", "activations", "logits", "attention",
-              "workspace")
+COMPONENTS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "cast cache",
+    "KV cache",
+    "activations",
+    "logits",
+    "attention",
+    "workspace",
+)
 # A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
 # starts (training/budget.py: these and the powers of two below them)
 SIZES = {"gen_chunk": 64, "micro_batch": 8}
@@ -105,13 +115,14 @@ SIZES = {"gen_chunk": 64, "micro_batch": 8}
 def model_config(name):
     """The HF config of a model name, without its weights where possible (qwen3-4b: models.py's copy)."""
     from transformers import AutoConfig
+
     if name in models.RANDOM_MODELS:
         return models.qwen3_4b_config() if name == "qwen3-4b-random" else models.tiny_config(name, 260)
     if "qwen3-4b" in name.lower() and not os.path.isdir(name):
         return models.qwen3_4b_config()
     if os.path.isdir(name) and not models.adapter_dir(name):
         return AutoConfig.from_pretrained(name)
-    return models.load_config(name)            # a GGUF file's metadata, a LoRA checkpoint's base, a hub name
+    return models.load_config(name)  # a GGUF file's metadata, a LoRA checkpoint's base, a hub name
 
 
 def param_counts(mc):
@@ -124,36 +135,51 @@ def counts(config_json):
     """param_counts, the LoRA'd linears' ((name, in, out), ...) and every module's name, of a config (JSON:
     hashable, so a plan's many estimates build the meta model once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     mc = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(mc)
-    ps = list(m.parameters())                                   # tied weights appear once
+    ps = list(m.parameters())  # tied weights appear once
     emb = m.get_input_embeddings().weight
     cast = sum(p.numel() for p in ps if p.ndim == 2 and (p is not emb or mc.tie_word_embeddings))
     head = m.get_output_embeddings()
-    linears = tuple((n.rsplit(".", 1)[-1], x.in_features, x.out_features) for n, x in m.named_modules()
-                    if isinstance(x, torch.nn.Linear) and x is not head and ".layers.0." in f".{n}")
-    return sum(p.numel() for p in ps), cast, max(p.numel() for p in ps), linears, \
-        frozenset(n.rsplit(".", 1)[-1] for n, _ in m.named_modules())
+    linears = tuple(
+        (n.rsplit(".", 1)[-1], x.in_features, x.out_features)
+        for n, x in m.named_modules()
+        if isinstance(x, torch.nn.Linear) and x is not head and ".layers.0." in f".{n}"
+    )
+    return (
+        sum(p.numel() for p in ps),
+        cast,
+        max(p.numel() for p in ps),
+        linears,
+        frozenset(n.rsplit(".", 1)[-1] for n, _ in m.named_modules()),
+    )
 
 
 def lora_linears(cfg, mc):
     """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
     one, the LM head is not in a layer; a target outside the layers, lm_head, is not counted); ValueError
     naming a target that no module of the model is called (a run grpo.py refuses: load.lora_problem)."""
-    names = None if cfg.lora_targets == "all-linear" else \
-        {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    names = (
+        None
+        if cfg.lora_targets == "all-linear"
+        else {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    )
     _, _, _, layer, modules = counts(mc.to_json_string())
     unknown = sorted((names or set()) - modules)
     if unknown:
-        raise ValueError(f"--lora-targets {cfg.lora_targets}: no module of a {mc.model_type} model is called "
-                         f"{', '.join(map(repr, unknown))} (a decoder layer's linears: "
-                         f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)")
+        raise ValueError(
+            f"--lora-targets {cfg.lora_targets}: no module of a {mc.model_type} model is called "
+            f"{', '.join(map(repr, unknown))} (a decoder layer's linears: "
+            f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)"
+        )
     got = [(i, o) for n, i, o in layer if names is None or n in names]
     widest = max((min(i, o) for i, o in got), default=0)
-    if got and getattr(cfg, "lora_rank", 0) > widest:             # grpo.py refuses it (load.lora_problem)
-        raise ValueError(f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, "
-                         f"min(d_in, d_out) <= {widest}")
+    if got and getattr(cfg, "lora_rank", 0) > widest:  # grpo.py refuses it (load.lora_problem)
+        raise ValueError(
+            f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, min(d_in, d_out) <= {widest}"
+        )
     return got
 
 
@@ -169,6 +195,7 @@ class Step(NamedTuple):
     """One step's shapes and byte widths, as estimate reads them once from cfg, the model's config and the
     precision (load.precision). The model: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv
     query / key-value heads of hd each. The run: P prompt + R response = T tokens a row; B rows a step."""
+
     L: int
     D: int
     I: int
@@ -180,46 +207,68 @@ class Step(NamedTuple):
     R: int
     T: int
     B: int
-    g: int                      # rows of a generate call (gen_chunk)
-    b: int                      # rows of a micro-batch (micro_batch)
-    c: int                      # positions of a log-prob chunk (logprob_chunk)
-    k: int                      # the distinct prompts a micro-batch's forward reads (--share-prefix: once)
-    Tq: int                     # queries of a row's last pass: T, or R after a shared prompt
-    weight_bytes: int           # a weight and its gradient (LoRA: the frozen base's)
-    residual_bytes: int         # the residual stream: the embedding's output, plus each sublayer's
-    matmul_bytes: int           # a matmul's output: 2 under an autocast or bf16 weights, else 4
+    g: int  # rows of a generate call (gen_chunk)
+    b: int  # rows of a micro-batch (micro_batch)
+    c: int  # positions of a log-prob chunk (logprob_chunk)
+    k: int  # the distinct prompts a micro-batch's forward reads (--share-prefix: once)
+    Tq: int  # queries of a row's last pass: T, or R after a shared prompt
+    weight_bytes: int  # a weight and its gradient (LoRA: the frozen base's)
+    residual_bytes: int  # the residual stream: the embedding's output, plus each sublayer's
+    matmul_bytes: int  # a matmul's output: 2 under an autocast or bf16 weights, else 4
     cuda: bool
-    kahan: bool                 # bf16 weights and AdamW states + Kahan compensation (policy.py departure 1)
-    lora: bool                  # frozen base, fp32 adapters (departure 5)
-    math: bool                  # SDPA's math kernel: no fused kernel takes the dtype on this card
-    autocast: bool              # a bf16 / fp16 autocast over the forward
-    adapters: tuple             # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
-    adapter_params: int         # every adapter's parameters (fp32)
+    kahan: bool  # bf16 weights and AdamW states + Kahan compensation (policy.py departure 1)
+    lora: bool  # frozen base, fp32 adapters (departure 5)
+    math: bool  # SDPA's math kernel: no fused kernel takes the dtype on this card
+    autocast: bool  # a bf16 / fp16 autocast over the forward
+    adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
+    adapter_params: int  # every adapter's parameters (fp32)
 
 
 def read_step(cfg, mc, device, prompt_tokens, cap=None) -> Step:
     """The Step of cfg's shapes on `device` (a card of compute capability `cap`; None: the device's own)."""
     L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
-    prec = precision(cfg, device, cap)           # dtypes, scheme, the attention kernel (departure 6)
+    prec = precision(cfg, device, cap)  # dtypes, scheme, the attention kernel (departure 6)
     kahan, lora = prec.scheme == "kahan", prec.scheme == "lora"
     P, R, B = prompt_tokens, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
     b = min(cfg.micro_batch, B)
-    k = prefill_rows(b, cfg.group_size, cfg.share_prefix)                  # prompts it reads per micro-batch
-    adapted = lora_linears(cfg, mc) if lora else []                       # one layer's adapted linears
+    k = prefill_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
+    adapted = lora_linears(cfg, mc) if lora else []  # one layer's adapted linears
     rank = getattr(cfg, "lora_rank", 0)
-    return Step(L, D, I, V, Hq, Hkv, getattr(mc, "head_dim", None) or D // Hq, P, R, P + R, B,
-                g=min(cfg.gen_chunk, B), b=b, c=min(cfg.logprob_chunk, R), k=k, Tq=R if k < b else P + R,
-                weight_bytes=prec.weights.itemsize, residual_bytes=prec.weights.itemsize,
-                matmul_bytes=2 if prec.autocast or kahan else 4, cuda=torch.device(device).type == "cuda",
-                kahan=kahan, lora=lora, math=prec.math_sdpa, autocast=prec.autocast is not None,
-                adapters=(adapted, rank, prec.autocast is not None),
-                adapter_params=L * rank * sum(i + o for i, o in adapted))
+    return Step(
+        L,
+        D,
+        I,
+        V,
+        Hq,
+        Hkv,
+        getattr(mc, "head_dim", None) or D // Hq,
+        P,
+        R,
+        P + R,
+        B,
+        g=min(cfg.gen_chunk, B),
+        b=b,
+        c=min(cfg.logprob_chunk, R),
+        k=k,
+        Tq=R if k < b else P + R,
+        weight_bytes=prec.weights.itemsize,
+        residual_bytes=prec.weights.itemsize,
+        matmul_bytes=2 if prec.autocast or kahan else 4,
+        cuda=torch.device(device).type == "cuda",
+        kahan=kahan,
+        lora=lora,
+        math=prec.math_sdpa,
+        autocast=prec.autocast is not None,
+        adapters=(adapted, rank, prec.autocast is not None),
+        adapter_params=L * rank * sum(i + o for i, o in adapted),
+    )
 
 
 # ----------------------------------------------------------------------------- the phases
-def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False,
-             cap=None) -> dict:
+def estimate(
+    cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False, cap=None
+) -> dict:
     """{phase: {component: bytes}} for one GRPO step of cfg's shapes (every response max_new_tokens long,
     every row trained) on `device` under load.precision (departure 6; cap: the card's compute capability,
     None: the device's own); nothing is allocated. The docstring has each phase.
@@ -228,16 +277,18 @@ def estimate(cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None
     on, else 0). release: the engine released for the update (the plan's layout "released"), else resident.
     A size left at 0 is counted at SIZES'."""
     cfg = largest(cfg)
-    s = read_step(cfg, mc, device, prompt_tokens, cap)                 # the shapes and byte widths, once
+    s = read_step(cfg, mc, device, prompt_tokens, cap)  # the shapes and byte widths, once
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
-    engine = engine_bytes(cfg, s, widest or s.P, n_eval)              # the decode engine's K, V buffers
-    held = resident(cfg, mc, s, 0 if release else engine)              # every phase's (released: no engine)
-    fwd = Forward.of(cfg, mc, s)                                       # the forward's terms, read again later
-    return {"generation": generation_phase(cfg, mc, s, held, engine, n_eval),
-            "update forward": forward_phase(cfg, mc, s, held, fwd),
-            "credit": credit_phase(cfg, s, held, fwd),
-            "backward": backward_phase(cfg, mc, s, held, fwd),
-            "optimizer step": optimizer_phase(mc, s, held)}
+    engine = engine_bytes(cfg, s, widest or s.P, n_eval)  # the decode engine's K, V buffers
+    held = resident(cfg, mc, s, 0 if release else engine)  # every phase's (released: no engine)
+    fwd = Forward.of(cfg, mc, s)  # the forward's terms, read again later
+    return {
+        "generation": generation_phase(cfg, mc, s, held, engine, n_eval),
+        "update forward": forward_phase(cfg, mc, s, held, fwd),
+        "credit": credit_phase(cfg, s, held, fwd),
+        "backward": backward_phase(cfg, mc, s, held, fwd),
+        "optimizer step": optimizer_phase(mc, s, held),
+    }
 
 
 def largest(cfg):
@@ -246,8 +297,11 @@ def largest(cfg):
     zero = {k: v for k, v in SIZES.items() if getattr(cfg, k) == 0}
     if not zero:
         return cfg
-    return dataclasses.replace(cfg, **zero) if dataclasses.is_dataclass(cfg) else \
-        SimpleNamespace(**{**vars(cfg), **zero})
+    return (
+        dataclasses.replace(cfg, **zero)
+        if dataclasses.is_dataclass(cfg)
+        else SimpleNamespace(**{**vars(cfg), **zero})
+    )
 
 
 def engine_bytes(cfg, s, widest, n_eval) -> int:
@@ -264,13 +318,17 @@ def resident(cfg, mc, s, engine) -> dict:
     the reference is the same weights with the adapters off), the gradients and the optimizer's states of
     what trains, autocast's copies of the weights it casts, and the decode engine's buffers (`engine`)."""
     N, N_cast, _ = param_counts(mc)
-    trained = s.adapter_params if s.lora else N                        # what has gradients and AdamW states
+    trained = s.adapter_params if s.lora else N  # what has gradients and AdamW states
     cast = 2 * (s.adapter_params if s.lora else N_cast) if s.autocast and not s.kahan else 0
-    state = STATE_BYTES["lora" if s.lora else "kahan" if s.kahan else "adamw"]   # as a checkpoint holds
-    return {**dict.fromkeys(COMPONENTS, 0),
-            "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora)) + s.adapter_params * 4,
-            "grads": trained * (4 if s.lora else s.weight_bytes), "optimizer": trained * state,
-            "cast cache": cast, "KV cache": engine}
+    state = STATE_BYTES["lora" if s.lora else "kahan" if s.kahan else "adamw"]  # as a checkpoint holds
+    return {
+        **dict.fromkeys(COMPONENTS, 0),
+        "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora)) + s.adapter_params * 4,
+        "grads": trained * (4 if s.lora else s.weight_bytes),
+        "optimizer": trained * state,
+        "cast cache": cast,
+        "KV cache": engine,
+    }
 
 
 def generation_phase(cfg, mc, s, held, engine, n_eval) -> dict:
@@ -278,42 +336,60 @@ def generation_phase(cfg, mc, s, held, engine, n_eval) -> dict:
     questions, one row each): HF's cache grown by concatenation, or a chunk's prompts beside the run's
     engine, whose buffers are here whatever the layout. No gradients exist while it runs."""
     out = []
-    for rows, n in [(s.g, cfg.group_size), (min(cfg.gen_chunk, n_eval), 1)]:     # the rollout, held-out
+    for rows, n in [(s.g, cfg.group_size), (min(cfg.gen_chunk, n_eval), 1)]:  # the rollout, held-out
         if not rows:
             continue
         widths = (s.matmul_bytes, s.residual_bytes)
-        chunk = engine_generation(mc, rows, n, s.P, *widths, s.math) if engine else \
-            generation(mc, rows, n, s.P, s.R, *widths, cfg.share_prefix, s.math)
+        chunk = (
+            engine_generation(mc, rows, n, s.P, *widths, s.math)
+            if engine
+            else generation(mc, rows, n, s.P, s.R, *widths, cfg.share_prefix, s.math)
+        )
         phase = {**held, "grads": 0, **chunk}
-        phase["KV cache"] += engine                                    # the engine's buffers beside the chunk
+        phase["KV cache"] += engine  # the engine's buffers beside the chunk
         out.append(phase)
     return max(out, key=lambda x: sum(x.values()))
 
 
 class Forward(NamedTuple):
     """The update forward's terms that the credit and backward phases read too (bytes)."""
-    per_token: int              # what one decoder layer saves for backward, per token (layer_saved)
-    kept: int                   # what the forward keeps for backward after every layer (update_kept)
-    batch: int                  # the batch's ids and masks, sdpa's bool mask, old / reference log-probs
-    layer: int                  # one layer's forward workspace: its MLP, norms and sdpa's float mask
-    logits: int                 # a log-prob chunk's log-softmax, exp and product, fp32
+
+    per_token: int  # what one decoder layer saves for backward, per token (layer_saved)
+    kept: int  # what the forward keeps for backward after every layer (update_kept)
+    batch: int  # the batch's ids and masks, sdpa's bool mask, old / reference log-probs
+    layer: int  # one layer's forward workspace: its MLP, norms and sdpa's float mask
+    logits: int  # a log-prob chunk's log-softmax, exp and product, fp32
 
     @classmethod
     def of(cls, cfg, mc, s):
-        old = s.B * s.R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))   # old, reference log-probs, fp32
+        old = s.B * s.R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))  # old, reference log-probs, fp32
         layer = s.b * s.Tq * (3 * s.I * s.matmul_bytes + 2 * s.D * 4 + s.T * s.matmul_bytes)  # + float mask
-        layer += s.b * s.Tq * 2 * max([o for _, o in s.adapters[0]], default=0) * s.matmul_bytes   # LoRA's B
-        layer += math_scores(s.b, s.Hq, s.Tq, s.T) * s.math            # the math kernel's scores, probs
-        return cls(layer_saved(mc, s.T, s.matmul_bytes, s.residual_bytes, lora=s.adapters, math=s.math),
-                   kept_after(cfg, mc, s, s.L),
-                   s.B * s.T * (2 * 8 + 3) + s.b * s.Tq * s.T * (s.Hq > s.Hkv) + old,   # ids, masks; sdpa's
-                   layer, 3 * s.b * s.c * s.V * 4)
+        layer += s.b * s.Tq * 2 * max([o for _, o in s.adapters[0]], default=0) * s.matmul_bytes  # LoRA's B
+        layer += math_scores(s.b, s.Hq, s.Tq, s.T) * s.math  # the math kernel's scores, probs
+        return cls(
+            layer_saved(mc, s.T, s.matmul_bytes, s.residual_bytes, lora=s.adapters, math=s.math),
+            kept_after(cfg, mc, s, s.L),
+            s.B * s.T * (2 * 8 + 3) + s.b * s.Tq * s.T * (s.Hq > s.Hkv) + old,  # ids, masks; sdpa's
+            layer,
+            3 * s.b * s.c * s.V * 4,
+        )
 
 
 def kept_after(cfg, mc, s, n):
     """What the update's forward keeps after n decoder layers (footprint.update_kept at the step's sizes)."""
-    return update_kept(mc, n, s.b, s.k, s.P, s.T, s.matmul_bytes, s.residual_bytes, cfg.grad_checkpointing,
-                       s.adapters, s.math)
+    return update_kept(
+        mc,
+        n,
+        s.b,
+        s.k,
+        s.P,
+        s.T,
+        s.matmul_bytes,
+        s.residual_bytes,
+        cfg.grad_checkpointing,
+        s.adapters,
+        s.math,
+    )
 
 
 def captures(cfg):
@@ -328,29 +404,48 @@ def forward_phase(cfg, mc, s, held, fwd) -> dict:
     maps = captures(cfg)
     last = max(select_layers(cfg.layers, s.L)) + 1
     capture = capture_workspace(s.b, s.T, s.Hq, s.Hkv, s.hd, s.Tq, fused=s.cuda)
-    paths = [(fwd.kept, fwd.logits, 0), (kept_after(cfg, mc, s, s.L - 1), 0, fwd.layer),
-             (maps * kept_after(cfg, mc, s, last), 0, maps * capture)]
+    paths = [
+        (fwd.kept, fwd.logits, 0),
+        (kept_after(cfg, mc, s, s.L - 1), 0, fwd.layer),
+        (maps * kept_after(cfg, mc, s, last), 0, maps * capture),
+    ]
     activations, logits, workspace = max(paths, key=sum)
-    return {**held, "activations": activations, "attention": s.b * s.T * s.T * 4 if maps else 0,
-            "logits": logits, "workspace": fwd.batch + workspace}
+    return {
+        **held,
+        "activations": activations,
+        "attention": s.b * s.T * s.T * 4 if maps else 0,
+        "logits": logits,
+        "workspace": fwd.batch + workspace,
+    }
 
 
 def credit_phase(cfg, s, held, fwd) -> dict:
     """Fused: the captured maps (Capture.maps: in place) and trace_flow's fp64 copy, (b, T, T), beside what
     the forward keeps. A separate pass (credit.assign before the update, no grad): the signal's own forward,
     n rows at a time (credit.signal_scores), and its scores (B, T)."""
-    T, B, fp64 = s.T, s.B, (8 + 8 * s.cuda) * (cfg.credit == "flow")       # trace_flow's fp64 copies
+    T, B, fp64 = s.T, s.B, (8 + 8 * s.cuda) * (cfg.credit == "flow")  # trace_flow's fp64 copies
     if not credit.separate_pass(cfg):
-        return {**held, "cast cache": 0, "activations": fwd.kept,
-                "attention": captures(cfg) * s.b * T * T * (4 + fp64), "workspace": fwd.batch}
-    maps = signals.NEEDS.get(cfg.credit) == "attn"                      # the signal reads attention maps
+        return {
+            **held,
+            "cast cache": 0,
+            "activations": fwd.kept,
+            "attention": captures(cfg) * s.b * T * T * (4 + fp64),
+            "workspace": fwd.batch,
+        }
+    maps = signals.NEEDS.get(cfg.credit) == "attn"  # the signal reads attention maps
     n = s.b if cfg.credit in credit.ROWWISE else B
-    capture = maps * capture_workspace(n, T, s.Hq, s.Hkv, s.hd, fused=s.cuda)          # the rows' capture
-    own = n * T * (3 * s.D * s.residual_bytes + T) \
-        + max(n * T * (3 * s.I * s.matmul_bytes + T * s.matmul_bytes), capture)        # hidden, bool mask
-    return {**held, "grads": 0, "attention": maps * n * T * T * 4,                      # the maps, (n, T, T)
-            "workspace": B * T * (19 + 4 * (n < B)) + n * T * 19 * (n < B)             # + a micro-batch's
-            + max(own, maps * n * T * T * fp64)}                                       # forward or trace_flow
+    capture = maps * capture_workspace(n, T, s.Hq, s.Hkv, s.hd, fused=s.cuda)  # the rows' capture
+    own = n * T * (3 * s.D * s.residual_bytes + T) + max(
+        n * T * (3 * s.I * s.matmul_bytes + T * s.matmul_bytes), capture
+    )  # hidden, bool mask
+    return {
+        **held,
+        "grads": 0,
+        "attention": maps * n * T * T * 4,  # the maps, (n, T, T)
+        "workspace": B * T * (19 + 4 * (n < B))
+        + n * T * 19 * (n < B)  # + a micro-batch's
+        + max(own, maps * n * T * T * fp64),
+    }  # forward or trace_flow
 
 
 def backward_phase(cfg, mc, s, held, fwd) -> dict:
@@ -369,20 +464,30 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
     b, Tq, T, D, V, matmul = s.b, s.Tq, s.T, s.D, s.V, s.matmul_bytes
     head_grad = V * D * s.weight_bytes * (not s.lora)
     tied = bool(getattr(mc, "tie_word_embeddings", False))
-    dq = s.cuda * b * s.Hq * Tq * s.hd * 4 * (not s.math)                 # the math kernel: its dP, dS
+    dq = s.cuda * b * s.Hq * Tq * s.hd * 4 * (not s.math)  # the math kernel: its dP, dS
     dq += math_scores(b, s.Hq, Tq, T) * s.math
-    final = b * Tq * (4 * D + (1 + (not s.lora)) * D * s.residual_bytes)   # LoRA: no normalised value kept
-    log_softmax = b * s.c * V * (4 + matmul * (matmul != 4))          # a chunk's fp32 logits (+ their cast)
+    final = b * Tq * (4 * D + (1 + (not s.lora)) * D * s.residual_bytes)  # LoRA: no normalised value kept
+    log_softmax = b * s.c * V * (4 + matmul * (matmul != 4))  # a chunk's fp32 logits (+ their cast)
     chunk = max(3 * b * s.c * V * 4, log_softmax + head_grad) + (s.R > s.c) * head_grad
     replay = cfg.grad_checkpointing * (Tq < T) * b * s.P * 2 * matmul * s.hd * max(s.Hq, s.Hkv)  # prompt K, V
-    last_layer = b * Tq * (cfg.grad_checkpointing * fwd.per_token + 3 * s.I * matmul + 2 * D * 4) \
-        + s.I * D * (s.weight_bytes + matmul) * (not s.lora) + dq + replay
-    cast = held["cast cache"]                                             # the reference casts its own
+    last_layer = (
+        b * Tq * (cfg.grad_checkpointing * fwd.per_token + 3 * s.I * matmul + 2 * D * 4)
+        + s.I * D * (s.weight_bytes + matmul) * (not s.lora)
+        + dq
+        + replay
+    )
+    cast = held["cast cache"]  # the reference casts its own
     reference = (cfg.beta > 0) * (2 * b * T * D * s.residual_bytes + fwd.layer + fwd.logits + cast)
     paths = [(fwd.kept, chunk, 0), (fwd.kept - final, tied * head_grad, last_layer), (fwd.kept, 0, reference)]
     activations, logits, workspace = max(paths, key=sum)
-    return {**held, "cast cache": 0, "activations": activations, "attention": 0, "logits": logits,
-            "workspace": fwd.batch + workspace}
+    return {
+        **held,
+        "cast cache": 0,
+        "activations": activations,
+        "attention": 0,
+        "logits": logits,
+        "workspace": fwd.batch + workspace,
+    }
 
 
 def optimizer_phase(mc, s, held) -> dict:
@@ -390,8 +495,15 @@ def optimizer_phase(mc, s, held) -> dict:
     copy of v), fused on the CPU (none: load.make_optimizer); optimi's Kahan step has none on CUDA and one
     of the largest weight on the CPU (its for-loop)."""
     N, _, N_max = param_counts(mc)
-    temp = 0 if s.kahan and s.cuda else N_max * s.weight_bytes if s.kahan else \
-        (s.adapter_params if s.lora else N) * 4 if s.cuda else 0
+    temp = (
+        0
+        if s.kahan and s.cuda
+        else N_max * s.weight_bytes
+        if s.kahan
+        else (s.adapter_params if s.lora else N) * 4
+        if s.cuda
+        else 0
+    )
     return {**held, "cast cache": 0, "workspace": s.B * s.T * 19 + temp}
 
 

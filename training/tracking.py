@@ -26,6 +26,7 @@ Departures (numbered):
 Run: python -c "from training import tracking as t; r = t.open('tensorboard', '/tmp/tb', {'lr': 1e-6});
                 r.log({'loss': 0.5, 'eval/accuracy': 0.25}, step=1); r.close()"
 """
+
 import json
 import math
 import numbers
@@ -33,7 +34,7 @@ import os
 from pathlib import Path
 
 KINDS = ("none", "tensorboard", "wandb")
-PROJECT = "flowtracer"                   # the W&B project of every run
+PROJECT = "flowtracer"  # the W&B project of every run
 INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 
 
@@ -84,16 +85,19 @@ def tensorboard_writer(out, config, resume_step):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
     except ImportError:
-        raise ValueError(f"--report-to tensorboard needs the tensorboard package: {INSTALL['tensorboard']}") \
-            from None
-    purge = None if resume_step is None else resume_step + 1          # a killed run's later steps go
+        raise ValueError(
+            f"--report-to tensorboard needs the tensorboard package: {INSTALL['tensorboard']}"
+        ) from None
+    purge = None if resume_step is None else resume_step + 1  # a killed run's later steps go
     w = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
-    if resume_step is None:                                            # a resumed run: written once already
+    if resume_step is None:  # a resumed run: written once already
         w.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", global_step=0)
-        flat = {k: v if isinstance(v, (bool, int, str)) or isinstance(v, float) and math.isfinite(v)
-                else str(v) for k, v in config.items()}                # None, lists, NaN: as text
+        flat = {
+            k: v if isinstance(v, (bool, int, str)) or isinstance(v, float) and math.isfinite(v) else str(v)
+            for k, v in config.items()
+        }  # None, lists, NaN: as text
         for summary in hparams(flat, {"reward/mean": math.nan, "acc": math.nan, "eval/accuracy": math.nan}):
-            w.file_writer.add_summary(summary)                         # the HParams tab; metrics by tag
+            w.file_writer.add_summary(summary)  # the HParams tab; metrics by tag
     return w
 
 
@@ -102,8 +106,14 @@ def wandb_run(out, config):
     try:
         import wandb
     except ImportError:
-        raise ValueError(f"--report-to wandb needs the wandb package, which is not installed: "
-                         f"{INSTALL['wandb']}") from None
+        raise ValueError(
+            f"--report-to wandb needs the wandb package, which is not installed: {INSTALL['wandb']}"
+        ) from None
     out.mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=PROJECT, name=out.name, dir=str(out), config=config,
-                      mode=os.environ.get("WANDB_MODE", "offline"))
+    return wandb.init(
+        project=PROJECT,
+        name=out.name,
+        dir=str(out),
+        config=config,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+    )

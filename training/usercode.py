@@ -12,6 +12,7 @@ are named by training/reward_code.py (RewardError); Interrupted is a KeyboardInt
 
 Run the tests: python -m pytest -q tests/test_hardening.py -k interrupt
 """
+
 import contextlib
 import os
 import signal
@@ -39,15 +40,15 @@ def interruptible():
         return
 
     def stop(signum, frame):
-        for s, h in before.items():                     # the handlers in force again, for a next signal
+        for s, h in before.items():  # the handlers in force again, for a next signal
             signal.signal(s, h)
         h = before[signum]
         if h == signal.SIG_IGN:
             return
-        if h == signal.SIG_DFL:                          # SIGTERM's default: the process ends, as it would
+        if h == signal.SIG_DFL:  # SIGTERM's default: the process ends, as it would
             signal.raise_signal(signum)
         elif callable(h) and h is not signal.default_int_handler:
-            h(signum, frame)                             # RunLog.on_signal: stop_requested, then the default
+            h(signum, frame)  # RunLog.on_signal: stop_requested, then the default
         raise Interrupted(signal.Signals(signum).name)
 
     for s in SIGNALS:
@@ -69,6 +70,7 @@ def guarded():
 
     def no_exit(status=0):
         raise SystemExit(f"os._exit({status})")
+
     os._exit = no_exit
     try:
         with interruptible():
