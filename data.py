@@ -1,10 +1,12 @@
-"""The tasks: datasets, prompts and verified rewards for everything the paper trains and evaluates on.
+"""The tasks: datasets, prompts and verified rewards for everything the paper trains and evaluates on, and the
+batch a rollout becomes (where the question, the response and the answer are).
 
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
                                                 --reward function (training/reward_code.py)
   batch_reward(reward, completions, records, completion_ids) -> each completion's reward, one call a batch
+  build_batch(tokenizer, prompt_ids, response_ids) -> Batch: the token layout and its three regions (below)
 
 Tasks (`TASKS`; paper §4, App. B Table 9, App. C.3):
   math training   dapo-math-17k (deduplicated: the hub file repeats each problem ~100x), gsm8k (train)
@@ -39,6 +41,18 @@ Departures (numbered; 1-3, on the prompts, are prompts.py's):
      equal), and an answer longer than answers.MAX_ANSWER_CHARS is never parsed: it equals only as a plain
      number or in normal form (the same spelling up to spaces and TeX spacing), as a short one does first.
 
+The batch that the update reads: where the question, the response and the answer are, in tokens.
+    Batch / build_batch [left-padded prompt | right-padded response] with the three masks, as HF generate;
+                        the answer's tokens are tasks/answers.py's answer_token_range (find_answer_span's
+                        characters: the last \\boxed{...}, else <answer>...</answer>, or --answer-pattern's)
+    take                some rows of a Batch
+
+These are the sets of FlowTracer's equations (flowtracer.py): the question is the source of the flow (eq. 4),
+the answer its sink (eq. 2), the response the tokens that get credit (eq. 6). Region boundaries are
+flowtracer.py's departure 2: the question is the prompt minus special tokens (BOS, chat markers), the answer
+the content of the last \\boxed{...} (else the last <answer>...</answer>), or the last match of
+--answer-pattern (its first group, if it has one) for a task whose answer is not boxed.
+
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
 Test: python -m pytest -q tests/test_data.py      Time the rewards: python benchmarks/reward_speed.py
 """
@@ -50,8 +64,10 @@ import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import torch
+
 from tasks import arithmetic, countdown, custom, prompts
-from tasks.answers import answer_text, equivalent, last_boxed, not_finite, option_letter
+from tasks.answers import answer_text, answer_token_range, equivalent, last_boxed, not_finite, option_letter
 from tasks.prompts import STYLES, default_style, make_prompt  # noqa: F401 (data's interface)
 from tasks.rows import (
     DataError,
@@ -267,6 +283,61 @@ def batch_reward(reward, completions, records, completion_ids=None):
     if batch is not None:
         return batch(completions, records, completion_ids)
     return [float(reward(c, r)) for c, r in zip(completions, records)]
+
+
+# ----------------------------------------------------------------------------- the batch a rollout becomes
+class Batch(NamedTuple):
+    input_ids: torch.Tensor  # (B, T) long: [left-padded prompt | right-padded response]
+    attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
+    question_mask: torch.Tensor  # (B, T) bool: prompt tokens (special tokens excluded unless asked)
+    response_mask: torch.Tensor  # (B, T) bool: generated tokens, EOS included
+    answer_mask: torch.Tensor  # (B, T) bool: tokens of the final answer span inside the response
+    prompt_width: int  # P: response token j of row b sits at column P + j
+
+    def to(self, device):
+        return Batch(*(x.to(device) for x in self[:-1]), self.prompt_width)
+
+
+def build_batch(
+    tokenizer,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    question_special: bool = False,
+    device=None,
+    answer_pattern: str | None = None,
+) -> Batch:
+    """Lay out prompts + responses as HF generate does and mark the three regions (on `device`, else the CPU).
+    answer_pattern: the answer region's regular expression (find_answer_span; None: \\boxed{} / <answer>).
+
+    question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
+    attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    special = set(tokenizer.all_special_ids)
+    B, P, R = len(prompt_ids), max(map(len, prompt_ids)), max([len(r) for r in response_ids] + [0])
+    ids = torch.full((B, P + R), pad, dtype=torch.long)
+    attn_mask = torch.zeros(B, P + R, dtype=torch.long)
+    q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attn_mask[b, P - len(p) : P + len(r)] = 1
+        q[b, P - len(p) : P] = torch.tensor(
+            [question_special or t not in special for t in p], dtype=torch.bool
+        )
+        resp[b, P : P + len(r)] = True
+        rng = answer_token_range(tokenizer, list(r), answer_pattern) if r else None
+        if rng is not None:
+            ans[b, P + rng[0] : P + rng[1]] = True
+    return Batch(*(x.to(device) for x in (ids, attn_mask, q, resp, ans)), P)
+
+
+def take(batch: Batch, rows) -> Batch:
+    """The rows `rows` (a list or index tensor) of a batch, same width and prompt_width."""
+    idx = torch.as_tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+    return Batch(*(x[idx] for x in batch[:-1]), batch.prompt_width)
 
 
 if __name__ == "__main__":

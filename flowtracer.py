@@ -47,9 +47,9 @@ Departures from the paper (numbered):
  5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
     layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below), on CUDA
     in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py), chosen once
-    per run where they can run (head_mean_kernel: CUDA, Triton, a C compiler; else add_head_mean, the
-    reference, and one line saying why). Padding query rows and padding keys are zero (eager gives padding
-    queries uniform rows).
+    per run where they can run (credit.head_mean_kernel: CUDA, Triton, a C compiler; else add_head_mean,
+    the PyTorch reference in gpu_kernels/reference.py, and one line saying why). Padding query rows and
+    padding keys are zero (eager gives padding queries uniform rows).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
 Time it:       python benchmarks/flow_speed.py
@@ -65,7 +65,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from gpu_kernels import availability
+from gpu_kernels.reference import add_head_mean, auto_chunk
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -126,7 +126,7 @@ class Capture:
     A second forward given the same Capture is refused (make a new one per forward), but for the prompt and
     response passes of one forward that reads each prompt once (expand_prompts, training/policy.py).
     `head_mean`: the function that sums a layer's head means into the buffer (add_head_mean, or
-    head_mean_kernel's choice on CUDA).
+    credit.head_mean_kernel's choice on CUDA).
     `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
 
     def __init__(self, layers, chunk=None, stop_after_last=False, head_mean=None):
@@ -204,30 +204,6 @@ class _Stop(Exception):
     """Raised after the last chosen layer to end the forward pass early."""
 
 
-def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
-    """buf (B,T,S) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32.
-    The T queries are the last T of the S keys (S > T: the first S - T come from a KV cache). GQA: the G
-    query heads of a KV head are folded into the rows, (G c, D) @ (D, S), so no key is copied G times."""
-    (B, H, T, D), (Hkv, S) = query.shape, key.shape[1:3]
-    q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
-    kT = key.float().mT  # (B, Hkv, D, S), a view
-    with torch.autocast(query.device.type, enabled=False):  # fp32 also under the run's bf16 autocast
-        for s in range(0, T, chunk):
-            e = min(s + chunk, T)
-            score = (q[:, :, :, s:e].reshape(B, Hkv, -1, D) @ kT).view(B, Hkv, H // Hkv, e - s, S)
-            score.mul_(scaling)  # (B, Hkv, G, c, S)
-            if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
-                allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s + S - T)  # (c, S)
-                score.masked_fill_(~allowed, torch.finfo(score.dtype).min)
-            elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
-                score.masked_fill_(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
-            else:  # additive float mask (0 / large negative)
-                score.add_(attention_mask[:, :, None, s:e].float())
-            p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
-            buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
-            del score, p  # freed before the next chunk's score is made: two blocks at most, not three
-
-
 def capture_attention(module, query, key, value, attention_mask, scaling=None, flow_capture=None, **kwargs):
     """AttentionInterface function: sdpa's output, and the head-mean map of this layer into `flow_capture`
     when the forward was given one (Capture.take)."""
@@ -238,7 +214,7 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, f
 
 def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
     """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
-    always read its own key. A left-padding query (rollout.build_batch, HF generate's prompts) reads no key
+    always read its own key. A left-padding query (data.build_batch, HF generate's prompts) reads no key
     otherwise: the row is fully masked, and transformers 5.23 no longer repairs it. torch's CPU kernels give 0
     for such a row, some GPU kernels NaN, which reaches the gradient through 0 * NaN. A real token reads its
     own key already, so its row, and every output that is read, is unchanged; a padding row's output (its
@@ -259,27 +235,6 @@ def register_attention():
     "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
     AttentionInterface.register(IMPL, capture_attention)
     AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
-
-
-def head_mean_kernel(device):
-    """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
-    setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
-    add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
-    if torch.device(device).type != "cuda":  # the kernels are built for CUDA: nothing to ask
-        return add_head_mean
-    why = availability.unavailable(device)
-    if why is None:
-        from gpu_kernels.head_mean import head_mean_triton
-
-        print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
-        return head_mean_triton
-    print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
-    return add_head_mean
-
-
-def auto_chunk(B, H, T, budget=2**25):
-    """Query rows per chunk so that one (B, H, chunk, T) fp32 score block stays under `budget` floats."""
-    return max(1, min(T, budget // max(1, B * H * T)))
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow
@@ -410,7 +365,7 @@ def flow_credit(
     tokens off the response 0. Ties go to the earlier token. A sequence whose response carries no flow
     (no answer region, or no path from the question to the answer) gets all-1 weights and fallback=True.
     throughput, response_mask: (T,) or (B, T); the Credit holds the columns from prompt_width on (the
-    response columns of a rollout.Batch; 0: every column).
+    response columns of a data.Batch; 0: every column).
     """
     if not 0.0 <= top_frac <= 1.0:
         raise ValueError(f"top_frac must be in [0, 1], got {top_frac}")

@@ -12,7 +12,7 @@ gamma >= 0, min(r A gamma, clip(r) A gamma) = gamma * min(r A, clip(r) A): gamma
 surrogate term, as eq. 5 does, and A's sign (TRL's clip metrics) is unchanged.
 
 Layout: TRL holds prompts left-padded (B, P') and completions right-padded (B, C). The credit batch is built
-from the token ids themselves (rollout.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
+from the token ids themselves (data.build_batch, as in grpo.py: the answer is the last \\boxed{} of the
 decoded completion, or --answer-pattern's last match), so response column j of Credit.weight is
 completion token j: TRL's column j.
 
@@ -76,12 +76,13 @@ except ImportError as e:  # no TRL: one line from the command line
     sys.exit(2)
 
 import data
+from data import Batch, build_batch, take
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
 from training import credit, flags, load, reward_code, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
-from training.rollout import Batch, build_batch, prompt_ids, take
+from training.rollout import prompt_ids
 
 TRL_VERSION = "1.16.0"  # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 

@@ -66,7 +66,7 @@ from training import backoff, credit, flags, heldout, load, models, runlog, trac
 from training.load import AdapterConfig
 from training.policy import fixed_logprobs, token_logprobs
 from training.reward_code import RewardError, TaskConfig
-from training.rollout import build_batch, generate, take
+from training.rollout import generate
 from training.run import setup
 
 
@@ -254,7 +254,7 @@ def grpo_step(run, step, bad) -> Step:
     m.update(dropped)
     if not kept:
         return Step({**m, "skipped": "the dynamic filter dropped every group"}, None, bad)
-    batch = build_batch(
+    batch = data.build_batch(
         pol.tok,
         [gen.prompt_ids[j] for j in kept],
         [gen.response_ids[j] for j in kept],
@@ -327,7 +327,7 @@ def update(run, batch, trained, adv, clock) -> Update:
         first = epoch == 0  # the first epoch's forward gives the credit (dep. 8)
         for s in range(0, len(trained), cfg.micro_batch):
             mb = trained[s : s + cfg.micro_batch]
-            sub = take(batch, mb)  # b rows
+            sub = data.take(batch, mb)  # b rows
             cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), pol.autocast:
                 logp, ent = token_logprobs(

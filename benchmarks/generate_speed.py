@@ -64,10 +64,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+from data import build_batch  # noqa: E402
 from training.engine import Engine  # noqa: E402
 from training.models import load_model  # noqa: E402
 from training.policy import checkpointing, token_logprobs  # noqa: E402
-from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
+from training.rollout import generate, prompt_ids  # noqa: E402
 
 SHAPES = {
     "embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),

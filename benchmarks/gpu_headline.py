@@ -79,11 +79,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
+from data import build_batch  # noqa: E402
 from evaluation import memtrace  # noqa: E402
-from flowtracer import head_mean_kernel, select_layers  # noqa: E402
+from flowtracer import select_layers  # noqa: E402
 from training import budget, credit, runlog, step_bytes  # noqa: E402
 from training.attention import capturing  # noqa: E402
-from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
+from training.credit import head_mean_kernel  # noqa: E402
+from training.rollout import generate, prompt_ids  # noqa: E402
 from training.run import load_for_update  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import data  # noqa: E402
 import grpo  # noqa: E402
+from data import build_batch  # noqa: E402
 from training import budget, load, runlog  # noqa: E402
-from training.rollout import build_batch, generate, prompt_ids  # noqa: E402
+from training.rollout import generate, prompt_ids  # noqa: E402
 from training.run import load_for_update  # noqa: E402
 
 UPDATE = ("update forward", "backward", "optimizer step")  # grpo.py's time/update (runlog.step_metrics)

@@ -3,7 +3,8 @@
     python eval.py credit RUN_DIR [--step N]   ->   RUN_DIR/credit/step_N/credit.html, .png, .json, .md
 
 A grpo.py run saves the rows of a step, every --rollouts-every steps, with their per-token credit
-(training/runlog.py's save_rollouts) in RUN_DIR/rollouts/step_N.jsonl (N: 5 digits), one JSON object a line:
+(training/rollout_log.py's save_rollouts) in RUN_DIR/rollouts/step_N.jsonl (N: 5 digits), one JSON object a
+line:
 
   prompt    str      the prompt as the model read it: decoded with its special tokens (the chat template's)
   response  str      the response, decoded without special tokens

@@ -44,11 +44,11 @@ import re
 from tqdm import tqdm
 
 import data
+from data import build_batch
 from evaluation import probes
 from tasks.answers import answer_token_range, find_answer_span
 from training import signals
 from training.credit import CreditConfig
-from training.rollout import build_batch
 
 FORMS = {
     "answer-only": "{a}",

@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from data import build_batch
 from training import budget, load, preflight, rollout, step_bytes
-from training.rollout import build_batch
 from training.run import load_for_update
 
 

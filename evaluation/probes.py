@@ -48,10 +48,10 @@ import random
 from tqdm import tqdm
 
 import data
+from data import build_batch
 from evaluation.regenerate import decode
 from training import signals
 from training.credit import CreditConfig
-from training.rollout import build_batch
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 

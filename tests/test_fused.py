@@ -20,7 +20,7 @@ from flowtracer import Capture, select_layers
 from training import credit, policy, runlog, signals
 from training.attention import attention_graph, capturing, use_capture_attention
 from training.models import load_model
-from training.rollout import build_batch
+from data import build_batch
 from training.run import load_for_update
 
 

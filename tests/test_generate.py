@@ -11,7 +11,8 @@ import data
 import grpo
 from training import gguf, rollout
 from training.models import load_model
-from training.rollout import build_batch, generate
+from training.rollout import generate
+from data import build_batch
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]

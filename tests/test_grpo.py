@@ -397,7 +397,7 @@ def test_clock_synchronizes_on_cuda(monkeypatch):
 def test_credit_share_is_the_credits_part_of_the_step():
     """time/credit_share = time/credit / time/step, time/update = forward + backward + optimizer step."""
     from training import runlog
-    from training.rollout import Batch
+    from data import Batch
     resp = torch.tensor([[False, True, True], [False, True, False]])                # (B, T), P = 1
     batch = Batch(torch.zeros(2, 3, dtype=torch.long), resp.long(), ~resp, resp, resp & False, 1)
     up = SimpleNamespace(weight=resp[:, 1:].float(), stats={"entropy": [], "loss": 0.0, "credit/fallback": 0,

@@ -34,8 +34,9 @@ import grpo
 from evaluation import probes
 from tasks import answers
 from tasks.answers import find_answer_span
+from training import run as run_mod
 from training import checkpoint as ckpt_io
-from training import load, reward_code, runlog, usercode
+from training import load, reward_code, rundir, runlog, usercode
 from training.models import load_model
 
 
@@ -123,7 +124,7 @@ def test_a_trainer_state_with_wrong_fields_names_the_file(tmp_path, tiny_state, 
 
 
 # ----------------------------------------------------------------------------- 2. two runs, one out_dir
-HOLD = ("import sys; from training import checkpoint; checkpoint.lock_out_dir(sys.argv[1]); "
+HOLD = ("import sys; from training import rundir; rundir.lock_out_dir(sys.argv[1]); "
         "print('locked', flush=True); sys.stdin.read()")
 
 
@@ -142,9 +143,9 @@ def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypat
     finally:
         holder.stdin.close()
         holder.wait(60)
-    ckpt_io.check_out_dir(out, resume=False, overwrite=False)                  # free once the holder ends
-    ckpt_io.check_out_dir(out, resume=False, overwrite=False)                  # the same process: again fine
-    ckpt_io.unlock_out_dir(out)
+    run_mod.check_out_dir(out, resume=False, overwrite=False)                  # free once the holder ends
+    run_mod.check_out_dir(out, resume=False, overwrite=False)                  # the same process: again fine
+    rundir.unlock_out_dir(out)
 
 
 def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch, capsys):
@@ -607,7 +608,7 @@ def test_a_backtracking_pattern_stops_within_its_bound_naming_the_pattern():
     """README: one search of one response runs at most answers.PATTERN_TIMEOUT_S of CPU time; past it a
     PatternError naming the pattern and its backtracking, from find_answer_span and so from the batch
     builder and the TRL plug-in's token range (both call it). re would run this for ages."""
-    from training.rollout import build_batch
+    from data import build_batch
     text = "the answer is " * 4 + "x"
     t = time.process_time()
     with pytest.raises(answers.PatternError, match="backtracking") as e:

@@ -31,7 +31,8 @@ from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 import flowtracer  # noqa: E402
 import gpu_kernels.head_mean as head_mean  # noqa: E402
-from flowtracer import add_head_mean, select_layers  # noqa: E402
+from flowtracer import select_layers  # noqa: E402
+from gpu_kernels.reference import add_head_mean  # noqa: E402
 from training.attention import attention_graph  # noqa: E402
 from training.models import load_model  # noqa: E402
 

@@ -13,7 +13,7 @@ import flowtracer
 import grpo
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
 from training import load, models, policy, rollout
-from training.rollout import build_batch
+from data import build_batch
 
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
         "--micro-batch", "4", "--warmup-steps", "1", "--save-every", "1", "--seed", "3"]

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_kernels import reference
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -110,7 +111,7 @@ def live_at_the_first_layers_backward(tied, device):
     the second micro-batch on)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from training.rollout import build_batch
+    from data import build_batch
     _, tok = load_model("tiny-qwen3", device="cpu")
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=32768, hidden_size=64, intermediate_size=128,
@@ -363,7 +364,7 @@ def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
-    """flowtracer.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
+    """reference.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
     fp32, two (B, H, c, S) fp32 blocks (score, softmax) and two (B, c, S) sums; the previous chunk's blocks
     are freed before the next is made (they were not: a third block, found at Qwen3-4B's T on the CPU)."""
     import flowtracer
@@ -374,7 +375,7 @@ def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
     with memtrace.track_peak(q, k, mask, buf) as tr:
         base = tr.now
         tr.phase("capture")
-        flowtracer.add_head_mean(buf, q, k, mask, D ** -0.5, chunk)
+        reference.add_head_mean(buf, q, k, mask, D ** -0.5, chunk)
     c = min(chunk, T)
     counted = 4 * (B * T * H * D + B * T * Hkv * D + 2 * B * H * T * c + 2 * B * T * c)   # capture_workspace
     blocks = 2 * 4 * B * H * c * T

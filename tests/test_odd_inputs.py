@@ -1,5 +1,5 @@
 """Odd inputs get one clear error, or mean what their help says: config files of flags (flags.read_config),
-paths of the wrong kind where a run writes (checkpoint.check_out_dir), a model directory without a tokenizer
+paths of the wrong kind where a run writes (run.check_out_dir), a model directory without a tokenizer
 (models.load_model), eval.py's numbers and metrics files, and a memory snapshot that is never unpickled;
 flags given that cannot take effect (a notice each), names of modules that name nothing, a resume that would
 change the LoRA adapters, chat-template keywords that collide with the project's, a cut weights file, a
@@ -21,8 +21,9 @@ import eval as ev
 import grpo
 from evaluation import memtrace
 from tasks import prompts
+from training import run as run_mod
 from training import budget, checkpoint as ckpt_io
-from training import flags, load
+from training import flags, load, rundir
 from training.models import ModelError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def test_a_path_of_the_wrong_kind_where_the_run_writes_is_one_error(tmp_path, na
     else:
         p.symlink_to(tmp_path / "nowhere")
     with pytest.raises(ckpt_io.RunError) as e:
-        ckpt_io.check_out_dir(tmp_path, resume=resume, overwrite=overwrite, claim=claim)
+        run_mod.check_out_dir(tmp_path, resume=resume, overwrite=overwrite, claim=claim)
     assert str(p) in str(e.value) and "\n" not in str(e.value)
     assert p.is_symlink() or p.exists()                      # --overwrite deleted nothing
     assert not (tmp_path / ".lock").is_file()                # checked before the lock is taken

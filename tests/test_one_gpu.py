@@ -21,10 +21,11 @@ import pytest
 import torch
 from conftest import DEVICES, assert_to_rounding
 
+import data
 import flowtracer
 import grpo
 from gpu_kernels import availability
-from training import attention, load, models, policy, rollout, step_bytes
+from training import attention, credit, load, models, policy, rollout, step_bytes
 from training import checkpoint as ckpt_io
 from training.models import load_model
 
@@ -257,7 +258,7 @@ def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share
     each row's log-probs those of the row alone, unpadded, to rounding (fp32 against the padded batch in
     float64: conftest.assert_to_rounding): the padding rows add nothing to the loss."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
+    b = data.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
     logp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, share)
     resp = b.response_mask[:, b.prompt_width:]
     (logp * resp).sum().backward()
@@ -268,7 +269,7 @@ def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share
                                          b.prompt_width, 2, share)
     assert nan_kernel and sum(nan_kernel) == 0, nan_kernel                 # no fully masked row was built
     for j, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):                    # each row alone, no padding
-        one = rollout.build_batch(tok, [p], [r]).to(model.device)
+        one = data.build_batch(tok, [p], [r]).to(model.device)
         alone, _ = policy.token_logprobs(model, one.input_ids, one.attention_mask, one.prompt_width, 2, False)
         assert_to_rounding(alone[0][: len(r)], logp[j][resp[j]], exact[j][resp[j]], what=f"row {j}")
 
@@ -288,7 +289,7 @@ def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
 
 def test_captured_maps_of_left_padded_rows_are_finite(nan_kernel, device):
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    b = rollout.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
+    b = data.build_batch(tok, PROMPTS, RESPONSES).to(model.device)
     attn = attention.attention_graph(model, b.input_ids, b.attention_mask, layers="all")
     with attention.capturing(model, b.attention_mask, "all") as cap:
         policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 2, False)
@@ -432,7 +433,7 @@ def test_dropping_rows_copies_the_filled_part_once_per_tensor():
     ("cpu", True, {"gcc": "/usr/bin/gcc"}, "add_head_mean", None)])
 def test_the_head_mean_kernel_is_chosen_where_it_can_run(monkeypatch, capsys, device, triton, compilers,
                                                          chosen, line):
-    """flowtracer.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
+    """credit.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
     launcher (Triton's first call fails without one); else add_head_mean, and on CUDA one line saying why."""
     import importlib.util
     real = importlib.util.find_spec
@@ -441,7 +442,7 @@ def test_the_head_mean_kernel_is_chosen_where_it_can_run(monkeypatch, capsys, de
     monkeypatch.setattr(availability, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])   # as on a GPU
     monkeypatch.setattr(availability.importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" and not triton else real(name, *a))
-    fn = flowtracer.head_mean_kernel(device)
+    fn = credit.head_mean_kernel(device)
     out = capsys.readouterr().out.splitlines()
     assert fn.__name__ == chosen
     assert (out == []) if line is None else (len(out) == 1 and line in out[0])

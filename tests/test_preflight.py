@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import grpo
-from flowtracer import add_head_mean
+from gpu_kernels.reference import add_head_mean
 from gpu_kernels import availability
 from training import engine, heldout, load, policy, preflight, rollout
 from training.models import load_model

@@ -44,7 +44,7 @@ def gamma_of(credit_name, shaping_name):
     """gamma (B, R) of one grpo.update of the fixed batch under --credit credit_name --shaping shaping_name."""
     import grpo
     from training import runlog
-    from training.rollout import build_batch
+    from data import build_batch
     from training.run import load_for_update
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--micro-batch", "4", "--no-grad-checkpointing",
                            "--device", "cpu", "--credit", credit_name, "--shaping", shaping_name])

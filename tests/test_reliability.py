@@ -17,6 +17,7 @@ import data
 import grpo
 from evaluation import figures
 from tasks import answers, countdown
+from training import run as run_mod
 from training import checkpoint as ckpt_io
 from training import rundir, runlog
 from training.models import load_model
@@ -405,10 +406,10 @@ def test_a_new_run_never_silently_replaces_an_old_one(tmp_path, held, resume, ov
         (tmp_path / h).mkdir() if h.endswith("/") else (tmp_path / h).write_text("x")
     if error:
         with pytest.raises(ValueError, match=r"--resume .*--overwrite"):
-            ckpt_io.check_out_dir(tmp_path, resume, overwrite)
+            run_mod.check_out_dir(tmp_path, resume, overwrite)
         assert all((tmp_path / h).exists() for h in held)
         return
-    ckpt_io.check_out_dir(tmp_path, resume, overwrite)
+    run_mod.check_out_dir(tmp_path, resume, overwrite)
     gone = overwrite and not resume
     assert all((tmp_path / h).exists() != (gone and h != "notes.txt") for h in held)
 

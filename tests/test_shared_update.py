@@ -9,7 +9,7 @@ scale of this computation on this machine, measured against the full pass in flo
 fp64): ||shared - full|| <= 4 ||full - fp64|| + 2 eps ||fp64|| (conftest.assert_to_rounding, which says why).
 token_logprobs takes its log-softmax in fp32 by design (head(h).float()), so the "fp64" reference is fp64 up
 to the logits and fp32 after them: its error there is one fp32 rounding of the log-softmax, which the 2 eps
-term and the measured scale cover. The maps are fp32 by design too (flowtracer.add_head_mean casts Q and K):
+term and the measured scale cover. The maps are fp32 by design too (reference.add_head_mean casts Q and K):
 their reference is the fp32 softmax of fp64 queries and keys."""
 import copy
 
@@ -20,9 +20,10 @@ from conftest import assert_to_rounding, flat, grpo_steps
 import flowtracer
 import grpo
 from flowtracer import Capture, select_layers
+from gpu_kernels import reference
 from training import attention, credit, load, policy, signals
 from training.models import load_model
-from training.rollout import build_batch
+from data import build_batch
 
 # Three prompts of different lengths (so different left padding); A and B twice, not adjacent; C alone.
 PROMPTS = {"A": "Q: what is 12 + 30? Think, then answer.", "B": "Q: 7*8=?", "C": "Q: name 2+2."}
@@ -65,7 +66,7 @@ def forward(model, b, share, chunk=4, layers=None):
     attention.use_capture_attention(model)                                  # as load.load_policy
     calls = []                                                                  # head-mean maps summed
     cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
-                  head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1])
+                  head_mean=lambda *a: (calls.append(1), reference.add_head_mean(*a))[1])
     lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
     return lp, ent, cap.maps(b.attention_mask), len(calls)
 

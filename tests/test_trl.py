@@ -32,7 +32,7 @@ from training import (
 from training.attention import attention_graph, use_capture_attention  # noqa: E402
 from training.credit import CreditConfig  # noqa: E402
 from training.models import load_model  # noqa: E402
-from training.rollout import build_batch  # noqa: E402
+from data import build_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]

@@ -17,7 +17,7 @@ from tasks import custom
 from tasks.answers import find_answer_span
 from training import reward_code, runlog
 from training.models import load_model
-from training.rollout import build_batch
+from data import build_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"q": "What is 3 + 4?", "a": 7, "level": 1}, {"q": "What is 10 - 2?", "a": 8, "level": 2},

@@ -13,8 +13,8 @@ into a step. grpo.py reaches each phase through one call here:
            (rollout.generate appends each chunk as it ends). Out of memory: gen_chunk is halved, the engine
            resized to it (its buffers made again at the new width, its graphs captured again as the calls
            come: Engine.resize) and fn called again: it generates the rows not yet generated.
-  update   fn(run, ...) reads run.cfg.micro_batch (a separate credit pass too: credit.OtherCredit takes the same
-           micro-batches). Out of memory before the optimizer's step has begun (every PPO epoch of the
+  update   fn(run, ...) reads run.cfg.micro_batch (a separate credit pass too: credit.OtherCredit takes the
+           same micro-batches). Out of memory before the optimizer's step has begun (every PPO epoch of the
            default --num-iterations 1): what the step held is freed (the gradients set to None with the
            failed call's tensors), micro_batch is halved and the update redone from its start on the same
            rollouts. The loss is normalised by the whole batch (grpo.Experience.denom), so in fp32 the
@@ -131,7 +131,7 @@ def update(run, fn, *args):
             why = one_line(e)
         run.policy.opt.zero_grad(set_to_none=True)  # no partial sum carries over
         free()
-        if run.log.moved:  # an optimizer step began
+        if run.policy.moved:  # an optimizer step began
             raise OutOfMemory(
                 last_line(
                     run,

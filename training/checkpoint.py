@@ -49,15 +49,7 @@ from pathlib import Path
 
 import torch
 
-from training.rundir import (  # noqa: F401  (unlock_out_dir: the tests' way to let a directory go)
-    WRITES,
-    RunError,
-    check_unlocked,
-    dir_problem,
-    link_problem,
-    lock_out_dir,
-    unlock_out_dir,
-)
+from training.rundir import RunError, link_problem
 
 MARK = "COMPLETE"  # written last into a checkpoint directory: without it the directory is partial
 RUN_CONFIG = "run_config.json"  # the run's flags, beside the tensors (config.json is the model's)
@@ -204,37 +196,6 @@ def checkpoint_bytes(n_params, scheme, with_optimizer=True):
     adapters' alone (rank 16: 33M x 12 = 0.4 GB); without the optimizer's state (--no-save-optimizer) the
     weights alone."""
     return n_params * (WEIGHT_BYTES[scheme] + (STATE_BYTES[scheme] if with_optimizer else 0))
-
-
-def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True):
-    """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
-    checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
-    a ckpt/ already there holds. The message says how much is needed and how to need less."""
-    one = checkpoint_bytes(
-        sum(p.numel() for p in model.parameters() if p.requires_grad or scheme != "lora"),
-        scheme,
-        with_optimizer,
-    )  # lora: the adapters are saved
-    saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
-    held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
-    need = one * (2 if saves > 1 or held else 1) - held
-    free = shutil.disk_usage(out).free
-    smaller = (
-        ""
-        if scheme != "adamw" or not with_optimizer
-        else (
-            f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
-            f"{checkpoint_bytes(1, scheme)}), "
-        )
-    )
-    what = "weights + optimizer state" if with_optimizer else "weights"
-    if saves and free < need:
-        raise RunError(
-            f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
-            f"({gb(one)} each, {what}; from the second save ckpt/ and "
-            f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
-            f"(--save-every >= --steps)"
-        )
 
 
 def find_checkpoint(resume):
@@ -411,28 +372,3 @@ def run_dir(ckpt):
     ckpt.old/ beside it), where --resume continues the run (the out_dir in run_config.json is where it
     began: a moved run continues where it is now)."""
     return Path(ckpt).parent
-
-
-def check_out_dir(out, resume, overwrite, claim=True):
-    """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
-    --resume (continue it) or --overwrite (delete it first); RunError naming both flags otherwise, or the PID
-    of another run writing there. claim=False checks only and creates nothing (run.setup, before the model
-    loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
-    (lock_out_dir) and, with --overwrite, deletes the old run."""
-    out, problem = Path(out), dir_problem(out, WRITES)
-    if problem:  # a file, a symlink loop, a dangling link, no write permission, a directory
-        raise RunError(f"--out-dir {problem}")  # named metrics.jsonl, a file named ckpt: one line
-    lock_out_dir(out) if claim else check_unlocked(out)
-    held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
-    if resume or not held:
-        return
-    if not overwrite:
-        raise RunError(
-            f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
-            f"or start afresh with --overwrite"
-        )
-    if not claim:
-        return
-    kept = sorted(p.name for p in out.glob("ckpt-*"))  # --keep-checkpoints' older saves
-    for p in held + kept + ["rollouts", "curves.png", "tensorboard", "wandb"]:  # + --report-to's files
-        discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)

@@ -11,7 +11,7 @@ and GRPO multiplies each token's surrogate term by the weight gamma_{i,t} (eq. 5
 flowtracer.Credit (weight, scores (B, R), fallback (B,)), the record flow_credit gives. It is the credit
 call of flowtracer_trl.py, and of grpo.py for every setting but the paper's default (PAPER), through
 `OtherCredit`, which has the call shape of grpo.update's own lines for the default (flow with top-k).
-`batch` is a rollout.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
+`batch` is a data.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
 
 Which credit is fused into the training forward (--credit-pass fused, the default; OtherCredit decides):
   fused     signals none, random, flow, attention, entropy (signals.FUSED) with a per-row rule: the
@@ -41,9 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
+from data import take
 from flowtracer import Credit, select_layers
+from gpu_kernels import availability
+from gpu_kernels.reference import add_head_mean
 from training.oar import OUTCOMES
-from training.rollout import take
 from training.shaping import BATCH_RULES, SHAPINGS, entropy_bonus
 from training.signals import FUSED, NEEDS, SIGNALS, ForwardOutputs
 
@@ -116,7 +118,7 @@ ROWWISE = {"none", "flow", "attention", "entropy", "gradient", "correlation"}  #
 def assign(model, tok, batch, adv, cfg, outputs=None, rows=None) -> Credit:
     """The whole credit step: the signal (signals.py), the token-class mask, the shaping rule, Cheng et al.'s
     additive entropy bonus (entropy-adv), on the response columns: Credit (B, R) as flow_credit gives it.
-    batch: rollout.Batch of B rows; adv: (B,) sequence advantages; outputs: what the training forward
+    batch: data.Batch of B rows; adv: (B,) sequence advantages; outputs: what the training forward
     computed (fused pass) or None; rows: a ROWWISE signal's rows a forward (the separate pass's micro-batch),
     None: all B at once. The shaping rule always reads every row's scores."""
     scores = signal_scores(model, batch, cfg, outputs, rows)  # (B, T)
@@ -248,3 +250,20 @@ def check(cfg):
     except ValueError as e:
         return f"--layers: {e}"
     return None
+
+
+# ----------------------------------------------------------------------------- the head-mean kernel
+def head_mean_kernel(device):
+    """The function a Capture sums each layer's head means with on `device`, chosen once (training/run.py's
+    setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py) where they can run, else
+    add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
+    if torch.device(device).type != "cuda":  # the kernels are built for CUDA: nothing to ask
+        return add_head_mean
+    why = availability.unavailable(device)
+    if why is None:
+        from gpu_kernels.head_mean import head_mean_triton
+
+        print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
+        return head_mean_triton
+    print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
+    return add_head_mean

@@ -10,7 +10,7 @@ the residual stream (step_bytes.Step).
 Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms make up)
 """
 
-from flowtracer import auto_chunk
+from gpu_kernels.reference import auto_chunk
 
 
 def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=False):

@@ -22,7 +22,7 @@ cfg is a credit.CreditConfig: oar_outcome, oar_chunk (masked copies per forward,
 (both), oar_sigma (OAR-G), pad_id, seed.
 
 Departures (numbered):
- 1. AS-Mean uses the answer span of rollout.build_batch (last \\boxed{...}, else <answer>...</answer>).
+ 1. AS-Mean uses the answer span of data.build_batch (last \\boxed{...}, else <answer>...</answer>).
     A sequence without one uses LT-Logits, as OAR's warm-up does (§6.2); credit's shaping rules give such
     sequences plain GRPO anyway.
  2. The pad id: cfg.pad_id if >= 0, else the id found at the batch's padding positions, else the model's

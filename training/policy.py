@@ -221,6 +221,7 @@ class Policy:
     autocast: torch.autocast  # the precision's: bf16 or fp16, off under fp32 (load.autocast)
     device: torch.device
     kernel: str = ""  # torch-optimi's step in force (triton | foreach | for-loop); "": torch AdamW
+    moved: bool = False  # an optimizer step began since RunLog logged a step (backoff.py, RunLog.save_last)
 
     def backward(self, loss):
         """loss.backward(), the loss times the GradScaler's scale under fp16 (ScaledAdamW)."""
@@ -244,10 +245,12 @@ class Policy:
         if scaler is None:
             stepped, skipped = finite and math.isfinite(norm), False
             if stepped:
+                self.moved = True  # before the step: one that fails half-way has moved the weights
                 opt.step()
         else:
             before = scaler.get_scale()
             if finite:
+                self.moved = True
                 scaler.step(opt)  # skipped by the scaler when the gradient overflowed
             scaler.update()  # the scale halves at an overflow
             skipped = finite and scaler.get_scale() < before

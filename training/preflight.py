@@ -10,7 +10,7 @@ loaded; on CUDA it tries, in this order:
                      under the run's autocast (its dtype, its head dim and heads) on two prompts, one left-
                      padded, of two responses each (the padding mask; with --share-prefix the response pass
                      over the cached prompt, S > T), its Capture against one that sums with
-                     flowtracer.add_head_mean (the reference; 1e-4). Triton compiles a kernel per dtype, head
+                     reference.add_head_mean (the reference; 1e-4). Triton compiles a kernel per dtype, head
                      dim and mask kind: a toy input in another dtype would try another kernel.
   optimizer step     torch-optimi's AdamW step with Kahan summation on a scratch bf16 parameter, on the step
                      policy.optimi_kernel chose, when it chose Triton (Policy.use_kernel writes it)
@@ -45,12 +45,14 @@ from typing import NamedTuple
 
 import torch
 
-from flowtracer import Capture, add_head_mean
+from data import build_batch
+from flowtracer import Capture
+from gpu_kernels.reference import add_head_mean
 from training import backoff
 from training.cudagraph import one_line
 from training.engine import Engine, supports
 from training.policy import token_logprobs
-from training.rollout import build_batch, eos_ids, generate
+from training.rollout import eos_ids, generate
 
 TOLERANCE = 1e-4  # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
 

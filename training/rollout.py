@@ -27,24 +27,14 @@ Departures from the paper's setup (numbered; models.py departure 1 covers vLLM a
      a seed gives HF's samples. share_prefix=False (grpo.py --no-share-prefix) is plain HF generate on the
      repeated rows: the reference the tests compare against, and a fallback.
 
-The batch that the update reads: where the question, the response and the answer are, in tokens.
-    Batch / build_batch [left-padded prompt | right-padded response] with the three masks, as HF generate;
-                        the answer's tokens are tasks/answers.py's answer_token_range (find_answer_span's
-                        characters: the last \\boxed{...}, else <answer>...</answer>, or --answer-pattern's)
-    take                some rows of a Batch
+The batch the update reads (where the question, the response and the answer are, in tokens): data.py's
+build_batch.
 
-These are the sets of FlowTracer's equations (flowtracer.py): the question is the source of the flow (eq. 4),
-the answer its sink (eq. 2), the response the tokens that get credit (eq. 6). Region boundaries are
-flowtracer.py's departure 2: the question is the prompt minus special tokens (BOS, chat markers), the answer
-the content of the last \\boxed{...} (else the last <answer>...</answer>), or the last match of
---answer-pattern (its first group, if it has one) for a task whose answer is not boxed.
-
-Run: python -m training.rollout --model tiny-qwen3 --prompt "2+2=" --n 2 --max-new-tokens 16
+Test: python -m pytest -q tests/test_generate.py tests/test_engine.py
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 from typing import NamedTuple
 
@@ -58,11 +48,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tasks.answers import answer_token_range
 from training.engine import OPTIONS as ENGINE_OPTIONS
 from training.engine import Engine
 from training.engine import wanted as engine_wanted
-from training.models import load_model
 
 
 class Generations(NamedTuple):
@@ -388,87 +376,3 @@ def prefill_rows(model, prefix, row_ids, pad):
     which = torch.tensor([uniq.index(tuple(p)) for p in row_ids], device=model.device)  # row -> its prompt
     cache.batch_select_indices(which)  # each row: a copy of its prompt's
     return inp[which], mask[which], cache
-
-
-# ----------------------------------------------------------------------------- the batch and its regions
-class Batch(NamedTuple):
-    input_ids: torch.Tensor  # (B, T) long: [left-padded prompt | right-padded response]
-    attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens
-    question_mask: torch.Tensor  # (B, T) bool: prompt tokens (special tokens excluded unless asked)
-    response_mask: torch.Tensor  # (B, T) bool: generated tokens, EOS included
-    answer_mask: torch.Tensor  # (B, T) bool: tokens of the final answer span inside the response
-    prompt_width: int  # P: response token j of row b sits at column P + j
-
-    def to(self, device):
-        return Batch(*(x.to(device) for x in self[:-1]), self.prompt_width)
-
-
-def build_batch(
-    tokenizer,
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    question_special: bool = False,
-    device=None,
-    answer_pattern: str | None = None,
-) -> Batch:
-    """Lay out prompts + responses as HF generate does and mark the three regions (on `device`, else the CPU).
-    answer_pattern: the answer region's regular expression (find_answer_span; None: \\boxed{} / <answer>).
-
-    question_special=False drops special tokens (BOS, <|im_start|>, ...) from the question region: the BOS
-    attention sink would otherwise take most of the injected flow. The remaining chat-template words stay.
-    """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    special = set(tokenizer.all_special_ids)
-    B, P, R = len(prompt_ids), max(map(len, prompt_ids)), max([len(r) for r in response_ids] + [0])
-    ids = torch.full((B, P + R), pad, dtype=torch.long)
-    attn_mask = torch.zeros(B, P + R, dtype=torch.long)
-    q, resp, ans = (torch.zeros(B, P + R, dtype=torch.bool) for _ in range(3))
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
-        ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attn_mask[b, P - len(p) : P + len(r)] = 1
-        q[b, P - len(p) : P] = torch.tensor(
-            [question_special or t not in special for t in p], dtype=torch.bool
-        )
-        resp[b, P : P + len(r)] = True
-        rng = answer_token_range(tokenizer, list(r), answer_pattern) if r else None
-        if rng is not None:
-            ans[b, P + rng[0] : P + rng[1]] = True
-    return Batch(*(x.to(device) for x in (ids, attn_mask, q, resp, ans)), P)
-
-
-def take(batch: Batch, rows) -> Batch:
-    """The rows `rows` (a list or index tensor) of a batch, same width and prompt_width."""
-    idx = torch.as_tensor(rows, dtype=torch.long, device=batch.input_ids.device)
-    return Batch(*(x[idx] for x in batch[:-1]), batch.prompt_width)
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(
-        prog="python -m training.rollout",
-        description=__doc__.splitlines()[0] + " Samples a few responses to one prompt.",
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    ap.add_argument("--model", default="smollm2-135m", help="a name accepted by load_model")
-    ap.add_argument("--prompt", default="What is 12 * 7?", help="user message, wrapped by the chat template")
-    ap.add_argument("--n", type=int, default=2, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="response length cap")
-    ap.add_argument("--greedy", action="store_true", help="argmax decoding instead of App. C.3 sampling")
-    ap.add_argument("--seed", type=int, default=0, help="torch global seed")
-    args = ap.parse_args()
-    if min(args.n, args.max_new_tokens) < 1:
-        ap.error("--n and --max-new-tokens must be >= 1")
-    torch.manual_seed(args.seed)
-    try:
-        model, tok = load_model(args.model)
-    except (ValueError, OSError, ImportError) as e:  # models.ModelError names the file
-        ap.error(str(e))
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
-    )
-    g = generate(model, tok, [text], n=args.n, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
-    for j, (t, tr) in enumerate(zip(g.texts, g.truncated)):
-        print(f"--- row {j} ({len(g.response_ids[j])} tokens{', truncated' if tr else ''})\n{t}")

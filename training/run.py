@@ -15,6 +15,7 @@ Run: python grpo.py --model tiny-qwen3 --steps 1    (setup, then one step)
 
 import dataclasses
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -25,8 +26,10 @@ import data
 import flowtracer
 from training import budget, credit, heldout, load, models, preflight, reward_code, rundir, runlog, tracking
 from training import checkpoint as ckpt_io
+from training.checkpoint import checkpoint_bytes, discard, gb
 from training.policy import Policy, sharing_problem
 from training.rollout import prompt_ids
+from training.rundir import WRITES, RunError, check_unlocked, dir_problem, lock_out_dir
 
 
 class Task(NamedTuple):
@@ -50,7 +53,7 @@ class Run:
     cfg: object  # grpo.Config
     policy: Policy  # the model, tokenizer, reference, optimizer, schedule, autocast (policy.py)
     layers: list  # the layers the update's Capture reads (--layers); []: the credit reads none
-    head_mean: object  # the function a Capture sums head means with (flowtracer.head_mean_kernel)
+    head_mean: object  # the function a Capture sums head means with (credit.head_mean_kernel)
     task: Task | None = None  # the records, their order and prompts, the reward
     engine: object = None  # the CUDA decode engine, reserved and kept for the run (preflight.py)
     log: runlog.RunLog | None = None  # the run directory: metrics, rollouts, checkpoints, curves
@@ -73,7 +76,7 @@ def setup(cfg) -> Run:
             f"{cfg.steps}: nothing to run (give --steps more than {done})"
         )
     out = Path(cfg.out_dir)
-    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)  # no mkdir
+    check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite, claim=False)  # no mkdir
     records = data.load_task(
         cfg.dataset,
         split="train",
@@ -122,9 +125,9 @@ def setup(cfg) -> Run:
     widest = max(widths, default=1)  # the engine and the estimate are sized to it
     sized = budget.size(cfg, device, widest, len(evals))  # sizes left at 0 chosen; CUDA: to the card
     run = load_for_update(cfg, device, str(ckpt) if ckpt else None)  # the policy (departure 3), its credit
-    ckpt_io.check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)  # created, locked
+    check_out_dir(out, resume=ckpt is not None, overwrite=cfg.overwrite)  # created, locked
     start, bad = ckpt_io.load_checkpoint(ckpt, run.policy.opt, run.policy.sched) if ckpt else (0, 0)
-    ckpt_io.check_disk(
+    check_disk(
         out,
         run.policy.model,
         load.scheme(cfg, device),
@@ -182,5 +185,62 @@ def load_for_update(cfg, device, path=None) -> Run:
         cfg,
         pol,
         flowtracer.select_layers(cfg.layers, pol.model.config.num_hidden_layers) if maps else [],
-        flowtracer.head_mean_kernel(device) if maps else None,
+        credit.head_mean_kernel(device) if maps else None,
     )
+
+
+# ----------------------------------------------------------------------------- a new run's directory, checked
+def check_out_dir(out, resume, overwrite, claim=True):
+    """A new run never silently replaces an old one: an out_dir holding metrics or a checkpoint needs
+    --resume (continue it) or --overwrite (delete it first); RunError naming both flags otherwise, or the PID
+    of another run writing there. claim=False checks only and creates nothing (run.setup, before the model
+    loads: a model that fails to load leaves no directory); claim=True creates and locks out_dir
+    (lock_out_dir) and, with --overwrite, deletes the old run."""
+    out, problem = Path(out), dir_problem(out, WRITES)
+    if problem:  # a file, a symlink loop, a dangling link, no write permission, a directory
+        raise RunError(f"--out-dir {problem}")  # named metrics.jsonl, a file named ckpt: one line
+    lock_out_dir(out) if claim else check_unlocked(out)
+    held = [p for p in ("metrics.jsonl", "ckpt", "ckpt.tmp", "ckpt.old") if (out / p).exists()]
+    if resume or not held:
+        return
+    if not overwrite:
+        raise RunError(
+            f"{out} already holds a run ({', '.join(held)}): continue it with --resume {out}, "
+            f"or start afresh with --overwrite"
+        )
+    if not claim:
+        return
+    kept = sorted(p.name for p in out.glob("ckpt-*"))  # --keep-checkpoints' older saves
+    for p in held + kept + ["rollouts", "curves.png", "tensorboard", "wandb"]:  # + --report-to's files
+        discard(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
+
+
+def check_disk(out, model, scheme, start, steps, save_every, with_optimizer=True):
+    """RunError before the first step when out_dir's disk cannot take the run's checkpoints: one of
+    checkpoint_bytes, or two from the second save on (ckpt/ stays until ckpt.tmp/ is complete), less what
+    a ckpt/ already there holds. The message says how much is needed and how to need less."""
+    one = checkpoint_bytes(
+        sum(p.numel() for p in model.parameters() if p.requires_grad or scheme != "lora"),
+        scheme,
+        with_optimizer,
+    )  # lora: the adapters are saved
+    saves = len({s for s in range(start + 1, steps + 1) if s % save_every == 0 or s == steps})
+    held = sum(f.stat().st_size for f in Path(out, "ckpt").glob("*") if f.is_file())
+    need = one * (2 if saves > 1 or held else 1) - held
+    free = shutil.disk_usage(out).free
+    smaller = (
+        ""
+        if scheme != "adamw" or not with_optimizer
+        else (
+            f"a smaller optimizer state (--optimizer kahan: {checkpoint_bytes(1, 'kahan')} B/param, not "
+            f"{checkpoint_bytes(1, scheme)}), "
+        )
+    )
+    what = "weights + optimizer state" if with_optimizer else "weights"
+    if saves and free < need:
+        raise RunError(
+            f"{out}: {gb(free)} free on its disk, but the checkpoints need about {gb(need)} "
+            f"({gb(one)} each, {what}; from the second save ckpt/ and "
+            f"ckpt.tmp/ coexist): choose another --out-dir, {smaller}or save once "
+            f"(--save-every >= --steps)"
+        )

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from tasks.answers import find_answer_span
 from training import rundir
 from training.checkpoint import MARK, complete, full_disk, rng_state, save_checkpoint
+from training.rollout_log import save_rollouts
 from training.rundir import RunError
 from training.usercode import Interrupted
 
@@ -63,7 +64,7 @@ class Rollouts(NamedTuple):
     """What a step hands the run's files (grpo.grpo_step -> RunLog.step -> save_rollouts): the B rows it
     trained on, of the N it sampled."""
 
-    batch: object  # rollout.Batch of the kept rows, (B, T)
+    batch: object  # data.Batch of the kept rows, (B, T)
     gen: object  # rollout.Generations of every sampled row (N)
     kept: list  # batch row b is sampled row kept[b] (--dynamic-filter drops rows)
     rewards: torch.Tensor  # (N,) every sampled row's reward
@@ -84,15 +85,9 @@ class RunLog:
         self.last = None  # Last: the last step this process completed (None: none yet)
         self.lock = rundir.held(self.out)  # the directory's open lock file (setup locked it), or None
         self.backoffs = 0  # out-of-memory back-offs this step (training/backoff.py counts)
-        self.moved = False  # an optimizer step began since that step: its state is gone
-        policy.opt.register_step_pre_hook(self.on_optimizer_step)
         if threading.current_thread() is threading.main_thread():  # (a test's thread installs nothing)
             for s in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(s, self.on_signal)
-
-    def on_optimizer_step(self, *_):
-        """Before every optimizer step: the weights and the optimizer leave the last logged step's state."""
-        self.moved = True
 
     def on_signal(self, signum, _frame):
         """The first Ctrl-C or SIGTERM sets stop_requested; a second stops at once (the default handler)."""
@@ -143,7 +138,10 @@ class RunLog:
                 self.save(done, bad)
         except RunError as e:
             return str(e)
-        self.last, self.moved = Last(done, bad, due, rng_state()), False  # what the next step starts from
+        self.last, self.policy.moved = (
+            Last(done, bad, due, rng_state()),
+            False,
+        )  # what the next step starts from
         return None
 
     def save(self, done, bad, rng=None):
@@ -176,7 +174,7 @@ class RunLog:
         update stepped (your reward or pattern: `stopped`; out of memory: training/backoff.py) loses
         nothing, and --resume is exact. Returns what stands, as words for the run's last line."""
         last, note = self.last, ""
-        if last is not None and not last.saved and not self.moved:
+        if last is not None and not last.saved and not self.policy.moved:
             try:
                 self.save(last.done, last.bad, last.rng)
                 self.last = last._replace(saved=True)
@@ -336,38 +334,6 @@ def credit_stats(weight, adv, on):
 
 
 # ----------------------------------------------------------------------------- files a step writes
-def save_rollouts(path, tok, rollouts):
-    """One JSON line per rollout (rollouts: Rollouts, the rows a step kept; a group's rows consecutive):
-    prompt (decoded with its special tokens), response (without), reward r_i, adv A_i (0: not trained, no
-    credit), and per response token: tokens (each decoded alone), answer (in eq. 2's answer region), score
-    (the credit's; flow: tau; 0 on a row not trained), weight (gamma_it, eq. 6). `python eval.py credit
-    RUN_DIR` draws them (evaluation/credit_page.py describes each field)."""
-    batch, gen, P = rollouts.batch, rollouts.gen, rollouts.batch.prompt_width
-    with full_disk(path, "the rollouts"), open(path, "w") as fh:
-        for b, j in enumerate(rollouts.kept):
-            n = int(batch.response_mask[b].sum())
-            ids = batch.input_ids[b, P : P + n].tolist()
-            fh.write(
-                json.dumps(
-                    {
-                        "prompt": tok.decode(gen.prompt_ids[j]),
-                        "response": gen.texts[j],
-                        "reward": nan_none(rollouts.rewards[j].item()),
-                        "adv": rollouts.adv[b].item(),
-                        "tokens": [tok.decode([t]) for t in ids],
-                        "answer": batch.answer_mask[b, P : P + n].tolist(),
-                        "score": rollouts.scores[b, :n].float().tolist(),
-                        "weight": rollouts.weight[b, :n].tolist(),
-                    }
-                )
-                + "\n"
-            )
-
-
-def nan_none(x):
-    return None if x != x else x  # NaN (an unscored reward) is null in JSON
-
-
 CURVES = {
     "reward/mean": "mean reward",
     "acc": "accuracy (reward >= 1)",  # metric -> its y label
