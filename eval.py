@@ -64,11 +64,11 @@ from evaluation import credit_page, figures, highflow, probes, stats
 from evaluation import recall as recall_probe
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
-from training import flags, oar, rundir, signals
+from training import helptext, oar, rundir, signals
 from training.models import ModelError, adapter_dir, device_problem, load_model
 from training.rollout import generate
 
-CMDS = flags.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
+CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
 BENCHMARKS = [
     "gsm8k",
     "math500",
@@ -304,7 +304,7 @@ def parse(argv=None):
         description=__doc__.splitlines()[0],
         allow_abbrev=False,
         epilog="eval.py CMD --help: its flags",
-        formatter_class=flags.Formatter,
+        formatter_class=helptext.Formatter,
     )
     sub = ap.add_subparsers(dest="cmd", required=True, title="commands", metavar="CMD")
 
@@ -314,7 +314,7 @@ def parse(argv=None):
             allow_abbrev=False,
             help=CMDS[name][0].replace("%", "%%"),
             description=CMDS[name][1],
-            formatter_class=flags.Formatter,
+            formatter_class=helptext.Formatter,
             usage="%(prog)s [--flag VALUE ...]",
             **kw,
         )
@@ -432,7 +432,7 @@ def parse(argv=None):
     p.add_argument(
         "--answer-pattern",
         default=None,
-        type=flags.answer_pattern,
+        type=helptext.answer_pattern,
         help="regex of the answer "
         "region, as grpo.py's (default: the last \\boxed{}, else <answer>...</answer>)",
     )

@@ -40,7 +40,7 @@ Departures from grpo.py (numbered):
  5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
  6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
     (load.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
-    --learning-rate, 10x the lr (grpo.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
+    --learning-rate, 10x the lr (presets.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
@@ -79,7 +79,7 @@ import data
 from data import Batch, build_batch, take
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
-from training import credit, flags, load, reward_code, runlog, signals
+from training import credit, flags, helptext, load, presets, reward_code, runlog, signals
 from training.attention import capturing
 from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import prompt_ids
@@ -360,7 +360,7 @@ def parse_args(argv=None):
         prog="flowtracer_trl.py",
         description=__doc__.splitlines()[0],
         allow_abbrev=False,
-        formatter_class=flags.Formatter,
+        formatter_class=helptext.Formatter,
         usage="%(prog)s [--flag VALUE ...] [trl.GRPOConfig flags]",
         epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
         "--per-device-train-batch-size, ...: see TRL's GRPOConfig).",
@@ -407,7 +407,7 @@ def parse_args(argv=None):
         **{
             **DEFAULTS,
             **(
-                {"learning_rate": grpo.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
+                {"learning_rate": presets.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
                 if args.lora_rank > 0 and not lr_given
                 else {}
             ),

@@ -22,7 +22,7 @@ the rollout, update and evaluation run through training/backoff.py: out of memor
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
-    over micro-batches stands in for data parallelism: --paper-batch (PAPER_BATCH) is the paper's 64 x 8.
+    over micro-batches stands in for data parallelism: --paper-batch is the paper's 64 x 8 (presets.py).
  2. Per-token log-probs come from a chunked selective log-softmax, recomputed in backward: the (B, T, V)
     fp32 logits of the whole batch never exist (training/policy.py).
  3. On CUDA (--optimizer auto = kahan) weights, gradients and AdamW states are bf16 with a bf16 Kahan
@@ -30,19 +30,17 @@ Departures from the paper (numbered):
     80 GB GPU (training/load.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
     A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision, load.py).
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
- 5. The embedded SmolLM2-135M-Instruct (the default --model, named or not) trains on the offline arithmetic
-    dataset with a small batch and a larger lr (EMBEDDED below) so that it finishes on a CPU, and keeps one
-    checkpoint without the optimizer's state (--no-save-optimizer): ~540 MB on disk.
- 6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without defining the length
-    rule. --dynamic-filter drops groups with accuracy outside [0.1, 0.95] and, as DAPO's overlong filter,
-    responses cut at max_new_tokens. Off for the embedded run, on for the paper's models (PAPER_MODEL below).
+ 5. The embedded SmolLM2-135M-Instruct (the default --model) trains on the offline arithmetic dataset with a
+    small batch and a larger lr, so that it finishes on a CPU, and keeps its weights alone (presets.py).
+ 6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without a length rule:
+    --dynamic-filter adds DAPO's overlong filter (dynamic_filter.py); on for the paper's models (presets.py).
  7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
     credit. The logged entropy is therefore over the rows that were trained.
  8. PPO epochs beyond the first (--num-iterations > 1) keep the first epoch's credit: gamma is part of the
     advantage, fixed by the rollout policy, as A is.
  9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer (attention and MLP), not every weight,
     so Qwen3-4B's step fits a 24 GB GPU; "LoRA Without Regret" (Schulman et al., Thinking Machines Lab, 2025)
-    finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (LORA below).
+    finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (presets.py).
     The base stays frozen; rollouts, credit and update read the adapted model (training/load.py, dep. 4).
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
@@ -62,7 +60,8 @@ from tqdm import tqdm
 import data
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
-from training import backoff, credit, flags, heldout, load, models, runlog, tracking
+from training import backoff, credit, flags, heldout, presets, runlog
+from training.dynamic_filter import kept_rows
 from training.load import AdapterConfig
 from training.policy import fixed_logprobs, token_logprobs
 from training.reward_code import RewardError, TaskConfig
@@ -82,7 +81,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     max_prompt_tokens: int = 1024  # longer prompts are skipped with a warning and counted
     # rollout (App. C.3)
     prompts_per_step: int = 16  # prompts per step (the paper: 64 on 8 GPUs, App. C.3; 16 fit one GPU)
-    paper_batch: bool = False  # the paper's 64 x 8 samples per step, accumulated (PAPER_BATCH)
+    paper_batch: bool = False  # the paper's 64 x 8 samples per step, accumulated (presets.py)
     group_size: int = 8  # G, samples per prompt for the group advantage (the paper's, App. C.3)
     max_new_tokens: int = 1024  # response budget in tokens (the paper's; 8,192 in long runs; App. C.3)
     temperature: float = 0.99  # sampling temperature of the rollouts (the paper's, §4.1, App. C.3)
@@ -134,34 +133,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
-# Departure 5: the embedded model runs on a CPU in minutes, one checkpoint of its weights alone; flags win.
-EMBEDDED = dict(
-    prompts_per_step=2,
-    group_size=4,
-    max_new_tokens=128,
-    steps=6,
-    lr=1e-5,
-    warmup_steps=2,
-    micro_batch=4,
-    gen_chunk=8,
-    rollouts_every=2,
-    max_prompt_tokens=768,
-    save_optimizer=False,
-    grad_checkpointing=False,
-    out_dir="runs/embedded",
-)
-PAPER_MODEL = dict(dynamic_filter=True)  # departure 6: the paper's models get App. C.3's dynamic filter
-PAPER_BATCH = dict(prompts_per_step=64, group_size=8)  # departure 1: 64 prompts x 8, accumulated; flags win
-LORA_LR_FACTOR = 10  # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
-LORA = dict(lr=round(LORA_LR_FACTOR * Config.lr, 15))  # 1e-5 (round: not 9.999999999999999e-06)
-LORA_EMBEDDED = dict(lr=round(LORA_LR_FACTOR * EMBEDDED["lr"], 15))
-PRESETS = {
-    "the embedded model": EMBEDDED,
-    "a paper model": PAPER_MODEL,
-    "--paper-batch": PAPER_BATCH,
-    "--lora-rank": LORA,
-    "--lora-rank on the embedded model": LORA_EMBEDDED,
-}
+PRESETS = presets.table(Config)  # the embedded run's, the paper's, LoRA's: training/presets.py
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -177,21 +149,7 @@ def train(cfg: Config, run=None) -> Outcome:
     for step in tqdm(range(run.start, cfg.steps), desc="grpo", initial=run.start, total=cfg.steps):
         m, rollouts, bad = grpo_step(run, step, bad)  # rollout -> reward -> credit -> update
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):  # eval/*
-            m.update(
-                backoff.generate(
-                    run,
-                    "held-out evaluation",
-                    heldout.accuracy,
-                    run.policy.model,
-                    run.policy.tok,
-                    run.task.eval_records,
-                    run.task.style,
-                    cfg.max_new_tokens,
-                    engine=run.engine,
-                    reward=run.task.reward,
-                    template_kwargs=run.task.template_kwargs,
-                )
-            )
+            m.update(heldout.evaluate(run))  # greedy accuracy on the held-out set, backed off
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
@@ -267,9 +225,7 @@ def grpo_step(run, step, bad) -> Step:
     up = backoff.update(run, update, batch, trained, adv, clock)  # out of memory: a smaller micro_batch
     bad = 0 if up.stepped or up.skipped else bad + 1  # non-finite loss or gradient: no step (train stops)
     lr = pol.next_lr(up.stepped)  # the warmup schedule: once a GRPO step that stepped
-    m.update(
-        runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr, pol.device)
-    )
+    m |= runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr, pol.device)
     return Step(m, runlog.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
@@ -310,18 +266,12 @@ def update(run, batch, trained, adv, clock) -> Update:
     with clock.phase("credit"):  # every other credit: training/credit.py, one object, the same
         other = None if paper else credit.OtherCredit(run, batch, trained, adv)  # call shape and record
     with clock.phase("update forward"), pol.autocast:
+        old = ref = None  # (B, R) on-policy: the forward's own log pi, detached (test_fused.py)
         if cfg.num_iterations > 1:  # PPO's old log pi (B, R): the pre-update policy's
-            model.eval()  # (on-policy: the forward's own, detached; test_fused.py)
-        old = (
-            fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
-            if cfg.num_iterations > 1
-            else None
-        )
-        ref = (
-            None
-            if pol.ref is None
-            else pol.ref_logprobs(batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
-        )  # (B, R)
+            model.eval()
+            old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
+        if pol.ref is not None:  # the reference's log pi (B, R), for the k3 KL term (beta > 0)
+            ref = pol.ref_logprobs(batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
     model.train()
     for epoch in range(cfg.num_iterations):
         first = epoch == 0  # the first epoch's forward gives the credit (dep. 8)
@@ -383,11 +333,9 @@ def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     (adv (B,), zero_std (B/G,) bool); a group without variation gets A = 0, a NaN (unscored) reward too."""
     r = rewards.view(-1, G)  # (B/G, G)
     adv = r - r.nanmean(-1, keepdim=True)  # over the scored rewards
-    std = (
-        r.std(-1, unbiased=False, keepdim=True)
-        if not r.isnan().any()
-        else adv.double().pow(2).nanmean(-1, keepdim=True).sqrt().float()
-    )  # population std, as in OAR eq. 2
+    std = r.std(-1, unbiased=False, keepdim=True)  # population std, as in OAR eq. 2
+    if r.isnan().any():  # over the scored rewards
+        std = adv.double().pow(2).nanmean(-1, keepdim=True).sqrt().float()
     if scale_std:
         adv = adv / (std + 1e-6)
     return adv.nan_to_num(0.0).clamp(-clip, clip).view(-1), ~(std.squeeze(-1) >= 1e-8)
@@ -419,56 +367,13 @@ def grpo_loss(logp, exp: Experience, cfg):
     return loss, stats
 
 
-def kept_rows(rewards, truncated, cfg):
-    """(row indices for the update, {metric: count dropped}) under --dynamic-filter (App. C.3, departure 6):
-    groups with accuracy in [filter_low, filter_high], and in them the responses that ended before
-    max_new_tokens."""
-    acc = (rewards.view(-1, cfg.group_size) >= 1).float().mean(-1)  # (B/G,)
-    ok = (acc >= cfg.filter_low) & (acc <= cfg.filter_high)
-    kept = [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
-    return kept, {"groups/filtered": int((~ok).sum()), "rows/truncated_dropped": int(sum(truncated))}
-
-
 # ----------------------------------------------------------------------------- command line
-def presets(model, paper_batch, lora_rank=0) -> list:
-    """The PRESETS in force, by what the flags mean: the embedded model (named or not), a paper model (§4.1),
-    --paper-batch, LoRA's learning rate (--lora-rank > 0; the embedded model's own); applied in this order,
-    and the flags given win over them."""
-    paper, embedded = any(k in str(model).lower() for k in PAPER_MODELS), models.is_embedded(model)
-    lora = str(lora_rank).isdigit() and int(lora_rank) > 0  # as given on the command line: a word
-    on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)
-    return [k for k, use in zip(PRESETS, on) if use]
-
-
 def parse_args(argv=None, for_gpu=False, say=False) -> Config:
     """The Config of a command line, resolved once (training/flags.py's parse): the defaults, the presets in
     force, a --config file, then the flags given; or, with --resume, the saved run's config (it continues in
     place). for_gpu: the flags are judged as for a GPU whatever this machine has (eval.py memory); say: print
     where the learning rate came from (main)."""
-    return flags.parse(
-        Config,
-        sys.argv[1:] if argv is None else list(argv),
-        __doc__,
-        CHOICES,
-        PRESETS,
-        presets,
-        "grpo.py",
-        for_gpu,
-        say,
-    )
-
-
-CHOICES = {
-    **credit.CHOICES,
-    "dataset": data.DATASETS,
-    "prompt_style": ("auto", *data.STYLES),  # closed sets
-    "device": ("auto", "cpu", "cuda"),
-    "loss_agg": ("seq-mean", "token-mean"),
-    "optimizer": load.OPTIMIZERS,
-    "precision": load.PRECISIONS,
-    "report_to": tracking.KINDS,
-}
-PAPER_MODELS = ("qwen3-4b", "qwen3-8b", "llama-3.1-8b", "llama-3.2-3b")  # §4.1, App. C.3
+    return flags.parse(Config, argv, __doc__, PRESETS, "grpo.py", for_gpu, say)  # argv None: sys.argv[1:]
 
 
 def main(argv=None):

@@ -54,7 +54,7 @@ from tqdm import tqdm
 import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
-from training import budget, flags, heldout, load, rundir, signals
+from training import budget, flags, heldout, helptext, load, rundir, signals
 from training import checkpoint as ckpt_io
 from training.models import ModelError, load_model
 
@@ -346,7 +346,7 @@ def parse(argv, prog):
         allow_abbrev=False,
         usage="%(prog)s [--flag VALUE ...] [-- grpo.py flags]",
         epilog="every other flag, and all after --, is grpo.py's: the shared recipe",
-        formatter_class=flags.Formatter,
+        formatter_class=helptext.Formatter,
     )
     p.error = refuse  # one line, no usage block
     flags.add_fields(p, LearnConfig)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from training import gguf, load, models
+from training import gguf, load, models, presets
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -111,13 +111,13 @@ def test_naming_the_embedded_model_runs_the_same_demo():
     """The preset follows what --model means, not whether it appeared: the embedded model, named or not, or
     as its .gguf file, gets the 6-step demo; a paper model gets the paper's preset; another, the defaults."""
     demo = grpo.parse_args([])
-    assert (demo.model, demo.steps, demo.out_dir) == ("smollm2-135m", grpo.EMBEDDED["steps"], "runs/embedded")
+    assert (demo.model, demo.steps, demo.out_dir) == ("smollm2-135m", presets.EMBEDDED["steps"], "runs/embedded")
     assert grpo.parse_args(["--model", "smollm2-135m"]) == demo
     assert grpo.parse_args(["--model=smollm2-135m"]) == demo
     from_file = grpo.parse_args(["--model", f"/models/{gguf.SMOLLM2_GGUF}"])
     assert dataclasses.replace(from_file, model=demo.model) == demo
     paper = grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"])
-    assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **grpo.PAPER_MODEL)
+    assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **presets.PAPER_MODEL)
     assert grpo.parse_args(["--model", "tiny-qwen3"]) == grpo.Config(model="tiny-qwen3")
     assert grpo.parse_args(["--steps", "2"]).steps == 2                       # a flag given wins
 

@@ -19,6 +19,7 @@ from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 import grpo
 from grpo import Experience, compute_advantages, grpo_loss, parse_args, token_logprobs
+from training import presets
 from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +176,7 @@ def test_unknown_flag_is_an_error():
 
 
 def test_embedded_defaults_apply_only_to_the_embedded_model():
-    assert parse_args([]).steps == grpo.EMBEDDED["steps"]
+    assert parse_args([]).steps == presets.EMBEDDED["steps"]
     assert parse_args(["--steps", "3"]).steps == 3
     paper = parse_args(["--model", "Qwen/Qwen3-4B-Base"])
     assert (paper.lr, paper.group_size, paper.top_frac, paper.gamma, paper.temperature) == (1e-6, 8, 0.4, 1.5, 0.99)

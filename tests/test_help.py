@@ -17,7 +17,7 @@ import pytest
 import eval as ev
 import grpo
 from evaluation import learn
-from training import flags, load
+from training import flags, helptext, load
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -141,7 +141,7 @@ def test_every_grpo_flag_is_explained_in_words():
     """Each flag's comment (grpo.Config and credit.CreditConfig) says what the flag does in at least three
     words besides citations and its choices, and writes no default (the help adds it, once)."""
     helps, _ = flags.comments(grpo.Config)
-    short = {k: v for k, v in helps.items() if len(words_beyond_citations(v, grpo.CHOICES.get(k, ()))) < 3}
+    short = {k: v for k, v in helps.items() if len(words_beyond_citations(v, flags.CHOICES.get(k, ()))) < 3}
     assert short == {}
     assert [k for k, v in helps.items() if "default" in v.lower()] == []
 
@@ -150,9 +150,9 @@ def test_eval_lists_every_command_with_its_usage(capsys):
     with pytest.raises(SystemExit):
         ev.parse(["--help"])
     top = capsys.readouterr().out
-    for name in flags.commands(ev.__doc__):
+    for name in helptext.commands(ev.__doc__):
         assert f"    {name}" in top, name
-    assert set(flags.commands(ev.__doc__)) == {"bench", "intervene", "recall", "memory", "plot", "credit",
+    assert set(helptext.commands(ev.__doc__)) == {"bench", "intervene", "recall", "memory", "plot", "credit",
                                                 "learn", "answer-forms"}
     with pytest.raises(SystemExit):
         ev.main(["learn", "--help"])

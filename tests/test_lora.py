@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import flowtracer
 import grpo
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
-from training import load, models, policy, rollout
+from training import load, models, policy, presets, rollout
 from data import build_batch
 
 TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
@@ -181,7 +181,7 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
     import flowtracer_trl as ft
     args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
     assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
-    assert targs.learning_rate == pytest.approx(grpo.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
+    assert targs.learning_rate == pytest.approx(presets.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
     assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
     assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
 

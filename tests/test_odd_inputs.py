@@ -83,17 +83,17 @@ def test_config_keys_take_dashes_or_underscores_in_yaml_or_json(tmp_path):
                              "pad_id": -1}))
     want = {"top_k": 50, "lr": 1e-5, "share_prefix": False, "credit": "random", "pad_id": -1}
     for f in (y, j):
-        got = flags.read_config(f, grpo.Config, grpo.CHOICES)
+        got = flags.read_config(f, grpo.Config, flags.CHOICES)
         assert got == want and type(got["lr"]) is float and type(got["top_k"]) is int
     y.write_text("top-k: 5\ntop_k: 6\n")
     with pytest.raises(ValueError, match="given twice"):
-        flags.read_config(y, grpo.Config, grpo.CHOICES)
+        flags.read_config(y, grpo.Config, flags.CHOICES)
     y.write_text("")                                         # an empty file sets nothing
-    assert flags.read_config(y, grpo.Config, grpo.CHOICES) == {}
+    assert flags.read_config(y, grpo.Config, flags.CHOICES) == {}
     for text, word in (("- 1\n", "a mapping"), ("a: [\n", "not a YAML file")):
         y.write_text(text)
         with pytest.raises(ValueError, match=word):
-            flags.read_config(y, grpo.Config, grpo.CHOICES)
+            flags.read_config(y, grpo.Config, flags.CHOICES)
 
 
 def test_a_runs_own_run_config_json_reads_back_equal(tmp_path):
@@ -104,7 +104,7 @@ def test_a_runs_own_run_config_json_reads_back_equal(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
-    got = flags.read_config(tmp_path / "run" / "ckpt" / ckpt_io.RUN_CONFIG, grpo.Config, grpo.CHOICES)
+    got = flags.read_config(tmp_path / "run" / "ckpt" / ckpt_io.RUN_CONFIG, grpo.Config, flags.CHOICES)
     assert got == dataclasses.asdict(cfg) and grpo.Config(**got) == cfg
 
 

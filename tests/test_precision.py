@@ -145,7 +145,7 @@ def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
 
 # ----------------------------------------------------------------------------- the learning rate, said
 def test_the_learning_rate_and_where_it_came_from(tmp_path, capsys):
-    """flags.parse says where the lr came from as it resolves it (flags.lr_lines; say=True: grpo.main's
+    """flags.parse says where the lr came from as it resolves it (presets.lr_lines; say=True: grpo.main's
     first lines): the default (the paper's), a preset (the embedded model's), LoRA's 10x, --lr (also at its
     default value), a --config file; and one notice when a file's lr (a file without lora_rank) meets
     --lora-rank on the command line. Without say, nothing is printed."""

@@ -11,47 +11,33 @@ tokenize, for each dataclass in the MRO (grpo.Config inherits credit.CreditConfi
 with no fields under it places a base class's section of the same name there, so `# credit` in grpo.Config
 puts CreditConfig's flags between the reward and the update flags, in the order of the loop.
 
-`read_config` reads a YAML or JSON file of the same flags (`lr: 1e-5`, `top-k: 50`; a run's run_config.json
-too): each value goes through the parser add_fields builds, as the word the command line would give, so a file
-and a command line are checked by the same code (an int field refuses 1.5 as --seed 1.5 is refused).
-`commands` reads a script's docstring table of subcommands (`  name   summary`) for eval.py's listing.
-`check` holds grpo.py's rules on its flags' values (one error line each, before anything loads);
-`reward_record` records the --reward files' hashes and refuses a --resume whose reward file changed.
-`parse` resolves a config once (defaults, presets, --config, the flags given) and says where the learning rate
-in force came from (lr_lines).
+`read_config` reads a YAML or JSON file of the same flags (a run's run_config.json too): each value goes, as
+the word the command line would give (training/config_file.py), through the parser add_fields builds, so a
+file and a command line are checked by the same code. `parse` resolves grpo.Config once: the defaults, the
+presets in force (training/presets.py; in_force picks them), a --config file or a --resume's saved run
+(training/resume.py), then the flags given; `check` holds grpo.py's rules on the values (one error line each,
+before anything loads), `unused` the notices of flags given without effect. All grpo.parse_args runs on a
+plain command line is in this file (docs/method.md counts setup's files).
+
+Run: python grpo.py --help
+     python -m pytest -q tests/test_help.py tests/test_cli.py tests/test_odd_inputs.py
 """
 
 import argparse
 import dataclasses
-import difflib
 import inspect
 import io
-import json
 import math
 import re
 import sys
 import tokenize
-from pathlib import Path
 
 import torch
-import yaml
 
 import data
-from tasks.answers import pattern_problem
 from training import checkpoint as ckpt_io
-from training import credit, load, reward_code, reward_files
+from training import config_file, credit, helptext, load, models, presets, resume, reward_code, tracking
 from training.rollout import MIN_TEMPERATURE
-
-
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs as written (the docstrings' own line breaks); "(default: X)" after each help
-    that does not name its default already (or whose default is None: not set)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default is None or "default" in text:
-            return text
-        return text + ' (default: "")' if action.default == "" else super()._get_help_string(action)
 
 
 def comments(cls):
@@ -148,24 +134,11 @@ def value_in(argv, name, default):
 
 
 def read_config(path, cls, choices=None):
-    """{field: value} from a YAML or JSON file (.json: JSON, else YAML) of `cls`'s flags, its keys the field
-    names with dashes or underscores (top-k, top_k). Each value is checked exactly as the same flag on the
-    command line: it goes through add_fields' parser as its word (`--seed=1.5`: an error; a bool field takes
-    true / false: --flag / --no-flag). ValueError, one sentence naming the file and the key, for an unknown
-    key or a bad value; an empty file sets nothing."""
-    try:
-        text = Path(path).read_text()
-        raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    except (ValueError, yaml.YAMLError) as e:  # json's errors are ValueErrors
-        why = " ".join(str(e).split())[:200]
-        raise ValueError(
-            f"{path}: not a {'JSON' if str(path).endswith('.json') else 'YAML'} file ({why})"
-        ) from None
-    if not isinstance(raw, dict) and raw is not None:
-        raise ValueError(f"{path}: expected a mapping of flags (lr: 1e-5), got a {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    """{field: value} from a YAML or JSON file of `cls`'s flags (training/config_file.py's entries: its keys,
+    dashes or underscores). Each value is checked exactly as the same flag on the command line: it goes
+    through add_fields' parser as its word (`--seed=1.5`: an error; a bool field takes true / false: --flag /
+    --no-flag). ValueError, one sentence naming the file and the key, for an unknown key or a bad value; an
+    empty file sets nothing."""
     parser = add_fields(
         argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False),
         cls,
@@ -173,59 +146,12 @@ def read_config(path, cls, choices=None):
         suppress=True,
     )  # the command line's parser
     out = {}
-    for key, value in (raw or {}).items():
-        name = str(key).replace("-", "_")
-        if name not in fields:
-            near = difflib.get_close_matches(name, fields, n=1)
-            raise ValueError(
-                f"{path}: unknown key {key!r} (not a flag of {cls.__name__}"
-                + (f"; did you mean {near[0]!r}?)" if near else ")")
-            )
-        if name in out:
-            raise ValueError(f"{path}: the key {key!r} is given twice (with dashes and with underscores)")
+    for key, word in config_file.words(path, cls):
         try:
-            args = [config_word(fields[name], value)]
-            out.update(vars(parser.parse_known_args(args)[0]))
-        except (argparse.ArgumentError, ValueError) as e:
-            raise ValueError(f"{path}: {key}: {getattr(e, 'message', e)}") from None
+            out.update(vars(parser.parse_known_args([word])[0]))
+        except argparse.ArgumentError as e:
+            raise ValueError(f"{path}: {key}: {e.message}") from None
     return out
-
-
-def config_word(f, value):
-    """The command-line argument a config file's value stands for: --flag / --no-flag for a bool, else
-    `--flag=<the value as written>` (a str as is, a number as JSON writes it); ValueError for a value no
-    flag takes (null, a list, a mapping, a bool for a field that is not one, a number for a bool)."""
-    if f.type in (bool, "bool"):
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return flag(f.name) if value else "--no-" + flag(f.name)[2:]
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"expected {type(f.default).__name__}, got {json.dumps(value, default=str)[:80]}")
-    return f"{flag(f.name)}={value if isinstance(value, str) else json.dumps(value)}"
-
-
-def commands(doc):
-    """{name: (summary, description)} from a docstring's table of subcommands: a line `  name   text` starts
-    an entry (its text is the one-line summary), the more-indented lines after it continue the description."""
-    out, name = {}, None
-    for line in doc.splitlines():
-        m = re.match(r"^  ([a-z][\w-]*) {2,}(\S.*)$", line)
-        if m:
-            name = m.group(1)
-            out[name] = [m.group(2).strip(), m.group(2).strip()]
-        elif name and line.startswith("   ") and line.strip():
-            out[name][1] += "\n" + line.strip()
-        else:
-            name = None
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def answer_pattern(value):
-    """argparse's type of an --answer-pattern (eval.py plot): the pattern, or its one error line when it does
-    not compile (before any model loads)."""
-    if problem := pattern_problem(value):
-        raise argparse.ArgumentTypeError(problem.removeprefix("--answer-pattern "))
-    return value
 
 
 def check(cfg):
@@ -313,79 +239,6 @@ def check(cfg):
     return load.precision_problem(cfg) or credit.check(cfg) or (reward_code.check(cfg) if task else None)
 
 
-def reward_record(cfg, given):
-    """cfg with --reward-files recording each --reward file as given, its resolved path and SHA-256
-    (reward_files.fingerprint); ValueError for a file that cannot be read, or, on --resume without --reward
-    on the command line, for a reward file that moved or changed since the run recorded it
-    (reward_files.changed). A resume without --reward reads each file where the run recorded it
-    (reward_files.as_recorded): from any working directory."""
-    if cfg.reward and given.get("resume") and "reward" not in given:
-        why = reward_files.changed(cfg.reward, cfg.reward_files)
-        if why:
-            raise ValueError(
-                f"--resume {given['resume']}: {why}; give --reward {cfg.reward} again to "
-                f"continue with the file as it is now (its new hash is recorded)"
-            )
-        cfg = dataclasses.replace(cfg, reward=reward_files.as_recorded(cfg.reward, cfg.reward_files))
-    return dataclasses.replace(cfg, reward_files=reward_files.fingerprint(cfg.reward) if cfg.reward else "")
-
-
-PATHS = ("data_path", "eval_data_path")  # the run's files, as given (relative: to where it was launched)
-
-
-def anchored(saved, here):
-    """A saved run's flags with each relative path of PATHS made absolute from the directory the run was
-    launched in, where that file is: the run directory `here` less the out_dir it recorded (runs/a in
-    /w/runs/a: /w). A resume from another working directory reads the run's own files."""
-    out, rel = dict(saved), Path(str(saved.get("out_dir") or ""))
-    here = Path(here).resolve()
-    n = len(rel.parts)
-    base = (
-        Path(*here.parts[:-n])
-        if 0 < n < len(here.parts) and not rel.is_absolute() and here.parts[-n:] == rel.parts
-        else None
-    )
-    for k in PATHS:
-        p = Path(str(saved.get(k) or ""))
-        if base is not None and saved.get(k) and not p.is_absolute() and (base / p).exists():
-            out[k] = str(base / p)
-    return out
-
-
-# The LoRA flags a checkpoint's adapters fix (peft's adapter_config.json: rank, alpha, targets, dropout):
-# a --resume that gives other values would run with the checkpoint's, whatever run_config.json then says.
-ADAPTER = {"lora_rank": 0, "lora_alpha": 32.0, "lora_targets": "all-linear", "lora_dropout": 0.0}
-
-
-def resume_flags(saved, given):
-    """The flags given with --resume as check_resume_config should judge them: a --reward naming the same
-    functions of the same files as the run's, or a --data-path / --eval-data-path naming its file (by path:
-    another spelling, or the same relative path from another directory) is no change. ValueError, even with
-    --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER)."""
-    same = "reward" in given and reward_files.recorded_paths(
-        given["reward"], saved.get("reward_files")
-    ) == reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
-    shape = [
-        f"{flag(k)} {saved.get(k, d)!r} -> {given[k]!r}"
-        for k, d in ADAPTER.items()
-        if k in given and given[k] != saved.get(k, d)
-    ]
-    if shape:
-        raise ValueError(
-            f"--resume {given['resume']}: {'; '.join(shape)}: the checkpoint's LoRA adapters "
-            f"keep the run's rank, alpha, targets and dropout (adapter_config.json), even with "
-            f"--allow-config-change; leave them out, or start a new run with --out-dir"
-        )
-    same_path = {
-        k
-        for k in PATHS
-        if given.get(k)
-        and saved.get(k)
-        and Path(given[k]).expanduser().resolve() == Path(saved[k]).expanduser().resolve()
-    }
-    return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in same_path}
-
-
 def unused(cfg, given, prog, for_gpu=False):
     """One `prog: notice:` line on stderr for each flag given on the command line (`given`; a --config file's
     and a run_config.json's are not judged) that cannot take effect with the others; the run goes on. cfg:
@@ -460,20 +313,43 @@ def unused(cfg, given, prog, for_gpu=False):
     return lines
 
 
-def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=False):
+# grpo.Config's closed sets: argparse's choices (a --config file's values are checked against them too)
+CHOICES = {
+    **credit.CHOICES,
+    "dataset": data.DATASETS,
+    "prompt_style": ("auto", *data.STYLES),
+    "device": ("auto", "cpu", "cuda"),
+    "loss_agg": ("seq-mean", "token-mean"),
+    "optimizer": load.OPTIMIZERS,
+    "precision": load.PRECISIONS,
+    "report_to": tracking.KINDS,
+}
+
+
+PICKED_BY = ("model", "paper_batch", "lora_rank")  # the flags that put presets in force: in_force's
+
+
+def in_force(table, model, paper_batch, lora_rank=0) -> list:
+    """The labels of the presets in force (training/presets.py; `table`: its labels in order, the last wins),
+    by what the flags mean: the embedded model (named or not), a paper model (§4.1), --paper-batch, LoRA's
+    learning rate (--lora-rank > 0; the embedded model's own). The one place they are decided."""
+    paper, embedded = any(k in str(model).lower() for k in presets.PAPER_MODELS), models.is_embedded(model)
+    lora = str(lora_rank).isdigit() and int(lora_rank) > 0  # as given on the command line: a word
+    on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)  # presets.table's order
+    return [k for k, use in zip(table, on) if use]
+
+
+def parse(cls, argv, doc, table, prog, for_gpu=False, say=False):
     """A `cls` (grpo.Config) resolved once, from a command line: the defaults, the presets in force
-    (in_force(model, paper_batch, lora_rank): names of `presets`, the last wins), a --config file, then the
-    flags given; or, with --resume, the saved run's run_config.json (each value checked as the same flag on
-    the command line) and the flags given. A resumed run continues in its own directory, wherever it was
-    moved. Bad flags: argparse's one error line. What was given is used here and not rebuilt later: the
-    notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever this
-    machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where the
-    learning rate in force came from (lr_lines)."""
-    argv_active = in_force(
-        value_in(argv, "model", cls.model),
-        value_in(argv, "paper_batch", False),
-        value_in(argv, "lora_rank", 0),
-    )  # for the help, before argparse runs
+    (in_force: labels of `table`, presets.table's, the last wins), a --config file, then the flags given;
+    or, with --resume, the saved run's run_config.json (each value checked as the same flag on the command
+    line) and the flags given (training/resume.py's rules). A resumed run continues in its own directory,
+    wherever it was moved. Bad flags: argparse's one error line. What was given is used here and not rebuilt
+    later: the notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a GPU whatever
+    this machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first lines), where
+    the learning rate in force came from (presets.lr_lines)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv_active = in_force(table, *(value_in(argv, k, getattr(cls, k)) for k in PICKED_BY))  # for the help
     head = doc.split("\n\n")[0] + (
         f"\n\nPresets in force: {', '.join(argv_active) or 'none'}; each "
         f"default below says what it sets, and the flags given win."
@@ -484,79 +360,36 @@ def parse(cls, argv, doc, choices, presets, in_force, prog, for_gpu=False, say=F
         allow_abbrev=False,
         description=head,
         epilog=doc[doc.index("Run:") :],
-        formatter_class=Formatter,
+        formatter_class=helptext.Formatter,
     )
-    add_fields(p, cls, choices, suppress=True, presets=presets, active=argv_active)
+    add_fields(p, cls, CHOICES, suppress=True, presets=table, active=argv_active)
     given = vars(p.parse_args(argv))  # unknown flags are errors
     file, active = {}, []
     try:
         if given.get("resume"):  # the saved run's config, then the flags given now
             ckpt = ckpt_io.find_checkpoint(given["resume"])
             saved = (
-                read_config(ckpt / ckpt_io.RUN_CONFIG, cls, choices)
+                read_config(ckpt / ckpt_io.RUN_CONFIG, cls, CHOICES)
                 if (ckpt / ckpt_io.RUN_CONFIG).is_file()
                 else ckpt_io.saved_config(ckpt)
             )
-            here = ckpt_io.run_dir(ckpt)  # the run directory: where its checkpoint is
-            saved = anchored(saved, here)  # its files, from any working directory
-            ckpt_io.check_resume_config(saved, resume_flags(saved, given))  # another --model ...: refused
-            if "out_dir" in given and Path(given["out_dir"]).resolve() != here.resolve():
-                raise ValueError(
-                    f"--resume continues the run in its own directory, {here}: leave out "
-                    f"--out-dir (copy the directory to continue a copy elsewhere)"
-                )
-            cfg = cls(**{**saved, **given, "out_dir": str(here)})
+            cfg = cls(**resume.resumed(saved, given, ckpt_io.run_dir(ckpt)))  # in its own directory
         else:  # presets, a --config file, then the flags given
-            file = read_config(given["config"], cls, choices) if given.get("config") else {}
+            file = read_config(given["config"], cls, CHOICES) if given.get("config") else {}
             chosen = {**file, **given}
-            active = in_force(
-                chosen.get("model", cls.model), chosen.get("paper_batch", False), chosen.get("lora_rank", 0)
-            )
-            cfg = cls(**{k: v for name in active for k, v in presets[name].items()} | file | given)
+            active = in_force(table, *(chosen.get(k, getattr(cls, k)) for k in PICKED_BY))
+            cfg = cls(**{k: v for name in active for k, v in table[name].items()} | file | given)
     except ValueError as e:
         p.error(str(e))
     problem = check(cfg)
     if problem:
         p.error(problem)
     try:
-        cfg = reward_record(cfg, given) if cfg.reward or cfg.reward_files else cfg  # --reward's files
+        cfg = resume.reward_record(cfg, given) if cfg.reward or cfg.reward_files else cfg  # --reward's files
     except ValueError as e:
         p.error(str(e))
     unused(cfg, given, prog, for_gpu)
     if say:
-        print("\n".join(lr_lines(cfg, given, file, [(name, presets[name]) for name in active])))
+        default = comments(cls)[0].get("lr", cls.__name__)  # the lr field's help: its source
+        print("\n".join(presets.lr_lines(cfg, given, file, [(k, table[k]) for k in active], default)))
     return cfg
-
-
-def lr_lines(cfg, given, file, active) -> list:
-    """The lines parse prints about the learning rate in force: its value and where it came from (the
-    default, a preset in force, --lr, the --config file, the resumed run's), and a notice when an lr from a
-    --config file that does not set lora_rank meets --lora-rank on the command line: the file, written for
-    full fine-tuning, then overrides LoRA's 10x preset. given: the flags on the command line; file: the
-    --config file's; active: [(label, preset)] in force, in order."""
-    if cfg.resume:
-        return [
-            f"lr {cfg.lr:g}: "
-            + ("--lr, given with --resume" if "lr" in given else "the resumed run's (its run_config.json)")
-        ]
-    values = [(type(cfg).lr, None)] + [(p["lr"], label) for label, p in active if "lr" in p]
-    value, label = values[-1]  # what the defaults and presets give
-    full = [v for v, k in values if not str(k).startswith("--lora-rank")][-1]  # full fine-tuning's
-    if "lr" in given:
-        where = "--lr"
-    elif "lr" in file:
-        where = f"--config {cfg.config}"
-    elif label is None:
-        where = f"the default ({comments(type(cfg))[0].get('lr', type(cfg).__name__)})"
-    else:
-        where = f"set by {label}" + (
-            f": {cfg.lr / full:g} x {full:g}, full fine-tuning's" if value != full else ""
-        )
-    lines = [f"lr {cfg.lr:g}: {where}"]
-    if "lr" in file and "lr" not in given and "lora_rank" not in file and given.get("lora_rank", 0) > 0:
-        lines.append(
-            f"notice: lr {cfg.lr:g} comes from --config {cfg.config}, which does not set lora_rank, "
-            f"while --lora-rank {cfg.lora_rank} is given on the command line: the file's lr "
-            f"replaces LoRA's preset ({value:g}); give --lr to choose"
-        )
-    return lines

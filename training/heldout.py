@@ -30,9 +30,8 @@ Departures (numbered):
 Wiring (grpo.py): once at setup
       recs = heldout.records(cfg.dataset, cfg.eval_dataset, cfg.eval_size, cfg.seed, cfg.data_path, records)
   and at step s when s % cfg.eval_every == 0 or s == cfg.steps (after the update, before the metrics line),
-  at cfg.gen_chunk rows a call, through the out-of-memory back-off (training/backoff.py)
-      m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, model, tok, recs, style,
-                                cfg.max_new_tokens, engine=run.engine, ...))
+  at cfg.gen_chunk rows a call, through the out-of-memory back-off (training/backoff.py): `evaluate`
+      m.update(heldout.evaluate(run))
 
 Run: python -c "from training import heldout, models; m, t = models.load_model('tiny-qwen3');
                 print(heldout.accuracy(m, t, heldout.records('arithmetic', '', 4, 0), 'plain', 8, 4))"
@@ -44,6 +43,7 @@ import torch
 
 import data
 from tasks.answers import last_number_equal
+from training import backoff
 from training.rollout import generate
 from training.usercode import Interrupted
 
@@ -208,3 +208,23 @@ def accuracy(
         "eval/right": g["greedy"],
         "eval/right_lenient": g["greedy_lenient"],
     }
+
+
+def evaluate(run) -> dict:
+    """The eval/* metrics of the run's policy now (grpo.train, every --eval-every steps and at the last):
+    `accuracy` on the run's held-out records with its reward, prompt style and decode engine, through the
+    out-of-memory back-off (backoff.generate: a smaller gen_chunk, as the rollout)."""
+    pol, task = run.policy, run.task
+    return backoff.generate(
+        run,
+        "held-out evaluation",
+        accuracy,
+        pol.model,
+        pol.tok,
+        task.eval_records,
+        task.style,
+        run.cfg.max_new_tokens,
+        engine=run.engine,
+        reward=task.reward,
+        template_kwargs=task.template_kwargs,
+    )
