@@ -32,9 +32,9 @@ Departures (numbered; probes.py and recall.py list those of intervene and recall
     sampled"); bench, recall and plot take the first N.
 
 Bad input: one line `eval.py: error: ...`, exit 2. Every flag is checked before a model loads (parse,
-check_ranges; whether --layers and --max-new-tokens fit the model: setup, once it loaded); a bad data file,
-model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1 when there is
-nothing to report (no response has an answer), after writing the counts.
+check_ranges; whether --layers and --max-new-tokens fit the model: harness.setup, once it loaded); a bad
+data file, model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1
+when there is nothing to report (no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 \
