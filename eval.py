@@ -25,17 +25,16 @@ Formulas (pass@k: evaluation/stats.py):
 
 Departures (numbered; probes.py and recall.py list those of intervene and recall):
  1. The paper does not give alpha for its EMA: default 0.2. It does not say how EMA_0 is set: EMA_0 = x_0.
- 2. bench samples with the training settings of App. C.3 (T = 0.99, top-p 1.0, top-k 100); greedy is argmax.
-    A response counts as correct when its reward is 1 (Countdown's 0.1 format reward is not a pass); a
-    response with no final answer (no \\boxed{} / <answer>) is wrong, and how many there were is reported.
+ 2. bench samples with the training settings of App. C.3 and counts a response correct when its reward is 1:
+    evaluation/bench.py.
  3. plot colours throughput on a log scale, and counts Fig. 3's tokens per sentence: figures.py.
  4. intervene and answer-forms take a seeded random sample of --n-problems test problems (App. E.1: "randomly
     sampled"); bench, recall and plot take the first N.
 
 Bad input: one line `eval.py: error: ...`, exit 2. Every flag is checked before a model loads (parse,
-check_ranges; whether --layers and --max-new-tokens fit the model: setup, once it loaded); a bad data file,
-model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1 when there is
-nothing to report (no response has an answer), after writing the counts.
+check_ranges; whether --layers and --max-new-tokens fit the model: harness.setup, once it loaded); a bad
+data file, model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1
+when there is nothing to report (no response has an answer), after writing the counts.
 
 Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (default model: smollm2-135m)
      python eval.py intervene --n-problems 200 --max-new-tokens 160 --batch-size 16 --dtype bfloat16 \
@@ -49,177 +48,28 @@ Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole
 """
 
 import argparse
-import json
 import math
 import os
-import random
 import sys
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 import data
-from evaluation import credit_page, figures, highflow, probes, stats
+from evaluation import bench, credit_page, figures, highflow, memory, probes
 from evaluation import recall as recall_probe
+from evaluation.harness import EvalError, fail, inputs, save, setup
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import helptext, oar, rundir, signals
-from training.models import ModelError, adapter_dir, device_problem, load_model
-from training.rollout import generate
+from training.models import ModelError, device_problem
 
 CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
-BENCHMARKS = [
-    "gsm8k",
-    "math500",
-    "aime24",
-    "aime25",
-    "amc23",
-    "olympiadbench",
-    "minerva",
-    "countdown",
-    "crossthinkqa",
-]
 
 
-class EvalError(Exception):
-    """(msg, code): main prints `eval.py: error: msg` and exits with code (2: bad input, 1: no result)."""
-
-
-def fail(msg, code=2):
-    raise EvalError(msg, code)
-
-
-# ----------------------------------------------------------------------------- model, prompts, output
-def resolve_model(name):
-    """A model name for load_model. Paths must exist (exit 2); a grpo run directory means its ckpt/."""
-    looks_local = (
-        name.endswith(".gguf")
-        or name.startswith((".", "/", "~"))
-        or name.count("/") > 1
-        or (os.sep in name and Path(name.split(os.sep)[0]).is_dir())
-    )
-    path = Path(name).expanduser()
-    if looks_local and not path.exists():
-        fail(
-            f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
-            "ckpt/, a save_pretrained directory or a .gguf file)"
-        )
-    run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")  # a run: full or LoRA
-    if not run and path.is_dir() and not (path / "config.json").is_file() and not adapter_dir(path):
-        fail(
-            f"--model {name}: a directory without config.json (or a LoRA checkpoint's adapter_config.json), "
-            f"not a checkpoint or run directory"
-        )
-    if problem := path.is_dir() and ckpt_io.safetensors_problem(path / "ckpt" if run else path):
-        fail(f"--model {problem}")  # a cut file: before the model loads
-    return str(path / "ckpt") if run else str(path) if looks_local else name
-
-
-def auto_style(model_name, task, style):
-    """grpo.py's rule: countdown frame for Countdown, few-shot for SmolLM2 / GGUF, plain for base models."""
-    if style != "auto":
-        return "countdown" if task == "countdown" and style in ("fewshot", "fewshot3") else style
-    state = Path(model_name) / "trainer_state.pt"  # a grpo checkpoint: the style of the model it began as
-    if state.is_file():
-        model_name = ckpt_io.read_state(model_name)["config"]["model"]  # checked whole (CPU), or RunError
-    return data.default_style(model_name, task)
-
-
-def save(args, result, table, rows=None):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"command": args.cmd, "args": {k: v for k, v in vars(args).items() if k != "func"}, **result}
-    try:  # a full disk, a read-only dir
-        (out / f"{args.cmd}.json").write_text(json.dumps(result, indent=1))
-        (out / f"{args.cmd}.md").write_text(table)
-        if rows is not None:
-            with open(out / f"{args.cmd}_rows.jsonl", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-    except OSError as e:
-        fail(f"{out}: cannot write the results ({e.strerror})")
-    print(table + f"\nwrote {out}/{args.cmd}.json, {args.cmd}.md")
-
-
-def setup(args, task):
-    model_name = resolve_model(args.model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    dtype = None if args.dtype is None else getattr(torch, args.dtype)  # float32, bfloat16, float16
-    try:
-        model, tok = load_model(model_name, device=args.device, dtype=dtype)
-    except (RuntimeError, OSError, ValueError, ImportError) as e:  # offline hub, missing wheel, bad dir
-        fail(f"--model {args.model}: cannot be loaded: {e}")
-    try:
-        select_layers(getattr(args, "layers", None), model.config.num_hidden_layers)
-    except ValueError as e:  # e.g. 40:48 of a 30-layer model
-        fail(f"--layers: {e}")
-    context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    if args.max_new_tokens > context:  # positions the model has no embedding for
-        fail(f"--max-new-tokens {args.max_new_tokens}: more than the model's {context} positions")
-    kind = data.TASKS[task].task if task in data.TASKS else task
-    return model, tok, auto_style(model_name, kind, args.style)
-
-
-def records_for(args, task, sample=False):
-    """The first --n-problems test records; sample=True: a seeded random sample of that many (departure 4)."""
-    try:
-        recs = data.load_task(task, split="test", limit=None if sample else args.n_problems, seed=args.seed)
-    except (ValueError, OSError) as e:
-        fail(str(e))
-    return (
-        random.Random(f"problems-{args.seed}").sample(recs, min(args.n_problems or len(recs), len(recs)))
-        if sample
-        else recs
-    )
-
-
-def inputs(args, tok, style, sample=False):
-    """--responses rows (fixed responses), else the task's records (the probes sample the responses)."""
-    try:
-        return (
-            probes.load_responses(args.responses, tok, style)
-            if args.responses
-            else records_for(args, args.task, sample)
-        )
-    except data.DataError as e:
-        fail(str(e))
-
-
-# ------------------------------------------------------------------- bench (Tables 2-4; evaluation/stats.py)
-def bench(args):
+# ----------------------------------------------------------------------------- bench (Tables 2-4)
+def bench_table(args):
+    """pass@1, pass@k and greedy accuracy per benchmark (evaluation/bench.py, the formulas: stats.py)."""
     model, tok, _ = setup(args, args.benchmarks[0])
-    ks, n = [k for k in args.ks if k <= args.n], args.n
-    results, rows = {}, []
-    for name in tqdm(args.benchmarks, desc="bench", unit="benchmark"):
-        recs = records_for(args, name)
-        style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
-        prompts = [data.make_prompt(r, tok, style) for r in recs]
-        smp = generate(
-            model,
-            tok,
-            prompts,
-            n=n,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k or model.config.vocab_size,  # 0: off (k = every token)
-            chunk_size=args.batch_size,
-        )
-        grd = generate(
-            model,
-            tok,
-            prompts,
-            n=1,
-            max_new_tokens=args.max_new_tokens,
-            greedy=True,
-            chunk_size=args.batch_size,
-        )
-        mine = stats.problem_rows(name, recs, smp, grd, n)  # correct: reward 1 (departure 2)
-        rows += mine
-        results[name] = stats.summary(mine, n, ks, style, smp, grd)
-    save(args, {"model": args.model, "benchmarks": results}, stats.table(results, n, ks), rows)
+    save(args, *bench.evaluate(model, tok, args))
 
 
 # ------------------------------------------------------------------- intervene, recall (probes.py, recall.py)
@@ -289,10 +139,9 @@ def plot(args):
 def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
     import grpo
-    from evaluation import memtrace
 
     try:
-        print(memtrace.command(args, grpo))  # grpo.py's flags: its parser, its errors
+        print(memory.command(args, grpo))  # grpo.py's flags: its parser, its errors
     except (ValueError, OSError) as e:
         fail(str(e))
 
@@ -367,25 +216,7 @@ def parse(argv=None):
             )
         return p
 
-    p = cmd("bench", bench, task=None, max_new=1024)
-    p.add_argument(
-        "--benchmarks",
-        nargs="+",
-        default=BENCHMARKS,
-        choices=list(data.TASKS),
-        metavar="TASK",
-        help=f"tasks: {', '.join(data.TASKS)}",
-    )
-    p.add_argument("--n", type=int, default=4, help="samples per problem for pass@1 / pass@k")
-    p.add_argument(
-        "--ks",
-        type=int,
-        nargs="+",
-        default=None,
-        help="k values for pass@k, each <= n (default: 1 2 4 8 16 up to n)",
-    )
-    for flag, v, off in (("--temperature", 0.99, ""), ("--top-p", 1.0, ""), ("--top-k", 100, " (0: off)")):
-        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3" + off)
+    bench.add_flags(cmd("bench", bench_table, task=None, max_new=1024))
     p = cmd("intervene", intervene, problems=200)
     p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses, regeneration at T")
     p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")
@@ -454,22 +285,7 @@ def parse(argv=None):
         help="answer forms to compare with answer-only",
     )
     p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
-    p = command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
-    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
-    p.add_argument(
-        "--capability",
-        type=float,
-        help="the card's compute capability (7.5: a T4): --precision "
-        "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)",
-    )
-    p.add_argument(
-        "--snapshot",
-        metavar="PATH",
-        default=None,
-        help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
-        "stack) to PATH and print what its peak holds, by site",
-    )
+    memory.add_flags(command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)"))
     sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)  # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "memory":  # memory hands the rest to grpo.parse_args

@@ -37,22 +37,21 @@ Departures from grpo.py (numbered):
     is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose gamma
     it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are collective, and
     a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
- 5. HF's constant_with_warmup schedule: the first step has lr 0 (grpo.py's first step has lr / warmup).
- 6. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
-    (load.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
-    --learning-rate, 10x the lr (presets.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
+ 5. HF's constant_with_warmup schedule: the first step has lr 0 (training/trl_setup.py, its departure 1).
+ 6. --lora-rank R > 0 hands TRL a peft LoraConfig, the base in 16 bits on a GPU and 10x the lr: the setup's
+    departure 2; the credit reads the peft policy as it trains.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
           --learning-rate 1e-5 --output-dir runs/trl-demo        # add --lora-rank 16 for LoRA (departure 6)
       (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
-Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field.
+Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field
+(training/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the trainer).
 Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
 """
 
 import argparse
 import contextlib
-import dataclasses
 import inspect
 import json
 import math
@@ -62,12 +61,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
-from transformers import AutoTokenizer, HfArgumentParser
 
 try:
     import trl
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
     from trl.models.utils import unwrap_model_for_generation
 except ImportError as e:  # no TRL: one line from the command line
     if __name__ != "__main__":
@@ -75,13 +72,11 @@ except ImportError as e:  # no TRL: one line from the command line
     print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
     sys.exit(2)
 
-import data
 from data import Batch, build_batch, take
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
-from training import credit, flags, helptext, load, presets, reward_code, runlog, signals
+from training import credit, reward_code, runlog, signals, trl_setup
 from training.attention import capturing
-from training.models import RANDOM_MODELS, fix_tokenizer, load_model
 from training.rollout import prompt_ids
 
 TRL_VERSION = "1.16.0"  # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
@@ -315,129 +310,9 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
 
 # ----------------------------------------------------------------------------- command line
-def verifier(prompts, completions, record, **kwargs):
-    """data.py's verified reward of each completion (grpo.py's reward); `record` is the dataset column."""
-    return [data.reward(c, json.loads(r)) for r, c in zip(record, completions)]
-
-
-def trl_reward(term, prompt=None, keys=None):
-    """A --reward function (reward_code.Term, either form) as a TRL reward function of its name, as
-    grpo.py's."""
-    one = reward_code.UserReward([term._replace(weight=1.0)], prompt, keys)
-
-    def reward(prompts, completions, record, completion_ids=None, **kwargs):
-        return one.table(completions, [json.loads(r) for r in record], completion_ids, **kwargs)[0]
-
-    reward.__name__ = term.fn.__name__
-    return reward
-
-
-LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")  # grpo.Config's, departure 6
-# GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
-DEFAULTS = dict(
-    output_dir="runs/trl",
-    num_generations=8,
-    max_completion_length=1024,
-    temperature=0.99,
-    top_p=1.0,
-    top_k=100,
-    learning_rate=1e-6,
-    lr_scheduler_type="constant_with_warmup",
-    warmup_steps=20,
-    loss_type="grpo",
-    logging_steps=1,
-    report_to="none",
-    seed=0,
-    bf16=torch.cuda.is_available(),
-    use_cpu=not torch.cuda.is_available(),
-)
-
-
 def parse_args(argv=None):
-    """(ours, CreditConfig, GRPOConfig). Our flags and the credit flags as grpo.py spells them; the rest go
-    to HfArgumentParser as GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...)."""
-    p = argparse.ArgumentParser(
-        prog="flowtracer_trl.py",
-        description=__doc__.splitlines()[0],
-        allow_abbrev=False,
-        formatter_class=helptext.Formatter,
-        usage="%(prog)s [--flag VALUE ...] [trl.GRPOConfig flags]",
-        epilog="Any other flag is a trl.GRPOConfig field (--output-dir, --max-steps, "
-        "--per-device-train-batch-size, ...: see TRL's GRPOConfig).",
-    )
-    p.add_argument("--model", default="smollm2-135m", help="a models.py name, a local directory, a hub name")
-    p.add_argument(
-        "--dataset",
-        default="arithmetic",
-        choices=list(data.DATASETS),
-        help="a data.py task; custom: your --data-path rows and --reward (docs/your-task.md)",
-    )
-    p.add_argument("--data-path", default="", help="local JSONL/parquet of the dataset")
-    p.add_argument("--question-field", default="", help="the question's column (\"\": the task's, guessed)")
-    p.add_argument("--answer-field", default="", help="the answer's column (\"\": the task's, guessed)")
-    p.add_argument(
-        "--reward",
-        default="",
-        help="FILE.py:FUNCTION[,...]: (completion, record) -> float or "
-        "TRL's (completions, **columns), as grpo.py's; weights: GRPOConfig's --reward-weights",
-    )
-    p.add_argument(
-        "--answer-pattern",
-        default="",
-        help="regex of eq. 2's answer region: its last match "
-        '(group 1 if any); "": the last \\boxed{}, else <answer>...</answer>',
-    )
-    p.add_argument(
-        "--chat-template-kwargs",
-        default="",
-        help='JSON object for apply_chat_template, e.g. {"enable_thinking": false}',
-    )
-    p.add_argument("--prompt-style", default="auto", choices=["auto", *data.STYLES], help="prompt style")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
-    own = {"seed"}  # --seed is GRPOConfig's
-    fields = [f for f in dataclasses.fields(credit.CreditConfig) if f.name not in own]
-    flags.add_fields(p, credit.CreditConfig, credit.CHOICES, skip=own)  # help: the fields' comments
-    import grpo  # grpo.py's LoRA flags, their defaults and help (departure 6)
-
-    flags.add_fields(p, grpo.Config, skip={f.name for f in dataclasses.fields(grpo.Config)} - set(LORA_FLAGS))
-    args, rest = p.parse_known_args(argv)
-    hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
-    lr_given = any(a.split("=")[0] == "--learning-rate" for a in rest)
-    hf.set_defaults(
-        **{
-            **DEFAULTS,
-            **(
-                {"learning_rate": presets.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
-                if args.lora_rank > 0 and not lr_given
-                else {}
-            ),
-        }
-    )
-    try:
-        targs, unknown = hf.parse_args_into_dataclasses(rest, return_remaining_strings=True)
-    except ValueError as e:  # GRPOConfig's own checks
-        p.error(str(e))
-    if unknown:
-        p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ccfg = credit.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
-    task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
-    problem = (
-        credit.check(ccfg)
-        or reward_code.check(task)
-        or (
-            "--lora-rank must be >= 0"
-            if args.lora_rank < 0
-            else "--lora-alpha must be > 0"
-            if not args.lora_alpha > 0
-            else "--lora-dropout must be in [0, 1)"
-            if not 0 <= args.lora_dropout < 1
-            else None
-        )
-    )
-    if problem:
-        p.error(problem)
-    flags.unused(task, {k for k, v in vars(args).items() if v != p.get_default(k)}, p.prog)  # notices
-    return args, ccfg, targs
+    """(ours, CreditConfig, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig (trl_setup.py)."""
+    return trl_setup.parse_args(argv, __doc__.splitlines()[0])
 
 
 def main(argv=None):
@@ -447,59 +322,22 @@ def main(argv=None):
         sys.exit(2)
     args, ccfg, targs = parse_args(argv)
     try:
-        records = data.load_task(
-            args.dataset,
-            split="train",
-            path=args.data_path or None,
-            seed=targs.seed,
-            question_field=args.question_field,
-            answer_field=args.answer_field,
-        )
-        style = (
-            args.prompt_style
-            if args.prompt_style != "auto"
-            else data.default_style(args.model, records[0]["task"])
-        )
-        lora = args.lora_rank > 0  # departure 6
-        dt = torch.float32 if not lora or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
-        if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
-            model, tok = load_model(args.model, device="cpu", dtype=dt)  # the Trainer places it
-        else:  # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
-            model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-            targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}  # TRL's: fp32
-        kwargs = reward_code.template_kwargs(args)
-        prompt = reward_code.trl_prompt(tok, style, kwargs)  # a TRL-form one's
-        mine = reward_code.load(
-            argparse.Namespace(reward=args.reward, reward_weights=""),
-            records[0],
-            prompt,
-            keys := [k for r in records for k in r],
-        )  # checked once
-        funcs = [trl_reward(t, prompt, keys) for t in mine.terms] if args.reward else [verifier]
-        rows = [
-            {"prompt": data.make_prompt(r, tok, style, kwargs), "record": json.dumps(r, default=str)}
-            for r in records
-        ]
-        n = [len(ids) for ids in prompt_ids(tok, [r["prompt"] for r in rows])]  # as TRL will get them
-        rows = [r for r, k in zip(rows, n) if k <= args.max_prompt_tokens]
-        if not rows:
-            raise ValueError(f"every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        lora = load.lora_config(args, model) if lora else None  # departure 6; checked
+        parts = trl_setup.build(args, targs)  # the policy, prompts and rewards
         trainer = FlowTracerGRPOTrainer(
-            model=model,
-            reward_funcs=funcs,
+            model=parts.model,
+            reward_funcs=parts.rewards,
             args=targs,
-            processing_class=tok,
-            train_dataset=Dataset.from_list(rows),
+            processing_class=parts.tok,
+            train_dataset=parts.dataset,
             credit_cfg=ccfg,
             answer_pattern=args.answer_pattern,
-            peft_config=lora,
+            peft_config=parts.lora,
         )
     except (ValueError, OSError) as e:
         print(f"flowtracer_trl.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(
-        f"GRPO on TRL: {args.model} on {args.dataset} ({style} prompts, {len(n) - len(rows)} too long), "
+        f"GRPO on TRL: {args.model} on {args.dataset} ({parts.style} prompts, {parts.n_long} too long), "
         f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
         f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}"
     )

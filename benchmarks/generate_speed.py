@@ -13,19 +13,9 @@ tokens, and prints the median wall and CPU seconds and the ratios shared / plain
              tokens, gen_chunk 64
 
 --profile adds a torch profile of one shared call (the top operators by self time): where a decode step goes.
---device cuda (or --engine on the CPU) times the GPU's decoders instead, in one run on the same rows:
-training/engine.py (rollout.generate's path on CUDA: static cache, CUDA graphs, sampling without a sync;
-one engine.Engine kept for the run, eager on the CPU), HF generate with its dynamic cache and HF generate
-with cache_implementation="static" (compiled on CUDA by HF; every decoder is called once before timing, so
-compilation and graph capture are not timed: the engine's captures, warm-up and timed, are printed;
---no-static leaves the static cache and its compilation out, the ratios then to HF's dynamic cache). For each:
-tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill
-included) and its share of the bandwidth bound (gpu_headline.bandwidth_bound: weights + KV bytes per step /
-HBM bandwidth); then how many greedy rows each equals HF generate's (dynamic), in fp32 and in bf16. The
-timing runs in bf16, greedy (--sampled: App. C.3 sampling), at the shape
-  gpu        8 prompts x 8 rows, 256-token prompts (a shared 224-token preamble, then 32 of the question),
-             256 new tokens (--max-new-tokens), gen_chunk 64: docs/gpu.md's decode table
-  tiny       2 prompts x 4 rows, 32-token prompts, 16 new tokens, gen_chunk 8: the CPU smoke test
+--device cuda (or --engine on the CPU) times the GPU's decoders instead, at the shape gpu (or tiny, the CPU
+smoke test): benchmarks/decode_speed.py's table (the engine, HF generate with its dynamic and static cache,
+each beside the bandwidth bound), with the same flags.
 --update times the update's forward + backward instead (token_logprobs, each prompt read once): one
 micro-batch of the first prompt's G rows (its first --prompt-tokens, if given) with random responses of
 R - 3j tokens (row j, R = --response-tokens), each prompt read once (shared) against one pass over every
@@ -51,21 +41,19 @@ Run:  python benchmarks/generate_speed.py                          # embedded sh
 """
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+from benchmarks import decode_speed  # noqa: E402
 from data import build_batch  # noqa: E402
-from training.engine import Engine  # noqa: E402
 from training.models import load_model  # noqa: E402
 from training.policy import checkpointing, token_logprobs  # noqa: E402
 from training.rollout import generate, prompt_ids  # noqa: E402
@@ -73,23 +61,17 @@ from training.rollout import generate, prompt_ids  # noqa: E402
 SHAPES = {
     "embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
     "long": dict(prompts=8, group_size=8, max_new_tokens=64, gen_chunk=64),
-    "gpu": dict(prompts=8, group_size=8, max_new_tokens=256, gen_chunk=64),
-    "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8),
+    **decode_speed.SHAPES,  # gpu, tiny: the decoders' table (--engine)
 }
-WIDTH = {"long": 512, "gpu": 256, "tiny": 32}  # prompt tokens: a shared preamble, then the question
-DECODERS = ("engine", "HF dynamic", "HF static")
 
 
 def shape_prompts(tok, shape, n):
-    """The embedded run's few-shot prompts, or WIDTH[shape]-token prompts (512 for long): a shared preamble
-    of exemplars repeated to 3/4 of the width, then each question (cut or padded with its own words)."""
-    recs = data.load_task("arithmetic", split="train", seed=0)[:n]
+    """The embedded run's few-shot prompts, or (long) 512-token prompts: a shared preamble of exemplars,
+    then each question (decode_speed.wide_prompts)."""
     if shape == "embedded":
+        recs = data.load_task("arithmetic", split="train", seed=0)[:n]
         return [data.make_prompt(r, tok, "fewshot3") for r in recs]
-    shot, w = data.make_prompt(recs[0], tok, "fewshot3"), WIDTH[shape]
-    pre = tok.decode((tok(shot).input_ids * 2)[: w - w // 8])
-    own = [tok(" ".join([r["question"]] * 8)).input_ids[: w // 8] for r in recs]
-    return [pre + tok.decode(q) for q in own]
+    return decode_speed.wide_prompts(tok, 512, n)
 
 
 def run(model, tok, prompts, s, share, seed):
@@ -155,132 +137,6 @@ def update_peak(model, tok, prompts, s, share):
         tr.phase("update")
         forward_backward(model, b, share)
     return tr.peak["update"]
-
-
-def decoders(model, tok, prompts, s, greedy, eng, static=True):
-    """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
-    cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
-    eager on the CPU)."""
-    kw = dict(
-        n=s["group_size"],
-        max_new_tokens=s["max_new_tokens"],
-        temperature=0.99,
-        top_p=1.0,
-        top_k=100,
-        greedy=greedy,
-        chunk_size=s["gen_chunk"],
-    )
-    calls = {
-        "engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
-        "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
-        "HF static": lambda: generate(
-            model, tok, prompts, share_prefix=False, cache_implementation="static", **kw
-        ),
-    }
-    return calls if static else {k: c for k, c in calls.items() if k != "HF static"}
-
-
-def timed(call, device):
-    """(wall seconds, generations) of one call, the device's queue drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    g = call()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, g
-
-
-def compare(args, s):
-    """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
-    from benchmarks.gpu_headline import H100_BANDWIDTH, bandwidth_bound
-
-    names = [k for k in DECODERS if k != "HF static" or not args.no_static]
-    device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in names}, None, None
-    captures = None
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (README)
-    for dtype in (torch.bfloat16, torch.float32):
-        model, tok = load_model(args.model, device=device, dtype=dtype)
-        prompts = shape_prompts(tok, args.shape, s["prompts"])
-        lens = [len(p) for p in prompt_ids(tok, prompts)]
-        torch.manual_seed(0)
-        eng = Engine(model, graphs=device.type == "cuda")  # kept: captures are not timed
-        greedy = {
-            k: call() for k, call in decoders(model, tok, prompts, s, True, eng, not args.no_static).items()
-        }  # + warm-up
-        ref = greedy["HF dynamic"].response_ids
-        equal[str(dtype)[6:]] = {
-            k: sum(a == b for a, b in zip(g.response_ids, ref)) for k, g in greedy.items()
-        }
-        if dtype == torch.bfloat16:
-            calls = decoders(model, tok, prompts, s, not args.sampled, eng, not args.no_static)
-            for call in calls.values() if args.sampled else []:  # warm-up: sampling's graphs
-                call()
-            warm = eng.captures
-            for r in range(args.rounds):
-                for k in names if r % 2 == 0 else names[::-1]:
-                    torch.manual_seed(r)
-                    sec, g = timed(calls[k], device)
-                    c = s["gen_chunk"]
-                    steps = sum(max(map(len, g.response_ids[i : i + c])) for i in range(0, len(ref), c))
-                    speed[k].append((sec, sum(map(len, g.response_ids)), steps))
-                    print(
-                        f"round {r + 1}: {k:<11}{sec:8.2f} s  {speed[k][-1][1]} tokens  {steps} steps",
-                        flush=True,
-                    )
-            cfg = SimpleNamespace(
-                max_new_tokens=s["max_new_tokens"],
-                prompts_per_step=s["prompts"],
-                group_size=s["group_size"],
-                gen_chunk=s["gen_chunk"],
-            )
-            bound = bandwidth_bound(model, cfg, max(lens), H100_BANDWIDTH)
-            captures = (warm, eng.captures - warm, eng.graphs)
-        model = greedy = calls = eng = None  # the next dtype's model: alone
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    rows = s["prompts"] * s["group_size"]
-    print(
-        f"\n{args.model} on {device.type}: {s['prompts']} prompts x {s['group_size']}, prompt tokens "
-        f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
-        f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)"
-    )
-    print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
-    print(
-        f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
-        f"{'' if captures[2] else ' (eager: the captures it would make)'}"
-    )
-    base = names[-1]  # HF static, or HF dynamic
-    print(
-        f"{'decoder':<12}{'tok/s':>10}{'ms/step':>10}{'of bound':>10}{'x ' + base:>14}"
-        f"{'greedy = HF fp32':>18}{'bf16':>6}"
-    )
-    res = {
-        k: dict(
-            tok_s=statistics.median(t / sec for sec, t, _ in v),
-            ms_step=statistics.median(1e3 * sec / n for sec, _, n in v),
-        )
-        for k, v in speed.items()
-    }
-    for k, d in res.items():
-        print(
-            f"{k:<12}{d['tok_s']:>10.1f}{d['ms_step']:>10.2f}{100 * d['tok_s'] / bound:>9.3g}%"
-            f"{d['tok_s'] / res[base]['tok_s']:>14.2f}{equal['float32'][k]:>12}/{rows}"
-            f"{equal['bfloat16'][k]:>3}/{rows}"
-        )
-    return {
-        "speed": res,
-        "equal": equal,
-        "bound_tok_s": bound,
-        "rows": rows,
-        "captures": captures[:2],
-        "tokens": {k: [t for _, t, _ in v] for k, v in speed.items()},
-        "model": args.model,
-        "device": args.device,
-        "max_new_tokens": s["max_new_tokens"],
-        "sampled": args.sampled,
-    }
 
 
 def profile(model, tok, prompts, s):
@@ -354,7 +210,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     s = {**SHAPES[args.shape], "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens}
     if args.engine:
-        out = compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
+        out = decode_speed.compare(args, {**s, "max_new_tokens": args.max_new_tokens or s["max_new_tokens"]})
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
         return out

@@ -17,21 +17,16 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
                         (weight bytes + g t 2 L Hkv hd kv_bytes)
                 bound tok/s = generated tokens * bandwidth / bytes   (--bandwidth: H100 SXM's 3.35 TB/s)
-and once, at the largest R, the memory of the attention maps: the peak of one no-grad forward of
---attn-rows rows of P + R tokens, plain (sdpa), under attention.capturing (the middle layers' head mean,
-(b, T, T) fp32) and with eager attention and output_attentions (every layer's (b, H, T, T)); the extra is
-each one's peak minus the plain forward's. Eager at 8K needs L b H T^2 2 bytes (~164 GB for one row of
-Qwen3-4B): an out-of-memory error is reported as such, with that size.
+and once, at the largest R, the memory of the attention maps: one no-grad forward of --attn-rows rows of
+P + R tokens, plain, under attention.capturing and with eager output_attentions (attention_memory.py).
 
 Each step is sized as grpo.py's setup sizes it (budget.size: budget.plan's gen_chunk, micro_batch and
 the engine's layout under 80 GB or --gpu-gb, margin included; the header says which): the 8K step gets
 gen_chunk 32, micro_batch 8 with the engine released for the update. It rolls out as grpo.py does: on CUDA
 through the run's decode engine, made and reserved once as setup makes it (memtrace.run_engine), so the
 update it measures holds the engine's cache (or not, where the plan releases it). The line "engine release"
-measures what the released layout costs a step: the K, V buffers made again (release, reserve, allocate),
-the graphs a rollout captured (each captured again every step once released), and a 16-token call of one
-chunk with the engine resident against the same call right after a release (on the CPU, where grpo.py has no
-engine, an eager one made as setup makes it: no graphs, the allocation alone).
+measures what the released layout costs a step (benchmarks/engine_release.py), with the graphs a rollout
+captured (each captured again every step once released).
 Generation dominates the run time at 8K: three rollouts (memtrace.measure's two steps and the one here) of
 8,192 decode steps per gen_chunk of rows; `--max-new-tokens 1024` prints the 1K table alone. Run on one H100
 on 2026-11-25 (main at 9550070, before the decode engine; docs/gpu.md has the table). On the CPU,
@@ -43,9 +38,8 @@ Departures (numbered):
     trained (A = +-1) and credited: the worst step, as memory.py counts it.
  2. The overhead's update runs grpo.update, grpo.train's micro-batch loop, on a fixed batch (the same rows
     for both signals); grpo.py's own step also reads rewards and logs, which cost the same with either signal.
- 3. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
-    perfectly bandwidth-bound decoder, not a prediction. Each row reads its keys up to its own length; the
-    engine reads keys up to its key-length bucket (at most an eighth of P + R more), masked.
+ 3. The bandwidth bound leaves out the prefill (compute-bound) and sampling: an upper bound on a perfectly
+    bandwidth-bound decoder, not a prediction (benchmarks/decode_speed.py, its departure 1).
 
 Time on one H100 (estimated from the work, before the decode engine; not measured since): the 1K table
 takes minutes, the 8K one about 2 hours at the defaults, nearly all of it three rollouts of 8 chunks x 8,192
@@ -73,22 +67,21 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
+from benchmarks import attention_memory, engine_release  # noqa: E402
+from benchmarks.decode_speed import H100_BANDWIDTH, bandwidth_bound  # noqa: E402
 from data import build_batch  # noqa: E402
 from evaluation import memtrace  # noqa: E402
 from flowtracer import select_layers  # noqa: E402
 from training import budget, credit, runlog, step_bytes  # noqa: E402
-from training.attention import capturing  # noqa: E402
 from training.credit import head_mean_kernel  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
+from training.rollout import generate  # noqa: E402
 from training.run import load_for_update  # noqa: E402
 
-H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
 ANSWER_TOKENS = 8  # departure 1
 
 
@@ -97,29 +90,19 @@ def step_config(args, R):
     """(grpo.py's Config for this shape, parsed by grpo.py: its checks; whether the plan releases the engine
     for the update): on CUDA its chunks and the engine's layout sized to the card (or --gpu-gb, then enforced
     by the allocator) as grpo.py's setup sizes them (budget.size)."""
-    flags = [
-        "--model",
-        args.model,
-        "--device",
-        args.device,
-        "--max-new-tokens",
-        str(R),
-        "--prompts-per-step",
-        str(args.prompts_per_step),
-        "--group-size",
-        str(args.group_size),
-        "--micro-batch",
-        str(args.micro_batch),
-        "--gen-chunk",
-        str(args.gen_chunk),
-        "--credit",
-        "flow",
-        "--lora-rank",
-        str(args.lora_rank),
-        "--gpu-gb",
-        str(args.gpu_gb),
-    ]
-    cfg = grpo.parse_args(flags)
+    flags = dict(
+        model=args.model,
+        device=args.device,
+        max_new_tokens=R,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        micro_batch=args.micro_batch,
+        gen_chunk=args.gen_chunk,
+        credit="flow",
+        lora_rank=args.lora_rank,
+        gpu_gb=args.gpu_gb,
+    )
+    cfg = grpo.parse_args([x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))])
     if args.device == "cuda":
         if args.gpu_gb:  # a smaller card on a large one: the allocator's limit
             total = torch.cuda.mem_get_info()[1]
@@ -211,105 +194,6 @@ def update(run, tok, batch, signal):
     return sum(clock.seconds.values())
 
 
-def bandwidth_bound(model, cfg, P, bandwidth):
-    """Generated tokens/s if every decode step only read the weights and its rows' KV cache (departure 3)."""
-    mc, R, B = model.config, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
-    hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    kv_bytes = 2 if model.device.type == "cuda" else model.dtype.itemsize  # bf16 under autocast
-    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * hd * kv_bytes  # K and V, every layer
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
-    chunks = [min(cfg.gen_chunk, B - c) for c in range(0, B, cfg.gen_chunk)]
-    total = sum(R * weights + g * per_token * (R * P + R * (R - 1) / 2) for g in chunks)
-    return B * R * bandwidth / total
-
-
-def rereserve(run, graphs):
-    """What the engine's layout "released" (budget.plan) costs a step, on the run's engine (on the CPU, an
-    eager one made as setup makes it): {bytes of its K, V buffers, reserve_s: release, reserve and
-    allocate them again; graphs: those a rollout captured (captured again every step once released);
-    call_s: a short call (one chunk, 16 new tokens) with the engine resident, released_s: the same right
-    after a release (its buffers made and its graphs captured again); captures: that call's}."""
-    from training import preflight
-
-    widest = max(map(len, prompt_ids(run.policy.tok, run.prompts)))
-    eng = run.engine or preflight.make_engine(run.cfg, run.policy.model, run.policy.tok, widest, 0)
-    if eng is None:
-        return None
-    cfg, dev = run.cfg, run.policy.device
-    kw = dict(
-        n=cfg.group_size,
-        max_new_tokens=min(16, run.new),
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        chunk_size=cfg.gen_chunk,
-        engine=eng,
-    )
-    one = run.prompts[: max(1, cfg.gen_chunk // cfg.group_size)]  # one chunk of rows
-    with torch.no_grad(), run.policy.autocast:
-        generate(run.policy.model, run.policy.tok, one, **kw)  # warm: graphs captured
-        t0 = synced(dev)
-        generate(run.policy.model, run.policy.tok, one, **kw)
-        t1 = synced(dev)
-        eng.release()
-        t2 = synced(dev)
-        eng.reserve(eng.rows, eng.S, eng.width, *eng.settings, eng.warp)
-        eng.allocate(SimpleNamespace(layers=[]))  # in the model's dtype
-        t3 = synced(dev)
-        c = eng.captures
-        eng.release()
-        t4 = synced(dev)
-        generate(run.policy.model, run.policy.tok, one, **kw)
-        t5 = synced(dev)
-    return dict(
-        bytes=eng.keys.nbytes + eng.values.nbytes,
-        reserve_s=t3 - t2,
-        graphs=graphs,
-        call_s=t1 - t0,
-        released_s=t5 - t4,
-        captures=eng.captures - c,
-        eager=not eng.graphs,
-    )
-
-
-# ----------------------------------------------------------------------------- the attention maps
-def attention_peaks(model, cfg, rows, T):
-    """{plain, capture, eager: peak bytes of one no-grad forward of `rows` rows of T tokens} (None: OOM)."""
-    dev = model.device
-    ids = torch.randint(256, (rows, T), generator=torch.Generator().manual_seed(1)).to(dev)  # (b, T)
-    mask = torch.ones_like(ids)  # (b, T)
-    tracker = memtrace.cuda_peak() if dev.type == "cuda" else memtrace.track_peak()
-    impl, out = model.config._attn_implementation, {}
-    model.eval()
-    with torch.no_grad(), tracker as tr:
-        for name in ("plain", "capture", "eager"):
-            tr.phase(name)
-            try:
-                if name == "capture":
-                    with capturing(model, mask, cfg.layers) as cap:
-                        model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-                    kept = cap.attn  # (b, T, T) fp32
-                elif name == "eager":
-                    model.set_attn_implementation("eager")
-                    kept = model(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        use_cache=False,
-                        logits_to_keep=1,
-                        output_attentions=True,
-                    ).attentions  # L x (b, H, T, T)
-                else:
-                    kept = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-                out[name] = True
-            except torch.OutOfMemoryError:
-                out[name] = None
-            finally:
-                kept = None  # noqa: F841  the next phase starts empty
-                model.set_attn_implementation(impl)
-        tr.phase(None)
-    return {k: tr.peak[k] if ok else None for k, ok in out.items()}
-
-
 # ----------------------------------------------------------------------------- the tables
 def headline(args, R, device):
     """Every number of one table (response budget R) as a dict: memory, overhead, generation, attention."""
@@ -342,7 +226,9 @@ def headline(args, R, device):
     batch, gen_s, tokens = rollout(run, tok, P, args.quick_tokens if args.quick else 0)
     graphs = run.engine.captures - before if run.engine is not None else None  # a rollout's graphs
     if not args.quick:
-        res["rereserve"] = rereserve(run, graphs)
+        res["rereserve"] = engine_release.release_cost(
+            cfg, run.policy.model, tok, run.prompts, run.engine, run.new, run.policy.autocast, graphs
+        )
     if release and run.engine is not None:
         run.engine.release()  # the update without it, as grpo.py's
     times = {"none": [], "flow": []}
@@ -377,27 +263,12 @@ def headline(args, R, device):
         bandwidth=args.bandwidth,
     )
     if R == max(args.max_new_tokens):
-        res["attention"] = attention_maps(args, run.policy.model, cfg, P + R)
+        res["attention"] = attention_memory.attention_maps(
+            run.policy.model, cfg.layers, args.attn_rows, P + R
+        )
     del run, batch
     free(device)
     return res
-
-
-def attention_maps(args, model, cfg, T):
-    """attention_peaks, the extra of each over the plain forward, and the maps' own sizes (bytes)."""
-    peaks = attention_peaks(model, cfg, args.attn_rows, T)
-    mc = model.config
-    eager_need = mc.num_hidden_layers * args.attn_rows * mc.num_attention_heads * T * T * model.dtype.itemsize
-    extra = {k: v - peaks["plain"] if v is not None and peaks["plain"] else None for k, v in peaks.items()}
-    return dict(
-        rows=args.attn_rows,
-        tokens=T,
-        layers=len(select_layers(cfg.layers, mc.num_hidden_layers)),
-        peak=peaks,
-        extra=extra,
-        eager_maps_bytes=eager_need,
-        capture_maps_bytes=args.attn_rows * T * T * 4,
-    )
 
 
 def free(device):
@@ -438,31 +309,10 @@ def show(args, res, device):
         f"{g['bound_tok_s']:.1f} tok/s at {g['bandwidth'] / 1e12:.2f} TB/s: "
         f"{100 * g['of_bound']:.3g}% of it"
     )
-    e = res.get("rereserve")
-    if e:
-        graphs = "" if e["graphs"] is None else f"; the rollout captured {e['graphs']} graphs"
-        print(
-            f"engine release {e['bytes'] / unit:.2f} {name} of K, V made again in {e['reserve_s']:.4f} s"
-            f"{graphs}; a 16-token call {e['call_s']:.3f} s resident, {e['released_s']:.3f} s released "
-            f"({e['captures']} graph shape(s): "
-            f"{'eager, none captured' if e['eager'] else 'captured again'})"
-        )
-    a = res.get("attention")
-    if a:
-        print(
-            f"attention maps, one no-grad forward of {a['rows']} x {a['tokens']} tokens ({name}): "
-            f"peak / extra over plain"
-        )
-        for k, why in (
-            ("plain", "sdpa"),
-            ("capture", f"attention.capturing, mean of {a['layers']} layer(s)"),
-            ("eager", "eager, output_attentions"),
-        ):
-            oom = f"out of memory (the maps alone: {a['eager_maps_bytes'] / unit:.2f} {name})"
-            print(
-                f"  {k:8s} {f(a['peak'][k]) if a['peak'][k] is not None else oom:>10s}"
-                f" {f(a['extra'][k]) if a['peak'][k] is not None else '':>10s}   {why}"
-            )
+    if e := res.get("rereserve"):
+        print(engine_release.line(e, unit, name))
+    if a := res.get("attention"):
+        attention_memory.show(a, unit, name)
 
 
 def main(argv=None):

@@ -181,7 +181,7 @@ COLUMNS = ["prompt", "row", "reward", "adv", "tokens", "answer_tokens", "boosted
 
 
 def draw(args):
-    """eval.py credit: the page of one saved step into --out. Returns (result, table) for eval.py's save."""
+    """eval.py credit: the page of one saved step into --out. Returns (result, table) for harness.save."""
     step, path, rows = read_step(args.run_dir, args.step)
     cfg, spans = run_config(args.run_dir), groups(rows)
     shown = spans[: args.groups or None]

@@ -7,7 +7,8 @@ and the decode engine's layout, resident through the update or released for it: 
 side by side (kahan, adamw, lora), the margin and the card, the disk a checkpoint needs
 (checkpoint.checkpoint_bytes; from the second save two coexist, and grpo.py checks the free space at setup),
 and last the peak. With --measure, evaluation/memtrace.py runs one real step and its measured peaks are
-printed beside the estimate (tests/test_memory.py holds them within 10%).
+printed beside the estimate (tests/test_memory.py holds them within 10%). `command` is `eval.py memory`:
+grpo.py's flags (add_flags: memory's own, the rest grpo.py's), planned for the card, printed by report.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): docs/method.md.
@@ -21,6 +22,9 @@ Run: python eval.py memory --model qwen3-4b-random                       # the t
 
 from types import SimpleNamespace
 
+import torch
+
+from evaluation import memtrace
 from training.budget import GB, LAYOUTS, RESERVE, GiB, margin, planned, what_fits
 from training.checkpoint import checkpoint_bytes
 from training.load import precision, precision_problem, scheme
@@ -128,3 +132,56 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
     )
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- eval.py memory
+def add_flags(p):
+    """memory's own flags; any grpo.py flag may follow them (args.grpo_flags, for command)."""
+    p.add_argument("--prompt-tokens", type=int, default=256, help="padded prompt width of the step")
+    p.add_argument("--measure", action="store_true", help="also run one real step (GPU if present), compare")
+    p.add_argument(
+        "--capability",
+        type=float,
+        help="the card's compute capability (7.5: a T4): --precision "
+        "auto's choice and the attention kernel (default: the visible GPU's, else 8.0)",
+    )
+    p.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        default=None,
+        help="with --measure on a GPU: record the 2nd micro-batch's backward (every block and its "
+        "stack) to PATH and print what its peak holds, by site",
+    )
+
+
+def command(args, grpo):
+    """`eval.py memory`: the estimate of each phase of grpo.py's step (report) from grpo.py's flags
+    (args.grpo_flags, checked by its parser), with --measure one real step beside it, with --snapshot the
+    backward's peak by site (memtrace.report_held). grpo: the grpo.py module (its parser and its update).
+    Bad input is a ValueError."""
+    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)  # --gpu-gb: it plans for a GPU anywhere
+    device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
+    if args.capability is not None and not 3 <= args.capability < 20:  # a float: any number parses
+        raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
+    cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
+    cfg, plan, _ = planned(cfg, model_config(cfg.model), device, args.prompt_tokens, cap=cap)
+    release = bool(plan and plan.gen_chunk and plan.release)
+    est = estimate(cfg, model_config(cfg.model), device, args.prompt_tokens, release=release, cap=cap)
+    if args.measure and device == "cpu" and peak(est)[1] > 8e9:
+        raise ValueError(
+            "--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
+            f"is {peak(est)[1] / 1e9:.0f} GB"
+        )
+    if args.snapshot and not (args.measure and device == "cuda"):
+        raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
+    measured = (
+        memtrace.measure(
+            cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release
+        )
+        if args.measure
+        else None
+    )
+    table = report(cfg, args.prompt_tokens, measured, device, cap)
+    return table + (
+        "\n" + memtrace.report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else ""
+    )

@@ -1,18 +1,18 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
 measure() runs grpo.py's own step on a real policy (load.load_policy, as run.setup builds it; the update is
-grpo.update, passed in) twice and counts the second one, in step_bytes.PHASES. It rolls out as grpo.py does: on
-CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
+grpo.update, passed in) twice and counts the second one, in step_bytes.PHASES. It rolls out as grpo.py does:
+on CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
 as setup makes it), so its cache is in every phase of the update it measures, or freed before the update
 where the plan releases it (release):
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
-tests/test_memory.py holds step_bytes.estimate within 10% of what this counts; `eval.py memory --measure` prints
-both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
+tests/test_memory.py holds step_bytes.estimate within 10% of what this counts; `eval.py memory --measure`
+prints both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
 block with its stack (cuda_peak), and held_at_peak sums it by site: what memory.py's backward misses there
 (PATH: the pickle for memory_viz; PATH.json: the sums, which report_held prints; no pickle is read back).
-command() is `eval.py memory`: the estimate, and with --measure the measured step beside it.
+`eval.py memory` (evaluation/memory.py's command) prints the estimate, and with --measure this beside it.
 
 Run: python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
      python eval.py memory --model qwen3-4b-random --measure --snapshot runs/backward.pickle   # on a GPU
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from data import build_batch
-from training import budget, load, preflight, rollout, step_bytes
+from training import budget, load, preflight, rollout
 from training.run import load_for_update
 
 
@@ -324,36 +324,3 @@ def random_prompts(tok, n, width, seed=0):
 
 
 # ----------------------------------------------------------------------------- the command
-def command(args, grpo):
-    """`eval.py memory`: the estimate of each phase of grpo.py's step (memory.py) from grpo.py's flags
-    (args.grpo_flags, checked by its parser), with --measure one real step beside it, with --snapshot the
-    backward's peak by site (report_held). grpo: the grpo.py module (its parser and its update). Bad input is
-    a ValueError."""
-    from evaluation import memory
-
-    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)  # --gpu-gb: it plans for a GPU anywhere
-    device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
-    if args.capability is not None and not 3 <= args.capability < 20:  # a float: any number parses
-        raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
-    cap = None if args.capability is None else (int(args.capability), round(args.capability * 10) % 10)
-    cfg, plan, _ = budget.planned(
-        cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, cap=cap
-    )
-    release = bool(plan and plan.gen_chunk and plan.release)
-    est = step_bytes.estimate(
-        cfg, step_bytes.model_config(cfg.model), device, args.prompt_tokens, release=release, cap=cap
-    )
-    if args.measure and device == "cpu" and step_bytes.peak(est)[1] > 8e9:
-        raise ValueError(
-            "--measure on the CPU is for small models (tiny-qwen3, smollm2-135m); the estimate "
-            f"is {step_bytes.peak(est)[1] / 1e9:.0f} GB"
-        )
-    if args.snapshot and not (args.measure and device == "cuda"):
-        raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
-    measured = (
-        measure(cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release)
-        if args.measure
-        else None
-    )
-    table = memory.report(cfg, args.prompt_tokens, measured, device, cap)
-    return table + ("\n" + report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else "")

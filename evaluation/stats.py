@@ -10,7 +10,7 @@ Formula:
   pass@k  = mean over problems of 1 - C(n - c, k) / C(n, k)   (n samples, c correct; Chen et al. 2021),
             computed as the product 1 - prod_{i = n-c+1}^{n} (1 - k / i): no huge binomials.
 
-Correct means reward 1; a response with no final answer is wrong, and counted (eval.py departure 2).
+Correct means reward 1; a response with no final answer is wrong, and counted (bench.py's departure 1).
 
 Is a gain real, and does one credit arm beat another? The replicated unit is the training run (the seed):
 the questions of one run share its weights, so every interval and p-value of a comparison is over seeds

@@ -125,6 +125,39 @@ def test_generate_speed_benchmark(tmp_path):
     assert set(f["engine_x"]) == {"HF dynamic", "HF static"} and f["rows"] == 8 and read_by_goals("static", f)
 
 
+@smoke("decode_speed.py")
+def test_decode_speed_benchmark(tmp_path):
+    """The decoders' table on the CPU at the tiny shape (the engine eagerly, HF dynamic, HF static): each
+    generated tokens in the timed round and its greedy rows were compared (8 rows)."""
+    finished(bench("decode_speed.py", "--device", "cpu", *TINY, "--shape", "tiny", "--rounds", 1, "--json",
+                   tmp_path / "d.json"))
+    res = json.loads((tmp_path / "d.json").read_text())
+    assert set(res["tokens"]) == {"engine", "HF dynamic", "HF static"} and res["rows"] == 8
+    assert all(t[0] > 0 for t in res["tokens"].values()) and res["bound_tok_s"] > 0
+
+
+@smoke("attention_memory.py")
+def test_attention_memory_benchmark(tmp_path):
+    """One forward of 48 tokens three ways on the CPU: each peak measured, the capture's extra below
+    eager's (one (b, T, T) map against every layer's)."""
+    finished(bench("attention_memory.py", *TINY, "--device", "cpu", "--tokens", 48, "--json", tmp_path / "a.json"))
+    (a,) = json.loads((tmp_path / "a.json").read_text())["results"]
+    assert a["tokens"] == 48 and all(a["peak"][k] > 0 for k in ("plain", "capture", "eager"))
+    assert 0 < a["extra"]["capture"] < a["extra"]["eager"]
+
+
+@smoke("engine_release.py")
+def test_engine_release_benchmark(tmp_path):
+    """The CPU's eager engine released and made again: its K, V buffers counted, the short call timed
+    resident and right after the release, with no graph (eager)."""
+    out = finished(bench("engine_release.py", *TINY, "--device", "cpu", "--max-new-tokens", 4, "--prompt-tokens",
+                         8, "--prompts-per-step", 1, "--group-size", 2, "--gen-chunk", 2, "--json",
+                         tmp_path / "e.json"))
+    e = json.loads((tmp_path / "e.json").read_text())["result"]
+    assert "engine release" in out and e["eager"] and e["call_s"] > 0 and e["released_s"] > 0
+    assert e["bytes"] > 0
+
+
 @smoke("gpu_headline.py")
 def test_gpu_headline_benchmark(tmp_path):
     """Its CPU form at one small budget, one round: every row generated to the budget and every phase of a

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import eval as ev
-from evaluation import highflow, probes, regenerate, stats
+from evaluation import harness, highflow, probes, regenerate, stats
 from evaluation import recall as recall_probe
 from evaluation.figures import peak_ema
 from training.models import load_model
@@ -204,12 +204,12 @@ def test_rewrite_keeps_the_reasoning_and_replaces_the_answer(tiny):
 
 def test_intervene_samples_problems_at_random_with_the_seed():
     args = ev.parse(["intervene", "--task", "arithmetic", "--n-problems", "5", "--seed", "3"])
-    a, b = ev.records_for(args, "arithmetic", sample=True), ev.records_for(args, "arithmetic", sample=True)
-    first = ev.records_for(args, "arithmetic")
+    a, b = harness.records_for(args, "arithmetic", sample=True), harness.records_for(args, "arithmetic", sample=True)
+    first = harness.records_for(args, "arithmetic")
     assert [r["id"] for r in a] == [r["id"] for r in b] and len(a) == 5 == len(first)
     assert [r["id"] for r in a] != [r["id"] for r in first]                  # not the first N
     args.seed = 4
-    assert [r["id"] for r in ev.records_for(args, "arithmetic", sample=True)] != [r["id"] for r in a]
+    assert [r["id"] for r in harness.records_for(args, "arithmetic", sample=True)] != [r["id"] for r in a]
 
 
 # ----------------------------------------------------------------------------- bad input (in process)
@@ -235,7 +235,7 @@ def test_bench_runs_on_a_checkpoint_directory(tiny, tmp_path):
     model, tok = tiny
     model.save_pretrained(tmp_path / "run" / "ckpt")  # a grpo run directory holds ckpt/
     tok.save_pretrained(tmp_path / "run" / "ckpt")
-    assert ev.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
+    assert harness.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
     ev.main(["bench", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1",
              "--ks", "1", "--max-new-tokens", "3", "--out", str(tmp_path / "o")])
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
@@ -398,7 +398,7 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     assert set(s["recall"]) == {"oar-p:as-mean", "oar-p:lt-logits", "random"}
     out = [json.loads(x) for x in (tmp_path / "o" / "recall_rows.jsonl").read_text().splitlines()]
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    rows = [r for r in probes.load_responses(path, tok, ev.auto_style("tiny-qwen3", "math", "auto"))
+    rows = [r for r in probes.load_responses(path, tok, harness.auto_style("tiny-qwen3", "math", "auto"))
             if r["reward"] == 1.0]
     batch = probes.regions(tok, rows)
     for o in ("as-mean", "lt-logits"):

@@ -12,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import decode_speed  # noqa: E402
 import gpu_headline  # noqa: E402
 
 SMALL = ["--model", "tiny-qwen3", "--device", "cpu", "--max-new-tokens", "8", "24", "--prompt-tokens", "12",
@@ -71,7 +72,7 @@ def test_bandwidth_bound_by_hand():
                             device=torch.device("cpu"), dtype=torch.float32,
                             parameters=lambda: [torch.zeros(10)])
     cfg = SimpleNamespace(max_new_tokens=2, prompts_per_step=1, group_size=2, gen_chunk=2)
-    assert gpu_headline.bandwidth_bound(model, cfg, 3, bandwidth=192.0) == 4.0
+    assert decode_speed.bandwidth_bound(model, cfg, 3, bandwidth=192.0) == 4.0
 
 
 def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):

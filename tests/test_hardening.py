@@ -10,6 +10,7 @@ hang or a wrong score. One section per finding; each test failed before its fix.
   13    your code: a --reward that exits, returns past float32 or never returns; an --answer-pattern that
         backtracks without end (each one line, or a stop at the first signal, the last step saved)
 """
+import argparse
 import dataclasses
 import errno
 import json
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 import data
 import eval as ev
 import grpo
-from evaluation import probes
+from evaluation import harness, probes
 from tasks import answers
 from tasks.answers import find_answer_span
 from training import run as run_mod
@@ -54,7 +55,7 @@ def last_line(capsys):
 
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
-    for module in (load, ev):
+    for module in (load, harness):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 
@@ -239,8 +240,8 @@ def test_full_disk_turns_only_a_full_disk_into_one_line(tmp_path, error, full):
 
 def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Path, "write_text", enospc)
-    with pytest.raises(ev.EvalError) as e:                     # eval.main prints it as one line, exit 2
-        ev.save(ev.argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
+    with pytest.raises(harness.EvalError) as e:                     # eval.main prints it as one line, exit 2
+        harness.save(argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
     msg, code = e.value.args
     assert code == 2 and "cannot write the results (No space left on device)" in msg
 

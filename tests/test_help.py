@@ -16,7 +16,7 @@ import pytest
 
 import eval as ev
 import grpo
-from evaluation import learn
+from evaluation import harness, learn
 from training import flags, helptext, load
 
 ROOT = Path(grpo.__file__).resolve().parent
@@ -216,7 +216,7 @@ EVAL_PATHS = [(["plot", "--figures", "curves", "--metrics"], "loop", "symlink lo
 
 @pytest.mark.parametrize("argv, name, says", EVAL_PATHS, ids=[f"{a[-1]} {n}" for a, n, _ in EVAL_PATHS])
 def test_eval_path_flags(argv, name, says, paths, capsys, monkeypatch):
-    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded before the path check"))
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the path check"))
     out = [] if "--out" in argv else ["--out", str(paths / "o")]
     line = one_line(capsys, lambda: ev.main([*argv, str(paths / name), *out]), "eval.py")
     assert says in line and argv[-1] in line, line

@@ -179,11 +179,12 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
 
 def test_flowtracer_trl_lora_flags_and_learning_rate():
     import flowtracer_trl as ft
+    from training import trl_setup
     args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
     assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
-    assert targs.learning_rate == pytest.approx(presets.LORA_LR_FACTOR * ft.DEFAULTS["learning_rate"])
+    assert targs.learning_rate == pytest.approx(presets.LORA_LR_FACTOR * trl_setup.DEFAULTS["learning_rate"])
     assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
-    assert ft.parse_args([])[2].learning_rate == ft.DEFAULTS["learning_rate"]
+    assert ft.parse_args([])[2].learning_rate == trl_setup.DEFAULTS["learning_rate"]
 
 
 @pytest.mark.parametrize("argv, want", [([], torch.bfloat16), (["--fp16", "True"], torch.float16),
@@ -193,6 +194,7 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
     base in bf16 (fp16 under --fp16): loaded here for a local name, TRL's model_init_kwargs for a hub name
     (TRL's own default would be fp32); on the CPU fp32. The trainer is stopped before it is made."""
     import flowtracer_trl as ft
+    from training import trl_setup
 
     class Made(Exception):
         pass
@@ -203,9 +205,9 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
         raise Made
     real = models.load_model
     monkeypatch.setattr(ft, "FlowTracerGRPOTrainer", trainer)
-    monkeypatch.setattr(ft, "load_model", lambda name, device, dtype: seen.setdefault("load", dtype) and
+    monkeypatch.setattr(trl_setup, "load_model", lambda name, device, dtype: seen.setdefault("load", dtype) and
                         real(name, device=device, dtype=dtype))
-    monkeypatch.setattr(ft.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
+    monkeypatch.setattr(trl_setup.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
     gpu = ["--use-cpu", "False", "--bf16", "False", "--lora-rank", "8", "--max-steps", "1"]
     for model in ("tiny-qwen3", "Org/A-Hub-Model"):
         seen.clear()
@@ -220,6 +222,7 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
     run directory."""
     import eval as ev
+    from evaluation import harness
     from conftest import task_data_missing
     toy_reward(monkeypatch)
     out = tmp_path / "run"
@@ -233,7 +236,7 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     want = policy.fixed_logprobs(run.policy.model.eval(), batch, rows, 4, 4)
     assert torch.allclose(policy.fixed_logprobs(merged, batch, rows, 4, 4), want, atol=1e-4)
     assert not torch.allclose(policy.fixed_logprobs(base, batch, rows, 4, 4), want, atol=1e-4)
-    assert ev.resolve_model(str(out)) == str(out / "ckpt")
+    assert harness.resolve_model(str(out)) == str(out / "ckpt")
     if why := task_data_missing("gsm8k"):
         pytest.skip(why)
     ev.main(["bench", "--model", str(out), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1", "--ks",

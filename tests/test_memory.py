@@ -367,7 +367,6 @@ def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
     """reference.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
     fp32, two (B, H, c, S) fp32 blocks (score, softmax) and two (B, c, S) sums; the previous chunk's blocks
     are freed before the next is made (they were not: a third block, found at Qwen3-4B's T on the CPU)."""
-    import flowtracer
     B, H, Hkv, T, D = 2, 4, 2, 64, 8
     q, k = torch.randn(B, H, T, D, dtype=torch.bfloat16), torch.randn(B, Hkv, T, D, dtype=torch.bfloat16)
     mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()                 # (B, 1, T, T) True = attend

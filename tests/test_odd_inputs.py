@@ -19,11 +19,11 @@ import torch
 
 import eval as ev
 import grpo
-from evaluation import memtrace
+from evaluation import harness, memtrace
 from tasks import prompts
 from training import run as run_mod
 from training import budget, checkpoint as ckpt_io
-from training import flags, load, rundir
+from training import flags, load
 from training.models import ModelError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -422,7 +422,7 @@ def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tm
     f = run / "ckpt" / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
     monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
-    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     for main, argv in ((grpo.main, ["--resume", str(run), "--steps", "2"]),
                        (ev.main, ["bench", "--model", str(run), "--benchmarks", "gsm8k", "--n-problems", "1",
                                   "--out", str(tmp_path / "o")])):

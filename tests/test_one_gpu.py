@@ -22,7 +22,6 @@ import torch
 from conftest import DEVICES, assert_to_rounding
 
 import data
-import flowtracer
 import grpo
 from gpu_kernels import availability
 from training import attention, credit, load, models, policy, rollout, step_bytes

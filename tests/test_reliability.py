@@ -191,7 +191,8 @@ EVAL_BAD = [(["bench", "--n-problems", "0"], "--n-problems"), (["bench", "--ks",
 @pytest.mark.parametrize("argv, word", EVAL_BAD)
 def test_eval_bad_args(argv, word, capsys, monkeypatch):
     import eval as ev
-    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check"))
+    from evaluation import harness
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check"))
     with pytest.raises(SystemExit) as e:
         ev.main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]

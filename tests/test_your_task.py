@@ -277,6 +277,7 @@ def test_with_fields_refuses_countdown_and_names_the_columns():
 
 def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
     import flowtracer_trl
+    from training import trl_setup
     args, _, _ = flowtracer_trl.parse_args(["--dataset", "custom", "--data-path", "rows.jsonl", "--reward",
                                             "r.py:exact", "--answer-pattern", r"A: (\d+)"])
     assert (args.dataset, args.reward, args.answer_pattern) == ("custom", "r.py:exact", r"A: (\d+)")
@@ -287,7 +288,7 @@ def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
 
     def exact(completion, record):
         return float(completion == record["answer"])
-    fn = flowtracer_trl.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
+    fn = trl_setup.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
     assert fn.__name__ == "exact"
     assert fn(None, ["7", "8"], [json.dumps({"id": "a", "answer": "7"})] * 2) == [1.0, 0.0]
 
