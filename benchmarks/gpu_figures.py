@@ -1,12 +1,15 @@
 """What each part of benchmarks/gpu_report.py leaves (its figures, read from its JSON, log or JUnit XML),
 and the goals of docs/gpu.md judged on them: met, short, or why there is no figure.
 
+Run:  python benchmarks/gpu_figures.py runs/gpu-report/report.jsonl   # a report's goals judged again
 Test: python -m pytest -q tests/test_gpu_report.py
 """
 
+import argparse
 import json
 import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 GB = 1e9  # training/budget.py's unit
@@ -159,3 +162,27 @@ def goals(records):
             shown, met = g.check(r["figures"])
             out.append((g.text, shown, "met" if met else "short"))
     return out
+
+
+def table(records):
+    """The goals as gpu_report.py prints them at its end: one line each, its figure and its verdict."""
+    lines = [f"{'goal':<70}{'figure':<44}verdict"]
+    return "\n".join(lines + [f"{t:<70}{f:<44}{v}" for t, f, v in goals(records)])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="gpu_figures.py", description=__doc__.splitlines()[0])
+    ap.add_argument("report", help="a report.jsonl that benchmarks/gpu_report.py wrote")
+    args = ap.parse_args(argv)
+    try:
+        lines = Path(args.report).read_text().splitlines()
+        records = [json.loads(s) for s in lines if s.strip()]
+    except (OSError, ValueError) as e:
+        ap.error(f"{args.report}: {e}")
+    if not records or records[0].get("part") != "device":
+        ap.error(f"{args.report}: not a report of gpu_report.py (its first line names the device)")
+    print(f"{records[0].get('device', '?')}, {records[0].get('date', '?')}\n" + table(records[1:]))
+
+
+if __name__ == "__main__":
+    main()

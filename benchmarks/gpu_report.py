@@ -59,10 +59,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_figures import (  # noqa: E402
     decoder_figures,
-    goals,
     preflight_figures,
     step_figures,
     suite_figures,
+    table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,9 +284,7 @@ def main(argv=None):
     budget = "none" if args.budget is None else f"{args.budget:.0f} s"
     print(f"gpu_report.py: {head['device']}; {len(parts)} part(s); budget {budget}; into {out}", flush=True)
     records = run(parts, out, args.budget, given, start)
-    print(f"\n{'goal':<70}{'figure':<44}verdict")
-    for text, figure, verdict in goals(records):
-        print(f"{text:<70}{figure:<44}{verdict}")
+    print("\n" + table(records))
     sys.exit(1 if any(r["status"] in ("failed", "killed") for r in records) else 0)
 
 

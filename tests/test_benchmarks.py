@@ -20,6 +20,7 @@ from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_figures  # noqa: E402
 import gpu_report  # noqa: E402
 
 TINY = ["--model", "tiny-qwen3"]
@@ -47,8 +48,8 @@ def bench(name, *argv, timeout=600):
 
 def read_by_goals(part, figures):
     """Whether gpu_report.py's goals read `part`'s figures: each of its goals says met or short."""
-    verdicts = gpu_report.goals([{"part": part, "figures": figures}])
-    said = [v for g, (_, _, v) in zip(gpu_report.GOALS, verdicts, strict=True) if g.part == part]
+    verdicts = gpu_figures.goals([{"part": part, "figures": figures}])
+    said = [v for g, (_, _, v) in zip(gpu_figures.GOALS, verdicts, strict=True) if g.part == part]
     return bool(said) and set(said) <= {"met", "short"}
 
 
@@ -121,7 +122,7 @@ def test_generate_speed_benchmark(tmp_path):
     assert all(t[0] > 0 for t in res["tokens"].values()) and res["rows"] == 8
     assert set(res["equal"]["float32"]) == set(res["tokens"])
     shutil.copy(tmp_path / "g.json", tmp_path / "static.json")
-    f = gpu_report.decoder_figures("static")(tmp_path, "")
+    f = gpu_figures.decoder_figures("static")(tmp_path, "")
     assert set(f["engine_x"]) == {"HF dynamic", "HF static"} and f["rows"] == 8 and read_by_goals("static", f)
 
 
@@ -191,7 +192,7 @@ def test_gpu_headline_benchmark(tmp_path):
     assert r["rows"] == 2 and r["generation"]["tokens"] == 2 * 4
     assert set(r["memory"]) == {"generation", "update forward", "credit", "backward", "optimizer step"}
     shutil.copy(tmp_path / "h.json", tmp_path / "headline.json")
-    f = gpu_report.step_figures("headline")(tmp_path, "")
+    f = gpu_figures.step_figures("headline")(tmp_path, "")
     assert f["rows"] == 2 and set(f["memory"]) == set(r["memory"]) and f["step_s"] > 0
     assert read_by_goals("headline", f)
 
@@ -258,6 +259,26 @@ def test_reward_speed_benchmark():
     out = finished(bench("reward_speed.py", "--n", 20, "--budget", 600))
     for name in ("math", "countdown", "choice"):
         assert re.search(rf"^{name}\s*: 20 completions in", out, re.M), out
+
+
+@smoke("gpu_figures.py")
+def test_gpu_figures_benchmark(tmp_path):
+    """A report's goals judged again from its report.jsonl: the device line, then one line per goal, the
+    suite's read from its figures (met: 0 failed); a file that is no report is one error line, exit 2."""
+    suite = {"all": {"passed": 3}, "cuda": {"passed": 1}}
+    lines = [{"part": "device", "status": "ok", "device": "a card", "date": "2026-11-28"},
+             {"part": "suite", "status": "ok", "figures": suite, "log": "suite.log"}]
+    report = tmp_path / "report.jsonl"
+    report.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    p = bench("gpu_figures.py", report)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.splitlines()
+    assert out[0] == "a card, 2026-11-28" and len(out) == 2 + len(gpu_figures.GOALS), p.stdout
+    assert any("the suite on CUDA with 0 failed" in s and s.endswith("met") for s in out), p.stdout
+    assert sum(s.endswith("not run (--parts)") for s in out) == len(gpu_figures.GOALS) - 1, p.stdout
+    report.write_text("{}\n")
+    p = bench("gpu_figures.py", report)
+    assert p.returncode == 2 and "not a report of gpu_report.py" in p.stderr and "Traceback" not in p.stderr
 
 
 @smoke("gpu_report.py")

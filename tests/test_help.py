@@ -66,7 +66,6 @@ SCRIPTS = {"grpo.py": lambda: grpo.parse_args([]), "eval.py": lambda: ev.parse([
                                          for m in ("datasets", "trl")]
            and __import__("flowtracer_trl").parse_args([]),
            "data.py": script(ROOT / "data.py"),
-           "training/rollout.py": script(ROOT / "training" / "rollout.py"),
            "tasks/countdown.py": script(ROOT / "tasks" / "countdown.py"),
            **{f"benchmarks/{b.name}": script(b) for b in sorted((ROOT / "benchmarks").glob("*.py"))}}
 
