@@ -65,7 +65,8 @@ from evaluation import recall as recall_probe
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import flags, oar, rundir, signals
-from training.models import ModelError, adapter_dir, device_problem, load_model
+from training.models import adapter_dir, device_problem, load_model
+from training.pretrained import ModelError
 from training.rollout import generate
 
 CMDS = flags.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
