@@ -1,8 +1,9 @@
 """A pretrained model's files, read into a model and its tokenizer: a directory written by save_pretrained,
 or a Hugging Face hub name (the network, or the hub's local cache). Each failure is one ModelError, a
 ValueError whose message names the file, directory or hub name and what to do (grpo.py / eval.py print one
-line). training/models.py's load_model picks this path for a name that is not one of its own (its
-aliases, a .gguf file, a LoRA checkpoint).
+line; training/models.py raises it for the names it loads itself). models.load_model reads this way a name
+that is not one of its own (its aliases, a .gguf file, a LoRA checkpoint) and a GGUF file's cached plain
+copy; models.load_tokenizer and load_config ask the hub as from_hub_or_dir does (offline_reason).
 
 Departures (numbered):
   1. A hub name is first checked with one request to the hub (HF_ENDPOINT) without retries: unreachable (or
