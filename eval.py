@@ -60,7 +60,8 @@ from evaluation.harness import EvalError, fail, inputs, save, setup
 from flowtracer import select_layers
 from training import checkpoint as ckpt_io
 from training import helptext, oar, rundir, signals
-from training.models import ModelError, device_problem
+from training.models import device_problem
+from training.pretrained import ModelError
 
 CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
 

@@ -56,7 +56,8 @@ from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training import budget, flags, heldout, helptext, load, rundir, signals
 from training import checkpoint as ckpt_io
-from training.models import ModelError, load_model
+from training.models import load_model
+from training.pretrained import ModelError
 
 
 @dataclass

@@ -28,7 +28,8 @@ from evaluation import memtrace
 from training.budget import GB, LAYOUTS, RESERVE, GiB, margin, planned, what_fits
 from training.checkpoint import checkpoint_bytes
 from training.load import precision, precision_problem, scheme
-from training.step_bytes import COMPONENTS, estimate, lora_linears, model_config, param_counts, peak
+from training.step_bytes import COMPONENTS, estimate, model_config, peak
+from training.step_shapes import lora_linears, param_counts
 
 
 def table(est, title, unit=GB) -> str:

@@ -7,7 +7,7 @@ import torch
 
 import grpo
 from evaluation import memory, memtrace
-from training import budget, load, step_bytes
+from training import budget, load, step_bytes, step_shapes
 from training import run as run_mod
 from training.models import qwen3_4b_config
 
@@ -143,7 +143,7 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     held = eng.keys.nbytes + eng.values.nbytes                                   # allocated by the decode
     mc = step_bytes.model_config(cfg.model)
     est = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
-    assert eng.rows == step_bytes.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
+    assert eng.rows == step_shapes.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
     assert all(est[ph]["KV cache"] == held for ph in step_bytes.PHASES[1:])
     assert est["generation"]["KV cache"] >= held
     none = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=0)                   # no evaluation: 8 rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from training import gguf, load, models, presets
+from training import gguf, load, models, presets, pretrained
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -126,7 +126,7 @@ def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatc
     """The run directory (and its .lock) is made once the model has loaded; --overwrite deletes the old run
     only then, so a failed load keeps it."""
     def fails(cfg, *a, **k):
-        raise models.ModelError(f"--model {cfg.model}: not in the local hub cache")
+        raise pretrained.ModelError(f"--model {cfg.model}: not in the local hub cache")
     monkeypatch.setattr(load, "load_policy", fails)
     with pytest.raises(SystemExit) as e:
         grpo.main(["--model", "org/name", "--out-dir", str(tmp_path / "run")])

@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 import grpo
 from evaluation import memory, memtrace
-from training import budget, footprint, step_bytes
+from training import budget, footprint, step_bytes, step_shapes
 from training import load, policy
 from training.models import load_model, qwen3_4b_config, tiny_config
 
@@ -151,7 +151,7 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     base, cfg = qwen3_4b()
     mc = qwen3_4b_config()
     L, D, b, B, T, R = 36, 2560, 8, 128, 1280, 1024
-    N = step_bytes.param_counts(mc)[0]
+    N = step_shapes.param_counts(mc)[0]
     # --no-grad-checkpointing (one pass over every row): each layer keeps its layer_saved, not its bf16 input
     unshared, _ = qwen3_4b("--no-share-prefix")
     off, _ = qwen3_4b("--no-grad-checkpointing", "--no-share-prefix")
@@ -236,7 +236,7 @@ def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
 def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random"])
     mc = qwen3_4b_config()
-    N, N_cast, _ = step_bytes.param_counts(mc)
+    N, N_cast, _ = step_shapes.param_counts(mc)
     assert 4.0e9 < N < 4.05e9                                             # 4.02 B parameters
     est = step_bytes.estimate(cfg, mc, "cuda")
     kv = 2 * 36 * 8 * 128 * 2                                             # 144 KiB per token and row

@@ -24,7 +24,8 @@ from tasks import prompts
 from training import run as run_mod
 from training import budget, checkpoint as ckpt_io
 from training import flags, load
-from training.models import ModelError, load_model
+from training.models import load_model
+from training.pretrained import ModelError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ from conftest import DEVICES, assert_to_rounding
 import data
 import grpo
 from gpu_kernels import availability
-from training import attention, credit, load, models, policy, rollout, step_bytes
+from training import attention, credit, load, models, policy, rollout, step_bytes, step_shapes
 from training import checkpoint as ckpt_io
 from training.models import load_model
 
@@ -189,7 +189,7 @@ def test_eval_memory_names_the_disk_a_checkpoint_needs(capsys):
     import eval as ev
     ev.main(["memory", "--model", "qwen3-4b-random"])
     out = capsys.readouterr().out.splitlines()
-    n = step_bytes.param_counts(step_bytes.model_config("qwen3-4b-random"))[0]
+    n = step_shapes.param_counts(step_bytes.model_config("qwen3-4b-random"))[0]
     disk = [x for x in out if x.startswith("disk:")]
     assert len(disk) == 1 and f"{n * 8 / 1e9:.2f} GB" in disk[0] and out[-1].startswith("peak"), disk
 

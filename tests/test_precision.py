@@ -212,7 +212,7 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     a fused kernel), by at least the backward's two score-sized gradients of one micro-batch; fp16 on the T4
     (the memory-efficient kernel) holds what it holds on the A100; and its weights are 2 bytes a parameter,
     fp32 AdamW's 4."""
-    from training import footprint, step_bytes
+    from training import footprint, step_bytes, step_shapes
     from training.models import qwen3_4b_config
     mc = qwen3_4b_config()
     bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
@@ -224,7 +224,7 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
     assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4) == step_bytes.estimate(fp16, mc, "cuda", 256, cap=A100)
     full = grpo.parse_args(["--model", "qwen3-4b-random"])                   # auto: fp32 AdamW on a T4
-    N = step_bytes.param_counts(mc)[0]
+    N = step_shapes.param_counts(mc)[0]
     assert step_bytes.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
     assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
 

