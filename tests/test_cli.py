@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo
-from training import gguf, load, models, presets, pretrained
+from training import gguf, load, presets, pretrained
 
 ROOT = Path(grpo.__file__).resolve().parent
 
