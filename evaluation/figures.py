@@ -64,10 +64,10 @@ def token_figure(path, tokens, colors, title, width=100):
     fig.savefig(str(path) + ".png", dpi=110)
     plt.close(fig)
     rgba = lambda c: f"rgba({int(255 * c[0])},{int(255 * c[1])},{int(255 * c[2])},{c[3]:.2f})"  # noqa: E731
-    span = lambda t, c: (
-        f'<span style="background:{rgba(c)}">'  # noqa: E731
-        f"{html.escape(t).replace(chr(10), '<br>')}</span>"
-    )
+
+    def span(t, c):
+        return f'<span style="background:{rgba(c)}">{html.escape(t).replace(chr(10), "<br>")}</span>'
+
     Path(str(path) + ".html").write_text(
         f"<html><body><h3>{html.escape(title)}</h3>"
         "<pre style='white-space:pre-wrap'>"

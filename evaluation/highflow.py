@@ -174,13 +174,13 @@ def answer_forms(model, tok, records, args, style):
 def summarize(out, forms, percents):
     done = [r for r in out if not r["no_answer"]]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    overlap = lambda rows: {
-        f: [
-            mean([r["overlap"][f][i] for r in rows if not r["no_answer"]])  # noqa: E731
-            for i in range(len(percents))
-        ]
-        for f in forms
-    }
+
+    def overlap(rows):
+        return {
+            f: [mean([r["overlap"][f][i] for r in rows if not r["no_answer"]]) for i in range(len(percents))]
+            for f in forms
+        }
+
     by = {k: [r for r in out if r["format"] == k] for k in FORMATS}
     formats = {
         k: dict(n=len(rows), accuracy=mean([r["reward"] for r in rows]), overlap=overlap(rows))
@@ -206,8 +206,9 @@ def forms_table(s, args):
         probes.markdown(header, rows)
         + (
             f"\nOverlap with the answer-only high-flow set (Table 11a), mean over n = {s['n']} responses "
-            f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before the "
-            f"answer on average; layers {args.layers}; original accuracy {s['original_accuracy']:.3f}.\n\n"
+            f"({s['n_no_answer']} of {s['n_responses']} had no answer and are left out); {k0} tokens before "
+            f"the answer on average; layers {args.layers}; "
+            f"original accuracy {s['original_accuracy']:.3f}.\n\n"
             "Per answer format of the responses (departure 4): count, accuracy, overlap per form:\n\n"
         )
         + probes.markdown(
