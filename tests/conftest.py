@@ -164,11 +164,12 @@ def in_process(capsys, monkeypatch):
     caught and fails the test, where the script would have printed a traceback. Saves a subprocess's start and
     imports (seconds each). What a run leaves in the process is put back after the test: the SIGINT and
     SIGTERM handlers (grpo.py's run log and `eval.py learn` install their own), torch's thread count (eval.py
-    --threads), and the working directory (the script's own, as the subprocess tests ran it: the root)."""
+    --threads), the environment (policy.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
+    directory (the script's own, as the subprocess tests ran it: the root)."""
     import signal
     import subprocess
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads = torch.get_num_threads()
+    threads, env = torch.get_num_threads(), dict(os.environ)
     monkeypatch.chdir(ROOT)
 
     def run(main, *argv):
@@ -185,3 +186,6 @@ def in_process(capsys, monkeypatch):
     for s, h in handlers.items():
         signal.signal(s, h)
     torch.set_num_threads(threads)
+    for k in set(os.environ) - set(env):
+        del os.environ[k]
+    os.environ.update(env)
