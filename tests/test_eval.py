@@ -1,10 +1,8 @@
 """Tests for eval.py and probes.py: pass@k, the peak EMA, the masked decoder, recall@K, and every subcommand
-run end to end on the random tiny model in a subprocess."""
+run end to end on the random tiny model (through eval.py's main)."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -255,8 +253,10 @@ def test_no_answers_anywhere_is_an_empty_result(tmp_path, capsys):
 # ----------------------------------------------------------------------------- every subcommand, end to end
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """Start every subcommand's run on the tiny model at once, each in its own subprocess with one thread;
-    each test then waits for its own. Returns wait(name) -> the run's output directory."""
+    """Every subcommand's run on the tiny model, `python eval.py <name> ...` as eval.py's main in this
+    process (a subprocess each cost more to start than to run; eval.py from the shell: test_help.py,
+    test_odd_inputs.py), run when its test first asks. Returns run(name) -> the run's output directory; a
+    run that exits non-zero or raises fails its test."""
     d = tmp_path_factory.mktemp("smoke")
     resp, metrics = d / "responses.jsonl", d / "run" / "metrics.jsonl"
     resp.write_text("".join(json.dumps(r) + "\n" for r in RESPONSES))
@@ -273,23 +273,25 @@ def smoke(tmp_path_factory):
                  "--figures", "heatmap", "inout", "tokens", "curves"],
         "answer-forms": ["answer-forms", *tiny, "--responses", str(resp)],
     }
-    if task_data_missing("gsm8k"):                         # test_bench_subprocess skips: do not start it
+    if task_data_missing("gsm8k"):                         # test_bench_end_to_end skips: never run
         del argv["bench"]
-    procs = {k: subprocess.Popen([sys.executable, "eval.py", *a, "--out", str(d / k)], cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for k, a in argv.items()}
+    threads, cwd = torch.get_num_threads(), os.getcwd()
 
-    def wait(name):
-        _, err = procs[name].communicate(timeout=300)
-        assert procs[name].returncode == 0, err[-3000:]
+    def run(name):
+        if not (d / name).exists():
+            os.chdir(ROOT)                                     # where the subprocesses ran
+            try:
+                ev.main([*argv[name], "--out", str(d / name)])
+            except SystemExit as e:
+                assert e.code in (0, None), f"eval.py {name}: exit {e.code}"
+            finally:
+                os.chdir(cwd)
+                torch.set_num_threads(threads)                 # --threads 1
         return d / name
-    yield wait
-    for p in procs.values():
-        if p.poll() is None:
-            p.kill()
+    return run
 
 
-def test_bench_subprocess(smoke):
+def test_bench_end_to_end(smoke):
     if why := task_data_missing("gsm8k"):                 # a clone without ../shared and without the hub
         pytest.skip(why)
     out = smoke("bench")
@@ -303,7 +305,7 @@ def test_bench_subprocess(smoke):
     assert "| gsm8k | 2 | 2 |" in (out / "bench.md").read_text()
 
 
-def test_intervene_subprocess(smoke):
+def test_intervene_end_to_end(smoke):
     out = smoke("intervene")
     s = json.loads((out / "intervene.json").read_text())["summary"]
     assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 1, 3)
@@ -322,7 +324,7 @@ def test_intervene_subprocess(smoke):
     assert "High-flow (Top 20%)" in md and "failed extraction counted as incorrect" in md
 
 
-def test_recall_subprocess(smoke):
+def test_recall_end_to_end(smoke):
     out = smoke("recall")
     s = json.loads((out / "recall.json").read_text())["summary"]
     assert s["n_responses"] == 2 and s["n_positions"] == 12 and s["ks"] == list(range(10, 101, 10))
@@ -332,7 +334,7 @@ def test_recall_subprocess(smoke):
     assert (out / "recall.png").stat().st_size > 0
 
 
-def test_answer_forms_subprocess(smoke):
+def test_answer_forms_end_to_end(smoke):
     out = smoke("answer-forms")
     s = json.loads((out / "answer-forms.json").read_text())["summary"]
     assert (s["n_responses"], s["n_no_answer"], s["n"]) == (4, 1, 3)
@@ -370,7 +372,7 @@ def test_answer_format_and_its_table_by_hand():
                                        ["fallback", 1, 0.0, "-", None, None]]
 
 
-def test_plot_subprocess(smoke):
+def test_plot_end_to_end(smoke):
     out = smoke("plot")
     for f in ("heatmap.png", "heatmap.html", "inout.png", "inout.html", "tokens.png", "curves.png"):
         assert (out / f).stat().st_size > 0, f

@@ -2,7 +2,6 @@
 every number it reports is real, and the bandwidth bound matches a hand count."""
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,10 +23,9 @@ def real(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_headline_runs_on_the_cpu_and_reports_real_numbers(tmp_path):
+def test_headline_runs_on_the_cpu_and_reports_real_numbers(tmp_path, in_process):
     out = tmp_path / "headline.json"
-    p = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", *SMALL, "--json", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = in_process(gpu_headline.main, *SMALL, "--json", out)    # `python benchmarks/gpu_headline.py ...`
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())["results"]
     assert [r["max_new_tokens"] for r in res] == [8, 24]
@@ -75,12 +73,11 @@ def test_bandwidth_bound_by_hand():
     assert decode_speed.bandwidth_bound(model, cfg, 3, bandwidth=192.0) == 4.0
 
 
-def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):
+def test_quick_measures_the_overhead_alone_at_full_width(tmp_path, in_process):
     """--quick: short rollouts padded to R, the update timed with and without flow; no memory step, no
     generation speed, no maps. The help names the time of both modes."""
     out = tmp_path / "quick.json"
-    p = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", *SMALL, "--quick", "--quick-tokens",
-                        "3", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = in_process(gpu_headline.main, *SMALL, "--quick", "--quick-tokens", "3", "--json", out)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["args"]["prompts_per_step"] == 2 and [r["max_new_tokens"] for r in res["results"]] == [8, 24]
@@ -91,6 +88,5 @@ def test_quick_measures_the_overhead_alone_at_full_width(tmp_path):
         assert real(o["update_none_s"]) and real(o["update_flow_s"]) and o["fraction"] is None
         assert o["of_update"] == (o["update_flow_s"] - o["update_none_s"]) / o["update_none_s"]
     assert p.stdout.count("% of the update") == 2 and "estimate/allocated" not in p.stdout
-    h = subprocess.run([sys.executable, "benchmarks/gpu_headline.py", "--help"], cwd=ROOT,
-                       capture_output=True, text=True).stdout
+    h = in_process(gpu_headline.main, "--help").stdout
     assert "--quick" in h and "2 hours" in h and "10 minutes" in h

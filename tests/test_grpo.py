@@ -208,14 +208,17 @@ def stable(m):
 
 
 @pytest.mark.slow
-def test_smoke_train_resume_exactly(tmp_path):
+def test_smoke_train_resume_exactly(tmp_path, monkeypatch):
     """On the CPU (--device cpu, on a GPU machine too): a resumed run's next step equals the uninterrupted
     run's bit for bit (checkpoint.py's claim). CUDA's attention backward and atomic adds do not promise the
-    same bits twice, so there the claim is the RNG states, optimizer and step restored (test_one_gpu.py)."""
+    same bits twice, so there the claim is the RNG states, optimizer and step restored (test_one_gpu.py).
+    The two first runs are DRIVER's, in this process; the resume is a fresh process, as after a real stop."""
     a, b = tmp_path / "a", tmp_path / "b"
     cpu = [*SMOKE, "--device", "cpu"]
-    run([*cpu, "--steps", "3", "--out-dir", str(a)], tmp_path)
-    run([*cpu, "--steps", "2", "--out-dir", str(b)], tmp_path)
+    monkeypatch.setattr(grpo.data, "reward",                                 # DRIVER's toy reward
+                        lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)))
+    grpo.train(parse_args([*cpu, "--steps", "3", "--out-dir", str(a)]))
+    grpo.train(parse_args([*cpu, "--steps", "2", "--out-dir", str(b)]))
     # parameters changed, a checkpoint and the rollouts were written, every metric is there
     from safetensors.torch import load_file
     init, _ = load_model("tiny-qwen3", device="cpu")
@@ -260,9 +263,10 @@ def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
 
 
-def test_prompts_longer_than_the_limit_are_skipped(tmp_path):
+def test_prompts_longer_than_the_limit_are_skipped(tmp_path, in_process):
     r = tmp_path / "r"
-    out = run([*SMOKE, "--steps", "1", "--max-prompt-tokens", "5", "--out-dir", str(r)], tmp_path, toy_reward=False)
+    out = in_process(grpo.main, *SMOKE, "--steps", "1", "--max-prompt-tokens", "5", "--out-dir", str(r))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]               # `python grpo.py`
     assert "prompt(s) longer than --max-prompt-tokens 5 skipped" in out.stdout + out.stderr
     rows = [json.loads(x) for x in open(r / "metrics.jsonl")]           # the skipped last step is logged ...
     assert [m["step"] for m in rows] == [1] and "skipped" in rows[0]

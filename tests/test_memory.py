@@ -4,8 +4,6 @@ CUDA allocator setting, and `eval.py memory`."""
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -307,9 +305,9 @@ def test_scheme_defaults_and_errors():
         load.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
 
 
-def test_eval_memory_command():
-    run = lambda *a: subprocess.run([sys.executable, "eval.py", "memory", *a], cwd=ROOT,  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
+def test_eval_memory_command(in_process):
+    import eval as ev
+    run = lambda *a: in_process(ev.main, "memory", *a)    # noqa: E731  `python eval.py memory a`, in-process
     p = run("--model", "qwen3-4b-random")
     assert p.returncode == 0, p.stderr
     last = p.stdout.strip().splitlines()[-1]

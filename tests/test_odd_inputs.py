@@ -173,6 +173,12 @@ def run_eval(*argv, cwd=ROOT):
                           capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.fixture
+def eval_main(in_process):
+    """eval.py's main(argv) in this process, read as run_eval's result (conftest.in_process)."""
+    return lambda *argv: in_process(ev.main, *argv)
+
+
 def one_error(p, *words):
     """Exit 2, exactly one `eval.py: error:` line holding `words`, and no traceback."""
     lines = [x for x in p.stderr.splitlines() if x.startswith("eval.py: error:")]
@@ -180,8 +186,8 @@ def one_error(p, *words):
     assert all(w in lines[0] for w in words), lines[0]
 
 
-def test_eval_bench_top_k_0_is_off(tmp_path):
-    p = run_eval("bench", "--model", "tiny-qwen3", "--benchmarks", "countdown", "--n-problems", "1",
+def test_eval_bench_top_k_0_is_off(tmp_path, eval_main):
+    p = eval_main("bench", "--model", "tiny-qwen3", "--benchmarks", "countdown", "--n-problems", "1",
                  "--n", "2", "--ks", "1", "--max-new-tokens", "3", "--top-k", "0", "--out", tmp_path)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     res = json.loads((tmp_path / "bench.json").read_text())
@@ -197,33 +203,40 @@ def test_eval_bench_top_k_0_is_off(tmp_path):
     (["plot", "--metrics"], ["--metrics"]),
     (["plot", "--figures", "curves"], ["--metrics"]),
 ])
-def test_eval_out_of_range_numbers_and_missing_files_are_one_error_line(tmp_path, argv, words):
-    one_error(run_eval(*argv, "--out" if argv[0] != "learn" else "--out-dir", tmp_path / "o"), *words)
+def test_eval_out_of_range_numbers_and_missing_files_are_one_error_line(tmp_path, eval_main, argv, words):
+    one_error(eval_main(*argv, "--out" if argv[0] != "learn" else "--out-dir", tmp_path / "o"), *words)
 
 
-def test_eval_max_new_tokens_past_the_models_context_is_one_error_line(tmp_path):
-    one_error(run_eval("bench", "--model", "tiny-qwen3", "--benchmarks", "countdown", "--n-problems", "1",
+def test_an_eval_error_from_the_shell_is_one_line_exit_2(tmp_path):
+    """The cases above call eval.py's main in this process; this one runs the real command line."""
+    p = run_eval("bench", "--max-new-tokens", "99999999999999999999", "--out", tmp_path / "o")
+    one_error(p, "--max-new-tokens", "int64")
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_max_new_tokens_past_the_models_context_is_one_error_line(tmp_path, eval_main):
+    one_error(eval_main("bench", "--model", "tiny-qwen3", "--benchmarks", "countdown", "--n-problems", "1",
                        "--max-new-tokens", "100000", "--out", tmp_path), "--max-new-tokens 100000", "2048")
 
 
 @pytest.mark.parametrize("line", ['{"step": null, "acc": 0.2}', '{"step": "2", "acc": 0.2}',
                                   '{"step": 1.5, "acc": 0.2}', 'step 2 acc 0.2', '[2, 0.2]'])
-def test_eval_plot_names_the_file_and_line_of_a_malformed_metrics_line(tmp_path, line):
+def test_eval_plot_names_the_file_and_line_of_a_malformed_metrics_line(tmp_path, eval_main, line):
     m = tmp_path / "run" / "metrics.jsonl"
     m.parent.mkdir()
     m.write_text(f'{{"step": 1, "acc": 0.5}}\n{line}\n{{"step": 3, "acc": 0.7}}\n')
-    one_error(run_eval("plot", "--metrics", m, "--keys", "acc", "--out", tmp_path / "o"), f"{m}, line 2")
+    one_error(eval_main("plot", "--metrics", m, "--keys", "acc", "--out", tmp_path / "o"), f"{m}, line 2")
     assert not (tmp_path / "o" / "curves.png").exists()
 
 
-def test_eval_plot_keeps_two_runs_of_the_same_name_apart(tmp_path):
+def test_eval_plot_keeps_two_runs_of_the_same_name_apart(tmp_path, eval_main):
     paths = []
     for d, acc in (("a", 0.25), ("b", 0.75)):
         m = tmp_path / d / "run" / "metrics.jsonl"
         m.parent.mkdir(parents=True)
         m.write_text(json.dumps({"step": 1, "acc": acc}) + "\n")
         paths.append(m)
-    p = run_eval("plot", "--metrics", *paths, "--keys", "acc", "--out", tmp_path / "o")
+    p = eval_main("plot", "--metrics", *paths, "--keys", "acc", "--out", tmp_path / "o")
     assert p.returncode == 0, p.stderr[-2000:]
     ema = json.loads((tmp_path / "o" / "plot.json").read_text())["curves"]["final_peak_ema"]
     assert sorted(ema.values()) == [0.25, 0.75]                # two curves, not one overwritten by the other

@@ -3,8 +3,6 @@ Table-driven; nothing here loads a real model (the checkpoint and eval.py cases 
 The checkpoint save is killed at every file-system operation in turn (tests below KILL)."""
 import json
 import shutil
-import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -347,14 +345,14 @@ def test_a_half_deleted_checkpoint_is_never_complete(tmp_path, monkeypatch, tiny
     assert not ckpt_io.complete(tmp_path / "ckpt") and ckpt_io.find_checkpoint(tmp_path).name == "ckpt.old"
 
 
-def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state):
+def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state, in_process, monkeypatch):
     model, tok, opt, sched, cfg = tiny_state
     ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     (tmp_path / "ckpt" / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="trainer_state.pt"):
         ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), opt, sched)
-    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", str(tmp_path)],
-                       capture_output=True, text=True, cwd=tmp_path)      # its out_dir, runs/grpo, unlocked
+    monkeypatch.chdir(tmp_path)                                            # its out_dir, runs/grpo, unlocked
+    p = in_process(grpo.main, "--resume", str(tmp_path))                   # `python grpo.py --resume ...`
     assert p.returncode == 2 and "trainer_state.pt" in p.stderr and "Traceback" not in p.stderr
 
 

@@ -3,13 +3,10 @@ last K checkpoints are kept, a --config file replays a run; and flowtracer.Captu
 right (a second forward, a mask of another shape, no layer) while gradient checkpointing's replay still works."""
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
 
 import grpo
 from flowtracer import Capture, select_layers
@@ -23,9 +20,10 @@ SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "2"
          "--micro-batch", "2"]
 
 
-def run(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "grpo.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=subprocess_env())
+@pytest.fixture
+def run(in_process):
+    """`python grpo.py args` as grpo.main(args) in this process (conftest.in_process): returncode, stderr."""
+    return lambda *args: in_process(grpo.main, *args)
 
 
 def steps_in(d):
@@ -33,7 +31,7 @@ def steps_in(d):
 
 
 # ----------------------------------------------------------------------------- the run directory
-def test_a_moved_run_resumes_in_its_new_directory(tmp_path):
+def test_a_moved_run_resumes_in_its_new_directory(tmp_path, run):
     a, b = tmp_path / "a", tmp_path / "b"
     first = run(*SMOKE, "--steps", "2", "--out-dir", str(a))
     assert first.returncode == 0, first.stderr[-2000:]
@@ -46,7 +44,7 @@ def test_a_moved_run_resumes_in_its_new_directory(tmp_path):
     assert json.loads((b / "ckpt" / ckpt_io.RUN_CONFIG).read_text())["out_dir"] == str(b)
 
 
-def test_resume_refuses_another_out_dir(tmp_path):
+def test_resume_refuses_another_out_dir(tmp_path, run):
     done = run(*SMOKE, "--steps", "1", "--out-dir", str(tmp_path / "a"))
     assert done.returncode == 0, done.stderr[-2000:]
     out = run("--resume", str(tmp_path / "a"), "--steps", "2", "--out-dir", str(tmp_path / "c"))
@@ -55,7 +53,7 @@ def test_resume_refuses_another_out_dir(tmp_path):
     assert "Traceback" not in out.stderr and not (tmp_path / "c").exists()
 
 
-def test_a_resume_with_nothing_to_run_says_so(tmp_path):
+def test_a_resume_with_nothing_to_run_says_so(tmp_path, run):
     done = run(*SMOKE, "--steps", "2", "--out-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     for steps in ("2", "1"):
@@ -67,7 +65,7 @@ def test_a_resume_with_nothing_to_run_says_so(tmp_path):
     assert steps_in(tmp_path) == [1, 2]
 
 
-def test_keep_checkpoints_keeps_the_last_k(tmp_path):
+def test_keep_checkpoints_keeps_the_last_k(tmp_path, run):
     out = run(*SMOKE, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
@@ -87,7 +85,7 @@ def test_curves_are_drawn_at_every_save(tmp_path, monkeypatch):
     assert drawn == [1, 2, 3] and (tmp_path / "curves.png").is_file()
 
 
-def test_a_config_file_replays_a_run_and_flags_win(tmp_path):
+def test_a_config_file_replays_a_run_and_flags_win(tmp_path, run):
     cfg = grpo.parse_args([*SMOKE, "--lr", "3e-4", "--seed", "7", "--out-dir", str(tmp_path / "a")])
     rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
     again = grpo.parse_args(["--config", str(tmp_path / "run_config.json")])
@@ -162,7 +160,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)
 
 
-def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path):
+def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path, run):
     """grpo.py --report-to tensorboard --eval-every 2 --steps 3: the event files, read back with TensorBoard's
     own reader, hold every numeric metric of metrics.jsonl at its step, eval/accuracy at steps 2 and 3."""
     from tensorboard.backend.event_processing import event_accumulator
@@ -185,7 +183,7 @@ def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path
         assert logged[k] == pytest.approx(want[k], rel=1e-6), k   # TensorBoard stores fp32
 
 
-def test_overwrite_deletes_the_kept_checkpoints_and_the_tracker_files_too(tmp_path):
+def test_overwrite_deletes_the_kept_checkpoints_and_the_tracker_files_too(tmp_path, run):
     """--overwrite starts afresh: the older saves of --keep-checkpoints and --report-to's event files go with
     the metrics, so the new run's TensorBoard shows no step of the old one."""
     from tensorboard.backend.event_processing import event_accumulator
