@@ -8,6 +8,7 @@ the error scale its tolerances come from, and the environment of a test's subpro
   subprocess_env     os.environ with the project root put in front of PYTHONPATH (never replacing it)
   in_process         run(main, *argv): a script's main(argv) in this process, read as subprocess.run's result
 """
+
 import importlib.util
 import itertools
 import os
@@ -20,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED_DATA = Path(os.environ.get("FLOWTRACER_DATA") or ROOT.parent / "shared" / "data")   # as data.py
+SHARED_DATA = Path(os.environ.get("FLOWTRACER_DATA") or ROOT.parent / "shared" / "data")  # as data.py
 
 # Tiny models are dominated by per-op overhead: one thread avoids oversubscribing a 2-core machine
 # (measured ~100x slower generate with 2 threads while another process was busy). Subprocesses inherit it.
@@ -44,6 +45,7 @@ def task_data_missing(task, split="test"):
     """Why `task`'s split cannot be read here, or None: no offline copy under $FLOWTRACER_DATA (or
     ../shared/data) and no hub (HF_HUB_OFFLINE, or huggingface.co unreachable in 3 s; datasets: 25 s)."""
     import data
+
     t = data.TASKS[task]
     local = [SHARED_DATA / t.local / f"{split}{ext}" for ext in (".jsonl", ".parquet")]
     if t.generate or any(p.is_file() for p in local):
@@ -75,8 +77,11 @@ def on_devices(values):
     """Params (value, device) of each value on each device, the cuda ones skipped without CUDA: for a
     module-scoped fixture, which cannot take the function-scoped `device`."""
     skip = () if CUDA else pytest.mark.skip(reason=NO_CUDA)
-    return [pytest.param((v, d), id=f"{v}-{d}", marks=skip if d == "cuda" else ())
-            for v in values for d in ("cpu", "cuda")]
+    return [
+        pytest.param((v, d), id=f"{v}-{d}", marks=skip if d == "cuda" else ())
+        for v in values
+        for d in ("cpu", "cuda")
+    ]
 
 
 # ----------------------------------------------------------------------------- tolerances from an fp64 run
@@ -108,20 +113,25 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     import grpo
     from training import load as loading
     from training import models
+
     real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
 
     def generate(*a, **k):
         if not rollouts:
             rollouts.append(real_generate(*a, **k))
         return rollouts[0]
+
     monkeypatch.setattr(grpo, "generate", generate)
-    monkeypatch.setattr(loading, "autocast",
-                        lambda cfg, dev: torch.autocast(torch.device(dev).type, enabled=False))
+    monkeypatch.setattr(
+        loading, "autocast", lambda cfg, dev: torch.autocast(torch.device(dev).type, enabled=False)
+    )
     out = {}
     for name, argv, wide in runs:
+
         def load(*a, wide=wide, **k):
             model, tok = real_load(*a, **k)
             return (models.to_dtype(model, model.device, torch.float64) if wide else model), tok
+
         monkeypatch.setattr(loading, "load_model", load)
         rows = itertools.count()
         monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
@@ -169,6 +179,7 @@ def in_process(capsys, monkeypatch):
     directory (the script's own, as the subprocess tests ran it: the root)."""
     import signal
     import subprocess
+
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     threads, env = torch.get_num_threads(), dict(os.environ)
     monkeypatch.chdir(ROOT)
@@ -183,6 +194,7 @@ def in_process(capsys, monkeypatch):
                 print(e.code, file=sys.stderr)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess([getattr(main, "__module__", "?"), *argv], code, out, err)
+
     yield run
     for s, h in handlers.items():
         signal.signal(s, h)

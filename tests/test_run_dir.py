@@ -1,6 +1,8 @@
 """A run's directory and its files: a moved run resumes where it is, a run that would do nothing says so, the
 last K checkpoints are kept, a --config file replays a run; and flowtracer.Capture refuses what it cannot do
-right (a second forward, a mask of another shape, no layer) while gradient checkpointing's replay still works."""
+right (a second forward, a mask of another shape, no layer) while gradient checkpointing's replay still
+works."""
+
 import json
 import shutil
 from pathlib import Path
@@ -16,8 +18,18 @@ from training.attention import use_capture_attention
 from training.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
-         "--micro-batch", "2"]
+SMOKE = [
+    "--model",
+    "tiny-qwen3",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--micro-batch",
+    "2",
+]
 
 
 @pytest.fixture
@@ -38,7 +50,7 @@ def test_a_moved_run_resumes_in_its_new_directory(tmp_path, run):
     shutil.move(a, b)
     second = run("--resume", str(b), "--steps", "3")
     assert second.returncode == 0, second.stderr[-2000:]
-    assert not a.exists()                                      # nothing re-created where the run began
+    assert not a.exists()  # nothing re-created where the run began
     assert steps_in(b) == [1, 2, 3]
     assert (b / "ckpt" / ckpt_io.MARK).read_text() == "3"
     assert json.loads((b / "ckpt" / ckpt_io.RUN_CONFIG).read_text())["out_dir"] == str(b)
@@ -49,7 +61,9 @@ def test_resume_refuses_another_out_dir(tmp_path, run):
     assert done.returncode == 0, done.stderr[-2000:]
     out = run("--resume", str(tmp_path / "a"), "--steps", "2", "--out-dir", str(tmp_path / "c"))
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and lines[-1].startswith("grpo.py: error: --resume continues the run in its own")
+    assert out.returncode == 2 and lines[-1].startswith(
+        "grpo.py: error: --resume continues the run in its own"
+    )
     assert "Traceback" not in out.stderr and not (tmp_path / "c").exists()
 
 
@@ -60,13 +74,16 @@ def test_a_resume_with_nothing_to_run_says_so(tmp_path, run):
         out = run("--resume", str(tmp_path), "--steps", steps)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert out.stderr.strip().splitlines()[-1] == (
-            f"grpo.py: error: --resume {tmp_path}: the run is at step 2 already and --steps is {steps}: nothing "
-            f"to run (give --steps more than 2)")
+            f"grpo.py: error: --resume {tmp_path}: the run is at step 2 already and --steps is {steps}: "
+            f"nothing to run (give --steps more than 2)"
+        )
     assert steps_in(tmp_path) == [1, 2]
 
 
 def test_keep_checkpoints_keeps_the_last_k(tmp_path, run):
-    out = run(*SMOKE, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--out-dir", str(tmp_path))
+    out = run(
+        *SMOKE, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--out-dir", str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
     assert kept == ["ckpt", "ckpt-00002", "ckpt-00003"]
@@ -80,14 +97,16 @@ def test_curves_are_drawn_at_every_save(tmp_path, monkeypatch):
     """curves.png is redrawn as the run goes (at every checkpoint), not only when it ends."""
     drawn = []
     real = runlog.plot_curves
-    monkeypatch.setattr(runlog, "plot_curves", lambda *a: (drawn.append(len(steps_in(tmp_path))), real(*a))[1])
+    monkeypatch.setattr(
+        runlog, "plot_curves", lambda *a: (drawn.append(len(steps_in(tmp_path))), real(*a))[1]
+    )
     grpo.train(grpo.parse_args([*SMOKE, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path)]))
     assert drawn == [1, 2, 3] and (tmp_path / "curves.png").is_file()
 
 
 def test_a_config_file_replays_a_run_and_flags_win(tmp_path, run):
     cfg = grpo.parse_args([*SMOKE, "--lr", "3e-4", "--seed", "7", "--out-dir", str(tmp_path / "a")])
-    rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))   # as a checkpoint writes it
+    rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))  # as a checkpoint writes it
     again = grpo.parse_args(["--config", str(tmp_path / "run_config.json")])
     assert {**again.__dict__, "config": ""} == cfg.__dict__
     over = grpo.parse_args(["--config", str(tmp_path / "run_config.json"), "--lr", "1e-5"])
@@ -122,11 +141,11 @@ def test_a_capture_takes_one_forward(tiny):
     cap = Capture(layers)
     forward(model, ids, cap)
     with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
-        forward(model, ids, cap)                                   # the same shape: refused, not ignored
+        forward(model, ids, cap)  # the same shape: refused, not ignored
     cap = Capture(layers)
     forward(model, ids, cap)
     with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
-        forward(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cap)   # another width
+        forward(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cap)  # another width
     with pytest.raises(ValueError, match="at least one layer"):
         Capture([])
 
@@ -135,12 +154,15 @@ def test_a_capture_refuses_a_mask_of_another_shape(tiny):
     model, _ = tiny
     cap = Capture(select_layers("middle", model.config.num_hidden_layers))
     forward(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), cap)
-    with pytest.raises(ValueError, match=r"attention_mask \(1, 3\) does not fit the captured forward \(2, 3\)"):
-        cap.maps(torch.ones(1, 3, dtype=torch.long))               # today it would broadcast over row 1
+    with pytest.raises(
+        ValueError, match=r"attention_mask \(1, 3\) does not fit the captured forward \(2, 3\)"
+    ):
+        cap.maps(torch.ones(1, 3, dtype=torch.long))  # today it would broadcast over row 1
 
 
 def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
-    """Backward replays each checkpointed layer with the same Capture: it adds nothing, raises nothing, and the
+    """Backward replays each checkpointed layer with the same Capture: it adds nothing, raises nothing, and
+    the
     maps equal a plain forward's."""
     model, tok = tiny
     ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
@@ -155,8 +177,8 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     for m in (model, ckpt):
         cap = Capture(layers)
         lp, _ = policy.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
-        maps.append(cap.maps(mask))                                # read before backward, as grpo.update
-        lp.sum().backward()                                        # the replay reaches cap.take again
+        maps.append(cap.maps(mask))  # read before backward, as grpo.update
+        lp.sum().backward()  # the replay reaches cap.take again
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)
 
 
@@ -164,8 +186,20 @@ def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path
     """grpo.py --report-to tensorboard --eval-every 2 --steps 3: the event files, read back with TensorBoard's
     own reader, hold every numeric metric of metrics.jsonl at its step, eval/accuracy at steps 2 and 3."""
     from tensorboard.backend.event_processing import event_accumulator
-    out = run(*SMOKE, "--steps", "3", "--report-to", "tensorboard", "--eval-every", "2", "--eval-size", "3",
-              "--out-dir", str(tmp_path))
+
+    out = run(
+        *SMOKE,
+        "--steps",
+        "3",
+        "--report-to",
+        "tensorboard",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in lines if "eval/accuracy" in m] == [2, 3]
@@ -176,19 +210,31 @@ def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path
     want = {}
     for m in lines:
         for k, v in m.items():
-            if k != "step" and isinstance(v, (int, float)):      # bools too, as 0 / 1
+            if k != "step" and isinstance(v, (int, float)):  # bools too, as 0 / 1
                 want.setdefault(k, {})[m["step"]] = float(v)
     assert set(logged) == set(want)
     for k in want:
-        assert logged[k] == pytest.approx(want[k], rel=1e-6), k   # TensorBoard stores fp32
+        assert logged[k] == pytest.approx(want[k], rel=1e-6), k  # TensorBoard stores fp32
 
 
 def test_overwrite_deletes_the_kept_checkpoints_and_the_tracker_files_too(tmp_path, run):
     """--overwrite starts afresh: the older saves of --keep-checkpoints and --report-to's event files go with
     the metrics, so the new run's TensorBoard shows no step of the old one."""
     from tensorboard.backend.event_processing import event_accumulator
-    old = run(*SMOKE, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--report-to", "tensorboard",
-              "--out-dir", str(tmp_path))
+
+    old = run(
+        *SMOKE,
+        "--steps",
+        "3",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "3",
+        "--report-to",
+        "tensorboard",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert old.returncode == 0, old.stderr[-2000:]
     assert (tmp_path / "ckpt-00002").is_dir() and (tmp_path / "tensorboard").is_dir()
     new = run(*SMOKE, "--steps", "1", "--report-to", "tensorboard", "--overwrite", "--out-dir", str(tmp_path))

@@ -11,6 +11,7 @@ token_logprobs takes its log-softmax in fp32 by design (head(h).float()), so the
 to the logits and fp32 after them: its error there is one fp32 rounding of the log-softmax, which the 2 eps
 term and the measured scale cover. The maps are fp32 by design too (reference.add_head_mean casts Q and K):
 their reference is the fp32 softmax of fp64 queries and keys."""
+
 import copy
 
 import pytest
@@ -19,16 +20,21 @@ from conftest import assert_to_rounding, flat, grpo_steps
 
 import flowtracer
 import grpo
+from data import build_batch
 from flowtracer import Capture, select_layers
 from gpu_kernels import reference
 from training import attention, credit, load, policy, signals
 from training.models import load_model
-from data import build_batch
 
 # Three prompts of different lengths (so different left padding); A and B twice, not adjacent; C alone.
 PROMPTS = {"A": "Q: what is 12 + 30? Think, then answer.", "B": "Q: 7*8=?", "C": "Q: name 2+2."}
-ROWS = [("A", "so 12 + 30 = 42, answer \\boxed{42}"), ("B", "fifty-six: \\boxed{56}"),
-        ("A", "forty-two \\boxed{42} done"), ("C", "\\boxed{4}"), ("B", "seven eights are \\boxed{56} ok")]
+ROWS = [
+    ("A", "so 12 + 30 = 42, answer \\boxed{42}"),
+    ("B", "fifty-six: \\boxed{56}"),
+    ("A", "forty-two \\boxed{42} done"),
+    ("C", "\\boxed{4}"),
+    ("B", "seven eights are \\boxed{56} ok"),
+]
 
 
 @pytest.fixture(params=["tiny-qwen3", "tiny-llama"])
@@ -38,8 +44,11 @@ def tiny(request, device):
 
 
 def mixed_batch(tok, device="cpu"):
-    return build_batch(tok, [tok(PROMPTS[p]).input_ids for p, _ in ROWS],
-                       [tok(r).input_ids + [tok.eos_token_id] for _, r in ROWS]).to(device)
+    return build_batch(
+        tok,
+        [tok(PROMPTS[p]).input_ids for p, _ in ROWS],
+        [tok(r).input_ids + [tok.eos_token_id] for _, r in ROWS],
+    ).to(device)
 
 
 def fp64(model):
@@ -52,9 +61,19 @@ def decoder_calls(model, training=None):
     mode, when `training` says), and the hook's handle."""
     calls = []
     handle = model.get_decoder().register_forward_pre_hook(
-        lambda mod, args, kw: calls.append(tuple(kw["input_ids"].shape if kw.get("input_ids") is not None
-                                                 else kw["inputs_embeds"].shape[:2]))
-        if training in (None, mod.training) else None, with_kwargs=True)
+        lambda mod, args, kw: (
+            calls.append(
+                tuple(
+                    kw["input_ids"].shape
+                    if kw.get("input_ids") is not None
+                    else kw["inputs_embeds"].shape[:2]
+                )
+            )
+            if training in (None, mod.training)
+            else None
+        ),
+        with_kwargs=True,
+    )
     return calls, handle
 
 
@@ -63,10 +82,12 @@ def forward(model, b, share, chunk=4, layers=None):
     if layers is None:
         lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    attention.use_capture_attention(model)                                  # as load.load_policy
-    calls = []                                                                  # head-mean maps summed
-    cap = Capture(select_layers(layers, model.config.num_hidden_layers),       # given to the forward
-                  head_mean=lambda *a: (calls.append(1), reference.add_head_mean(*a))[1])
+    attention.use_capture_attention(model)  # as load.load_policy
+    calls = []  # head-mean maps summed
+    cap = Capture(
+        select_layers(layers, model.config.num_hidden_layers),  # given to the forward
+        head_mean=lambda *a: (calls.append(1), reference.add_head_mean(*a))[1],
+    )
     lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
     return lp, ent, cap.maps(b.attention_mask), len(calls)
 
@@ -75,11 +96,11 @@ def test_logprobs_and_entropies_equal_one_full_pass(tiny):
     model, tok = tiny
     b = mixed_batch(tok, model.device)
     P, T = b.prompt_width, b.input_ids.shape[1]
-    assert len(set(b.attention_mask[:, :P].sum(-1).tolist())) == 3             # three padding widths
+    assert len(set(b.attention_mask[:, :P].sum(-1).tolist())) == 3  # three padding widths
     with torch.no_grad():
         lp64, ent64 = forward(fp64(model), b, False)[:2]
     calls, handle = decoder_calls(model)
-    for mode in ("train", "eval"):                                   # the update; old / ref log-probs
+    for mode in ("train", "eval"):  # the update; old / ref log-probs
         getattr(model, mode)()
         with torch.set_grad_enabled(mode == "train"):
             lp_full, ent_full = forward(model, b, False)[:2]
@@ -96,7 +117,7 @@ def test_parameter_gradients_equal_one_full_pass(tiny):
     """A GRPO loss (grpo_loss, eq. 5, with unequal gamma and both signs of A): every parameter's gradient."""
     model, tok = tiny
     b = mixed_batch(tok, model.device)
-    resp = b.response_mask[:, b.prompt_width:]                               # (B, R)
+    resp = b.response_mask[:, b.prompt_width :]  # (B, R)
     adv = torch.tensor([1.0, -0.5, -1.0, 0.7, 0.3], device=model.device)
     gamma = resp.float() * (1 + 0.5 * (torch.arange(resp.shape[1], device=model.device) % 3 == 0))  # (B, R)
     cfg = grpo.Config()
@@ -106,11 +127,11 @@ def test_parameter_gradients_equal_one_full_pass(tiny):
         m.zero_grad(set_to_none=True)
         lp = forward(m, b, share is True)[0]
         old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # != 1
-        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)   # clipped and not
+        loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, gamma, resp, old, None, 5), cfg)  # clipped and not
         loss.backward()
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters()}
     for n, g in grads[False].items():
-        assert g.norm() > 0, n                                               # every weight gets a gradient
+        assert g.norm() > 0, n  # every weight gets a gradient
         assert_to_rounding(grads[True][n], g, grads["fp64"][n], what=n)
 
 
@@ -125,9 +146,9 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
     ref = fp64(model)
     with torch.no_grad():
         lp64, ent64, attn64, _ = forward(ref, b, False, layers=layers)
-    assert calls_f == n and calls_s == 2 * n                          # each chosen layer once in each pass
+    assert calls_f == n and calls_s == 2 * n  # each chosen layer once in each pass
     assert_to_rounding(attn_s, attn_f, attn64, what="maps")
-    alone = attention.attention_graph(model, b.input_ids, b.attention_mask, layers)   # its own pass
+    alone = attention.attention_graph(model, b.input_ids, b.attention_mask, layers)  # its own pass
     assert_to_rounding(alone, attn_f, attn64, what="attention_graph's maps")
     cfg = credit.CreditConfig(credit="flow", layers=layers)
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=model.device)
@@ -135,7 +156,7 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
         full = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_f, ent_f))
         shared = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_s, ent_s))
         exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
-    assert not full.fallback.any() and (full.weight == cfg.gamma).any()   # not vacuous: flow reached answers
+    assert not full.fallback.any() and (full.weight == cfg.gamma).any()  # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
     assert torch.equal(shared.weight, full.weight)
 
@@ -147,8 +168,9 @@ def test_a_layer_missing_from_a_pass_is_an_error(monkeypatch, device):
     b = mixed_batch(tok, model.device)
     real = flowtracer.Capture.take
     skip = min(select_layers("middle", model.config.num_hidden_layers))
-    monkeypatch.setattr(flowtracer.Capture, "take", lambda cap, layer, *a: None if layer == skip
-                        else real(cap, layer, *a))
+    monkeypatch.setattr(
+        flowtracer.Capture, "take", lambda cap, layer, *a: None if layer == skip else real(cap, layer, *a)
+    )
     for share in (True, False):
         with pytest.raises(RuntimeError, match=r"captured (\d+) of (\d+) chosen layers"):
             forward(model, b, share, layers="middle")
@@ -168,12 +190,13 @@ def test_fallbacks_run_one_full_pass(tiny):
     policy.checkpointing(model, reentrant=True)
     calls, handle = decoder_calls(model)
     got = forward(model, b, True, layers="middle")
-    assert calls == [(5, T)] and got[3] == ref[3]                     # one pass, each layer captured once
+    assert calls == [(5, T)] and got[3] == ref[3]  # one pass, each layer captured once
     for x, y, z, what in zip(got[:3], ref[:3], exact[:3], ("log-probs", "entropies", "maps")):
         assert_to_rounding(x, y, z, what=what)
     model.activation_checkpointing_disable()
-    distinct = build_batch(tok, [tok(p).input_ids for p in PROMPTS.values()],
-                           [[65, 66], [67], [68, 69, 70]]).to(model.device)
+    distinct = build_batch(
+        tok, [tok(p).input_ids for p in PROMPTS.values()], [[65, 66], [67], [68, 69, 70]]
+    ).to(model.device)
     calls.clear()
     forward(model, distinct, True)
     assert calls == [tuple(distinct.input_ids.shape)]
@@ -186,22 +209,51 @@ def test_one_grpo_step_equals_with_and_without_sharing(tmp_path, monkeypatch, de
     autocast off, the same rollouts and rewards in both; the --no-share-prefix step in fp64 is the error
     scale). The optimizer is plain SGD, so that the new weights read the gradient itself (AdamW's first step,
     g / (|g| + eps), magnifies float noise where |g| is near eps)."""
-    sgd = lambda model, cfg, device: torch.optim.SGD(model.parameters(), lr=cfg.lr)   # noqa: E731
+    sgd = lambda model, cfg, device: torch.optim.SGD(model.parameters(), lr=cfg.lr)  # noqa: E731
     monkeypatch.setattr(load, "make_optimizer", sgd)
-    flags = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4",
-             "--max-new-tokens", "12", "--steps", "1", "--lr", "1e-3", "--warmup-steps", "0",
-             "--no-grad-checkpointing", "--save-every", "5", "--rollouts-every", "5"]
-    runs = grpo_steps(monkeypatch, device, [
-        (name, [*flags, share, "--out-dir", str(tmp_path / name)], name == "fp64")
-        for name, share in (("shared", "--share-prefix"), ("full", "--no-share-prefix"),
-                            ("fp64", "--no-share-prefix"))],
-        watch=lambda run: decoder_calls(run.policy.model, training=True)[0])          # the update's forwards
+    flags = [
+        "--model",
+        "tiny-qwen3",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--micro-batch",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--steps",
+        "1",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "0",
+        "--no-grad-checkpointing",
+        "--save-every",
+        "5",
+        "--rollouts-every",
+        "5",
+    ]
+    runs = grpo_steps(
+        monkeypatch,
+        device,
+        [
+            (name, [*flags, share, "--out-dir", str(tmp_path / name)], name == "fp64")
+            for name, share in (
+                ("shared", "--share-prefix"),
+                ("full", "--no-share-prefix"),
+                ("fp64", "--no-share-prefix"),
+            )
+        ],
+        watch=lambda run: decoder_calls(run.policy.model, training=True)[0],
+    )  # the update's forwards
     (a, da, calls_a), (b, db, calls_b), (x, dx, _) = runs["shared"], runs["full"], runs["fp64"]
     assert a["rows/trained"] == b["rows/trained"] == x["rows/trained"] > 0
-    assert len(calls_a) > len(calls_b)                             # a prompt pass of its own: shared
+    assert len(calls_a) > len(calls_b)  # a prompt pass of its own: shared
     for k in ("loss", "grad_norm"):
-        assert_to_rounding(torch.tensor(a[k]), torch.tensor(b[k]), torch.tensor(x[k], dtype=torch.float64),
-                           what=k)
+        assert_to_rounding(
+            torch.tensor(a[k]), torch.tensor(b[k]), torch.tensor(x[k], dtype=torch.float64), what=k
+        )
     assert_to_rounding(flat(da).float(), flat(db).float(), flat(dx), what="the update")
     assert max(d.abs().max() for d in da.values()) > 0
 
@@ -210,6 +262,7 @@ def test_update_benchmark_runs_and_both_paths_agree():
     """benchmarks/generate_speed.py --update end to end on tiny-qwen3: both forwards timed, same log-probs."""
     import importlib.util as iu
     from pathlib import Path
+
     path = Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
     spec = iu.spec_from_file_location("generate_speed", path)
     bench = iu.module_from_spec(spec)
@@ -232,11 +285,14 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     lp, ent, attn, n = forward(model, b, share, layers="middle")
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=lp.device)
     with torch.no_grad():
-        c = credit.assign(model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent))
+        c = credit.assign(
+            model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent)
+        )
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
-    w = c.weight if gamma is None else gamma                                                       # (B, R)
-    loss, _ = grpo.grpo_loss(lp, grpo.Experience(adv, w, b.response_mask[:, b.prompt_width:], old, None, 5),
-                             grpo.Config())
+    w = c.weight if gamma is None else gamma  # (B, R)
+    loss, _ = grpo.grpo_loss(
+        lp, grpo.Experience(adv, w, b.response_mask[:, b.prompt_width :], old, None, 5), grpo.Config()
+    )
     loss.backward()
     handle.remove()
     if checkpointed:
@@ -259,18 +315,19 @@ def test_checkpointed_update_shares_each_prompt_and_equals_one_full_pass(name, d
     P, T = b.prompt_width, b.input_ids.shape[1]
     lp_f, ent_f, attn_f, c_f, g_f, calls_f = update_under_checkpointing(model, tok, b, False)
     lp_s, ent_s, attn_s, c_s, g_s, calls_s = update_under_checkpointing(model, tok, b, True)
-    assert calls_f == [(5, T)] and calls_s == [(3, P), (5, T - P)]   # shared under checkpointing too
-    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(fp64(model), tok, b, False, c_f.weight,
-                                                                  checkpointed=False)
+    assert calls_f == [(5, T)] and calls_s == [(3, P), (5, T - P)]  # shared under checkpointing too
+    lp_x, ent_x, attn_x, c_x, g_x, _ = update_under_checkpointing(
+        fp64(model), tok, b, False, c_f.weight, checkpointed=False
+    )
     del model
     assert_to_rounding(lp_s, lp_f, lp_x, what="log-probs")
     assert_to_rounding(ent_s, ent_f, ent_x, what="entropies")
     assert_to_rounding(attn_s, attn_f, attn_x, what="maps")
-    assert not c_f.fallback.all() and (c_f.weight == 1.5).any()        # not vacuous: flow reached answers
+    assert not c_f.fallback.all() and (c_f.weight == 1.5).any()  # not vacuous: flow reached answers
     assert_to_rounding(c_s.scores, c_f.scores, c_x.scores, what="flow scores")
     assert torch.equal(c_s.weight, c_f.weight)
     for k, g in g_f.items():
-        assert g.norm() > 0, k                                         # every weight gets a gradient
+        assert g.norm() > 0, k  # every weight gets a gradient
         assert_to_rounding(g_s[k], g, g_x[k], what=k)
 
 
@@ -279,6 +336,7 @@ def test_checkpointed_shared_update_holds_less_memory(device):
     checkpointed update's forward + backward on 4 rows of one 120-token prompt: lower with each prompt read
     once than with one full pass (sharing keeps the prompt's layer inputs and keys once, not 4 times)."""
     from evaluation.memtrace import track_peak
+
     torch.manual_seed(0)
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     prompt = torch.randint(3, 200, (120,)).tolist()
@@ -292,7 +350,7 @@ def test_checkpointed_shared_update_holds_less_memory(device):
         with track_peak(model) as tr:
             tr.phase("update")
             lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
-            (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
+            (lp * b.response_mask[:, b.prompt_width :]).sum().backward()
         peak[share] = tr.peak["update"]
         del lp
     assert peak[True] < peak[False]
@@ -308,12 +366,23 @@ def test_checkpointed_shared_update_peak_not_above_the_full_pass_with_tied_embed
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from evaluation.memtrace import track_peak
+
     _, tok = load_model("tiny-qwen3", dtype=torch.float32)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=16384, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, tie_word_embeddings=True, pad_token_id=256,
-                                         eos_token_id=259))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=16384,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=16,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            pad_token_id=256,
+            eos_token_id=259,
+        )
+    )
     prompt = torch.randint(3, 200, (160,)).tolist()
     b = build_batch(tok, [prompt] * 4, [torch.randint(3, 200, (12 - j,)).tolist() for j in range(4)])
     model.train()
@@ -324,7 +393,7 @@ def test_checkpointed_shared_update_peak_not_above_the_full_pass_with_tied_embed
         with track_peak(model) as tr:
             tr.phase("update")
             lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
-            (lp * b.response_mask[:, b.prompt_width:]).sum().backward()
+            (lp * b.response_mask[:, b.prompt_width :]).sum().backward()
             del lp
         peak[share] = tr.peak["update"]
     assert peak[True] <= peak[False]

@@ -1,6 +1,7 @@
 """The trained model in use (README): a run's ckpt/ is a save_pretrained directory. grpo.py's command line
 writes one that transformers' AutoModelForCausalLM loads and `eval.py bench` evaluates; the model it loads
 is the model the run trained (its logits, exactly, on the CPU in fp32)."""
+
 import subprocess
 import sys
 
@@ -14,22 +15,38 @@ import data
 import grpo
 from training.models import load_model
 
-RUN = ["--model", "tiny-qwen3", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
-       "--max-new-tokens", "8"]
+RUN = [
+    "--model",
+    "tiny-qwen3",
+    "--steps",
+    "1",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "8",
+]
 TEXT = ["What is 2 + 3? Put the answer in \\boxed{}.", "Tom has 4 apples and eats one."]
 
 
 def logits(model, tok):
     enc = tok(TEXT, return_tensors="pt", padding=True)
     with torch.no_grad():
-        return model.eval()(**enc).logits                                  # (2, T, V)
+        return model.eval()(**enc).logits  # (2, T, V)
 
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "run"
-    done = subprocess.run([sys.executable, "grpo.py", *RUN, "--out-dir", str(out)], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "grpo.py", *RUN, "--out-dir", str(out)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return out
 
@@ -38,12 +55,28 @@ def test_the_command_lines_checkpoint_loads_with_from_pretrained_and_benches(cli
     ckpt = cli_run / "ckpt"
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(ckpt)
-    ref, _ = load_model("tiny-qwen3")                                    # the architecture, its own weights
-    ref.load_state_dict(load_file(ckpt / "model.safetensors"))          # ... all replaced by the saved ones
+    ref, _ = load_model("tiny-qwen3")  # the architecture, its own weights
+    ref.load_state_dict(load_file(ckpt / "model.safetensors"))  # ... all replaced by the saved ones
     assert torch.equal(logits(model, tok), logits(ref, tok))
-    cmd = [sys.executable, "eval.py", "bench", "--model", str(ckpt), "--benchmarks", "arithmetic",
-           "--n-problems", "2", "--n", "1", "--max-new-tokens", "8", "--device", "cpu",
-           "--out", str(cli_run / "b")]
+    cmd = [
+        sys.executable,
+        "eval.py",
+        "bench",
+        "--model",
+        str(ckpt),
+        "--benchmarks",
+        "arithmetic",
+        "--n-problems",
+        "2",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--out",
+        str(cli_run / "b"),
+    ]
     bench = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, check=False)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert "| arithmetic | 2 | 1 |" in bench.stdout and (cli_run / "b" / "bench.json").is_file()
@@ -58,6 +91,6 @@ def test_from_pretrained_gives_the_trained_models_logits(tmp_path, monkeypatch):
     before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
     out = grpo.train(cfg, run)
     assert out.status == 0 and out.history[0]["rows/trained"] > 0
-    assert any(not torch.equal(before[n], p) for n, p in run.policy.model.named_parameters())     # it trained
+    assert any(not torch.equal(before[n], p) for n, p in run.policy.model.named_parameters())  # it trained
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "ckpt", dtype=torch.float32)
     assert torch.equal(logits(loaded, run.policy.tok), logits(run.policy.model, run.policy.tok))

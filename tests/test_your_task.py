@@ -4,6 +4,7 @@ mid-run stops it with the last checkpoint standing; --resume refuses a reward fi
 
 Run: python -m pytest -q tests/test_your_task.py -m "not slow"
 """
+
 import json
 import math
 from pathlib import Path
@@ -13,26 +14,53 @@ import torch
 
 import data
 import grpo
+from data import build_batch
 from tasks import custom
 from tasks.answers import find_answer_span
 from training import reward_code, runlog
 from training.models import load_model
-from data import build_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = [{"q": "What is 3 + 4?", "a": 7, "level": 1}, {"q": "What is 10 - 2?", "a": 8, "level": 2},
-        {"q": "What is 6 * 2?", "a": 12, "level": 1}]
-VARIED = ("import zlib\n\n\ndef score(completion, record):\n"        # varies in every group: rows train
-          "    return zlib.crc32((completion + record['id']).encode()) % 4 / 3\n")
-TINY = ["--model", "tiny-qwen3", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
-        "--warmup-steps", "1", "--lr", "1e-3"]
+ROWS = [
+    {"q": "What is 3 + 4?", "a": 7, "level": 1},
+    {"q": "What is 10 - 2?", "a": 8, "level": 2},
+    {"q": "What is 6 * 2?", "a": 12, "level": 1},
+]
+VARIED = (
+    "import zlib\n\n\ndef score(completion, record):\n"  # varies in every group: rows train
+    "    return zlib.crc32((completion + record['id']).encode()) % 4 / 3\n"
+)
+TINY = [
+    "--model",
+    "tiny-qwen3",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--warmup-steps",
+    "1",
+    "--lr",
+    "1e-3",
+]
 
 
 def task_files(tmp_path, reward=VARIED, rows=ROWS):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "reward.py").write_text(reward)
-    return ["--dataset", "custom", "--data-path", str(tmp_path / "train.jsonl"), "--question-field", "q",
-            "--answer-field", "a", "--reward", f"{tmp_path / 'reward.py'}:score"]
+    return [
+        "--dataset",
+        "custom",
+        "--data-path",
+        str(tmp_path / "train.jsonl"),
+        "--question-field",
+        "q",
+        "--answer-field",
+        "a",
+        "--reward",
+        f"{tmp_path / 'reward.py'}:score",
+    ]
 
 
 def fails(capsys, argv):
@@ -45,20 +73,23 @@ def fails(capsys, argv):
 
 
 # ----------------------------------------------------------------------------- the answer region (eq. 2)
-@pytest.mark.parametrize("text, pattern, want", [
-    ("so ANSWER: 12 and ANSWER: 7.", r"ANSWER: (\d+)", "7"),             # the last match, its first group
-    ("so ANSWER: 12 and ANSWER: 7.", r"ANSWER: \d+", "ANSWER: 7"),       # no group: the whole match
-    ("the total is 41", r"(-?\d+)\D*$", "41"),
-    ("no number", r"(-?\d+)\D*$", None),
-    ("a: x", r"a:(\s*)", None),                                           # empty content: no answer
-    ("ab", r"a|(b)", "b"),                                                # the last match's group
-    ("ba", r"a|(b)", None),                                               # the last match left it out
-    ("\\boxed{3} then <answer>4</answer>", None, "3"),                   # the default rule, unchanged
-    ("<answer>4</answer>", "", "4"),
-])
+@pytest.mark.parametrize(
+    "text, pattern, want",
+    [
+        ("so ANSWER: 12 and ANSWER: 7.", r"ANSWER: (\d+)", "7"),  # the last match, its first group
+        ("so ANSWER: 12 and ANSWER: 7.", r"ANSWER: \d+", "ANSWER: 7"),  # no group: the whole match
+        ("the total is 41", r"(-?\d+)\D*$", "41"),
+        ("no number", r"(-?\d+)\D*$", None),
+        ("a: x", r"a:(\s*)", None),  # empty content: no answer
+        ("ab", r"a|(b)", "b"),  # the last match's group
+        ("ba", r"a|(b)", None),  # the last match left it out
+        ("\\boxed{3} then <answer>4</answer>", None, "3"),  # the default rule, unchanged
+        ("<answer>4</answer>", "", "4"),
+    ],
+)
 def test_the_answer_region_is_the_last_match_or_its_first_group(text, pattern, want):
     span = find_answer_span(text, pattern)
-    assert (None if span is None else text[span[0]:span[1]]) == want
+    assert (None if span is None else text[span[0] : span[1]]) == want
 
 
 def test_the_notice_shows_the_rule_and_one_reply_cut_short():
@@ -66,7 +97,7 @@ def test_the_notice_shows_the_rule_and_one_reply_cut_short():
     notice = runlog.answers_notice(2, 2, 3, "", texts)
     assert notice.startswith("step 2: 2 of 3 responses have no answer region")
     assert "the last \\boxed{...}, else <answer>...</answer>" in notice
-    assert f"one reply (270 characters): {texts[1][:60]!r} [...] {texts[1][-100:]!r}" in notice   # not \boxed
+    assert f"one reply (270 characters): {texts[1][:60]!r} [...] {texts[1][-100:]!r}" in notice  # not \boxed
     mine = runlog.answers_notice(1, 1, 1, r"ANSWER: (\d+)", ["the answer is 4"])
     assert r"matched against: --answer-pattern 'ANSWER: (\d+)'" in mine and "'the answer is 4'" in mine
 
@@ -75,7 +106,7 @@ def test_help_names_every_default_answer_region(capsys):
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     help_ = " ".join(capsys.readouterr().out.split())
-    rule = help_[help_.index("--answer-pattern"):][:160]
+    rule = help_[help_.index("--answer-pattern") :][:160]
     assert "\\boxed{}" in rule and "<answer>" in rule, rule
 
 
@@ -87,10 +118,11 @@ def tok():
 def test_build_batch_marks_the_pattern_s_tokens(tok):
     prompt = tok("What is 3 + 4?").input_ids
     resp = tok("I think ANSWER: 12, no, ANSWER: 7 for sure", add_special_tokens=False).input_ids
-    boxed, mine = (build_batch(tok, [prompt], [resp], answer_pattern=p).answer_mask[0] for p in
-                   (None, r"ANSWER: (\d+)"))
+    boxed, mine = (
+        build_batch(tok, [prompt], [resp], answer_pattern=p).answer_mask[0] for p in (None, r"ANSWER: (\d+)")
+    )
     P = len(prompt)
-    assert not boxed.any()                                                # no \boxed{}: no sink
+    assert not boxed.any()  # no \boxed{}: no sink
     assert tok.decode(torch.tensor(resp)[mine[P:]]).strip() == "7"
 
 
@@ -106,37 +138,51 @@ def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_da
     for name in data.TASKS:
         for split in data.SPLITS[name]:
             local = shared_data / data.TASKS[name].local
-            if not any((local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet")) \
-                    or data.TASKS[name].generate is not None:
+            if (
+                not any((local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet"))
+                or data.TASKS[name].generate is not None
+            ):
                 continue
             for i, r in enumerate(data.load_task(name, split)):
-                verify = {"math": data.math_reward, "choice": data.choice_reward,
-                          "countdown": data.countdown_reward}[r["task"]]
-                wrong = ["\\boxed{\\frac{7919}{104729}}"] * (i % 20 == 0)       # math-verify: ~10 ms a call
+                verify = {
+                    "math": data.math_reward,
+                    "choice": data.choice_reward,
+                    "countdown": data.countdown_reward,
+                }[r["task"]]
+                wrong = ["\\boxed{\\frac{7919}{104729}}"] * (i % 20 == 0)  # math-verify: ~10 ms a call
                 for text in (f"so \\boxed{{{r['answer']}}}", "", *wrong):
                     assert run_reward(text, r) == verify(text, r["answer"]), (r["id"], text)
                 n += 1
-    assert n > 10000                                                      # gsm8k's 8,792 and the others
+    assert n > 10000  # gsm8k's 8,792 and the others
 
 
 def test_weighted_rewards_sum_and_name_the_failing_function():
-    terms = [reward_code.Term("a.py:f", lambda c, r: len(c), 0.5),
-             reward_code.Term("b.py:g", lambda c, r: 1, 2.0)]
+    terms = [
+        reward_code.Term("a.py:f", lambda c, r: len(c), 0.5),
+        reward_code.Term("b.py:g", lambda c, r: 1, 2.0),
+    ]
     assert reward_code.UserReward(terms)("abcd", {"id": "x"}) == 0.5 * 4 + 2.0
     bad = reward_code.UserReward([reward_code.Term("b.py:g", lambda c, r: math.nan, 1.0)])
     with pytest.raises(reward_code.RewardError, match=r"b\.py:g returned nan on row 'x'"):
         bad("", {"id": "x"})
     record = {"id": "y", "cols": 1}
     reward_code.UserReward([reward_code.Term("c.py:h", lambda c, r: r.clear() or 0, 1.0)])("", record)
-    assert record == {"id": "y", "cols": 1}                               # the function got a copy
+    assert record == {"id": "y", "cols": 1}  # the function got a copy
 
 
 # ----------------------------------------------------------------------------- custom rows and fields
 def test_a_custom_record_holds_every_column(tmp_path):
     task_files(tmp_path)
     recs = data.load_task("custom", "train", tmp_path / "train.jsonl", question_field="q", answer_field="a")
-    assert recs[1] == {"id": "custom/train/1", "q": "What is 10 - 2?", "a": 8, "level": 2,
-                       "question": "What is 10 - 2?", "answer": 8, "task": "custom"}
+    assert recs[1] == {
+        "id": "custom/train/1",
+        "q": "What is 10 - 2?",
+        "a": 8,
+        "level": 2,
+        "question": "What is 10 - 2?",
+        "answer": 8,
+        "task": "custom",
+    }
     assert data.make_prompt(recs[0], None, data.default_style("tiny-qwen3", "custom")) == "What is 3 + 4?"
 
 
@@ -145,15 +191,24 @@ def test_fields_name_a_files_columns_not_a_generated_tasks(tmp_path, capsys):
     --eval-data-path file no longer stop a run that trains on arithmetic), and given with nothing but
     generated rows to read, one notice each says they have no effect (the run goes on)."""
     plain = data.load_task("arithmetic", "test", limit=5, seed=1)
-    assert data.load_task("arithmetic", "test", limit=5, seed=1, question_field="q", answer_field="a") == plain
+    assert (
+        data.load_task("arithmetic", "test", limit=5, seed=1, question_field="q", answer_field="a") == plain
+    )
     from training import flags
+
     given = {"question_field": "q", "answer_field": "a"}
     lines = flags.unused(grpo.Config(**given), given, "grpo.py")
     assert [line.split(" has no effect: ")[0] for line in lines] == ["--question-field", "--answer-field"]
-    assert "arithmetic's rows are generated" in lines[0] and "notice: --question-field" in capsys.readouterr().err
+    assert (
+        "arithmetic's rows are generated" in lines[0]
+        and "notice: --question-field" in capsys.readouterr().err
+    )
     task_files(tmp_path)
-    for more in ({"data_path": str(tmp_path / "train.jsonl")}, {"dataset": "gsm8k"},
-                 {"eval_every": 2, "eval_dataset": "gsm8k"}):
+    for more in (
+        {"data_path": str(tmp_path / "train.jsonl")},
+        {"dataset": "gsm8k"},
+        {"eval_every": 2, "eval_dataset": "gsm8k"},
+    ):
         assert flags.unused(grpo.Config(**given, **more), given, "grpo.py") == [], more
 
 
@@ -171,13 +226,19 @@ def test_fields_read_a_builtin_task_from_other_columns(tmp_path, shared_data, mo
 BAD = {
     "no file": (lambda t: ["--reward", f"{t / 'nope.py'}:score"], "no such file"),
     "no function": (lambda t: ["--reward", f"{t / 'reward.py'}:scorer"], "no function 'scorer'"),
-    "raises": (lambda t: (t / "reward.py").write_text("def score(c, r):\n    return r['missing']\n") and [],
-               "raised KeyError"),
-    "a string": (lambda t: (t / "reward.py").write_text("def score(c, r):\n    return '1'\n") and [],
-                 "returned '1'"),
+    "raises": (
+        lambda t: (t / "reward.py").write_text("def score(c, r):\n    return r['missing']\n") and [],
+        "raised KeyError",
+    ),
+    "a string": (
+        lambda t: (t / "reward.py").write_text("def score(c, r):\n    return '1'\n") and [],
+        "returned '1'",
+    ),
     "pattern": (lambda t: ["--answer-pattern", "(ANSWER"], "--answer-pattern '(ANSWER' does not compile"),
-    "field": (lambda t: ["--question-field", "question2"], "no column 'question2' (--question-field); "
-                                                           "the row's columns: q, a, level"),
+    "field": (
+        lambda t: ["--question-field", "question2"],
+        "no column 'question2' (--question-field); the row's columns: q, a, level",
+    ),
     "json": (lambda t: ["--chat-template-kwargs", "{enable_thinking: false}"], "--chat-template-kwargs"),
     "weights": (lambda t: ["--reward-weights", "1,2"], "--reward-weights gives 2 weight(s)"),
     "eval": (lambda t: ["--eval-every", "1"], "--eval-data-path"),
@@ -202,18 +263,24 @@ def test_a_custom_run_trains_with_the_pattern_and_warns_once_without(tmp_path, c
     a pattern that every response meets, no warning and no flow fallback, and the user's function computed
     every reward (it records its calls)."""
     log = tmp_path / "calls.txt"
-    argv = task_files(tmp_path, VARIED.replace("def score(completion, record):\n", (
-        f"def score(completion, record):\n    open({str(log)!r}, 'a').write(record['id'] + '\\n')\n")))
+    argv = task_files(
+        tmp_path,
+        VARIED.replace(
+            "def score(completion, record):\n",
+            (f"def score(completion, record):\n    open({str(log)!r}, 'a').write(record['id'] + '\\n')\n"),
+        ),
+    )
     grpo.main([*TINY, *argv, "--steps", "2", "--rollouts-every", "1", "--out-dir", str(tmp_path / "plain")])
     out = capsys.readouterr().out
     assert out.count("have no answer region") == 1 and "--answer-pattern" in out
     first = json.loads(open(tmp_path / "plain" / "rollouts" / "step_00001.jsonl").readline())["response"]
     assert "step 1: 8 of 8 responses have no answer region" in out and "<answer>...</answer>" in out
     shown = repr(first) if len(first) <= 165 else f"{first[:60]!r} [...] {first[-100:]!r}"
-    assert f"one reply ({len(first)} characters): {shown}" in out                   # the model's own words
-    assert len(log.read_text().split()) == 1 + 2 * 8                      # the setup check, then each row
-    grpo.main([*TINY, *argv, "--steps", "1", "--answer-pattern", r"(\S+)\s*$", "--out-dir",
-               str(tmp_path / "mine")])
+    assert f"one reply ({len(first)} characters): {shown}" in out  # the model's own words
+    assert len(log.read_text().split()) == 1 + 2 * 8  # the setup check, then each row
+    grpo.main(
+        [*TINY, *argv, "--steps", "1", "--answer-pattern", r"(\S+)\s*$", "--out-dir", str(tmp_path / "mine")]
+    )
     assert "have no answer region" not in capsys.readouterr().out
     m = json.loads((tmp_path / "mine" / "metrics.jsonl").read_text())
     assert m["rows/trained"] > 0 and m["credit/fallback"] == 0 and m["answers/missing"] == 0
@@ -225,10 +292,14 @@ def test_a_custom_run_trains_with_the_pattern_and_warns_once_without(tmp_path, c
 @pytest.mark.parametrize("failure", ["raise", "nan"])
 def test_a_reward_that_fails_mid_run_stops_it_and_the_checkpoint_stands(tmp_path, capsys, failure):
     bad = "raise ZeroDivisionError('boom')" if failure == "raise" else "return float('nan')"
-    argv = task_files(tmp_path, "CALLS = []\n\n\ndef score(completion, record):\n    CALLS.append(1)\n"
-                                f"    if len(CALLS) > 9:\n        {bad}\n    return len(CALLS) % 2\n")
-    line = fails(capsys, [*TINY, *argv, "--steps", "3", "--save-every", "1", "--out-dir",
-                          str(tmp_path / "r")])
+    argv = task_files(
+        tmp_path,
+        "CALLS = []\n\n\ndef score(completion, record):\n    CALLS.append(1)\n"
+        f"    if len(CALLS) > 9:\n        {bad}\n    return len(CALLS) % 2\n",
+    )
+    line = fails(
+        capsys, [*TINY, *argv, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path / "r")]
+    )
     assert "reward.py:score" in line and "on row 'custom/train/" in line and "checkpoint stands" in line
     assert ("ZeroDivisionError" if failure == "raise" else "returned nan") in line
     assert (tmp_path / "r" / "ckpt" / "COMPLETE").read_text().strip() == "1"
@@ -246,8 +317,9 @@ def test_resume_refuses_an_edited_reward_file_unless_given_again(tmp_path, capsy
     grpo.main(["--resume", str(out), "--steps", "2", "--reward", f"{tmp_path / 'reward.py'}:score"])
     saved = json.loads((out / "ckpt" / "run_config.json").read_text())
     assert saved["reward_files"] != first and (out / "ckpt" / "COMPLETE").read_text().strip() == "2"
-    cfg = grpo.parse_args(["--config", str(out / "ckpt" / "run_config.json"), "--out-dir",
-                           str(tmp_path / "b")])
+    cfg = grpo.parse_args(
+        ["--config", str(out / "ckpt" / "run_config.json"), "--out-dir", str(tmp_path / "b")]
+    )
     assert cfg.reward == saved["reward"] and cfg.reward_files == saved["reward_files"]
     (tmp_path / "reward.py").rename(tmp_path / "moved.py")
     assert "gone" in fails(capsys, ["--resume", str(out), "--steps", "3"])
@@ -256,8 +328,10 @@ def test_resume_refuses_an_edited_reward_file_unless_given_again(tmp_path, capsy
 # ----------------------------------------------------------------------------- chat template kwargs
 def test_chat_template_kwargs_reach_the_template_and_the_run_config(tok, tmp_path):
     template = tok.chat_template
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                         "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    )
     try:
         rec = {"question": "Why?", "task": "custom"}
         assert data.make_prompt(rec, tok, "question") == "<user>Why?"
@@ -278,8 +352,19 @@ def test_with_fields_refuses_countdown_and_names_the_columns():
 def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
     import flowtracer_trl
     from training import trl_setup
-    args, _, _ = flowtracer_trl.parse_args(["--dataset", "custom", "--data-path", "rows.jsonl", "--reward",
-                                            "r.py:exact", "--answer-pattern", r"A: (\d+)"])
+
+    args, _, _ = flowtracer_trl.parse_args(
+        [
+            "--dataset",
+            "custom",
+            "--data-path",
+            "rows.jsonl",
+            "--reward",
+            "r.py:exact",
+            "--answer-pattern",
+            r"A: (\d+)",
+        ]
+    )
     assert (args.dataset, args.reward, args.answer_pattern) == ("custom", "r.py:exact", r"A: (\d+)")
     for bad, words in ((["--answer-pattern", "("], "does not compile"), (["--dataset", "custom"], "needs")):
         with pytest.raises(SystemExit):
@@ -288,7 +373,8 @@ def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
 
     def exact(completion, record):
         return float(completion == record["answer"])
-    fn = trl_setup.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))   # TRL weighs: reward_weights
+
+    fn = trl_setup.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))  # TRL weighs: reward_weights
     assert fn.__name__ == "exact"
     assert fn(None, ["7", "8"], [json.dumps({"id": "a", "answer": "7"})] * 2) == [1.0, 0.0]
 
@@ -296,7 +382,7 @@ def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
 # ----------------------------------------------------------------------------- TRL's reward functions
 # A reward file as TRL's documentation writes one: batched, a dataset column as a keyword (solution), the
 # completions conversational when a chat template renders the prompt; it imports its neighbour.
-TRL_FILE = '''import re
+TRL_FILE = """import re
 
 from helpers import last_number
 
@@ -308,8 +394,8 @@ def accuracy_reward(completions, solution, **kwargs):
 
 def format_reward(completions, **kwargs):
     return [1.0 if re.match(r"^\\S", completion[0]["content"]) else 0.0 for completion in completions]
-'''
-ROW_FILE = '''import re
+"""
+ROW_FILE = """import re
 
 from helpers import last_number
 
@@ -320,11 +406,16 @@ def accuracy(completion, record):
 
 def format_ok(completion, record):
     return 1.0 if re.match(r"^\\S", completion) else 0.0
-'''
-HELPERS = ("import re\n\n\ndef last_number(text):\n    n = re.findall(r'-?\\d+', text)\n"
-           "    return n[-1] if n else None\n")
-SOLVED = [{"q": "What is 3 + 4?", "solution": 7}, {"q": "What is 10 - 2?", "solution": 8},
-          {"q": "What is 6 * 2?", "solution": 12}]
+"""
+HELPERS = (
+    "import re\n\n\ndef last_number(text):\n    n = re.findall(r'-?\\d+', text)\n"
+    "    return n[-1] if n else None\n"
+)
+SOLVED = [
+    {"q": "What is 3 + 4?", "solution": 7},
+    {"q": "What is 10 - 2?", "solution": 8},
+    {"q": "What is 6 * 2?", "solution": 12},
+]
 
 
 def trl_task(tmp_path):
@@ -332,8 +423,14 @@ def trl_task(tmp_path):
     (tmp_path / "trl_rewards.py").write_text(TRL_FILE)
     (tmp_path / "row_rewards.py").write_text(ROW_FILE)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SOLVED))
-    data_flags = ["--dataset", "custom", "--data-path", str(tmp_path / "train.jsonl"), "--question-field",
-                  "q"]
+    data_flags = [
+        "--dataset",
+        "custom",
+        "--data-path",
+        str(tmp_path / "train.jsonl"),
+        "--question-field",
+        "q",
+    ]
     trl = f"{tmp_path / 'trl_rewards.py'}:accuracy_reward,{tmp_path / 'trl_rewards.py'}:format_reward"
     row = f"{tmp_path / 'row_rewards.py'}:accuracy,{tmp_path / 'row_rewards.py'}:format_ok"
     return data_flags, trl, row
@@ -350,12 +447,13 @@ def test_trl_form_rewards_equal_the_per_row_form_on_the_same_completions(tmp_pat
     def spy(prompts, completions, completion_ids, solution, level=None, **kwargs):
         seen.update(prompts=prompts, completions=completions, ids=completion_ids, solution=solution)
         return [None] * len(completions)
+
     texts = ["so 7", "  8", "it is 12", "no", "x 8", "9"]
     rows = [recs[i % 3] for i in range(6)]
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     for style, chat in (("question", True), ("plain", False)):
         prompt = reward_code.trl_prompt(tok, style)
-        if chat:                             # TRL's documented functions read completion[0]["content"]
+        if chat:  # TRL's documented functions read completion[0]["content"]
             mine = reward_code.load(grpo.Config(reward=trl, dataset="custom"), recs[0], prompt)
             per_row = reward_code.load(grpo.Config(reward=row, dataset="custom"), recs[0], prompt)
             got = data.batch_reward(mine, texts, rows, ids)
@@ -373,8 +471,9 @@ def test_none_is_trl_s_not_scored_and_a_row_no_function_scores_gets_no_advantage
     """A TRL-form None adds nothing to the weighted sum; a completion that every function leaves unscored
     is NaN, one warning line names it, and its advantage is 0 while its group's others are scored among
     themselves (TRL's nanmean / nanstd)."""
-    some = reward_code.Term("a.py:some", lambda completions, **k: [1.0 if c else None for c in completions],
-                            2.0)
+    some = reward_code.Term(
+        "a.py:some", lambda completions, **k: [1.0 if c else None for c in completions], 2.0
+    )
     always = reward_code.Term("b.py:always", lambda completions, **k: [None, 0.5, None, None], 1.0)
     got = reward_code.UserReward([some, always]).batch(["x", "", "y", ""], [{"id": str(i)} for i in range(4)])
     assert got[:3] == [2.0, 0.5, 2.0] and math.isnan(got[3])
@@ -386,19 +485,23 @@ def test_none_is_trl_s_not_scored_and_a_row_no_function_scores_gets_no_advantage
     assert torch.allclose(adv[[0, 2, 3]], ((scored - scored.mean()) / (scored.std(unbiased=False) + 1e-6)))
 
 
-@pytest.mark.parametrize("fn, words", [
-    (lambda completions, **k: 0.5, "returned 0.5 for 1 completion(s)"),
-    (lambda completions, **k: [1.0, 2.0], "returned 2 value(s) for 1 completion(s)"),
-    (lambda completions, **k: ["1"], "returned '1' for row 'custom/train/0' in its list"),
-    (lambda completion, record: [1.0], "returned [1.0] on row 'custom/train/0': the per-row form"),
-])
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (lambda completions, **k: 0.5, "returned 0.5 for 1 completion(s)"),
+        (lambda completions, **k: [1.0, 2.0], "returned 2 value(s) for 1 completion(s)"),
+        (lambda completions, **k: ["1"], "returned '1' for row 'custom/train/0' in its list"),
+        (lambda completion, record: [1.0], "returned [1.0] on row 'custom/train/0': the per-row form"),
+    ],
+)
 def test_an_error_names_the_form_it_expected_and_what_came_back(fn, words):
     rec = {"id": "custom/train/0", "question": "q"}
     with pytest.raises(reward_code.RewardError) as e:
         reward_code.UserReward([reward_code.Term("r.py:f", fn, 1.0)]).batch([""], [rec], [[]])
     assert words in str(e.value), str(e.value)
-    assert ("TRL's form" if "completions" in str(fn.__code__.co_varnames) else "takes `completions`") \
-        in str(e.value)
+    assert ("TRL's form" if "completions" in str(fn.__code__.co_varnames) else "takes `completions`") in str(
+        e.value
+    )
 
 
 def test_a_trl_reward_file_trains_unchanged_through_grpo_py_as_the_per_row_one(tmp_path, capsys):
@@ -407,15 +510,31 @@ def test_a_trl_reward_file_trains_unchanged_through_grpo_py_as_the_per_row_one(t
     data_flags, trl, row = trl_task(tmp_path)
     runs = {}
     for name, spec in (("trl", trl), ("row", row)):
-        grpo.main([*TINY, "--max-new-tokens", "16", *data_flags, "--reward", spec, "--steps", "2",
-                   "--rollouts-every", "1", "--out-dir", str(tmp_path / name)])
+        grpo.main(
+            [
+                *TINY,
+                "--max-new-tokens",
+                "16",
+                *data_flags,
+                "--reward",
+                spec,
+                "--steps",
+                "2",
+                "--rollouts-every",
+                "1",
+                "--out-dir",
+                str(tmp_path / name),
+            ]
+        )
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        roll = [json.loads(x) for x in (tmp_path / name / "rollouts" / "step_00002.jsonl").read_text()
-                .splitlines()]
+        roll = [
+            json.loads(x)
+            for x in (tmp_path / name / "rollouts" / "step_00002.jsonl").read_text().splitlines()
+        ]
         runs[name + "/rollouts"] = [(r["response"], r["reward"]) for r in roll]
     assert [m["reward/mean"] for m in runs["trl"]] == [m["reward/mean"] for m in runs["row"]]
     assert runs["trl/rollouts"] == runs["row/rollouts"]
-    assert any(r > 0 for _, r in runs["trl/rollouts"])                   # format_reward scores some
+    assert any(r > 0 for _, r in runs["trl/rollouts"])  # format_reward scores some
 
 
 def test_a_trl_reward_file_trains_unchanged_through_the_trl_plug_in(tmp_path, capsys):
@@ -423,13 +542,31 @@ def test_a_trl_reward_file_trains_unchanged_through_the_trl_plug_in(tmp_path, ca
     for the same completions (same seed)."""
     pytest.importorskip("trl")
     import flowtracer_trl
+
     data_flags, trl, row = trl_task(tmp_path)
     got = {}
     for name, spec in (("trl", trl), ("row", row)):
-        trainer = flowtracer_trl.main(["--model", "tiny-qwen3", *data_flags, "--reward", spec, "--max-steps",
-                                       "1", "--num-generations", "4", "--per-device-train-batch-size", "8",
-                                       "--max-completion-length", "8", "--warmup-steps", "0",
-                                       "--output-dir", str(tmp_path / f"trl-{name}")])
+        trainer = flowtracer_trl.main(
+            [
+                "--model",
+                "tiny-qwen3",
+                *data_flags,
+                "--reward",
+                spec,
+                "--max-steps",
+                "1",
+                "--num-generations",
+                "4",
+                "--per-device-train-batch-size",
+                "8",
+                "--max-completion-length",
+                "8",
+                "--warmup-steps",
+                "0",
+                "--output-dir",
+                str(tmp_path / f"trl-{name}"),
+            ]
+        )
         got[name] = [(h["reward"], h["reward_std"]) for h in trainer.state.log_history if "reward" in h]
     assert got["trl"] == got["row"] and got["trl"][0][0] > 0
 
@@ -439,9 +576,10 @@ def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
     keywords alone to a `**kwargs` function; the columns TRL keeps out (prompt, completion) stay out, and
     its own keywords (trainer_state, ...: flowtracer_trl.py) win over a column of the same name."""
     import asyncio  # noqa: F401  (async def below)
+
     import numpy as np
-    recs = [{"id": "a", "prompt": "p", "completions": "c", "trainer_state": 0, "n": 1},
-            {"id": "b", "n": 2}]
+
+    recs = [{"id": "a", "prompt": "p", "completions": "c", "trainer_state": 0, "n": 1}, {"id": "b", "n": 2}]
     seen = {}
 
     async def a(completions, n, **kw):
@@ -456,21 +594,25 @@ def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
     def keywords(**kw):
         seen.update(kw)
         return [None, 1.0]
+
     for fn, want in ((a, [1.0, 2.0]), (gen, [2.0, 3.0]), (arr, [0.5, 0.25])):
         one = reward_code.UserReward([reward_code.Term("r.py:f", fn, 1.0)])
         assert one.batch(["xy", "xyz"], recs) == want
 
     async def row(completion, record):
         return len(completion)
+
     assert reward_code.UserReward([reward_code.Term("r.py:g", row, 1.0)])("abc", recs[0]) == 3.0
-    got = reward_code.UserReward([reward_code.Term("r.py:k", keywords, 1.0)]).table(["x", "y"], recs,
-                                                                                    trainer_state="S")
+    got = reward_code.UserReward([reward_code.Term("r.py:k", keywords, 1.0)]).table(
+        ["x", "y"], recs, trainer_state="S"
+    )
     assert got == [[None, 1.0]] and seen["trainer_state"] == "S" and seen["n"] == [1, 2]
     assert not {"prompt", "completion"} & set(seen) and seen["completions"] == ["x", "y"]
-    assert seen["id"] == ["a", "b"] and seen["prompts"] == ["", ""]        # no question: plain text
+    assert seen["id"] == ["a", "b"] and seen["prompts"] == ["", ""]  # no question: plain text
     seen.clear()
     reward_code.UserReward([reward_code.Term("r.py:k", keywords, 1.0)], keys=["id", "n", "extra", "n"]).table(
-        ["x", "y"], [recs[1], recs[1]])                                   # the dataset's columns, each once
+        ["x", "y"], [recs[1], recs[1]]
+    )  # the dataset's columns, each once
     assert seen["extra"] == [None, None] and seen["n"] == [2, 2] and "trainer_state" not in seen
 
 
@@ -478,12 +620,28 @@ def test_the_held_out_evaluation_scores_with_either_form_alike():
     """heldout.right scores a held-out batch with the run's reward in one call (data.batch_reward): TRL's
     and the per-row form agree; an unscored (NaN) response is not right."""
     from training import heldout
-    recs = [{"id": "h0", "question": "q", "answer": 7, "task": "custom"},
-            {"id": "h1", "question": "q", "answer": 8, "task": "custom"}]
+
+    recs = [
+        {"id": "h0", "question": "q", "answer": 7, "task": "custom"},
+        {"id": "h1", "question": "q", "answer": 8, "task": "custom"},
+    ]
     texts = ["7", "so 7", "9", "8"]
-    row = reward_code.UserReward([reward_code.Term("r.py:row",
-                                                   lambda c, r: float(c.endswith(str(r["answer"]))), 1.0)])
-    trl = reward_code.UserReward([reward_code.Term("r.py:trl", lambda completions, answer, **k: [
-        float(c.endswith(str(a))) if c != "9" else None for c, a in zip(completions, answer)], 1.0)])
-    assert heldout.right(recs, texts, 2, row, [[1]] * 4) == heldout.right(recs, texts, 2, trl, [[1]] * 4) \
+    row = reward_code.UserReward(
+        [reward_code.Term("r.py:row", lambda c, r: float(c.endswith(str(r["answer"]))), 1.0)]
+    )
+    trl = reward_code.UserReward(
+        [
+            reward_code.Term(
+                "r.py:trl",
+                lambda completions, answer, **k: [
+                    float(c.endswith(str(a))) if c != "9" else None for c, a in zip(completions, answer)
+                ],
+                1.0,
+            )
+        ]
+    )
+    assert (
+        heldout.right(recs, texts, 2, row, [[1]] * 4)
+        == heldout.right(recs, texts, 2, trl, [[1]] * 4)
         == ([2, 1], [2, 1])
+    )
