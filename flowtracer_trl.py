@@ -47,7 +47,8 @@ Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.js
       (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field
 (training/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the trainer).
-Test: python -m pytest -q tests/test_trl.py        Time: python benchmarks/peer_trl.py
+Test: python -m pytest -q tests/test_trl.py tests/test_trl_two_process.py
+Time: python benchmarks/peer_trl.py
 """
 
 import argparse
