@@ -34,11 +34,11 @@ An out-of-memory error (cudagraph.out_of_memory) in a warm-up, a capture or the 
 these: nothing is turned off, the error goes on to the caller, and grpo.py's back-off (training/backoff.py)
 halves gen_chunk, `resize`s the engine (its buffers made again at the new width) and decodes the rows left.
 
-Memory: the static buffers are the KV cache that training/footprint.py's `generation` counts for a chunk
-(T = P + R), beside the prompts' prefill cache; tests/test_engine.py holds the engine's peak to it. The run's
-engine holds its reservation (the widest prompt + R) through the update too (memory.py counts its buffers in
-every phase on CUDA), unless the plan releases it for the update (`release`: every buffer and graph freed;
-the next call's `reserve` makes them again and its steps capture the graphs again).
+Memory: the static buffers are the KV cache that training/footprint.py's `generation` counts for a chunk (T =
+P + R), beside the prompts' prefill cache; tests/test_engine_runtime.py holds the engine's peak to it. The
+run's engine holds its reservation (the widest prompt + R) through the update too (memory.py counts its
+buffers in every phase on CUDA), unless the plan releases it for the update (`release`: every buffer and graph
+freed; the next call's `reserve` makes them again and its steps capture the graphs again).
 `benchmarks/generate_speed.py --device cuda` prints it beside HF generate.
 
 Departures from rollout.decode / HF generate (numbered):
@@ -56,7 +56,7 @@ Departures from rollout.decode / HF generate (numbered):
 
 Run: python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random   # beside HF generate, a GPU
      python benchmarks/generate_speed.py --engine --model tiny-qwen3 --shape tiny --rounds 1   # CPU, eager
-     python -m pytest -q tests/test_engine.py
+     python -m pytest -q tests/test_engine.py tests/test_engine_runtime.py
 """
 
 from __future__ import annotations

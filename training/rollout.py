@@ -30,7 +30,7 @@ Departures from the paper's setup (numbered; models.py departure 1 covers vLLM a
 The batch the update reads (where the question, the response and the answer are, in tokens): data.py's
 build_batch.
 
-Test: python -m pytest -q tests/test_generate.py tests/test_engine.py
+Test: python -m pytest -q tests/test_generate.py tests/test_engine.py tests/test_engine_runtime.py
 """
 
 from __future__ import annotations
