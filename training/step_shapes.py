@@ -11,7 +11,7 @@ prompt padded to --prompt-tokens (P). LoRA (step_bytes.py departure 5): the froz
 adapters of the linears --lora-targets names.
 
 Run: python eval.py memory --model qwen3-4b-random      (the estimate these shapes make)
-     python -m pytest -q tests/test_memory.py tests/test_budget.py
+     python -m pytest -q tests/test_memory.py tests/test_memory_flags.py tests/test_budget.py
 """
 
 import dataclasses
