@@ -58,7 +58,7 @@ MAX_DIGITS = 10_000  # the size guard: reject expressions whose value could have
 REL_TOL = 1e-9  # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
 FLOAT_DIGITS = 12  # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
 # Every pattern below is linear in its input (no two quantifiers can trade the same characters): they run
-# on answers of any length (tests/test_hardening.py times 20,000 digits and 60,000 spaces).
+# on answers of any length (tests/test_hardening_input.py times 20,000 digits and 60,000 spaces).
 NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")
