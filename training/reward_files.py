@@ -8,7 +8,7 @@
                 working directory (or with --reward given again by its absolute path) is the same reward
 Only the file named is hashed, not the modules it imports (training/reward_code.py imports and calls it).
 
-Run the tests: python -m pytest -q tests/test_your_task.py tests/test_odd_inputs.py -k "reward or resume"
+Run the tests: python -m pytest -q tests/test_your_task.py tests/test_odd_inputs_*.py -k "reward or resume"
 """
 
 import hashlib

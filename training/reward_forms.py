@@ -10,7 +10,8 @@ awaited first (returned, as TRL does); a TRL-form one may answer None for a comp
 A TRL-form call gets the dataset's columns as keyword lists (columns, as TRL's Arrow table gives them).
 The user's values and rows are named in one line (one_line, ids_of): an object's str() may raise too.
 
-Run: python -m pytest -q tests/test_your_task.py tests/test_hardening.py -k reward
+Run: python -m pytest -q tests/test_your_task_trl_rewards.py
+     python -m pytest -q tests/test_your_task.py tests/test_hardening_user_code.py -k reward
 """
 
 import asyncio

@@ -10,7 +10,7 @@ then saves the last completed step as it ended (RunLog.stopped) and exits. Excep
 are named by training/reward_code.py (RewardError); Interrupted is a KeyboardInterrupt, which no guard keeps.
 `guarded` adds one more: os._exit inside the user's code is a SystemExit, named like any other raise.
 
-Run the tests: python -m pytest -q tests/test_hardening.py -k interrupt
+Run the tests: python -m pytest -q tests/test_hardening_user_code.py -k interrupt
 """
 
 import contextlib
