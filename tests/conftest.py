@@ -176,7 +176,7 @@ def in_process(capsys, monkeypatch):
     caught and fails the test, where the script would have printed a traceback. Saves a subprocess's start and
     imports (seconds each). What a run leaves in the process is put back after the test: the SIGINT and
     SIGTERM handlers (grpo.py's run log and `eval.py learn` install their own), torch's thread count (eval.py
-    --threads), the environment (policy.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
+    --threads), the environment (load.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
     directory (the script's own, as the subprocess tests ran it: the root)."""
     import signal
     import subprocess
