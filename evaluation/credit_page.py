@@ -146,7 +146,7 @@ def prompt_row(prompt, label="prompt"):
             break
         keep.insert(0, line[-PROMPT_CHARS:])
     cut = "\n".join(keep) != tail
-    words = re.findall(r"\S+\s*|\s+", visible(("…" if cut else "") + "\n".join(keep)))  # wraps between words
+    words = re.findall(r"\S+\s*|\s+", visible(("…" if cut else "") + "\n".join(keep)))  # wraps at words
     return Row([label], [Tok(w) for w in words], prompt=True, full=visible(prompt) if cut else "")
 
 
