@@ -60,6 +60,19 @@ def task_data_missing(task, split="test"):
     return None
 
 
+# ----------------------------------------------------------------------------- runs the tests share
+# A tiny run that trains in a few seconds (your task, user code, flags): 2 prompts x 4 rows of 8 new tokens.
+TINY_RUN = (
+    "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 8 --warmup-steps 1 --lr 1e-3"
+)
+TINY_RUN = TINY_RUN.split()
+# The small step the memory estimate is held to a real one at (tests/test_memory.py, tests/test_budget.py).
+SMALL_STEP = (
+    "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 48 --gen-chunk 8 "
+    "--micro-batch 4 --logprob-chunk 16"
+).split()
+
+
 # ----------------------------------------------------------------------------- devices
 CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device here: the cuda case runs where torch.cuda.is_available() (docs/gpu.md)"

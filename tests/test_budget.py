@@ -5,29 +5,13 @@ flags left them free, and the one error line, with nothing written, where the fl
 
 import pytest
 import torch
+from conftest import SMALL_STEP
 
 import grpo
 from evaluation import memory, memtrace
 from training import budget, load, step_bytes, step_shapes
 from training import run as run_mod
 from training.models import qwen3_4b_config
-
-SMALL = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "48",
-    "--gen-chunk",
-    "8",
-    "--micro-batch",
-    "4",
-    "--logprob-chunk",
-    "16",
-]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +26,7 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
     """Every phase of a real tiny LoRA step against the estimate (frozen weights, adapter gradients and
     states, the activations LoRA adds and those a frozen norm no longer keeps), as test_memory.py does for
     full fine-tuning."""
-    cfg = grpo.parse_args(SMALL + flags)
+    cfg = grpo.parse_args(SMALL_STEP + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
     est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
     model = load.load_policy(cfg, torch.device("cpu")).model

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RUN
 
 import eval as ev
 import grpo
@@ -30,22 +31,7 @@ TASK_ROWS = [
     {"q": "What is 10 - 2?", "a": 8},
     {"q": "What is 6 * 2?", "a": 12},
 ]
-RUN = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--warmup-steps",
-    "1",
-    "--lr",
-    "1e-3",
-    "--device",
-    "cpu",
-]  # the CPU: a resume equals bit for bit
+RUN = [*TINY_RUN, "--device", "cpu"]  # the CPU: a resume equals bit for bit
 # A reward that varies in every group (rows train); {act} runs on the call numbered AT: 1 is setup's check,
 # 2-9 step 1's rows, 10-17 step 2's.
 REWARD = """import os, sys, time, zlib

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_STEP
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -23,23 +24,6 @@ from evaluation import memtrace
 from gpu_kernels import reference
 from training import footprint, policy, step_bytes
 from training.models import load_model, qwen3_4b_config, tiny_config
-
-SMALL = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "48",
-    "--gen-chunk",
-    "8",
-    "--micro-batch",
-    "4",
-    "--logprob-chunk",
-    "16",
-]
 
 
 def test_tracker_counts_views_once_and_frees():
@@ -112,7 +96,7 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
     """Every phase of a real tiny step (padded prompts, the fused flow capture, checkpointing) against the
     estimate: fp32 (the CPU path), bf16 + Kahan (the CUDA scheme, run on the CPU), and each flag that
     changes memory."""
-    cfg = grpo.parse_args(SMALL + flags)
+    cfg = grpo.parse_args(SMALL_STEP + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
     est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
     for phase in step_bytes.PHASES:
@@ -244,7 +228,7 @@ def test_held_at_peak_replays_the_allocators_count():
 def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
     """On a GPU: the recorded window of a real tiny step, replayed, peaks where the allocator's own count
     did, and holds blocks made by autograd nodes (the backward's own)."""
-    cfg = grpo.parse_args(SMALL)
+    cfg = grpo.parse_args(SMALL_STEP)
     path = tmp_path / "backward.pickle"
     measured = memtrace.measure(cfg, 32, grpo.update, "cuda", snapshot=str(path))
     s = json.loads(Path(str(path) + ".json").read_text())  # save_snapshot's summary, every site

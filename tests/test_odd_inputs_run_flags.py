@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_RUN
 
 import eval as ev
 import grpo
@@ -16,20 +17,6 @@ from training import checkpoint as ckpt_io
 from training.models import load_model
 
 # ----------------------------------------------------------------------------- flags that cannot take effect
-TINY_RUN = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--warmup-steps",
-    "1",
-    "--lr",
-    "1e-3",
-]
 NOTICES = [  # (flags given, the notice's words): one notice line each, the run goes on
     (["--lora-alpha", "16"], "--lora-alpha has no effect: --lora-rank is 0"),
     (["--lora-targets", "q_proj"], "--lora-targets has no effect: --lora-rank is 0"),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RUN
 
 import data
 import grpo
@@ -30,20 +31,6 @@ VARIED = (
     "import zlib\n\n\ndef score(completion, record):\n"  # varies in every group: rows train
     "    return zlib.crc32((completion + record['id']).encode()) % 4 / 3\n"
 )
-TINY = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--warmup-steps",
-    "1",
-    "--lr",
-    "1e-3",
-]
 
 
 def task_files(tmp_path, reward=VARIED, rows=ROWS):
@@ -246,7 +233,7 @@ BAD = {
 def test_each_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case):
     argv = task_files(tmp_path)
     extra, words = BAD[case]
-    line = fails(capsys, [*TINY, *argv, *extra(tmp_path), "--out-dir", str(tmp_path / "run")])
+    line = fails(capsys, [*TINY_RUN, *argv, *extra(tmp_path), "--out-dir", str(tmp_path / "run")])
     assert words in line, line
     assert not (tmp_path / "run").exists()
 
@@ -265,7 +252,9 @@ def test_a_custom_run_trains_with_the_pattern_and_warns_once_without(tmp_path, c
             (f"def score(completion, record):\n    open({str(log)!r}, 'a').write(record['id'] + '\\n')\n"),
         ),
     )
-    grpo.main([*TINY, *argv, "--steps", "2", "--rollouts-every", "1", "--out-dir", str(tmp_path / "plain")])
+    grpo.main(
+        [*TINY_RUN, *argv, "--steps", "2", "--rollouts-every", "1", "--out-dir", str(tmp_path / "plain")]
+    )
     out = capsys.readouterr().out
     assert out.count("have no answer region") == 1 and "--answer-pattern" in out
     first = json.loads(open(tmp_path / "plain" / "rollouts" / "step_00001.jsonl").readline())["response"]
@@ -274,7 +263,16 @@ def test_a_custom_run_trains_with_the_pattern_and_warns_once_without(tmp_path, c
     assert f"one reply ({len(first)} characters): {shown}" in out  # the model's own words
     assert len(log.read_text().split()) == 1 + 2 * 8  # the setup check, then each row
     grpo.main(
-        [*TINY, *argv, "--steps", "1", "--answer-pattern", r"(\S+)\s*$", "--out-dir", str(tmp_path / "mine")]
+        [
+            *TINY_RUN,
+            *argv,
+            "--steps",
+            "1",
+            "--answer-pattern",
+            r"(\S+)\s*$",
+            "--out-dir",
+            str(tmp_path / "mine"),
+        ]
     )
     assert "have no answer region" not in capsys.readouterr().out
     m = json.loads((tmp_path / "mine" / "metrics.jsonl").read_text())
@@ -293,7 +291,7 @@ def test_a_reward_that_fails_mid_run_stops_it_and_the_checkpoint_stands(tmp_path
         f"    if len(CALLS) > 9:\n        {bad}\n    return len(CALLS) % 2\n",
     )
     line = fails(
-        capsys, [*TINY, *argv, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path / "r")]
+        capsys, [*TINY_RUN, *argv, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path / "r")]
     )
     assert "reward.py:score" in line and "on row 'custom/train/" in line and "checkpoint stands" in line
     assert ("ZeroDivisionError" if failure == "raise" else "returned nan") in line
@@ -304,7 +302,7 @@ def test_a_reward_that_fails_mid_run_stops_it_and_the_checkpoint_stands(tmp_path
 def test_resume_refuses_an_edited_reward_file_unless_given_again(tmp_path, capsys):
     argv = task_files(tmp_path)
     out = tmp_path / "run"
-    grpo.main([*TINY, *argv, "--steps", "1", "--out-dir", str(out)])
+    grpo.main([*TINY_RUN, *argv, "--steps", "1", "--out-dir", str(out)])
     first = json.loads((out / "ckpt" / "run_config.json").read_text())["reward_files"]
     (tmp_path / "reward.py").write_text(VARIED.replace("% 4 / 3", "% 3 / 2"))
     line = fails(capsys, ["--resume", str(out), "--steps", "2"])
@@ -333,7 +331,7 @@ def test_chat_template_kwargs_reach_the_template_and_the_run_config(tok, tmp_pat
         assert data.make_prompt(rec, tok, "question", {"enable_thinking": False}) == "<user>Why?<no-think>"
     finally:
         tok.chat_template = template
-    cfg = grpo.parse_args([*TINY, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    cfg = grpo.parse_args([*TINY_RUN, "--chat-template-kwargs", '{"enable_thinking": false}'])
     assert reward_code.template_kwargs(cfg) == {"enable_thinking": False}
 
 

@@ -10,26 +10,11 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_RUN
 
 import data
 import grpo
 from training import reward_code
-
-TINY = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--warmup-steps",
-    "1",
-    "--lr",
-    "1e-3",
-]
-
 
 # ----------------------------------------------------------------------------- TRL's reward functions
 # A reward file as TRL's documentation writes one: batched, a dataset column as a keyword (solution), the
@@ -164,7 +149,7 @@ def test_a_trl_reward_file_trains_unchanged_through_grpo_py_as_the_per_row_one(t
     for name, spec in (("trl", trl), ("row", row)):
         grpo.main(
             [
-                *TINY,
+                *TINY_RUN,
                 "--max-new-tokens",
                 "16",
                 *data_flags,
