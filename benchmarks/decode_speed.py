@@ -17,7 +17,7 @@ App. C.3 sampling), at the shape
 The bound (bandwidth_bound; benchmarks/gpu_headline.py's generation line reads it too): each decode step
 reads every weight once and the KV cache of its rows,
   bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of (weight bytes + g t 2 L Hkv hd kv_bytes)
-  bound tok/s = generated tokens * bandwidth / bytes   (H100 SXM's 3.35 TB/s)
+  bound tok/s = generated tokens * bandwidth / bytes   (the card's: CARD_BANDWIDTH)
 
 Departures (numbered):
  1. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
@@ -47,6 +47,28 @@ from training.models import load_model  # noqa: E402
 from training.rollout import generate, prompt_ids  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
+# Memory bandwidth (bytes/s) of the cards the bound is drawn for, from their datasheets; the first name a
+# card's torch.cuda.get_device_name contains is taken, and any other card is counted as an H100 SXM, said so.
+CARD_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100": H100_BANDWIDTH,
+    "A100": 2.0e12,
+    "L40": 0.864e12,
+    "L4": 0.3e12,
+    "T4": 0.32e12,
+}
+
+
+def card_bandwidth(device):
+    """The bound's bandwidth for `device` (bytes/s) and the card it was read for (e.g. "H200", or "H100,
+    assumed" for a card the table lacks, the CPU included)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for card, bw in CARD_BANDWIDTH.items():
+        if card in name:
+            return bw, card
+    return H100_BANDWIDTH, "H100, assumed"
+
+
 SHAPES = {
     "gpu": dict(prompts=8, group_size=8, max_new_tokens=256, gen_chunk=64),
     "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8),
@@ -152,7 +174,8 @@ def compare(args, s):
                 group_size=s["group_size"],
                 gen_chunk=s["gen_chunk"],
             )
-            bound = bandwidth_bound(model, cfg, max(lens), H100_BANDWIDTH)
+            bandwidth, card = card_bandwidth(device)
+            bound = bandwidth_bound(model, cfg, max(lens), bandwidth)
             captures = (warm, eng.captures - warm, eng.graphs)
         model = greedy = calls = eng = None  # the next dtype's model: alone
         gc.collect()
@@ -164,7 +187,7 @@ def compare(args, s):
         f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
         f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)"
     )
-    print(f"bandwidth bound {bound:.1f} tok/s (H100 {H100_BANDWIDTH / 1e12:.2f} TB/s: weights + KV per step)")
+    print(f"bandwidth bound {bound:.1f} tok/s ({card} {bandwidth / 1e12:.2f} TB/s: weights + KV per step)")
     print(
         f"engine graphs: {captures[0]} captured in the warm-up, {captures[1]} in the timed rounds"
         f"{'' if captures[2] else ' (eager: the captures it would make)'}"

@@ -16,7 +16,7 @@ qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and print
               memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
                         (weight bytes + g t 2 L Hkv hd kv_bytes)
-                bound tok/s = generated tokens * bandwidth / bytes   (--bandwidth: H100 SXM's 3.35 TB/s)
+                bound tok/s = generated tokens * bandwidth / bytes   (--bandwidth: the card's)
 and once, at the largest R, the memory of the attention maps: one no-grad forward of --attn-rows rows of
 P + R tokens, plain, under attention.capturing and with eager output_attentions (attention_memory.py).
 
@@ -73,7 +73,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 from benchmarks import attention_memory, engine_release  # noqa: E402
-from benchmarks.decode_speed import H100_BANDWIDTH, bandwidth_bound  # noqa: E402
+from benchmarks.decode_speed import bandwidth_bound, card_bandwidth  # noqa: E402
 from data import build_batch  # noqa: E402
 from evaluation import memtrace  # noqa: E402
 from flowtracer import select_layers  # noqa: E402
@@ -348,7 +348,12 @@ def main(argv=None):
     )
     ap.add_argument("--rounds", type=int, default=3, help="alternating none / flow update rounds")
     ap.add_argument("--attn-rows", type=int, default=1, help="rows of the attention-map forward")
-    ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH, help="bytes/s (H100 SXM: 3.35e12)")
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="bytes/s (default: the card's, decode_speed.CARD_BANDWIDTH)",
+    )
     ap.add_argument("--lora-rank", type=int, default=0, help="grpo.py's --lora-rank (0: full fine-tuning)")
     ap.add_argument(
         "--gpu-gb",
@@ -372,7 +377,7 @@ def main(argv=None):
         *((k, getattr(args, k) >= 0) for k in ("micro_batch", "gen_chunk")),
         ("max_new_tokens", min(args.max_new_tokens) >= 1),
         ("group_size", args.group_size >= 2),
-        ("bandwidth", math.isfinite(args.bandwidth) and args.bandwidth > 0),
+        ("bandwidth", args.bandwidth is None or math.isfinite(args.bandwidth) and args.bandwidth > 0),
     ]:
         if not ok:
             least = {"group_size": 2, "micro_batch": 0, "gen_chunk": 0}.get(flag, 1)
@@ -384,6 +389,9 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --model tiny-qwen3 shows the format)")
     device = torch.device(args.device)
+    if args.bandwidth is None:
+        args.bandwidth, card = card_bandwidth(device)
+        print(f"bandwidth bound: {card}'s {args.bandwidth / 1e12:.2f} TB/s (--bandwidth to give another)")
     results = []
     for R in args.max_new_tokens:
         results.append(headline(args, R, device))
