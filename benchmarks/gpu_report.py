@@ -28,13 +28,13 @@ does); --parts NAME ... runs those parts only, in the table's order. Without CUD
 when a part that ran failed or was killed, else 0.
 
 Departures (numbered):
- 1. The limits are this file's estimates for one H100 with margin (LIMITS), not measurements; a slower card
-    needs --limit or a larger --budget.
+ 1. The limits (LIMITS) are the parts' times on one H200 with margin for an H100; decoders' and static's
+    are estimates (not yet run on a GPU). A slower card needs --limit or a larger --budget.
  2. The preflight's part runs its small step in a scratch directory (the checkpoint grpo.py writes at the
     end, 8 GB for a 4B model without its optimizer's state, is deleted with it); the report keeps only logs
     and JSON.
 
-Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, about an hour
+Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, 69 min at most
       python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
       python benchmarks/gpu_report.py --out runs/r --parts headline lora24 # two parts
 Test: python -m pytest -q tests/test_gpu_report.py (the parts' order and limits with a fake part that hangs)
@@ -79,7 +79,9 @@ class Part(NamedTuple):
     figures: Callable  # (out folder, log text) -> dict of figures, or None when it left none
 
 
-LIMITS = {"preflight": 300, "headline": 900, "lora24": 900, "decoders": 420, "suite": None, "static": 600}
+# Each part's limit (s): its time on one H200 (2026-11-28, docs/gpu.md: preflight 35, headline 191, lora24
+# 330) with room for an H100's slower memory; decoders and static not yet run on a GPU (estimates).
+LIMITS = {"preflight": 120, "headline": 480, "lora24": 720, "decoders": 420, "suite": None, "static": 600}
 PREFLIGHT = "grpo.py --model qwen3-4b-random --device cuda --steps 1 --prompts-per-step 1 --group-size 2 "
 PREFLIGHT += "--max-new-tokens 16 --no-save-optimizer --out-dir"  # a scratch directory (departure 2)
 HEADLINE = "benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1"
