@@ -194,3 +194,23 @@ def test_every_real_part_runs_a_command_line_its_program_accepts(tmp_path, monke
             assert argv[1:4] == ["-m", "pytest", "-q"] and "tests" in argv, part.name
         seen.add(part.name)
     assert seen == set(gpu_report.LIMITS)
+
+
+@pytest.mark.parametrize("run", sorted(p.name for p in (ROOT / "results").glob("gpu-*/run-*")))
+def test_the_kept_gpu_reports_are_read_as_they_were_written(run):
+    """The GPU reports kept under results/ (docs/gpu.md quotes them) are read by today's readers as they were
+    when they ran: each finished part's figures, read again from its log and JSON, equal those in its line of
+    report.jsonl, and gpu_figures.py judges every goal of a part that ran."""
+    folder = next((ROOT / "results").glob(f"gpu-*/{run}"))
+    lines = [json.loads(s) for s in (folder / "report.jsonl").read_text().splitlines()]
+    assert lines[0]["part"] == "device" and "GB" in lines[0]["device"]
+    parts, ok = {p.name: p for p in gpu_report.PARTS}, [r for r in lines[1:] if r["status"] == "ok"]
+    assert ok, f"{run}: no part finished"
+    for rec in ok:
+        again = parts[rec["part"]].figures(folder, (folder / rec["log"]).read_text(errors="replace"))
+        assert json.loads(json.dumps(again)) == rec["figures"], rec["part"]
+    finished = {r["part"] for r in ok}
+    judged = [
+        v for g, (_, _, v) in zip(gpu_figures.GOALS, gpu_figures.goals(lines[1:])) if g.part in finished
+    ]
+    assert judged and all(v in ("met", "short") for v in judged), judged
