@@ -124,26 +124,15 @@ def live_at_the_first_layers_backward(tied, device):
     """Live tensor bytes (track_peak) when backward reaches decoder layer 0 of a checkpointed, shared-prompt
     update (policy.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
     the second micro-batch on)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     from data import build_batch
 
     _, tok = load_model("tiny-qwen3", device="cpu")
+    mc = tiny_config("tiny-qwen3", 32768)  # the tiny model's shape, with a vocabulary wide enough to count
+    mc.tie_word_embeddings = tied
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=32768,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=tied,
-            pad_token_id=256,
-            eos_token_id=259,
-        )
-    ).to(device)
+    model = Qwen3ForCausalLM(mc).to(device)
     b = build_batch(tok, [list(range(3, 43))] * 4, [list(range(50, 82))] * 4).to(device)
     model.train()
     policy.checkpointing(model)
