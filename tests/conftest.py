@@ -71,6 +71,8 @@ SMALL_STEP = (
     "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 48 --gen-chunk 8 "
     "--micro-batch 4 --logprob-chunk 16"
 ).split()
+# eval.py bench on one gsm8k question, one sample of 3 tokens (a checkpoint loads and is evaluated).
+ONE_QUESTION_BENCH = "--benchmarks gsm8k --n-problems 1 --n 1 --ks 1 --max-new-tokens 3".split()
 
 
 # ----------------------------------------------------------------------------- devices

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import task_data_missing
+from conftest import ONE_QUESTION_BENCH, task_data_missing
 
 import eval as ev
 from evaluation import harness, highflow, probes
@@ -68,25 +68,7 @@ def test_bench_runs_on_a_checkpoint_directory(tiny, tmp_path):
     model.save_pretrained(tmp_path / "run" / "ckpt")  # a grpo run directory holds ckpt/
     tok.save_pretrained(tmp_path / "run" / "ckpt")
     assert harness.resolve_model(str(tmp_path / "run")) == str(tmp_path / "run" / "ckpt")
-    ev.main(
-        [
-            "bench",
-            "--model",
-            str(tmp_path / "run"),
-            "--benchmarks",
-            "gsm8k",
-            "--n-problems",
-            "1",
-            "--n",
-            "1",
-            "--ks",
-            "1",
-            "--max-new-tokens",
-            "3",
-            "--out",
-            str(tmp_path / "o"),
-        ]
-    )
+    ev.main(["bench", "--model", str(tmp_path / "run"), *ONE_QUESTION_BENCH, "--out", str(tmp_path / "o")])
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
 
 

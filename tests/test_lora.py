@@ -258,7 +258,7 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
     run directory."""
-    from conftest import task_data_missing
+    from conftest import ONE_QUESTION_BENCH, task_data_missing
 
     import eval as ev
     from evaluation import harness
@@ -278,25 +278,7 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     assert harness.resolve_model(str(out)) == str(out / "ckpt")
     if why := task_data_missing("gsm8k"):
         pytest.skip(why)
-    ev.main(
-        [
-            "bench",
-            "--model",
-            str(out),
-            "--benchmarks",
-            "gsm8k",
-            "--n-problems",
-            "1",
-            "--n",
-            "1",
-            "--ks",
-            "1",
-            "--max-new-tokens",
-            "3",
-            "--out",
-            str(tmp_path / "o"),
-        ]
-    )
+    ev.main(["bench", "--model", str(out), *ONE_QUESTION_BENCH, "--out", str(tmp_path / "o")])
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["benchmarks"]["gsm8k"]["n_problems"] == 1
 
 
