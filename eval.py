@@ -58,10 +58,12 @@ from evaluation import bench, credit_page, figures, highflow, memory, probes
 from evaluation import recall as recall_probe
 from evaluation.harness import EvalError, fail, inputs, save, setup
 from flowtracer import select_layers
-from training import checkpoint as ckpt_io
-from training import helptext, oar, rundir, signals
-from training.models import device_problem
-from training.pretrained import ModelError
+from training.config import helptext
+from training.credit import oar, scoring
+from training.model.load import device_problem
+from training.model.pretrained import ModelError
+from training.run import checkpoint as ckpt_io
+from training.run import directory
 
 CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
 
@@ -238,7 +240,7 @@ def parse(argv=None):
             "oar-p",
             "oar-g",
         ],
-        choices=list(signals.SIGNALS),
+        choices=list(scoring.SIGNALS),
         help="credit signals to rank tokens by",
     )
     p.add_argument(
@@ -334,7 +336,7 @@ def check_ranges(ap, args):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
     for flag, problem in (
         ("--device", getattr(args, "device", None) and device_problem(args.device)),
-        ("--out", getattr(args, "out", None) and rundir.dir_problem(args.out)),
+        ("--out", getattr(args, "out", None) and directory.dir_problem(args.out)),
     ):
         if problem:  # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")

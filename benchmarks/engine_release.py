@@ -1,8 +1,8 @@
 """What the decode engine's released layout costs a step: its K, V buffers made again, its graphs captured
 again.
 
-budget.plan releases the engine (training/engine.py) for the update where the step does not fit with its
-cache resident: after each rollout its K, V buffers are freed, and before the next they are reserved and
+budget.plan releases the engine (training/decode/engine.py) for the update where the step does not fit with
+its cache resident: after each rollout its K, V buffers are freed, and before the next they are reserved and
 allocated again and its graphs captured again. This measures that on one engine: release, reserve and
 allocate (reserve_s); a short call (one chunk of rows, 16 new tokens) with the engine resident (call_s)
 against the same call right after a release (released_s: its buffers made and its graphs captured again),
@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
-from training import preflight  # noqa: E402
-from training.models import load_model  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
+from training.decode.rollout import generate, prompt_ids  # noqa: E402
+from training.memory import preflight  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 
 def synced(device):
@@ -101,7 +101,7 @@ def main(argv=None):
         prog="engine_release.py", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     ap.add_argument(
-        "--model", default="qwen3-4b-random", help="a models.py name (qwen3-4b-random: no download)"
+        "--model", default="qwen3-4b-random", help="a load.py name (qwen3-4b-random: no download)"
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="the response budget R")

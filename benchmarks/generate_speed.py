@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 from benchmarks import decode_speed  # noqa: E402
 from data import build_batch  # noqa: E402
-from training.models import load_model  # noqa: E402
+from training.decode.rollout import generate, prompt_ids  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 from training.policy import checkpointing, token_logprobs  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
 
 SHAPES = {
     "embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
@@ -174,7 +174,7 @@ def main(argv=None):
         help="with --engine: leave out HF's static cache (and its compilation); ratios to HF's dynamic cache",
     )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
-    ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
+    ap.add_argument("--model", default="smollm2-135m", help="a load.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
     ap.add_argument("--update", action="store_true", help="time the update's micro-batch instead (above)")

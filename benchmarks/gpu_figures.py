@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-GB = 1e9  # training/budget.py's unit
+GB = 1e9  # training/memory/budget.py's unit
 
 
 # ----------------------------------------------------------------------------- what each part leaves

@@ -17,7 +17,7 @@ from tqdm import tqdm
 import data
 from evaluation import stats
 from evaluation.harness import auto_style, records_for, resolve_model
-from training.rollout import generate
+from training.decode.rollout import generate
 
 BENCHMARKS = [
     "gsm8k",

@@ -37,9 +37,9 @@ import torch
 
 from evaluation import credit_page, highflow, probes, token_page
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
-from training.attention import attention_graph
-from training.credit import CreditConfig
-from training.rundir import file_problem
+from training.credit.attention import attention_graph
+from training.credit.baselines import CreditConfig
+from training.run.directory import file_problem
 
 
 def token_figure(path, tokens, colors, title, width=100):
@@ -212,7 +212,7 @@ def use_run(args):
 def run_rows(args, tok):
     """The rollouts of --run's saved step as flow_figures takes them: the prompt and the response tokenised
     again from their saved text (the response's tokens joined: its EOS included), with the reward and A."""
-    step, path, saved = credit_page.read_step(args.run, args.step)
+    step, path, saved = credit_page.read_rollouts(args.run, args.step)
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
     rows = [
         {

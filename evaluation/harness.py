@@ -25,9 +25,9 @@ import torch
 import data
 from evaluation import probes
 from flowtracer import select_layers
-from training import checkpoint as ckpt_io
-from training import rundir
-from training.models import adapter_dir, load_model
+from training.model.load import adapter_dir, load_model
+from training.run import checkpoint as ckpt_io
+from training.run import directory
 
 
 class EvalError(Exception):
@@ -49,7 +49,7 @@ def resolve_model(name):
     path = Path(name).expanduser()
     if looks_local and not path.exists():
         fail(
-            f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
+            f"--model {directory.link_problem(path) or name + ': not found'} (give a run directory, its "
             "ckpt/, a save_pretrained directory or a .gguf file)"
         )
     run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")  # a run: full or LoRA

@@ -47,8 +47,8 @@ import data
 from data import build_batch
 from evaluation import probes
 from tasks.answers import answer_token_range, find_answer_span
-from training import signals
-from training.credit import CreditConfig
+from training.credit import scoring
+from training.credit.baselines import CreditConfig
 
 FORMS = {
     "answer-only": "{a}",
@@ -141,7 +141,7 @@ def answer_forms(model, tok, records, args, style):
         tau = {}
         for f in forms if keep else []:  # one flow pass per form
             batch = build_batch(tok, [chunk[b]["prompt"] for b in keep], [new[f][b][0] for b in keep])
-            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width :].double().cpu()  # B,R
+            tau[f] = scoring.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width :].double().cpu()  # B,R
         for b, r in enumerate(chunk):
             if b not in keep:
                 out.append(

@@ -50,8 +50,8 @@ from tqdm import tqdm
 import data
 from data import build_batch
 from evaluation.regenerate import decode
-from training import signals
-from training.credit import CreditConfig
+from training.credit import scoring
+from training.credit.baselines import CreditConfig
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 
@@ -185,7 +185,7 @@ def intervene(model, tok, records, args, style):
         batch = regions(tok, chunk)
         found = batch.answer_mask.any(-1).tolist()  # (B,) an answer was extracted
         batch = last_token_answers(batch)  # departure 6
-        tau = signals.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
+        tau = scoring.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
             seed = 10**9 + args.seed * 1_000_003 + i + b  # one noise stream per problem

@@ -27,8 +27,8 @@ from tqdm import tqdm
 import data
 from evaluation.probes import markdown, pyplot, regions, sample_responses
 from evaluation.regenerate import decode
-from training import signals
-from training.credit import CreditConfig
+from training.credit import scoring
+from training.credit.baselines import CreditConfig
 
 KS = list(range(10, 101, 10))  # recall@K% (OAR Fig. 5a)
 OAR = ("oar-p", "oar-g")  # the signals scored against an outcome (oar.OUTCOMES)
@@ -56,9 +56,9 @@ def recall(model, tok, records, args, style):
         for s in args.signals
         for o in (outcomes if s in OAR else outcomes[:1])
     }
-    unknown = [s for s in args.signals if s not in signals.SIGNALS]
+    unknown = [s for s in args.signals if s not in scoring.SIGNALS]
     if unknown:
-        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
+        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(scoring.SIGNALS)}")
     pool = records if "response" in records[0] else []
     for i in range(0, len(records) if not pool else 0, args.batch_size):  # greedy, until enough are correct
         batches = math.ceil(len(records) / args.batch_size)
@@ -88,7 +88,7 @@ def recall(model, tok, records, args, style):
         P = batch.prompt_width
         # (B, R)
         scores = {
-            k: signals.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu() for k, (s, o) in runs.items()
+            k: scoring.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu() for k, (s, o) in runs.items()
         }
         for b, r in enumerate(chunk):
             # answer end: the candidate tokens

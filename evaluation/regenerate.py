@@ -18,7 +18,7 @@ import os
 import torch
 from transformers import DynamicCache
 
-from training.rollout import eos_ids
+from training.decode.rollout import eos_ids
 
 
 def additive(allowed, dtype):

@@ -76,7 +76,7 @@ def not_finite(s):
     return NOT_FINITE.fullmatch(s.strip()) is not None
 
 
-def number(s):
+def plain_number(s):
     """(Decimal, is an integer) for a plain number ("025", "2,125", "1\\,000", "25.0", "\\$5", "4.5e33",
     "12\\%"), or None. A space inside the digits makes it no plain number: "1 2" is not 12."""
     s = SEPARATOR.sub(",", s)
@@ -95,8 +95,8 @@ def number(s):
 def last_number_equal(text, gold):
     """The lenient score of learn.py: the last number written in the text equals the gold answer, both plain
     numbers compared as exact decimals ("...so 12 apples." == "12"); False when either is not a number."""
-    found, g = LAST_NUMBER.findall(text), number(str(gold))
-    p = number(found[-1]) if found else None
+    found, g = LAST_NUMBER.findall(text), plain_number(str(gold))
+    p = plain_number(found[-1]) if found else None
     return g is not None and p is not None and p[0] == g[0]
 
 
@@ -260,7 +260,7 @@ def compare(gold, pred):
     the parse has looked for 5 = 6 and 0/0."""
     if not_finite(gold) or not_finite(pred):  # not a number: equals nothing, not itself
         return False
-    g, p = number(gold), number(pred)
+    g, p = plain_number(gold), plain_number(pred)
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
         return g[0] == p[0]
     gold, pred = (s if n is None else written(n[0]) for s, n in ((gold, g), (pred, p)))

@@ -225,7 +225,8 @@ def generate(n, split="train", seed=0):
 
 
 def rows(split, seed, limit):
-    """data.py's generated rows (data.Task.generate): `limit` problems of `split` (all of SIZES' without one),
+    """data.py's generated rows (data.Dataset.generate): `limit` problems of `split` (all of SIZES' without
+    one),
     each with its question and its answer as a record holds them (as rows.countdown_row reads a file's)."""
     problems = generate(limit or SIZES[split], split, seed)
     return [

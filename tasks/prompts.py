@@ -105,7 +105,8 @@ def style_fits(style, task):
 def turns(record, style="chat"):
     """The chat turns make_prompt renders for `record` in `style` (through the chat template, or as "User:"
     text without one), or None for the styles written as plain text (plain, countdown): what a --reward
-    function in TRL's form gets as its prompt when a chat template renders it (training/reward_code.py)."""
+    function in TRL's form gets as its prompt when a chat template renders it
+    (training/usercode/reward_code.py)."""
     q, is_countdown = record["question"], record["task"] == "countdown"
     if style in ("countdown", "plain"):
         return None

@@ -127,8 +127,8 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     so every row is trained. The order of `runs` is the order they run in; `watch` sees each run after its
     setup."""
     import grpo
-    from training import load as loading
-    from training import models
+    from training.model import load
+    from training.model import trainable as loading
 
     real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
 
@@ -144,11 +144,11 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     out = {}
     for name, argv, wide in runs:
 
-        def load(*a, wide=wide, **k):
+        def load_wide(*a, wide=wide, **k):
             model, tok = real_load(*a, **k)
-            return (models.to_dtype(model, model.device, torch.float64) if wide else model), tok
+            return (load.to_dtype(model, model.device, torch.float64) if wide else model), tok
 
-        monkeypatch.setattr(loading, "load_model", load)
+        monkeypatch.setattr(loading, "load_model", load_wide)
         rows = itertools.count()
         monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
         cfg = grpo.parse_args([*argv, "--device", torch.device(device).type, "--optimizer", "adamw"])
@@ -191,7 +191,7 @@ def in_process(capsys, monkeypatch):
     caught and fails the test, where the script would have printed a traceback. Saves a subprocess's start and
     imports (seconds each). What a run leaves in the process is put back after the test: the SIGINT and
     SIGTERM handlers (grpo.py's run log and `eval.py learn` install their own), torch's thread count (eval.py
-    --threads), the environment (load.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
+    --threads), the environment (trainable.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
     directory (the script's own, as the subprocess tests ran it: the root)."""
     import signal
     import subprocess
@@ -223,6 +223,6 @@ def in_process(capsys, monkeypatch):
 @pytest.fixture(scope="module")
 def tok():
     """The tiny-qwen3 tokenizer (tests/test_your_task.py and tests/test_your_task_trl_rewards.py)."""
-    from training.models import load_model
+    from training.model.load import load_model
 
     return load_model("tiny-qwen3")[1]

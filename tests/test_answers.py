@@ -86,7 +86,7 @@ def test_a_list_is_not_a_grouped_number_at_any_length():
     assert answers.equivalent("10^{120}", number) and answers.equivalent("10^{200}", "1e200")
     assert answers.equivalent("1.5 \\times 10^{-200}", "1.5e-200")
     assert not answers.equivalent("10^{200}", "2e200")
-    assert answers.written(answers.number("-1.50e200")[0]) == "-1.5 \\times 10^{200}"
+    assert answers.written(answers.plain_number("-1.50e200")[0]) == "-1.5 \\times 10^{200}"
 
 
 # ----------------------------------------------------------------------------- against math-verify

@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 import flowtracer
 from flowtracer import select_layers
-from gpu_kernels import reference
-from training.attention import attention_graph, capturing
-from training.models import load_model
+from training.credit.attention import attention_graph, capturing
+from training.model.load import load_model
 
 TEXTS = ["hello world, this is a test", "hi", "abc def"]
 
@@ -159,9 +158,9 @@ def test_maps_stay_fp32_under_bf16_autocast(device):
     keep[0, :, :, :5] = False  # left padding in row 0
     for mask in (None, keep):
         ref, out = torch.zeros(2, 30, 30, device=device), torch.zeros(2, 30, 30, device=device)
-        reference.add_head_mean(ref, q, k, mask, 0.25, 7)
+        flowtracer.add_head_mean(ref, q, k, mask, 0.25, 7)
         with torch.autocast(device, torch.bfloat16):
-            reference.add_head_mean(out, q, k, mask, 0.25, 7)
+            flowtracer.add_head_mean(out, q, k, mask, 0.25, 7)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.bfloat16)  # autocast keeps its Q, K
     ids, mask = batch(tok, device=model.device)
@@ -196,7 +195,7 @@ def test_grouped_query_heads_read_one_copy_of_the_keys(mask_kind):
     with track_peak(buf, q, k, mask) as tr:
         base = tr.now
         tr.phase("maps")
-        reference.add_head_mean(buf, q, k, mask, 0.3, 5)
+        flowtracer.add_head_mean(buf, q, k, mask, 0.3, 5)
     torch.testing.assert_close(buf, ref, atol=1e-6, rtol=0)
     assert tr.peak["maps"] - base < B * H * D * S * 4  # < the expanded fp32 keys alone
 
@@ -245,7 +244,7 @@ import sys, torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 if sys.argv[1] == "project":
     import grpo
-    from training.models import load_model
+    from training.model.load import load_model
     assert load_model("tiny-qwen3")[0].config._attn_implementation == "sdpa_capture"
 torch.manual_seed(0)
 cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

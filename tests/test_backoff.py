@@ -1,4 +1,4 @@
-"""training/backoff.py on the CPU: each phase of a tiny run forced out of memory by a fake that raises
+"""training/memory/backoff.py on the CPU: each phase of a tiny run forced out of memory by a fake that raises
 torch.OutOfMemoryError on work wider than 2 rows (the update's token_logprobs, the rollout's prefill or the
 engine's buffers, held-out evaluation's prefill), and at every size. The run goes on at 2 with one line, its
 run_config.json says 2 and --resume continues there; the gradient (fp32) and the rollouts equal those of the
@@ -14,8 +14,10 @@ import torch
 from conftest import assert_to_rounding, flat, grpo_steps
 
 import grpo
-from training import budget, engine, heldout, preflight, rollout, runlog
-from training import checkpoint as ckpt_io
+from training.decode import engine, rollout
+from training.memory import budget, preflight
+from training.run import checkpoint as ckpt_io
+from training.run import heldout, log
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.99 GiB"
 TINY = [
@@ -49,14 +51,14 @@ def varied_rewards(monkeypatch):
 def armed(monkeypatch, after_step=0):
     """A switch that turns on once `after_step` steps are logged (RunLog.step counts them)."""
     on = {"on": after_step == 0}
-    real = runlog.RunLog.step
+    real = log.RunLog.step
 
     def step(self, s, *a, **k):
         out = real(self, s, *a, **k)
         on["on"] = on["on"] or s + 1 >= after_step
         return out
 
-    monkeypatch.setattr(runlog.RunLog, "step", step)
+    monkeypatch.setattr(log.RunLog, "step", step)
     return on
 
 
@@ -191,7 +193,7 @@ def test_a_run_whose_rollout_runs_out_of_memory_finishes_at_gen_chunk_2_as_the_r
 def test_the_rows_done_are_kept_and_only_the_others_generated(monkeypatch):
     """rollout.generate's `done`: a call that raised midway keeps its finished chunks; called again, it
     generates the rows not yet generated, and greedy rows equal one call's."""
-    from training.models import load_model
+    from training.model.load import load_model
 
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     prompts = ["Q: 1+1? A:", "Q: 2+3? A:", "Q: 7+9? A:"]

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from training import rollout
-from training.models import load_model
+from training.decode import rollout
+from training.model.load import load_model
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 WORDS = "what is two plus three ? five the answer".split()

@@ -1,4 +1,4 @@
-"""LoRA's memory and the budget sized to the card: step_bytes.estimate under --lora-rank against live-storage
+"""LoRA's memory and the budget sized to the card: phases.estimate under --lora-rank against live-storage
 counts of real steps, the sizes budget.plan picks for Qwen3-4B on a 24 GB card, and run.setup's sizing
 before the weights load on a faked GPU (torch.cuda.mem_get_info, or --gpu-gb): the sizes it picks where the
 flags left them free, and the one error line, with nothing written, where the flags given cannot fit."""
@@ -9,9 +9,10 @@ from conftest import SMALL_STEP
 
 import grpo
 from evaluation import memory, memtrace
-from training import budget, load, step_bytes, step_shapes
-from training import run as run_mod
-from training.models import qwen3_4b_config
+from training.memory import budget, phases, shapes
+from training.model import trainable
+from training.model.load import qwen3_4b_config
+from training.run import setup as run_mod
 
 
 @pytest.mark.parametrize(
@@ -28,11 +29,11 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
     full fine-tuning."""
     cfg = grpo.parse_args(SMALL_STEP + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
-    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
-    model = load.load_policy(cfg, torch.device("cpu")).model
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 32)
+    model = trainable.load_policy(cfg, torch.device("cpu")).model
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert est["optimizer step"]["grads"] == 4 * adapters  # fp32, the adapters only
-    for phase in step_bytes.PHASES:
+    for phase in phases.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
 
@@ -42,8 +43,8 @@ def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
     """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
-    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 256)
-    for phase in step_bytes.PHASES:
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 256)
+    for phase in phases.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
@@ -75,7 +76,7 @@ def fake_gpu(monkeypatch, total):
     def no_weights(*a, **k):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(load, "load_model", no_weights)
+    monkeypatch.setattr(trainable, "load_model", no_weights)
     return card
 
 
@@ -118,11 +119,11 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
     budget.plan picks into the run's config before the weights load; a --micro-batch given is kept."""
     box = fake_gpu(monkeypatch, 0)
     cfg = grpo.parse_args([*TINY, "--out-dir", str(tmp_path / "a")])
-    mc, widest = step_bytes.model_config(cfg.model), 200
+    mc, widest = phases.model_config(cfg.model), 200
     small = type(cfg)(**{**vars(cfg), "gen_chunk": 4, "micro_batch": 2})
     card = (
         sum(budget.margin(small, mc, widest).values())
-        + step_bytes.peak(step_bytes.estimate(small, mc, "cuda", widest))[1]
+        + phases.peak(phases.estimate(small, mc, "cuda", widest))[1]
     )
     box["total"] = card / (1 - budget.RESERVE)  # the plan keeps the reserve
 
@@ -156,8 +157,9 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     """One prompt of 8 rows, --eval-every with 64 questions, gen_chunk 64: the preflight reserves the engine
     for 64 rows (a chunk of the evaluation), 8x a chunk of the rollout; the estimate counts the bytes the
     engine allocates, in every phase with it resident and in generation alone with it released."""
-    from training import preflight, rollout
-    from training.models import load_model
+    from training.decode import rollout
+    from training.memory import preflight
+    from training.model.load import load_model
 
     cfg = budget.largest(
         grpo.parse_args(
@@ -182,17 +184,17 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     eng = preflight.make_engine(cfg, model, tok, widest, n_eval)
     rollout.generate(model, tok, [[1, 5, 6, 7]], n=1, max_new_tokens=2, greedy=True, chunk_size=1, engine=eng)
     held = eng.keys.nbytes + eng.values.nbytes  # allocated by the decode
-    mc = step_bytes.model_config(cfg.model)
-    est = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
-    assert eng.rows == step_shapes.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
-    assert all(est[ph]["KV cache"] == held for ph in step_bytes.PHASES[1:])
+    mc = phases.model_config(cfg.model)
+    est = phases.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)
+    assert eng.rows == shapes.engine_rows(cfg, n_eval) == 64 and cfg.gen_chunk == 64
+    assert all(est[ph]["KV cache"] == held for ph in phases.PHASES[1:])
     assert est["generation"]["KV cache"] >= held
-    none = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=0)  # no evaluation: 8 rows
+    none = phases.estimate(cfg, mc, "cuda", widest, n_eval=0)  # no evaluation: 8 rows
     assert 8 * none["backward"]["KV cache"] == held
-    freed = step_bytes.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
-    assert all(freed[ph]["KV cache"] == 0 for ph in step_bytes.PHASES[1:])
+    freed = phases.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
+    assert all(freed[ph]["KV cache"] == 0 for ph in phases.PHASES[1:])
     assert freed["generation"] == est["generation"]
-    for ph in step_bytes.PHASES[1:]:
+    for ph in phases.PHASES[1:]:
         assert sum(est[ph].values()) - sum(freed[ph].values()) == held
 
 
@@ -207,9 +209,7 @@ def test_the_plan_keeps_the_engine_resident_where_it_fits_and_releases_it_for_la
     q = budget.plan(long, mc, "cuda", 256, budget.GPU)
     assert q.release and q.peak <= budget.GPU and (q.gen_chunk, q.micro_batch) == (32, 8)
     at = type(long)(**{**vars(long), "gen_chunk": 32, "micro_batch": 8})
-    kept = step_bytes.peak(step_bytes.estimate(at, mc, "cuda", 256))[1] + sum(
-        budget.margin(at, mc, 256).values()
-    )
+    kept = phases.peak(phases.estimate(at, mc, "cuda", 256))[1] + sum(budget.margin(at, mc, 256).values())
     assert kept > budget.GPU  # resident, the same sizes do not fit
 
 
@@ -219,12 +219,12 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
     out = memory.report(cfg, 256).splitlines()
     planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
-    mc = step_bytes.model_config(cfg.model)
-    cache = step_bytes.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
+    mc = phases.model_config(cfg.model)
+    cache = phases.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
     assert out[0].startswith("precision: bf16")  # the card's precision, then the table
     assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[1]
     assert out[3].split()[0] == "generation" and float(out[3].split()[5]) == round(
-        step_bytes.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / budget.GB, 2
+        phases.estimate(planned, mc, "cuda", 256)["generation"]["KV cache"] / budget.GB, 2
     )
     line = next(x for x in out if x.startswith("engine:"))
     assert line.startswith("engine: resident through the update")

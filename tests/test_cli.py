@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import grpo
-from training import gguf, load, presets, pretrained
+from training.config import presets
+from training.model import gguf, pretrained, trainable
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -98,7 +99,9 @@ BAD_FILES = [  # (file name, content, a word the line must contain); each fails 
 def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsys, name, content, word):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data"))
+    monkeypatch.setattr(
+        trainable, "load_model", lambda *a, **k: pytest.fail("the model loaded before the data")
+    )
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(path), "--dataset", "arithmetic", "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -106,7 +109,7 @@ def test_bad_data_path_fails_before_the_model_loads(tmp_path, monkeypatch, capsy
 
 
 def test_missing_data_file_and_existing_run_dir(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit) as e:
         grpo.main(["--data-path", str(tmp_path / "nosuch.jsonl"), "--out-dir", str(tmp_path / "r")])
     assert e.value.code == 2 and "nosuch.jsonl" in capsys.readouterr().err
@@ -158,7 +161,7 @@ def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatc
     def fails(cfg, *a, **k):
         raise pretrained.ModelError(f"--model {cfg.model}: not in the local hub cache")
 
-    monkeypatch.setattr(load, "load_policy", fails)
+    monkeypatch.setattr(trainable, "load_policy", fails)
     with pytest.raises(SystemExit) as e:
         grpo.main(["--model", "org/name", "--out-dir", str(tmp_path / "run")])
     assert e.value.code == 2 and "org/name" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""Tests for credit.py and oar.py: token classes, every signal on tiny models, OAR against serial references
-and OAR-G vs OAR-P on a toy whose outcome one token determines, and credit.assign end to end. The shaping
+"""Tests for baselines.py and oar.py: token classes, every signal on tiny models, OAR against serial
+references and OAR-G vs OAR-P on a toy whose outcome one token determines, and baselines.assign end to end.
+The shaping
 rules on hand-made scores: tests/test_credit_shaping.py."""
 
 import math
@@ -10,14 +11,14 @@ import torch
 from torch import nn
 
 from data import Batch, build_batch
-from training import credit, oar, shaping, signals
-from training.models import load_model
+from training.credit import baselines, oar, scoring, shaping
+from training.model.load import load_model
 
 SHAPINGS_ALL = sorted(shaping.SHAPINGS)
 
 
 def cfg(**kw):
-    return credit.CreditConfig(**kw)
+    return baselines.CreditConfig(**kw)
 
 
 # ----------------------------------------------------------------------------- token classes
@@ -44,19 +45,24 @@ def cfg(**kw):
     ],
 )
 def test_is_structural(text, structural):
-    assert credit.is_structural(text) is structural
+    assert baselines.is_structural(text) is structural
 
 
 def test_token_class_mask_on_the_byte_tokenizer(tiny):
     _, tok = tiny
     ids = torch.tensor([[ord("."), ord("a"), ord("7"), ord("\n"), tok.eos_token_id, 200]])
-    assert credit.token_class_mask(tok, ids, "structural").tolist() == [
+    assert baselines.token_class_mask(tok, ids, "structural").tolist() == [
         [True, False, False, True, True, False]
     ]
-    assert credit.token_class_mask(tok, ids, "semantic").tolist() == [[False, True, True, False, False, True]]
-    assert credit.token_class_mask(tok, ids, None) is None and credit.token_class_mask(tok, ids, "") is None
+    assert baselines.token_class_mask(tok, ids, "semantic").tolist() == [
+        [False, True, True, False, False, True]
+    ]
+    assert (
+        baselines.token_class_mask(tok, ids, None) is None
+        and baselines.token_class_mask(tok, ids, "") is None
+    )
     with pytest.raises(ValueError, match="token_class"):
-        credit.token_class_mask(tok, ids, "digits")
+        baselines.token_class_mask(tok, ids, "digits")
 
 
 # ----------------------------------------------------------------------------- signals on tiny models
@@ -74,11 +80,11 @@ def real_batch(tok):
     return build_batch(tok, p, r)
 
 
-@pytest.mark.parametrize("name", sorted(signals.SIGNALS))
+@pytest.mark.parametrize("name", sorted(scoring.SIGNALS))
 def test_signal_shape_finite_deterministic_masked(tiny, name):
     model, tok = tiny
     batch = real_batch(tok)
-    s1, s2 = signals.SIGNALS[name](model, batch, cfg()), signals.SIGNALS[name](model, batch, cfg())
+    s1, s2 = scoring.SIGNALS[name](model, batch, cfg()), scoring.SIGNALS[name](model, batch, cfg())
     assert s1.shape == batch.input_ids.shape and s1.dtype == torch.float32
     assert torch.isfinite(s1).all() and torch.equal(s1, s2)
     assert (s1[~batch.response_mask] == 0).all() and (s1 >= 0).all()
@@ -94,7 +100,7 @@ def test_signal_shape_finite_deterministic_masked(tiny, name):
 def test_seeded_signals_change_with_the_seed(tiny, name):
     model, tok = tiny
     batch = real_batch(tok)
-    s0, s1 = (signals.SIGNALS[name](model, batch, cfg(seed=k)) for k in (0, 1))
+    s0, s1 = (scoring.SIGNALS[name](model, batch, cfg(seed=k)) for k in (0, 1))
     assert not torch.equal(s0, s1)
 
 
@@ -110,7 +116,7 @@ def test_entropy_matches_full_logits(tiny):
     ref = torch.zeros_like(H)
     ref[:, 1:] = H[:, :-1]
     ref = ref * b.response_mask
-    got = signals.signal_entropy(model, b, cfg(), rows_per_block=5)  # several blocks
+    got = scoring.signal_entropy(model, b, cfg(), rows_per_block=5)  # several blocks
     assert torch.allclose(got, ref, atol=1e-4)
 
 
@@ -118,7 +124,7 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(layers="all", attn_window=(3, 8), attn_global_frac=0.5)
-    got = signals.SIGNALS["fai"](model, b, c)
+    got = scoring.SIGNALS["fai"](model, b, c)
     old = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -157,8 +163,8 @@ def test_attention_fai_matches_an_eager_loop_reference(tiny):
 def test_attention_is_the_max_received(tiny):
     model, tok = tiny
     b = real_batch(tok)
-    A = signals.attention_graph(model, b.input_ids, b.attention_mask, "middle")
-    got = signals.SIGNALS["attention"](model, b, cfg())
+    A = scoring.attention_graph(model, b.input_ids, b.attention_mask, "middle")
+    got = scoring.SIGNALS["attention"](model, b, cfg())
     for i, s in b.response_mask.nonzero().tolist():
         assert math.isclose(
             float(got[i, s]), float(A[i, s + 1 :, s].max()) if s + 1 < A.shape[1] else 0.0, abs_tol=1e-6
@@ -177,7 +183,7 @@ def test_oar_p_matches_serial_masking(tiny, outcome, share):
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(oar_outcome=outcome, oar_chunk=7, oar_prefix_cache=share)
-    got = signals.SIGNALS["oar-p"](model, b, c)
+    got = scoring.SIGNALS["oar-p"](model, b, c)
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, outcome)
     ref = torch.zeros_like(got)
     with torch.no_grad():
@@ -200,7 +206,7 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
     model, tok = tiny
     b = real_batch(tok)
     c = cfg(oar_outcome="as-mean", seed=3, oar_prefix_cache=share)
-    got = signals.SIGNALS["oar-g"](model, b, c)
+    got = scoring.SIGNALS["oar-g"](model, b, c)
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, "as-mean")
     pos = (b.attention_mask.cumsum(-1) - 1).clamp_min(0)
     e = model.get_input_embeddings()(b.input_ids).detach()
@@ -221,7 +227,7 @@ def test_oar_g_matches_a_direct_autograd_reference_and_leaves_params_alone(tiny,
         p.requires_grad for p in model.parameters()
     )
     with torch.no_grad():  # grpo calls signals under no_grad
-        assert torch.equal(signals.SIGNALS["oar-g"](model, b, c), got)
+        assert torch.equal(scoring.SIGNALS["oar-g"](model, b, c), got)
 
 
 class OneTokenModel(nn.Module):
@@ -268,8 +274,8 @@ def test_oar_g_and_oar_p_agree_on_the_deciding_token(outcome):
     ans[:, 8:10] = True
     batch = Batch(ids, mask, q, resp, ans, 3)
     model = OneTokenModel(src=4)  # column 4 of row 0, column 6 of row 1 (2 pads)
-    p = signals.SIGNALS["oar-p"](model, batch, cfg(oar_outcome=outcome, oar_chunk=4, oar_prefix_cache=False))
-    g = signals.SIGNALS["oar-g"](model, batch, cfg(oar_outcome=outcome, oar_prefix_cache=False))
+    p = scoring.SIGNALS["oar-p"](model, batch, cfg(oar_outcome=outcome, oar_chunk=4, oar_prefix_cache=False))
+    g = scoring.SIGNALS["oar-g"](model, batch, cfg(oar_outcome=outcome, oar_prefix_cache=False))
     for s, tol in ((p, 1e-6), (g, 0.0)):
         assert s.argmax(-1).tolist() == [4, 6]  # both rank the deciding token first
         top = s[[0, 1], [4, 6]].clone()
@@ -301,12 +307,12 @@ def test_assign_runs_signal_class_and_shaping(tiny):
     model, tok = tiny
     b = real_batch(tok)
     adv = torch.ones(b.input_ids.shape[0])
-    c = credit.assign(model, tok, b, adv, cfg(credit="random", shaping="topk", token_class="structural"))
+    c = baselines.assign(model, tok, b, adv, cfg(credit="random", shaping="topk", token_class="structural"))
     P = b.prompt_width
-    structural = credit.token_class_mask(tok, b.input_ids, "structural")[:, P:]  # (B, R)
+    structural = baselines.token_class_mask(tok, b.input_ids, "structural")[:, P:]  # (B, R)
     assert c.weight.shape == c.scores.shape == b.response_mask[:, P:].shape
     boosted = c.weight == 1.5
     assert boosted.any() and (structural[boosted]).all()
     assert (c.weight[~b.response_mask[:, P:]] == 0).all()  # 0 on padding
     with pytest.raises(ValueError, match="oar_sigma"):
-        signals.SIGNALS["oar-g"](model, b, cfg(oar_sigma=0.0))
+        scoring.SIGNALS["oar-g"](model, b, cfg(oar_sigma=0.0))

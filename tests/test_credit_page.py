@@ -21,7 +21,7 @@ import pytest
 import eval as ev
 import grpo
 from evaluation import credit_page, token_page
-from training.rundir import RunError
+from training.run.directory import RunError
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 ROWS = [{"q": "Say a word.", "a": 0, "kind": "flat"}, {"q": "Say two words.", "a": 0, "kind": "varied"}]
@@ -228,17 +228,17 @@ def test_read_step_skips_a_line_cut_by_a_kill_and_names_a_broken_one(tmp_path, c
     (tmp_path / "rollouts").mkdir()
     f = tmp_path / "rollouts" / "step_00003.jsonl"
     f.write_text(json.dumps(row) + "\n" + json.dumps(row)[:20])
-    assert credit_page.read_step(tmp_path) == (3, f, [row])
+    assert credit_page.read_rollouts(tmp_path) == (3, f, [row])
     assert "line 2: cut short" in capsys.readouterr().err
     f.write_text(json.dumps(row)[:20] + "\n" + json.dumps(row) + "\n")
     with pytest.raises(RunError, match="line 1: not a JSON line"):
-        credit_page.read_step(tmp_path, 3)
+        credit_page.read_rollouts(tmp_path, 3)
     f.write_text(json.dumps({**row, "answer": [True]}) + "\n")
     with pytest.raises(RunError, match="lists of one length"):
-        credit_page.read_step(tmp_path)
+        credit_page.read_rollouts(tmp_path)
     f.write_text(json.dumps({**row, "adv": None}) + "\n")
     with pytest.raises(RunError, match="reward, adv, score and weight numbers"):
-        credit_page.read_step(tmp_path)
+        credit_page.read_rollouts(tmp_path)
 
 
 def test_groups_notes_and_wrapping_by_hand():

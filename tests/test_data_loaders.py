@@ -51,7 +51,7 @@ def test_fixture_counts_and_record_shape(shared_data, monkeypatch, name, split):
 
 def wrong_answer(gold):
     """A clearly different answer: a number moved up by 1 or 10% (the larger), or an odd fraction."""
-    n = answers.number(gold)
+    n = answers.plain_number(gold)
     return str(n[0] + max(1, abs(n[0]) / 10)) if n is not None else "\\frac{7919}{104729}"
 
 
@@ -65,7 +65,7 @@ def test_every_ground_truth_grades_itself_and_a_wrong_answer_is_wrong(shared_dat
     for r in load_task(name, split):
         assert reward(f"Some reasoning. The answer is \\boxed{{{r['answer']}}}.", r) == 1.0, r["answer"]
         assert reward("no boxed answer here " + r["answer"], r) == 0.0
-        is_number = answers.number(r["answer"]) is not None
+        is_number = answers.plain_number(r["answer"]) is not None
         symbolic += not is_number
         if is_number or symbolic % 5 == 1:
             assert reward(f"\\boxed{{{wrong_answer(r['answer'])}}}", r) == 0.0, r["answer"]

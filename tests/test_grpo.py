@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from conftest import assert_to_rounding
 
 from grpo import Experience, compute_advantages, grpo_loss, parse_args, token_logprobs
-from training import presets
-from training.models import load_model
+from training.config import presets
+from training.model.load import load_model
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -58,9 +58,8 @@ def test_token_logprobs_gradient_matches_full_logits(device):
 
 
 def test_token_logprobs_in_bf16_are_as_close_to_fp32_as_hf(device):
-    """bf16 is the CUDA run's dtype (load.weight_dtype under --optimizer kahan): the chunked log-softmax of
-    a
-    bf16 model (bf16 logits, then fp32, as token_logprobs takes them) is no further from the fp32 model's
+    """bf16 is the CUDA run's dtype (trainable.weight_dtype under --optimizer kahan): the chunked log-softmax
+    of a bf16 model (bf16 logits, then fp32, as token_logprobs takes them) is no further from the fp32 model's
     log-probs and LM-head gradient than twice HF's own bf16 forward with its full logits, plus 2 bf16 eps of
     the value: ||ours - fp32|| <= 2 ||HF - fp32|| + 2 eps_bf16 ||fp32||. The bound is the bf16 error scale of
     this very forward, measured against fp32 on the same machine and kernels (the two bf16 paths round the

@@ -1,4 +1,4 @@
-"""The run log's phase clock (training/runlog.py) on a GPU, faked: queued GPU work is charged to the phase
+"""The run log's phase clock (training/run/log.py) on a GPU, faked: queued GPU work is charged to the phase
 that queued it, the clock synchronizes on CUDA, and time/credit_share is the credit's part of the step."""
 
 from types import SimpleNamespace
@@ -23,14 +23,14 @@ def test_clock_charges_queued_gpu_work_to_the_phase_that_queued_it():
     """The forward queues 5 s of kernels and returns; the fused credit's first host sync waits for them, then
     runs 1 s of its own. Synchronizing at each mark charges update forward 5 s and credit 1 s; without it
     (the clock before, host time alone) the forward's 5 s land in credit."""
-    from training import runlog
+    from training.run import log
 
     for synced, expect in (
         (True, {"update forward": 5.0, "credit": 1.0}),
         (False, {"update forward": 0.0, "credit": 6.0}),
     ):
         now, queued, sync = fake_gpu()
-        clock = runlog.Clock(torch.device("cpu"), now=lambda: now[0], sync=sync if synced else lambda: None)
+        clock = log.Clock(torch.device("cpu"), now=lambda: now[0], sync=sync if synced else lambda: None)
         with clock.phase("update forward"):
             queued[0] += 5.0  # the training forward, queued
         with clock.phase("credit"):
@@ -40,11 +40,11 @@ def test_clock_charges_queued_gpu_work_to_the_phase_that_queued_it():
 
 
 def test_clock_synchronizes_on_cuda(monkeypatch):
-    from training import runlog
+    from training.run import log
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
-    clock = runlog.Clock(torch.device("cuda"))
+    clock = log.Clock(torch.device("cuda"))
     with clock.phase("generation"):
         pass
     assert len(calls) == 2 and set(clock.seconds) == {"generation"}
@@ -53,7 +53,7 @@ def test_clock_synchronizes_on_cuda(monkeypatch):
 def test_credit_share_is_the_credits_part_of_the_step():
     """time/credit_share = time/credit / time/step, time/update = forward + backward + optimizer step."""
     from data import Batch
-    from training import runlog
+    from training.run import log
 
     resp = torch.tensor([[False, True, True], [False, True, False]])  # (B, T), P = 1
     batch = Batch(torch.zeros(2, 3, dtype=torch.long), resp.long(), ~resp, resp, resp & False, 1)
@@ -70,7 +70,7 @@ def test_credit_share_is_the_credits_part_of_the_step():
     )
     gen = SimpleNamespace(truncated=[False, False], response_ids=[[1, 2], [3]])
     cfg = SimpleNamespace(beta=0.0, num_iterations=1)
-    m = runlog.step_metrics(
+    m = log.step_metrics(
         cfg,
         torch.tensor([1.0, 0.0]),
         torch.tensor([False]),

@@ -17,7 +17,7 @@ from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 import grpo
 from grpo import parse_args
-from training.models import load_model
+from training.model.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeyp
     """A crash after step 3's metrics line but before its checkpoint: --resume redoes step 3 from the step-2
     checkpoint, and metrics.jsonl holds each step exactly once."""
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
-    real = grpo.runlog.save_checkpoint
+    real = grpo.log.save_checkpoint
 
     def dies_at_3(path, model, tok, opt, sched, step, *a, **k):
         if step == 3:

@@ -21,10 +21,11 @@ from conftest import subprocess_env
 import eval as ev
 import grpo
 from evaluation import harness
-from training import checkpoint as ckpt_io
-from training import load, rundir, runlog
-from training import run as run_mod
-from training.models import load_model
+from training.model import trainable
+from training.model.load import load_model
+from training.run import checkpoint as ckpt_io
+from training.run import directory, log
+from training.run import setup as run_mod
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def last_line(capsys):
 
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
-    for module in (load, harness):
+    for module in (trainable, harness):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 
@@ -138,7 +139,7 @@ def test_a_trainer_state_with_wrong_fields_names_the_file(tmp_path, tiny_state, 
 
 # ----------------------------------------------------------------------------- 2. two runs, one out_dir
 HOLD = (
-    "import sys; from training import rundir; rundir.lock_out_dir(sys.argv[1]); "
+    "import sys; from training.run import directory; directory.lock_out_dir(sys.argv[1]); "
     "print('locked', flush=True); sys.stdin.read()"
 )
 
@@ -165,7 +166,7 @@ def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypat
         holder.wait(60)
     run_mod.check_out_dir(out, resume=False, overwrite=False)  # free once the holder ends
     run_mod.check_out_dir(out, resume=False, overwrite=False)  # the same process: again fine
-    rundir.unlock_out_dir(out)
+    directory.unlock_out_dir(out)
 
 
 def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch, capsys):
@@ -300,4 +301,4 @@ def test_a_full_disk_while_logging_names_the_file(tmp_path):
         write = staticmethod(enospc)
 
     with pytest.raises(ckpt_io.RunError, match="metrics.jsonl: no space left .* step 3"):
-        runlog.write_metrics(Full(), {"step": 3})
+        log.write_metrics(Full(), {"step": 3})

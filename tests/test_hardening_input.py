@@ -22,7 +22,7 @@ import grpo
 from evaluation import harness, probes
 from tasks import answers
 from tasks.answers import find_answer_span
-from training import load
+from training.model import trainable
 
 
 def last_line(capsys):
@@ -31,7 +31,7 @@ def last_line(capsys):
 
 def no_model(monkeypatch):
     """Any model load fails the test: the error must come first."""
-    for module in (load, harness):
+    for module in (trainable, harness):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 

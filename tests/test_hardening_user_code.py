@@ -17,8 +17,8 @@ import eval as ev
 import grpo
 from tasks import answers
 from tasks.answers import find_answer_span
-from training import reward_code, usercode
-from training.models import load_model
+from training.model.load import load_model
+from training.usercode import guard, reward_code
 
 
 def last_line(capsys):
@@ -136,7 +136,7 @@ def test_a_reward_that_fails_mid_run_saves_the_last_step_and_the_run_resumes_exa
 @pytest.mark.parametrize("where", ["import", "call"])
 def test_os_exit_in_a_reward_is_named_not_obeyed(tmp_path, monkeypatch, capsys, where):
     """os._exit skips every handler and would end the run with status 0: inside the user's code it is a
-    SystemExit (usercode.guarded), one line like any other exit; the real os._exit is back after."""
+    SystemExit (guard.guarded), one line like any other exit; the real os._exit is back after."""
     real = os._exit
     argv = your_task(tmp_path, "os._exit(0)", 1, monkeypatch)
     if where == "import":
@@ -217,12 +217,12 @@ def test_interruptible_passes_the_signal_to_the_handler_in_force_then_raises():
     seen = []
     before = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
     try:
-        with pytest.raises(usercode.Interrupted):
-            with usercode.interruptible():
+        with pytest.raises(guard.Interrupted):
+            with guard.interruptible():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)
         assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-        with usercode.interruptible():
+        with guard.interruptible():
             pass  # no signal: nothing happens
         assert seen == [signal.SIGTERM]
     finally:
@@ -231,13 +231,15 @@ def test_interruptible_passes_the_signal_to_the_handler_in_force_then_raises():
 
 def test_a_reward_interrupted_at_setup_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     """A Ctrl-C while setup's check (or the import) runs the user's code: one line, not a traceback."""
-    (tmp_path / "r.py").write_text("from training import usercode\nraise usercode.Interrupted('SIGTERM')\n")
+    (tmp_path / "r.py").write_text(
+        "from training.usercode import guard\nraise guard.Interrupted('SIGTERM')\n"
+    )
     cfg = grpo.Config(reward=f"{tmp_path / 'r.py'}:f")
     with pytest.raises(reward_code.RewardError, match=r"interrupted \(SIGTERM\) while importing it"):
         reward_code.load(cfg, {"id": "x", "question": "q"})
 
     def stuck(completion, record):
-        raise usercode.Interrupted("SIGINT")  # what the handler raises inside the call
+        raise guard.Interrupted("SIGINT")  # what the handler raises inside the call
 
     monkeypatch.setattr(reward_code, "import_function", lambda s, modules=None: stuck)
     with pytest.raises(reward_code.RewardError, match=r"r\.py:f: interrupted \(SIGINT\) in the check at"):

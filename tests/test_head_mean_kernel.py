@@ -33,10 +33,12 @@ from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 import flowtracer  # noqa: E402
 import gpu_kernels.head_mean as head_mean  # noqa: E402
-from flowtracer import select_layers  # noqa: E402
-from gpu_kernels.reference import add_head_mean  # noqa: E402
-from training.attention import attention_graph  # noqa: E402
-from training.models import load_model  # noqa: E402
+from flowtracer import (
+    add_head_mean,  # noqa: E402
+    select_layers,  # noqa: E402
+)
+from training.credit.attention import attention_graph  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,5 +1,5 @@
-"""training/heldout.py: held-out greedy accuracy inside the training process, on tiny-qwen3 with a handful of
-arithmetic records. tiny-qwen3 is random (its responses never hold a right \\boxed{} answer), so the reward
+"""training/run/heldout.py: held-out greedy accuracy inside the training process, on tiny-qwen3 with a handful
+of arithmetic records. tiny-qwen3 is random (its responses never hold a right \\boxed{} answer), so the reward
 is replaced by a rule on the response text that some responses meet: the counts are then not all zero."""
 
 import json
@@ -9,8 +9,9 @@ import torch
 
 import data
 from tasks.answers import last_number_equal
-from training import heldout, rollout
-from training.models import load_model
+from training.decode import rollout
+from training.model.load import load_model
+from training.run import heldout
 
 STYLE, BUDGET, CHUNK = "plain", 8, 2
 

@@ -18,7 +18,8 @@ import pytest
 import eval as ev
 import grpo
 from evaluation import harness, learn
-from training import flags, helptext, load
+from training.config import flags, helptext
+from training.model import trainable
 
 ROOT = Path(grpo.__file__).resolve().parent
 
@@ -183,7 +184,7 @@ def test_words_beyond_citations_tells_an_explanation_from_a_citation():
 
 
 def test_every_grpo_flag_is_explained_in_words():
-    """Each flag's comment (grpo.Config and credit.CreditConfig) says what the flag does in at least three
+    """Each flag's comment (grpo.Config and baselines.CreditConfig) says what the flag does in at least three
     words besides citations and its choices, and writes no default (the help adds it, once)."""
     helps, _ = flags.comments(grpo.Config)
     short = {k: v for k, v in helps.items() if len(words_beyond_citations(v, flags.CHOICES.get(k, ()))) < 3}
@@ -262,7 +263,7 @@ GRPO_PATHS = [
 @pytest.mark.parametrize("flag, name, says", GRPO_PATHS, ids=[f"{f} {n}" for f, n, _ in GRPO_PATHS])
 def test_grpo_path_flags(flag, name, says, paths, capsys, monkeypatch):
     if flag == "--model":  # the model is the last thing loaded
-        monkeypatch.setattr(load, "load_policy", lambda cfg, *a, **k: load.load_model(cfg.model))
+        monkeypatch.setattr(trainable, "load_policy", lambda cfg, *a, **k: trainable.load_model(cfg.model))
     argv = ["--out-dir", str(paths / "run"), flag, str(paths / name)]
     line = one_line(capsys, lambda: grpo.main(argv), "grpo.py")
     assert says in line and (flag in line or name in line), line

@@ -205,9 +205,10 @@ def test_a_checkpoint_names_no_project_module(tmp_path, device):
     import torch
 
     import grpo
-    from training import checkpoint, models
+    from training.model import load
+    from training.run import checkpoint
 
-    model, tok = models.load_model("tiny-qwen3", device=device)
+    model, tok = load.load_model("tiny-qwen3", device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 2, 3]], device=model.device)).logits.sum().backward()
     opt.step()

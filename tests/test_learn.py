@@ -14,8 +14,9 @@ import grpo
 from evaluation import learn, stats
 from evaluation.stats import paired_bootstrap, sign_test, t_interval
 from tasks.answers import last_number_equal
-from training import budget, heldout
-from training.models import load_model
+from training.memory import budget
+from training.model.load import load_model
+from training.run import heldout
 
 RECIPE = [
     "--model",
@@ -304,5 +305,5 @@ def test_eval_py_dispatches_learn(capsys):
     with pytest.raises(SystemExit) as e:
         ev.main(["learn", "--arms", "nope"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
-        f"eval.py: error: --arms nope: unknown; signals: {', '.join(learn.signals.SIGNALS)}"
+        f"eval.py: error: --arms nope: unknown; signals: {', '.join(learn.scoring.SIGNALS)}"
     ]

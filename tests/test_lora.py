@@ -1,4 +1,4 @@
-"""LoRA (grpo.py departure 9, load.py departure 4): at initialisation the adapted model is the base model
+"""LoRA (grpo.py departure 9, lora.py): at initialisation the adapted model is the base model
 (log-probs, FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the
 reference of --beta is the base with the adapters off, the learning rate preset, and --resume continues a
 LoRA run exactly."""
@@ -14,7 +14,10 @@ import flowtracer
 import grpo
 from data import build_batch
 from flowtracer import Capture, flow_credit, select_layers, trace_flow
-from training import load, models, policy, presets, rollout
+from training import policy
+from training.config import presets
+from training.decode import rollout
+from training.model import load, lora, trainable
 
 TINY = [
     "--model",
@@ -74,17 +77,17 @@ def test_at_initialisation_lora_equals_the_base_exactly(share, ckpt):
     The base is frozen as LoRA leaves it (torch's matmul folds a 3-D input into another GEMM shape when the
     weight needs no gradient: the head's log-probs would differ in the last bit either way, LoRA or not)."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "8"])
-    base, tok = models.load_model("tiny-qwen3", device="cpu", attn_implementation=flowtracer.IMPL)
+    base, tok = load.load_model("tiny-qwen3", device="cpu", attn_implementation=flowtracer.IMPL)
     if ckpt:
         policy.checkpointing(base)
     batch, layers = batch_of(tok), select_layers(cfg.layers, base.config.num_hidden_layers)
     base.train()
     base.requires_grad_(False)
     want = credit_of(base, batch, share, layers)
-    lora = load.with_lora(base, cfg)
-    assert any("lora_A" in n for n, _ in lora.named_parameters())
-    lora.train()
-    for a, b in zip(want, credit_of(lora, batch, share, layers)):
+    adapted = lora.with_lora(base, cfg)
+    assert any("lora_A" in n for n, _ in adapted.named_parameters())
+    adapted.train()
+    for a, b in zip(want, credit_of(adapted, batch, share, layers)):
         assert torch.equal(a, b)
 
 
@@ -94,12 +97,12 @@ def test_a_step_changes_the_adapters_alone(tmp_path, monkeypatch):
     toy_reward(monkeypatch)
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--steps", "1", "--out-dir", str(tmp_path)])
     run = grpo.setup(cfg)
-    assert load.scheme(cfg, "cpu") == "lora"
-    trainable = [p for p in run.policy.model.parameters() if p.requires_grad]
-    assert {id(p) for g in run.policy.opt.param_groups for p in g["params"]} == {id(p) for p in trainable}
+    assert trainable.scheme(cfg, "cpu") == "lora"
+    trained = [p for p in run.policy.model.parameters() if p.requires_grad]
+    assert {id(p) for g in run.policy.opt.param_groups for p in g["params"]} == {id(p) for p in trained}
     out = grpo.train(cfg, run)
     assert out.history[0]["rows/trained"] > 0 and out.history[0]["grad_norm"] > 0
-    init = dict(models.load_model("tiny-qwen3", device="cpu")[0].named_parameters())
+    init = dict(load.load_model("tiny-qwen3", device="cpu")[0].named_parameters())
     for name, p in run.policy.model.named_parameters():
         if "lora_" in name:
             assert p.dtype == torch.float32 and p.requires_grad
@@ -115,10 +118,10 @@ def test_the_reference_is_the_base_with_the_adapters_off():
     """--beta > 0 under LoRA: Policy.ref_logprobs are the base model's (peft's disable_adapter), after the
     adapters moved; the reference is no second model."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--beta", "0.1"])
-    pol = load.load_policy(cfg, torch.device("cpu"))
+    pol = trainable.load_policy(cfg, torch.device("cpu"))
     model, tok = pol.model, pol.tok
     assert pol.ref is model
-    base = models.load_model("tiny-qwen3", device="cpu")[0]
+    base = load.load_model("tiny-qwen3", device="cpu")[0]
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -182,13 +185,13 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
     from test_trl import one_step
 
     import flowtracer_trl as ft
-    from training.credit import CreditConfig
+    from training.credit.baselines import CreditConfig
 
     args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
     tr, _, init = one_step(
         ft.FlowTracerGRPOTrainer,
         tmp_path,
-        peft_config=load.lora_config(args),
+        peft_config=lora.lora_config(args),
         credit_cfg=CreditConfig(credit_pass=credit_pass),
     )
     assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
@@ -203,7 +206,7 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
 
 def test_flowtracer_trl_lora_flags_and_learning_rate():
     import flowtracer_trl as ft
-    from training import trl_setup
+    from training.config import trl_setup
 
     args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
     assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
@@ -221,7 +224,7 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
     base in bf16 (fp16 under --fp16): loaded here for a local name, TRL's model_init_kwargs for a hub name
     (TRL's own default would be fp32); on the CPU fp32. The trainer is stopped before it is made."""
     import flowtracer_trl as ft
-    from training import trl_setup
+    from training.config import trl_setup
 
     class Made(Exception):
         pass
@@ -232,14 +235,14 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
         seen["trainer"] = (model, dict(args.model_init_kwargs or {}))
         raise Made
 
-    real = models.load_model
+    real = load.load_model
     monkeypatch.setattr(ft, "FlowTracerGRPOTrainer", trainer)
     monkeypatch.setattr(
         trl_setup,
         "load_model",
         lambda name, device, dtype: seen.setdefault("load", dtype) and real(name, device=device, dtype=dtype),
     )
-    monkeypatch.setattr(trl_setup.AutoTokenizer, "from_pretrained", lambda name, **k: models.byte_tokenizer())
+    monkeypatch.setattr(trl_setup.AutoTokenizer, "from_pretrained", lambda name, **k: load.byte_tokenizer())
     # No hub here: the hub name's config is not found at once (lora_problem: the model's load says why),
     # not after huggingface_hub's 23 s of retries
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
@@ -255,7 +258,7 @@ def test_flowtracer_trl_lora_loads_its_base_in_16_bits_on_a_gpu(argv, want, monk
 
 
 def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
-    """models.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
+    """load.load_model of a LoRA run's ckpt/ (eval.py bench's path): the base from run_config.json's
     --model with the adapters merged, whose log-probs are the trained peft model's; eval.py bench reads the
     run directory."""
     from conftest import ONE_QUESTION_BENCH, task_data_missing
@@ -268,8 +271,8 @@ def test_a_lora_checkpoint_loads_merged_for_evaluation(tmp_path, monkeypatch):
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4", "--lr", "1e-2", "--steps", "1", "--out-dir", str(out)])
     run = grpo.setup(cfg)
     assert grpo.train(cfg, run).history[0]["rows/trained"] > 0
-    merged, tok = models.load_model(str(out / "ckpt"), device="cpu")
-    base = models.load_model("tiny-qwen3", device="cpu")[0]
+    merged, tok = load.load_model(str(out / "ckpt"), device="cpu")
+    base = load.load_model("tiny-qwen3", device="cpu")[0]
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
     want = policy.fixed_logprobs(run.policy.model.eval(), batch, rows, 4, 4)
@@ -308,7 +311,7 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path, monkeypatch):
     run = grpo.setup(cfg)
     out = grpo.train(cfg, run)
     assert sum(m["rows/trained"] for m in out.history) > 0
-    init = dict(models.load_model("smollm2-135m", device="cpu")[0].named_parameters())
+    init = dict(load.load_model("smollm2-135m", device="cpu")[0].named_parameters())
     for name, p in run.policy.model.named_parameters():
         if "lora_B" in name:
             assert p.abs().max() > 0, name
@@ -322,15 +325,15 @@ def test_the_engine_decodes_the_adapted_model():
     engine's greedy rows (graphs=False: its static cache and step on the CPU) equal rollout.decode's, fp32,
     and differ from the base model's (the adapters are read, not skipped)."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
-    base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    base, tok = load.load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     plain = rollout.generate(base, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
-    lora = load.with_lora(base, cfg)
+    adapted = lora.with_lora(base, cfg)
     with torch.no_grad():
-        for n, p in lora.named_parameters():
+        for n, p in adapted.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
-    eager = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
-    engine = rollout.generate(lora, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
+    eager = rollout.generate(adapted, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
+    engine = rollout.generate(adapted, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
     assert engine.response_ids == eager.response_ids
     assert eager.response_ids != plain.response_ids
 
@@ -345,27 +348,27 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     from peft import PeftModel
 
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
-    base, tok = models.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
+    base, tok = load.load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
     base.save_pretrained(tmp_path / "base")  # a bf16 checkpoint, as a hub model's
     tok.save_pretrained(tmp_path / "base")
-    lora = load.with_lora(base, cfg)
+    adapted = lora.with_lora(base, cfg)
     with torch.no_grad():
-        for n, p in lora.named_parameters():
+        for n, p in adapted.named_parameters():
             if "lora_B" in n:
                 p.copy_(2e-4 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
     ckpt = tmp_path / "ckpt"
-    lora.save_pretrained(ckpt)
+    adapted.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
     (ckpt / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
     batch = batch_of(tok)
     rows = list(range(batch.input_ids.shape[0]))
     lp = lambda m: policy.fixed_logprobs(m, batch, rows, 4, 4)  # noqa: E731  (B, R)
-    loaded, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)  # eval.py bench on CUDA
-    assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(lora.eval()))
-    W = lambda dtype: models.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]  # noqa: E731
+    loaded, _ = load.load_model(str(ckpt), device="cpu", dtype=torch.bfloat16)  # eval.py bench on CUDA
+    assert type(loaded).__name__.startswith("PeftModel") and torch.equal(lp(loaded), lp(adapted.eval()))
+    W = lambda dtype: load.load_model(str(tmp_path / "base"), device="cpu", dtype=dtype)[0]  # noqa: E731
     want = lp(PeftModel.from_pretrained(W(torch.float32), str(ckpt)).eval())  # unmerged, fp32 compute
     update = (want - lp(W(torch.float32))).abs().max().item()
-    merged32, _ = models.load_model(str(ckpt), device="cpu", dtype=torch.float32)
+    merged32, _ = load.load_model(str(ckpt), device="cpu", dtype=torch.float32)
     assert not type(merged32).__name__.startswith("PeftModel")  # a plain model: merged
     assert (lp(merged32) - want).abs().max().item() < 1e-5 < 1e-3 * update
     merged16 = PeftModel.from_pretrained(W(torch.bfloat16), str(ckpt)).merge_and_unload()

@@ -19,11 +19,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
+import flowtracer
 import grpo
 from evaluation import memtrace
-from gpu_kernels import reference
-from training import footprint, policy, step_bytes
-from training.models import load_model, qwen3_4b_config, tiny_config
+from training import policy
+from training.memory import phases, terms
+from training.model.load import load_model, qwen3_4b_config, tiny_config
 
 
 def test_tracker_counts_views_once_and_frees():
@@ -77,7 +78,7 @@ def test_layer_saved_equals_the_count(arch, dtype):
         out = out[0] if isinstance(out, tuple) else out
         saved = tr.now - base - out.untyped_storage().nbytes()
     nb = 4 if dtype == torch.float32 else 2
-    assert saved == b * T * footprint.layer_saved(mc, T, nb, nb)
+    assert saved == b * T * terms.layer_saved(mc, T, nb, nb)
 
 
 @pytest.mark.parametrize(
@@ -98,8 +99,8 @@ def test_estimate_within_10_percent_of_a_real_step(flags):
     changes memory."""
     cfg = grpo.parse_args(SMALL_STEP + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
-    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 32)
-    for phase in step_bytes.PHASES:
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 32)
+    for phase in phases.PHASES:
         ratio = sum(est[phase].values()) / measured[phase]
         assert 0.9 <= ratio <= 1.1, (phase, ratio)
 
@@ -109,15 +110,15 @@ def test_estimate_within_10_percent_at_the_issues_tiny_shape():
     (prefill-bound)."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
-    est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), "cpu", 256)
-    for phase in step_bytes.PHASES:
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 256)
+    for phase in phases.PHASES:
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
 def qwen3_4b(*flags):
     """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
-    return step_bytes.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
+    return phases.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
 
 
 def live_at_the_first_layers_backward(tied, device):
@@ -149,7 +150,7 @@ def live_at_the_first_layers_backward(tied, device):
 
 
 def test_the_tied_head_gradient_waits_for_the_embeddings_backward(device):
-    """What step_bytes.estimate's backward counts as `held`: with a tied embedding, the LM head's gradient,
+    """What phases.estimate's backward counts as `held`: with a tied embedding, the LM head's gradient,
     summed over the log-prob chunks in one (V, D) buffer, waits for the embedding's backward (the graph's
     last node), so it is live through the whole decoder backward: exactly V D 4 more bytes at layer 0's
     backward than with an untied head (whose gradient is taken after the last chunk). The estimate
@@ -229,7 +230,7 @@ def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
-    """reference.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
+    """flowtracer.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
     fp32, two (B, H, c, S) fp32 blocks (score, softmax) and two (B, c, S) sums; the previous chunk's blocks
     are freed before the next is made (they were not: a third block, found at Qwen3-4B's T on the CPU)."""
     B, H, Hkv, T, D = 2, 4, 2, 64, 8
@@ -239,7 +240,7 @@ def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
     with memtrace.track_peak(q, k, mask, buf) as tr:
         base = tr.now
         tr.phase("capture")
-        reference.add_head_mean(buf, q, k, mask, D**-0.5, chunk)
+        flowtracer.add_head_mean(buf, q, k, mask, D**-0.5, chunk)
     c = min(chunk, T)
     counted = 4 * (B * T * H * D + B * T * Hkv * D + 2 * B * H * T * c + 2 * B * T * c)  # capture_workspace
     blocks = 2 * 4 * B * H * c * T

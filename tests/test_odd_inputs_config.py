@@ -1,6 +1,6 @@
 """Odd inputs get one clear error, or mean what their help says: config files of flags (flags.read_config),
 paths of the wrong kind where a run writes (run.check_out_dir) and a model directory without a tokenizer
-(models.load_model)."""
+(load.load_model)."""
 
 import argparse
 import dataclasses
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import grpo
-from training import checkpoint as ckpt_io
-from training import flags
-from training import run as run_mod
-from training.models import load_model
-from training.pretrained import ModelError
+from training.config import flags
+from training.model.load import load_model
+from training.model.pretrained import ModelError
+from training.run import checkpoint as ckpt_io
+from training.run import setup as run_mod
 
 
 @dataclass
@@ -177,10 +177,10 @@ def test_the_run_directory_of_a_checkpoint_is_the_one_that_holds_it(tmp_path, sa
 def test_a_model_directory_without_a_tokenizer_is_one_error_before_the_weights_load(tmp_path, monkeypatch):
     model, tok = load_model("tiny-qwen3")
     model.save_pretrained(tmp_path / "m")  # config.json and weights, no tokenizer
-    from training import models
+    from training.model import load
 
     monkeypatch.setattr(
-        models.AutoModelForCausalLM,
+        load.AutoModelForCausalLM,
         "from_pretrained",
         lambda *a, **k: pytest.fail("the weights loaded before the tokenizer check"),
     )

@@ -12,9 +12,10 @@ import eval as ev
 import grpo
 from evaluation import harness
 from tasks import prompts
-from training import budget, load
-from training import checkpoint as ckpt_io
-from training.models import load_model
+from training.memory import budget
+from training.model import trainable
+from training.model.load import load_model
+from training.run import checkpoint as ckpt_io
 
 # ----------------------------------------------------------------------------- flags that cannot take effect
 NOTICES = [  # (flags given, the notice's words): one notice line each, the run goes on
@@ -212,7 +213,7 @@ def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tm
     shutil.copytree(lora_run, run)
     f = run / "ckpt" / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     for main, argv in (
         (grpo.main, ["--resume", str(run), "--steps", "2"]),

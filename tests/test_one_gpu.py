@@ -19,10 +19,14 @@ import torch
 from conftest import assert_to_rounding
 
 import data
+import flowtracer
 import grpo
 from gpu_kernels import availability
-from training import attention, credit, load, models, policy, rollout
-from training.models import load_model
+from training import policy
+from training.credit import attention
+from training.decode import rollout
+from training.model import load, trainable
+from training.model.load import load_model
 
 
 # ----------------------------------------------------------------------------- bf16 weights: RoPE stays fp32
@@ -44,7 +48,7 @@ def test_bf16_loads_equal_from_pretrained_with_fp32_rope(tmp_path, name):
     tok.save_pretrained(src)
     if name == "dir":
         m, _ = load_model(str(src), device="cpu", dtype=torch.bfloat16)
-    plain = models.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    plain = load.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     ours, ref = rope_buffers(m), rope_buffers(plain)
     assert ours and ours.keys() == ref.keys()
     assert all(b.dtype == torch.float32 and torch.equal(b, ref[n]) for n, b in ours.items()), {
@@ -179,7 +183,9 @@ def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, c
     monkeypatch.setattr(optimi.utils, "HAS_TRITON", True)
     assert policy.optimi_kernel("cuda") == "triton"  # what "cuda" alone would choose
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    opt = load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cuda")
+    opt = trainable.make_optimizer(
+        model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cuda"
+    )
     assert "its for-loop step" in capsys.readouterr().out
     assert (opt.param_groups[0]["triton"], opt.param_groups[0]["foreach"]) == (False, False)
     before = policy.master_weights(model, opt)
@@ -196,7 +202,7 @@ def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
     monkeypatch.setattr(policy, "optimi_kernel", lambda device: kernel)
     cfg = grpo.Config(model="tiny-qwen3", optimizer="kahan", lr=1e-3)
     model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    opt = load.make_optimizer(model, cfg, "cpu")
+    opt = trainable.make_optimizer(model, cfg, "cpu")
     assert f"its {kernel} step" in capsys.readouterr().out
     g = opt.param_groups[0]
     assert (g["foreach"], g["triton"]) == (kernel == "foreach", False)
@@ -205,7 +211,7 @@ def test_make_optimizer_runs_the_chosen_step(monkeypatch, capsys, kernel):
     opt.step()
     monkeypatch.setattr(policy, "optimi_kernel", lambda device: "for-loop")
     ref_model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)
-    ref = load.make_optimizer(ref_model, cfg, "cpu")
+    ref = trainable.make_optimizer(ref_model, cfg, "cpu")
     for p in ref_model.parameters():
         p.grad = torch.ones_like(p) * 1e-2
     ref.step()
@@ -219,7 +225,7 @@ def test_the_prefill_keeps_one_positions_logits():
     the greedy rollouts still equal HF generate's."""
     from evaluation.memtrace import track_peak
 
-    model = models.AutoModelForCausalLM.from_config(models.tiny_config("tiny-qwen3", 20000)).eval()
+    model = load.AutoModelForCausalLM.from_config(load.tiny_config("tiny-qwen3", 20000)).eval()
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 256, 259
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 250, (200,), generator=g).tolist() for _ in range(2)]
@@ -307,7 +313,7 @@ def test_dropping_rows_copies_the_filled_part_once_per_tensor():
 def test_the_head_mean_kernel_is_chosen_where_it_can_run(
     monkeypatch, capsys, device, triton, compilers, chosen, line
 ):
-    """credit.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
+    """flowtracer.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
     launcher (Triton's first call fails without one); else add_head_mean, and on CUDA one line saying why."""
     import importlib.util
 
@@ -320,7 +326,7 @@ def test_the_head_mean_kernel_is_chosen_where_it_can_run(
         "find_spec",
         lambda name, *a: None if name == "triton" and not triton else real(name, *a),
     )
-    fn = credit.head_mean_kernel(device)
+    fn = flowtracer.head_mean_kernel(device)
     out = capsys.readouterr().out.splitlines()
     assert fn.__name__ == chosen
     assert (out == []) if line is None else (len(out) == 1 and line in out[0])

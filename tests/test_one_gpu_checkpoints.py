@@ -12,9 +12,10 @@ import torch
 from conftest import DEVICES
 
 import grpo
-from training import checkpoint as ckpt_io
-from training import load, step_bytes, step_shapes
-from training.models import load_model
+from training.memory import phases, shapes
+from training.model import trainable
+from training.model.load import load_model
+from training.run import checkpoint as ckpt_io
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -171,8 +172,8 @@ def test_checkpoint_bytes_is_what_a_checkpoint_holds(tmp_path, optimizer):
     weights and optimizer tensors (state_bytes), and the files on disk, which add only the tokenizer, the
     config and the pickle's framing (under 2 MB at this size)."""
     cfg = grpo.Config(model="tiny-qwen3", optimizer=optimizer, lr=1e-3)
-    model, tok = load_model("tiny-qwen3", device="cpu", dtype=load.weight_dtype(cfg, "cpu"))
-    opt = load.make_optimizer(model, cfg, "cpu")
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=trainable.weight_dtype(cfg, "cpu"))
+    opt = trainable.make_optimizer(model, cfg, "cpu")
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-2)
     opt.step()
@@ -201,6 +202,6 @@ def test_eval_memory_names_the_disk_a_checkpoint_needs(capsys):
 
     ev.main(["memory", "--model", "qwen3-4b-random"])
     out = capsys.readouterr().out.splitlines()
-    n = step_shapes.param_counts(step_bytes.model_config("qwen3-4b-random"))[0]
+    n = shapes.param_counts(phases.model_config("qwen3-4b-random"))[0]
     disk = [x for x in out if x.startswith("disk:")]
     assert len(disk) == 1 and f"{n * 8 / 1e9:.2f} GB" in disk[0] and out[-1].startswith("peak"), disk

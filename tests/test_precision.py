@@ -1,6 +1,7 @@
-"""--precision (training/load.py departure 5): what auto picks by the card's compute capability (faked), the
-flags that cannot go together (one error line each), an fp16 LoRA run on the CPU (fp16 base, fp32 adapters,
-fp16 autocast, a GradScaler) that trains, says so in one line and resumes exactly with the scaler's state, a
+"""--precision (training/model/trainable.py departure 4): what auto picks by the card's compute capability
+(faked), the flags that cannot go together (one error line each), an fp16 LoRA run on the CPU (fp16 base, fp32
+adapters, fp16 autocast, a GradScaler) that trains, says so in one line and resumes exactly with the scaler's
+state, a
 step the scaler skips that is not a non-finite one, and the learning rate's line and notice."""
 
 import json
@@ -10,7 +11,8 @@ import torch
 from test_lora import TINY, stable, toy_reward
 
 import grpo
-from training import load, policy
+from training import policy
+from training.model import trainable
 
 T4, A100 = (7, 5), (8, 0)
 
@@ -27,26 +29,26 @@ def test_auto_picks_by_the_cards_compute_capability(lora, monkeypatch):
     c = cfg(*(["--lora-rank", "8"] if lora else []))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: T4)
-    t4 = load.precision(c, "cuda")
+    t4 = trainable.precision(c, "cuda")
     assert (t4.name, t4.scheme) == (("fp16", "lora") if lora else ("fp32", "adamw"))
     assert t4.weights == (torch.float16 if lora else torch.float32)
     assert t4.autocast == (torch.float16 if lora else None) and not t4.math_sdpa
     assert "compute capability 7.5 has no bf16 tensor cores" in t4.line and t4.line.count("\n") == 0
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: A100)
-    a100 = load.precision(c, "cuda")
+    a100 = trainable.precision(c, "cuda")
     assert (a100.name, a100.scheme, a100.weights) == ("bf16", "lora" if lora else "kahan", torch.bfloat16)
-    cpu = load.precision(c, "cpu")
+    cpu = trainable.precision(c, "cpu")
     assert (cpu.name, cpu.weights, cpu.autocast) == ("fp32", torch.float32, None)
-    assert load.precision(c, "cuda", T4) == t4  # the capability as an argument
+    assert trainable.precision(c, "cuda", T4) == t4  # the capability as an argument
 
 
 def test_bf16_below_8_runs_the_math_kernel_and_says_so():
     """--precision bf16 (or --optimizer kahan) on a T4: it runs, emulated, on SDPA's math kernel: said in the
     line, and memory.py counts the kernel's score matrices."""
     for c in (cfg("--lora-rank", "8", "--precision", "bf16"), cfg("--optimizer", "kahan")):
-        p = load.precision(c, "cuda", T4)
+        p = trainable.precision(c, "cuda", T4)
         assert p.name == "bf16" and p.math_sdpa and "SDPA's math kernel" in p.line
-        assert not load.precision(c, "cuda", A100).math_sdpa
+        assert not trainable.precision(c, "cuda", A100).math_sdpa
 
 
 @pytest.mark.parametrize(
@@ -219,8 +221,8 @@ def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     from evaluation import memtrace
-    from training import footprint
-    from training.models import tiny_config
+    from training.memory import terms
+    from training.model.load import tiny_config
 
     mc = tiny_config("tiny-qwen3", 260)
     mc._attn_implementation = "sdpa"
@@ -236,8 +238,8 @@ def test_the_math_kernel_saves_what_layer_saved_counts(dtype):
         out = out[0] if isinstance(out, tuple) else out
         saved = tr.now - base - out.untyped_storage().nbytes()
     nb = 4 if dtype == torch.float32 else 2
-    assert saved == b * T * footprint.layer_saved(mc, T, nb, nb, math=True)
-    assert footprint.layer_saved(mc, T, nb, nb, math=True) > footprint.layer_saved(mc, T, nb, nb)
+    assert saved == b * T * terms.layer_saved(mc, T, nb, nb, math=True)
+    assert terms.layer_saved(mc, T, nb, nb, math=True) > terms.layer_saved(mc, T, nb, nb)
 
 
 def test_the_estimate_counts_the_kernel_the_card_runs():
@@ -245,24 +247,22 @@ def test_the_estimate_counts_the_kernel_the_card_runs():
     a fused kernel), by at least the backward's two score-sized gradients of one micro-batch; fp16 on the T4
     (the memory-efficient kernel) holds what it holds on the A100; and its weights are 2 bytes a parameter,
     fp32 AdamW's 4."""
-    from training import footprint, step_bytes, step_shapes
-    from training.models import qwen3_4b_config
+    from training.memory import phases, shapes, terms
+    from training.model.load import qwen3_4b_config
 
     mc = qwen3_4b_config()
     bf16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "bf16"])
-    est = {cap: step_bytes.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
+    est = {cap: phases.estimate(bf16, mc, "cuda", 256, cap=cap) for cap in (T4, A100)}
     b, T = bf16.micro_batch, 256 + bf16.max_new_tokens
     grew = sum(est[T4]["backward"].values()) - sum(est[A100]["backward"].values())
-    assert grew >= footprint.math_scores(b, mc.num_attention_heads, T, T)
+    assert grew >= terms.math_scores(b, mc.num_attention_heads, T, T)
     assert sum(est[T4]["update forward"].values()) > sum(est[A100]["update forward"].values())
     fp16 = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--precision", "fp16"])
-    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4) == step_bytes.estimate(
-        fp16, mc, "cuda", 256, cap=A100
-    )
+    assert phases.estimate(fp16, mc, "cuda", 256, cap=T4) == phases.estimate(fp16, mc, "cuda", 256, cap=A100)
     full = grpo.parse_args(["--model", "qwen3-4b-random"])  # auto: fp32 AdamW on a T4
-    N = step_shapes.param_counts(mc)[0]
-    assert step_bytes.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
-    assert step_bytes.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
+    N = shapes.param_counts(mc)[0]
+    assert phases.estimate(full, mc, "cuda", 256, cap=T4)["generation"]["weights"] == 4 * N
+    assert phases.estimate(fp16, mc, "cuda", 256, cap=T4)["generation"]["weights"] < 2.1 * N
 
 
 def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):

@@ -1,7 +1,7 @@
-"""training/preflight.py and gpu_kernels/availability.py on the CPU: what Triton's launcher needs is found as
-the installed Triton finds it (a compiler, Python.h, libcuda), each preflight part forced to fail by a fake
-(the run goes on with its fallback and one line), one engine for a run with held-out evaluation (counted
-across two steps and two evaluations, its buffers reserved once), an optimizer fallback that survives
+"""training/memory/preflight.py and gpu_kernels/availability.py on the CPU: what Triton's launcher needs is
+found as the installed Triton finds it (a compiler, Python.h, libcuda), each preflight part forced to fail by
+a fake (the run goes on with its fallback and one line), one engine for a run with held-out evaluation
+(counted across two steps and two evaluations, its buffers reserved once), an optimizer fallback that survives
 --resume."""
 
 import contextlib
@@ -12,11 +12,15 @@ import pytest
 import torch
 
 import grpo
+from flowtracer import add_head_mean
 from gpu_kernels import availability
-from gpu_kernels.reference import add_head_mean
-from training import engine, heldout, load, policy, preflight, rollout
-from training.models import load_model
-from training.run import Run
+from training import policy
+from training.decode import engine, rollout
+from training.memory import preflight
+from training.model import trainable
+from training.model.load import load_model
+from training.run import heldout
+from training.run.setup import Run
 
 LIB = "libcuda.so.1"
 
@@ -143,7 +147,9 @@ def record(model, tok, opt, head_mean, layers=(1, 2)):
 
 
 def kahan(model):
-    return load.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cpu")
+    return trainable.make_optimizer(
+        model, SimpleNamespace(optimizer="kahan", lr=1e-3, weight_decay=0.0), "cpu"
+    )
 
 
 def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):

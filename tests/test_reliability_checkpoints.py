@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import grpo
-from training import checkpoint as ckpt_io
-from training import run as run_mod
-from training import rundir, runlog
-from training.models import load_model
+from training.model.load import load_model
+from training.run import checkpoint as ckpt_io
+from training.run import directory, log
+from training.run import setup as run_mod
 
 
 # ----------------------------------------------------------------------------- model and checkpoint files
@@ -160,14 +160,14 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state, in_process
 
 
 def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
-    f = rundir.open_metrics(tmp_path, None)
+    f = directory.open_metrics(tmp_path, None)
     for s in (1, 2, 3):
-        runlog.write_metrics(f, {"step": s})
+        log.write_metrics(f, {"step": s})
     f.close()
     with open(tmp_path / "metrics.jsonl", "a") as g:
         g.write('{"step": 4, "cut by a ki')  # a line cut by a kill
-    f = rundir.open_metrics(tmp_path, 2)
-    runlog.write_metrics(f, {"step": 3})
+    f = directory.open_metrics(tmp_path, 2)
+    log.write_metrics(f, {"step": 3})
     f.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
@@ -181,16 +181,16 @@ def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monke
     def killed(*a):
         raise Killed("os.replace")
 
-    monkeypatch.setattr(rundir.os, "replace", killed)
+    monkeypatch.setattr(directory.os, "replace", killed)
     with pytest.raises(Killed):  # a kill during the cut: nothing lost
-        rundir.open_metrics(tmp_path, 3)
+        directory.open_metrics(tmp_path, 3)
     assert m.read_text() == before
     monkeypatch.undo()
-    rundir.open_metrics(tmp_path, 3).close()
+    directory.open_metrics(tmp_path, 3).close()
     kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
     assert kept == [(1, 0), (2, 0), (3, 1)]  # the last line of step 3: the redone one
-    f = rundir.open_metrics(tmp_path, None)  # a plain open appends, it never truncates
-    runlog.write_metrics(f, {"step": 4, "v": 2})
+    f = directory.open_metrics(tmp_path, None)  # a plain open appends, it never truncates
+    log.write_metrics(f, {"step": 4, "v": 2})
     f.close()
     assert len(m.read_text().splitlines()) == 4
 
@@ -318,12 +318,12 @@ def test_the_curves_show_whole_steps_a_y_label_per_panel_and_the_run(tmp_path):
         for s in (1, 2, 3)
     ]  # 3 steps: matplotlib's own ticks are 1.5, 2.5
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fig = runlog.plot_curves(
+    fig = log.plot_curves(
         tmp_path / "metrics.jsonl", tmp_path / "curves.png", "smollm2-135m", "arithmetic", "flow/topk"
     )
     assert (tmp_path / "curves.png").stat().st_size > 0
-    assert [ax.get_ylabel() for ax in fig.axes] == list(runlog.CURVES.values())
-    assert all(label.strip() for label in runlog.CURVES.values())
+    assert [ax.get_ylabel() for ax in fig.axes] == list(log.CURVES.values())
+    assert all(label.strip() for label in log.CURVES.values())
     for ax in fig.axes:
         ticks = ax.get_xticks()
         assert ax.get_xlabel() == "step" and all(float(t).is_integer() for t in ticks), ticks

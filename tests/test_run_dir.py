@@ -12,10 +12,11 @@ import torch
 
 import grpo
 from flowtracer import Capture, select_layers
-from training import checkpoint as ckpt_io
-from training import policy, rundir, runlog
-from training.attention import use_capture_attention
-from training.models import load_model
+from training import policy
+from training.credit.attention import use_capture_attention
+from training.model.load import load_model
+from training.run import checkpoint as ckpt_io
+from training.run import directory, log
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = [
@@ -96,17 +97,17 @@ def test_keep_checkpoints_keeps_the_last_k(tmp_path, run):
 def test_curves_are_drawn_at_every_save(tmp_path, monkeypatch):
     """curves.png is redrawn as the run goes (at every checkpoint), not only when it ends."""
     drawn = []
-    real = runlog.plot_curves
-    monkeypatch.setattr(
-        runlog, "plot_curves", lambda *a: (drawn.append(len(steps_in(tmp_path))), real(*a))[1]
-    )
+    real = log.plot_curves
+    monkeypatch.setattr(log, "plot_curves", lambda *a: (drawn.append(len(steps_in(tmp_path))), real(*a))[1])
     grpo.train(grpo.parse_args([*SMOKE, "--steps", "3", "--save-every", "1", "--out-dir", str(tmp_path)]))
     assert drawn == [1, 2, 3] and (tmp_path / "curves.png").is_file()
 
 
 def test_a_config_file_replays_a_run_and_flags_win(tmp_path, run):
     cfg = grpo.parse_args([*SMOKE, "--lr", "3e-4", "--seed", "7", "--out-dir", str(tmp_path / "a")])
-    rundir.write_atomic(tmp_path / "run_config.json", json.dumps(cfg.__dict__))  # as a checkpoint writes it
+    directory.write_atomic(
+        tmp_path / "run_config.json", json.dumps(cfg.__dict__)
+    )  # as a checkpoint writes it
     again = grpo.parse_args(["--config", str(tmp_path / "run_config.json")])
     assert {**again.__dict__, "config": ""} == cfg.__dict__
     over = grpo.parse_args(["--config", str(tmp_path / "run_config.json"), "--lr", "1e-5"])

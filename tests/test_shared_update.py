@@ -9,7 +9,7 @@ scale of this computation on this machine, measured against the full pass in flo
 fp64): ||shared - full|| <= 4 ||full - fp64|| + 2 eps ||fp64|| (conftest.assert_to_rounding, which says why).
 token_logprobs takes its log-softmax in fp32 by design (head(h).float()), so the "fp64" reference is fp64 up
 to the logits and fp32 after them: its error there is one fp32 rounding of the log-softmax, which the 2 eps
-term and the measured scale cover. The maps are fp32 by design too (reference.add_head_mean casts Q and K):
+term and the measured scale cover. The maps are fp32 by design too (flowtracer.add_head_mean casts Q and K):
 their reference is the fp32 softmax of fp64 queries and keys."""
 
 import copy
@@ -22,9 +22,10 @@ import flowtracer
 import grpo
 from data import build_batch
 from flowtracer import Capture, select_layers
-from gpu_kernels import reference
-from training import attention, credit, load, policy, signals
-from training.models import load_model
+from training import policy
+from training.credit import attention, baselines, scoring
+from training.model import trainable
+from training.model.load import load_model
 
 # Three prompts of different lengths (so different left padding); A and B twice, not adjacent; C alone.
 PROMPTS = {"A": "Q: what is 12 + 30? Think, then answer.", "B": "Q: 7*8=?", "C": "Q: name 2+2."}
@@ -82,11 +83,11 @@ def forward(model, b, share, chunk=4, layers=None):
     if layers is None:
         lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share)
         return lp, ent, None, 0
-    attention.use_capture_attention(model)  # as load.load_policy
+    attention.use_capture_attention(model)  # as trainable.load_policy
     calls = []  # head-mean maps summed
     cap = Capture(
         select_layers(layers, model.config.num_hidden_layers),  # given to the forward
-        head_mean=lambda *a: (calls.append(1), reference.add_head_mean(*a))[1],
+        head_mean=lambda *a: (calls.append(1), flowtracer.add_head_mean(*a))[1],
     )
     lp, ent = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, chunk, share, cap)
     return lp, ent, cap.maps(b.attention_mask), len(calls)
@@ -150,12 +151,12 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
     assert_to_rounding(attn_s, attn_f, attn64, what="maps")
     alone = attention.attention_graph(model, b.input_ids, b.attention_mask, layers)  # its own pass
     assert_to_rounding(alone, attn_f, attn64, what="attention_graph's maps")
-    cfg = credit.CreditConfig(credit="flow", layers=layers)
+    cfg = baselines.CreditConfig(credit="flow", layers=layers)
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=model.device)
     with torch.no_grad():
-        full = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_f, ent_f))
-        shared = credit.assign(model, tok, b, adv, cfg, signals.ForwardOutputs(attn_s, ent_s))
-        exact = credit.assign(ref, tok, b, adv, cfg, signals.ForwardOutputs(attn64, ent64))
+        full = baselines.assign(model, tok, b, adv, cfg, scoring.ForwardOutputs(attn_f, ent_f))
+        shared = baselines.assign(model, tok, b, adv, cfg, scoring.ForwardOutputs(attn_s, ent_s))
+        exact = baselines.assign(ref, tok, b, adv, cfg, scoring.ForwardOutputs(attn64, ent64))
     assert not full.fallback.any() and (full.weight == cfg.gamma).any()  # not vacuous: flow reached answers
     assert_to_rounding(shared.scores, full.scores, exact.scores, what="flow scores")
     assert torch.equal(shared.weight, full.weight)
@@ -210,7 +211,7 @@ def test_one_grpo_step_equals_with_and_without_sharing(tmp_path, monkeypatch, de
     scale). The optimizer is plain SGD, so that the new weights read the gradient itself (AdamW's first step,
     g / (|g| + eps), magnifies float noise where |g| is near eps)."""
     sgd = lambda model, cfg, device: torch.optim.SGD(model.parameters(), lr=cfg.lr)  # noqa: E731
-    monkeypatch.setattr(load, "make_optimizer", sgd)
+    monkeypatch.setattr(trainable, "make_optimizer", sgd)
     flags = [
         "--model",
         "tiny-qwen3",
@@ -273,8 +274,8 @@ def test_update_benchmark_runs_and_both_paths_agree():
 
 def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=True):
     """The fused update of one micro-batch with gradient checkpointing on (non-reentrant, as
-    load.load_policy enables it): (log-probs, entropies, captured maps, flow credit, every parameter's
-    gradient, the decoder calls) of token_logprobs under a capture, credit.assign and a GRPO loss. `gamma`:
+    trainable.load_policy enables it): (log-probs, entropies, captured maps, flow credit, every parameter's
+    gradient, the decoder calls) of token_logprobs under a capture, baselines.assign and a GRPO loss. `gamma`:
     weigh the loss with these instead of the credit's (the fp64 reference takes the fp32 run's, so that it
     computes the same loss); checkpointed=False: the same values, computed once (the reference)."""
     model.train()
@@ -285,8 +286,8 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     lp, ent, attn, n = forward(model, b, share, layers="middle")
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=lp.device)
     with torch.no_grad():
-        c = credit.assign(
-            model, tok, b, adv, credit.CreditConfig(credit="flow"), signals.ForwardOutputs(attn, ent)
+        c = baselines.assign(
+            model, tok, b, adv, baselines.CreditConfig(credit="flow"), scoring.ForwardOutputs(attn, ent)
         )
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
     w = c.weight if gamma is None else gamma  # (B, R)

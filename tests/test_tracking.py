@@ -1,4 +1,5 @@
-"""training/tracking.py (grpo.py --report-to): what is logged to TensorBoard is read back with TensorBoard's
+"""training/run/tracking.py (grpo.py --report-to): what is logged to TensorBoard is read back with
+TensorBoard's
 own reader and equals what was logged; wandb missing is one error naming its install command."""
 
 import builtins
@@ -8,7 +9,7 @@ import types
 
 import pytest
 
-from training import tracking
+from training.run import tracking
 
 reader = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
 import grpo
-from training.models import load_model
+from training.model.load import load_model
 
 RUN = [
     "--model",

@@ -21,10 +21,11 @@ import grpo  # noqa: E402
 from data import build_batch  # noqa: E402
 from flowtracer import Capture, Credit, flow_credit, select_layers, trace_flow  # noqa: E402
 from tasks.answers import answer_token_range  # noqa: E402
-from training import credit, runlog, signals  # noqa: E402
-from training.attention import attention_graph, use_capture_attention  # noqa: E402
-from training.credit import CreditConfig  # noqa: E402
-from training.models import load_model  # noqa: E402
+from training.credit import baselines, scoring  # noqa: E402
+from training.credit.attention import attention_graph, use_capture_attention  # noqa: E402
+from training.credit.baselines import CreditConfig  # noqa: E402
+from training.model.load import load_model  # noqa: E402
+from training.run import log  # noqa: E402
 
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]
 
@@ -125,19 +126,19 @@ def reference_gamma(keys, A, cfg, fused=False):
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
     if fused:
-        use_capture_attention(model)  # as load.load_policy
+        use_capture_attention(model)  # as trainable.load_policy
         cap = (
             Capture(select_layers(cfg.layers, model.config.num_hidden_layers))
-            if credit.reads_maps(cfg)
+            if baselines.reads_maps(cfg)
             else None
         )  # None: the signal reads no map
         with torch.no_grad():
             _, ent = grpo.token_logprobs(
                 model, batch.input_ids, batch.attention_mask, batch.prompt_width, capture=cap
             )
-        got = signals.ForwardOutputs(cap.maps(batch.attention_mask) if cap is not None else None, ent)
+        got = scoring.ForwardOutputs(cap.maps(batch.attention_mask) if cap is not None else None, ent)
     with torch.no_grad():
-        c = credit.assign(model, tok, batch, torch.tensor(A), cfg, got)  # (B, R)
+        c = baselines.assign(model, tok, batch, torch.tensor(A), cfg, got)  # (B, R)
     return [g[: len(c_ids)] for g, (_, c_ids) in zip(c.weight, rows)]
 
 
@@ -249,7 +250,7 @@ def test_rows_without_advantage_get_gamma_1_and_the_pass_still_runs(tmp_path, mo
             torch.ones(len(adv), dtype=torch.bool),
         )
 
-    monkeypatch.setattr(ft.credit, "assign", assign)
+    monkeypatch.setattr(ft.baselines, "assign", assign)
     p, c = [tok("Q: 1+1?").input_ids] * 2, [tok("so \\boxed{2}").input_ids, tok("ab").input_ids]
     gamma, fallback = tr.token_credit(p, c, torch.zeros(2))  # (2, 12)
     assert calls == [1] and not fallback.any()
@@ -350,7 +351,7 @@ def test_both_passes_log_grpo_py_credit_metrics(credit_pass, tmp_path, monkeypat
     gamma = [torch.tensor(rec["loss"][k]) / rec["A"][k] for k in rec["loss"]]  # every row has A != 0
     boosted = sum(int((g != 1).sum()) for g in gamma) / sum(len(g) for g in gamma)
     ess = [
-        runlog.credit_stats(g[None], torch.tensor([rec["A"][k]]), torch.ones(1, len(g), dtype=torch.bool))
+        log.credit_stats(g[None], torch.tensor([rec["A"][k]]), torch.ones(1, len(g), dtype=torch.bool))
         for g, k in zip(gamma, rec["loss"])
     ]
     assert 0 < boosted < 1 and logged["credit/boosted_frac"] == pytest.approx(boosted)

@@ -18,8 +18,8 @@ trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
 from test_trl import assert_loss_read, reference_gamma  # noqa: E402
 
-from training.credit import CreditConfig  # noqa: E402
-from training.models import load_model  # noqa: E402
+from training.credit.baselines import CreditConfig  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,19 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # The real command line under `accelerate launch`, run once with five scenarios in the same two processes,
 # with two test stand-ins: the toy reward (data.reward; 0 for every row of rank 1, so that rank has only
 # A = 0) and the \boxed{} answer appended to each completion. Each rank writes, per scenario, the
-# collectives it entered (the credit's unwrap, summon_full_params, gather, and credit.assign, whose forward
+# collectives it entered (the credit's unwrap, summon_full_params, gather, and baselines.assign, whose forward
 # is collective under FSDP), TRL's own A and the advantages its loss read (spy). Scenarios three to five
-# mutate the gamma credit.assign returns on rank 0.
+# mutate the gamma baselines.assign returns on rank 0.
 DRIVER = """import contextlib, json, os, sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
 import data, flowtracer_trl as ft, test_trl
-from training import credit
+from training.credit import baselines
 RANK, OUT = int(os.environ["RANK"]), {out!r}
 data.reward = lambda txt, rec: 0.0 if RANK == 1 else test_trl.toy_reward(None, [txt])[0]
 MUTATIONS = {{"shift": lambda g: g.roll(1, -1), "swap": lambda g: g.flip(0), "ones": torch.ones_like}}
 entered, mutation = [], [None]
 rec = test_trl.spy(setattr)
-real_assign, real_unwrap = credit.assign, ft.unwrap_model_for_generation
+real_assign, real_unwrap = baselines.assign, ft.unwrap_model_for_generation
 
 
 def assign(*a, **k):
@@ -65,7 +65,7 @@ class Probe(ft.FlowTracerGRPOTrainer):
         self.accelerator.gather = lambda x: entered.append("gather") or gather(x)
 
 
-credit.assign, ft.FlowTracerGRPOTrainer = assign, Probe
+baselines.assign, ft.FlowTracerGRPOTrainer = assign, Probe
 ft.unwrap_model_for_generation = lambda *a, **k: logged("unwrap", real_unwrap, *a, **k)
 for name, flags, mutation[0] in [("separate", ["--credit-pass", "separate"], None), ("fused", [], None),
                                  *[(m, ["--credit-pass", "separate"], m) for m in MUTATIONS]]:
@@ -147,7 +147,7 @@ def check_two_process(out, name, cfg):
     ranks = [json.loads((out / f"{name}-{r}.json").read_text()) for r in (0, 1)]
     fused = ranks[0]["fused"]
     assert fused == ranks[1]["fused"] == (name == "fused")
-    # the fused pass's credit.assign reads the captured maps and runs no forward: not a collective there
+    # the fused pass's baselines.assign reads the captured maps and runs no forward: not a collective there
     collectives = [[e for e in r["entered"] if not (fused and e == "assign")] for r in ranks]
     assert collectives[0] == collectives[1]
     assert {"gather", "assign", "unwrap", "summon"} <= set(collectives[0]) or fused

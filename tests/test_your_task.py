@@ -19,7 +19,8 @@ import grpo
 from data import build_batch
 from tasks import custom
 from tasks.answers import find_answer_span
-from training import reward_code, runlog
+from training.run import log
+from training.usercode import reward_code
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [
@@ -81,11 +82,11 @@ def test_the_answer_region_is_the_last_match_or_its_first_group(text, pattern, w
 
 def test_the_notice_shows_the_rule_and_one_reply_cut_short():
     texts = ["\\boxed{3}", "So the total is 41 apples, " * 10, "x"]
-    notice = runlog.answers_notice(2, 2, 3, "", texts)
+    notice = log.answers_notice(2, 2, 3, "", texts)
     assert notice.startswith("step 2: 2 of 3 responses have no answer region")
     assert "the last \\boxed{...}, else <answer>...</answer>" in notice
     assert f"one reply (270 characters): {texts[1][:60]!r} [...] {texts[1][-100:]!r}" in notice  # not \boxed
-    mine = runlog.answers_notice(1, 1, 1, r"ANSWER: (\d+)", ["the answer is 4"])
+    mine = log.answers_notice(1, 1, 1, r"ANSWER: (\d+)", ["the answer is 4"])
     assert r"matched against: --answer-pattern 'ANSWER: (\d+)'" in mine and "'the answer is 4'" in mine
 
 
@@ -176,7 +177,7 @@ def test_fields_name_a_files_columns_not_a_generated_tasks(tmp_path, capsys):
     assert (
         data.load_task("arithmetic", "test", limit=5, seed=1, question_field="q", answer_field="a") == plain
     )
-    from training import flags
+    from training.config import flags
 
     given = {"question_field": "q", "answer_field": "a"}
     lines = flags.unused(grpo.Config(**given), given, "grpo.py")
@@ -344,7 +345,7 @@ def test_with_fields_refuses_countdown_and_names_the_columns():
 
 def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
     import flowtracer_trl
-    from training import trl_setup
+    from training.config import trl_setup
 
     args, _, _ = flowtracer_trl.parse_args(
         [

@@ -94,7 +94,7 @@ def test_the_trl_drop_in_runs_as_the_docs_show_it(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     import datasets
 
-    from training.models import load_model
+    from training.model.load import load_model
 
     code = next(b for b in blocks("python") if "FlowTracerGRPOTrainer" in b)
     scale_out = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "scale-out.md").read_text(), re.S)

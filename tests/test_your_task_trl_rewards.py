@@ -14,7 +14,7 @@ from conftest import TINY_RUN
 
 import data
 import grpo
-from training import reward_code
+from training.usercode import reward_code
 
 # ----------------------------------------------------------------------------- TRL's reward functions
 # A reward file as TRL's documentation writes one: batched, a dataset column as a keyword (solution), the
@@ -256,7 +256,7 @@ def test_trl_s_other_shapes_of_a_reward_function_are_taken_as_trl_takes_them():
 def test_the_held_out_evaluation_scores_with_either_form_alike():
     """heldout.right scores a held-out batch with the run's reward in one call (data.batch_reward): TRL's
     and the per-row form agree; an unscored (NaN) response is not right."""
-    from training import heldout
+    from training.run import heldout
 
     recs = [
         {"id": "h0", "question": "q", "answer": 7, "task": "custom"},
