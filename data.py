@@ -95,7 +95,9 @@ class Dataset(NamedTuple):
     local: str  # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
     hub: tuple  # (hub name, config, {our split: hub split}); () for generated tasks
     normalise: Callable  # row -> (question, answer); raises DataError naming the field
-    generate: Callable = None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
+    generator: Callable = (
+        None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
+    )
 
 
 TASKS = {
@@ -130,7 +132,7 @@ TASKS = {
         ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
         countdown_row,
     ),
-    "arithmetic": Dataset("math", "arithmetic", (), math_row, arithmetic.generate),
+    "arithmetic": Dataset("math", "arithmetic", (), math_row, arithmetic.rows),
 }
 DATASETS = (*TASKS, custom.NAME)  # grpo.py's --dataset: the tasks, and your own file (custom.py)
 SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
@@ -174,7 +176,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
     t = TASKS[key]
     if split not in SPLITS[key]:
         raise ValueError(f"task {key!r} has splits {SPLITS[key]}, not {split!r}")
-    if path is None and t.generate is not None:  # the generator's rows, each a question and its answer as
+    if path is None and t.generator is not None:  # the generator's rows, each a question and its answer as
         return [
             {
                 "id": f"{key}/{split}/{i}",
@@ -184,7 +186,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
                 "task": t.task,  # columns to pick
                 **{k: r[k] for k in ("steps", "nums", "target") if k in r},
             }  # or to check
-            for i, r in enumerate(t.generate(split, seed, limit))
+            for i, r in enumerate(t.generator(split, seed, limit))
         ]
     local = [
         Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
@@ -280,7 +282,7 @@ def reward(completion, record):
 
 def batch_reward(reward, completions, records, completion_ids=None):
     """The reward of each completion of its record, as a list of floats: `reward` is data.reward (called on
-    each row), or a --reward's (training/reward_code.UserReward: its batch, each TRL-form function called
+    each row), or a --reward's (training/usercode/reward_code.py's UserReward: its batch, each TRL-form function called
     once, NaN where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
     batch = getattr(reward, "batch", None)
     if batch is not None:

@@ -75,6 +75,7 @@ except ImportError as e:  # no TRL: one line from the command line
     print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
     sys.exit(2)
 
+import grpo
 from data import Batch, build_batch, take
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
@@ -140,10 +141,11 @@ def on_policy_credit(steps_per_generation, accumulation, iterations):
 
 
 class FlowTracerGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a baselines.CreditConfig."""
+    """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a grpo.Config (its credit
+    flags: --credit, --shaping, --top-frac, --gamma, --layers, the baselines'; the paper's by default)."""
 
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
-        self.credit_cfg = credit_cfg or baselines.CreditConfig()
+        self.credit_cfg = credit_cfg or grpo.Config()
         self.answer_pattern = answer_pattern or None  # eq. 2's answer region (answers.find_answer_span)
         if problem := trl_problem() or baselines.check(self.credit_cfg) or pattern_problem(answer_pattern):
             raise ValueError(problem)
@@ -318,8 +320,9 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    """(ours, CreditConfig, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig (trl_setup.py)."""
-    return trl_setup.parse_args(argv, __doc__.splitlines()[0])
+    """(ours, the credit's grpo.Config, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig
+    (trl_setup.py)."""
+    return trl_setup.parse_args(argv, __doc__.splitlines()[0], grpo.Config)
 
 
 def main(argv=None):

@@ -73,11 +73,11 @@ from training.run.setup import setup
 from training.usercode.reward_code import RewardError, TaskConfig
 
 
-# One flat set of flags, with those of the credit (--credit, --shaping, --gamma, ...: baselines.py), of your
-# own task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank, ...: trainable.py)
-# inherited.
+# One flat set of flags: the paper's here, with those of the baselines (--credit-pass, --soft-mass, ...:
+# baselines.py), of your own task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank,
+# ...: lora.py) inherited.
 @dataclass
-class Config(baselines.CreditConfig, TaskConfig, AdapterConfig):
+class Config(baselines.BaselineConfig, TaskConfig, AdapterConfig):
     # model and dataset
     model: str = "smollm2-135m"  # hub name, local dir, .gguf file or alias (load.py); sets the preset
     dataset: str = "arithmetic"  # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
@@ -100,7 +100,12 @@ class Config(baselines.CreditConfig, TaskConfig, AdapterConfig):
     dynamic_filter: bool = False  # train groups with accuracy in [low, high], uncut responses (App. C.3)
     filter_low: float = 0.1  # --dynamic-filter: drop groups less accurate (the paper's, App. C.3)
     filter_high: float = 0.95  # --dynamic-filter: drop groups more accurate (the paper's, App. C.3)
-    # credit (inherited from training/credit/baselines.py's CreditConfig)
+    # credit (eq. 1-6; the baselines' own knobs: training/credit/baselines.py's BaselineConfig)
+    credit: str = "flow"  # what ranks the tokens: flow (eq. 1-4, the paper's) or a baseline (scoring.py)
+    shaping: str = "topk"  # how the scores become gamma: topk (eq. 6, the paper's) or another rule
+    top_frac: float = 0.4  # eq. 6: the fraction of response tokens boosted (the paper's, Table 5)
+    gamma: float = 1.5  # eq. 6: gamma_flow, the weight of a boosted token's term (the paper's, Table 7)
+    layers: str = "middle"  # eq. 1: W's layers: middle (L/3..2L/3, App. C.2), early|late|all|fig6-*|A:B
     # update
     lr: float = 1e-6  # AdamW learning rate (the paper's, §4.1, App. C.3)
     optimizer: str = "auto"  # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
@@ -122,6 +127,7 @@ class Config(baselines.CreditConfig, TaskConfig, AdapterConfig):
     eval_dataset: str = ""  # the held-out dataset ("": the training dataset's test split)
     eval_size: int = 200  # held-out questions (the first N of the test split)
     # run
+    seed: int = 0  # the run's seed (prompts, sampling); also seeds --credit random and OAR-G's noise
     steps: int = 500  # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
     device: str = "auto"  # where to train; auto: the GPU when one is visible, else the CPU
     gpu_gb: float = 0.0  # the GPU's memory in GB the step is sized to (0: the card's own total)
@@ -138,7 +144,7 @@ class Config(baselines.CreditConfig, TaskConfig, AdapterConfig):
     allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
-PRESETS = presets.table(Config)  # the embedded run's, the paper's, LoRA's: training/config/presets.py
+PRESETS = presets.of(Config)  # the embedded run's, the paper's, LoRA's: training/config/presets.py
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -4,7 +4,7 @@
                                checked before anything loads (a missing path, a cut safetensors file: exit 2)
   auto_style(model, task, style)   grpo.py's prompt style for the model and task (a checkpoint: the style of
                                the model it began as)
-  setup(args, task)            the model and tokenizer, seeded, with --layers and --max-new-tokens checked
+  model_for(args, task)        the model and tokenizer, seeded, with --layers and --max-new-tokens checked
                                against the loaded model's depth and positions
   records_for(args, task)      the first --n-problems test records, or a seeded random sample of them
                                (eval.py's departure 4)
@@ -88,7 +88,7 @@ def save(args, result, table, rows=None):
     print(table + f"\nwrote {out}/{args.cmd}.json, {args.cmd}.md")
 
 
-def setup(args, task):
+def model_for(args, task):
     model_name = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)

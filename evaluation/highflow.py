@@ -48,7 +48,6 @@ from data import build_batch
 from evaluation import probes
 from tasks.answers import answer_token_range, find_answer_span
 from training.credit import scoring
-from training.credit.baselines import CreditConfig
 
 FORMS = {
     "answer-only": "{a}",
@@ -121,10 +120,9 @@ def top(tau, K):
     return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[: math.ceil(K / 100 * len(tau) - 1e-9)])
 
 
-def answer_forms(model, tok, records, args, style):
+def answer_forms(model, tok, records, args, style, cfg):
     """Returns (per-response rows, summary). records: task records (responses are sampled at args.temperature)
-    or rows from probes.load_responses."""
-    cfg = CreditConfig(layers=args.layers, seed=args.seed)
+    or rows from probes.load_responses; cfg: the credit's grpo.Config (--layers, --seed)."""
     rows = (
         records
         if "response" in records[0]

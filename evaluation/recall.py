@@ -18,6 +18,7 @@ Run: python eval.py recall --model smollm2-135m --task arithmetic --n-responses 
      python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint  # 5b
 """
 
+import dataclasses
 import math
 import random
 
@@ -26,9 +27,8 @@ from tqdm import tqdm
 
 import data
 from evaluation.probes import markdown, pyplot, regions, sample_responses
-from evaluation.regenerate import decode
+from evaluation.regenerate import continue_prefixes
 from training.credit import scoring
-from training.credit.baselines import CreditConfig
 
 KS = list(range(10, 101, 10))  # recall@K% (OAR Fig. 5a)
 OAR = ("oar-p", "oar-g")  # the signals scored against an outcome (oar.OUTCOMES)
@@ -47,10 +47,11 @@ def alternatives(model, r):
     return torch.where(top2[:, 0] == y, top2[:, 1], top2[:, 0]).tolist()
 
 
-def recall(model, tok, records, args, style):
-    """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
+def recall(model, tok, records, args, style, cfg):
+    """Returns (per-response rows, summary); cfg: the credit's grpo.Config (--layers, --seed), each OAR
+    outcome asked for set on a copy. Raises ValueError when no response is correct."""
     rng, outcomes = random.Random(args.seed), args.oar_outcomes
-    cfgs = {o: CreditConfig(layers=args.layers, seed=args.seed, oar_outcome=o) for o in outcomes}
+    cfgs = {o: dataclasses.replace(cfg, oar_outcome=o) for o in outcomes}
     runs = {
         (f"{s}:{o}" if s in OAR and len(outcomes) > 1 else s): (s, o)  # Fig. 5b: one row per outcome
         for s in args.signals
@@ -108,7 +109,7 @@ def recall(model, tok, records, args, style):
         causal = []
         for c in range(0, len(pos), args.batch_size * 4):
             ts = pos[c : c + args.batch_size * 4]
-            new = decode(
+            new = continue_prefixes(
                 model,
                 tok,
                 [r["prompt"] + r["response"][:t] + [alt[t]] for t in ts],

@@ -1,7 +1,7 @@
 """The decoder of the causal probes (probes.py): continue responses with chosen tokens masked out of every
 later token's view, their positions kept.
 
-    decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None)
+    continue_prefixes(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None)
         -> the new token ids of each row
 
 A plain loop with a KV cache, explicit position ids and a 4D additive attention mask, so that masking a token
@@ -69,7 +69,7 @@ def extend(model, cache, keys, pos, segs, blocked=None):
 
 
 @torch.no_grad()
-def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
+def continue_prefixes(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
     """Continue each prefix (list of token ids) for up to budgets[b] tokens; stop after an EOS (kept).
 
     blocked[b]: prefix positions that no later token may attend to. temperature 0: greedy; else Gumbel-max

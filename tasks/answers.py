@@ -100,28 +100,28 @@ def last_number_equal(text, gold):
     return g is not None and p is not None and p[0] == g[0]
 
 
-def size(e):
+def magnitude(e):
     """An upper bound on log10|e| for a parsed sympy expression; math.inf for towers like 9^{9^{9}}."""
     import sympy
 
     if isinstance(e, sympy.MatrixBase):
-        return max((size(x) for x in e), default=0.0)
+        return max((magnitude(x) for x in e), default=0.0)
     if isinstance(e, sympy.Rational):
         return math.log10(abs(e.p) + 1)
     if isinstance(e, sympy.Float):
         return math.log10(abs(float(e)) + 1)
     if isinstance(e, sympy.Pow):
-        x = size(e.exp)
-        return math.inf if x > 6 else max(size(e.base), 1.0) * 10**x
+        x = magnitude(e.exp)
+        return math.inf if x > 6 else max(magnitude(e.base), 1.0) * 10**x
     if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.subfactorial, sympy.gamma)):
-        x = max(size(a) for a in e.args)
+        x = max(magnitude(a) for a in e.args)
         return math.inf if x > 6 else 10**x * (x + 1)
     if isinstance(e, (sympy.Sum, sympy.Product)):  # \prod_{n=1}^{10^9} n would be multiplied out
-        x = max((size(b) for lim in e.limits for b in lim[1:]), default=0.0)
-        return math.inf if x > 3 else size(e.function) * 10**x
+        x = max((magnitude(b) for lim in e.limits for b in lim[1:]), default=0.0)
+        return math.inf if x > 3 else magnitude(e.function) * 10**x
     if not getattr(e, "args", ()):
         return 1.0  # symbols, constants, booleans
-    sizes = [size(a) for a in e.args]
+    sizes = [magnitude(a) for a in e.args]
     return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
 
 
@@ -202,7 +202,7 @@ def math_verify_equal(gold, pred, timeout):
 
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
     exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
-    if any(size(x) > MAX_DIGITS for x in exprs):
+    if any(magnitude(x) > MAX_DIGITS for x in exprs):
         return same_string(gold, pred)  # too big to evaluate: only the same string is equal
     undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]  # 0/0, 1/0; or a misparse (\gamma^{2})
     try:  # sympy's evaluations under the timeout

@@ -49,7 +49,7 @@ def task_data_missing(task, split="test"):
 
     t = data.TASKS[task]
     local = [SHARED_DATA / t.local / f"{split}{ext}" for ext in (".jsonl", ".parquet")]
-    if t.generate or any(p.is_file() for p in local):
+    if t.generator or any(p.is_file() for p in local):
         return None
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
         return f"{task}: no offline copy under {SHARED_DATA} (set FLOWTRACER_DATA) and HF_HUB_OFFLINE is set"
@@ -130,7 +130,7 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     from training.model import load
     from training.model import trainable as loading
 
-    real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
+    real_generate, real_load, rollouts = grpo.generator, loading.load_model, []
 
     def generate(*a, **k):
         if not rollouts:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import grpo
 from data import build_batch
 from flowtracer import select_layers
 from training.credit import baselines, oar, scoring, shaping
@@ -41,7 +42,7 @@ def positions(b):
 def test_gradient_is_the_embedding_gradient_norm_of_the_response_loglik(tiny):
     model, tok = tiny
     b = batch_of(tok)
-    got = scoring.signal_gradient(model, b, baselines.CreditConfig(), rows_per_block=7)  # several blocks
+    got = scoring.signal_gradient(model, b, grpo.Config(), rows_per_block=7)  # several blocks
     e = model.get_input_embeddings()(b.input_ids).detach().requires_grad_(True)
     logits = model(inputs_embeds=e, attention_mask=b.attention_mask, position_ids=positions(b)).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
@@ -54,14 +55,14 @@ def test_gradient_is_the_embedding_gradient_norm_of_the_response_loglik(tiny):
     assert (got[b.response_mask] > 0).float().mean() > 0.5
     assert all(p.grad is None for p in model.parameters()) and not model.training
     with torch.no_grad():  # as grpo calls signals
-        assert torch.equal(scoring.signal_gradient(model, b, baselines.CreditConfig(), rows_per_block=7), got)
+        assert torch.equal(scoring.signal_gradient(model, b, grpo.Config(), rows_per_block=7), got)
 
 
 # ----------------------------------------------------------------------------- correlation (Nie et al.)
 def test_correlation_is_the_mean_pairwise_pearson_correlation(tiny):
     model, tok = tiny
     b = batch_of(tok)
-    got = scoring.SIGNALS["correlation"](model, b, baselines.CreditConfig())
+    got = scoring.SIGNALS["correlation"](model, b, grpo.Config())
     with torch.no_grad():
         h = (
             model(
@@ -86,15 +87,15 @@ def test_correlation_is_the_mean_pairwise_pearson_correlation(tiny):
 def test_correlation_of_a_one_token_response_is_one_half(tiny):
     model, tok = tiny
     b = build_batch(tok, [tok("Q: hi").input_ids], [[tok.eos_token_id]])
-    got = scoring.SIGNALS["correlation"](model, b, baselines.CreditConfig())
+    got = scoring.SIGNALS["correlation"](model, b, grpo.Config())
     assert got[b.response_mask].tolist() == [0.5]
 
 
 def test_new_signals_run_their_own_pass():
     assert {"gradient", "correlation", "fai"}.isdisjoint(scoring.FUSED) and "attention" in scoring.FUSED
     assert "attention-max" not in scoring.SIGNALS  # one name, the paper's
-    assert baselines.separate_pass(baselines.CreditConfig(credit="gradient"))
-    assert not baselines.separate_pass(baselines.CreditConfig(credit="attention"))
+    assert baselines.separate_pass(grpo.Config(credit="gradient"))
+    assert not baselines.separate_pass(grpo.Config(credit="attention"))
 
 
 # ----------------------------------------------------------------------------- OAR's Random Credit
@@ -102,11 +103,11 @@ def test_identity_rule_uses_the_scores_as_gamma():
     b = build_batch_by_hand()
     S = torch.zeros(2, 6)
     S[:, 2:6] = torch.tensor([[0.25, 0.5, 0.0, 0.75], [0.1, 0.2, 0.3, 0.4]])
-    c = shaping.SHAPINGS["identity"](S, b, baselines.CreditConfig())
+    c = shaping.SHAPINGS["identity"](S, b, grpo.Config())
     assert c.weight[0].tolist() == [0, 0, 0.25, 0.5, 0.0, 0.75] and not c.fallback[0]
     assert c.weight[1].tolist() == [0, 0, 1, 1, 1, 1] and c.fallback[1]  # no answer: plain GRPO (dep. 6)
     with pytest.raises(ValueError, match="non-negative"):
-        shaping.SHAPINGS["identity"](-S, b, baselines.CreditConfig())
+        shaping.SHAPINGS["identity"](-S, b, grpo.Config())
 
 
 def build_batch_by_hand():
@@ -123,7 +124,7 @@ def build_batch_by_hand():
 def test_oar_random_credit_weights_are_uniform_draws(tiny):
     model, tok = tiny
     b = batch_of(tok)
-    cfg = baselines.CreditConfig(credit="random", shaping="identity", seed=5)
+    cfg = grpo.Config(credit="random", shaping="identity", seed=5)
     a = baselines.assign(model, tok, b, torch.ones(3), cfg)
     u = scoring.SIGNALS["random"](model, b, cfg)[:, b.prompt_width :]
     resp = b.response_mask[:, b.prompt_width :]
@@ -147,7 +148,7 @@ def test_oar_p_as_joint_is_the_clamped_score_drop(tiny, share):
     model, tok = tiny
     b = batch_of(tok)
     got = scoring.SIGNALS["oar-p"](
-        model, b, baselines.CreditConfig(oar_outcome="as-joint", oar_chunk=5, oar_prefix_cache=share)
+        model, b, grpo.Config(oar_outcome="as-joint", oar_chunk=5, oar_prefix_cache=share)
     )
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, "as-joint")
     nxt = oar.next_tokens(b.input_ids)
@@ -173,7 +174,7 @@ def test_oar_p_as_joint_is_the_clamped_score_drop(tiny, share):
 def test_oar_g_as_joint_matches_autograd(tiny, share):
     model, tok = tiny
     b = batch_of(tok)
-    c = baselines.CreditConfig(oar_outcome="as-joint", seed=2, oar_prefix_cache=share)
+    c = grpo.Config(oar_outcome="as-joint", seed=2, oar_prefix_cache=share)
     got = scoring.SIGNALS["oar-g"](model, b, c)
     pm = oar.outcome_mask(b.attention_mask, b.answer_mask, "as-joint")
     nxt, pos = oar.next_tokens(b.input_ids), positions(b)
@@ -195,9 +196,9 @@ def test_oar_g_as_joint_matches_autograd(tiny, share):
 
 
 def test_as_mean_is_the_default_outcome_and_as_joint_a_valid_flag():
-    assert baselines.CreditConfig().oar_outcome == "as-mean"
-    assert baselines.check(baselines.CreditConfig(oar_outcome="as-joint")) is None
-    assert "--oar-outcome" in baselines.check(baselines.CreditConfig(oar_outcome="joint"))
+    assert grpo.Config().oar_outcome == "as-mean"
+    assert baselines.check(grpo.Config(oar_outcome="as-joint")) is None
+    assert "--oar-outcome" in baselines.check(grpo.Config(oar_outcome="joint"))
 
 
 # ----------------------------------------------------------------------------- Fig. 6 layer presets
@@ -214,7 +215,7 @@ def test_fig6_presets_partition_the_layers(L, early, middle, late):
     assert got == [list(range(*early)), list(range(*middle)), list(range(*late))]
     assert sum(got, []) == list(range(L))  # a partition, boundaries once
     assert select_layers("middle", 36) == list(range(12, 24))  # App. C.2's default differs
-    assert baselines.check(baselines.CreditConfig(layers="fig6-middle")) is None
+    assert baselines.check(grpo.Config(layers="fig6-middle")) is None
 
 
 def test_fig6_preset_on_too_shallow_a_model_is_a_clear_error():
@@ -225,7 +226,7 @@ def test_fig6_preset_on_too_shallow_a_model_is_a_clear_error():
 def test_fig6_preset_runs_the_flow_signal(tiny):
     model, tok = tiny
     b = batch_of(tok)
-    s = scoring.SIGNALS["flow"](model, b, baselines.CreditConfig(layers="fig6-late"))
+    s = scoring.SIGNALS["flow"](model, b, grpo.Config(layers="fig6-late"))
     assert torch.isfinite(s).all() and (s[b.answer_mask.any(-1)][:, b.prompt_width :] > 0).any()
-    assert not torch.equal(s, scoring.SIGNALS["flow"](model, b, baselines.CreditConfig(layers="fig6-early")))
+    assert not torch.equal(s, scoring.SIGNALS["flow"](model, b, grpo.Config(layers="fig6-early")))
     assert math.isfinite(float(s.sum()))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import grpo
 from data import Batch, build_batch
 from training.credit import baselines, oar, scoring, shaping
 from training.model.load import load_model
@@ -18,7 +19,7 @@ SHAPINGS_ALL = sorted(shaping.SHAPINGS)
 
 
 def cfg(**kw):
-    return baselines.CreditConfig(**kw)
+    return grpo.Config(**kw)
 
 
 # ----------------------------------------------------------------------------- token classes

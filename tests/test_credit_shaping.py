@@ -1,4 +1,4 @@
-"""Tests for training/credit/shaping.py through baselines.CreditConfig: every shaping rule on hand-made scores
+"""Tests for training/credit/shaping.py through grpo.Config: every shaping rule on hand-made scores
 (hand-computed cases), and properties over random rows: padding and no-answer behaviour, how many tokens
 each rule selects, eligibility to one class, and clear errors for bad scores. The signals and OAR:
 tests/test_credit.py."""
@@ -10,16 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import grpo
 from data import Batch
 from flowtracer import flow_credit, trace_flow
-from training.credit import baselines, shaping
+from training.credit import shaping
 
 SHAPINGS_ALL = sorted(shaping.SHAPINGS)
 SUM_PRESERVING = ["raw", "log1p", "sigmoid", "tanh-z", "mad", "bilevel"]
 
 
 def cfg(**kw):
-    return baselines.CreditConfig(**kw)
+    return grpo.Config(**kw)
 
 
 def regions(resp_lens, P=3, answer=None, T=None):

@@ -84,22 +84,24 @@ def test_decode_equals_hf_greedy_generate(tiny):
     prompts = ["hello there", "hello there, a longer prompt to force padding", "2+2="]
     ref = generate(model, tok, prompts, max_new_tokens=10, greedy=True).response_ids
     ids = [tok(p).input_ids for p in prompts]
-    assert regenerate.decode(model, tok, ids, [10] * 3) == ref  # shared prefix "hello there"
-    assert regenerate.decode(model, tok, ids, [10] * 3, groups=[0, 0, 1]) == ref  # and per-group sharing
-    assert regenerate.decode(model, tok, ids, [10, 0, 4]) == [ref[0], [], ref[2][:4]]
+    assert regenerate.continue_prefixes(model, tok, ids, [10] * 3) == ref  # shared prefix "hello there"
+    assert (
+        regenerate.continue_prefixes(model, tok, ids, [10] * 3, groups=[0, 0, 1]) == ref
+    )  # and per-group sharing
+    assert regenerate.continue_prefixes(model, tok, ids, [10, 0, 4]) == [ref[0], [], ref[2][:4]]
 
 
 def test_decode_with_blocked_tokens_equals_reference(tiny):
     model, tok = tiny
     a, b = tok("the cat sat on the mat").input_ids, tok("a dog, a log").input_ids
     blocked = [[1, 4, 7], [0, 2]]
-    got = regenerate.decode(model, tok, [a, b], [8, 8], blocked, groups=[0, 1])
+    got = regenerate.continue_prefixes(model, tok, [a, b], [8, 8], blocked, groups=[0, 1])
     eos = eos_ids(model, tok)
     assert got == [
         reference_masked_greedy(model, a, blocked[0], 8, eos),
         reference_masked_greedy(model, b, blocked[1], 8, eos),
     ]
-    assert got[0] != regenerate.decode(model, tok, [a], [8])[0]  # the mask does change the output
+    assert got[0] != regenerate.continue_prefixes(model, tok, [a], [8])[0]  # the mask does change the output
 
 
 def test_blocked_positions_get_exactly_zero_attention(tiny_eager):
@@ -114,7 +116,7 @@ def test_blocked_positions_get_exactly_zero_attention(tiny_eager):
     try:
         for blocked in (list(range(S)), [2, 5, 9]):
             seen.clear()
-            regenerate.decode(model, tok, [ids], [4], [blocked])
+            regenerate.continue_prefixes(model, tok, [ids], [4], [blocked])
             for w in seen:  # (1, H, q, k): q queries, the last ones
                 q, k = w.shape[-2:]
                 cols = torch.arange(k - q, k)  # query columns = positions (one row)
@@ -133,18 +135,20 @@ def test_all_blocked_prefix_content_is_invisible(tiny):
     model, tok = tiny
     a, b = tok("xyzw 1234 ends!").input_ids, tok("abcd 9876 ends!").input_ids  # same length, same last token
     every = [list(range(len(a)))] * 2
-    masked = regenerate.decode(model, tok, [a, b], [6, 6], every)
+    masked = regenerate.continue_prefixes(model, tok, [a, b], [6, 6], every)
     assert masked[0] == masked[1]  # only the last token (and its position) reaches the output
-    unmasked = regenerate.decode(model, tok, [a, b], [6, 6])
+    unmasked = regenerate.continue_prefixes(model, tok, [a, b], [6, 6])
     assert unmasked[0] != unmasked[1]  # without the mask the content does matter
 
 
 def test_sampling_uses_common_random_numbers(tiny):
     model, tok = tiny
     p = tok("sampling").input_ids
-    same = regenerate.decode(model, tok, [p, p, p], [12] * 3, temperature=0.7, seeds=[5, 5, 6])
+    same = regenerate.continue_prefixes(model, tok, [p, p, p], [12] * 3, temperature=0.7, seeds=[5, 5, 6])
     assert same[0] == same[1] and same[0] != same[2]
-    assert regenerate.decode(model, tok, [p], [12], temperature=0.7, seeds=[5])[0] == same[0]  # batch-indep.
+    assert (
+        regenerate.continue_prefixes(model, tok, [p], [12], temperature=0.7, seeds=[5])[0] == same[0]
+    )  # batch-indep.
 
 
 # ----------------------------------------------------------------------------- selection, answers, recall

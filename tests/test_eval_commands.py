@@ -11,6 +11,7 @@ import torch
 from conftest import ONE_QUESTION_BENCH, task_data_missing
 
 import eval as ev
+import grpo
 from evaluation import harness, highflow, probes
 from evaluation.figures import peak_ema
 from training.model.load import load_model
@@ -325,7 +326,7 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     ]
     batch = probes.regions(tok, rows)
     for o in ("as-mean", "lt-logits"):
-        cfg = probes.CreditConfig(layers="middle", seed=0, oar_outcome=o)
+        cfg = grpo.Config(layers="middle", seed=0, oar_outcome=o)
         sc = scoring.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width :]  # (B, R)
         for b, row in enumerate(out):
             assert row["scores"][f"oar-p:{o}"] == pytest.approx(sc[b, : row["end"]].tolist(), abs=1e-6)

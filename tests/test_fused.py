@@ -53,7 +53,7 @@ def test_fused_scores_equal_separate(tiny, name, ckpt):
     model, tok = tiny
     b = batch_with_answers(tok).to(model.device)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], device=model.device)
-    cfg = baselines.CreditConfig(credit=name, layers="all" if name != "flow" else "middle")
+    cfg = grpo.Config(credit=name, layers="all" if name != "flow" else "middle")
     sep = baselines.assign(model, tok, b, adv, cfg)  # its own no-grad pass
     exact = baselines.assign(copy.deepcopy(model).double(), tok, b, adv, cfg)  # the same pass in fp64
     if ckpt:

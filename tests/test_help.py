@@ -184,8 +184,8 @@ def test_words_beyond_citations_tells_an_explanation_from_a_citation():
 
 
 def test_every_grpo_flag_is_explained_in_words():
-    """Each flag's comment (grpo.Config and baselines.CreditConfig) says what the flag does in at least three
-    words besides citations and its choices, and writes no default (the help adds it, once)."""
+    """Each flag's comment (grpo.Config and the baselines' BaselineConfig) says what the flag does in at least
+    three words besides citations and its choices, and writes no default (the help adds it, once)."""
     helps, _ = flags.comments(grpo.Config)
     short = {k: v for k, v in helps.items() if len(words_beyond_citations(v, flags.CHOICES.get(k, ()))) < 3}
     assert short == {}

@@ -185,14 +185,13 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
     from test_trl import one_step
 
     import flowtracer_trl as ft
-    from training.credit.baselines import CreditConfig
 
     args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--credit-pass", credit_pass])[0]
     tr, _, init = one_step(
         ft.FlowTracerGRPOTrainer,
         tmp_path,
         peft_config=lora.lora_config(args),
-        credit_cfg=CreditConfig(credit_pass=credit_pass),
+        credit_cfg=grpo.Config(credit_pass=credit_pass),
     )
     assert type(tr.model).__name__.startswith("PeftModel") and tr.fused == (credit_pass == "fused")
     logged = next(m for m in tr.state.log_history if "loss" in m)

@@ -81,9 +81,9 @@ def test_generation_follows_how_generate_prefills():
     is prefilled once into a cache reserved at T, then each layer's row cache moves into one reserved at T."""
     mc, P, R = qwen3_4b_config(), 256, 1024
     kv = lambda rows, t: 2 * 36 * 8 * 128 * t * rows * 2  # noqa: E731  bf16 K and V
-    assert terms.prefill_rows(64, 8, shared=False) == 64
+    assert terms.prefilled_rows(64, 8, shared=False) == 64
     assert terms.generation(mc, 64, 8, P, R, 2, 2, shared=False)["KV cache"] == kv(64, P + R)
-    assert terms.prefill_rows(64, 8) == 8 and terms.prefill_rows(12, 8) == 3
+    assert terms.prefilled_rows(64, 8) == 8 and terms.prefilled_rows(12, 8) == 3
     gen = terms.generation(mc, 64, 8, P, R, 2, 2)  # the first decode step
     assert gen["KV cache"] == kv(64, P + R) + (kv(64, P) + kv(8, P + R)) // 36
     est, _ = qwen3_4b("--no-share-prefix")

@@ -169,7 +169,7 @@ def test_each_failing_part_is_replaced_with_one_line(tiny, monkeypatch, capsys):
     monkeypatch.setattr(preflight, "engine_trial", boom)
     u = record(model, tok, kahan(model), launch_fails)
     capsys.readouterr()
-    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    got = preflight.try_parts(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is add_head_mean and got.engine is None and got.optimizer == "foreach"
     assert all((g["triton"], g["foreach"]) == (False, True) for g in u.policy.opt.param_groups)
     err = "RuntimeError: CUDA error: an illegal memory access was encountered"
@@ -199,7 +199,7 @@ def test_a_kernel_that_runs_but_differs_is_not_used(tiny, monkeypatch, capsys):
         buf.mul_(0.5)
 
     u = record(model, tok, torch.optim.AdamW(model.parameters()), half)
-    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    got = preflight.try_parts(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is add_head_mean and got.optimizer == "" and isinstance(got.engine, engine.Engine)
     assert "differs from add_head_mean by" in got.lines[0]
     assert got.lines[1].startswith("preflight: decode engine ran on cpu") and len(got.lines) == 2
@@ -213,7 +213,7 @@ def test_a_long_prompt_mid_run_recaptures_nothing(tiny, monkeypatch):
     short, long = [[1] + list(range(5, 12))] * 2, [[1] + list(range(5, 120))]
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     u = record(model, tok, torch.optim.AdamW(model.parameters()), None)
-    eng = preflight.check(cfg_of(), u, "cpu", widest=len(long[0])).engine
+    eng = preflight.try_parts(cfg_of(), u, "cpu", widest=len(long[0])).engine
     kw = dict(n=2, max_new_tokens=6, chunk_size=8, engine=eng)
     rollout.generate(model, tok, short, **kw)
     keys, graphs = eng.keys, set(eng.graph)
@@ -342,7 +342,7 @@ def test_the_kernel_trial_is_the_runs_call(tiny, monkeypatch):
         add_head_mean(buf, q, k, mask, scale, chunk)
 
     u = record(model, tok, torch.optim.AdamW(model.parameters()), kernel)
-    got = preflight.check(cfg_of(), u, "cpu", widest=20)
+    got = preflight.try_parts(cfg_of(), u, "cpu", widest=20)
     assert got.head_mean is kernel
     assert got.lines[-1].startswith("preflight: head-mean kernel, decode engine ran")
     mc = model.config
@@ -385,7 +385,7 @@ def test_the_samplers_trial_leaves_the_rng_as_it_was(tiny, monkeypatch):
     monkeypatch.setattr(engine, "sample", lambda *a: drawn.append(1) or real(*a))
     torch.manual_seed(3)
     cpu, gpu = torch.get_rng_state(), [s.clone() for s in cuda.state]
-    got = preflight.check(
+    got = preflight.try_parts(
         cfg_of(), record(model, tok, torch.optim.AdamW(model.parameters()), None), "cpu", widest=20
     )
     assert drawn and got.engine.captures == 2  # the sampler ran and is captured

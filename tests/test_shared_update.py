@@ -151,7 +151,7 @@ def test_capture_and_flow_credit_equal_one_full_pass(tiny, layers):
     assert_to_rounding(attn_s, attn_f, attn64, what="maps")
     alone = attention.attention_graph(model, b.input_ids, b.attention_mask, layers)  # its own pass
     assert_to_rounding(alone, attn_f, attn64, what="attention_graph's maps")
-    cfg = baselines.CreditConfig(credit="flow", layers=layers)
+    cfg = grpo.Config(credit="flow", layers=layers)
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=model.device)
     with torch.no_grad():
         full = baselines.assign(model, tok, b, adv, cfg, scoring.ForwardOutputs(attn_f, ent_f))
@@ -287,7 +287,7 @@ def update_under_checkpointing(model, tok, b, share, gamma=None, checkpointed=Tr
     adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5], device=lp.device)
     with torch.no_grad():
         c = baselines.assign(
-            model, tok, b, adv, baselines.CreditConfig(credit="flow"), scoring.ForwardOutputs(attn, ent)
+            model, tok, b, adv, grpo.Config(credit="flow"), scoring.ForwardOutputs(attn, ent)
         )
     old = lp.detach() + 0.1 * torch.sin(torch.arange(lp.numel(), device=lp.device).view(lp.shape))  # r != 1
     w = c.weight if gamma is None else gamma  # (B, R)

@@ -23,7 +23,6 @@ from flowtracer import Capture, Credit, flow_credit, select_layers, trace_flow  
 from tasks.answers import answer_token_range  # noqa: E402
 from training.credit import baselines, scoring  # noqa: E402
 from training.credit.attention import attention_graph, use_capture_attention  # noqa: E402
-from training.credit.baselines import CreditConfig  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 from training.run import log  # noqa: E402
 
@@ -168,10 +167,10 @@ def expected_gamma(out, tok, model):
 def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
     stock, out_s, init = one_step(trl.GRPOTrainer, tmp_path / "stock")
     none, out_n, _ = one_step(
-        ft.FlowTracerGRPOTrainer, tmp_path / "none", credit_cfg=CreditConfig("none", credit_pass="separate")
+        ft.FlowTracerGRPOTrainer, tmp_path / "none", credit_cfg=grpo.Config("none", credit_pass="separate")
     )
     flow, out_f, _ = one_step(
-        ft.FlowTracerGRPOTrainer, tmp_path / "flow", credit_cfg=CreditConfig(credit_pass="separate")
+        ft.FlowTracerGRPOTrainer, tmp_path / "flow", credit_cfg=grpo.Config(credit_pass="separate")
     )
     A, cm = out_s["advantages"], out_s["completion_mask"].float()  # (B,), (B, C)
     assert (A != 0).all() and torch.equal(out_n["completion_ids"], out_s["completion_ids"])  # same rollouts
@@ -195,7 +194,7 @@ def test_fused_credit_equals_the_separate_pass(tmp_path):
     """--credit-pass fused: gamma from TRL's own training forward (attention captured, once) equals the
     separate pass's, and so do the loss and the trained parameters."""
     sep, out_s, _ = one_step(
-        ft.FlowTracerGRPOTrainer, tmp_path / "sep", credit_cfg=CreditConfig(credit_pass="separate")
+        ft.FlowTracerGRPOTrainer, tmp_path / "sep", credit_cfg=grpo.Config(credit_pass="separate")
     )
     seen, fused = [], None
 
@@ -207,7 +206,7 @@ def test_fused_credit_equals_the_separate_pass(tmp_path):
     real = ft.FlowTracerGRPOTrainer._compute_loss
     ft.FlowTracerGRPOTrainer._compute_loss = spy
     try:
-        fused, out_f, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "fused", credit_cfg=CreditConfig())
+        fused, out_f, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path / "fused", credit_cfg=grpo.Config())
     finally:
         ft.FlowTracerGRPOTrainer._compute_loss = real
     assert out_f["advantages"].dim() == 1 and torch.equal(out_f["completion_ids"], out_s["completion_ids"])
@@ -283,7 +282,7 @@ def test_each_fused_signal_gives_grpo_py_credit_on_the_same_rows(signal, tempera
     """One signal name, one definition: the plug-in's gamma (fused, or its fallback) is grpo.py's fused pass
     on the same rows, in the same order. Entropy is of the untempered logits, as grpo.token_logprobs gives
     it, whatever temperature TRL samples at."""
-    rec, cfg = spy(monkeypatch.setattr), CreditConfig(signal)
+    rec, cfg = spy(monkeypatch.setattr), grpo.Config(signal)
     tr, _, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path, dict(temperature=temperature), credit_cfg=cfg)
     assert tr.fused == (signal != "entropy" or temperature == 1.0)  # departure 2 (b): the fallback
     keys = list(rec["loss"])  # the loss's micro-batch, in order
@@ -304,7 +303,7 @@ def test_on_policy_credit_is_the_optimizer_step_arithmetic():
 def test_a_generation_spanning_updates_is_credited_with_the_generating_weights(tmp_path, monkeypatch):
     """steps_per_generation 2 > gradient accumulation 1: half the rows meet their first loss after an update.
     Their gamma is still the separate pass's with the weights that generated them (the initial ones)."""
-    rec, cfg = spy(monkeypatch.setattr), CreditConfig()
+    rec, cfg = spy(monkeypatch.setattr), grpo.Config()
     tr, _, init = one_step(
         ft.FlowTracerGRPOTrainer,
         tmp_path,
@@ -336,7 +335,7 @@ def test_a_second_iteration_reuses_the_first_iterations_gamma(tmp_path, monkeypa
         ft.FlowTracerGRPOTrainer,
         tmp_path,
         dict(num_iterations=2, max_steps=2, learning_rate=1e-2),
-        credit_cfg=CreditConfig(),
+        credit_cfg=grpo.Config(),
     )
     assert tr.fused and tr.state.global_step == 2 and [len(v) for v in reads.values()] == [2] * 8
     assert all(first == second for first, second in reads.values())
@@ -345,7 +344,7 @@ def test_a_second_iteration_reuses_the_first_iterations_gamma(tmp_path, monkeypa
 @pytest.mark.parametrize("credit_pass", ["fused", "separate"])
 def test_both_passes_log_grpo_py_credit_metrics(credit_pass, tmp_path, monkeypatch):
     rec = spy(monkeypatch.setattr)
-    tr, _, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path, credit_cfg=CreditConfig(credit_pass=credit_pass))
+    tr, _, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path, credit_cfg=grpo.Config(credit_pass=credit_pass))
     assert tr.fused == (credit_pass == "fused")
     logged = next(m for m in tr.state.log_history if "loss" in m)
     gamma = [torch.tensor(rec["loss"][k]) / rec["A"][k] for k in rec["loss"]]  # every row has A != 0

@@ -18,7 +18,7 @@ trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
 from test_trl import assert_loss_read, reference_gamma  # noqa: E402
 
-from training.credit.baselines import CreditConfig  # noqa: E402
+import grpo  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def check_two_process(out, name, cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["separate", "fused"])
 def test_two_processes_one_rank_without_advantage_match_a_single_process(two_processes, name):
-    check_two_process(two_processes, name, CreditConfig())
+    check_two_process(two_processes, name, grpo.Config())
     metrics = [json.loads(line) for line in open(two_processes / name / "metrics.jsonl")]
     assert [m["credit/boosted_frac"] > 0 for m in metrics if "loss" in m] == [True]  # rank 0's tokens
     trained = load_model(str(two_processes / name), dtype=torch.float32)[0].state_dict()
@@ -177,4 +177,4 @@ def test_the_two_process_check_catches_a_mutated_gamma(two_processes, mutation):
     """gamma one column off, rows swapped, or credit dropped on one rank: the run is fine, the check fails."""
     assert (two_processes / mutation / "metrics.jsonl").exists()
     with pytest.raises(AssertionError):
-        check_two_process(two_processes, mutation, CreditConfig())
+        check_two_process(two_processes, mutation, grpo.Config())

@@ -123,7 +123,7 @@ def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_da
             local = shared_data / data.TASKS[name].local
             if (
                 not any((local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet"))
-                or data.TASKS[name].generate is not None
+                or data.TASKS[name].generator is not None
             ):
                 continue
             for i, r in enumerate(data.load_task(name, split)):

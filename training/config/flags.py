@@ -7,9 +7,9 @@
 
 The help is written once, next to the default (as CleanRL's tyro reads field docstrings, and transformers'
 HfArgumentParser reads metadata={"help": ...}). The comments are read from the class source with inspect and
-tokenize, for each dataclass in the MRO (grpo.Config inherits baselines.CreditConfig's fields). A section
-comment with no fields under it places a base class's section of the same name there, so `# credit` in
-grpo.Config puts CreditConfig's flags between the reward and the update flags, in the order of the loop.
+tokenize, for each dataclass in the MRO (grpo.Config inherits the baselines' BaselineConfig). A base class's
+section joins the derived class's section of the same name, so BaselineConfig's `# credit: ...` flags come
+after grpo.Config's own credit flags, between the reward and the update flags, in the order of the loop.
 
 `read_config` reads a YAML or JSON file of the same flags (a run's run_config.json too): each value goes, as
 the word the command line would give (training/config/flag_file.py), through the parser add_fields builds, so
@@ -342,13 +342,13 @@ def in_force(table, model, paper_batch, lora_rank=0) -> list:
     learning rate (--lora-rank > 0; the embedded model's own). The one place they are decided."""
     paper, embedded = any(k in str(model).lower() for k in presets.PAPER_MODELS), load.is_embedded(model)
     lora = str(lora_rank).isdigit() and int(lora_rank) > 0  # as given on the command line: a word
-    on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)  # presets.table's order
+    on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)  # presets.of's order
     return [k for k, use in zip(table, on) if use]
 
 
 def parse(cls, argv, doc, table, prog, for_gpu=False, say=False):
     """A `cls` (grpo.Config) resolved once, from a command line: the defaults, the presets in force
-    (in_force: labels of `table`, presets.table's, the last wins), a --config file, then the flags given;
+    (in_force: labels of `table`, presets.of's, the last wins), a --config file, then the flags given;
     or, with --resume, the saved run's run_config.json (each value checked as the same flag on the command
     line) and the flags given (training/config/resume.py's rules). A resumed run continues in its own
     directory, wherever it was moved. Bad flags: argparse's one error line. What was given is used here and

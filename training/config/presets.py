@@ -4,7 +4,7 @@ with its source; and where the learning rate in force came from.
 A preset is a {field: value} applied over grpo.Config's defaults when the flags ask for it; the presets in
 force apply in the order of `table` (the last wins), then a --config file, then the flags given
 (training/config/flags.py's parse, which also picks the presets in force: flags.in_force). grpo.py builds the
-table once, from its Config (`PRESETS = presets.table(Config)`): LoRA's learning rate is a multiple of
+table once, from its Config (`PRESETS = presets.of(Config)`): LoRA's learning rate is a multiple of
 Config.lr, whose default is written once, in grpo.Config. The departures are grpo.py's, by number:
 
   the embedded model  departure 5: SmolLM2-135M-Instruct (the default --model, named or not) runs on a CPU
@@ -42,7 +42,7 @@ PAPER_BATCH = dict(prompts_per_step=64, group_size=8)  # departure 1: 64 prompts
 LORA_LR_FACTOR = 10  # departure 9: LoRA's lr is ~10x full fine-tuning's ("LoRA Without Regret"); flags win
 
 
-def table(cls) -> dict:
+def of(cls) -> dict:
     """{label: preset} of `cls` (grpo.Config), in the order they apply: the embedded model, a paper model,
     --paper-batch, LoRA's lr (LORA_LR_FACTOR x cls.lr; on the embedded model, x its lr). Labels are what the
     help and the first lines print."""

@@ -1,9 +1,9 @@
 """What flowtracer_trl.py's main sets up before TRL trains: grpo.py's flags and defaults on TRL's GRPOConfig,
 the policy, the prompts as a TRL dataset and the rewards as TRL reward functions.
 
-  parse_args(argv, description)   (ours, CreditConfig, GRPOConfig): our flags and the credit
-                        flags as grpo.py spells them, grpo.py's LoRA flags (lora.AdapterConfig); the rest
-                        go to HfArgumentParser as GRPOConfig fields, whose defaults are grpo.py's (DEFAULTS)
+  parse_args(argv, description, config)   (ours, the credit's config, GRPOConfig): our flags, the
+                        credit flags of grpo.Config (`config`), its LoRA flags (lora.AdapterConfig); the
+                        rest go to HfArgumentParser as GRPOConfig fields, with grpo.py's defaults (DEFAULTS)
   build(args, targs)    TrlParts: the model (loaded here, or a hub name TRL loads), the tokenizer, the
                         prompt style, the reward functions, the dataset of {prompt, record} rows, the peft
                         LoraConfig (or None)
@@ -74,10 +74,11 @@ def trl_reward(term, prompt=None, keys=None):
     return reward
 
 
-def parse_args(argv, description):
-    """(ours, CreditConfig, GRPOConfig). Our flags and the credit flags as grpo.py spells them; the rest go
-    to HfArgumentParser as GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...).
-    Under --lora-rank the lr is presets.LORA_LR_FACTOR times the default's (departure 2)."""
+def parse_args(argv, description, config):
+    """(ours, the credit's config, GRPOConfig). Our flags and the credit flags as grpo.py spells them (the
+    fields of `config`'s credit section: grpo.Config, passed in); the rest go to HfArgumentParser as
+    GRPOConfig fields (--per-device-train-batch-size, --deepspeed, --use-vllm, ...). Under --lora-rank the lr
+    is presets.LORA_LR_FACTOR times the default's (departure 2)."""
     p = argparse.ArgumentParser(
         prog="flowtracer_trl.py",
         description=description,
@@ -116,9 +117,10 @@ def parse_args(argv, description):
     )
     p.add_argument("--prompt-style", default="auto", choices=["auto", *data.STYLES], help="prompt style")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are dropped")
-    own = {"seed"}  # --seed is GRPOConfig's
-    fields = [f for f in dataclasses.fields(baselines.CreditConfig) if f.name not in own]
-    flags.add_fields(p, baselines.CreditConfig, baselines.CHOICES, skip=own)  # help: the fields' comments
+    sections = flags.comments(config)[1]  # [(title, fields)]: grpo.py's credit section, the baselines' in it
+    credit = next(names for title, names in sections if title and title.lower().startswith("credit"))
+    skip = [f.name for f in dataclasses.fields(config) if f.name not in credit]
+    flags.add_fields(p, config, baselines.CHOICES, skip=skip)  # help: the fields' comments
     flags.add_fields(p, lora.AdapterConfig)  # grpo.py's LoRA flags, their defaults and help (departure 2)
     args, rest = p.parse_known_args(argv)
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
@@ -139,7 +141,7 @@ def parse_args(argv, description):
         p.error(str(e))
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ccfg = baselines.CreditConfig(**{f.name: getattr(args, f.name) for f in fields}, seed=targs.seed)
+    ccfg = config(**{name: getattr(args, name) for name in credit}, seed=targs.seed)  # --seed: GRPOConfig's
     task = argparse.Namespace(**vars(args), reward_weights="", eval_every=0, eval_data_path="")  # its flags
     problem = (
         baselines.check(ccfg)

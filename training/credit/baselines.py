@@ -1,4 +1,4 @@
-"""Token credit for GRPO: the knobs, the token classes, and the credit step as one call.
+"""Token credit for GRPO: the baselines' knobs, the token classes, and the credit step as one call.
 
 FlowTracer's claims are comparative (Tables 2, 3, 5, 7, 10, 11b, Fig. 6): only the credit criterion changes
 between runs, everything else stays fixed (§4.1). So credit is two swappable steps, each a plain function:
@@ -11,7 +11,7 @@ and GRPO multiplies each token's surrogate term by the weight gamma_{i,t} (eq. 5
 flowtracer.Credit (weight, scores (B, R), fallback (B,)), the record flow_credit gives. It is the credit
 call of flowtracer_trl.py, and of grpo.py for every setting but the paper's default (PAPER), through
 `OtherCredit`, which has the call shape of grpo.update's own lines for the default (flow with top-k).
-`batch` is a data.Batch; `cfg` is a CreditConfig (grpo.Config inherits it).
+`batch` is a data.Batch; `cfg` a grpo.Config: the paper's knobs, and the baselines' (BaselineConfig).
 
 Which credit is fused into the training forward (--credit-pass fused, the default; OtherCredit decides):
   fused     signals none, random, flow, attention, entropy (scoring.FUSED) with a per-row rule: the
@@ -49,18 +49,13 @@ from training.credit.shaping import BATCH_RULES, SHAPINGS, entropy_bonus
 
 
 @dataclass
-class CreditConfig:
-    """Every credit knob. grpo.Config inherits it; `python grpo.py --top-frac 0.2` sets top_frac here."""
+class BaselineConfig:
+    """The baselines' own knobs. grpo.Config inherits them beside the paper's (credit, shaping, top_frac,
+    gamma, layers): a credit function's `cfg` is a grpo.Config; `python grpo.py --soft-mass 0.6` sets one."""
 
-    # credit: the signal, the shaping rule and their knobs (training/credit/baselines.py)
-    credit: str = "flow"  # what ranks the tokens: flow (the paper's) or a baseline (scoring.py)
-    shaping: str = "topk"  # how a signal's scores become the weight (shaping.py's SHAPINGS)
+    # credit: the baselines' knobs (training/credit/baselines.py)
     credit_pass: str = "fused"  # fused: credit from the update's own forward | separate: its own pass
-    top_frac: float = 0.4  # fraction of response tokens boosted (the paper's: eq. 6, Table 5)
-    gamma: float = 1.5  # weight of a boosted token's loss term, gamma_flow (eq. 6, Table 7)
-    layers: str = "middle"  # attention layers: middle|early|late|all|fig6-*|A:B (App. C.2, Fig. 6)
     token_class: str = ""  # "" | structural | semantic: select only within one class (Table 11b)
-    seed: int = 0  # the run's seed; also seeds --credit random and OAR-G's noise
     soft_mass: float = 0.4  # --shaping soft: cumulative score mass to cover (Table 7)
     entropy_frac: float = 0.2  # --shaping 80-20: top fraction by entropy over the batch (Wang et al.)
     entropy_alpha: float = 0.4  # --shaping entropy-adv: bonus min(alpha H, |A|/kappa) (OAR eq. 6)

@@ -18,7 +18,7 @@ The bi-level reshaping of OAR (eq. 14-17) is a shaping rule, shaping.shape_bilev
 This file also holds the two forward helpers the other model-based signals share: `hidden` (the decoder
 trunk, no lm_head) and `lm_logits` (lm_head on chosen rows only), so that (B, T, V) logits are never built.
 
-cfg is a baselines.CreditConfig: oar_outcome, oar_chunk (masked copies per forward, OAR-P), oar_prefix_cache
+cfg is a grpo.Config: oar_outcome, oar_chunk (masked copies per forward, OAR-P), oar_prefix_cache
 (both), oar_sigma (OAR-G), pad_id, seed.
 
 Departures (numbered):

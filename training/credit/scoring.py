@@ -2,7 +2,7 @@
 
     scores = SIGNALS[name](model, batch, cfg, outputs=None)   -> (B, T) float32, 0 off the response
 
-`batch` is a data.Batch, `cfg` a baselines.CreditConfig. shaping.py turns scores into the weight gamma_it
+`batch` is a data.Batch, `cfg` a grpo.Config. shaping.py turns scores into the weight gamma_it
 (the shaping rules) and baselines.assign runs both; this file only scores. The names are the papers'
 (FlowTracer §4.1, Table 2; OAR §4.2, Table 1):
 

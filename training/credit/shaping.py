@@ -3,7 +3,7 @@
     c = SHAPINGS[cfg.shaping](scores, batch, cfg, eligible=None)   -> flowtracer.Credit of every column (B, T)
 
 scores: (B, T) float32 from scoring.SIGNALS (0 off the response); batch: a data.Batch; cfg: a
-baselines.CreditConfig; eligible: the token-class mask (baselines.token_class_mask) or None. baselines.assign
+grpo.Config; eligible: the token-class mask (baselines.token_class_mask) or None. baselines.assign
 runs a signal, then a rule, and keeps the response columns; grpo.py multiplies each token's surrogate term by
 the weight (eq. 5: gamma_{i,t} * A_i).
 

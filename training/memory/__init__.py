@@ -1,6 +1,6 @@
 """The step sized to the card, and kept running on it. grpo.py's calls: backoff.generate(run, ...) and
 backoff.update(run, ...), which redo a phase smaller when memory runs out; setup sizes the step once
-(budget.size) and tries each GPU part once (preflight.check).
+(budget.size) and tries each GPU part once (preflight.try_parts).
 
     budget.py     gen_chunk and micro_batch chosen to fit the card, before the weights load
     phases.py     the estimate: what one step holds, phase by phase, from the model's config

@@ -70,7 +70,7 @@ def generate(run, phase, fn, *args, **kw):
                 raise
             why = error_line(e)
         free()  # the failed chunk's tensors are gone
-        if rows(cfg, engine) == 1:
+        if chunk_rows(cfg, engine) == 1:
             raise OutOfMemory(last_line(run, phase, tried, why))
         halve_chunk(cfg, engine)
         said(
@@ -90,7 +90,7 @@ def trial(cfg, engine, fn):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 (only memory is caught)
-            if not out_of_memory(e) or rows(cfg, engine) == 1:
+            if not out_of_memory(e) or chunk_rows(cfg, engine) == 1:
                 raise
             why, old = error_line(e), cfg.gen_chunk
         free()
@@ -101,7 +101,7 @@ def trial(cfg, engine, fn):
         )
 
 
-def rows(cfg, engine):
+def chunk_rows(cfg, engine):
     """The rows a generate call holds at most: gen_chunk, or the engine's rows where fewer (the engine is
     reserved for the run's widest call: preflight.make_engine)."""
     return min(cfg.gen_chunk, engine.rows) if engine is not None and not engine.off else cfg.gen_chunk
@@ -109,7 +109,7 @@ def rows(cfg, engine):
 
 def halve_chunk(cfg, engine):
     """gen_chunk halved (from the rows a call holds) and the engine resized to it, its old buffers freed."""
-    cfg.gen_chunk = rows(cfg, engine) // 2
+    cfg.gen_chunk = chunk_rows(cfg, engine) // 2
     if engine is not None and not engine.off and cfg.gen_chunk < engine.rows:
         engine.resize(cfg.gen_chunk)
     free()
@@ -173,11 +173,11 @@ def last_line(run, phase, tried, why, when=""):
     at = f"at {field} {tried[-1]}" if not when else when
     return (
         f"out of memory in the {phase} {at} ({field} tried: {', '.join(map(str, tried))}; {other} "
-        f"{getattr(run.cfg, other)}; {why}); {estimate(run)}; {run.log.save_last()}"
+        f"{getattr(run.cfg, other)}; {why}); {estimate_line(run)}; {run.log.save_last()}"
     )
 
 
-def estimate(run):
+def estimate_line(run):
     """The step's estimate (training/memory/phases.py) at the run's sizes now, as words: the peak and its
     phase,
     the margin included on CUDA, beside the card setup sized the step to (Run.budget)."""

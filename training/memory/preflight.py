@@ -154,7 +154,7 @@ def make_engine(cfg, model, tok, widest, n_eval):
     )
 
 
-def check(cfg, run, device, widest, n_eval=0) -> GpuParts:
+def try_parts(cfg, run, device, widest, n_eval=0) -> GpuParts:
     """The parts `run` (run.load_for_update's) will use, each tried once on CUDA (see the docstring), and
     the optimizer's step setting applied after a checkpoint's load (Policy.use_kernel). widest: the run's
     widest prompt in tokens; n_eval: its held-out questions."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from training.memory.terms import prefill_rows
+from training.memory.terms import prefilled_rows
 from training.model.trainable import precision
 
 # A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
@@ -152,7 +152,7 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
     kahan, lora = prec.scheme == "kahan", prec.scheme == "lora"
     P, R, B = prompt_tokens, cfg.max_new_tokens, cfg.prompts_per_step * cfg.group_size
     b = min(cfg.micro_batch, B)
-    k = prefill_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
+    k = prefilled_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
     adapted = lora_linears(cfg, mc) if lora else []  # one layer's adapted linears
     rank = getattr(cfg, "lora_rank", 0)
     return Shapes(

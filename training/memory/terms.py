@@ -1,6 +1,6 @@
 """The bytes each part of one GRPO step holds, counted op by op: a decoder layer's saved tensors
 (layer_saved), what the update's forward keeps for backward (kept, update_kept), the attention capture's
-workspace (capture_workspace) and generation's KV cache and prefill (generation, prefill_rows, and a chunk
+workspace (capture_workspace) and generation's KV cache and prefill (generation, prefilled_rows, and a chunk
 beside the run's decode engine: engine_generation).
 training/memory/phases.py's estimate adds them into its phases; each function's docstring has its terms.
 Shapes: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv query / key-value heads of hd each;
@@ -26,7 +26,7 @@ def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=F
     runs on SDPA's math kernel (math_scores)."""
     L, V, Hkv = mc.num_hidden_layers, mc.vocab_size, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    T, k = P + R, prefill_rows(g, G, shared)
+    T, k = P + R, prefilled_rows(g, G, shared)
     kv = lambda rows, t: 2 * L * Hkv * hd * t * rows * matmul_bytes  # noqa: E731
     prefill = prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)
     if k < g:  # prefix sharing: each prompt's cache reserved at T
@@ -49,7 +49,7 @@ def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
     hold sampling's 5 (g, V) fp32. G: the rows of a prompt (1: held-out evaluation). math: as generation's."""
     L, Hkv = mc.num_hidden_layers, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    k, kv = prefill_rows(g, G), lambda rows: Hkv * hd * P * rows * matmul_bytes  # noqa: E731 one layer's K
+    k, kv = prefilled_rows(g, G), lambda rows: Hkv * hd * P * rows * matmul_bytes  # noqa: E731 one layer's K
     peaks = [
         (2 * L * kv(k), prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math)),
         (2 * L * kv(k) + kv(g), 0),
@@ -73,7 +73,7 @@ def prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math=False):
     return hidden + max(attn, mlp) + 5 * k * mc.vocab_size * 4
 
 
-def prefill_rows(g, G, shared=True):
+def prefilled_rows(g, G, shared=True):
     """The rows rollout.generate prefills at once in a chunk of g rows (and the prompts the update reads in a
     micro-batch of g): with prefix sharing (--share-prefix) each distinct prompt once, else all g."""
     return g if not shared else g // G if g % G == 0 else min(g, g // G + 2)

@@ -23,7 +23,6 @@ from huggingface_hub import get_session
 from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
 # The files a tokenizer is read from (fast: tokenizer.json; BPE: vocab.json + merges.txt; WordPiece:
 # vocab.txt; SentencePiece: *.model; tiktoken): without any, transformers 5.23 builds an empty one (no ids).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")

@@ -157,7 +157,7 @@ def setup(cfg) -> Run:
         f"rollouts/step, device={device}, out={out}"
     )
     parts = (
-        preflight.check(cfg, run, device, widest, len(evals))
+        preflight.try_parts(cfg, run, device, widest, len(evals))
         if preflight.on_gpu(device)
         else preflight.GpuParts(run.head_mean, None, run.policy.use_kernel(), [])
     )  # the CPU: no GPU part
