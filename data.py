@@ -282,8 +282,9 @@ def reward(completion, record):
 
 def batch_reward(reward, completions, records, completion_ids=None):
     """The reward of each completion of its record, as a list of floats: `reward` is data.reward (called on
-    each row), or a --reward's (training/usercode/reward_code.py's UserReward: its batch, each TRL-form function called
-    once, NaN where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
+    each row), or a --reward's (training/usercode/reward_code.py's UserReward: its batch, each TRL-form
+    function called once, NaN where no function scored a completion). grpo.py's and heldout.py's one call
+    for a batch."""
     batch = getattr(reward, "batch", None)
     if batch is not None:
         return batch(completions, records, completion_ids)
