@@ -64,7 +64,7 @@ from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
 from training.config import flags, presets
 from training.credit import baselines
-from training.decode.rollout import generate
+from training.decode.rollout import Sampling, generate
 from training.memory import backoff
 from training.model.lora import AdapterConfig
 from training.policy import fixed_logprobs, token_logprobs
@@ -203,11 +203,8 @@ def grpo_step(run, step, bad) -> Step:
             pol.model,
             pol.tok,
             [prompts[i] for i in ids],
-            n=G,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            G,
+            Sampling.of(cfg),
             share_prefix=cfg.share_prefix,
             engine=run.engine,
         )

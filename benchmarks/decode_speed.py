@@ -43,8 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import grpo  # noqa: E402
 from training.decode.engine import Engine  # noqa: E402
-from training.decode.rollout import generate, prompt_ids  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
@@ -104,15 +105,9 @@ def decoders(model, tok, prompts, s, greedy, eng, static=True):
     """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
     cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
     eager on the CPU)."""
-    kw = dict(
-        n=s["group_size"],
-        max_new_tokens=s["max_new_tokens"],
-        temperature=0.99,
-        top_p=1.0,
-        top_k=100,
-        greedy=greedy,
-        chunk_size=s["gen_chunk"],
-    )
+    new = s["max_new_tokens"]
+    sampling = Sampling(new, greedy=True) if greedy else Sampling.of(grpo.Config(max_new_tokens=new))  # C.3
+    kw = dict(n=s["group_size"], sampling=sampling, chunk_size=s["gen_chunk"])
     calls = {
         "engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
         "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
-from training.decode.rollout import generate, prompt_ids  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
 from training.memory import preflight  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 
@@ -49,15 +49,8 @@ def release_cost(cfg, model, tok, prompts, eng, new, autocast, graphs):
     if eng is None:
         return None
     dev = model.device
-    kw = dict(
-        n=cfg.group_size,
-        max_new_tokens=min(16, new),
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        chunk_size=cfg.gen_chunk,
-        engine=eng,
-    )
+    sampling = Sampling.of(cfg)._replace(max_new_tokens=min(16, new))  # the run's, a short call
+    kw = dict(n=cfg.group_size, sampling=sampling, chunk_size=cfg.gen_chunk, engine=eng)
     one = prompts[: max(1, cfg.gen_chunk // cfg.group_size)]  # one chunk of rows
     with torch.no_grad(), autocast:
         generate(model, tok, one, **kw)  # warm: graphs captured

@@ -81,7 +81,7 @@ from flowtracer import (
     select_layers,  # noqa: E402
 )
 from training.credit import baselines  # noqa: E402
-from training.decode.rollout import generate  # noqa: E402
+from training.decode.rollout import Sampling, generate  # noqa: E402
 from training.memory import budget, phases
 from training.run import log
 from training.run.setup import load_for_update  # noqa: E402
@@ -156,11 +156,8 @@ def rollout(run, tok, P, short=0):
             run.policy.model,
             tok,
             run.prompts,
-            n=cfg.group_size,
-            max_new_tokens=n,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            cfg.group_size,
+            Sampling.of(cfg)._replace(max_new_tokens=n),  # the run's sampling, n new tokens
             chunk_size=cfg.gen_chunk,
             engine=run.engine,
             **extra,

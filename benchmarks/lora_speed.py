@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import grpo  # noqa: E402
 from data import build_batch  # noqa: E402
-from training.decode.rollout import generate, prompt_ids  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
 from training.memory import budget  # noqa: E402
 from training.model import trainable
 from training.run import log
@@ -45,11 +45,8 @@ def rollouts(run, cfg, prompts):
             run.policy.model,
             run.policy.tok,
             prompts,
-            n=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            cfg.group_size,
+            Sampling.of(cfg),
             chunk_size=cfg.gen_chunk,
             share_prefix=cfg.share_prefix,
         )

@@ -56,6 +56,7 @@ from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
 from training.config import flags, helptext
 from training.credit import scoring
+from training.decode.rollout import Sampling
 from training.memory import budget
 from training.model import trainable
 from training.model.load import load_model
@@ -302,10 +303,10 @@ def evaluate_model(g, name, greedy=True):
     greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
     rc, cfg, device = g.rc, g.cfg, trainable.device_of(g.rc.device)
     model, tok = load_model(name, device=device, dtype=trainable.weight_dtype(rc, device))
-    args = (model, tok, g.recs, g.style, rc.max_new_tokens, g.setting["eval_chunk"])
-    res = heldout.greedy(*args) if greedy else {}
+    args, chunk = (model, tok, g.recs, g.style), g.setting["eval_chunk"]
+    res = heldout.greedy(*args, rc.max_new_tokens, chunk) if greedy else {}
     if cfg.eval_k:
-        res |= heldout.sampled(*args, cfg.eval_k, rc.temperature, rc.top_p, rc.top_k, cfg.eval_seed)
+        res |= heldout.sampled(*args, Sampling.of(rc), chunk, cfg.eval_k, cfg.eval_seed)  # as the run samples
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next grpo.py run gets the GPU's memory back

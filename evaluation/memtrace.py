@@ -254,11 +254,8 @@ def measure(
                 model,
                 tok,
                 prompts,
-                n=cfg.group_size,
-                max_new_tokens=R,
-                top_k=cfg.top_k,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
+                cfg.group_size,
+                rollout.Sampling.of(cfg),  # R = cfg.max_new_tokens new tokens
                 chunk_size=cfg.gen_chunk,
                 share_prefix=cfg.share_prefix,
                 engine=run.engine,

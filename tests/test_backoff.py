@@ -197,7 +197,7 @@ def test_the_rows_done_are_kept_and_only_the_others_generated(monkeypatch):
 
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     prompts = ["Q: 1+1? A:", "Q: 2+3? A:", "Q: 7+9? A:"]
-    kw = dict(n=2, max_new_tokens=5, greedy=True, chunk_size=2)
+    kw = dict(n=2, sampling=rollout.Sampling(5, greedy=True), chunk_size=2)
     want = rollout.generate(model, tok, prompts, **kw)
     done, real, calls = rollout.Generations([], [], [], []), rollout.prefill_rows, []
 

@@ -66,7 +66,7 @@ def test_generate_reads_one_bos_on_every_path(chat):
     tok, text, bos = chat
     model, _ = load_model("tiny-llama", device="cpu")
     want = rollout.prompt_ids(tok, [text])[0]
-    kw = dict(n=2, max_new_tokens=6, greedy=True)
+    kw = dict(n=2, sampling=rollout.Sampling(6, greedy=True))
     runs = [
         rollout.generate(model, tok, [text, text + " five"], **kw, **extra)
         for extra in ({}, {"graphs": False}, {"share_prefix": False})

@@ -182,7 +182,9 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16)  # bf16: CUDA's cache bytes
     widest, n_eval = 40, 64
     eng = preflight.make_engine(cfg, model, tok, widest, n_eval)
-    rollout.generate(model, tok, [[1, 5, 6, 7]], n=1, max_new_tokens=2, greedy=True, chunk_size=1, engine=eng)
+    rollout.generate(
+        model, tok, [[1, 5, 6, 7]], 1, rollout.Sampling(2, greedy=True), chunk_size=1, engine=eng
+    )
     held = eng.keys.nbytes + eng.values.nbytes  # allocated by the decode
     mc = phases.model_config(cfg.model)
     est = phases.estimate(cfg, mc, "cuda", widest, n_eval=n_eval)

@@ -42,7 +42,7 @@ def prefill(model, ids, pad):
 def stop_spreading_eos(model, tok, prompts, n, N):
     """A token that HF's greedy rows emit mid-response at the most different steps: made the EOS, rows stop
     at different times (the tiny models' own EOS rarely comes)."""
-    free = rollout.generate(model, tok, prompts, n=n, max_new_tokens=N, greedy=True, share_prefix=False)
+    free = rollout.generate(model, tok, prompts, n, rollout.Sampling(N, greedy=True), share_prefix=False)
     rows = free.response_ids
     stops = {t: {r.index(t) if t in r else -1 for r in rows} for t in {t for r in rows for t in r[1:-1]}}
     return max(sorted(stops), key=lambda t: len(stops[t]))
@@ -61,7 +61,7 @@ def test_greedy_rows_equal_hf_generate(tiny, prompts):
     model, tok = tiny
     eos = stop_spreading_eos(model, tok, prompts, 2, 40)
     old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
-    kw = dict(n=2, max_new_tokens=40, greedy=True, chunk_size=5)
+    kw = dict(n=2, sampling=rollout.Sampling(40, greedy=True), chunk_size=5)
     try:
         ref = rollout.generate(model, tok, prompts, share_prefix=False, **kw)
         got = rollout.generate(model, tok, prompts, graphs=model.device.type == "cuda", check_every=2, **kw)
@@ -221,11 +221,8 @@ def test_first_tokens_through_the_engine_fit_hfs_warpers():
         model,
         tok,
         PROMPTS[:1],
-        n=3000,
-        max_new_tokens=1,
-        temperature=0.7,
-        top_k=20,
-        top_p=0.9,
+        3000,
+        rollout.Sampling(1, temperature=0.7, top_p=0.9, top_k=20),
         chunk_size=1000,
         graphs=False,
     )

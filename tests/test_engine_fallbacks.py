@@ -103,7 +103,7 @@ def tiny():
 
 def rows(model, tok, eng, prompts=PROMPTS):
     return rollout.generate(
-        model, tok, prompts, n=3, max_new_tokens=12, greedy=True, chunk_size=5, engine=eng
+        model, tok, prompts, 3, rollout.Sampling(12, greedy=True), chunk_size=5, engine=eng
     ).response_ids
 
 

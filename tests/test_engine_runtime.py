@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import Qwen3Config
 
+import grpo
 from evaluation.memtrace import track_peak
 from training.decode import engine, rollout, static_step
 from training.memory import phases, terms
@@ -77,7 +78,7 @@ def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
                     eng.step(4, eng.S)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9, chunk_size=6)
+        kw = dict(n=3, sampling=rollout.Sampling(12, temperature=0.9, top_p=0.9, top_k=50), chunk_size=6)
         g = rollout.generate(model, tok, PROMPTS, graphs=True, **kw)
         assert len(g.response_ids) == 12 and any(len(r) > 1 for r in g.response_ids)
 
@@ -92,7 +93,7 @@ def test_graphs_only_on_cuda_and_equal_to_eager(device):
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
             engine.Engine(model, graphs=True)
         return
-    kw = dict(n=3, max_new_tokens=100, greedy=True, chunk_size=5, check_every=4)  # several buckets
+    kw = dict(n=3, sampling=rollout.Sampling(100, greedy=True), chunk_size=5, check_every=4)  # buckets
     assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == rollout.generate(
         model, tok, PROMPTS, graphs=False, **kw
     )
@@ -117,7 +118,7 @@ def test_rollout_generate_takes_the_engine_on_cuda_only(device, monkeypatch):
         "decode",
         lambda model, inp, *a: used.append("decode") or torch.full((len(inp), 4), pad, device=inp.device),
     )
-    kw = dict(n=2, max_new_tokens=4, greedy=True)
+    kw = dict(n=2, sampling=rollout.Sampling(4, greedy=True))
     for extra in (
         {},
         {"min_new_tokens": 2},
@@ -150,9 +151,8 @@ def test_peak_memory_within_the_generation_estimate():
     with torch.no_grad(), track_peak(model) as tr:
         w = tr.now
         tr.phase("generation")
-        rollout.generate(
-            model, tok, prompts, n=G, max_new_tokens=R, chunk_size=g, min_new_tokens=R, graphs=False
-        )
+        run = rollout.Sampling.of(grpo.Config(max_new_tokens=R))  # the rollouts' sampling
+        rollout.generate(model, tok, prompts, G, run, chunk_size=g, min_new_tokens=R, graphs=False)
     assert 0.9 < est / (tr.peak["generation"] - w) < 1.1
 
 
@@ -180,7 +180,7 @@ def test_generate_speed_gpu_table_runs_on_the_cpu():
 def engine_rows(model, tok, eng, **kw):
     """The greedy rows of rollout.generate through `eng` (kept by the caller), 3 rows a prompt."""
     return rollout.generate(
-        model, tok, PROMPTS, n=3, max_new_tokens=20, greedy=True, chunk_size=5, engine=eng, **kw
+        model, tok, PROMPTS, 3, rollout.Sampling(20, greedy=True), chunk_size=5, engine=eng, **kw
     )
 
 
@@ -221,7 +221,7 @@ def test_an_engine_kept_for_a_run_captures_each_shape_once():
         == engine_rows(model, tok, engine.Engine(model, graphs=False, check_every=2))
     )
     assert eng.captures == n and eng.keys is keys  # the same buffers, no capture
-    wide = dict(n=3, max_new_tokens=20, greedy=True, chunk_size=8, engine=eng)
+    wide = dict(n=3, sampling=rollout.Sampling(20, greedy=True), chunk_size=8, engine=eng)
     rollout.generate(model, tok, PROMPTS, **wide)
     assert eng.rows == 8 and eng.keys is not keys and eng.captures > n  # grown: graphs captured again
     grown, keys = eng.captures, eng.keys
@@ -229,11 +229,12 @@ def test_an_engine_kept_for_a_run_captures_each_shape_once():
     assert eng.captures == grown and eng.keys is keys
     assert engine_rows(model, tok, eng) == first and eng.keys is keys  # 5 rows fit in the 8
     before = set(eng.graph)
-    rollout.generate(model, tok, PROMPTS, n=3, max_new_tokens=20, temperature=0.5, chunk_size=5, engine=eng)
+    hotter = rollout.Sampling(20, temperature=0.5, top_k=100)
+    rollout.generate(model, tok, PROMPTS, 3, hotter, chunk_size=5, engine=eng)
     assert eng.keys is keys and eng.warp == (0.5, 100, 1.0)  # another warp: the same buffers,
     assert before < set(eng.graph) and {k[2] for k in eng.graph} == {None, (0.5, 100, 1.0)}  # its graphs
     with pytest.raises(ValueError, match="engine= decodes the shared-prefix path"):
-        rollout.generate(model, tok, PROMPTS, engine=eng, share_prefix=False)
+        rollout.generate(model, tok, PROMPTS, 1, hotter, engine=eng, share_prefix=False)
 
 
 def test_row_buckets_go_by_eight_below_the_chunk():

@@ -12,7 +12,7 @@ import eval as ev
 from evaluation import harness, highflow, probes, regenerate, stats
 from evaluation import recall as recall_probe
 from evaluation.figures import peak_ema
-from training.decode.rollout import eos_ids, generate
+from training.decode.rollout import Sampling, eos_ids, generate
 from training.model.load import load_model
 
 
@@ -82,7 +82,7 @@ def reference_masked_greedy(model, ids, blocked, n, eos):
 def test_decode_equals_hf_greedy_generate(tiny):
     model, tok = tiny
     prompts = ["hello there", "hello there, a longer prompt to force padding", "2+2="]
-    ref = generate(model, tok, prompts, max_new_tokens=10, greedy=True).response_ids
+    ref = generate(model, tok, prompts, 1, Sampling(10, greedy=True)).response_ids
     ids = [tok(p).input_ids for p in prompts]
     assert regenerate.continue_prefixes(model, tok, ids, [10] * 3) == ref  # shared prefix "hello there"
     assert (

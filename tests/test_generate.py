@@ -12,7 +12,7 @@ import data
 import grpo
 from data import build_batch
 from training.decode import rollout
-from training.decode.rollout import generate
+from training.decode.rollout import Sampling, generate
 from training.model import gguf
 from training.model.load import load_model
 
@@ -33,10 +33,8 @@ def tiny(request):
 @pytest.mark.parametrize("n,chunk", [(1, 2), (3, 4), (4, 16)])
 def test_greedy_equals_plain_hf(tiny, prompts, n, chunk):
     model, tok = tiny
-    ref = generate(
-        model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk, share_prefix=False
-    )
-    got = generate(model, tok, prompts, n=n, max_new_tokens=16, greedy=True, chunk_size=chunk)
+    ref = generate(model, tok, prompts, n, Sampling(16, greedy=True), chunk_size=chunk, share_prefix=False)
+    got = generate(model, tok, prompts, n, Sampling(16, greedy=True), chunk_size=chunk)
     assert got == ref  # prompt ids, response ids, texts and truncation flags
 
 
@@ -44,7 +42,7 @@ def test_sampling_same_seed_same_rows_and_update_logprobs(tiny):
     """The sampler sees the same logits in the same row order, so a seed gives the same samples; the update's
     log-probs (grpo.token_logprobs on the built batch) then agree to 1e-5."""
     model, tok = tiny
-    kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, chunk_size=4)
+    kw = dict(n=3, sampling=Sampling(12, temperature=0.9, top_p=0.95, top_k=50), chunk_size=4)
     torch.manual_seed(3)
     ref = generate(model, tok, PROMPTS, share_prefix=False, **kw)
     torch.manual_seed(3)
@@ -91,7 +89,7 @@ def test_first_token_distribution_matches_hf_warpers():
 
     torch.manual_seed(0)
     g = generate(
-        model, tok, [prompt], n=4000, max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.9, chunk_size=1000
+        model, tok, [prompt], 4000, Sampling(1, temperature=0.7, top_p=0.9, top_k=20), chunk_size=1000
     )
     counts = torch.bincount(torch.tensor([r[0] for r in g.response_ids]), minlength=len(tok)).double()
     p = probs(0.7)
@@ -108,9 +106,7 @@ def test_each_prompt_is_read_once(tiny):
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
     try:
         for share in (True, False):
-            generate(
-                model, tok, PROMPTS[:3], n=4, max_new_tokens=1, greedy=True, chunk_size=8, share_prefix=share
-            )
+            generate(model, tok, PROMPTS[:3], 4, Sampling(1, greedy=True), chunk_size=8, share_prefix=share)
     finally:
         hook.remove()
     ids = [tok(p).input_ids for p in PROMPTS[:3]]
@@ -126,7 +122,7 @@ def test_finished_rows_leave_the_batch_and_tokens_stay_hf(tiny, greedy):
     """Make a token that HF samples mid-response the EOS, so rows stop at different steps: the shared path
     then runs later steps on fewer rows (counted at the embedding), and a seed still gives HF's tokens."""
     model, tok = tiny
-    kw = dict(n=3, max_new_tokens=12, temperature=0.9, top_k=50, chunk_size=6, greedy=greedy)
+    kw = dict(n=3, sampling=Sampling(12, temperature=0.9, top_k=50, greedy=greedy), chunk_size=6)
     torch.manual_seed(5)
     free = generate(model, tok, PROMPTS[:3], share_prefix=False, **kw).response_ids
     stops = {t: {r.index(t) if t in r else -1 for r in free} for t in {t for r in free for t in r[1:-1]}}
@@ -183,7 +179,7 @@ def test_smollm2_embedded_prompts_greedy_equal():
     model, tok = load_model("smollm2-135m", device="cpu")
     recs = data.load_task("arithmetic", split="train", seed=0)[:2]
     prompts = [data.make_prompt(r, tok, "fewshot3") for r in recs]
-    kw = dict(n=2, max_new_tokens=12, greedy=True, chunk_size=4)
+    kw = dict(n=2, sampling=Sampling(12, greedy=True), chunk_size=4)
     assert generate(model, tok, prompts, **kw) == generate(model, tok, prompts, share_prefix=False, **kw)
 
 
@@ -210,7 +206,7 @@ def test_generate_decodes_in_eval_mode_and_gives_the_mode_back(path):
     breaks a CUDA graph's capture) decodes in eval mode: the rows of the eval-mode model; then it is in
     train mode again."""
     model, tok = load_model("tiny-qwen3", device="cpu")
-    kw = dict(n=2, max_new_tokens=12, greedy=True, chunk_size=3, **PATHS[path])
+    kw = dict(n=2, sampling=Sampling(12, greedy=True), chunk_size=3, **PATHS[path])
     want = generate(model, tok, PROMPTS, **kw)
     model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
@@ -230,14 +226,40 @@ def test_bad_sampling_and_empty_prompts_are_refused_at_the_door(path):
     sampler would draw from NaN) is a ValueError, as is top_k < 0 or top_p outside [0, 1]; an empty prompt,
     or one without tokens, is one ValueError naming its index and text."""
     model, tok = load_model("tiny-qwen3", device="cpu")
-    kw = dict(n=2, max_new_tokens=4, **PATHS[path])
+    run = Sampling.of(grpo.Config(max_new_tokens=4))  # the run's: T 0.99, top-p 1, top-k 100
     for bad in (dict(temperature=1e-300), dict(temperature=0.0), dict(top_k=-1), dict(top_p=1.5)):
         with pytest.raises(ValueError, match="use greedy=True"):
-            generate(model, tok, PROMPTS[:2], **kw, **bad)
-    assert len(generate(model, tok, PROMPTS[:2], temperature=1e-300, greedy=True, **kw).texts) == 4
+            generate(model, tok, PROMPTS[:2], 2, run._replace(**bad), **PATHS[path])
+    argmax = run._replace(temperature=1e-300, greedy=True)
+    assert len(generate(model, tok, PROMPTS[:2], 2, argmax, **PATHS[path]).texts) == 4
     for prompts, j in (([PROMPTS[0], ""], 1), (["", "a"], 0)):
         with pytest.raises(ValueError, match=rf"^prompt {j} \(''\) is empty or has no tokens$"):
-            generate(model, tok, prompts, **kw)
+            generate(model, tok, prompts, 2, run, **PATHS[path])
+
+
+def test_sampling_of_reads_the_run_config_and_a_bad_sampling_is_refused():
+    """Sampling.of(cfg) is the run's max_new_tokens, temperature, top_p and top_k (grpo.Config's, App. C.3;
+    a flag's value too), sampling, not greedy; generate refuses a Sampling with top_k < 0 with its one
+    ValueError, before any token."""
+    for cfg in (grpo.Config(), grpo.Config(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=7)):
+        got = Sampling.of(cfg)
+        assert got == Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+        assert (got.max_new_tokens, got.temperature, got.top_p, got.top_k, got.greedy) == (
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_p,
+            cfg.top_k,
+            False,
+        )
+    model, tok = load_model("tiny-qwen3", device="cpu")
+    bad = Sampling.of(grpo.Config(max_new_tokens=4))._replace(top_k=-1)
+    said = (
+        f"sampling needs temperature >= {rollout.MIN_TEMPERATURE}, top_k >= 0, 0 <= top_p <= 1; got "
+        f"{bad.temperature}, -1, {bad.top_p}; use greedy=True for argmax"
+    )
+    with pytest.raises(ValueError) as e:
+        generate(model, tok, PROMPTS[:2], 2, bad)
+    assert str(e.value) == said
 
 
 def test_the_cpu_path_never_calls_into_the_engine():
@@ -254,7 +276,7 @@ def test_the_cpu_path_never_calls_into_the_engine():
         files = set()
         sys.setprofile(lambda frame, event, _: files.add(frame.f_code.co_filename) if event == "call" else 0)
         try:
-            generate(model, tok, PROMPTS[:2], n=2, max_new_tokens=4, greedy=True, **kw)
+            generate(model, tok, PROMPTS[:2], 2, Sampling(4, greedy=True), **kw)
         finally:
             sys.setprofile(None)
         return engine_py in files

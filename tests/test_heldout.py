@@ -35,18 +35,9 @@ def former(model, tok, recs, style, budget, batch, k, rc, seed):
     """learn.py's evaluation before it moved here (its `evaluate`, per-question part), the reference."""
     prompts = [data.make_prompt(r, tok, style) for r in recs]
     torch.manual_seed(seed)
-    g = rollout.generate(model, tok, prompts, n=1, max_new_tokens=budget, greedy=True, chunk_size=batch)
-    s = rollout.generate(
-        model,
-        tok,
-        prompts,
-        n=k,
-        max_new_tokens=budget,
-        temperature=rc["temperature"],
-        top_p=rc["top_p"],
-        top_k=rc["top_k"],
-        chunk_size=batch,
-    )
+    g = rollout.generate(model, tok, prompts, 1, rollout.Sampling(budget, greedy=True), chunk_size=batch)
+    sampling = rollout.Sampling(budget, rc["temperature"], rc["top_p"], rc["top_k"])
+    s = rollout.generate(model, tok, prompts, k, sampling, chunk_size=batch)
     res = {"greedy": [], "greedy_lenient": [], "samples": [], "samples_lenient": []}
     for i, r in enumerate(recs):
         for key, texts in (("greedy", g.texts[i : i + 1]), ("samples", s.texts[i * k : (i + 1) * k])):
@@ -72,9 +63,8 @@ def test_counts_add_up_and_equal_learns_former_path(tiny, recs, monkeypatch):
     assert m["eval/accuracy"] == pytest.approx(m["eval/correct"] / 5) and 0 <= m["eval/accuracy"] <= 1
     assert m["eval/right_lenient"] == ref["greedy_lenient"]
     assert m["eval/accuracy_lenient"] == pytest.approx(sum(ref["greedy_lenient"]) / 5)
-    s = heldout.sampled(
-        model, tok, recs, STYLE, BUDGET, CHUNK, 2, rc["temperature"], rc["top_p"], rc["top_k"], seed=3
-    )
+    sampling = rollout.Sampling(BUDGET, rc["temperature"], rc["top_p"], rc["top_k"])
+    s = heldout.sampled(model, tok, recs, STYLE, sampling, CHUNK, 2, seed=3)
     assert s == {"samples": ref["samples"], "samples_lenient": ref["samples_lenient"]}
     assert all(0 <= x <= 2 for x in s["samples"]) and 0 < sum(s["samples"]) < 10
 

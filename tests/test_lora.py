@@ -325,14 +325,15 @@ def test_the_engine_decodes_the_adapted_model():
     and differ from the base model's (the adapters are read, not skipped)."""
     cfg = grpo.parse_args([*TINY, "--lora-rank", "4"])
     base, tok = load.load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
-    plain = rollout.generate(base, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
+    argmax = rollout.Sampling(12, greedy=True)
+    plain = rollout.generate(base, tok, PROMPTS, 1, argmax, share_prefix=False)
     adapted = lora.with_lora(base, cfg)
     with torch.no_grad():
         for n, p in adapted.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
-    eager = rollout.generate(adapted, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, share_prefix=False)
-    engine = rollout.generate(adapted, tok, PROMPTS, n=1, max_new_tokens=12, greedy=True, graphs=False)
+    eager = rollout.generate(adapted, tok, PROMPTS, 1, argmax, share_prefix=False)
+    engine = rollout.generate(adapted, tok, PROMPTS, 1, argmax, graphs=False)
     assert engine.response_ids == eager.response_ids
     assert eager.response_ids != plain.response_ids
 

@@ -125,9 +125,8 @@ def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
             model,
             tok,
             ["ab", "cdefg"],
-            n=2,
-            max_new_tokens=6,
-            greedy=True,
+            2,
+            rollout.Sampling(6, greedy=True),
             share_prefix=share,
         ).response_ids
 
@@ -248,9 +247,8 @@ def test_the_prefill_keeps_one_positions_logits():
             model,
             tok,
             texts,
-            n=2,
-            max_new_tokens=5,
-            greedy=True,
+            2,
+            rollout.Sampling(5, greedy=True),
             share_prefix=share,
         ).response_ids
 

@@ -214,7 +214,7 @@ def test_a_long_prompt_mid_run_recaptures_nothing(tiny, monkeypatch):
     monkeypatch.setattr(preflight, "on_gpu", lambda device: True)
     u = record(model, tok, torch.optim.AdamW(model.parameters()), None)
     eng = preflight.try_parts(cfg_of(), u, "cpu", widest=len(long[0])).engine
-    kw = dict(n=2, max_new_tokens=6, chunk_size=8, engine=eng)
+    kw = dict(n=2, sampling=rollout.Sampling.of(cfg_of()), chunk_size=8, engine=eng)  # the run's
     rollout.generate(model, tok, short, **kw)
     keys, graphs = eng.keys, set(eng.graph)
     rollout.generate(model, tok, long, **kw)
@@ -238,10 +238,10 @@ def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
         engine.Engine, "__init__", lambda self, *a, **k: made.append(self) or real_init(self, *a, **k)
     )
 
-    def counted(model, tok, prompts, **kw):
-        out = real_generate(model, tok, prompts, **kw)
+    def counted(model, tok, prompts, n, sampling, **kw):
+        out = real_generate(model, tok, prompts, n, sampling, **kw)
         eng = kw.get("engine")
-        calls.append((eng, eng.captures if eng else None, id(eng.keys) if eng else None, kw.get("greedy")))
+        calls.append((eng, eng.captures if eng else None, id(eng.keys) if eng else None, sampling.greedy))
         return out
 
     monkeypatch.setattr(grpo, "generate", counted)
@@ -270,7 +270,7 @@ def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
     )
     run = grpo.setup(cfg)
     grpo.train(cfg, run)
-    assert len(made) == 1 and [c[3] for c in calls] == [None, True, None, True]  # step, eval, step, eval
+    assert len(made) == 1 and [c[3] for c in calls] == [False, True, False, True]  # step, eval, step, eval
     assert all(c[0] is run.engine for c in calls) and len({c[2] for c in calls}) == 1
     assert calls[1][1] == calls[3][1] and calls[0][1] < calls[1][1]  # nothing new after the first pair
     assert run.engine.S >= run.task.widest_prompt - 1 + 6

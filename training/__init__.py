@@ -1,6 +1,6 @@
 """What one grpo.py step is built from: the policy (policy.py) and seven rooms, each reached in one call.
 
-    decode/    rollouts, each prompt read once; the CUDA engine    rollout.generate(model, tok, prompts, n)
+    decode/    rollouts, each prompt read once; the CUDA engine    rollout.generate(..., prompts, n, sampling)
     credit/    every credit but the paper's default               baselines.OtherCredit(run, batch, ...)
     memory/    the step sized to the card; out of memory, smaller  backoff.generate, backoff.update
     model/     a model by name, at the run's precision; LoRA       trainable.load_policy (at setup)

@@ -1,5 +1,5 @@
 """Rollouts: n sampled responses per prompt, each prompt read once. grpo.py's one call:
-rollout.generate(model, tok, prompts, n, ...) -> Generations.
+rollout.generate(model, tok, prompts, n, sampling, ...) -> Generations, sampling = rollout.Sampling.of(cfg).
 
     rollout.py      generate: the shared prefix, each prompt's suffix, then the CPU decoder (HF's sampling)
     engine.py       the CUDA decode engine generate uses there: a static KV cache, graphs, no host sync

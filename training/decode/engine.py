@@ -126,10 +126,11 @@ class Engine:
 
     def reserve(self, rows, width, new, eos, pad, warp):
         """Room for `rows` rows of `width` positions (prompt and new tokens), `new` tokens a call, decoded
-        with these EOS ids and pad, and this call's warp ((temperature, top_k, top_p), or None: greedy).
-        Kept while the call fits and eos, pad are the same; else new buffers, at least as large, the graphs
-        dropped and one line. The warp is not a reason to rebuild: each warp has its own graphs over the same
-        buffers (greedy evaluation beside sampled rollouts). grpo.py reserves its widest call at setup."""
+        with these EOS ids and pad, and this call's warp (rollout.Sampling.warp: (temperature, top_k, top_p),
+        or None: greedy). Kept while the call fits and eos, pad are the same; else new buffers, at least as
+        large, the graphs dropped and one line. The warp is not a reason to rebuild: each warp has its own
+        graphs over the same buffers (greedy evaluation beside sampled rollouts). grpo.py reserves its widest
+        call at setup."""
         S = ALIGN * math.ceil(width / ALIGN)  # cache positions
         settings = (tuple(eos), pad)
         self.new, self.warp = new, warp

@@ -1,8 +1,10 @@
 """Rollouts: n sampled responses per prompt, each prompt read once (paper App. C.3's sampling).
 
-`generate(model, tokenizer, prompts, n)` returns n responses per prompt with the App. C.3 sampling parameters
-(temperature T = 0.99, top-p = 1.0, top-k = 100), batched with a KV cache, grouped: prompt i -> rows
-i*n .. i*n+n-1. grpo.py's rollout phase, eval.py and learn.py's evaluations all sample through it.
+`generate(model, tokenizer, prompts, n, sampling)` returns n responses per prompt, batched with a KV cache,
+grouped: prompt i -> rows i*n .. i*n+n-1. `sampling` is one `Sampling` record: the response budget and the
+App. C.3 knobs (temperature T = 0.99, top-p = 1.0, top-k = 100: grpo.Config's), built once from the run's
+config (`Sampling.of(cfg)`), or `Sampling(max_new_tokens, greedy=True)` for argmax. grpo.py's rollout phase,
+eval.py and learn.py's evaluations all sample through it.
 
 How (share_prefix=True, the default):
   1. `shared_prefix`: the token prefix that all the call's prompts share (the few-shot exemplars) is
@@ -70,6 +72,26 @@ MIN_TEMPERATURE = 1e-5  # below, sampling is argmax but for logit gaps < 1e-3 (w
 # logits / T overflows fp32 (T = 1e-300: inf, then NaN): greedy=True is argmax
 
 
+class Sampling(NamedTuple):
+    """How a rollout samples each response: App. C.3's knobs, built once from the run's config (`of`)."""
+
+    max_new_tokens: int  # the response budget in tokens
+    temperature: float = 1.0  # logits / T before the draw (>= MIN_TEMPERATURE; 1: as they are)
+    top_p: float = 1.0  # nucleus: the smallest set of tokens of this mass (1: all)
+    top_k: int = 0  # only the k most likely tokens (0: all)
+    greedy: bool = False  # argmax instead of a draw (held-out evaluation): temperature, top_p, top_k unread
+
+    @classmethod
+    def of(cls, cfg):
+        """The run's sampling: grpo.Config's max_new_tokens, temperature, top_p, top_k (App. C.3)."""
+        return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+
+    @property
+    def warp(self):
+        """The decode engine's warp (engine.Engine.reserve): (temperature, top_k, top_p), or None: greedy."""
+        return None if self.greedy else (self.temperature, self.top_k, self.top_p)
+
+
 def prompt_ids(tokenizer, prompts):
     """list[list[int]]: each prompt's token ids with one BOS. The tokenizer's special tokens are added only
     when the text does not already begin with its BOS (a chat template that writes it, as Llama 3's: TRL
@@ -83,19 +105,16 @@ def generate(
     model,
     tokenizer,
     prompts,
-    n=1,
-    max_new_tokens=1024,
-    temperature=0.99,
-    top_p=1.0,
-    top_k=100,
-    greedy=False,
+    n,
+    sampling,
     chunk_size=16,
     share_prefix=True,
     engine=None,
     done=None,
     **extra,
 ):
-    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1). Uses torch's global RNG.
+    """n responses per prompt; rows grouped (prompt i -> rows i*n .. i*n+n-1), each sampled as `sampling` says
+    (a Sampling: its max_new_tokens, temperature, top_p, top_k, or greedy). Uses torch's global RNG.
 
     share_prefix (default, departure 1): each prompt is read once, not n times. The token prefix that all the
     prompts share (the few-shot exemplars) is prefilled once per call; each chunk of rows prefills its
@@ -116,16 +135,19 @@ def generate(
     done: a Generations that the call appends each chunk's rows to as they finish, and returns; rows already
     in it are not generated again (a call that raised, out of memory, goes on from its last whole chunk:
     training/memory/backoff.py calls again with fewer rows a chunk). None: a new one.
-    Refused with a ValueError: an empty prompt, or one without tokens; sampling at a temperature below
-    MIN_TEMPERATURE (logits / T would overflow), top_k < 0 or top_p outside [0, 1]."""
+    Refused with a ValueError: an empty prompt, or one without tokens; a Sampling that samples (not greedy)
+    at a temperature below MIN_TEMPERATURE (logits / T would overflow), top_k < 0 or top_p outside [0, 1]."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings (or of token-id lists)")
-    if n < 1 or max_new_tokens < 1 or chunk_size < 1:
-        raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {max_new_tokens}, {chunk_size}")
-    if not greedy and not (temperature >= MIN_TEMPERATURE and top_k >= 0 and 0 <= top_p <= 1):
+    new = sampling.max_new_tokens
+    if n < 1 or new < 1 or chunk_size < 1:
+        raise ValueError(f"need n, max_new_tokens, chunk_size >= 1, got {n}, {new}, {chunk_size}")
+    if not sampling.greedy and not (
+        sampling.temperature >= MIN_TEMPERATURE and sampling.top_k >= 0 and 0 <= sampling.top_p <= 1
+    ):
         raise ValueError(
             f"sampling needs temperature >= {MIN_TEMPERATURE}, top_k >= 0, 0 <= top_p <= 1; got "
-            f"{temperature}, {top_k}, {top_p}; use greedy=True for argmax"
+            f"{sampling.temperature}, {sampling.top_k}, {sampling.top_p}; use greedy=True for argmax"
         )
     if engine is not None and (extra or not share_prefix):
         raise ValueError(
@@ -139,25 +161,27 @@ def generate(
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     sample = (
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if greedy
-        else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+        if sampling.greedy
+        else dict(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+        )
     )
-    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
+    kw = dict(max_new_tokens=new, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
     warpers = (
         LogitsProcessorList(
             [
                 w
                 for w, on in (
-                    (TemperatureLogitsWarper(temperature), temperature != 1.0),
-                    (TopKLogitsWarper(top_k), bool(top_k)),
-                    (TopPLogitsWarper(top_p), top_p < 1.0),
+                    (TemperatureLogitsWarper(sampling.temperature), sampling.temperature != 1.0),
+                    (TopKLogitsWarper(sampling.top_k), bool(sampling.top_k)),
+                    (TopPLogitsWarper(sampling.top_p), sampling.top_p < 1.0),
                 )
                 if on
             ]
         )
-        if not greedy
+        if not sampling.greedy
         else None
-    )  # HF's sampling warpers, HF's order
+    )  # HF's sampling warpers, HF's order; None: greedy (argmax)
     asked = model.device.type == "cuda" or set(extra) & ENGINE_OPTIONS  # CPU: no call into engine.py
     eng = engine or (
         Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra) else None
@@ -166,18 +190,18 @@ def generate(
     if eng is not None:
         eng.reserve(
             min(chunk_size, len(ids) * n),
-            max(map(len, ids)) - 1 + max_new_tokens,
-            max_new_tokens,
+            max(map(len, ids)) - 1 + new,
+            new,
             eos,
             pad,
-            None if greedy else (temperature, top_k, top_p),
+            sampling.warp,
         )
     share = share_prefix and (not extra or eng is not None)
     out = done if done is not None else Generations([], [], [], [])  # the rows so far: appended to
     modes = [m.training for m in model.modules()]
     model.eval()  # no dropout, no checkpointing (it would drop the cache)
     try:
-        room = 0 if eng is not None else max_new_tokens + 1  # decode's spare cache positions
+        room = 0 if eng is not None else new + 1  # decode's spare cache positions
         prefix = shared_prefix(model, ids, room) if share else None
         bar = tqdm(
             total=len(ids) * n,
@@ -200,19 +224,10 @@ def generate(
                 seq = eng.decode(inp, mask, cache, which)
                 if seq is None:  # the engine stopped (Engine.stop)
                     cache.batch_select_indices(which)  # each row: its prompt's K, V
-                    seq = decode(
-                        model,
-                        inp[which],
-                        mask[which],
-                        cache,
-                        max_new_tokens,
-                        eos,
-                        pad,
-                        None if greedy else warpers,
-                    )
+                    seq = decode(model, inp[which], mask[which], cache, new, eos, pad, warpers)
             else:
                 inp, mask, cache = prefill_rows(model, prefix, [ids[r // n] for r in rows], pad)
-                seq = decode(model, inp, mask, cache, max_new_tokens, eos, pad, None if greedy else warpers)
+                seq = decode(model, inp, mask, cache, new, eos, pad, warpers)
             for r, gen in zip(rows, seq.tolist()):
                 stop = next((t + 1 for t, tok in enumerate(gen) if tok in eos), None)  # cut after 1st EOS
                 resp = gen[:stop]  # stop None: no EOS, all max_new_tokens tokens (no padding in such a row)

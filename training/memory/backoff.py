@@ -5,9 +5,9 @@ training/memory/phases.py's estimate). Where the estimate is wrong, the allocato
 torch.OutOfMemoryError (cudagraph.out_of_memory: any device, and what accelerate's should_reduce_batch_size
 reads as one) minutes into a step. grpo.py reaches each phase through one call here:
 
-    gen = backoff.generate(run, "rollout", generate, model, tok, prompts, n=G, ...)       # rollout.generate
-    up = backoff.update(run, update, batch, trained, adv, clock)                         # grpo.update
-    m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, ...))        # heldout.accuracy
+    gen = backoff.generate(run, "rollout", generate, model, tok, prompts, G, sampling, ...) # rollout.generate
+    up = backoff.update(run, update, batch, trained, adv, clock)                            # grpo.update
+    m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, ...))           # heldout.accuracy
 
   rollout, held-out evaluation   fn gets chunk_size = run.cfg.gen_chunk and `done`, the rows finished so far
            (rollout.generate appends each chunk as it ends). Out of memory: gen_chunk is halved, the engine

@@ -49,7 +49,7 @@ from data import build_batch
 from flowtracer import Capture, add_head_mean
 from training.decode.cudagraph import error_line
 from training.decode.engine import Engine, supports
-from training.decode.rollout import eos_ids, generate
+from training.decode.rollout import Sampling, eos_ids, generate
 from training.memory import backoff
 from training.policy import token_logprobs
 
@@ -126,20 +126,8 @@ def engine_trial(engine, model, tok, device, cfg, autocast):
     """One decode through the engine, greedy and then sampled at the run's settings: a capture and a replay
     of each one's graph at the smallest bucket, the RNG kept (keep_rng)."""
     with keep_rng(), torch.no_grad(), autocast:
-        for greedy in (True, False):
-            generate(
-                model,
-                tok,
-                [[first_token(tok), 17, 18, 19]],
-                n=1,
-                max_new_tokens=2,
-                greedy=greedy,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                chunk_size=1,
-                engine=engine,
-            )
+        for sampling in (Sampling(2, greedy=True), Sampling.of(cfg)._replace(max_new_tokens=2)):
+            generate(model, tok, [[first_token(tok), 17, 18, 19]], 1, sampling, chunk_size=1, engine=engine)
 
 
 def make_engine(cfg, model, tok, widest, n_eval):
@@ -148,10 +136,8 @@ def make_engine(cfg, model, tok, widest, n_eval):
     if not (cfg.share_prefix and supports(model)):
         return None
     rows = min(cfg.gen_chunk, max(cfg.prompts_per_step * cfg.group_size, n_eval))
-    warp = (cfg.temperature, cfg.top_k, cfg.top_p)
-    return Engine(model).reserve(
-        rows, widest - 1 + cfg.max_new_tokens, cfg.max_new_tokens, eos_ids(model, tok), tok.pad_token_id, warp
-    )
+    new, warp = cfg.max_new_tokens, Sampling.of(cfg).warp
+    return Engine(model).reserve(rows, widest - 1 + new, new, eos_ids(model, tok), tok.pad_token_id, warp)
 
 
 def try_parts(cfg, run, device, widest, n_eval=0) -> GpuParts:

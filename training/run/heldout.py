@@ -11,8 +11,9 @@ its own at step 0 and mean@k at the last step (`greedy`, `sampled`). One impleme
   greedy     per question 1 if the greedy response gets reward 1 (the run's reward: data.reward, the answer
              in the task's format, or grpo.py --reward's), strict; and lenient = strict, or
              answers.last_number_equal (math tasks, departure 1).
-  sampled    the same counts over k samples per question at the training temperature, top-p and top-k,
-             with torch's global RNG seeded first (learn.py's process only: it would move the training's RNG).
+  sampled    the same counts over k samples per question, sampled as the training run samples (rollout's
+             Sampling.of: its temperature, top-p and top-k), with torch's global RNG seeded first (learn.py's
+             process only: it would move the training's RNG).
   accuracy   greedy, as the metrics of a metrics.jsonl line: eval/accuracy, eval/correct, eval/total,
              eval/accuracy_lenient, and eval/right, eval/right_lenient (per question 0/1, in record order:
              learn.py's paired tests; trackers skip them, tracking.py departure 1).
@@ -44,7 +45,7 @@ import torch
 
 import data
 from tasks.answers import last_number_equal
-from training.decode.rollout import generate
+from training.decode.rollout import Sampling, generate
 from training.memory import backoff
 from training.usercode.guard import Interrupted
 
@@ -143,37 +144,19 @@ def greedy(
     responses of a call that ran out of memory (rollout.generator's `done`: those left are generated)."""
     prompts = [data.make_prompt(r, tok, style, template_kwargs) for r in recs]
     with evaluating(model):
-        g = generate(
-            model,
-            tok,
-            prompts,
-            n=1,
-            max_new_tokens=max_new_tokens,
-            greedy=True,
-            chunk_size=chunk_size,
-            engine=engine,
-            done=done,
-        )
+        argmax = Sampling(max_new_tokens, greedy=True)
+        g = generate(model, tok, prompts, 1, argmax, chunk_size=chunk_size, engine=engine, done=done)
     strict, lenient = right(recs, g.texts, 1, reward, g.response_ids)
     return {"greedy": strict, "greedy_lenient": lenient}
 
 
-def sampled(model, tok, recs, style, max_new_tokens, chunk_size, k, temperature, top_p, top_k, seed):
-    """{"samples": [0..k right per record], "samples_lenient": [...]}; torch's RNG is seeded with `seed`."""
+def sampled(model, tok, recs, style, sampling, chunk_size, k, seed):
+    """{"samples": [0..k right per record], "samples_lenient": [...]}: k responses per record, drawn as
+    `sampling` says (a rollout.Sampling: the training run's, Sampling.of); torch's RNG seeded with `seed`."""
     prompts = [data.make_prompt(r, tok, style) for r in recs]
     torch.manual_seed(seed)
     with evaluating(model):
-        s = generate(
-            model,
-            tok,
-            prompts,
-            n=k,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            chunk_size=chunk_size,
-        )
+        s = generate(model, tok, prompts, k, sampling, chunk_size=chunk_size)
     strict, lenient = right(recs, s.texts, k, None, s.response_ids)
     return {"samples": strict, "samples_lenient": lenient}
 
