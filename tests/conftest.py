@@ -130,7 +130,7 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     from training.model import load
     from training.model import trainable as loading
 
-    real_generate, real_load, rollouts = grpo.generator, loading.load_model, []
+    real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
 
     def generate(*a, **k):
         if not rollouts:

@@ -18,7 +18,7 @@ its own at step 0 and mean@k at the last step (`greedy`, `sampled`). One impleme
              eval/accuracy_lenient, and eval/right, eval/right_lenient (per question 0/1, in record order:
              learn.py's paired tests; trackers skip them, tracking.py departure 1).
 
-Responses come from training.decode.rollout.generator, the rollout path of training, with the prompt of
+Responses come from training.decode.rollout.generate, the rollout path of training, with the prompt of
 training (data.make_prompt in the run's style), through the run's decode engine on CUDA (`engine`: no second
 engine, no second KV cache, its greedy graphs captured once for the run; training/memory/preflight.py reserves
 it for the held-out prompts too); `max_new_tokens` and `chunk_size` (rows per generate call) are given:
@@ -141,7 +141,7 @@ def greedy(
 ):
     """{"greedy": [0/1 per record], "greedy_lenient": [...]}; uses no random numbers. engine: the run's
     decode engine (greedy graphs beside its sampling ones, over the same buffers), or None; done: the
-    responses of a call that ran out of memory (rollout.generator's `done`: those left are generated)."""
+    responses of a call that ran out of memory (rollout.generate's `done`: those left are generated)."""
     prompts = [data.make_prompt(r, tok, style, template_kwargs) for r in recs]
     with evaluating(model):
         argmax = Sampling(max_new_tokens, greedy=True)
@@ -197,7 +197,7 @@ def accuracy(
 def evaluate(run) -> dict:
     """The eval/* metrics of the run's policy now (grpo.train, every --eval-every steps and at the last):
     `accuracy` on the run's held-out records with its reward, prompt style and decode engine, through the
-    out-of-memory back-off (backoff.generator: a smaller gen_chunk, as the rollout)."""
+    out-of-memory back-off (backoff.generate: a smaller gen_chunk, as the rollout)."""
     pol, task = run.policy, run.task
     return backoff.generate(
         run,
