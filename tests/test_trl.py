@@ -167,7 +167,9 @@ def expected_gamma(out, tok, model):
 def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
     stock, out_s, init = one_step(trl.GRPOTrainer, tmp_path / "stock")
     none, out_n, _ = one_step(
-        ft.FlowTracerGRPOTrainer, tmp_path / "none", credit_cfg=grpo.Config("none", credit_pass="separate")
+        ft.FlowTracerGRPOTrainer,
+        tmp_path / "none",
+        credit_cfg=grpo.Config(credit="none", credit_pass="separate"),
     )
     flow, out_f, _ = one_step(
         ft.FlowTracerGRPOTrainer, tmp_path / "flow", credit_cfg=grpo.Config(credit_pass="separate")
@@ -282,7 +284,7 @@ def test_each_fused_signal_gives_grpo_py_credit_on_the_same_rows(signal, tempera
     """One signal name, one definition: the plug-in's gamma (fused, or its fallback) is grpo.py's fused pass
     on the same rows, in the same order. Entropy is of the untempered logits, as grpo.token_logprobs gives
     it, whatever temperature TRL samples at."""
-    rec, cfg = spy(monkeypatch.setattr), grpo.Config(signal)
+    rec, cfg = spy(monkeypatch.setattr), grpo.Config(credit=signal)
     tr, _, _ = one_step(ft.FlowTracerGRPOTrainer, tmp_path, dict(temperature=temperature), credit_cfg=cfg)
     assert tr.fused == (signal != "entropy" or temperature == 1.0)  # departure 2 (b): the fallback
     keys = list(rec["loss"])  # the loss's micro-batch, in order
