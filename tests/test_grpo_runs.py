@@ -178,11 +178,11 @@ def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeyp
             raise KeyboardInterrupt("killed while saving")
         real(path, model, tok, opt, sched, step, *a, **k)
 
-    monkeypatch.setattr(grpo.runlog, "save_checkpoint", dies_at_3)
+    monkeypatch.setattr(grpo.log, "save_checkpoint", dies_at_3)
     with pytest.raises(KeyboardInterrupt):
         grpo.train(parse_args([*SMOKE, "--steps", "3", "--save-every", "2", "--out-dir", str(tmp_path)]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    monkeypatch.setattr(grpo.runlog, "save_checkpoint", real)
+    monkeypatch.setattr(grpo.log, "save_checkpoint", real)
     grpo.train(parse_args(["--resume", str(tmp_path), "--steps", "4"]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 

@@ -303,7 +303,7 @@ def test_nothing_imports_a_module_by_a_name_from_before_a_move():
     patterns = [
         rf"(^|[\";])\s*(import ([A-Za-z_.]+( as [A-Za-z_]+)?, )*({flat})\b|from ({flat}) import)",
         rf"from training import [^\n]*\b({old})\b",
-        rf"training[./](?!(?:{rooms})(?:[./]\w| import ))(?!policy\b)({old})\b",
+        rf"training[./](?!(?:{rooms})(?:/|\.\w| import ))(?!policy\b)({old})\b",
     ]
     hits = []
     for path in files:

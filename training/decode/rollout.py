@@ -167,21 +167,15 @@ def generate(
         )
     )
     kw = dict(max_new_tokens=new, eos_token_id=eos, pad_token_id=pad, use_cache=True, **sample)
-    warpers = (
-        LogitsProcessorList(
-            [
-                w
-                for w, on in (
-                    (TemperatureLogitsWarper(sampling.temperature), sampling.temperature != 1.0),
-                    (TopKLogitsWarper(sampling.top_k), bool(sampling.top_k)),
-                    (TopPLogitsWarper(sampling.top_p), sampling.top_p < 1.0),
-                )
-                if on
-            ]
-        )
-        if not sampling.greedy
-        else None
-    )  # HF's sampling warpers, HF's order; None: greedy (argmax)
+    warpers = None  # greedy: argmax
+    if not sampling.greedy:  # HF's sampling warpers, in HF's order, each only where it acts (top_k 0: off)
+        warpers = LogitsProcessorList()
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(sampling.top_p))
     asked = model.device.type == "cuda" or set(extra) & ENGINE_OPTIONS  # CPU: no call into engine.py
     eng = engine or (
         Engine(model, **extra) if share_prefix and asked and engine_wanted(model, extra) else None
