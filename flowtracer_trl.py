@@ -258,8 +258,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         advantages adv (B,): R = the longest completion, column j = completion token j, 0 past each
         completion's end. Rows with A != 0 get baselines.assign's gamma; the others 1. Every rank runs the
         pass (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given
-        the
-        rows and the policy."""
+        the rows and the policy."""
         n = [len(c) for c in completion_ids]
         weight = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()  # (B, R) 1 on tokens
         fallback = torch.zeros(len(n), dtype=torch.bool)

@@ -211,8 +211,7 @@ class Stepped(NamedTuple):
 class Policy:
     """The policy and what changes its weights (training/model/trainable.py's load_policy builds it):
     grpo.update calls backward and step, grpo_step next_lr, the preflight use_kernel; a checkpoint saves and
-    restores the
-    optimizer's state (its GradScaler's with it) and the schedule's."""
+    restores the optimizer's state (its GradScaler's with it) and the schedule's."""
 
     model: torch.nn.Module
     tok: object  # the tokenizer (left padding)
@@ -290,8 +289,8 @@ class Policy:
 
 class ScaledAdamW(torch.optim.AdamW):
     """torch's AdamW with the torch.amp.GradScaler of an fp16 run (trainable.py departure 4), whose state
-    travels
-    in state_dict: a checkpoint holds it and --resume continues it. Policy.backward and Policy.step use it."""
+    travels in state_dict: a checkpoint holds it and --resume continues it. Policy.backward and Policy.step
+    use it."""
 
     def __init__(self, params, device, **kw):
         super().__init__(params, **kw)

@@ -336,10 +336,9 @@ PICKED_BY = ("model", "paper_batch", "lora_rank")  # the flags that put presets 
 
 
 def in_force(table, model, paper_batch, lora_rank=0) -> list:
-    """The labels of the presets in force (training/config/presets.py; `table`: its labels in order, the last
+    """The labels of the presets in force (training/config/presets.py; `of`: its labels in order, the last
     wins), by what the flags mean: the embedded model (named or not), a paper model (§4.1), --paper-batch,
-    LoRA's
-    learning rate (--lora-rank > 0; the embedded model's own). The one place they are decided."""
+    LoRA's learning rate (--lora-rank > 0; the embedded model's own). The one place they are decided."""
     paper, embedded = any(k in str(model).lower() for k in presets.PAPER_MODELS), load.is_embedded(model)
     lora = str(lora_rank).isdigit() and int(lora_rank) > 0  # as given on the command line: a word
     on = (embedded, paper, paper_batch, lora and not embedded, lora and embedded)  # presets.of's order
@@ -354,8 +353,7 @@ def parse(cls, argv, doc, table, prog, for_gpu=False, say=False):
     directory, wherever it was moved. Bad flags: argparse's one error line. What was given is used here and
     not rebuilt later: the notices of flags that cannot take effect (`unused`; for_gpu: judged as a run on a
     GPU whatever this machine has, as eval.py memory plans one) and, with `say` (grpo.main: a run's first
-    lines), where
-    the learning rate in force came from (presets.lr_lines)."""
+    lines), where the learning rate in force came from (presets.lr_lines)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     argv_active = in_force(table, *(value_in(argv, k, getattr(cls, k)) for k in PICKED_BY))  # for the help
     head = doc.split("\n\n")[0] + (

@@ -174,8 +174,7 @@ class Engine:
     def release(self):
         """Every buffer and graph dropped, the sizes kept, the memory given back (on CUDA to the driver:
         empty_cache) for the update where budget.plan says "released" (training/memory/backoff.py calls it);
-        the
-        next `reserve` makes the buffers again and the steps capture their graphs again."""
+        the next `reserve` makes the buffers again and the steps capture their graphs again."""
         self.mask = self.x = self.pos = self.done = self.out = self.at = self.t = self.ends = self.ban = None
         self.keys = self.values = None
         self.graph, self.caches, self.pool = {}, {}, None

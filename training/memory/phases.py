@@ -326,8 +326,7 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
 def optimizer_phase(mc, s, held) -> dict:
     """Weights, gradients and states, and the step's temporaries: torch's AdamW is foreach on CUDA (one fp32
     copy of v), fused on the CPU (none: trainable.make_optimizer); optimi's Kahan step has none on CUDA and
-    one
-    of the largest weight on the CPU (its for-loop)."""
+    one of the largest weight on the CPU (its for-loop)."""
     N, _, N_max = param_counts(mc)
     temp = (
         0

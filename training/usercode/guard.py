@@ -1,7 +1,6 @@
 """Stopping the user's code: a --reward that never returns is stopped by the first Ctrl-C or SIGTERM.
 
-    with interruptible():           # training/usercode/reward_code.py, around each call of a --reward
-    function
+    with interruptible():           # reward_code.py, around each call of a --reward function
         value = fn(completion, record)
 
 Between steps a first Ctrl-C / SIGTERM only asks the run to stop after the step (training/run/log.py's

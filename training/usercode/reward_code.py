@@ -19,9 +19,8 @@ weights 1; a None term adds nothing). data.batch_reward is grpo.py's and heldout
 and the values a function may return: below (trl_form, reward_value).
 
 A reward file is code the run executes, and part of the experiment:
-  recorded      each file's path and hash, as --reward-files (training/usercode/reward_files.py: a resume
-  refuses a
-                file that moved or changed, and reads each where the run recorded it)
+  recorded      each file's path and hash, as --reward-files (reward_files.py: a resume refuses a file that
+                moved or changed, and reads each where the run recorded it)
   load          imports each file (printing its resolved path; its folder is importable from it, so it may
                 import its neighbours), finds the function, and calls it once on the first record and an
                 empty completion: a raise or a value other than a number stops the run at setup, before
