@@ -225,7 +225,7 @@ def parse(argv=None):
             )
         return p
 
-    bench.add_flags(cmd("bench", bench_table, task=None, max_new=1024))
+    bench.add_flags(cmd("bench", bench_table, task=None, max_new=1024), grpo.Config)
     p = cmd("intervene", intervene, problems=200)
     p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses, regeneration at T")
     p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")

@@ -32,8 +32,9 @@ BENCHMARKS = [
 ]
 
 
-def add_flags(p):
-    """bench's own flags: the benchmarks, samples per problem, the k of pass@k, the sampling (App. C.3)."""
+def add_flags(p, config):
+    """bench's own flags: the benchmarks, samples per problem, the k of pass@k, the sampling (App. C.3:
+    `config`'s, grpo.Config's defaults)."""
     p.add_argument(
         "--benchmarks",
         nargs="+",
@@ -50,8 +51,11 @@ def add_flags(p):
         default=None,
         help="k values for pass@k, each <= n (default: 1 2 4 8 16 up to n)",
     )
-    for flag, v, off in (("--temperature", 0.99, ""), ("--top-p", 1.0, ""), ("--top-k", 100, " (0: off)")):
-        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3" + off)
+    for name, off in (("temperature", ""), ("top_p", ""), ("top_k", " (0: off)")):  # grpo.py's, App. C.3
+        v = getattr(config, name)
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=type(v), default=v, help="sampling, App. C.3" + off
+        )
 
 
 def evaluate(model, tok, args):

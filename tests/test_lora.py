@@ -209,9 +209,11 @@ def test_flowtracer_trl_lora_flags_and_learning_rate():
 
     args, _, targs = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "8"])
     assert (args.lora_rank, args.lora_alpha, args.lora_targets) == (8, 32.0, "all-linear")
-    assert targs.learning_rate == pytest.approx(presets.LORA_LR_FACTOR * trl_setup.DEFAULTS["learning_rate"])
+    assert targs.learning_rate == pytest.approx(
+        presets.LORA_LR_FACTOR * trl_setup.defaults(grpo.Config)["learning_rate"]
+    )
     assert ft.parse_args(["--lora-rank", "8", "--learning-rate", "3e-5"])[2].learning_rate == 3e-5
-    assert ft.parse_args([])[2].learning_rate == trl_setup.DEFAULTS["learning_rate"]
+    assert ft.parse_args([])[2].learning_rate == trl_setup.defaults(grpo.Config)["learning_rate"]
 
 
 @pytest.mark.parametrize(

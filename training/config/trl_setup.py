@@ -3,7 +3,7 @@ the policy, the prompts as a TRL dataset and the rewards as TRL reward functions
 
   parse_args(argv, description, config)   (ours, the credit's config, GRPOConfig): our flags, the
                         credit flags of grpo.Config (`config`), its LoRA flags (lora.AdapterConfig); the
-                        rest go to HfArgumentParser as GRPOConfig fields, with grpo.py's defaults (DEFAULTS)
+                        rest go to HfArgumentParser as GRPOConfig fields, with grpo.py's defaults (defaults)
   build(args, targs)    TrlParts: the model (loaded here, or a hub name TRL loads), the tokenizer, the
                         prompt style, the reward functions, the dataset of {prompt, record} rows, the peft
                         LoraConfig (or None)
@@ -37,24 +37,28 @@ from training.model import lora
 from training.model.load import RANDOM_MODELS, fix_tokenizer, load_model
 from training.usercode import reward_code
 
-# GRPOConfig defaults changed to grpo.py's (App. C.3); any flag given wins.
-DEFAULTS = dict(
-    output_dir="runs/trl",
-    num_generations=8,
-    max_completion_length=1024,
-    temperature=0.99,
-    top_p=1.0,
-    top_k=100,
-    learning_rate=1e-6,
-    lr_scheduler_type="constant_with_warmup",  # departure 1
-    warmup_steps=20,
-    loss_type="grpo",
-    logging_steps=1,
-    report_to="none",
-    seed=0,
-    bf16=torch.cuda.is_available(),
-    use_cpu=not torch.cuda.is_available(),
-)
+
+def defaults(config) -> dict:
+    """GRPOConfig's defaults changed to grpo.py's (App. C.3), read from `config` (grpo.Config, where each is
+    written once); any flag given wins."""
+    c = config()
+    return dict(
+        output_dir="runs/trl",
+        num_generations=c.group_size,
+        max_completion_length=c.max_new_tokens,
+        temperature=c.temperature,
+        top_p=c.top_p,
+        top_k=c.top_k,
+        learning_rate=c.lr,
+        lr_scheduler_type="constant_with_warmup",  # departure 1
+        warmup_steps=c.warmup_steps,
+        loss_type="grpo",
+        logging_steps=1,
+        report_to="none",
+        seed=c.seed,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+    )
 
 
 def verifier(prompts, completions, record, **kwargs):
@@ -123,13 +127,14 @@ def parse_args(argv, description, config):
     flags.add_fields(p, config, baselines.CHOICES, skip=skip)  # help: the fields' comments
     flags.add_fields(p, lora.AdapterConfig)  # grpo.py's LoRA flags, their defaults and help (departure 2)
     args, rest = p.parse_known_args(argv)
+    base = defaults(config)  # grpo.py's, on GRPOConfig's fields
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")
     lr_given = any(a.split("=")[0] == "--learning-rate" for a in rest)
     hf.set_defaults(
         **{
-            **DEFAULTS,
+            **base,
             **(
-                {"learning_rate": presets.LORA_LR_FACTOR * DEFAULTS["learning_rate"]}
+                {"learning_rate": presets.LORA_LR_FACTOR * base["learning_rate"]}
                 if args.lora_rank > 0 and not lr_given
                 else {}
             ),
