@@ -195,19 +195,11 @@ def grpo_step(run, step, bad) -> Step:
     if not ids:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
-    with clock.phase("generation"), torch.no_grad(), pol.autocast:
+    todo, sampling = [prompts[i] for i in ids], Sampling.of(cfg)  # G responses each, App. C.3's sampling
+    with clock.phase("generation"), torch.no_grad(), pol.autocast:  # out of memory: smaller chunks, again
         gen = backoff.generate(
-            run,
-            "rollout",
-            generate,
-            pol.model,
-            pol.tok,
-            [prompts[i] for i in ids],
-            G,
-            Sampling.of(cfg),
-            share_prefix=cfg.share_prefix,
-            engine=run.engine,
-        )
+            run, "rollout", generate, pol.model, pol.tok, todo, G, sampling, share_prefix=cfg.share_prefix
+        )  # on the run's decode engine (CUDA; the CPU decoder elsewhere)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rows = [task.records[i] for i in ids for _ in range(G)]  # row j: prompt j // G

@@ -9,10 +9,11 @@ reads as one) minutes into a step. grpo.py reaches each phase through one call h
     up = backoff.update(run, update, batch, trained, adv, clock)                            # grpo.update
     m.update(backoff.generate(run, "held-out evaluation", heldout.accuracy, ...))           # heldout.accuracy
 
-  rollout, held-out evaluation   fn gets chunk_size = run.cfg.gen_chunk and `done`, the rows finished so far
-           (rollout.generate appends each chunk as it ends). Out of memory: gen_chunk is halved, the engine
-           resized to it (its buffers made again at the new width, its graphs captured again as the calls
-           come: Engine.resize) and fn called again: it generates the rows not yet generated.
+  rollout, held-out evaluation   fn gets chunk_size = run.cfg.gen_chunk, the run's engine and `done`, the
+           rows finished so far (rollout.generate appends each chunk as it ends). Out of memory: gen_chunk is
+           halved, the engine resized to it (its buffers made again at the new width, its graphs captured
+           again as the calls come: Engine.resize) and fn called again: it generates the rows not yet
+           generated.
   update   fn(run, ...) reads run.cfg.micro_batch (a separate credit pass too: baselines.OtherCredit takes the
            same micro-batches). Out of memory before the optimizer's step has begun (every PPO epoch of the
            default --num-iterations 1): what the step held is freed (the gradients set to None with the
@@ -58,13 +59,13 @@ class OutOfMemory(Exception):
 
 
 def generate(run, phase, fn, *args, **kw):
-    """fn(*args, chunk_size=run.cfg.gen_chunk, done=..., **kw): rollout.generate or heldout.accuracy, its
-    rows generated at a halved gen_chunk after an out-of-memory error (the docstring); what fn returns.
-    kw["engine"], where given, is resized with the chunk."""
-    cfg, engine, done, tried = run.cfg, kw.get("engine"), Generations([], [], [], []), [run.cfg.gen_chunk]
+    """fn(*args, chunk_size=run.cfg.gen_chunk, engine=run.engine, done=..., **kw): rollout.generate or
+    heldout.accuracy on the run's decode engine, its rows generated at a halved gen_chunk after an
+    out-of-memory error (the docstring), the engine resized with the chunk; what fn returns."""
+    cfg, engine, done, tried = run.cfg, run.engine, Generations([], [], [], []), [run.cfg.gen_chunk]
     while True:
         try:
-            return fn(*args, chunk_size=cfg.gen_chunk, done=done, **kw)
+            return fn(*args, chunk_size=cfg.gen_chunk, engine=engine, done=done, **kw)
         except Exception as e:  # noqa: BLE001 (only memory is caught)
             if not out_of_memory(e):
                 raise

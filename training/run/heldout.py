@@ -208,7 +208,6 @@ def evaluate(run) -> dict:
         task.eval_records,
         task.style,
         run.cfg.max_new_tokens,
-        engine=run.engine,
         reward=task.reward,
         template_kwargs=task.template_kwargs,
     )
