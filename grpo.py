@@ -275,8 +275,8 @@ def update(run, batch, trained, adv, clock) -> Update:
     model.train()
     for epoch in range(cfg.num_iterations):
         first = epoch == 0  # the first epoch's forward gives the credit (dep. 8)
-        for s in range(0, len(trained), cfg.micro_batch):
-            mb = trained[s : s + cfg.micro_batch]
+        for i in range(0, len(trained), cfg.micro_batch):
+            mb = trained[i : i + cfg.micro_batch]
             sub = data.take(batch, mb)  # b rows
             cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), pol.autocast:
@@ -321,11 +321,11 @@ def update(run, batch, trained, adv, clock) -> Update:
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss  # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):  # clip, then step; a non-finite loss or gradient: no step
-            s = pol.step(stats["loss"], cfg.max_grad_norm)  # clip, step, zero (LoRA: the adapters)
-        stats.update({"grad_norm": s.grad_norm, **({"scaler/scale": s.scale} if s.scale else {})})
-        if not s.stepped:  # train counts the streak of non-finite steps
+            opt = pol.step(stats["loss"], cfg.max_grad_norm)  # clip, step, zero (LoRA: the adapters)
+        stats.update({"grad_norm": opt.grad_norm, **({"scaler/scale": opt.scale} if opt.scale else {})})
+        if not opt.stepped:  # train counts the streak of non-finite steps
             break
-    return Update(weight, scores, stats, s.stepped, s.skipped)
+    return Update(weight, scores, stats, opt.stepped, opt.skipped)
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
