@@ -18,7 +18,6 @@ from training.model.load import load_model
 from training.run import checkpoint as ckpt_io
 from training.run import directory, log
 
-ROOT = Path(__file__).resolve().parents[1]
 SMOKE = [
     "--model",
     "tiny-qwen3",

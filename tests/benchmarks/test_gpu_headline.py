@@ -4,13 +4,12 @@ every number it reports is real, and the bandwidth bound matches a hand count.""
 import json
 import math
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_speed  # noqa: E402
 import gpu_headline  # noqa: E402

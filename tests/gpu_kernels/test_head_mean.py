@@ -29,6 +29,7 @@ if importlib.util.find_spec("triton") is None:
     )
 
 import triton  # noqa: E402
+from conftest import ROOT
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 import flowtracer  # noqa: E402
@@ -40,7 +41,6 @@ from flowtracer import (
 from training.credit.attention import attention_graph  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ATOL = 1e-5
 # Before 3.7 the interpreter turns a loop bound computed from tl.program_id into a Python int with int() of a

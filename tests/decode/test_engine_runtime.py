@@ -164,7 +164,7 @@ def test_generate_speed_gpu_table_runs_on_the_cpu():
     from pathlib import Path
 
     spec = iu.spec_from_file_location(
-        "generate_speed", Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+        "generate_speed", Path(__file__).parents[2] / "benchmarks" / "generate_speed.py"
     )
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -12,13 +12,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_figures  # noqa: E402
 import gpu_report  # noqa: E402

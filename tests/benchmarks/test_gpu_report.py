@@ -9,12 +9,11 @@ import os
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_figures  # noqa: E402
 import gpu_report  # noqa: E402

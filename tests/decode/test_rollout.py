@@ -189,7 +189,7 @@ def test_generate_speed_benchmark_runs_and_both_paths_agree():
     import importlib.util as iu
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "generate_speed.py"
     spec = iu.spec_from_file_location("generate_speed", path)
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -293,7 +293,7 @@ def test_generate_speed_update_says_when_sharing_fell_back(monkeypatch, capsys):
     from pathlib import Path
 
     spec = iu.spec_from_file_location(
-        "generate_speed", Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
+        "generate_speed", Path(__file__).parents[2] / "benchmarks" / "generate_speed.py"
     )
     bench = iu.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -182,7 +182,7 @@ def test_flowtracer_trl_trains_lora_with_flow_credit_through_peft(credit_pass, t
     """flowtracer_trl.py's peft_config: TRL wraps the policy in peft, FlowTracer's capture and credit read it
     (gamma != 1 on some tokens, no fallback), and the step moves the adapters alone."""
     pytest.importorskip("trl")
-    from test_trl import one_step
+    from test_flowtracer_trl import one_step
 
     import flowtracer_trl as ft
 

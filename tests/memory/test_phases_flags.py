@@ -5,11 +5,11 @@ live-storage counts: tests/test_memory.py."""
 
 import copy
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 
 import grpo
 from evaluation import memory
@@ -17,8 +17,6 @@ from training import policy
 from training.memory import budget, phases, shapes, terms
 from training.model import trainable
 from training.model.load import load_model, qwen3_4b_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def qwen3_4b(*flags):

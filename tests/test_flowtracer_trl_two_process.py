@@ -16,7 +16,7 @@ ABSENT = "TRL's plug-in needs {}: pip install -r requirements.txt"
 Dataset = pytest.importorskip("datasets", reason=ABSENT.format("datasets")).Dataset
 trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
 
-from test_trl import assert_loss_read, reference_gamma  # noqa: E402
+from test_flowtracer_trl import assert_loss_read, reference_gamma  # noqa: E402
 
 import grpo  # noqa: E402
 from training.model.load import load_model  # noqa: E402
@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # mutate the gamma baselines.assign returns on rank 0.
 DRIVER = """import contextlib, json, os, sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
-import data, flowtracer_trl as ft, test_trl
+import data, flowtracer_trl as ft, test_flowtracer_trl
 from training.credit import baselines
 RANK, OUT = int(os.environ["RANK"]), {out!r}
-data.reward = lambda txt, rec: 0.0 if RANK == 1 else test_trl.toy_reward(None, [txt])[0]
+data.reward = lambda txt, rec: 0.0 if RANK == 1 else test_flowtracer_trl.toy_reward(None, [txt])[0]
 MUTATIONS = {{"shift": lambda g: g.roll(1, -1), "swap": lambda g: g.flip(0), "ones": torch.ones_like}}
 entered, mutation = [], [None]
-rec = test_trl.spy(setattr)
+rec = test_flowtracer_trl.spy(setattr)
 real_assign, real_unwrap = baselines.assign, ft.unwrap_model_for_generation
 
 
@@ -59,7 +59,7 @@ def logged(name, context, *a, **k):
 class Probe(ft.FlowTracerGRPOTrainer):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        test_trl.answer_everything(self)
+        test_flowtracer_trl.answer_everything(self)
         summon, gather = self._dist.summon_full_params, self.accelerator.gather
         self._dist.summon_full_params = lambda *a, **k: logged("summon", summon, *a, **k)
         self.accelerator.gather = lambda x: entered.append("gather") or gather(x)
