@@ -1,26 +1,28 @@
-"""Tests for data.py's loaders: the offline copies (counts, record shape, quirks), the hub out of reach, bad
-input located by file, line and field, and the DAPO and CrossThinkQA layouts.
+"""data.py: its loaders (the offline copies: counts, record shape, quirks; the hub out of reach; bad input
+located by file, line and field; the DAPO and CrossThinkQA layouts), the choice reward, the one reward path
+(data.reward against each task's verifier on every shared record), and build_batch's layout and answer tokens
+(the default rule and --answer-pattern's). Bad data as one line: tests/test_data_errors.py.
 
-Run: pytest -x -q tests/test_data_loaders.py"""
+Run: pytest -x -q tests/test_data.py"""
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
 import data
+import grpo
 from data import (
     DataError,
+    build_batch,
     choice_reward,
     load_task,
     math_reward,
     reward,
 )
 from tasks import answers, arithmetic, prompts
+from training.usercode import reward_code
 
 COUNTS = {
     ("gsm8k", "test"): 1319,
@@ -35,8 +37,6 @@ COUNTS = {
 
 
 # ----------------------------------------------------------------------------- loaders on the offline copies
-
-
 @pytest.mark.parametrize("name,split", list(COUNTS))
 def test_fixture_counts_and_record_shape(shared_data, monkeypatch, name, split):
     monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
@@ -133,38 +133,7 @@ def test_offline_hub_gives_a_clear_error(tmp_path, monkeypatch):
         load_task("dapo-math-17k", "train")
 
 
-HUB_CASES = {  # how the hub is out of reach -> (environment, what the line says, what it says to do)
-    "unreachable": (
-        {"HF_ENDPOINT": "http://127.0.0.1:9"},
-        "the Hugging Face hub is unreachable",  # port 9:
-        "connect to the network",
-    )
-}  # refused
-# HF_HUB_OFFLINE set takes the same path with its own words: tests/test_models.py, in this process
-
-
-@pytest.mark.parametrize("case", HUB_CASES)
-def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case):
-    """`grpo.py --model <hub id>` with no hub (or HF_HUB_OFFLINE) and the model not in the hub's cache: no
-    request that retries (huggingface_hub's backoff printed 11 lines over ~25 s, then a 590-character error),
-    one line under 200 characters that says what to do, exit 2, and no run directory created."""
-    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
-    env = {k: v for k, v in os.environ.items() if k.upper() not in drop}
-    env.update(HUB_CASES[case][0], HF_HOME=str(tmp_path / "hf"))  # an empty hub cache
-    grpo = Path(data.__file__).resolve().parent / "grpo.py"
-    argv = [sys.executable, str(grpo), "--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "run")]
-    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1, lines
-    line, says, todo = lines[0], *HUB_CASES[case][1:]
-    assert line.startswith("grpo.py: error: --model nobody/no-such-model: ") and len(line) < 200, line
-    assert says in line and todo in line and "local model directory" in line, line
-    assert not (tmp_path / "run").exists()
-
-
 # ----------------------------------------------------------------------------- bad input
-
-
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -217,8 +186,6 @@ def test_unknown_names_splits_and_empty_sets(tmp_path):
 
 
 # ----------------------------------------------------------------------------- DAPO and CrossThinkQA layouts
-
-
 def dapo_row(problem, answer):
     wrapped = (
         "Solve the following math problem step by step. The last line of your response should be of the "
@@ -294,3 +261,96 @@ def test_crossthinkqa_layouts(tmp_path):
 )
 def test_choice_reward(text, expected):
     assert choice_reward(text, "B") == expected
+
+
+# ----------------------------------------------------------------------------- an answer naming two options
+CHOICE = [
+    ("B or C", 0),
+    ("B and C", 0),
+    ("(B) (C)", 0),
+    ("B, C", 0),
+    ("(B) or (C)", 0),
+    ("B/C", 0),
+    ("B, and C", 0),
+    (r"\text{B} or \text{C}", 0),
+    ("B OR C", 0),
+    ("B", 1),
+    ("(B)", 1),
+    ("B. A cat", 1),
+    ("B) Vitamin A and C", 1),
+    ("B: blue", 1),
+    ("b", 1),
+]
+
+
+@pytest.mark.parametrize("pred, want", CHOICE)
+def test_an_answer_naming_two_options_is_wrong(pred, want):
+    assert data.choice_reward(f"\\boxed{{{pred}}}", "B") == want
+
+
+# ----------------------------------------------------------------------------- build_batch
+class CharTokenizer:
+    """Minimal tokenizer: one token per character, id = ord(c); 0 = pad, 1 = BOS (special)."""
+
+    pad_token_id, eos_token_id, all_special_ids = 0, 2, [0, 1, 2]
+
+    def encode(self, s):
+        return [ord(c) for c in s]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if (skip_special_tokens and i < 3) else ("<s>" if i == 1 else chr(i)) for i in ids)
+
+
+def test_build_batch_layout_and_answer_tokens():
+    tok = CharTokenizer()
+    prompts = [[1] + tok.encode("Q: 2+3?"), [1] + tok.encode("Q?")]
+    responses = [tok.encode(r"so \boxed{5}"), tok.encode("none")]
+    r = build_batch(tok, prompts, responses)
+    P = r.prompt_width
+    assert P == 8 and r.input_ids.shape == (2, 8 + 12)
+    assert r.question_mask[0].sum() == 7 and not r.question_mask[0, 0]  # BOS excluded
+    assert r.question_mask[1, :P].tolist() == [False] * 5 + [False, True, True]
+    assert r.response_mask[1].sum() == 4 and r.attention_mask[1].sum() == 3 + 4
+    ans = r.input_ids[0][r.answer_mask[0]].tolist()
+    assert tok.decode(ans) == "5" and not r.answer_mask[1].any()
+
+
+def test_build_batch_marks_the_pattern_s_tokens(tok):
+    prompt = tok("What is 3 + 4?").input_ids
+    resp = tok("I think ANSWER: 12, no, ANSWER: 7 for sure", add_special_tokens=False).input_ids
+    boxed, mine = (
+        build_batch(tok, [prompt], [resp], answer_pattern=p).answer_mask[0] for p in (None, r"ANSWER: (\d+)")
+    )
+    P = len(prompt)
+    assert not boxed.any()  # no \boxed{}: no sink
+    assert tok.decode(torch.tensor(resp)[mine[P:]]).strip() == "7"
+
+
+# ----------------------------------------------------------------------------- the one reward path
+def test_builtin_rewards_equal_the_task_rewards_on_every_shared_record(shared_data, monkeypatch):
+    """data.reward (the one reward path) and the run's reward without --reward give every record of the
+    offline data what its task's verifier (math_reward / choice_reward / countdown_reward, called as before:
+    (completion, answer)) gives: the boxed ground truth, an empty completion, and (every 20th) a wrong box."""
+    monkeypatch.setenv("FLOWTRACER_DATA", str(shared_data))
+    run_reward = reward_code.load(grpo.Config(), None)
+    assert run_reward is data.reward
+    n = 0
+    for name in data.TASKS:
+        for split in data.SPLITS[name]:
+            local = shared_data / data.TASKS[name].local
+            if (
+                not any((local / f"{split}{ext}").is_file() for ext in (".jsonl", ".parquet"))
+                or data.TASKS[name].generator is not None
+            ):
+                continue
+            for i, r in enumerate(data.load_task(name, split)):
+                verify = {
+                    "math": data.math_reward,
+                    "choice": data.choice_reward,
+                    "countdown": data.countdown_reward,
+                }[r["task"]]
+                wrong = ["\\boxed{\\frac{7919}{104729}}"] * (i % 20 == 0)  # math-verify: ~10 ms a call
+                for text in (f"so \\boxed{{{r['answer']}}}", "", *wrong):
+                    assert run_reward(text, r) == verify(text, r["answer"]), (r["id"], text)
+                n += 1
+    assert n > 10000  # gsm8k's 8,792 and the others

@@ -1,16 +1,24 @@
-"""Reliability: one clear line for every user error. Table-driven: bad dataset values and data files are a
-DataError naming the field or the file, and eval.py's bad arguments and metrics files are one line, exit 2."""
+"""data.py's user errors, one clear line each. Table-driven: bad dataset values and data files are a DataError
+naming the field or the file; slow or malformed input (hardening findings 8-10): 60,000 spaces read at once, a
+FIFO as the data file refused at once, a lone surrogate naming the record, each one line from grpo.py before
+any model loads. eval.py's bad arguments: tests/test_eval_cli.py."""
 
 import json
+import os
+import threading
 
 import pytest
+from conftest import (
+    last_line,
+    no_model,
+    timed,
+)
 
 import data
-from evaluation import figures
+import grpo
+from evaluation import probes
 
 # ----------------------------------------------------------------------------- bad data
-
-
 BAD_ROWS = [  # (jsonl line, task, words the DataError must name)
     ('{"question": "", "answer": "2"}', "arithmetic", ["line 1", "question", "empty"]),
     ('{"question": "1+1?", "answer": NaN}', "arithmetic", ["line 1", "answer", "finite"]),
@@ -93,67 +101,60 @@ def test_non_utf8_names_file_and_line(tmp_path):
         data.load_task("arithmetic", split="train", path=p)
 
 
-# ----------------------------------------------------------------------------- eval.py: one line, exit 2
-EVAL_BAD = [
-    (["bench", "--n-problems", "0"], "--n-problems"),
-    (["bench", "--ks", "8", "--n", "4"], "--ks"),
-    (["intervene", "--frac", "0"], "--frac"),
-    (["bench", "--n", "0"], "--n"),
-    (["bench", "--ks", "0"], "--ks"),
-    (["bench", "--temperature", "0"], "--temperature"),
-    (["bench", "--top-p", "1.5"], "--top-p"),
-    (["bench", "--top-k", "-1"], "--top-k"),
-    (["bench", "--temperature", "nan"], "--temperature"),
-    (["bench", "--threads", "0"], "--threads"),
-    (["bench", "--benchmarks", "gsm9k"], "gsm9k"),
-    (["intervene", "--task", "nosuch"], "nosuch"),
-    (["intervene", "--layers", "mid"], "--layers"),
-    (["recall", "--signals", "flow", "nosuch"], "nosuch"),
-    (["recall", "--n-responses", "0"], "--n-responses"),
-    (["plot", "--alpha", "0"], "--alpha"),
-    (["plot", "--index", "-1"], "--index"),
-    (["plot", "--token", "-2"], "--token"),
-    (["intervene", "--max-new-tokens", "0"], "--max-new-tokens"),
+# ----------------------------------------------------------------------------- 8-10. slow or malformed input
+def test_the_loader_reads_60000_spaces_at_once(tmp_path):
+    path = tmp_path / "spaces.jsonl"
+    row = {"question": " " * 60_000 + "What is 1 + 1?", "answer": " " * 60_000 + "2"}
+    path.write_text(json.dumps(row) + "\n")
+    assert timed(data.load_task, "arithmetic", "train", str(path)) < 2.0
+
+
+def in_thread(fn, *a):
+    """(finished, error) of fn(*a) given 20 s: a hang fails the test instead of hanging it."""
+    box = []
+
+    def work():
+        try:
+            fn(*a)
+            box.append(None)
+        except Exception as e:
+            box.append(e)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(20)
+    return bool(box), box[0] if box else None
+
+
+def test_a_fifo_as_the_data_file_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    done, err = in_thread(data.load_task, "arithmetic", "train", str(fifo))
+    assert done and isinstance(err, data.DataError) and "not a regular file" in str(err)
+    done, err = in_thread(probes.load_responses, str(fifo), None, "plain")  # eval's --responses
+    assert done and isinstance(err, data.DataError)
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--data-path", str(fifo), "--out-dir", str(tmp_path / "run")])
+    assert e.value.code == 2 and "data.jsonl: not a regular file" in last_line(capsys)
+
+
+SURROGATES = [  # (row, the field the error names)
+    ({"question": "What is \ud800 1 + 1?", "answer": "2"}, "question"),
+    ({"question": "What is 1 + 1?", "answer": "2\udfff"}, "answer"),
 ]
 
 
-@pytest.mark.parametrize("argv, word", EVAL_BAD)
-def test_eval_bad_args(argv, word, capsys, monkeypatch):
-    import eval as ev
-    from evaluation import harness
-
-    monkeypatch.setattr(
-        harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check")
-    )
+@pytest.mark.parametrize("row, field", SURROGATES)
+def test_a_lone_surrogate_names_the_record(tmp_path, monkeypatch, capsys, row, field):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"question": "fine", "answer": "1"}\n' + json.dumps(row) + "\n")  # \ud800 escapes
+    with pytest.raises(data.DataError, match=rf"s\.jsonl, line 2: field '{field}' holds a lone surrogate"):
+        data.load_task("arithmetic", "train", str(path))
+    no_model(monkeypatch)
     with pytest.raises(SystemExit) as e:
-        ev.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and err.startswith("eval.py: error:") and word in err, err
-
-
-def test_eval_plot_reads_a_killed_runs_metrics_and_names_a_bad_line(tmp_path, capsys):
-    import eval as ev
-
-    m = tmp_path / "run" / "metrics.jsonl"
-    m.parent.mkdir()
-    m.write_text('{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.7}\n{"step": 3, "ac')  # a kill cut line 3
-    ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
-    res = json.loads((tmp_path / "o" / "plot.json").read_text())
-    assert res["curves"]["final_peak_ema"]["run/acc"] == pytest.approx(figures.peak_ema([0.5, 0.7])[-1])
-    m.write_text('{"step": 1, "acc": 0.5}\nnot json\n{"step": 3, "acc": 0.7}\n')
-    with pytest.raises(SystemExit) as e:
-        ev.main(["plot", "--metrics", str(m), "--keys", "acc", "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and "metrics.jsonl, line 2" in err and err.startswith("eval.py: error:")
-
-
-def test_eval_plot_unknown_key_is_an_error(tmp_path, capsys):
-    import eval as ev
-
-    m = tmp_path / "run" / "metrics.jsonl"
-    m.parent.mkdir()
-    m.write_text(json.dumps({"step": 1, "acc": 0.5}) + "\n")
-    with pytest.raises(SystemExit) as e:
-        ev.main(["plot", "--metrics", str(m), "--keys", "nosuch", "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error: --keys nosuch")
+        grpo.main(["--data-path", str(path), "--out-dir", str(tmp_path / "run")])
+    assert e.value.code == 2 and "line 2" in last_line(capsys)
+    path.write_text(json.dumps({**row, "response": "\\boxed{2}"}) + "\n")
+    with pytest.raises(data.DataError, match="line 1: field .* lone surrogate"):
+        probes.load_responses(str(path), None, "plain")

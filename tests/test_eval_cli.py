@@ -1,17 +1,27 @@
-"""Odd inputs to eval.py get one clear error, or mean what their help says: its numbers and metrics files from
-the command line, and a memory snapshot that is never unpickled."""
+"""eval.py's command line: every bad flag, number or file is one `eval.py: error:` line, exit 2, before any
+model loads (numbers past int64 or out of range, a device it cannot use, a --responses row naming an unknown
+task, results that cannot be written on a full disk: hardening finding 11 among them), or means what its help
+says (bench --top-k 0 is off). The metrics files of `eval.py plot`: tests/evaluation/test_figures.py; a memory
+snapshot is never unpickled: tests/evaluation/test_memtrace.py."""
 
+import argparse
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import (
+    enospc,
+    last_line,
+    no_model,
+    one_error,
+)
 
 import eval as ev
-from evaluation import memtrace
+from evaluation import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,19 +36,6 @@ def run_eval(*argv, cwd=ROOT):
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-
-
-@pytest.fixture
-def eval_main(in_process):
-    """eval.py's main(argv) in this process, read as run_eval's result (conftest.in_process)."""
-    return lambda *argv: in_process(ev.main, *argv)
-
-
-def one_error(p, *words):
-    """Exit 2, exactly one `eval.py: error:` line holding `words`, and no traceback."""
-    lines = [x for x in p.stderr.splitlines() if x.startswith("eval.py: error:")]
-    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert all(w in lines[0] for w in words), lines[0]
 
 
 def test_eval_bench_top_k_0_is_off(tmp_path, eval_main):
@@ -109,73 +106,105 @@ def test_eval_max_new_tokens_past_the_models_context_is_one_error_line(tmp_path,
     )
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        '{"step": null, "acc": 0.2}',
-        '{"step": "2", "acc": 0.2}',
-        '{"step": 1.5, "acc": 0.2}',
-        "step 2 acc 0.2",
-        "[2, 0.2]",
-    ],
-)
-def test_eval_plot_names_the_file_and_line_of_a_malformed_metrics_line(tmp_path, eval_main, line):
-    m = tmp_path / "run" / "metrics.jsonl"
-    m.parent.mkdir()
-    m.write_text(f'{{"step": 1, "acc": 0.5}}\n{line}\n{{"step": 3, "acc": 0.7}}\n')
-    one_error(eval_main("plot", "--metrics", m, "--keys", "acc", "--out", tmp_path / "o"), f"{m}, line 2")
-    assert not (tmp_path / "o" / "curves.png").exists()
+# ----------------------------------------------------------------------------- eval.py: one line, exit 2
+EVAL_BAD = [
+    (["bench", "--n-problems", "0"], "--n-problems"),
+    (["bench", "--ks", "8", "--n", "4"], "--ks"),
+    (["intervene", "--frac", "0"], "--frac"),
+    (["bench", "--n", "0"], "--n"),
+    (["bench", "--ks", "0"], "--ks"),
+    (["bench", "--temperature", "0"], "--temperature"),
+    (["bench", "--top-p", "1.5"], "--top-p"),
+    (["bench", "--top-k", "-1"], "--top-k"),
+    (["bench", "--temperature", "nan"], "--temperature"),
+    (["bench", "--threads", "0"], "--threads"),
+    (["bench", "--benchmarks", "gsm9k"], "gsm9k"),
+    (["intervene", "--task", "nosuch"], "nosuch"),
+    (["intervene", "--layers", "mid"], "--layers"),
+    (["recall", "--signals", "flow", "nosuch"], "nosuch"),
+    (["recall", "--n-responses", "0"], "--n-responses"),
+    (["plot", "--alpha", "0"], "--alpha"),
+    (["plot", "--index", "-1"], "--index"),
+    (["plot", "--token", "-2"], "--token"),
+    (["intervene", "--max-new-tokens", "0"], "--max-new-tokens"),
+]
 
 
-def test_eval_plot_keeps_two_runs_of_the_same_name_apart(tmp_path, eval_main):
-    paths = []
-    for d, acc in (("a", 0.25), ("b", 0.75)):
-        m = tmp_path / d / "run" / "metrics.jsonl"
-        m.parent.mkdir(parents=True)
-        m.write_text(json.dumps({"step": 1, "acc": acc}) + "\n")
-        paths.append(m)
-    p = eval_main("plot", "--metrics", *paths, "--keys", "acc", "--out", tmp_path / "o")
-    assert p.returncode == 0, p.stderr[-2000:]
-    ema = json.loads((tmp_path / "o" / "plot.json").read_text())["curves"]["final_peak_ema"]
-    assert sorted(ema.values()) == [0.25, 0.75]  # two curves, not one overwritten by the other
+@pytest.mark.parametrize("argv, word", EVAL_BAD)
+def test_eval_bad_args(argv, word, capsys, monkeypatch):
+    import eval as ev
+    from evaluation import harness
+
+    monkeypatch.setattr(
+        harness, "load_model", lambda *a, **k: pytest.fail("a model loaded before the flag check")
+    )
+    with pytest.raises(SystemExit) as e:
+        ev.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("eval.py: error:") and word in err, err
 
 
-# ----------------------------------------------------------------------------- memory snapshots
-class Evil:
-    """A pickle that creates a file when it is loaded: what a crafted snapshot could do."""
+# ----------------------------------------------------------------------------- 11. eval.py's flags, up front
+EVAL_BAD_BEFORE_MODEL = [  # (argv, a word of the one line); each before any model loads
+    (["bench", "--device", "cuda:99"], "--device"),
+    (["bench", "--device", "tpu"], "--device"),
+    (["plot", "--answer-pattern", "("], "--answer-pattern: '(' does not compile"),
+    (["bench", "--seed", str(2**70)], "--seed"),
+    (["intervene", "--seed", "-1"], "--seed"),
+    (["bench", "--out", "{file}"], "is a file"),
+    (["plot", "--out", "{file}/sub"], "is a file"),
+    (["recall", "--out", "{file}"], "--out"),
+    (["bench", "--threads", str(10**20)], "--threads"),
+]
 
-    def __init__(self, path):
-        self.path = path
 
-    def __reduce__(self):
-        return (open, (str(self.path), "w"))
+@pytest.mark.parametrize("argv, word", EVAL_BAD_BEFORE_MODEL)
+def test_eval_refuses_bad_flags_before_the_model(tmp_path, monkeypatch, capsys, argv, word):
+    (tmp_path / "file").write_text("x")
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        ev.main([a.replace("{file}", str(tmp_path / "file")) for a in argv])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("eval.py: error: ") and word in line, line
 
 
-def test_a_snapshot_is_read_back_from_its_json_summary_never_unpickled(tmp_path):
-    frames = [{"filename": "/x/policy.py", "line": 183, "name": "piece"}]
-    snap = {
-        "base_allocated": 10**9,
-        "window_peak": 15 * 10**8,
-        "device_traces": [
+def test_cuda_without_a_gpu_is_refused_by_eval():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit):
+        ev.parse(["bench", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("task", ["poetry", ["math"], "countdown"])
+def test_eval_responses_with_an_unknown_task_is_one_line(tmp_path, capsys, task):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"question": "1 + 1?", "answer": "2", "response": "\\boxed{2}", "task": task}))
+    with pytest.raises(SystemExit) as e:
+        ev.main(
             [
-                {"action": "alloc", "addr": 1, "size": 4 * 10**8, "frames": frames},  # 1.4 GB
-                {"action": "alloc", "addr": 2, "size": 10**8, "frames": []},  # 1.5 GB: the peak
-                {"action": "free_requested", "addr": 2, "size": 10**8, "frames": []},
+                "intervene",
+                "--model",
+                "tiny-llama",
+                "--responses",
+                str(path),
+                "--style",
+                "fewshot",
+                "--n-problems",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--out",
+                str(tmp_path / "o"),
             ]
-        ],
-    }
-    path = tmp_path / "snap" / "backward.pickle"
-    memtrace.save_snapshot(snap, str(path))
-    assert path.read_bytes() == pickle.dumps(snap)  # the pickle is memory_viz's
-    marker = tmp_path / "ran"
-    path.write_bytes(pickle.dumps(Evil(marker)))  # swapped for a crafted one
-    out = memtrace.report_held(str(path), 12 * 10**8).splitlines()
-    assert not marker.exists()  # nothing was unpickled
-    assert "peak 1.50 GB" in out[0] and "estimated 1.20" in out[0] and "1.00 GB of it from before" in out[0]
-    assert [x.split()[:2] for x in out[2:]] == [["0.400", "1"], ["0.100", "1"]]
-    assert out[2].endswith("- | - | policy.py:183 piece")
-    Path(str(path) + ".json").unlink()
-    with pytest.raises(ValueError, match=r"backward\.pickle\.json"):
-        memtrace.report_held(str(path), 1200)
-    src = (ROOT / "evaluation" / "memtrace.py").read_text() + (ROOT / "eval.py").read_text()
-    assert "pickle.load" not in src
+        )
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("eval.py: error: ") and "line 1: task" in line, line
+
+
+# ----------------------------------------------------------------------------- a full disk
+def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Path, "write_text", enospc)
+    with pytest.raises(harness.EvalError) as e:  # eval.main prints it as one line, exit 2
+        harness.save(argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
+    msg, code = e.value.args
+    assert code == 2 and "cannot write the results (No space left on device)" in msg

@@ -1,10 +1,11 @@
-"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements.txt). Tiny random
-Qwen3, fp32, CPU: credit none trains exactly as stock TRL; the (B, C) advantages TRL receives are A * gamma,
-gamma = flowtracer.flow_credit on TRL's own tensor layout, and TRL's loss is eq. 5 with them; each fused
-signal gives grpo.py's credit on the same rows; a generation batch that spans optimizer steps is credited
-with the weights that generated it, and a second iteration keeps the first's gamma; both passes log
-grpo.py's credit metrics; an unknown TRL is one line. The 2-process run, which reuses this file's helpers:
-tests/test_trl_two_process.py."""
+"""flowtracer_trl.py on TRL 1.16 (skipped without trl: pip install -r requirements.txt). Tiny random Qwen3,
+fp32, CPU: credit none trains exactly as stock TRL; the (B, C) advantages TRL receives are A * gamma, gamma =
+flowtracer.flow_credit on TRL's own tensor layout, and TRL's loss is eq. 5 with them; each fused signal gives
+grpo.py's credit on the same rows; a generation batch that spans optimizer steps is credited with the weights
+that generated it, and a second iteration keeps the first's gamma; both passes log grpo.py's credit metrics;
+an unknown TRL is one line; the task flags are grpo.py's, and a pattern that does not compile is refused
+before the trainer builds. The 2-process run, which reuses this file's helpers:
+tests/test_flowtracer_trl_two_process.py."""
 
 import functools
 import json
@@ -12,19 +13,27 @@ import json
 import pytest
 import torch
 
-ABSENT = "TRL's plug-in needs {}: pip install -r requirements.txt"
-Dataset = pytest.importorskip("datasets", reason=ABSENT.format("datasets")).Dataset
-trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
-
 import flowtracer_trl as ft  # noqa: E402
 import grpo  # noqa: E402
 from data import build_batch  # noqa: E402
 from flowtracer import Capture, Credit, flow_credit, select_layers, trace_flow  # noqa: E402
-from tasks.answers import answer_token_range  # noqa: E402
+from tasks.answers import (
+    answer_token_range,  # noqa: E402
+)
 from training.credit import baselines, scoring  # noqa: E402
 from training.credit.attention import attention_graph, use_capture_attention  # noqa: E402
 from training.model.load import load_model  # noqa: E402
 from training.run import log  # noqa: E402
+from training.usercode import reward_code
+
+ABSENT = "TRL's plug-in needs {}: pip install -r requirements.txt"
+
+
+Dataset = pytest.importorskip("datasets", reason=ABSENT.format("datasets")).Dataset
+
+
+trl = pytest.importorskip("trl", reason=ABSENT.format("trl"))
+
 
 PROMPTS = ["Q: 2+2=?", "Q: what is 10-3?"]
 
@@ -383,3 +392,41 @@ def test_changed_trl_internals_are_refused(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", lambda self, model, ids: None)
     assert "compute_entropy" in ft.trl_problem()
+
+
+def test_the_trl_plug_in_takes_the_same_task_flags(capsys):
+    import flowtracer_trl
+    from training.config import trl_setup
+
+    args, _, _ = flowtracer_trl.parse_args(
+        [
+            "--dataset",
+            "custom",
+            "--data-path",
+            "rows.jsonl",
+            "--reward",
+            "r.py:exact",
+            "--answer-pattern",
+            r"A: (\d+)",
+        ]
+    )
+    assert (args.dataset, args.reward, args.answer_pattern) == ("custom", "r.py:exact", r"A: (\d+)")
+    for bad, words in ((["--answer-pattern", "("], "does not compile"), (["--dataset", "custom"], "needs")):
+        with pytest.raises(SystemExit):
+            flowtracer_trl.parse_args(bad)
+        assert words in capsys.readouterr().err.strip().splitlines()[-1]
+
+    def exact(completion, record):
+        return float(completion == record["answer"])
+
+    fn = trl_setup.trl_reward(reward_code.Term("r.py:exact", exact, 3.0))  # TRL weighs: reward_weights
+    assert fn.__name__ == "exact"
+    assert fn(None, ["7", "8"], [json.dumps({"id": "a", "answer": "7"})] * 2) == [1.0, 0.0]
+
+
+def test_the_trl_trainer_refuses_a_pattern_that_does_not_compile_before_it_builds():
+    pytest.importorskip("trl")
+    import flowtracer_trl
+
+    with pytest.raises(ValueError, match=r"--answer-pattern '\(' does not compile"):
+        flowtracer_trl.FlowTracerGRPOTrainer(model=None, answer_pattern="(")

@@ -1,5 +1,6 @@
-"""Every user error of grpo.py is one line, `grpo.py: error: ...`, exit status 2, naming the flag or file, and
-comes before any model loads. Table-driven; no model is loaded, so the table runs in seconds."""
+"""grpo.py's command line: every user error is one line, `grpo.py: error: ...`, exit status 2, naming the flag
+or file, and comes before any model loads (hardening finding 12 among them). Table-driven; no model is loaded,
+so the table runs in seconds. The embedded model's defaults apply to it alone, named or not."""
 
 import dataclasses
 import json
@@ -9,12 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    last_line,
+    no_model,
+)
 
 import grpo
+from grpo import parse_args
 from training.config import presets
 from training.model import gguf, pretrained, trainable
 
 ROOT = Path(grpo.__file__).resolve().parent
+
 
 BAD_FLAGS = [  # (argv, a word the one line must contain)
     (["--adv-clip", "-1"], "--adv-clip"),
@@ -172,3 +179,44 @@ def test_a_model_that_fails_to_load_leaves_no_run_directory(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as e:
         grpo.main(["--model", "org/name", "--out-dir", str(old), "--overwrite"])
     assert e.value.code == 2 and sorted(p.name for p in old.iterdir()) == ["metrics.jsonl"]
+
+
+# ----------------------------------------------------------------------------- the embedded defaults
+def test_unknown_flag_is_an_error():
+    with pytest.raises(SystemExit):
+        parse_args(["--no-such-flag", "1"])
+
+
+def test_embedded_defaults_apply_only_to_the_embedded_model():
+    assert parse_args([]).steps == presets.EMBEDDED["steps"]
+    assert parse_args(["--steps", "3"]).steps == 3
+    paper = parse_args(["--model", "Qwen/Qwen3-4B-Base"])
+    assert (paper.lr, paper.group_size, paper.top_frac, paper.gamma, paper.temperature) == (
+        1e-6,
+        8,
+        0.4,
+        1.5,
+        0.99,
+    )
+
+
+# ----------------------------------------------------------------------------- 12. grpo.py flags, up front
+GRPO_BAD = [
+    (["--weight-decay", "-1"], "--weight-decay"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--prompt-style", "countdown"], "--prompt-style"),
+    (["--dataset", "countdown", "--prompt-style", "fewshot"], "--prompt-style"),
+    (["--top-k", str(2**70)], "--top-k"),
+    (["--max-new-tokens", str(2**64)], "--max-new-tokens"),
+]
+
+
+@pytest.mark.parametrize("argv, word", GRPO_BAD)
+def test_grpo_refuses_bad_flags_before_the_model(tmp_path, monkeypatch, capsys, argv, word):
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*argv, "--out-dir", str(tmp_path / "run")])
+    line = last_line(capsys)
+    assert e.value.code == 2 and line.startswith("grpo.py: error: ") and word in line, line
+    assert not (tmp_path / "run").exists()

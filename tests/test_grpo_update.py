@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_to_rounding
+from conftest import TINY_RUN, assert_to_rounding
 
 import flowtracer
 import grpo
@@ -151,26 +151,7 @@ def test_attention_graph_rejects_bad_masks(bad, match):
 
 
 # ----------------------------------------------------------------------------- on-policy: one pass == two
-SMOKE = [
-    "--model",
-    "tiny-qwen3",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "10",
-    "--micro-batch",
-    "3",
-    "--lr",
-    "1e-3",
-    "--warmup-steps",
-    "1",
-    "--steps",
-    "1",
-    "--seed",
-    "5",
-]
+SMOKE = [*TINY_RUN, "--max-new-tokens", "10", "--micro-batch", "3", "--steps", "1", "--seed", "5"]
 
 
 def one_step(tmp_path, monkeypatch, two_pass, extra=()):

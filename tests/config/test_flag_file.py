@@ -1,6 +1,6 @@
-"""Odd inputs get one clear error, or mean what their help says: config files of flags (flags.read_config),
-paths of the wrong kind where a run writes (run.check_out_dir) and a model directory without a tokenizer
-(load.load_model)."""
+"""training/config/flag_file.py through flags.read_config: a config file of flags gets one clear error naming
+the file and the key, or means what the same flag means on the command line; its keys take dashes or
+underscores in YAML or JSON, and a run's own run_config.json reads back equal."""
 
 import argparse
 import dataclasses
@@ -13,9 +13,7 @@ import torch
 import grpo
 from training.config import flags
 from training.model.load import load_model
-from training.model.pretrained import ModelError
 from training.run import checkpoint as ckpt_io
-from training.run import setup as run_mod
 
 
 @dataclass
@@ -127,82 +125,3 @@ def test_a_runs_own_run_config_json_reads_back_equal(tmp_path):
     ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)
     got = flags.read_config(tmp_path / "run" / "ckpt" / ckpt_io.RUN_CONFIG, grpo.Config, flags.CHOICES)
     assert got == dataclasses.asdict(cfg) and grpo.Config(**got) == cfg
-
-
-# ----------------------------------------------------------------------------- the run directory
-@pytest.mark.parametrize(
-    "name, kind",
-    [
-        ("curves.png", "dir"),
-        ("metrics.jsonl", "dir"),
-        (".lock", "dir"),
-        ("rollouts", "file"),
-        ("ckpt", "file"),
-        ("ckpt.tmp", "file"),
-        ("ckpt.old", "file"),
-        ("ckpt", "dangling link"),
-    ],
-)
-@pytest.mark.parametrize(
-    "resume, overwrite, claim", [(False, False, False), (False, True, True), (True, False, True)]
-)
-def test_a_path_of_the_wrong_kind_where_the_run_writes_is_one_error(
-    tmp_path, name, kind, resume, overwrite, claim
-):
-    p = tmp_path / name
-    if kind == "dir":
-        p.mkdir()
-    elif kind == "file":
-        p.write_text("mine")
-    else:
-        p.symlink_to(tmp_path / "nowhere")
-    with pytest.raises(ckpt_io.RunError) as e:
-        run_mod.check_out_dir(tmp_path, resume=resume, overwrite=overwrite, claim=claim)
-    assert str(p) in str(e.value) and "\n" not in str(e.value)
-    assert p.is_symlink() or p.exists()  # --overwrite deleted nothing
-    assert not (tmp_path / ".lock").is_file()  # checked before the lock is taken
-
-
-@pytest.mark.parametrize("saved", ["ckpt", "ckpt.tmp", "ckpt.old"])
-def test_the_run_directory_of_a_checkpoint_is_the_one_that_holds_it(tmp_path, saved):
-    run = tmp_path / "moved" / "run"
-    (run / saved).mkdir(parents=True)
-    for f in (ckpt_io.MARK, "trainer_state.pt"):
-        (run / saved / f).write_text("1")
-    for given in (run, run / "ckpt", run / saved):
-        assert ckpt_io.run_dir(ckpt_io.find_checkpoint(given)) == run
-
-
-# ----------------------------------------------------------------------------- model directories
-def test_a_model_directory_without_a_tokenizer_is_one_error_before_the_weights_load(tmp_path, monkeypatch):
-    model, tok = load_model("tiny-qwen3")
-    model.save_pretrained(tmp_path / "m")  # config.json and weights, no tokenizer
-    from training.model import load
-
-    monkeypatch.setattr(
-        load.AutoModelForCausalLM,
-        "from_pretrained",
-        lambda *a, **k: pytest.fail("the weights loaded before the tokenizer check"),
-    )
-    with pytest.raises(ModelError) as e:
-        load_model(str(tmp_path / "m"))
-    assert (
-        str(tmp_path / "m") in str(e.value)
-        and "no tokenizer" in str(e.value)
-        and "tokenizer.json" in str(e.value)
-    )
-
-
-def test_a_tokenizer_that_encodes_text_to_no_ids_is_refused(tmp_path):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    model, _ = load_model("tiny-qwen3")
-    empty = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE(vocab={}, merges=[])), eos_token="<|im_end|>"
-    )  # a vocabulary of one special
-    model.save_pretrained(tmp_path / "m")
-    empty.save_pretrained(tmp_path / "m")  # tokenizer.json is there
-    with pytest.raises(ModelError, match="to no token ids") as e:
-        load_model(str(tmp_path / "m"))
-    assert str(tmp_path / "m") in str(e.value)

@@ -1,9 +1,9 @@
 """Every command explains itself, and every path flag fails in one line.
 
 --help: each script's parser (and each eval.py subcommand's) is captured where the script builds it, and every
-flag must carry help text, every subcommand must be listed with a summary, and the help must format. Paths:
-a symlink loop, a dangling link, a file where a directory is expected and the reverse end in one
-`<script>: error: ...` line naming the flag, exit 2, never a traceback."""
+flag must carry help text, every subcommand must be listed with a summary, and the help must format; grpo.py's
+names every default answer region. Paths: a symlink loop, a dangling link, a file where a directory is
+expected and the reverse end in one `<script>: error: ...` line naming the flag, exit 2, never a traceback."""
 
 import argparse
 import dataclasses
@@ -302,3 +302,12 @@ def test_learn_out_dir(name, says, paths, capsys):
         "eval.py",
     )
     assert says in line, line
+
+
+# ----------------------------------------------------------------------------- the answer region's rule
+def test_help_names_every_default_answer_region(capsys):
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    rule = help_[help_.index("--answer-pattern") :][:160]
+    assert "\\boxed{}" in rule and "<answer>" in rule, rule

@@ -1,6 +1,7 @@
 """Shared-prefix rollouts (rollout.generate, share_prefix=True; rollout.py departure 1) against HF generate on
 the n-times-repeated rows (share_prefix=False): the same greedy tokens, the same sampler, the same log-probs
-for the update, and each prompt really read once."""
+for the update, and each prompt really read once. On the one-GPU path, checked on the CPU: the prefill keeps
+one position's logits, and dropping finished rows copies their filled part once."""
 
 import importlib.util
 
@@ -13,10 +14,12 @@ import grpo
 from data import build_batch
 from training.decode import rollout
 from training.decode.rollout import Sampling, generate
-from training.model import gguf
+from training.model import gguf, load
 from training.model.load import load_model
 
 FEWSHOT = "Q: 1+1? A: 2. Q: 2+3? A: 5. Q: "  # a shared prefix, as few-shot exemplars make
+
+
 PROMPTS = [FEWSHOT + "4+4? A:", FEWSHOT + "10+7? A:", FEWSHOT + "3+9, then double it? A:", "no shared prefix"]
 
 
@@ -313,3 +316,84 @@ def test_generate_speed_update_says_when_sharing_fell_back(monkeypatch, capsys):
     )
     assert bench.main(argv)["fell_back"]
     assert capsys.readouterr().out.count("the shared-prompt update fell back to the full pass") == 1
+
+
+# ----------------------------------------------------------------------------- prefill: one position's logits
+def test_the_prefill_keeps_one_positions_logits():
+    """A model whose logits dominate (a 20,000-token vocabulary): the prefill of a shared prefix and of the
+    rows' prompts stays below the bytes of the logits of every prompt position (which nothing reads), and
+    the greedy rollouts still equal HF generate's."""
+    from evaluation.memtrace import track_peak
+
+    model = load.AutoModelForCausalLM.from_config(load.tiny_config("tiny-qwen3", 20000)).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 256, 259
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 250, (200,), generator=g).tolist() for _ in range(2)]
+    ids[1][:100] = ids[0][:100]  # a shared prefix of 100 tokens
+    with torch.no_grad(), track_peak(model) as tr:
+        tr.phase("prefix")
+        prefix = rollout.shared_prefix(model, ids, room=8)
+        tr.phase("rows")
+        rollout.prefill_rows(model, prefix, [ids[0], ids[0], ids[1], ids[1]], 256)
+        tr.phase(None)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert prefix[0] == 100
+    assert tr.peak["prefix"] - weights < 100 * 20000 * 4, tr.peak  # (1, 100, V) fp32
+    assert tr.peak["rows"] - weights < 2 * 99 * 20000 * 4, tr.peak  # (2, 99, V) fp32
+    tok = load_model("tiny-qwen3")[1]
+    texts = [tok.decode(p) for p in ids]
+
+    def run(share):
+        return rollout.generate(
+            model,
+            tok,
+            texts,
+            2,
+            rollout.Sampling(5, greedy=True),
+            share_prefix=share,
+        ).response_ids
+
+    assert run(True) == run(False)
+
+
+# ----------------------------------------------------------------------------- dropping finished rows
+class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that touch data inside the block (views are free) and the bytes they write."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.__name__.startswith(("_local_scalar_dense", "lift_fresh")):
+            return out
+        self.ops += 1
+        self.bytes += sum(
+            t.numel() * t.element_size()
+            for t in torch.utils._pytree.tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)
+        )
+        return out
+
+
+def dropped(rows, room, keep, filled=5):
+    """(ops, bytes written) of a ReservedLayer dropping all rows but `keep`, and whether the rows kept
+    hold what they held, in place."""
+    layer = rollout.ReservedLayer(room)
+    k, v = torch.randn(rows, 2, filled, 4), torch.randn(rows, 2, filled, 4)
+    layer.update(k, v)
+    ptr = layer.buf[0].data_ptr()
+    with CountCopies() as c:
+        layer.batch_select_indices(torch.tensor(keep))
+    ok = torch.equal(layer.keys, k[keep]) and torch.equal(layer.values, v[keep])
+    return c.ops, c.bytes, ok and layer.keys.data_ptr() == ptr
+
+
+def test_dropping_rows_copies_the_filled_part_once_per_tensor():
+    row = 2 * 5 * 4 * 4  # one row's filled keys, fp32
+    ops, nbytes, ok = dropped(rows=8, room=1000, keep=[0, 2, 5, 7])
+    assert ok and nbytes <= 2 * 2 * 3 * row, nbytes  # keys, values: gather + copy of the 3 rows that move
+    assert (ops, nbytes) == dropped(rows=8, room=10, keep=[0, 2, 5, 7])[:2]  # not the spare room
+    assert ops == dropped(rows=64, room=10, keep=list(range(0, 64, 2)))[0]  # not a loop over rows
+    assert dropped(rows=8, room=10, keep=[0, 1, 2])[:2] == (0, 0)  # the tail leaves: free

@@ -1,5 +1,6 @@
-"""Tests for eval.py's building blocks and probes.py: pass@k, the peak EMA, the masked decoder, recall@K and
-the probes' hand cases. eval.py's subcommands, run through its main: tests/test_eval_commands.py."""
+"""evaluation/'s building blocks and the probes (stats.py, regenerate.py, probes.py, recall.py, highflow.py,
+harness.py): pass@k, the masked decoder, recall@K and the probes' hand cases. The peak EMA:
+tests/evaluation/test_figures.py; eval.py's subcommands, run through its main: tests/test_eval_commands.py."""
 
 import math
 
@@ -11,7 +12,6 @@ from hypothesis import strategies as st
 import eval as ev
 from evaluation import harness, highflow, probes, regenerate, stats
 from evaluation import recall as recall_probe
-from evaluation.figures import peak_ema
 from training.decode.rollout import Sampling, eos_ids, generate
 from training.model.load import load_model
 
@@ -42,21 +42,6 @@ def test_pass_at_k_hand_cases():
 def test_pass_at_k_matches_binomials(nck):
     n, c, k = nck
     assert stats.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
-
-
-def test_peak_ema_hand_sequence():
-    # alpha 0.5: 1 -> .5*max(3,1)+.5*1 = 2 -> .5*max(2,2)+.5*2 = 2 -> .5*max(5,2)+.5*2 = 3.5 ->
-    # .5*max(0,3.5)+.5*3.5
-    assert peak_ema([1, 3, 2, 5, 0], alpha=0.5) == pytest.approx([1, 2, 2, 3.5, 3.5])
-    assert peak_ema([4.0], alpha=0.3) == [4.0] and peak_ema([], 0.3) == []
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30), st.floats(0.01, 1.0))
-def test_peak_ema_is_monotone_and_below_the_running_max(xs, alpha):
-    e = peak_ema(xs, alpha)
-    assert all(b >= a - 1e-9 for a, b in zip(e, e[1:]))
-    assert all(v <= max(xs[: i + 1]) + 1e-9 for i, v in enumerate(e))
 
 
 # ----------------------------------------------------------------------------- the masked decoder

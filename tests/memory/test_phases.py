@@ -1,14 +1,12 @@
-"""memory.py and memtrace.py: the estimate against live-storage counts of real steps (each flag that changes
-memory), the tracker and each layer's saved tensors, the tied head's gradient at the first layer's backward,
-the autocast weight cache, and the allocator trace replayed to its peak. What each flag derives, the Kahan
-scheme and `eval.py memory`: tests/test_memory_flags.py."""
-
-import json
-from pathlib import Path
+"""training/memory/phases.py and terms.py against what real steps hold: the estimate against live-storage
+counts of real steps (each flag that changes memory, and --lora-rank's), each layer's saved tensors, the tied
+head's gradient at the first layer's backward, the autocast weight cache and the capture's score blocks. What
+each flag derives: tests/memory/test_phases_flags.py; the tracker and the allocator trace:
+tests/evaluation/test_memtrace.py."""
 
 import pytest
 import torch
-from conftest import SMALL_STEP
+from conftest import SMALL_STEP, qwen3_4b
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -24,20 +22,8 @@ import grpo
 from evaluation import memtrace
 from training import policy
 from training.memory import phases, terms
+from training.model import trainable
 from training.model.load import load_model, qwen3_4b_config, tiny_config
-
-
-def test_tracker_counts_views_once_and_frees():
-    with memtrace.track_peak() as tr:
-        tr.phase("a")
-        x = torch.zeros(1000)  # 4000 bytes
-        y = x[10:]  # a view: nothing new
-        z = x * 2  # 4000 more
-        assert tr.now == 8000
-        del x, z
-        assert tr.now == 4000  # the view keeps x's storage alive
-        del y
-    assert tr.now == 0 and tr.peak["a"] == 8000
 
 
 @pytest.mark.parametrize(
@@ -115,12 +101,6 @@ def test_estimate_within_10_percent_at_the_issues_tiny_shape():
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
-def qwen3_4b(*flags):
-    """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
-    cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
-    return phases.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
-
-
 def live_at_the_first_layers_backward(tied, device):
     """Live tensor bytes (track_peak) when backward reaches decoder layer 0 of a checkpointed, shared-prompt
     update (policy.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
@@ -180,54 +160,6 @@ def test_autocast_caches_a_bf16_copy_of_each_weight_for_the_region():
     assert inside >= 2 * cast > after
 
 
-def event(action, addr, size, *names, py=None):
-    """One allocator trace entry as torch.cuda.memory._snapshot() writes it (frames innermost first)."""
-    frames = ([{"filename": py[0], "line": py[1], "name": py[2]}] if py else []) + [
-        {"filename": "??", "line": 0, "name": n} for n in names
-    ]
-    return {"action": action, "addr": addr, "size": size, "frames": frames}
-
-
-def test_held_at_peak_replays_the_allocators_count():
-    """A hand-made trace: 1000 bytes at the start, 200 of them freed in the window; the count peaks at
-    1550, when B, C and D (750 bytes) are the window's live blocks, grouped by where they were made."""
-    node = "torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)"
-    snap = {
-        "base_allocated": 1000,
-        "device_traces": [
-            [
-                event("alloc", 1, 100, py=("/x/modeling_qwen3.py", 80, "forward")),  # A  1100
-                event("alloc", 2, 300, "at::native::mm_out(at::Tensor const&)", node),  # B  1400
-                event("free_requested", 1, 100),  #    1300
-                event("free_completed", 1, 100),  #    (no change)
-                event("segment_alloc", 99, 2**21),  #    (reserved)
-                event("alloc", 3, 50, "at::native::mm_out(at::Tensor const&)", node),  # C  1350
-                event("free_requested", 7, 200),  # X  1150 (older)
-                event("alloc", 4, 400, py=("/x/policy.py", 183, "piece")),  # D  1550 peak
-                event("free_requested", 4, 400),  #    1150
-                event("alloc", 5, 300, py=("/x/policy.py", 183, "piece")),
-            ]
-        ],
-    }  # E  1450
-    peak, before, rows = memtrace.held_at_peak(snap)
-    assert (peak, before) == (1550, 800)
-    assert rows == [(400, 1, "- | - | policy.py:183 piece"), (350, 2, "MmBackward0 | at::native::mm_out | -")]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history needs a CUDA device")
-def test_snapshot_of_the_backward_replays_to_the_allocators_peak(tmp_path):
-    """On a GPU: the recorded window of a real tiny step, replayed, peaks where the allocator's own count
-    did, and holds blocks made by autograd nodes (the backward's own)."""
-    cfg = grpo.parse_args(SMALL_STEP)
-    path = tmp_path / "backward.pickle"
-    measured = memtrace.measure(cfg, 32, grpo.update, "cuda", snapshot=str(path))
-    s = json.loads(Path(str(path) + ".json").read_text())  # save_snapshot's summary, every site
-    assert path.is_file() and s["peak"] == s["window_peak"] <= measured["backward"]
-    assert 0 < s["before"] <= s["base_allocated"]
-    assert any("Backward" in site.split(" | ")[0] for _, _, site in s["rows"])  # the backward's own blocks
-    assert memtrace.report_held(str(path), measured["backward"]).count("\n") == 1 + min(12, len(s["rows"]))
-
-
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
     """flowtracer.add_head_mean over 4 query chunks (or 1) holds what capture_workspace counts: q and k in
@@ -245,3 +177,36 @@ def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
     counted = 4 * (B * T * H * D + B * T * Hkv * D + 2 * B * H * T * c + 2 * B * T * c)  # capture_workspace
     blocks = 2 * 4 * B * H * c * T
     assert blocks < tr.peak["capture"] - base <= counted
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--lora-rank", "8"],
+        ["--lora-rank", "64", "--no-grad-checkpointing"],
+        ["--lora-rank", "16", "--lora-targets", "q_proj,v_proj", "--no-share-prefix"],
+    ],
+)
+def test_lora_estimate_within_10_percent_of_a_real_step(flags):
+    """Every phase of a real tiny LoRA step against the estimate (frozen weights, adapter gradients and
+    states, the activations LoRA adds and those a frozen norm no longer keeps), as test_memory.py does for
+    full fine-tuning."""
+    cfg = grpo.parse_args(SMALL_STEP + flags)
+    measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 32)
+    model = trainable.load_policy(cfg, torch.device("cpu")).model
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert est["optimizer step"]["grads"] == 4 * adapters  # fp32, the adapters only
+    for phase in phases.PHASES:
+        ratio = sum(est[phase].values()) / measured[phase]
+        assert 0.9 <= ratio <= 1.1, (phase, ratio)
+
+
+@pytest.mark.slow
+def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
+    """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
+    cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
+    measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
+    est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 256)
+    for phase in phases.PHASES:
+        assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase

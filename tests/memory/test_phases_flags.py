@@ -1,28 +1,16 @@
-"""memory.py and policy.py: each flag moves the estimate by its derived amount, generation as generate
-prefills, the margin, Qwen3-4B's fit in 70 GB under the scheme (not in fp32), the CUDA allocator setting,
-the Kahan scheme against fp32 AdamW and the scheme's defaults, and `eval.py memory`. The estimate against
-live-storage counts: tests/test_memory.py."""
+"""training/memory/phases.py by flag: each flag moves the estimate by its derived amount, generation as
+generate prefills, the margin, Qwen3-4B's fit in 70 GB under the scheme (not in fp32). The estimate against
+live-storage counts: tests/memory/test_phases.py; the Kahan scheme and the CUDA allocator setting:
+tests/model/test_trainable.py; `eval.py memory`: tests/evaluation/test_memory_command.py."""
 
-import copy
-import os
 from types import SimpleNamespace
 
-import pytest
-import torch
-from conftest import ROOT
+from conftest import qwen3_4b
 
 import grpo
 from evaluation import memory
-from training import policy
 from training.memory import budget, phases, shapes, terms
-from training.model import trainable
-from training.model.load import load_model, qwen3_4b_config
-
-
-def qwen3_4b(*flags):
-    """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
-    cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
-    return phases.estimate(cfg, qwen3_4b_config(), "cuda"), cfg
+from training.model.load import qwen3_4b_config
 
 
 def total(est, phase):
@@ -104,18 +92,6 @@ def test_margin_is_printed_and_counted_in_the_fit():
         ) == fits
 
 
-def test_expandable_segments_on_cuda_before_it_starts(monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert trainable.device_of("cpu").type == "cpu"
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    assert trainable.device_of("cuda").type == "cuda"
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's setting wins
-    trainable.device_of("cuda")
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
-
-
 def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     cfg = grpo.parse_args(["--model", "qwen3-4b-random"])
     mc = qwen3_4b_config()
@@ -130,63 +106,3 @@ def test_qwen3_4b_fits_70gb_under_the_scheme_and_not_in_fp32():
     assert phases.peak(fp32)[1] > 80e9
     gen_chunk, micro = budget.fit(SimpleNamespace(**{**vars(cfg), "max_new_tokens": 8192}), mc, "cuda")
     assert gen_chunk < 64 and micro < 8  # 8K needs smaller chunks
-
-
-def cumulative_updates(steps=20, lr=1e-6, device="cpu"):
-    """{scheme: relative norm of (its cumulative update - fp32 AdamW's)} on tiny-qwen3, same gradients. The
-    kahan optimizer is what grpo.py builds for weights on `device` (on CUDA optimi's Triton or foreach step,
-    on the CPU its for-loop: trainable.make_optimizer chooses by where the weights are)."""
-    ref, _ = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    cfg = SimpleNamespace(optimizer="kahan", lr=lr, weight_decay=0.0)
-    runs = {"fp32": (ref, torch.optim.AdamW(ref.parameters(), lr=lr))}
-    m = copy.deepcopy(ref).to(torch.bfloat16)
-    runs["kahan"] = (m, trainable.make_optimizer(m, cfg, "cuda"))  # the CUDA scheme, the weights' step
-    m = copy.deepcopy(ref).to(torch.bfloat16)
-    runs["bf16"] = (m, torch.optim.AdamW(m.parameters(), lr=lr))  # naive bf16 weights
-    w0 = {k: policy.master_weights(m, opt) for k, (m, opt) in runs.items()}
-    for k in range(steps):
-        ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(k)).to(ref.device)
-        ref.zero_grad()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        grads = [p.grad.clone() for p in ref.parameters()]
-        for m, opt in runs.values():
-            for p, g in zip(m.parameters(), grads):
-                p.grad = g.to(p.dtype)
-            opt.step()
-    d = {
-        k: {n: w - w0[k][n] for n, w in policy.master_weights(m, opt).items()} for k, (m, opt) in runs.items()
-    }
-    norm = lambda x: sum((v**2).sum() for v in x.values()).sqrt()  # noqa: E731
-    return {k: float(norm({n: d[k][n] - d["fp32"][n] for n in d[k]}) / norm(d["fp32"])) for k in d}
-
-
-def test_kahan_keeps_lr_1e6_updates_and_plain_bf16_loses_them(device):
-    rel = cumulative_updates(device=device)
-    assert rel["kahan"] < 0.05  # the bar: within 5%
-    assert rel["bf16"] > 0.5  # rounding drops the update
-
-
-def test_scheme_defaults_and_errors():
-    cfg = SimpleNamespace(optimizer="auto", lr=1e-6, weight_decay=0.0)
-    assert trainable.scheme(cfg, "cuda") == "kahan" and trainable.scheme(cfg, "cpu") == "adamw"
-    assert trainable.weight_dtype(cfg, "cpu") == torch.float32  # the CPU path stays fp32
-    model, _ = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
-    with pytest.raises(ValueError, match="bf16"):
-        trainable.make_optimizer(model, SimpleNamespace(optimizer="kahan", lr=1e-6, weight_decay=0.0), "cpu")
-    with pytest.raises(ValueError, match="--optimizer"):
-        trainable.scheme(SimpleNamespace(optimizer="sgd"), "cpu")
-
-
-def test_eval_memory_command(in_process):
-    import eval as ev
-
-    run = lambda *a: in_process(ev.main, "memory", *a)  # noqa: E731  `python eval.py memory a`, in-process
-    p = run("--model", "qwen3-4b-random")
-    assert p.returncode == 0, p.stderr
-    last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("peak") and "GB" in last and float(last.split()[1]) <= 70
-    p = run("--model", "qwen3-4b-random", "--micro-batch", "-1")  # 0: sized
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("grpo.py: error: --micro-batch")
-    p = run("--model", "tiny-qwen3", "--snapshot", "x.pickle")  # no --measure, no GPU here
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--snapshot" in p.stderr
-    assert not (ROOT / "x.pickle").exists()

@@ -1,38 +1,28 @@
-"""Tests for load.py: loading (random, local dir, GGUF, errors) and batched generation."""
+"""training/model/load.py: loading (random, local dir, GGUF, the hub out of reach, errors naming the file or
+directory), a bf16 load that keeps the rotary frequencies fp32 on every path, a model directory without a
+usable tokenizer refused before the weights load, and the real SmolLM2 GGUF. Batched generation:
+tests/decode/test_rollout_batches.py."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    greedy_loop,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import grpo
+import data
 from training.decode import rollout
 from training.decode.rollout import Sampling, generate
 from training.model import gguf, load
 from training.model.load import load_model
-
-PROMPTS = ["hello there", "2+2=", "a somewhat longer prompt, to force left padding"]
-RUN = Sampling.of(grpo.Config())  # grpo.py's rollouts: App. C.3's temperature, top-p, top-k
-
-
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
-def tiny(request):
-    return load_model(request.param, device="cpu")
-
-
-def greedy_loop(model, tokenizer, prompt, max_new_tokens, eos):
-    """Reference: argmax of the model's last logits, whole sequence re-run each step, no cache, no padding."""
-    ids = tokenizer(prompt).input_ids
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([ids + out])).logits[0, -1]
-            out.append(int(logits.argmax()))
-            if out[-1] in eos:
-                break
-    return out
+from training.model.pretrained import ModelError
 
 
 def assert_tokenizer_contract(tok):
@@ -43,8 +33,6 @@ def assert_tokenizer_contract(tok):
 
 
 # ----------------------------------------------------------------------------- tokenizer and configs
-
-
 def test_byte_tokenizer_hand_cases():
     tok = load.byte_tokenizer()
     assert_tokenizer_contract(tok)
@@ -117,8 +105,6 @@ def test_qwen3_4b_config_and_param_count():
 
 
 # -------------------------------------------------------------------------- load_model errors and local dirs
-
-
 def test_missing_gguf_path():
     with pytest.raises(ValueError, match="no_such.gguf"):
         load_model("/tmp/definitely/no_such.gguf", device="cpu")
@@ -167,82 +153,7 @@ def test_write_cache_atomic_and_unwritable(tmp_path):
         gguf.write_cache(m, tok, tmp_path / "file" / "entry")
 
 
-# ----------------------------------------------------------------------------- generate
-
-
-def test_greedy_equals_manual_loop_with_padding_and_chunks(tiny):
-    model, tok = tiny
-    eos = set(rollout.eos_ids(model, tok))
-    # 6 rows, chunks 4 + 2
-    g = generate(model, tok, PROMPTS, 2, Sampling(12, greedy=True), chunk_size=4)
-    assert len(g.response_ids) == 6
-    for j in range(6):
-        ref = greedy_loop(model, tok, PROMPTS[j // 2], 12, eos)  # alone: no padding, no cache
-        assert g.response_ids[j] == ref
-        assert g.prompt_ids[j] == tok(PROMPTS[j // 2]).input_ids
-        assert g.truncated[j] == (ref[-1] not in eos)
-        assert g.texts[j] == tok.decode(ref, skip_special_tokens=True)
-
-
-def test_eos_cut_and_flag(tiny):
-    model, tok = tiny
-    free = generate(model, tok, PROMPTS[:2], 1, Sampling(10, greedy=True))
-    stop = free.response_ids[0][3]  # declare the 4th greedy token of row 0 an EOS
-    old = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = [stop]
-    try:
-        g = generate(model, tok, PROMPTS[:2], 1, Sampling(10, greedy=True))
-    finally:
-        model.generation_config.eos_token_id = old
-    for j in range(2):
-        resp = free.response_ids[j]
-        cut = resp.index(stop) + 1 if stop in resp else None
-        assert g.response_ids[j] == resp[:cut]  # includes the EOS, nothing after it
-        assert g.truncated[j] == (cut is None and resp[-1] != tok.eos_token_id)
-    assert g.response_ids[0][-1] == stop and not g.truncated[0]
-
-
-def test_sampling_seeded_grouped_and_topk1_is_greedy(tiny):
-    model, tok = tiny
-    run = RUN._replace(max_new_tokens=8)
-    torch.manual_seed(0)
-    a = generate(model, tok, PROMPTS[:2], 3, run)
-    torch.manual_seed(0)
-    b = generate(model, tok, PROMPTS[:2], 3, run)
-    assert a == b
-    torch.manual_seed(1)
-    c = generate(model, tok, PROMPTS[:2], 3, run)
-    assert a.response_ids != c.response_ids
-    assert [p for p in a.prompt_ids] == [tok(PROMPTS[i // 3]).input_ids for i in range(6)]
-    assert len(set(map(tuple, a.response_ids[:3]))) > 1  # samples within a group differ
-    for r, t in zip(a.response_ids, a.truncated):
-        assert 1 <= len(r) <= 8 and (len(r) == 8 if t else r[-1] in rollout.eos_ids(model, tok))
-    greedy = generate(model, tok, PROMPTS[:2], 1, Sampling(8, greedy=True))
-    top1 = generate(model, tok, PROMPTS[:2], 1, run._replace(top_k=1))
-    assert top1.response_ids == greedy.response_ids
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(prompts=[]),
-        dict(prompts="one string"),
-        dict(n=0),
-        dict(sampling=RUN._replace(max_new_tokens=0)),
-        dict(sampling=RUN._replace(temperature=0.0)),
-        dict(chunk_size=0),
-    ],
-)
-def test_generate_bad_input(kwargs):
-    model, tok = load_model("tiny-llama", device="cpu")
-    args = dict(prompts=["x"], n=1, sampling=RUN) | kwargs
-    with pytest.raises(ValueError):
-        generate(model, tok, **args)
-
-
 # ----------------------------------------------------------------------------- the real SmolLM2 GGUF
-
-
 def smol_batch(tok):
     return tok(["<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "hi"], return_tensors="pt", padding=True)
 
@@ -302,3 +213,129 @@ def test_smollm2_greedy_generate(smol):
     assert g.response_ids[0] == greedy_loop(model, tok, prompt, 4, eos)  # the short row was left-padded
     assert g.response_ids[1] == greedy_loop(model, tok, "The capital of France is", 4, eos)
     assert all(t.strip() for t in g.texts)
+
+
+# ----------------------------------------------------------------------------- bf16 weights: RoPE stays fp32
+def rope_buffers(model):
+    return {n: b for n, b in model.named_buffers() if "inv_freq" in n}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "dir"])
+def test_bf16_loads_equal_from_pretrained_with_fp32_rope(tmp_path, name):
+    """A bf16 load by load_model (a random model, or a save_pretrained directory) has what a plain
+    from_pretrained(dtype=bf16) of the same weights has: fp32 inverse frequencies, and equal logits."""
+    src = tmp_path / "model"
+    m, tok = load_model(
+        "tiny-qwen3" if name == "dir" else name,
+        device="cpu",
+        dtype=torch.float32 if name == "dir" else torch.bfloat16,
+    )  # dir: an fp32 save
+    m.save_pretrained(src)
+    tok.save_pretrained(src)
+    if name == "dir":
+        m, _ = load_model(str(src), device="cpu", dtype=torch.bfloat16)
+    plain = load.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    ours, ref = rope_buffers(m), rope_buffers(plain)
+    assert ours and ours.keys() == ref.keys()
+    assert all(b.dtype == torch.float32 and torch.equal(b, ref[n]) for n, b in ours.items()), {
+        n: b.dtype for n, b in ours.items()
+    }
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.smollm2
+def test_the_gguf_model_in_bf16_keeps_fp32_rope():
+    """SmolLM2 from its GGUF (de-quantized fp32, then cast): the fp32 load's frequencies, exactly."""
+    fp32, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    bf16, _ = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    want, got = rope_buffers(fp32), rope_buffers(bf16)
+    assert got and all(b.dtype == torch.float32 and torch.equal(b, want[n]) for n, b in got.items())
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- model files
+def test_model_file_errors_name_the_file(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("not a gguf")
+    bad = tmp_path / "badckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "qwen3"}')
+    (bad / "model.safetensors").write_bytes(b"junk")
+    for name, word in (
+        (str(fake), "fake.gguf"),
+        (str(tmp_path / "nosuch"), "no such model directory"),
+        ("./nosuch-model", "no such model directory"),
+        (str(bad), "badckpt"),
+        ("runs/nosuch/ckpt", "runs/nosuch/ckpt: no such model directory"),
+        (str(fake.with_suffix(".txt")), "no such model directory"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            load_model(name)
+
+
+# ----------------------------------------------------------------------------- model directories
+def test_a_model_directory_without_a_tokenizer_is_one_error_before_the_weights_load(tmp_path, monkeypatch):
+    model, tok = load_model("tiny-qwen3")
+    model.save_pretrained(tmp_path / "m")  # config.json and weights, no tokenizer
+    from training.model import load
+
+    monkeypatch.setattr(
+        load.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("the weights loaded before the tokenizer check"),
+    )
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path / "m"))
+    assert (
+        str(tmp_path / "m") in str(e.value)
+        and "no tokenizer" in str(e.value)
+        and "tokenizer.json" in str(e.value)
+    )
+
+
+def test_a_tokenizer_that_encodes_text_to_no_ids_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model, _ = load_model("tiny-qwen3")
+    empty = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab={}, merges=[])), eos_token="<|im_end|>"
+    )  # a vocabulary of one special
+    model.save_pretrained(tmp_path / "m")
+    empty.save_pretrained(tmp_path / "m")  # tokenizer.json is there
+    with pytest.raises(ModelError, match="to no token ids") as e:
+        load_model(str(tmp_path / "m"))
+    assert str(tmp_path / "m") in str(e.value)
+
+
+# ----------------------------------------------------------------------------- a hub model out of reach
+HUB_CASES = {  # how the hub is out of reach -> (environment, what the line says, what it says to do)
+    "unreachable": (
+        {"HF_ENDPOINT": "http://127.0.0.1:9"},
+        "the Hugging Face hub is unreachable",  # port 9:
+        "connect to the network",
+    )
+}  # refused
+
+
+# HF_HUB_OFFLINE set takes the same path with its own words: tests/test_models.py, in this process
+@pytest.mark.parametrize("case", HUB_CASES)
+def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case):
+    """`grpo.py --model <hub id>` with no hub (or HF_HUB_OFFLINE) and the model not in the hub's cache: no
+    request that retries (huggingface_hub's backoff printed 11 lines over ~25 s, then a 590-character error),
+    one line under 200 characters that says what to do, exit 2, and no run directory created."""
+    drop = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+    env = {k: v for k, v in os.environ.items() if k.upper() not in drop}
+    env.update(HUB_CASES[case][0], HF_HOME=str(tmp_path / "hf"))  # an empty hub cache
+    grpo = Path(data.__file__).resolve().parent / "grpo.py"
+    argv = [sys.executable, str(grpo), "--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "run")]
+    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, lines
+    line, says, todo = lines[0], *HUB_CASES[case][1:]
+    assert line.startswith("grpo.py: error: --model nobody/no-such-model: ") and len(line) < 200, line
+    assert says in line and todo in line and "local model directory" in line, line
+    assert not (tmp_path / "run").exists()

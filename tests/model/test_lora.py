@@ -1,13 +1,16 @@
-"""LoRA (grpo.py departure 9, lora.py): at initialisation the adapted model is the base model
-(log-probs, FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the
-reference of --beta is the base with the adapters off, the learning rate preset, and --resume continues a
-LoRA run exactly."""
+"""LoRA (grpo.py departure 9, lora.py): at initialisation the adapted model is the base model (log-probs,
+FlowTracer's maps and credit equal exactly on the CPU), a step changes the adapters alone, the reference of
+--beta is the base with the adapters off, the learning rate preset, --resume continues a LoRA run exactly, and
+LoRA flags that name nothing or ask too much are one line (grpo.py and the TRL plug-in)."""
 
 import json
 import zlib
 
 import pytest
 import torch
+from conftest import (
+    TINY_RUN,
+)
 from safetensors.torch import load_file
 
 import flowtracer
@@ -37,6 +40,7 @@ TINY = [
     "--seed",
     "3",
 ]
+
 
 PROMPTS = ["Q: 1+1? A: 2. Q: 4+4? A:", "Q: 1+1? A: 2. Q: 10+7? A:", "no shared prefix"]
 
@@ -376,3 +380,47 @@ def test_a_bf16_base_evaluates_its_adapters_as_trained_and_a_bf16_merge_would_no
     kept = [(w1[k] == w0[k]).float().mean().item() for k in w0 if k.endswith("proj.weight")]
     lost = (lp(merged16.float()) - want).abs().max().item()
     assert sum(kept) / len(kept) > 0.5 and lost > 0.3 * update, (kept, lost, update)
+
+
+# ----------------------------------------------------------------------------- LoRA flags that name nothing
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lora-targets", "q_proj,v_prj"], "no module of Qwen3ForCausalLM is called 'v_prj'"),
+        (["--lora-targets", "qproj"], "is called 'qproj' (its linear layers: down_proj"),
+        (["--lora-rank", "1099511627776"], "--lora-rank 1099511627776 is more than any adapted layer's rank"),
+        (["--lora-targets", "model"], "names no linear layer of Qwen3ForCausalLM"),
+        (["--lora-targets", "all-linear,q_proj"], "all-linear stands alone"),
+    ],
+)
+def test_lora_flags_that_name_nothing_or_ask_too_much_are_one_line(tmp_path, capsys, argv, words):
+    """peft fails only when no module matches: q_proj,v_prj trained q_proj alone and recorded v_prj; a rank
+    past int32 was a RuntimeError from inside. Nothing is written."""
+    with pytest.raises(SystemExit) as e:
+        grpo.main([*TINY_RUN, "--lora-rank", "4", *argv, "--out-dir", str(tmp_path / "r")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and line.startswith("grpo.py: error: --lora-") and words in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_trl_plug_in_checks_each_lora_target(tmp_path, capsys):
+    pytest.importorskip("trl")
+    import flowtracer_trl
+
+    with pytest.raises(SystemExit) as e:
+        flowtracer_trl.main(
+            [
+                "--model",
+                "tiny-qwen3",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "q_proj,v_prj",
+                "--max-steps",
+                "1",
+                "--output-dir",
+                str(tmp_path / "t"),
+            ]
+        )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "flowtracer_trl.py: error: --lora-targets" in line and "'v_prj'" in line

@@ -1,22 +1,20 @@
-"""Hardening of checkpoints and the run directory: hostile or malformed input gets one clear line and exit 2,
-never code execution, a traceback or lost data. One section per finding; each test failed before its fix.
+"""training/run/checkpoint.py against hostile or malformed input: one clear line and exit 2, never code
+execution, a traceback or lost data (hardening findings 1, 3 and 4; each test failed before its fix): a
+crafted trainer_state.pt runs no code and a saved state is plain data, a --resume that changes the run's
+meaning is refused, a full disk keeps the old checkpoint and says how much space it needs; the run directory
+of a checkpoint is the one that holds it, and a cut weights file is one line on --resume and in eval.py bench.
+Two runs never share an out_dir (finding 2): tests/run/test_directory.py."""
 
-  1-4   a crafted trainer_state.pt runs no code, two runs never share an out_dir, a --resume that changes the
-        run's meaning is refused, a full disk keeps the old checkpoint"""
-
-import argparse
 import dataclasses
 import errno
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import enospc, last_line
 
 import eval as ev
 import grpo
@@ -24,8 +22,6 @@ from evaluation import harness
 from training.model import trainable
 from training.model.load import load_model
 from training.run import checkpoint as ckpt_io
-from training.run import directory, log
-from training.run import setup as run_mod
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +30,6 @@ def tiny_state():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, tok, opt, sched, grpo.Config(model="tiny-llama")
-
-
-def last_line(capsys):
-    return capsys.readouterr().err.strip().splitlines()[-1]
-
-
-def no_model(monkeypatch):
-    """Any model load fails the test: the error must come first."""
-    for module in (trainable, harness):
-        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
 
 
 # ----------------------------------------------------------------------------- 1. code from a checkpoint
@@ -137,46 +123,6 @@ def test_a_trainer_state_with_wrong_fields_names_the_file(tmp_path, tiny_state, 
         ckpt_io.load_checkpoint(tmp_path / "ckpt", opt, sched)
 
 
-# ----------------------------------------------------------------------------- 2. two runs, one out_dir
-HOLD = (
-    "import sys; from training.run import directory; directory.lock_out_dir(sys.argv[1]); "
-    "print('locked', flush=True); sys.stdin.read()"
-)
-
-
-def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(out)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(),
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        no_model(monkeypatch)
-        with pytest.raises(SystemExit) as e:
-            grpo.main(["--out-dir", str(out), "--overwrite"])
-        line = last_line(capsys)
-        assert e.value.code == 2 and line.startswith("grpo.py: error: ") and f"PID {holder.pid}" in line, line
-        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written, nothing cut
-    finally:
-        holder.stdin.close()
-        holder.wait(60)
-    run_mod.check_out_dir(out, resume=False, overwrite=False)  # free once the holder ends
-    run_mod.check_out_dir(out, resume=False, overwrite=False)  # the same process: again fine
-    directory.unlock_out_dir(out)
-
-
-def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch, capsys):
-    (tmp_path / "file").write_text("x")
-    no_model(monkeypatch)
-    with pytest.raises(SystemExit) as e:
-        grpo.main(["--out-dir", str(tmp_path / "file")])
-    assert e.value.code == 2 and "file" in last_line(capsys)
-
-
 # ----------------------------------------------------------------------------- 3. a resume that changes a run
 RESUMES = [  # (flags given with --resume, the flags the error must list; None: accepted)
     (["--credit", "entropy"], ["--credit"]),
@@ -207,10 +153,6 @@ def test_a_resume_that_changes_the_runs_meaning_is_refused(tmp_path, tiny_state,
 
 
 # ----------------------------------------------------------------------------- 4. a full disk during a save
-def enospc(*a, **k):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def safetensors_full(*a, **k):
     raise RuntimeError(
         "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
@@ -287,18 +229,47 @@ def test_full_disk_turns_only_a_full_disk_into_one_line(tmp_path, error, full):
             raise error
 
 
-def test_eval_full_disk_when_writing_results_is_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(Path, "write_text", enospc)
-    with pytest.raises(harness.EvalError) as e:  # eval.main prints it as one line, exit 2
-        harness.save(argparse.Namespace(out=str(tmp_path), cmd="bench"), {}, "| table |")
-    msg, code = e.value.args
-    assert code == 2 and "cannot write the results (No space left on device)" in msg
+# ----------------------------------------------------------------------------- its run dir, weights cut short
+@pytest.mark.parametrize("saved", ["ckpt", "ckpt.tmp", "ckpt.old"])
+def test_the_run_directory_of_a_checkpoint_is_the_one_that_holds_it(tmp_path, saved):
+    run = tmp_path / "moved" / "run"
+    (run / saved).mkdir(parents=True)
+    for f in (ckpt_io.MARK, "trainer_state.pt"):
+        (run / saved / f).write_text("1")
+    for given in (run, run / "ckpt", run / saved):
+        assert ckpt_io.run_dir(ckpt_io.find_checkpoint(given)) == run
 
 
-def test_a_full_disk_while_logging_names_the_file(tmp_path):
-    class Full:
-        name = str(tmp_path / "metrics.jsonl")
-        write = staticmethod(enospc)
+def test_a_cut_weights_file_is_one_line_on_resume_and_in_eval_bench(lora_run, tmp_path, monkeypatch, capsys):
+    """A truncated adapter_model.safetensors was a SafetensorError traceback; now one line naming it,
+    before any model loads."""
+    run = tmp_path / "run"
+    import shutil
 
-    with pytest.raises(ckpt_io.RunError, match="metrics.jsonl: no space left .* step 3"):
-        log.write_metrics(Full(), {"step": 3})
+    shutil.copytree(lora_run, run)
+    f = run / "ckpt" / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    for main, argv in (
+        (grpo.main, ["--resume", str(run), "--steps", "2"]),
+        (
+            ev.main,
+            [
+                "bench",
+                "--model",
+                str(run),
+                "--benchmarks",
+                "gsm8k",
+                "--n-problems",
+                "1",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+        ),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and f"{f}: cut short or corrupted" in line, line
+    assert ckpt_io.safetensors_problem(lora_run / "ckpt") is None

@@ -1,52 +1,29 @@
-"""Reliability: no lost run data. Nothing here loads a real model (the random tiny one stands in). The
-checkpoint save is killed at every file-system operation in turn (kill_at); a half-deleted or
-corrupted checkpoint is named, the metrics are cut back to the checkpoint on resume, a new run never silently
-replaces an old one, and the embedded demo saves once, without the optimizer state."""
+"""training/run/checkpoint.py's save, atomic: no lost run data. Nothing here loads a real model (the random
+tiny one stands in). The save is killed at every file-system operation in turn (kill_at) and a complete
+checkpoint stands; a half-deleted, corrupted or foreign trainer state is named (grpo.py --resume, eval.py
+bench); the embedded demo saves once, without the optimizer state, and a checkpoint without it resumes saying
+the optimizer restarts; a save prints no progress bar. The metrics cut back on resume and a new run that never
+silently replaces an old one: tests/run/test_directory.py."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Killed
 
 import grpo
 from training.model.load import load_model
 from training.run import checkpoint as ckpt_io
-from training.run import directory, log
-from training.run import setup as run_mod
 
 
-# ----------------------------------------------------------------------------- model and checkpoint files
-def test_model_file_errors_name_the_file(tmp_path):
-    fake = tmp_path / "fake.gguf"
-    fake.write_text("not a gguf")
-    bad = tmp_path / "badckpt"
-    bad.mkdir()
-    (bad / "config.json").write_text('{"model_type": "qwen3"}')
-    (bad / "model.safetensors").write_bytes(b"junk")
-    for name, word in (
-        (str(fake), "fake.gguf"),
-        (str(tmp_path / "nosuch"), "no such model directory"),
-        ("./nosuch-model", "no such model directory"),
-        (str(bad), "badckpt"),
-        ("runs/nosuch/ckpt", "runs/nosuch/ckpt: no such model directory"),
-        (str(fake.with_suffix(".txt")), "no such model directory"),
-    ):
-        with pytest.raises(ValueError, match=word):
-            load_model(name)
-
-
+# ----------------------------------------------------------------------------- a kill, a broken state
 @pytest.fixture(scope="module")
 def tiny_state():
     model, tok = load_model("tiny-llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, tok, opt, sched, grpo.Config()
-
-
-class Killed(Exception):
-    """Stands in for SIGKILL at one file-system operation of the save."""
 
 
 def kill_at(monkeypatch, k, model, tok):
@@ -159,67 +136,6 @@ def test_corrupted_trainer_state_names_the_file(tmp_path, tiny_state, in_process
     assert p.returncode == 2 and "trainer_state.pt" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
-    f = directory.open_metrics(tmp_path, None)
-    for s in (1, 2, 3):
-        log.write_metrics(f, {"step": s})
-    f.close()
-    with open(tmp_path / "metrics.jsonl", "a") as g:
-        g.write('{"step": 4, "cut by a ki')  # a line cut by a kill
-    f = directory.open_metrics(tmp_path, 2)
-    log.write_metrics(f, {"step": 3})
-    f.close()
-    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-
-
-def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monkeypatch):
-    m = tmp_path / "metrics.jsonl"  # as an older version left it: steps 1, 2, 3, 3, 4
-    rows = ((1, 0), (2, 0), (3, 0), (3, 1), (4, 0))
-    m.write_text("".join(json.dumps({"step": s, "v": v}) + "\n" for s, v in rows))
-    before = m.read_text()
-
-    def killed(*a):
-        raise Killed("os.replace")
-
-    monkeypatch.setattr(directory.os, "replace", killed)
-    with pytest.raises(Killed):  # a kill during the cut: nothing lost
-        directory.open_metrics(tmp_path, 3)
-    assert m.read_text() == before
-    monkeypatch.undo()
-    directory.open_metrics(tmp_path, 3).close()
-    kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
-    assert kept == [(1, 0), (2, 0), (3, 1)]  # the last line of step 3: the redone one
-    f = directory.open_metrics(tmp_path, None)  # a plain open appends, it never truncates
-    log.write_metrics(f, {"step": 4, "v": 2})
-    f.close()
-    assert len(m.read_text().splitlines()) == 4
-
-
-OUT_DIRS = [  # (what the out_dir holds, resume, overwrite, error?)
-    ([], False, False, False),
-    (["metrics.jsonl"], False, False, True),
-    (["ckpt/"], False, False, True),
-    (["ckpt.tmp/"], False, False, True),
-    (["metrics.jsonl", "ckpt/"], True, False, False),
-    (["metrics.jsonl", "ckpt/", "rollouts/", "curves.png"], False, True, False),
-    (["notes.txt"], False, False, False),
-]
-
-
-@pytest.mark.parametrize("held, resume, overwrite, error", OUT_DIRS)
-def test_a_new_run_never_silently_replaces_an_old_one(tmp_path, held, resume, overwrite, error):
-    for h in held:
-        (tmp_path / h).mkdir() if h.endswith("/") else (tmp_path / h).write_text("x")
-    if error:
-        with pytest.raises(ValueError, match=r"--resume .*--overwrite"):
-            run_mod.check_out_dir(tmp_path, resume, overwrite)
-        assert all((tmp_path / h).exists() for h in held)
-        return
-    run_mod.check_out_dir(tmp_path, resume, overwrite)
-    gone = overwrite and not resume
-    assert all((tmp_path / h).exists() != (gone and h != "notes.txt") for h in held)
-
-
 def test_eval_names_a_corrupted_checkpoint_in_one_line(tmp_path, tiny_state, capsys):
     import eval as ev
 
@@ -261,7 +177,7 @@ def test_a_trainer_state_of_another_kind_names_the_file(tmp_path, tiny_state):
         ckpt_io.load_checkpoint(tmp_path / "ckpt", other, other_sched)
 
 
-# ----------------------------------------------------------------------------- the demo's footprint and plot
+# ----------------------------------------------------------------------------- the demo's footprint
 def test_the_embedded_demo_saves_once_without_the_optimizer_state():
     """The demo (SmolLM2-135M, fp32) saved AdamW's moments (2x the weights: 1.08 GB) twice; now once, at the
     end, its weights alone. The paper's models keep the state (an exact --resume)."""
@@ -310,21 +226,3 @@ def test_a_save_prints_no_library_progress_bar(tmp_path, tiny_state, capfd):
     out, err = capfd.readouterr()
     assert "Writing model shards" not in out + err and "it/s" not in err
     assert hf_logging.is_progress_bar_enabled()  # muted for the save alone
-
-
-def test_the_curves_show_whole_steps_a_y_label_per_panel_and_the_run(tmp_path):
-    rows = [
-        {"step": s, "reward/mean": 0.1 * s, "acc": 0.25 * s, "entropy": 1.0 / s, "len/mean": 10 + s}
-        for s in (1, 2, 3)
-    ]  # 3 steps: matplotlib's own ticks are 1.5, 2.5
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fig = log.plot_curves(
-        tmp_path / "metrics.jsonl", tmp_path / "curves.png", "smollm2-135m", "arithmetic", "flow/topk"
-    )
-    assert (tmp_path / "curves.png").stat().st_size > 0
-    assert [ax.get_ylabel() for ax in fig.axes] == list(log.CURVES.values())
-    assert all(label.strip() for label in log.CURVES.values())
-    for ax in fig.axes:
-        ticks = ax.get_xticks()
-        assert ax.get_xlabel() == "step" and all(float(t).is_integer() for t in ticks), ticks
-    assert all(s in fig.get_suptitle() for s in ("smollm2-135m", "arithmetic", "flow/topk"))

@@ -1,18 +1,20 @@
-"""The one-GPU path's checkpoints, checked on the CPU with tiny models and fakes where the CPU cannot show
-it; each test failed before its fix: a checkpoint is read onto the CPU, the run's flags from a small JSON
-file; a full disk is found at setup, and torch.save's own full-disk error is one line like the others. The
-rest of the one-GPU path: tests/test_one_gpu.py.
-"""
+"""training/run/checkpoint.py on the one-GPU path, checked on the CPU with tiny models (a checkpoint written
+on each device present) and fakes where the CPU cannot show it; each test failed before its fix: a checkpoint
+is read onto the CPU, the run's flags from a small JSON file; a full disk is found at setup (checkpoint_bytes:
+what a checkpoint holds), and torch.save's own full-disk error is one line like the others. `eval.py memory`
+names the disk a checkpoint needs: tests/evaluation/test_memory_command.py."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import (
+    DEVICES,
+    last_line,
+)
 
 import grpo
-from training.memory import phases, shapes
 from training.model import trainable
 from training.model.load import load_model
 from training.run import checkpoint as ckpt_io
@@ -27,10 +29,6 @@ def tiny_state(request):
     opt.step()  # the optimizer has its state
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, tok, opt, sched, grpo.Config(model="tiny-llama", credit="entropy")
-
-
-def last_line(capsys):
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------- checkpoints: resume
@@ -195,13 +193,3 @@ def test_a_disk_just_large_enough_runs(tmp_path, monkeypatch):
     disk_with(monkeypatch, 2 * one - held)
     grpo.main(tiny_run(tmp_path, "--steps", "2", "--resume", str(tmp_path / "run")))
     assert [json.loads(x)["step"] for x in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
-
-
-def test_eval_memory_names_the_disk_a_checkpoint_needs(capsys):
-    import eval as ev
-
-    ev.main(["memory", "--model", "qwen3-4b-random"])
-    out = capsys.readouterr().out.splitlines()
-    n = shapes.param_counts(phases.model_config("qwen3-4b-random"))[0]
-    disk = [x for x in out if x.startswith("disk:")]
-    assert len(disk) == 1 and f"{n * 8 / 1e9:.2f} GB" in disk[0] and out[-1].startswith("peak"), disk

@@ -1,22 +1,29 @@
-"""A run's directory and its files: a moved run resumes where it is, a run that would do nothing says so, the
-last K checkpoints are kept, a --config file replays a run; and flowtracer.Capture refuses what it cannot do
-right (a second forward, a mask of another shape, no layer) while gradient checkpointing's replay still
-works."""
+"""training/run/directory.py and the run directory (setup.check_out_dir): its lock (a second run into a locked
+out_dir names the holder: hardening finding 2), paths of the wrong kind where a run writes, a new run that
+never silently replaces an old one, metrics.jsonl cut back to the checkpoint on resume (a kill during the cut
+loses nothing); and a run's directory and its files end to end: a moved run resumes where it is, a run that
+would do nothing says so, the last K checkpoints are kept, the curves are drawn at every save, a --config file
+replays a run, TensorBoard's scalars equal the metrics with held-out evaluation, and --overwrite deletes the
+kept checkpoints and the tracker files too."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import (
+    Killed,
+    last_line,
+    no_model,
+    subprocess_env,
+)
 
 import grpo
-from flowtracer import Capture, select_layers
-from training import policy
-from training.credit.attention import use_capture_attention
-from training.model.load import load_model
 from training.run import checkpoint as ckpt_io
 from training.run import directory, log
+from training.run import setup as run_mod
 
 SMOKE = [
     "--model",
@@ -121,67 +128,6 @@ def test_a_config_file_replays_a_run_and_flags_win(tmp_path, run):
     assert last.startswith("grpo.py: error:") and "bad.yaml" in last and "learning_rate" in last
 
 
-# ----------------------------------------------------------------------------- Capture refuses
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
-    use_capture_attention(model)
-    return model, tok
-
-
-def forward(model, ids, cap):
-    mask = torch.ones_like(ids)
-    return model(input_ids=ids, attention_mask=mask, flow_capture=cap, use_cache=False)
-
-
-def test_a_capture_takes_one_forward(tiny):
-    model, _ = tiny
-    layers = select_layers("middle", model.config.num_hidden_layers)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    cap = Capture(layers)
-    forward(model, ids, cap)
-    with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
-        forward(model, ids, cap)  # the same shape: refused, not ignored
-    cap = Capture(layers)
-    forward(model, ids, cap)
-    with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
-        forward(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cap)  # another width
-    with pytest.raises(ValueError, match="at least one layer"):
-        Capture([])
-
-
-def test_a_capture_refuses_a_mask_of_another_shape(tiny):
-    model, _ = tiny
-    cap = Capture(select_layers("middle", model.config.num_hidden_layers))
-    forward(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), cap)
-    with pytest.raises(
-        ValueError, match=r"attention_mask \(1, 3\) does not fit the captured forward \(2, 3\)"
-    ):
-        cap.maps(torch.ones(1, 3, dtype=torch.long))  # today it would broadcast over row 1
-
-
-def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
-    """Backward replays each checkpointed layer with the same Capture: it adds nothing, raises nothing, and
-    the
-    maps equal a plain forward's."""
-    model, tok = tiny
-    ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
-    ckpt.load_state_dict(model.state_dict())
-    use_capture_attention(ckpt)
-    policy.checkpointing(ckpt)
-    ckpt.train()
-    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 11]])
-    mask = torch.ones_like(ids)
-    layers = select_layers("middle", model.config.num_hidden_layers)
-    maps = []
-    for m in (model, ckpt):
-        cap = Capture(layers)
-        lp, _ = policy.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
-        maps.append(cap.maps(mask))  # read before backward, as grpo.update
-        lp.sum().backward()  # the replay reaches cap.take again
-    torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)
-
-
 def test_tensorboard_scalars_of_a_run_equal_its_metrics_with_evaluation(tmp_path, run):
     """grpo.py --report-to tensorboard --eval-every 2 --steps 3: the event files, read back with TensorBoard's
     own reader, hold every numeric metric of metrics.jsonl at its step, eval/accuracy at steps 2 and 3."""
@@ -243,3 +189,138 @@ def test_overwrite_deletes_the_kept_checkpoints_and_the_tracker_files_too(tmp_pa
     acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert {e.step for e in acc.Scalars("loss")} == {1} and steps_in(tmp_path) == [1]
+
+
+# ----------------------------------------------------------------------------- 2. two runs, one out_dir
+HOLD = (
+    "import sys; from training.run import directory; directory.lock_out_dir(sys.argv[1]); "
+    "print('locked', flush=True); sys.stdin.read()"
+)
+
+
+def test_a_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        no_model(monkeypatch)
+        with pytest.raises(SystemExit) as e:
+            grpo.main(["--out-dir", str(out), "--overwrite"])
+        line = last_line(capsys)
+        assert e.value.code == 2 and line.startswith("grpo.py: error: ") and f"PID {holder.pid}" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written, nothing cut
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    run_mod.check_out_dir(out, resume=False, overwrite=False)  # free once the holder ends
+    run_mod.check_out_dir(out, resume=False, overwrite=False)  # the same process: again fine
+    directory.unlock_out_dir(out)
+
+
+def test_an_out_dir_that_is_a_file_fails_before_the_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    no_model(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        grpo.main(["--out-dir", str(tmp_path / "file")])
+    assert e.value.code == 2 and "file" in last_line(capsys)
+
+
+# ----------------------------------------------------------------------------- what a run may write over
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("curves.png", "dir"),
+        ("metrics.jsonl", "dir"),
+        (".lock", "dir"),
+        ("rollouts", "file"),
+        ("ckpt", "file"),
+        ("ckpt.tmp", "file"),
+        ("ckpt.old", "file"),
+        ("ckpt", "dangling link"),
+    ],
+)
+@pytest.mark.parametrize(
+    "resume, overwrite, claim", [(False, False, False), (False, True, True), (True, False, True)]
+)
+def test_a_path_of_the_wrong_kind_where_the_run_writes_is_one_error(
+    tmp_path, name, kind, resume, overwrite, claim
+):
+    p = tmp_path / name
+    if kind == "dir":
+        p.mkdir()
+    elif kind == "file":
+        p.write_text("mine")
+    else:
+        p.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ckpt_io.RunError) as e:
+        run_mod.check_out_dir(tmp_path, resume=resume, overwrite=overwrite, claim=claim)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+    assert p.is_symlink() or p.exists()  # --overwrite deleted nothing
+    assert not (tmp_path / ".lock").is_file()  # checked before the lock is taken
+
+
+OUT_DIRS = [  # (what the out_dir holds, resume, overwrite, error?)
+    ([], False, False, False),
+    (["metrics.jsonl"], False, False, True),
+    (["ckpt/"], False, False, True),
+    (["ckpt.tmp/"], False, False, True),
+    (["metrics.jsonl", "ckpt/"], True, False, False),
+    (["metrics.jsonl", "ckpt/", "rollouts/", "curves.png"], False, True, False),
+    (["notes.txt"], False, False, False),
+]
+
+
+@pytest.mark.parametrize("held, resume, overwrite, error", OUT_DIRS)
+def test_a_new_run_never_silently_replaces_an_old_one(tmp_path, held, resume, overwrite, error):
+    for h in held:
+        (tmp_path / h).mkdir() if h.endswith("/") else (tmp_path / h).write_text("x")
+    if error:
+        with pytest.raises(ValueError, match=r"--resume .*--overwrite"):
+            run_mod.check_out_dir(tmp_path, resume, overwrite)
+        assert all((tmp_path / h).exists() for h in held)
+        return
+    run_mod.check_out_dir(tmp_path, resume, overwrite)
+    gone = overwrite and not resume
+    assert all((tmp_path / h).exists() != (gone and h != "notes.txt") for h in held)
+
+
+def test_metrics_resume_cuts_back_to_the_checkpoint(tmp_path):
+    f = directory.open_metrics(tmp_path, None)
+    for s in (1, 2, 3):
+        log.write_metrics(f, {"step": s})
+    f.close()
+    with open(tmp_path / "metrics.jsonl", "a") as g:
+        g.write('{"step": 4, "cut by a ki')  # a line cut by a kill
+    f = directory.open_metrics(tmp_path, 2)
+    log.write_metrics(f, {"step": 3})
+    f.close()
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_metrics_cut_keeps_one_line_per_step_and_survives_a_kill(tmp_path, monkeypatch):
+    m = tmp_path / "metrics.jsonl"  # as an older version left it: steps 1, 2, 3, 3, 4
+    rows = ((1, 0), (2, 0), (3, 0), (3, 1), (4, 0))
+    m.write_text("".join(json.dumps({"step": s, "v": v}) + "\n" for s, v in rows))
+    before = m.read_text()
+
+    def killed(*a):
+        raise Killed("os.replace")
+
+    monkeypatch.setattr(directory.os, "replace", killed)
+    with pytest.raises(Killed):  # a kill during the cut: nothing lost
+        directory.open_metrics(tmp_path, 3)
+    assert m.read_text() == before
+    monkeypatch.undo()
+    directory.open_metrics(tmp_path, 3).close()
+    kept = [(r["step"], r["v"]) for r in map(json.loads, m.read_text().splitlines())]
+    assert kept == [(1, 0), (2, 0), (3, 1)]  # the last line of step 3: the redone one
+    f = directory.open_metrics(tmp_path, None)  # a plain open appends, it never truncates
+    log.write_metrics(f, {"step": 4, "v": 2})
+    f.close()
+    assert len(m.read_text().splitlines()) == 4

@@ -1,12 +1,17 @@
-"""Tests for the math reward (tasks/answers.py): hand cases, nested braces, hostile answers that stay wrong
-and fast in any thread, and a property that no reward ever raises.
+"""tasks/answers.py, the math reward: hand cases, nested braces, hostile answers that stay wrong and fast in
+any thread, and a property that no reward ever raises; wrong answers that scored 1.0 and an exponent of any
+size (hardening findings 5-7); no input is slow (linear patterns, timed on inputs that took seconds to
+minutes). Exact scores: tests/tasks/test_answers_exact.py; long answers: tests/tasks/test_answers_long.py.
 
-Run: pytest -x -q tests/test_data_math_reward.py"""
+Run: pytest -x -q tests/tasks/test_answers.py"""
 
 import threading
 import time
 
 import pytest
+from conftest import (
+    timed,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,10 +23,10 @@ from data import (
     reward,
 )
 from tasks import answers
+from tasks.answers import find_answer_span
+
 
 # ----------------------------------------------------------------------------- math reward
-
-
 @pytest.mark.parametrize(
     "text,gold,expected",
     [
@@ -121,7 +126,11 @@ FRAGMENTS = [
     "\x00",
     "\x0c",
 ]
+
+
 messy = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=8)), max_size=30).map("".join)
+
+
 golds = st.sampled_from(["25", "025", "\\frac{1}{2}", "x=5", "1, 2", "A", 25, 25.0, "B"])
 
 
@@ -141,3 +150,70 @@ def test_rewards_of_non_strings_are_zero_and_reward_rejects_unknown_tasks():
     assert countdown_reward(None, {"nums": [1], "target": 1}) == 0.0
     with pytest.raises(ValueError, match="task 'poetry'"):
         reward("\\boxed{1}", {"id": "x", "task": "poetry", "answer": "1"})
+
+
+# ----------------------------------------------------------------------------- 5-7. rewards
+MATH = [  # (gold, \boxed{} content, reward): wrong answers a probe found, then neighbours that stay right
+    ("1, 100", "1100", 0),
+    ("12", "1 2", 0),
+    ("6", "5 = 6", 0),
+    (r"\frac{0}{0}", r"\frac{0}{0}", 0),
+    ("6", "y = 5 = 6", 0),
+    ("1", "1e99999999999999999999", 0),
+    ("1e99999999999999999999", "1", 0),
+    ("0", r"\frac{1}{0}", 0),
+    ("1100", "1 100", 0),
+    ("1, 100", "1, 100", 1),
+    ("1, 100", "100, 1", 1),
+    ("1100", "1,100", 1),
+    ("1000", r"1\,000", 1),
+    ("1000", "1{,}000", 1),
+    ("6", "x = 6", 1),
+    ("5", "2+3=5", 1),
+    ("12", " 12 ", 1),
+    ("-5", "- 5", 1),
+    (r"x=\frac{1}{2}", "x = 0.5", 1),
+    ("\\$5", "5", 1),
+]
+
+
+@pytest.mark.parametrize("gold, pred, want", MATH)
+def test_math_reward(gold, pred, want):
+    assert data.math_reward(f"so \\boxed{{{pred}}}", gold) == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exp=st.integers(-(10**30), 10**30),
+    mant=st.sampled_from(["1", "-2.5", "0", ".5"]),
+    gold=st.sampled_from(["1", "0", "1e5", r"\frac{1}{2}"]),
+)
+def test_equivalent_never_raises_on_any_exponent(exp, mant, gold):
+    assert answers.equivalent(gold, f"{mant}e{exp}") in (True, False)
+    assert answers.equivalent(f"{mant}e{exp}", gold) in (True, False)
+
+
+# ----------------------------------------------------------------------------- 8. slow input
+SLOW = [  # inputs that took seconds to minutes before (quadratic patterns): each well under a second now
+    ("decimal digits", lambda: answers.equivalent("1", "1" * 20_000 + "x")),
+    ("digits, gold side", lambda: answers.equivalent("1" * 20_000 + "x", "1")),
+    ("spaces around a word", lambda: answers.not_finite(" " * 60_000 + "x")),
+    ("spaces, through equivalent", lambda: answers.equivalent(" " * 60_000 + "x", "1")),
+    (
+        "DAPO wrapper",
+        lambda: data.dapo_row(
+            {
+                "prompt": "Solve the following math problem" + "\n\n" * 30_000,
+                "reward_model": {"ground_truth": "1"},
+            }
+        ),
+    ),
+    ("open boxes", lambda: find_answer_span("\\boxed{" * 8_000)),
+    ("open tags", lambda: find_answer_span("<answer>" * 8_000)),
+    ("choice", lambda: data.choice_reward("\\boxed{B" + " " * 60_000 + "x}", "B")),
+]
+
+
+@pytest.mark.parametrize("name, work", SLOW, ids=[s[0] for s in SLOW])
+def test_no_input_is_slow(name, work):
+    assert timed(work) < 1.0

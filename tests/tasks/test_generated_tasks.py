@@ -1,7 +1,8 @@
-"""Tests for the generated tasks: countdown.py (its reward with exact fractions, the solver against brute
-force, the generator, the splits, the prompt and the hub layout) and the arithmetic task.
+"""Tests for the generated tasks: countdown.py (its reward with exact fractions and answers only as decimal
+integers, the solver against brute force, the generator, the splits, the prompt and the hub layout) and the
+arithmetic task.
 
-Run: pytest -x -q tests/test_data_generated_tasks.py"""
+Run: pytest -x -q tests/tasks/test_generated_tasks.py"""
 
 import json
 import re
@@ -25,8 +26,6 @@ def write_jsonl(path, rows):
 
 
 # ----------------------------------------------------------------------------- countdown
-
-
 @pytest.mark.parametrize(
     "text,expected",
     [
@@ -144,8 +143,6 @@ def test_countdown_3to4_follows_tinyzero_split(tmp_path):
 
 
 # ----------------------------------------------------------------------------- arithmetic task
-
-
 def recompute(question):
     """Evaluate an arithmetic-task question by reading its sentences (independent of the generator)."""
     v = None
@@ -172,3 +169,26 @@ def test_arithmetic_task():
         assert r["task"] == "math" and int(r["answer"]) == recompute(r["question"]) >= 0
         assert r["question"].count(".") == r["steps"] + 1
         assert reward(f"\\boxed{{{r['answer']}}}", r) == 1.0
+
+
+# ----------------------------------------------------------------------------- countdown's decimal answers
+COUNTDOWN = [  # (completion, answer, reward): 1 correct, 0.1 answer but wrong, 0 no answer
+    ("<answer>3*4+5</answer>", {"nums": [3, 4, 5], "target": 17}, 1.0),
+    ("<answer>0x3*0b100+0o5</answer>", {"nums": [3, 4, 5], "target": 17}, 0.1),
+    ("<answer>3*4+5 # comment</answer>", {"nums": [3, 4, 5], "target": 17}, 0.1),
+    ("<answer>3*4+5</answer>", {"nums": [3, 4, 5], "target": 17.9}, 0.1),
+    ("<answer>4*5-3</answer>", {"nums": [3.7, 4, 5], "target": 17}, 0.1),
+    ("<answer>1_0+7</answer>", {"nums": [10, 7], "target": 17}, 0.1),
+    ("<answer>1e1+7</answer>", {"nums": [10, 7], "target": 17}, 0.1),
+    ("<answer>3**2+8</answer>", {"nums": [3, 2, 8], "target": 17}, 0.1),
+    ("<answer>07+10</answer>", {"nums": [7, 10], "target": 17}, 0.1),
+    ("<answer>(3 × 4) + 5</answer>", {"nums": [3, 4, 5], "target": 17}, 1.0),
+    ("<answer>34 / 2</answer>", {"nums": [34, 2], "target": 17}, 1.0),
+    ("<answer>35 // 2</answer>", {"nums": [35, 2], "target": 17}, 0.1),
+    ("no tag", {"nums": [3, 4, 5], "target": 17}, 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, answer, want", COUNTDOWN)
+def test_countdown_reward_only_decimal_integers(completion, answer, want):
+    assert countdown.reward(completion, answer) == want

@@ -1,22 +1,29 @@
-"""Tests for the prompts (tasks/prompts.py): the prompt styles, the default style per model family, few-shot
-styles that refuse countdown records, and the few-shot prompt with the smollm2 tokenizer.
+"""tasks/prompts.py: the prompt styles, the default style per model family, few-shot styles that refuse
+countdown records, the few-shot prompt with the smollm2 tokenizer, and --chat-template-kwargs: they reach the
+template and the run config, a misspelt keyword is named with the one it resembles, and keywords the prompts
+set themselves are one line (grpo.py and the TRL plug-in).
 
-Run: pytest -x -q tests/test_data_prompts.py"""
+Run: pytest -x -q tests/tasks/test_prompts.py"""
 
 import importlib.util
 
 import pytest
+from conftest import (
+    TINY_RUN,
+)
 
 import data
+import grpo
 from data import (
     load_task,
     make_prompt,
 )
 from tasks import prompts
+from training.model.load import load_model
+from training.usercode import reward_code
+
 
 # ----------------------------------------------------------------------------- prompts
-
-
 def chat_tokenizer(template=True):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -112,3 +119,63 @@ def test_fewshot_prompt_with_the_smollm2_tokenizer():
         "<|im_start|>assistant\n"
     )
     assert r["question"] in p and len(tok(p).input_ids) < 600
+
+
+# ----------------------------------------------------------------------------- chat template kwargs
+def test_a_misspelt_template_keyword_is_named_with_the_one_it_resembles(tmp_path):
+    tok = load_model("tiny-qwen3")[1]
+    template = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    )
+    try:
+        assert prompts.unread_kwargs(tok, "chat", {"enable_thinking": False}) is None
+        assert prompts.unread_kwargs(tok, "chat", {"tools": []}) is None  # apply_chat_template's own
+        why = prompts.unread_kwargs(tok, "chat", {"enable_thinkng": False})
+        assert "never reads 'enable_thinkng' (did you mean 'enable_thinking'?)" in why
+        why = prompts.unread_kwargs(tok, "chat", {"enable_thinking": "false"})  # JSON's "false": a string
+        assert "'enable_thinking' is a string ('false'), which the template reads as true" in why
+    finally:
+        tok.chat_template = template
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        '{"tokenize": true}',
+        '{"add_generation_prompt": false}',
+        '{"return_dict": true}',
+        '{"continue_final_message": true}',
+    ],
+)
+def test_template_keywords_the_prompts_set_themselves_are_one_line(tmp_path, capsys, kwargs):
+    """They used to raise a TypeError from inside apply_chat_template (grpo.py and the TRL plug-in)."""
+    for main, prog in ((grpo.main, "grpo.py"), (None, "flowtracer_trl.py")):
+        with pytest.raises(SystemExit) as e:
+            if main is None:
+                pytest.importorskip("trl")
+                import flowtracer_trl
+
+                flowtracer_trl.parse_args(["--chat-template-kwargs", kwargs])
+            else:
+                main([*TINY_RUN, "--chat-template-kwargs", kwargs, "--out-dir", str(tmp_path / "r")])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and line.startswith(f"{prog}: error: --chat-template-kwargs sets "), line
+        assert "which the prompts set themselves" in line and not (tmp_path / "r").exists()
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_run_config(tok, tmp_path):
+    template = tok.chat_template
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    )
+    try:
+        rec = {"question": "Why?", "task": "custom"}
+        assert data.make_prompt(rec, tok, "question") == "<user>Why?"
+        assert data.make_prompt(rec, tok, "question", {"enable_thinking": False}) == "<user>Why?<no-think>"
+    finally:
+        tok.chat_template = template
+    cfg = grpo.parse_args([*TINY_RUN, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert reward_code.template_kwargs(cfg) == {"enable_thinking": False}
