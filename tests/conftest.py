@@ -36,7 +36,8 @@ SHARED_DATA = Path(os.environ.get("FLOWTRACER_DATA") or ROOT.parent / "shared" /
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without CUDA, Triton kernels can only run under its interpreter, which must be chosen before triton is
-# first imported (flowtracer imports gpu_kernels): tests/test_head_mean_kernel.py's CPU cases then run here.
+# first imported (flowtracer imports gpu_kernels): tests/gpu_kernels/test_head_mean.py's CPU cases then run
+# here.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -73,7 +74,8 @@ TINY_RUN = (
     "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 8 --warmup-steps 1 --lr 1e-3"
 )
 TINY_RUN = TINY_RUN.split()
-# The small step the memory estimate is held to a real one at (tests/test_memory.py, tests/test_budget.py).
+# The small step the memory estimate is held to a real one at (tests/memory/test_phases.py; its backward's
+# snapshot: tests/evaluation/test_memtrace.py).
 SMALL_STEP = (
     "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 48 --gen-chunk 8 "
     "--micro-batch 4 --logprob-chunk 16"
@@ -229,7 +231,8 @@ def in_process(capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tok():
-    """The tiny-qwen3 tokenizer (tests/test_your_task.py and tests/test_your_task_trl_rewards.py)."""
+    """The tiny-qwen3 tokenizer (tests/test_data.py, tests/tasks/test_prompts.py and
+    tests/usercode/test_reward_code_trl.py)."""
     from training.model.load import load_model
 
     return load_model("tiny-qwen3")[1]

@@ -6,7 +6,7 @@ that records its calls, rows trained, and no flow fallback on a trained row whos
 --answer-pattern. The TRL drop-in example (the same block in docs/scale-out.md) runs in this process on
 tiny-qwen3, one step on the CPU, with TRL's two reward functions as the docs write them.
 
-Run: python -m pytest -q tests/test_your_task_doc.py
+Run: python -m pytest -q tests/test_docs_your_task.py
 """
 
 import json

@@ -1,7 +1,8 @@
 """flowtracer_trl.py on TRL 1.16 in 2 processes (skipped without trl: pip install -r requirements.txt): a
 real 2-process `accelerate launch` run (gloo) of the tiny random Qwen3 where one rank has only A = 0 enters
 the same collectives on both ranks and applies a single process's gamma, on both passes, and three mutated
-gammas fail that check. The driver's stand-ins and the reference gamma come from tests/test_trl.py."""
+gammas fail that check. The driver's stand-ins and the reference gamma come from
+tests/test_flowtracer_trl.py."""
 
 import json
 import os

@@ -191,8 +191,8 @@ def test_engine_release_benchmark(tmp_path):
 @smoke("gpu_headline.py")
 def test_gpu_headline_benchmark(tmp_path):
     """Its CPU form at one small budget, one round: every row generated to the budget and every phase of a
-    real step measured (tests/test_gpu_headline.py checks the numbers themselves); gpu_report.py reads its
-    JSON."""
+    real step measured (tests/benchmarks/test_gpu_headline.py checks the numbers themselves); gpu_report.py
+    reads its JSON."""
     finished(
         bench(
             "gpu_headline.py",

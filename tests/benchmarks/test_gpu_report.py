@@ -2,7 +2,7 @@
 part that hangs is killed at its limit, with the processes it started, and the next part runs), each leaving
 its log and its JSON line as it ends; --budget cuts the parts that do not fit, whole; without CUDA it is one
 line. The real parts need CUDA: their figures are read from what the benchmarks write (tests/
-test_benchmarks.py feeds the CPU runs' JSON to the same readers)."""
+benchmarks/test_benchmarks.py feeds the CPU runs' JSON to the same readers)."""
 
 import json
 import os

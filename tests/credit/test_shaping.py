@@ -1,7 +1,7 @@
 """Tests for training/credit/shaping.py through grpo.Config: every shaping rule on hand-made scores
 (hand-computed cases), and properties over random rows: padding and no-answer behaviour, how many tokens
 each rule selects, eligibility to one class, and clear errors for bad scores. The signals and OAR:
-tests/test_credit.py."""
+tests/credit/test_scoring.py and tests/credit/test_oar.py."""
 
 import math
 

@@ -2,7 +2,7 @@
 (graphs=False on the CPU, graphs on CUDA when one is present): the static cache holds what a full forward
 computes, greedy rows equal HF generate's (fp32), and the sampler draws HF's warped distribution (chi-square).
 How the engine
-runs (host reads, graphs, kernels, shapes, its memory): tests/test_engine_runtime.py."""
+runs (host reads, graphs, kernels, shapes, its memory): tests/decode/test_engine_runtime.py."""
 
 import pytest
 import torch

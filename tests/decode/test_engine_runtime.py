@@ -2,7 +2,7 @@
 reads nothing back to the host and traces as one graph, graphs only on CUDA and equal to eager,
 rollout.generate takes the engine on CUDA only, the attention kernels it allows, the shapes a kept engine
 captures, and its
-memory against the generation estimate. What it computes: tests/test_engine.py."""
+memory against the generation estimate. What it computes: tests/decode/test_engine.py."""
 
 import pytest
 import torch
@@ -143,7 +143,7 @@ def test_supports_full_attention_only():
 def test_peak_memory_within_the_generation_estimate():
     """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what
     terms.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache
-    and the prefill), within the 10% that tests/test_memory.py allows."""
+    and the prefill), within the 10% that tests/memory/test_phases.py allows."""
     model, tok = load_model("tiny-qwen3", device="cpu")
     P, R, G, g = 80, 48, 4, 16
     prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(P - (i * 7) % 16)) for i in range(4)]

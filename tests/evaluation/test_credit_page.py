@@ -7,7 +7,7 @@ Its page is rendered by headless Chromium (Debian's package; the test skips, say
 the dumped DOM holds each response's tokens, its answer region and its boosted tokens as the rollouts file
 has them, and the screenshot shows the answer box's and the boosted line's colours.
 
-Run: python -m pytest -q tests/test_credit_page.py
+Run: python -m pytest -q tests/evaluation/test_credit_page.py
 """
 
 import json

@@ -5,7 +5,7 @@ The interpreter takes over @triton.jit only where TRITON_INTERPRET=1 was set bef
 imported (triton.language's own zeros, sum, max are @triton.jit functions too, decorated at that import), so
 a fresh import of gpu_kernels/head_mean.py is not enough: test_through_the_interpreter runs this file again
 in a child pytest with TRITON_INTERPRET=1, where the 'cpu' cases run (in this process they are skipped, saying
-so). `TRITON_INTERPRET=1 python -m pytest tests/test_head_mean_kernel.py` runs them in one process.
+so). `TRITON_INTERPRET=1 python -m pytest tests/gpu_kernels/test_head_mean.py` runs them in one process.
 
 Tolerances (fp32): 1e-5 absolute (docs/gpu.md's criterion), over an error scale of about 5e-6: the kernel
 takes p = 2^(s log2 e - m) where torch takes e^(s - m), rounding an exponent argument of |s| log2 e < 40 here

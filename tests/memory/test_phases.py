@@ -189,8 +189,8 @@ def test_the_capture_holds_two_score_blocks_whatever_the_chunks(chunk):
 )
 def test_lora_estimate_within_10_percent_of_a_real_step(flags):
     """Every phase of a real tiny LoRA step against the estimate (frozen weights, adapter gradients and
-    states, the activations LoRA adds and those a frozen norm no longer keeps), as test_memory.py does for
-    full fine-tuning."""
+    states, the activations LoRA adds and those a frozen norm no longer keeps), as this file's full
+    fine-tuning tests do."""
     cfg = grpo.parse_args(SMALL_STEP + flags)
     measured = memtrace.measure(cfg, 32, grpo.update, "cpu")
     est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 32)
@@ -204,7 +204,7 @@ def test_lora_estimate_within_10_percent_of_a_real_step(flags):
 
 @pytest.mark.slow
 def test_lora_estimate_within_10_percent_at_the_issues_tiny_shape():
-    """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as test_memory.py's full fine-tuning."""
+    """16 x 8 rows of 256 + 64 tokens, gen_chunk 64, micro_batch 8, as the full fine-tuning's above."""
     cfg = grpo.parse_args(["--model", "tiny-qwen3", "--max-new-tokens", "64", "--lora-rank", "8"])
     measured = memtrace.measure(cfg, 256, grpo.update, "cpu")
     est = phases.estimate(cfg, phases.model_config(cfg.model), "cpu", 256)

@@ -321,7 +321,7 @@ HUB_CASES = {  # how the hub is out of reach -> (environment, what the line says
 }  # refused
 
 
-# HF_HUB_OFFLINE set takes the same path with its own words: tests/test_models.py, in this process
+# HF_HUB_OFFLINE set takes the same path with its own words: test_hub_name_offline_clear_error
 @pytest.mark.parametrize("case", HUB_CASES)
 def test_a_hub_model_out_of_reach_is_one_line_and_leaves_nothing(tmp_path, case):
     """`grpo.py --model <hub id>` with no hub (or HF_HUB_OFFLINE) and the model not in the hub's cache: no

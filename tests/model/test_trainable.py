@@ -43,7 +43,7 @@ def test_cpu_weights_take_the_for_loop_step_under_the_cuda_scheme(monkeypatch, c
     """make_optimizer chooses optimi's step by where the weights are, not by the device asked for: bf16 CPU
     weights under the scheme grpo.py uses on CUDA, on a machine with Triton and a C compiler, take the
     for-loop step (asked for "cuda", it chose Triton, whose kernel cannot read CPU tensors: "Pointer argument
-    (at 0) cannot be accessed from Triton (cpu tensor?)", tests/test_memory.py on the H100)."""
+    (at 0) cannot be accessed from Triton (cpu tensor?)", tests/memory/test_phases.py on the H100)."""
     import optimi.utils
 
     monkeypatch.delenv("CC", raising=False)

@@ -2,7 +2,7 @@
 (plain numbers, the same normal form) run at every length, and the length guard stops only what would be
 parsed. The normal form is checked against math-verify itself on short answers, where it still parses.
 
-Run: python -m pytest -q tests/test_answers.py
+Run: python -m pytest -q tests/tasks/test_answers_long.py
 """
 
 import threading

@@ -2,7 +2,7 @@
 writes one scores as the per-row form does and trains unchanged through grpo.py and the TRL plug-in; None,
 errors and TRL's other shapes of a reward function are taken as TRL takes them.
 
-Run: python -m pytest -q tests/test_your_task_trl_rewards.py -m "not slow"
+Run: python -m pytest -q tests/usercode/test_reward_code_trl.py -m "not slow"
 """
 
 import json
