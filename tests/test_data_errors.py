@@ -8,11 +8,7 @@ import os
 import threading
 
 import pytest
-from conftest import (
-    last_line,
-    no_model,
-    timed,
-)
+from conftest import last_line, no_model, timed
 
 import data
 import grpo

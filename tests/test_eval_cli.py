@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    enospc,
-    last_line,
-    no_model,
-    one_error,
-)
+from conftest import enospc, last_line, no_model, one_error
 
 import eval as ev
 from evaluation import harness

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    last_line,
-    no_model,
-)
+from conftest import last_line, no_model
 
 import grpo
 from grpo import parse_args

@@ -12,9 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import (
-    assert_to_rounding,
-)
+from conftest import assert_to_rounding
 
 import data
 from grpo import token_logprobs

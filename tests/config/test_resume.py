@@ -6,12 +6,7 @@ that changes the run's meaning: tests/run/test_checkpoint.py."""
 import json
 
 import pytest
-from conftest import (
-    TINY_RUN,
-    VARIED,
-    fails,
-    task_files,
-)
+from conftest import TINY_RUN, VARIED, fails, task_files
 
 import grpo
 

@@ -8,10 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import (
-    cfg,
-    real_batch,
-)
+from conftest import cfg, real_batch
 
 from training.credit import scoring, shaping
 from training.model.load import load_model

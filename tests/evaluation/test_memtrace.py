@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    ROOT,
-    SMALL_STEP,
-)
+from conftest import ROOT, SMALL_STEP
 
 import grpo
 from evaluation import memtrace

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    greedy_loop,
-)
+from conftest import greedy_loop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -8,9 +8,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import (
-    TINY_RUN,
-)
+from conftest import TINY_RUN
 from safetensors.torch import load_file
 
 import flowtracer

@@ -9,10 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import (
-    DEVICES,
-    last_line,
-)
+from conftest import DEVICES, last_line
 
 import grpo
 from training.model import trainable

@@ -13,12 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
-    Killed,
-    last_line,
-    no_model,
-    subprocess_env,
-)
+from conftest import Killed, last_line, no_model, subprocess_env
 
 import grpo
 from training.run import checkpoint as ckpt_io

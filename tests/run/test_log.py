@@ -5,9 +5,7 @@ named. The phase clock: tests/run/test_log_clock.py."""
 import json
 
 import pytest
-from conftest import (
-    enospc,
-)
+from conftest import enospc
 
 from training.run import checkpoint as ckpt_io
 from training.run import log

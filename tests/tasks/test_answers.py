@@ -9,9 +9,7 @@ import threading
 import time
 
 import pytest
-from conftest import (
-    timed,
-)
+from conftest import timed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

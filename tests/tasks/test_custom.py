@@ -6,11 +6,7 @@ with --answer-pattern and warns once without."""
 import json
 
 import pytest
-from conftest import (
-    TINY_RUN,
-    VARIED,
-    task_files,
-)
+from conftest import TINY_RUN, VARIED, task_files
 
 import data
 import grpo

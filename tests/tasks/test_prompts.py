@@ -8,9 +8,7 @@ Run: pytest -x -q tests/tasks/test_prompts.py"""
 import importlib.util
 
 import pytest
-from conftest import (
-    TINY_RUN,
-)
+from conftest import TINY_RUN
 
 import data
 import grpo
