@@ -54,7 +54,7 @@ the content of the last \\boxed{...} (else the last <answer>...</answer>), or th
 --answer-pattern (its first group, if it has one) for a task whose answer is not boxed.
 
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
-Test: python -m pytest -q tests/test_data_*.py    Time the rewards: python benchmarks/reward_speed.py
+Test: python -m pytest -q tests/test_data*.py    Time the rewards: python benchmarks/reward_speed.py
 """
 
 import argparse

@@ -283,7 +283,7 @@ def register_attention():
     plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
     training/model/load.py's load_model before it loads a model, and by use_capture_attention; importing
     this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
-    "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
+    "sdpa" keeps transformers' own mask (tests/credit/test_attention.py)."""
     AttentionInterface.register(IMPL, capture_attention)
     AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
 

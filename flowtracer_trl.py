@@ -49,7 +49,7 @@ Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.js
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field
 (training/config/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the
 trainer).
-Test: python -m pytest -q tests/test_trl.py tests/test_trl_two_process.py
+Test: python -m pytest -q tests/test_flowtracer_trl.py tests/test_flowtracer_trl_two_process.py
 Time: python benchmarks/peer_trl.py
 """
 

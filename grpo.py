@@ -266,7 +266,7 @@ def update(run, batch, trained, adv, clock) -> Update:
     with clock.phase("credit"):  # every other credit: training/credit/baselines.py, one object, the same
         other = None if paper else baselines.OtherCredit(run, batch, trained, adv)  # call shape and record
     with clock.phase("update forward"), pol.autocast:
-        old = ref = None  # (B, R) on-policy: the forward's own log pi, detached (test_fused.py)
+        old = ref = None  # (B, R) on-policy: the forward's own log pi, detached (tests/test_grpo_update.py)
         if cfg.num_iterations > 1:  # PPO's old log pi (B, R): the pre-update policy's
             model.eval()
             old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)

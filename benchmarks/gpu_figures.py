@@ -2,7 +2,7 @@
 and the goals of docs/gpu.md judged on them: met, short, or why there is no figure.
 
 Run:  python benchmarks/gpu_figures.py runs/gpu-report/report.jsonl   # a report's goals judged again
-Test: python -m pytest -q tests/test_gpu_report.py
+Test: python -m pytest -q tests/benchmarks/test_gpu_report.py
 """
 
 import argparse

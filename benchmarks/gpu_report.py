@@ -38,7 +38,7 @@ Departures (numbered):
 Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, 69 min at most
       python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
       python benchmarks/gpu_report.py --out runs/r --parts headline lora24 # two parts
-Test: python -m pytest -q tests/test_gpu_report.py (the parts' order and limits with a fake part that hangs)
+Test: python -m pytest -q tests/benchmarks/test_gpu_report.py (the parts' order and limits, a part that hangs)
 """
 
 import argparse

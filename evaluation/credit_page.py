@@ -33,7 +33,8 @@ fetched); credit.png is the same page drawn by matplotlib; credit.json and credi
 The page is drawn by token_page.py (as are eval.py plot's heatmap and inout figures).
 Bad input (no run, no rollouts, a step that was not saved, a broken line) is a RunError with one line.
 
-Run: python eval.py credit runs/embedded --step 6       Test: python -m pytest -q tests/test_credit_page.py
+Run: python eval.py credit runs/embedded --step 6
+Test: python -m pytest -q tests/evaluation/test_credit_page.py
 """
 
 import argparse

@@ -7,7 +7,8 @@ sizes and the decode engine's layout, resident through the update or released fo
 schemes side by side (kahan, adamw, lora), the margin and the card, the disk a checkpoint needs
 (checkpoint.checkpoint_bytes; from the second save two coexist, and grpo.py checks the free space at setup),
 and last the peak. With --measure, evaluation/memtrace.py runs one real step and its measured peaks are
-printed beside the estimate (tests/test_memory.py holds them within 10%). `command` is `eval.py memory`:
+printed beside the estimate (tests/memory/test_phases.py holds them within 10%).
+`command` is `eval.py memory`:
 grpo.py's flags (add_flags: memory's own, the rest grpo.py's), planned for the card, printed by report.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,

@@ -8,7 +8,7 @@ where the plan releases it (release):
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
-tests/test_memory.py holds phases.estimate within 10% of what this counts; `eval.py memory --measure`
+tests/memory/test_phases.py holds phases.estimate within 10% of what this counts; `eval.py memory --measure`
 prints both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
 block with its stack (cuda_peak), and held_at_peak sums it by site: what memory.py's backward misses there
 (PATH: the pickle for memory_viz; PATH.json: the sums, which report_held prints; no pickle is read back).

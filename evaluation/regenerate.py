@@ -10,7 +10,7 @@ from its cumsum). The prefixes are encoded in three levels that share the cache 
 row). Sampling is Gumbel-max at a temperature, the noise drawn per seed, so rows with one seed read the same
 noise at every step (probes.py departure 1).
 
-Run the tests: python -m pytest -q tests/test_eval.py -k decode
+Run the tests: python -m pytest -q tests/evaluation/test_probes.py -k decode
 """
 
 import os

@@ -49,7 +49,7 @@ Departures from add_head_mean (numbered):
 The kernels run compiled on CUDA tensors, and on CPU tensors only under Triton's interpreter, which takes
 over where TRITON_INTERPRET=1 was in the environment before triton was first imported (triton.language's
 own zeros, sum, max are @triton.jit functions too, decorated at that import).
-Run its tests: python -m pytest -q tests/test_head_mean_kernel.py   (the CPU cases run in a child pytest
+Run its tests: python -m pytest -q tests/gpu_kernels/test_head_mean.py   (the CPU cases run in a child pytest
 with TRITON_INTERPRET=1; TRITON_INTERPRET=1 python -m pytest ... runs them in one process)
 """
 

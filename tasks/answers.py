@@ -12,7 +12,7 @@ timeout and a size guard, never raising and never hanging.
   pattern_problem(pattern)         why an --answer-pattern cannot be used (one sentence), or None
   answer_token_range(tok, ids, pattern)  the tokens [k0, k1) of that answer in a response (bisection)
   option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
-Numbers (the rule, both directions tested in tests/test_reliability_answers.py):
+Numbers (the rule, both directions tested in tests/tasks/test_answers_exact.py):
   - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
   - two parsed numbers (\\frac{1}{3}, 10^{6}, 1.5 \\times 10^{-5}, \\sqrt{2}): rational ones (integers,
     fractions, decimals as written) compare exactly, so 0.333333 != \\frac{1}{3}; when either is irrational,
@@ -39,7 +39,7 @@ A user's --answer-pattern is matched by the `regex` module (re's syntax) under P
 of one response (README, "Your own task"): a pattern whose backtracking grows exponentially with the text,
 ('(a|aa)+$'), is a PatternError naming it, never a hang; the built-in patterns here are linear.
 
-Run the tests: python -m pytest -q tests/test_data_*.py tests/test_reliability_*.py
+Run the tests: python -m pytest -q tests/tasks/test_answer*.py
 """
 
 import bisect
@@ -58,7 +58,7 @@ MAX_DIGITS = 10_000  # the size guard: reject expressions whose value could have
 REL_TOL = 1e-9  # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
 FLOAT_DIGITS = 12  # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
 # Every pattern below is linear in its input (no two quantifiers can trade the same characters): they run
-# on answers of any length (tests/test_hardening_input.py times 20,000 digits and 60,000 spaces).
+# on answers of any length (tests/tasks/test_answers.py times 20,000 digits and 60,000 spaces).
 NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")

@@ -34,7 +34,7 @@ Departures (numbered; data.py goes on from 4):
      spurious step to one-step problems: 3% vs 29%.) The paper's Llama prompt ("fewshot") has only its two.
 
 Run: python data.py --task arithmetic --split test --limit 3 --style fewshot3
-Test: python -m pytest -q tests/test_data_*.py -k "prompt or style or exemplar"
+Test: python -m pytest -q tests/tasks/test_prompts.py tests/test_data.py -k "prompt or style or exemplar"
 """
 
 from tasks import countdown

@@ -91,7 +91,7 @@ def test_no_answers_anywhere_is_an_empty_result(tmp_path, capsys):
 def smoke(tmp_path_factory):
     """Every subcommand's run on the tiny model, `python eval.py <name> ...` as eval.py's main in this
     process (a subprocess each cost more to start than to run; eval.py from the shell: test_help.py,
-    test_odd_inputs_eval.py), run when its test first asks. Returns run(name) -> the run's output directory; a
+    test_eval_cli.py), run when its test first asks. Returns run(name) -> the run's output directory; a
     run that exits non-zero or raises fails its test."""
     d = tmp_path_factory.mktemp("smoke")
     resp, metrics = d / "responses.jsonl", d / "run" / "metrics.jsonl"

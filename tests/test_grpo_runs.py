@@ -77,8 +77,8 @@ def test_smoke_train_resume_exactly(tmp_path, monkeypatch):
     """On the CPU (--device cpu, on a GPU machine too): a resumed run's next step equals the uninterrupted
     run's bit for bit (checkpoint.py's claim). CUDA's attention backward and atomic adds do not promise the
     same bits twice, so there the claim is the RNG states, optimizer and step restored
-    (test_one_gpu_checkpoints.py). The two first runs are DRIVER's, in this process; the resume is a fresh
-    process, as after a real stop."""
+    (tests/run/test_checkpoint_devices.py). The two first runs are DRIVER's, in this process; the resume is
+    a fresh process, as after a real stop."""
     a, b = tmp_path / "a", tmp_path / "b"
     cpu = [*SMOKE, "--device", "cpu"]
     monkeypatch.setattr(

@@ -17,8 +17,9 @@ training/model/trainable.py):
     the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once (with grad),
     keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer taking its
     prompt's keys (a differentiable index). The same arithmetic on the same tokens: the log-probs equal the
-    full forward's to float noise, and so does the gradient (tests/test_shared_update.py). The time saved
-    is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]` (results/README.md).
+    full forward's to float noise, and so does the gradient (tests/test_policy_shared_prefix.py). The time
+    saved is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]`
+    (results/README.md).
     A Capture given to the forward gets the same (B, T, T) maps: the prompt pass fills its (k, P, P) maps,
     Capture.expand_prompts makes them the top left of each row's, and the response pass fills the rest.
  2. Fallback to one pass over every row's [prompt | response] when nothing is shared (no two rows of the
@@ -26,7 +27,7 @@ training/model/trainable.py):
     are checkpointed in a way that drops the prompt's keys (reentrant, or switched on other than by
     `checkpointing`): `sharing_problem` names that case, and grpo.py says it in one line at setup.
 
-Run: python -m pytest -q tests/test_shared_update.py tests/test_precision.py
+Run: python -m pytest -q tests/test_policy*.py tests/model/test_precision.py
 """
 
 import contextlib

@@ -10,7 +10,7 @@ not a mapping, for an unknown key (with the nearest field's name), a key given t
 training/config/flags.py's read_config then runs each word through the command line's own parser, so a file
 and a command line are checked by the same code (an int field refuses 1.5 as --seed 1.5 is refused).
 
-Run: python -m pytest -q tests/test_odd_inputs_config.py
+Run: python -m pytest -q tests/config/test_flag_file.py
 """
 
 import dataclasses

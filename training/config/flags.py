@@ -20,7 +20,7 @@ each, before anything loads), `unused` the notices of flags given without effect
 a plain command line is in this file (docs/method.md counts setup's files).
 
 Run: python grpo.py --help
-     python -m pytest -q tests/test_help.py tests/test_cli.py tests/test_odd_inputs_*.py
+     python -m pytest -q tests/config tests/test_grpo_cli.py
 """
 
 import argparse

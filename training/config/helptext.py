@@ -10,7 +10,7 @@ formatter for the docstrings the scripts open with, a docstring's table of subco
                   loads (tasks/answers.py's pattern_problem)
 
 Run: python eval.py --help
-     python -m pytest -q tests/test_help.py
+     python -m pytest -q tests/config/test_help.py
 """
 
 import argparse

@@ -17,7 +17,7 @@ Config.lr, whose default is written once, in grpo.Config. The departures are grp
 `lr_lines` is what grpo.py prints first: the lr in force and where it came from.
 
 Run: python grpo.py --help    (each flag's default says which preset sets it)
-     python -m pytest -q tests/test_cli.py tests/test_help.py tests/test_lora.py
+     python -m pytest -q tests/test_grpo_cli.py tests/config/test_help.py tests/model/test_lora.py
 """
 
 # Departure 5: the embedded model runs on a CPU in minutes, one checkpoint of its weights alone; flags win.

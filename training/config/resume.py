@@ -12,7 +12,7 @@ run's flags (its run_config.json) and to the flags given with --resume, before a
 `resumed` applies them in order: the saved flags anchored, the flags given judged (another --model, --lr, ...:
 refused, checkpoint.check_resume_config), then merged over the saved ones, the run in its own directory.
 
-Run: python -m pytest -q tests/test_run_dir.py tests/test_your_task.py -k resume
+Run: python -m pytest -q tests/config/test_resume.py
 """
 
 import dataclasses

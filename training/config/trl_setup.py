@@ -16,7 +16,7 @@ Departures from grpo.py (flowtracer_trl.py's departures 5 and 6):
     (lora.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
     --learning-rate, 10x the lr (presets.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
 
-Run:  python flowtracer_trl.py --help        Test: python -m pytest -q tests/test_trl.py tests/test_lora.py
+Run:  python flowtracer_trl.py --help        Test: python -m pytest -q tests/test_flowtracer_trl.py
 """
 
 import argparse

@@ -10,10 +10,10 @@ middle layers is the DAG W of eq. 1. grpo.py takes it inside its training forwar
                                                                               takes the maps ("sdpa_capture")
 
 App. C.2 runs the eager attention path to materialise all maps; these recompute only the chosen layers' maps
-in query chunks (flowtracer.add_head_mean, equal to eager to 1e-5 in tests/test_attention_graph.py), far less
+in query chunks (flowtracer.add_head_mean, equal to eager to 1e-5 in tests/credit/test_attention.py), far less
 memory. Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
 
-Run the tests: python -m pytest -q tests/test_attention_graph.py
+Run the tests: python -m pytest -q tests/credit/test_attention.py
 """
 
 import torch

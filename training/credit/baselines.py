@@ -28,7 +28,7 @@ Fallbacks, padding and the shaping rules' departures: training/credit/shaping.py
 Departures (numbered):
  1. Rows with A = 0 add nothing to the loss (beta = 0), so grpo.py runs no credit for them in either pass.
 
-Run the tests: python -m pytest -q tests/test_credit.py tests/test_credit_shaping.py
+Run the tests: python -m pytest -q tests/credit
 Time them:     python benchmarks/credit_overhead.py
 """
 

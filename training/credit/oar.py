@@ -56,7 +56,7 @@ Departures (numbered):
  10. AS-Mean's "LT-Logits warm-up" (§6.2: the model may not yet write the answer format) is read per row:
     departure 1 falls back to LT-Logits for exactly the rows that have no answer span.
 
-Run the tests: python -m pytest -q tests/test_credit.py -k oar
+Run the tests: python -m pytest -q tests/credit/test_oar.py
 """
 
 from __future__ import annotations

@@ -33,21 +33,23 @@ Departures (numbered):
     e_t the input embedding of response token t. Not d log pi(y_t)/d e_t: y_t is predicted from the tokens
     before it, so that gradient is 0 by causality. So the last response token scores 0 (no later token).
     Neither parameter gradients (one backward per token) nor Gradient x Input (that is OAR-G's eq. 13).
-    One reading among several; tests/test_baselines.py::test_gradient_is_the_embedding_gradient_norm_of_the_
-    response_loglik pins it against a direct autograd reference.
+    One reading among several; tests/credit/test_paper_baselines.py::
+    test_gradient_is_the_embedding_gradient_norm_of_the_response_loglik pins it against a direct autograd
+    reference.
  4. "correlation". FlowTracer's line: "selecting tokens with strong mutual dependencies" (Nie et al. 2025: the
     text embedding of an LLM, its pooled last hidden states, aligns with the text's key tokens). Read as the
     mean Pearson correlation (over the D hidden units) of token t's final hidden state with those of the
     other response tokens, r_t = mean_{s != t} corr(h_t, h_s): by linearity this is the alignment of the
     standardised h_t with the pooled standardised states, Nie et al.'s key-token criterion. Scored
     (1 + r_t) / 2 in [0, 1], same ranking, non-negative for every shaping rule. A one-token response gets 1/2.
-    One reading among several; test_baselines.py's test_correlation_is_the_mean_pairwise_pearson_correlation
-    (against torch.corrcoef) and test_correlation_of_a_one_token_response_is_one_half pin it.
+    One reading among several; test_paper_baselines.py's
+    test_correlation_is_the_mean_pairwise_pearson_correlation (against torch.corrcoef) and
+    test_correlation_of_a_one_token_response_is_one_half pin it.
  5. "attention" is the head- and layer-mean attention of cfg.layers (the FlowTracer graph), max over the later
     queries; the paper does not say which heads or layers its Attention baseline reads. A reading, pinned by
-    tests/test_credit.py::test_attention_is_the_max_received.
+    tests/credit/test_scoring.py::test_attention_is_the_max_received.
 
-Run the tests: python -m pytest -q tests/test_credit.py tests/test_baselines.py
+Run the tests: python -m pytest -q tests/credit/test_scoring.py tests/credit/test_paper_baselines.py
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Departures (numbered; baselines.py's departure 1: rows with A = 0 get no credit)
     update scale matches GRPO's: raw phi = s; log1p phi = log1p(s / mean s); sigmoid phi = sigmoid(z);
     tanh-z phi = 1 + tanh(z), z the within-sequence z-score; mad phi = 1 + tanh(z_mad), z_mad the robust
     z-score (s - median) / (1.4826 MAD). Raw scaling thus lets outliers take huge weights, as §5.1 reports.
-    Readings, one among several, pinned by hand in tests/test_credit_shaping.py (test_continuous_hand_cases);
+    Readings, one among several, pinned by hand in tests/credit/test_shaping.py (test_continuous_hand_cases);
     soft (§5.1 (ii)): the fewest top tokens with soft_mass of the row's mass
     (test_soft_thresholding_hand_cases).
  4. bilevel's tau is a within-sequence percentile of the normalised scores (OAR §4.1: "tau = 0.4 (meaning the
@@ -42,7 +42,7 @@ Departures (numbered; baselines.py's departure 1: rows with A = 0 get no credit)
  6. OAR's Random Credit (--credit random --shaping identity) keeps the common fallback above: a row without an
     answer gets all-1 weights, as under every other signal, so the runs differ only in the credit (§4.1).
 
-Run the tests: python -m pytest -q tests/test_credit_shaping.py
+Run the tests: python -m pytest -q tests/credit/test_shaping.py
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ before its capture (warm_up), then recorded, not run (capture), and a failure sa
 torch.cuda.graph's steps, written out so that a failing capture still leaves the side stream and the error
 raised is the first one; the engine decides what a failure turns off (Engine.run, fall_back, stop). An
 out-of-memory error is not a graph fault (out_of_memory): the engine passes it on, to
-training/memory/backoff.py. tests/test_engine_fallbacks.py forces each failure on the CPU with a fake of
-torch.cuda's streams and graphs.
+training/memory/backoff.py. tests/decode/test_engine_fallbacks.py forces each failure on the CPU with a
+fake of torch.cuda's streams and graphs.
 
-Run: python -m pytest -q tests/test_engine_fallbacks.py
+Run: python -m pytest -q tests/decode/test_engine_fallbacks.py
 """
 
 import torch

@@ -36,7 +36,8 @@ these: nothing is turned off, the error goes on to the caller, and grpo.py's bac
 and decodes the rows left.
 
 Memory: the static buffers are the KV cache that training/memory/terms.py's `generation` counts for a chunk (T
-= P + R), beside the prompts' prefill cache; tests/test_engine_runtime.py holds the engine's peak to it. The
+= P + R), beside the prompts' prefill cache; tests/decode/test_engine_runtime.py holds the engine's peak to
+it. The
 run's engine holds its reservation (the widest prompt + R) through the update too (memory.py counts its
 buffers in every phase on CUDA), unless the plan releases it for the update (`release`: every buffer and graph
 freed; the next call's `reserve` makes them again and its steps capture the graphs again).
@@ -45,7 +46,7 @@ freed; the next call's `reserve` makes them again and its steps capture the grap
 Departures from rollout.decode / HF generate (numbered):
   1. Same distribution, other samples. The draw is an exponential race over HF's warped distribution
      (temperature, then top-k, then top-p, HF's order and cut rule), so a seed no longer gives HF's samples;
-     tests/test_engine.py checks the distribution by a chi-square test instead. Greedy rows equal HF's
+     tests/decode/test_engine.py checks the distribution by a chi-square test instead. Greedy rows equal HF's
      (fp32, tested): the same forward, reading extra keys that are masked.
   2. Top-k keeps exactly k tokens; HF keeps every token tied with the k-th logit.
   3. A finished row keeps its place (writing pad) until the next check; then it leaves when the rows still
@@ -57,7 +58,7 @@ Departures from rollout.decode / HF generate (numbered):
 
 Run: python benchmarks/generate_speed.py --device cuda --model qwen3-4b-random   # beside HF generate, a GPU
      python benchmarks/generate_speed.py --engine --model tiny-qwen3 --shape tiny --rounds 1   # CPU, eager
-     python -m pytest -q tests/test_engine.py tests/test_engine_runtime.py
+     python -m pytest -q tests/decode/test_engine.py tests/decode/test_engine_runtime.py
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Departures from the paper's setup (numbered; load.py departure 1 covers vLLM aga
 The batch the update reads (where the question, the response and the answer are, in tokens): data.py's
 build_batch.
 
-Test: python -m pytest -q tests/test_generate.py tests/test_engine.py tests/test_engine_runtime.py
+Test: python -m pytest -q tests/decode
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ pad inside the step; the host reads EOS every `check_every` steps (16). Why: rol
 read EOS on the host every step, so the CPU waited for the GPU to finish each step before it could launch the
 next, and the GPU then waited for the CPU's launches.
 
-Run: python -m pytest -q tests/test_engine_runtime.py
+Run: python -m pytest -q tests/decode/test_engine_runtime.py
 """
 
 import torch

@@ -19,9 +19,9 @@ reads as one) minutes into a step. grpo.py reaches each phase through one call h
            default --num-iterations 1): what the step held is freed (the gradients set to None with the
            failed call's tensors), micro_batch is halved and the update redone from its start on the same
            rollouts. The loss is normalised by the whole batch (grpo.Experience.denom), so in fp32 the
-           gradient does not depend on micro_batch (tests/test_backoff.py). After an optimizer step began (a
-           later PPO epoch's, or the step itself) the weights have moved: redoing would train those rollouts
-           twice, so the run stops (below).
+           gradient does not depend on micro_batch (tests/memory/test_backoff.py). After an optimizer step
+           began (a later PPO epoch's, or the step itself) the weights have moved: redoing would train those
+           rollouts twice, so the run stops (below).
            Where budget.plan releases the engine for the update (run.budget.plan.release), the engine is
            released here first: its cache is freed for the update and reserved again by the next generate
            call.
@@ -43,7 +43,7 @@ Departures (numbered):
  2. A rollout redone at a smaller chunk draws other samples than the run that never failed would have (a
     chunk's rows share the draws); --resume after a back-off is exact with respect to the run that backed off.
 
-Run: python -m pytest -q tests/test_backoff.py
+Run: python -m pytest -q tests/memory/test_backoff.py
 """
 
 from accelerate.utils.memory import clear_device_cache

@@ -17,7 +17,7 @@ The margin (context, workspace, fragmentation) is assumed, not measured; RESERVE
 known to miss (phases.py departure 4: the H100's backward 10.5% above it, not pinned down).
 
 Run: python eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24   # the plan for a 24 GB card
-     python -m pytest -q tests/test_budget.py
+     python -m pytest -q tests/memory/test_budget.py
 """
 
 import dataclasses

@@ -27,7 +27,8 @@ update back-off seam) and the update's phases hold none of it.
 `estimate` reads the step's shapes and byte widths once (Shapes: training/memory/shapes.py), then adds what
 every phase holds (resident) to each phase's own terms, counted in training/memory/terms.py;
 evaluation/memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a
-GPU, torch.cuda.max_memory_allocated), and tests/test_memory.py holds the estimate within 10% of the count.
+GPU, torch.cuda.max_memory_allocated), and tests/memory/test_phases.py holds the estimate within 10% of the
+count.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): docs/method.md.
@@ -50,8 +51,8 @@ Departures (numbered):
     adapters with their gradients and fp32 AdamW states, autocast's bf16 copies of the adapters on CUDA; no
     (V, D) head or embedding gradient; per layer each adapter's A output (r) kept for backward, and the
     normalised values the frozen RMSNorms no longer keep left out (layer_saved). Held within 10% of a CPU
-    step (tests/test_budget.py); on CUDA peft casts each adapter's input to fp32 and autocast casts it back,
-    a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
+    step (tests/memory/test_phases.py); on CUDA peft casts each adapter's input to fp32 and autocast casts
+    it back, a bf16 copy per adapted linear where the frozen base keeps none: counted, not measured on a GPU.
  6. --precision (trainable.precision, on a card of compute capability `cap`: eval.py memory --capability, else
     the visible GPU's, else 8.0): the weights' bytes in its dtype (fp16 and bf16 2, fp32 4), matmul outputs
     and autocast's copies only under an autocast; and the attention kernel the card runs. Below 8.0 SDPA's
@@ -290,7 +291,7 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
     the weight's AccumulateGrad takes only once every use of the weight has delivered its part: after the
     last chunk, so from the second chunk on; and with a tied embedding (Qwen3-4B, SmolLM2) only after the
     embedding's backward, the graph's last node, so through the whole decoder backward too (0.78 GB for
-    Qwen3-4B in bf16; counted on the CPU: tests/test_memory.py, test_the_tied_head_gradient_waits_...).
+    Qwen3-4B in bf16; counted on the CPU: tests/memory/test_phases.py, test_the_tied_head_gradient_waits_...).
     `dq`: on CUDA a fused attention backward (cuDNN's, FlashAttention's, the memory-efficient one) sums dQ
     over the key blocks in an fp32 buffer of the queries' size (cuDNN frontend: dQ_accum), 0.13 GB here.
     LoRA: the head and the embedding are frozen, no (V, D) gradient; the adapters' gradients are small."""

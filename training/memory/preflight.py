@@ -36,7 +36,7 @@ groups, after the checkpoint's state has loaded (which holds the setting of the 
 fallback chosen now must survive --resume).
 
 Run: python grpo.py --model tiny-qwen3 --steps 1     (on a GPU: the preflight's lines before the first step)
-     python -m pytest -q tests/test_preflight.py    (each fallback forced on the CPU)
+     python -m pytest -q tests/memory/test_preflight.py    (each fallback forced on the CPU)
 """
 
 import contextlib
@@ -53,7 +53,7 @@ from training.decode.rollout import Sampling, eos_ids, generate
 from training.memory import backoff
 from training.policy import token_logprobs
 
-TOLERANCE = 1e-4  # the kernel's maps against add_head_mean's (tests/test_head_mean_kernel.py holds 1e-5)
+TOLERANCE = 1e-4  # the kernel's maps against add_head_mean's (tests/gpu_kernels/test_head_mean.py holds 1e-5)
 
 
 class GpuParts(NamedTuple):

@@ -12,7 +12,7 @@ prompt padded to --prompt-tokens (P). LoRA (phases.py departure 5): the frozen b
 adapters of the linears --lora-targets names.
 
 Run: python eval.py memory --model qwen3-4b-random      (the estimate these shapes make)
-     python -m pytest -q tests/test_memory.py tests/test_memory_flags.py tests/test_budget.py
+     python -m pytest -q tests/memory/test_phases*.py tests/memory/test_budget.py
 """
 
 import dataclasses

@@ -132,7 +132,7 @@ def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, F
     value and its output; the per-head q/k norms of Qwen3 their input and normalised value; sdpa its q,
     k and v (k, v repeated to the Hq heads when a padding mask is passed), output, logsumexp and the
     mask as a (b, 1, T, T) float; the SwiGLU MLP gate, silu, up and their product, (I,) each.
-    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/test_memory.py).
+    Equal to memtrace.track_peak's count on the CPU for both dtypes (tests/memory/test_phases.py).
     lora = (the adapted linears' [(in, out)], rank, cuda): frozen norm weights keep no normalised value, and
     each adapter keeps its A's output (r); on CUDA peft casts each adapter's input to fp32 and autocast back
     to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5).

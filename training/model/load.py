@@ -266,7 +266,8 @@ def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
     plain model as fast as the base. A bf16 or fp16 base: the adapters left unmerged (peft's PeftModel, in
     eval mode), the function the run trained and evaluated: merged into bf16 weights, an RL update's small
     W + BA would mostly round away (|BA| ~ 1e-4 against a bf16 ulp of ~1e-3 on weights of ~0.1;
-    tests/test_lora.py). A plain model without that loss: the base in fp32 (dtype=torch.float32), merged."""
+    tests/model/test_lora.py). A plain model without that loss: the base in fp32 (dtype=torch.float32),
+    merged."""
     from peft import PeftModel
 
     model, _ = load_model(

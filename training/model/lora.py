@@ -10,7 +10,7 @@ the CPU; fp16 under --precision fp16), peft's adapters and their plain torch Ada
 second model. A checkpoint holds peft's adapter files; the base is loaded again from the run's --model.
 
 Run: python grpo.py --lora-rank 8                      # LoRA on the embedded model, CPU
-     python -m pytest -q tests/test_lora.py
+     python -m pytest -q tests/model/test_lora.py
 """
 
 from dataclasses import dataclass

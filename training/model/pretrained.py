@@ -11,7 +11,7 @@ Departures (numbered):
      once in one line saying what to do. Without it huggingface_hub retries each request 5 times over ~25 s
      (its http_backoff) before transformers gives up with a long message. With the network: unchanged.
 
-Run: python -m pytest -q tests/test_models.py -k hub
+Run: python -m pytest -q tests/model/test_load.py -k hub
 """
 
 import contextlib

@@ -13,7 +13,7 @@ the error a bad one gives, and its metrics file opened (cut back to the checkpoi
 The lock lasts while its file is open, so a killed run leaves no stale lock. A file system without flock (some
 network mounts) gets one warning line and runs unlocked.
 
-Run the tests: python -m pytest -q tests/test_hardening_checkpoints.py -k lock
+Run the tests: python -m pytest -q tests/run/test_directory.py -k lock
 """
 
 import errno

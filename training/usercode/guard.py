@@ -11,7 +11,7 @@ are named by training/usercode/reward_code.py (RewardError); Interrupted is a Ke
 guard keeps. `guarded` adds one more: os._exit inside the user's code is a SystemExit, named like any other
 raise.
 
-Run the tests: python -m pytest -q tests/test_hardening_user_code.py -k interrupt
+Run the tests: python -m pytest -q tests/usercode/test_guard.py
 """
 
 import contextlib

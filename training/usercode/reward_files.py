@@ -9,7 +9,7 @@
 Only the file named is hashed, not the modules it imports (training/usercode/reward_code.py imports and calls
 it).
 
-Run the tests: python -m pytest -q tests/test_your_task.py tests/test_odd_inputs_*.py -k "reward or resume"
+Run the tests: python -m pytest -q tests/config/test_resume.py
 """
 
 import hashlib
