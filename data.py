@@ -4,7 +4,7 @@ batch a rollout becomes (where the question, the response and the answer are).
   load_task(name, split, path, limit, seed) -> records {"id", "source", "question", "answer", "task", ...}
   make_prompt(record, tokenizer, style)      -> the text the model continues (prompts.py)
   reward(completion, record)                 -> the built-in task's float reward, in the form of a user's
-                                                --reward function (training/reward_code.py)
+                                                --reward function (training/usercode/reward_code.py)
   batch_reward(reward, completions, records, completion_ids) -> each completion's reward, one call a batch
   build_batch(tokenizer, prompt_ids, response_ids) -> Batch: the token layout and its three regions (below)
 
@@ -54,7 +54,7 @@ the content of the last \\boxed{...} (else the last <answer>...</answer>), or th
 --answer-pattern (its first group, if it has one) for a task whose answer is not boxed.
 
 Run: python data.py --task arithmetic --split test --limit 3     (records, prompts and a self-check)
-Test: python -m pytest -q tests/test_data_*.py    Time the rewards: python benchmarks/reward_speed.py
+Test: python -m pytest -q tests/test_data*.py    Time the rewards: python benchmarks/reward_speed.py
 """
 
 import argparse
@@ -90,45 +90,49 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)  # departure 5: "Timeou
 # ----------------------------------------------------------------------------- the task table
 
 
-class Task(NamedTuple):
+class Dataset(NamedTuple):
     task: str  # "math" | "countdown" | "choice": which reward `score` uses
     local: str  # folder under $FLOWTRACER_DATA holding <split>.jsonl|.parquet
     hub: tuple  # (hub name, config, {our split: hub split}); () for generated tasks
     normalise: Callable  # row -> (question, answer); raises DataError naming the field
-    generate: Callable = None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
+    generator: Callable = (
+        None  # (split, seed, limit) -> rows {question, answer, ...}, for the generated tasks
+    )
 
 
 TASKS = {
-    "gsm8k": Task("math", "gsm8k", ("openai/gsm8k", "main", {"train": "train", "test": "test"}), gsm8k_row),
-    "math500": Task("math", "math500", ("HuggingFaceH4/MATH-500", None, {"test": "test"}), math_row),
-    "aime24": Task("math", "aime24", ("HuggingFaceH4/aime_2024", None, {"test": "train"}), math_row),
-    "aime25": Task("math", "aime25", ("math-ai/aime25", None, {"test": "test"}), aime25_row),
-    "amc23": Task("math", "amc23", ("math-ai/amc23", None, {"test": "test"}), math_row),
-    "olympiadbench": Task(
+    "gsm8k": Dataset(
+        "math", "gsm8k", ("openai/gsm8k", "main", {"train": "train", "test": "test"}), gsm8k_row
+    ),
+    "math500": Dataset("math", "math500", ("HuggingFaceH4/MATH-500", None, {"test": "test"}), math_row),
+    "aime24": Dataset("math", "aime24", ("HuggingFaceH4/aime_2024", None, {"test": "train"}), math_row),
+    "aime25": Dataset("math", "aime25", ("math-ai/aime25", None, {"test": "test"}), aime25_row),
+    "amc23": Dataset("math", "amc23", ("math-ai/amc23", None, {"test": "test"}), math_row),
+    "olympiadbench": Dataset(
         "math",
         "olympiadbench",
         ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", {"test": "train"}),
         olympiad_row,
     ),
-    "minerva": Task("math", "minerva_math", ("math-ai/minervamath", None, {"test": "test"}), minerva_row),
-    "dapo-math-17k": Task(
+    "minerva": Dataset("math", "minerva_math", ("math-ai/minervamath", None, {"test": "test"}), minerva_row),
+    "dapo-math-17k": Dataset(
         "math", "dapo-math-17k", ("BytedTsinghua-SIA/DAPO-Math-17k", None, {"train": "train"}), dapo_row
     ),
     # Table 9's link; "test" is the validation split (App. C.3)
-    "crossthinkqa": Task(
+    "crossthinkqa": Dataset(
         "choice",
         "crossthinkqa",
         ("nvidia/CrossThink-QA", None, {"train": "train", "test": "validation"}),
         choice_row,
     ),
-    "countdown": Task("countdown", "countdown", (), countdown_row, countdown.rows),
-    "countdown-3to4": Task(
+    "countdown": Dataset("countdown", "countdown", (), countdown_row, countdown.rows),
+    "countdown-3to4": Dataset(
         "countdown",
         "countdown-3to4",  # TinyZero: train = rows[:N], test = the next rows
         ("Jiayi-Pan/Countdown-Tasks-3to4", None, {"train": "train", "test": "train"}),
         countdown_row,
     ),
-    "arithmetic": Task("math", "arithmetic", (), math_row, arithmetic.generate),
+    "arithmetic": Dataset("math", "arithmetic", (), math_row, arithmetic.rows),
 }
 DATASETS = (*TASKS, custom.NAME)  # grpo.py's --dataset: the tasks, and your own file (custom.py)
 SPLITS = {name: list(t.hub[2]) if t.hub else ["train", "test"] for name, t in TASKS.items()}
@@ -172,7 +176,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
     t = TASKS[key]
     if split not in SPLITS[key]:
         raise ValueError(f"task {key!r} has splits {SPLITS[key]}, not {split!r}")
-    if path is None and t.generate is not None:  # the generator's rows, each a question and its answer as
+    if path is None and t.generator is not None:  # the generator's rows, each a question and its answer as
         return [
             {
                 "id": f"{key}/{split}/{i}",
@@ -182,7 +186,7 @@ def load_task(name, split="test", path=None, limit=None, seed=0, question_field=
                 "task": t.task,  # columns to pick
                 **{k: r[k] for k in ("steps", "nums", "target") if k in r},
             }  # or to check
-            for i, r in enumerate(t.generate(split, seed, limit))
+            for i, r in enumerate(t.generator(split, seed, limit))
         ]
     local = [
         Path(os.environ.get("FLOWTRACER_DATA") or DEFAULT_DATA) / t.local / f"{split}{ext}"
@@ -265,7 +269,8 @@ REWARDS = {"math": math_reward, "countdown": countdown_reward, "choice": choice_
 
 def reward(completion, record):
     """The built-in reward of one completion of one record, by record["task"] (REWARDS), as a --reward
-    function is called (training/reward_code.py): grpo.py's default reward. Never raises on any completion; an
+    function is called (training/usercode/reward_code.py): grpo.py's default reward. Never raises on any
+    completion; an
     unknown record["task"] is a programming error and raises ValueError."""
     verify = REWARDS.get(record.get("task"))
     if verify is None:
@@ -277,8 +282,9 @@ def reward(completion, record):
 
 def batch_reward(reward, completions, records, completion_ids=None):
     """The reward of each completion of its record, as a list of floats: `reward` is data.reward (called on
-    each row), or a --reward's (training/reward_code.UserReward: its batch, each TRL-form function called
-    once, NaN where no function scored a completion). grpo.py's and heldout.py's one call for a batch."""
+    each row), or a --reward's (training/usercode/reward_code.py's UserReward: its batch, each TRL-form
+    function called once, NaN where no function scored a completion). grpo.py's and heldout.py's one call
+    for a batch."""
     batch = getattr(reward, "batch", None)
     if batch is not None:
         return batch(completions, records, completion_ids)

@@ -32,7 +32,7 @@ Departures (numbered; probes.py and recall.py list those of intervene and recall
     sampled"); bench, recall and plot take the first N.
 
 Bad input: one line `eval.py: error: ...`, exit 2. Every flag is checked before a model loads (parse,
-check_ranges; whether --layers and --max-new-tokens fit the model: harness.setup, once it loaded); a bad
+check_ranges; whether --layers and --max-new-tokens fit the model: harness.model_for, once it loaded); a bad
 data file, model or checkpoint (ValueErrors naming the file) is caught around the command in main. Exit 1
 when there is nothing to report (no response has an answer), after writing the counts.
 
@@ -54,14 +54,17 @@ import sys
 from pathlib import Path
 
 import data
+import grpo
 from evaluation import bench, credit_page, figures, highflow, memory, probes
 from evaluation import recall as recall_probe
-from evaluation.harness import EvalError, fail, inputs, save, setup
+from evaluation.harness import EvalError, fail, inputs, model_for, save
 from flowtracer import select_layers
-from training import checkpoint as ckpt_io
-from training import helptext, oar, rundir, signals
-from training.models import device_problem
-from training.pretrained import ModelError
+from training.config import helptext
+from training.credit import oar, scoring
+from training.model.load import device_problem
+from training.model.pretrained import ModelError
+from training.run import checkpoint as ckpt_io
+from training.run import directory
 
 CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcommands' --help
 
@@ -69,23 +72,29 @@ CMDS = helptext.commands(__doc__)  # {name: (summary, description)}: the subcomm
 # ----------------------------------------------------------------------------- bench (Tables 2-4)
 def bench_table(args):
     """pass@1, pass@k and greedy accuracy per benchmark (evaluation/bench.py, the formulas: stats.py)."""
-    model, tok, _ = setup(args, args.benchmarks[0])
+    model, tok, _ = model_for(args, args.benchmarks[0])
     save(args, *bench.evaluate(model, tok, args))
 
 
 # ------------------------------------------------------------------- intervene, recall (probes.py, recall.py)
+def credit_config(args):
+    """The probes' credit: grpo.py's Config (the paper's top_frac, gamma) at --layers and --seed."""
+    return grpo.Config(layers=args.layers, seed=args.seed)
+
+
 def intervene(args):
-    model, tok, style = setup(args, args.task)
-    out, s = probes.intervene(model, tok, inputs(args, tok, style, sample=True), args, style)
+    model, tok, style = model_for(args, args.task)
+    rows = inputs(args, tok, style, sample=True)
+    out, s = probes.intervene(model, tok, rows, args, style, credit_config(args))
     save(args, {"model": args.model, "summary": s}, probes.intervene_table(s, args), out)
     if s["n"] == 0:
         fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
 
 
 def recall(args):
-    model, tok, style = setup(args, args.task)
+    model, tok, style = model_for(args, args.task)
     try:
-        out, s = recall_probe.recall(model, tok, inputs(args, tok, style), args, style)
+        out, s = recall_probe.recall(model, tok, inputs(args, tok, style), args, style, credit_config(args))
     except ValueError as e:
         fail(str(e), 1)
     save(args, {"model": args.model, "summary": s}, recall_probe.recall_table(s), out)
@@ -95,8 +104,9 @@ def recall(args):
 
 
 def answer_forms(args):
-    model, tok, style = setup(args, args.task)
-    out, s = highflow.answer_forms(model, tok, inputs(args, tok, style, sample=True), args, style)
+    model, tok, style = model_for(args, args.task)
+    rows = inputs(args, tok, style, sample=True)
+    out, s = highflow.answer_forms(model, tok, rows, args, style, credit_config(args))
     save(args, {"model": args.model, "summary": s}, highflow.forms_table(s, args), out)
     if s["n"] == 0:
         fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
@@ -109,7 +119,7 @@ def plot(args):
     out.mkdir(parents=True, exist_ok=True)
     result = {"figures": figs}
     try:
-        figures.use_run(args)  # --run: its rollouts, checkpoint and answer pattern
+        figures.use_run(args, grpo.Config())  # --run: its rollouts, checkpoint, answer pattern, gamma
         if "curves" in figs:
             if not args.metrics:
                 fail("plot --figures curves needs --metrics run/metrics.jsonl [...]")
@@ -118,7 +128,7 @@ def plot(args):
                 fail(f"empty result set: {next(n for n, r in runs.items() if not r)} has no metrics rows", 1)
             result["curves"] = figures.curves(runs, args.keys, args.alpha, out / "curves.png")
         if set(figs) & {"heatmap", "inout", "tokens"}:
-            model, tok, style = setup(args, args.task)
+            model, tok, style = model_for(args, args.task)
             rows = figures.run_rows(args, tok) if args.run else inputs(args, tok, style)
             if "response" not in rows[0]:
                 rows = probes.sample_responses(
@@ -139,8 +149,6 @@ def plot(args):
 # ----------------------------------------------------------------------------- memory (memory.py)
 def memory_table(args):
     """The bytes of each phase of grpo.py's step, estimated (memory.py); --measure runs one step too."""
-    import grpo
-
     try:
         print(memory.command(args, grpo))  # grpo.py's flags: its parser, its errors
     except (ValueError, OSError) as e:
@@ -217,7 +225,7 @@ def parse(argv=None):
             )
         return p
 
-    bench.add_flags(cmd("bench", bench_table, task=None, max_new=1024))
+    bench.add_flags(cmd("bench", bench_table, task=None, max_new=1024), grpo.Config)
     p = cmd("intervene", intervene, problems=200)
     p.add_argument("--temperature", type=float, default=0.7, help="App. E.1: responses, regeneration at T")
     p.add_argument("--frac", type=float, default=0.2, help="share of the tokens before t0 masked (Table 1)")
@@ -238,14 +246,14 @@ def parse(argv=None):
             "oar-p",
             "oar-g",
         ],
-        choices=list(signals.SIGNALS),
+        choices=list(scoring.SIGNALS),
         help="credit signals to rank tokens by",
     )
     p.add_argument(
         "--oar-outcomes",
         nargs="+",
         choices=oar.OUTCOMES,
-        default=[probes.CreditConfig.oar_outcome],
+        default=[grpo.Config.oar_outcome],
         help="OAR's outcome for oar-p / oar-g (OAR §6.2, Fig. 5b); several: a row for each",
     )
     p = cmd("plot", plot, problems=8)
@@ -334,7 +342,7 @@ def check_ranges(ap, args):
             ap.error(f"--{flag.replace('_', '-')} must be {rule}, got {v}")
     for flag, problem in (
         ("--device", getattr(args, "device", None) and device_problem(args.device)),
-        ("--out", getattr(args, "out", None) and rundir.dir_problem(args.out)),
+        ("--out", getattr(args, "out", None) and directory.dir_problem(args.out)),
     ):
         if problem:  # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")
@@ -347,7 +355,6 @@ def check_ranges(ap, args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["learn"]:  # its own parser and recipe: learn.py
-        import grpo
         from evaluation import learn
 
         return learn.main(argv[1:], grpo)

@@ -8,11 +8,11 @@ LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 an
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere: a Credit
     register_attention   names the attention "sdpa_capture" (it fills a Capture) and its mask (no empty
-                      rows) to transformers: training/models.py's load_model calls it for every model
+                      rows) to transformers: training/model/load.py's load_model calls it for every model
     The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
-    you do not call yourself (capturing: TRL's): training/attention.py.
+    you do not call yourself (capturing: TRL's): training/credit/attention.py.
 One default micro-batch of grpo.py reads, in order: Capture -> token_logprobs -> cap.maps -> trace_flow ->
-flow_credit -> the loss. The batch and its question, response and answer tokens: training/rollout.py.
+flow_credit -> the loss. The batch and its question, response and answer tokens: training/decode/rollout.py.
 
 The math, for one sequence of T tokens (i < k always; nothing flows backwards in time):
 
@@ -34,8 +34,9 @@ Departures from the paper (numbered):
     (h = 0), which keeps g = f/h below 1e250 and rules out inf/NaN. With softmax attention every answer token
     attends every earlier token directly, so h(i) >= W_ia is far above the floor in practice (tested at 8K).
  2. The paper leaves ties and the region boundaries implicit. Here: ties in the top-k ranking go to the
-    earlier token; the question is the prompt minus special tokens (BOS, chat markers; training/rollout.py);
-    the answer is the content of the last \\boxed{...} (else the last <answer>...</answer>).
+    earlier token; the question is the prompt minus special tokens (BOS, chat markers;
+    training/decode/rollout.py); the answer is the content of the last \\boxed{...} (else the last
+    <answer>...</answer>).
  3. A sequence with no answer region, or no path from the question to the answer, gets all-1 weights
     (plain GRPO) and a fallback flag, instead of undefined flow.
  4. "Middle layers (L/3 ~ 2L/3)" is read as range(L // 3, 2L // 3): layers 10..19 of the 30-layer SmolLM2,
@@ -47,8 +48,8 @@ Departures from the paper (numbered):
  5. App. C.2 runs the eager attention path to materialise all maps; attention_graph recomputes only the chosen
     layers' maps in query chunks (equal to eager to 1e-5 in the tests, far less memory; see below), on CUDA
     in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py), chosen once
-    per run where they can run (credit.head_mean_kernel: CUDA, Triton, a C compiler; else add_head_mean,
-    the PyTorch reference in gpu_kernels/reference.py, and one line saying why). Padding query rows and
+    per run where they can run (head_mean_kernel, below: CUDA, Triton, a C compiler; else add_head_mean,
+    the PyTorch reference in flowtracer.py, and one line saying why). Padding query rows and
     padding keys are zero (eager gives padding queries uniform rows).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
@@ -64,8 +65,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from gpu_kernels.reference import add_head_mean, auto_chunk
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -126,7 +125,7 @@ class Capture:
     A second forward given the same Capture is refused (make a new one per forward), but for the prompt and
     response passes of one forward that reads each prompt once (expand_prompts, training/policy.py).
     `head_mean`: the function that sums a layer's head means into the buffer (add_head_mean, or
-    credit.head_mean_kernel's choice on CUDA).
+    head_mean_kernel's choice on CUDA).
     `stop_after_last`: raise after the last chosen layer (attention_graph needs no later layer)."""
 
     def __init__(self, layers, chunk=None, stop_after_last=False, head_mean=None):
@@ -200,6 +199,58 @@ class Capture:
         return W.div_(len(self.layers)).mul_(m[:, :, None]).mul_(m[:, None, :])  # (B, T, T)
 
 
+# ----------------------------------------------------------------------------- eq. 1 in PyTorch: the head
+# mean What Capture.take sums each chosen layer with: add_head_mean, the reference, on every device; its fast
+# twin is the fused Triton kernel gpu_kernels/head_mean.py (head_mean_triton, tested against it), which
+# head_mean_kernel picks once per run where it can run (CUDA, Triton, a C compiler; departure 5).
+def add_head_mean(buf, query, key, attention_mask, scaling, chunk):
+    """buf (B,T,S) += sum over heads / H of softmax(Q K^T * scaling + mask), query chunk by chunk, in fp32.
+    The T queries are the last T of the S keys (S > T: the first S - T come from a KV cache). GQA: the G
+    query heads of a KV head are folded into the rows, (G c, D) @ (D, S), so no key is copied G times."""
+    (B, H, T, D), (Hkv, S) = query.shape, key.shape[1:3]
+    q = query.float().view(B, Hkv, H // Hkv, T, D)  # (B, Hkv, G, T, D): query heads grouped by their KV head
+    kT = key.float().mT  # (B, Hkv, D, S), a view
+    with torch.autocast(query.device.type, enabled=False):  # fp32 also under the run's bf16 autocast
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            score = (q[:, :, :, s:e].reshape(B, Hkv, -1, D) @ kT).view(B, Hkv, H // Hkv, e - s, S)
+            score.mul_(scaling)  # (B, Hkv, G, c, S)
+            if attention_mask is None:  # no padding: sdpa's mask builder left the causal mask to is_causal
+                allowed = torch.ones(e - s, S, dtype=torch.bool, device=q.device).tril(s + S - T)  # (c, S)
+                score.masked_fill_(~allowed, torch.finfo(score.dtype).min)
+            elif attention_mask.dtype == torch.bool:  # (B or 1, 1, T, S), True = attend
+                score.masked_fill_(~attention_mask[:, :, None, s:e], torch.finfo(score.dtype).min)
+            else:  # additive float mask (0 / large negative)
+                score.add_(attention_mask[:, :, None, s:e].float())
+            p = torch.softmax(score, dim=-1)  # (B, Hkv, G, c, S); fully masked rows are uniform, zeroed later
+            buf[:, s:e] += p.sum(dim=(1, 2)) / H  # (B, c, S)
+            del score, p  # freed before the next chunk's score is made: two blocks at most, not three
+
+
+def auto_chunk(B, H, T, budget=2**25):
+    """Query rows per chunk so that one (B, H, chunk, T) fp32 score block stays under `budget` floats."""
+    return max(1, min(T, budget // max(1, B * H * T)))
+
+
+def head_mean_kernel(device):
+    """The function a Capture sums each layer's head means with on `device`, chosen once
+    (training/run/setup.py's setup) and said in one line: the fused Triton kernels (gpu_kernels/head_mean.py)
+    where they can run, else
+    add_head_mean, the reference, with the reason (gpu_kernels/availability.py)."""
+    if torch.device(device).type != "cuda":  # the kernels are built for CUDA: nothing to ask
+        return add_head_mean
+    from gpu_kernels.availability import unavailable  # Triton is imported only where it may run
+
+    why = unavailable(device)
+    if why is None:
+        from gpu_kernels.head_mean import head_mean_triton
+
+        print("flow credit: head-mean maps by the fused Triton kernel (gpu_kernels/head_mean.py)")
+        return head_mean_triton
+    print(f"flow credit: head-mean maps by add_head_mean, not the fused Triton kernel: {why}")
+    return add_head_mean
+
+
 class _Stop(Exception):
     """Raised after the last chosen layer to end the forward pass early."""
 
@@ -230,9 +281,9 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
 def register_attention():
     """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output,
     plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
-    training/models.py's load_model before it loads a model, and by use_capture_attention; importing
+    training/model/load.py's load_model before it loads a model, and by use_capture_attention; importing
     this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
-    "sdpa" keeps transformers' own mask (tests/test_attention_graph.py)."""
+    "sdpa" keeps transformers' own mask (tests/credit/test_attention.py)."""
     AttentionInterface.register(IMPL, capture_attention)
     AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
 
@@ -343,7 +394,7 @@ def trace_flow(
 # ----------------------------------------------------------------------------- eq. 5-6: the credit
 class Credit(NamedTuple):
     """The credit of B rows on the columns from prompt_width on, (B, R) with R = T - prompt_width: every
-    credit gives this record (flow_credit here, credit.assign and credit.OtherCredit for the others)."""
+    credit gives this record (flow_credit here, baselines.assign and baselines.OtherCredit for the others)."""
 
     weight: torch.Tensor  # (B, R) gamma_{i,t}: gamma on selected response tokens, 1 on the rest, 0 off it
     scores: torch.Tensor  # (B, R) float32 what ranked the tokens (flow: the throughput tau)

@@ -2,8 +2,8 @@
 
 grpo.py is the one-GPU teaching loop. This file keeps TRL 1.16's loop (generation, also with vLLM; rewards;
 group advantages; the clipped loss; accelerate / DeepSpeed ZeRO / FSDP) and changes one thing. After TRL has
-scored the completions, each rank computes the token credit of its own rows with credit.assign (the one credit
-call of grpo.py: any signal, any shaping; FlowTracer's flow + top-k by default) and hands TRL
+scored the completions, each rank computes the token credit of its own rows with baselines.assign (the one
+credit call of grpo.py: any signal, any shaping; FlowTracer's flow + top-k by default) and hands TRL
 
     A_it = A_i * gamma_it        (B, C) advantages, one per completion token (eq. 5-6)
 
@@ -37,7 +37,8 @@ Departures from grpo.py (numbered):
     is 0 anyway. A rank without a row with A != 0 still runs its credit pass, on a placeholder row whose gamma
     it drops: the parameter gathering (ZeRO-3), summon_full_params and the forward (FSDP) are collective, and
     a rank that skipped them would leave the others waiting. Evaluation keeps TRL's plain advantages.
- 5. HF's constant_with_warmup schedule: the first step has lr 0 (training/trl_setup.py, its departure 1).
+ 5. HF's constant_with_warmup schedule: the first step has lr 0 (training/config/trl_setup.py, its departure
+ 1).
  6. --lora-rank R > 0 hands TRL a peft LoraConfig, the base in 16 bits on a GPU and 10x the lr: the setup's
     departure 2; the credit reads the peft policy as it trains.
 
@@ -46,8 +47,9 @@ Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.js
           --learning-rate 1e-5 --output-dir runs/trl-demo        # add --lora-rank 16 for LoRA (departure 6)
       (runs/one_step.jsonl, the 2 processes and ZeRO-3: the README's section "When one GPU is not enough")
 Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any other is a GRPOConfig field
-(training/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the trainer).
-Test: python -m pytest -q tests/test_trl.py tests/test_trl_two_process.py
+(training/config/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the
+trainer).
+Test: python -m pytest -q tests/test_flowtracer_trl.py tests/test_flowtracer_trl_two_process.py
 Time: python benchmarks/peer_trl.py
 """
 
@@ -73,12 +75,16 @@ except ImportError as e:  # no TRL: one line from the command line
     print(f"flowtracer_trl.py: error: {e}: pip install -r requirements.txt", file=sys.stderr)
     sys.exit(2)
 
+import grpo
 from data import Batch, build_batch, take
 from flowtracer import select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
-from training import credit, reward_code, runlog, signals, trl_setup
-from training.attention import capturing
-from training.rollout import prompt_ids
+from training.config import trl_setup
+from training.credit import baselines, scoring
+from training.credit.attention import capturing
+from training.decode.rollout import prompt_ids
+from training.run import log
+from training.usercode import reward_code
 
 TRL_VERSION = "1.16.0"  # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
@@ -135,12 +141,13 @@ def on_policy_credit(steps_per_generation, accumulation, iterations):
 
 
 class FlowTracerGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a credit.CreditConfig."""
+    """GRPOTrainer whose advantages are A_i * gamma_it (eq. 5). credit_cfg: a grpo.Config (its credit
+    flags: --credit, --shaping, --top-frac, --gamma, --layers, the baselines'; the paper's by default)."""
 
     def __init__(self, *args, credit_cfg=None, answer_pattern="", **kwargs):
-        self.credit_cfg = credit_cfg or credit.CreditConfig()
+        self.credit_cfg = credit_cfg or grpo.Config()
         self.answer_pattern = answer_pattern or None  # eq. 2's answer region (answers.find_answer_span)
-        if problem := trl_problem() or credit.check(self.credit_cfg) or pattern_problem(answer_pattern):
+        if problem := trl_problem() or baselines.check(self.credit_cfg) or pattern_problem(answer_pattern):
             raise ValueError(problem)
         super().__init__(*args, **kwargs)
         if problem := trl_problem(self):
@@ -157,7 +164,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
     def separate_reason(self):
         """ "" when the fused credit pass reads what grpo.py's reads; else why credit runs at rollout time."""
         a, c = self.args, self.credit_cfg
-        if credit.separate_pass(c):
+        if baselines.separate_pass(c):
             return "asked for, or the signal or the shaping needs it"
         if not on_policy_credit(a.steps_per_generation, a.gradient_accumulation_steps, self.num_iterations):
             return (
@@ -204,7 +211,7 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         if inputs is None or not torch.is_grad_enabled():
             return forward(model, input_ids, attention_mask, logits_to_keep, *a, **k)
         self._loss_inputs, policy = None, self.accelerator.unwrap_model(model)
-        attn = signals.NEEDS.get(self.credit_cfg.credit) == "attn"
+        attn = scoring.NEEDS.get(self.credit_cfg.credit) == "attn"
         with (
             capturing(policy, attention_mask, self.credit_cfg.layers)
             if attn
@@ -238,20 +245,20 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         rows = ((adv != 0) & cm.any(-1)).nonzero().flatten()
         if len(rows):
             batch = take(Batch(input_ids, attention_mask.long(), q, resp, ans, P), rows)
-            got = signals.ForwardOutputs(
+            got = scoring.ForwardOutputs(
                 attn[rows] if attn is not None else None,
                 entropy[rows].detach() if entropy is not None else None,
             )
-            c = credit.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)  # (b, C)
+            c = baselines.assign(policy, tok, batch, adv[rows].float(), self.credit_cfg, got)  # (b, C)
             weight[rows], fallback[rows] = c.weight.float(), c.fallback.to(cm.device)
         return weight, fallback
 
     def token_credit(self, prompt_ids, completion_ids, adv):
         """(gamma (B, R), fallback (B,)) for B (prompt ids, completion ids) lists without padding and
         advantages adv (B,): R = the longest completion, column j = completion token j, 0 past each
-        completion's end. Rows with A != 0 get credit.assign's gamma; the others 1. Every rank runs the pass
-        (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given the
-        rows and the policy."""
+        completion's end. Rows with A != 0 get baselines.assign's gamma; the others 1. Every rank runs the
+        pass (departure 4): without such a row, on a placeholder whose gamma is dropped. Deterministic given
+        the rows and the policy."""
         n = [len(c) for c in completion_ids]
         weight = (torch.arange(max(n, default=0)) < torch.tensor(n)[:, None]).float()  # (B, R) 1 on tokens
         fallback = torch.zeros(len(n), dtype=torch.bool)
@@ -277,17 +284,17 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
             self.accelerator.autocast(),
         ):
-            c = credit.assign(policy, tok, batch, A, self.credit_cfg)  # (b, R')
+            c = baselines.assign(policy, tok, batch, A, self.credit_cfg)  # (b, R')
         if rows:
             weight[rows, : c.weight.shape[1]], fallback[rows] = c.weight.float().cpu(), c.fallback.cpu()
         return weight, fallback
 
     def log_credit(self, weight, adv, mask, fallback):
-        """grpo.py's credit/* metrics (runlog.py) over every rank's credited rows (A != 0): weight (B, C),
+        """grpo.py's credit/* metrics (log.py) over every rank's credited rows (A != 0): weight (B, C),
         adv (B,), mask (B, C) the completion tokens, fallback (B,). One gather, entered by every rank."""
         on = mask.bool() & (adv != 0)[:, None]  # (B, C)
         g, A, o = weight.float().cpu(), adv.float().cpu(), on.cpu()
-        per_row = [runlog.credit_stats(g[b : b + 1], A[b : b + 1], o[b : b + 1]) for b in range(len(g))]
+        per_row = [log.credit_stats(g[b : b + 1], A[b : b + 1], o[b : b + 1]) for b in range(len(g))]
         ess = [r["credit/ess_ratio"] for r in per_row if r["credit/ess_ratio"] is not None]
         mass = [r["credit/top10_adv_mass"] for r in per_row if r["credit/top10_adv_mass"] is not None]
         local = [
@@ -312,8 +319,9 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
 
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv=None):
-    """(ours, CreditConfig, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig (trl_setup.py)."""
-    return trl_setup.parse_args(argv, __doc__.splitlines()[0])
+    """(ours, the credit's grpo.Config, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig
+    (trl_setup.py)."""
+    return trl_setup.parse_args(argv, __doc__.splitlines()[0], grpo.Config)
 
 
 def main(argv=None):

@@ -14,11 +14,12 @@ eq. 10-11, App. C):
   log       one JSONL line of metrics per step, rollouts with their per-token credit, a PNG of the curves
 
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
-(Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/rollout.py's `generate`.
-A forward fills a Capture because training/models.py's load_model runs every model under the attention
-"sdpa_capture" (one call, flowtracer.register_attention; an import registers nothing). Behind one call each
-(README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's files, setup;
-the rollout, update and evaluation run through training/backoff.py: out of memory, they go on smaller.
+(Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/decode/rollout.py's
+`generate`. A forward fills a Capture because training/model/load.py's load_model runs every model under the
+attention "sdpa_capture" (one call, flowtracer.register_attention; an import registers nothing). Behind one
+call each (README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's
+files, setup; the rollout, update and evaluation run through training/memory/backoff.py: out of memory, they
+go on smaller.
 
 Departures from the paper (numbered):
  1. One device and HF-style sampling instead of ROLL + vLLM + Megatron (App. C.1); gradient accumulation
@@ -27,13 +28,14 @@ Departures from the paper (numbered):
     fp32 logits of the whole batch never exist (training/policy.py).
  3. On CUDA (--optimizer auto = kahan) weights, gradients and AdamW states are bf16 with a bf16 Kahan
     compensation of each weight (torch-optimi), so lr 1e-6 updates are kept and Qwen3-4B's 1K step fits one
-    80 GB GPU (training/load.py; `python eval.py memory`); the paper's Megatron keeps fp32 master weights.
-    A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision, load.py).
+    80 GB GPU (training/model/trainable.py; `python eval.py memory`); the paper's Megatron keeps fp32 master
+    weights. A card without bf16 (a T4) gets fp32 AdamW, or LoRA in fp16 with a GradScaler (--precision,
+    trainable.py).
  4. The paper's "value clip 0.5" (App. C.3) has no value network to act on in GRPO and is omitted.
  5. The embedded SmolLM2-135M-Instruct (the default --model) trains on the offline arithmetic dataset with a
     small batch and a larger lr, so that it finishes on a CPU, and keeps its weights alone (presets.py).
  6. App. C.3 filters samples "by difficulty (0.1-0.95) and by response length" without a length rule:
-    --dynamic-filter adds DAPO's overlong filter (dynamic_filter.py); on for the paper's models (presets.py).
+    --dynamic-filter adds DAPO's overlong filter (grpo.py); on for the paper's models (presets.py).
  7. Rows with A = 0 (and beta = 0) add exactly nothing to the loss: they get no forward, no backward and no
     credit. The logged entropy is therefore over the rows that were trained.
  8. PPO epochs beyond the first (--num-iterations > 1) keep the first epoch's credit: gamma is part of the
@@ -41,7 +43,7 @@ Departures from the paper (numbered):
  9. --lora-rank R > 0 trains peft's LoRA adapters on every linear layer (attention and MLP), not every weight,
     so Qwen3-4B's step fits a 24 GB GPU; "LoRA Without Regret" (Schulman et al., Thinking Machines Lab, 2025)
     finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (presets.py).
-    The base stays frozen; rollouts, credit and update read the adapted model (training/load.py, dep. 4).
+    The base stays frozen; rollouts, credit and update read the adapted model (training/model/lora.py).
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
@@ -60,21 +62,24 @@ from tqdm import tqdm
 import data
 from flowtracer import Capture, flow_credit, trace_flow
 from tasks.answers import PatternError, find_answer_span
-from training import backoff, credit, flags, heldout, presets, runlog
-from training.dynamic_filter import kept_rows
-from training.load import AdapterConfig
+from training.config import flags, presets
+from training.credit import baselines
+from training.decode.rollout import Sampling, generate
+from training.memory import backoff
+from training.model.lora import AdapterConfig
 from training.policy import fixed_logprobs, token_logprobs
-from training.reward_code import RewardError, TaskConfig
-from training.rollout import generate
-from training.run import setup
+from training.run import heldout, log
+from training.run.setup import setup
+from training.usercode.reward_code import RewardError, TaskConfig
 
 
-# One flat set of flags, with those of the credit (--credit, --shaping, --gamma, ...: credit.py), of your own
-# task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank, ...: load.py) inherited.
+# One flat set of flags: the paper's here, with those of the baselines (--credit-pass, --soft-mass, ...:
+# baselines.py), of your own task (--reward, --answer-pattern, ...: reward_code.py) and of LoRA (--lora-rank,
+# ...: lora.py) inherited.
 @dataclass
-class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
+class Config(baselines.BaselineConfig, TaskConfig, AdapterConfig):
     # model and dataset
-    model: str = "smollm2-135m"  # hub name, local dir, .gguf file or alias (models.py); sets the preset
+    model: str = "smollm2-135m"  # hub name, local dir, .gguf file or alias (load.py); sets the preset
     dataset: str = "arithmetic"  # a data.py dataset (dapo-math-17k: the paper's); custom: your own file
     data_path: str = ""  # local JSONL/parquet of the dataset ("": offline copy, generator, hub)
     prompt_style: str = "auto"  # how a question becomes a prompt; auto: by model and task (data.py)
@@ -95,7 +100,12 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     dynamic_filter: bool = False  # train groups with accuracy in [low, high], uncut responses (App. C.3)
     filter_low: float = 0.1  # --dynamic-filter: drop groups less accurate (the paper's, App. C.3)
     filter_high: float = 0.95  # --dynamic-filter: drop groups more accurate (the paper's, App. C.3)
-    # credit (inherited from training/credit.py's CreditConfig)
+    # credit (eq. 1-6; the baselines' own knobs: training/credit/baselines.py's BaselineConfig)
+    credit: str = "flow"  # what ranks the tokens: flow (eq. 1-4, the paper's) or a baseline (scoring.py)
+    shaping: str = "topk"  # how the scores become gamma: topk (eq. 6, the paper's) or another rule
+    top_frac: float = 0.4  # eq. 6: the fraction of response tokens boosted (the paper's, Table 5)
+    gamma: float = 1.5  # eq. 6: gamma_flow, the weight of a boosted token's term (the paper's, Table 7)
+    layers: str = "middle"  # eq. 1: W's layers: middle (L/3..2L/3, App. C.2), early|late|all|fig6-*|A:B
     # update
     lr: float = 1e-6  # AdamW learning rate (the paper's, §4.1, App. C.3)
     optimizer: str = "auto"  # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
@@ -112,11 +122,12 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this (not given in the paper)
     grad_checkpointing: bool = True  # recompute activations in backward (less memory, ~1/3 more compute)
     logprob_chunk: int = 128  # positions per selective log-softmax chunk
-    # evaluation (held-out greedy accuracy inside the run: training/heldout.py)
+    # evaluation (held-out greedy accuracy inside the run: training/run/heldout.py)
     eval_every: int = 0  # evaluate every N steps and at the last (0: off); eval/* metrics
     eval_dataset: str = ""  # the held-out dataset ("": the training dataset's test split)
     eval_size: int = 200  # held-out questions (the first N of the test split)
     # run
+    seed: int = 0  # the run's seed (prompts, sampling); also seeds --credit random and OAR-G's noise
     steps: int = 500  # training steps (the paper: 500 for 3B/4B models, 600 for 8B; §4.1)
     device: str = "auto"  # where to train; auto: the GPU when one is visible, else the CPU
     gpu_gb: float = 0.0  # the GPU's memory in GB the step is sized to (0: the card's own total)
@@ -133,7 +144,7 @@ class Config(credit.CreditConfig, TaskConfig, AdapterConfig):
     allow_config_change: bool = False  # let --resume change flags that change the run (--model, --lr, ...)
 
 
-PRESETS = presets.table(Config)  # the embedded run's, the paper's, LoRA's: training/presets.py
+PRESETS = presets.of(Config)  # the embedded run's, the paper's, LoRA's: training/config/presets.py
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -165,8 +176,8 @@ def train(cfg: Config, run=None) -> Outcome:
 
 
 class Step(NamedTuple):
-    metrics: dict  # the step's metrics line (runlog.step_metrics), or why it was skipped
-    rollouts: runlog.Rollouts | None  # what rollouts/step_N.jsonl shows (save_rollouts); None: skipped
+    metrics: dict  # the step's metrics line (log.step_metrics), or why it was skipped
+    rollouts: log.Rollouts | None  # what rollouts/step_N.jsonl shows (save_rollouts); None: skipped
     bad: int  # consecutive steps with a non-finite loss or gradient, this one included
 
 
@@ -184,22 +195,11 @@ def grpo_step(run, step, bad) -> Step:
     if not ids:
         return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
     # ---------------------------------------------------------- rollout
-    with clock.phase("generation"), torch.no_grad(), pol.autocast:
+    todo, sampling = [prompts[i] for i in ids], Sampling.of(cfg)  # G responses each, App. C.3's sampling
+    with clock.phase("generation"), torch.no_grad(), pol.autocast:  # out of memory: smaller chunks, again
         gen = backoff.generate(
-            run,
-            "rollout",
-            generate,
-            pol.model,
-            pol.tok,
-            [prompts[i] for i in ids],
-            n=G,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            share_prefix=cfg.share_prefix,
-            engine=run.engine,
-        )
+            run, "rollout", generate, pol.model, pol.tok, todo, G, sampling, share_prefix=cfg.share_prefix
+        )  # on the run's decode engine (CUDA; the CPU decoder elsewhere)
     # ---------------------------------------------------------- reward
     with clock.phase("reward"):
         rows = [task.records[i] for i in ids for _ in range(G)]  # row j: prompt j // G
@@ -225,8 +225,8 @@ def grpo_step(run, step, bad) -> Step:
     up = backoff.update(run, update, batch, trained, adv, clock)  # out of memory: a smaller micro_batch
     bad = 0 if up.stepped or up.skipped else bad + 1  # non-finite loss or gradient: no step (train stops)
     lr = pol.next_lr(up.stepped)  # the warmup schedule: once a GRPO step that stepped
-    m |= runlog.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr, pol.device)
-    return Step(m, runlog.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
+    m |= log.step_metrics(cfg, rewards, zero_std, gen, batch, adv, up, clock.seconds, bad, lr, pol.device)
+    return Step(m, log.Rollouts(batch, gen, kept, rewards, adv, up.scores, up.weight), bad)
 
 
 # ----------------------------------------------------------------------------- policy math
@@ -255,18 +255,18 @@ def update(run, batch, trained, adv, clock) -> Update:
       credit     trace_flow (eq. 2-4) on the maps, flow_credit (eq. 6): gamma; any other credit, one call
       loss       the clipped surrogate with gamma on each token term (eq. 5); backward accumulates
     then clip and one optimizer step, per PPO epoch (--num-iterations; departure 8). `clock` times the
-    phases (runlog.Clock, or memtrace's tracker: what runs is what is measured)."""
+    phases (log.Clock, or memtrace's tracker: what runs is what is measured)."""
     cfg, pol, model, P = run.cfg, run.policy, run.policy.model, batch.prompt_width
     loss_mask = batch.response_mask[:, P:]  # (B, R)
     weight = loss_mask.float()  # (B, R) gamma_it; untrained rows: 1
     scores = torch.zeros(loss_mask.shape, device=loss_mask.device)  # (B, R) untrained rows: 0
     stats = {"loss": 0.0, "clip/low": 0, "clip/high": 0, "clip/dual": 0, "entropy": [], "credit/fallback": 0}
     denom = loss_mask.shape[0] if cfg.loss_agg == "seq-mean" else loss_mask.sum().clamp_min(1).item()  # 1/G
-    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == credit.PAPER  # eq. 1-6
-    with clock.phase("credit"):  # every other credit: training/credit.py, one object, the same
-        other = None if paper else credit.OtherCredit(run, batch, trained, adv)  # call shape and record
+    paper = (cfg.credit, cfg.shaping, cfg.token_class or "", cfg.credit_pass) == baselines.PAPER  # eq. 1-6
+    with clock.phase("credit"):  # every other credit: training/credit/baselines.py, one object, the same
+        other = None if paper else baselines.OtherCredit(run, batch, trained, adv)  # call shape and record
     with clock.phase("update forward"), pol.autocast:
-        old = ref = None  # (B, R) on-policy: the forward's own log pi, detached (test_fused.py)
+        old = ref = None  # (B, R) on-policy: the forward's own log pi, detached (tests/test_grpo_update.py)
         if cfg.num_iterations > 1:  # PPO's old log pi (B, R): the pre-update policy's
             model.eval()
             old = fixed_logprobs(model, batch, trained, cfg.micro_batch, cfg.logprob_chunk, cfg.share_prefix)
@@ -275,8 +275,8 @@ def update(run, batch, trained, adv, clock) -> Update:
     model.train()
     for epoch in range(cfg.num_iterations):
         first = epoch == 0  # the first epoch's forward gives the credit (dep. 8)
-        for s in range(0, len(trained), cfg.micro_batch):
-            mb = trained[s : s + cfg.micro_batch]
+        for i in range(0, len(trained), cfg.micro_batch):
+            mb = trained[i : i + cfg.micro_batch]
             sub = data.take(batch, mb)  # b rows
             cap = Capture(run.layers, head_mean=run.head_mean) if first and run.layers else None  # eq. 1
             with clock.phase("update forward"), pol.autocast:
@@ -321,11 +321,11 @@ def update(run, batch, trained, adv, clock) -> Update:
             stats.update({k: stats[k] + v for k, v in st.items()})
             del cap, logp, ent, loss  # the next micro-batch's forward starts empty
         with clock.phase("optimizer step"):  # clip, then step; a non-finite loss or gradient: no step
-            s = pol.step(stats["loss"], cfg.max_grad_norm)  # clip, step, zero (LoRA: the adapters)
-        stats.update({"grad_norm": s.grad_norm, **({"scaler/scale": s.scale} if s.scale else {})})
-        if not s.stepped:  # train counts the streak of non-finite steps
+            opt = pol.step(stats["loss"], cfg.max_grad_norm)  # clip, step, zero (LoRA: the adapters)
+        stats.update({"grad_norm": opt.grad_norm, **({"scaler/scale": opt.scale} if opt.scale else {})})
+        if not opt.stepped:  # train counts the streak of non-finite steps
             break
-    return Update(weight, scores, stats, s.stepped, s.skipped)
+    return Update(weight, scores, stats, opt.stepped, opt.skipped)
 
 
 def compute_advantages(rewards, G, scale_std=True, clip=2.0):
@@ -339,6 +339,17 @@ def compute_advantages(rewards, G, scale_std=True, clip=2.0):
     if scale_std:
         adv = adv / (std + 1e-6)
     return adv.nan_to_num(0.0).clamp(-clip, clip).view(-1), ~(std.squeeze(-1) >= 1e-8)
+
+
+def kept_rows(rewards, truncated, cfg):
+    """(row indices for the update, {metric: count dropped}) under --dynamic-filter (App. C.3, departure 6).
+    The paper filters "by difficulty (0.1-0.95) and by response length" without a length rule: a group is
+    trained when its accuracy is in [filter_low, filter_high], and in it the responses that ended before
+    max_new_tokens (DAPO's overlong filter)."""
+    acc = (rewards.view(-1, cfg.group_size) >= 1).float().mean(-1)  # (B/G,)
+    ok = (acc >= cfg.filter_low) & (acc <= cfg.filter_high)
+    kept = [j for j in range(len(rewards)) if ok[j // cfg.group_size] and not truncated[j]]
+    return kept, {"groups/filtered": int((~ok).sum()), "rows/truncated_dropped": int(sum(truncated))}
 
 
 def grpo_loss(logp, exp: Experience, cfg):
@@ -369,9 +380,10 @@ def grpo_loss(logp, exp: Experience, cfg):
 
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv=None, for_gpu=False, say=False) -> Config:
-    """The Config of a command line, resolved once (training/flags.py's parse): the defaults, the presets in
-    force, a --config file, then the flags given; or, with --resume, the saved run's config (it continues in
-    place). for_gpu: the flags are judged as for a GPU whatever this machine has (eval.py memory); say: print
+    """The Config of a command line, resolved once (training/config/flags.py's parse): the defaults, the
+    presets in force, a --config file, then the flags given; or, with --resume, the saved run's config (it
+    continues in place). for_gpu: the flags are judged as for a GPU whatever this machine has (eval.py
+    memory); say: print
     where the learning rate came from (main)."""
     return flags.parse(Config, argv, __doc__, PRESETS, "grpo.py", for_gpu, say)  # argv None: sys.argv[1:]
 
@@ -385,7 +397,7 @@ def main(argv=None):
         sys.exit(2)
     try:
         out = train(cfg, run)
-    except (RewardError, PatternError, runlog.Interrupted) as e:  # your reward or pattern, mid-step
+    except (RewardError, PatternError, log.Interrupted) as e:  # your reward or pattern, mid-step
         out = Outcome([], *run.log.stopped(e))  # the last completed step saved, the run finished
     except backoff.OutOfMemory as e:  # out of memory at gen_chunk or micro_batch 1
         run.log.finish(str(e))

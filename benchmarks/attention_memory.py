@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from evaluation import memtrace  # noqa: E402
 from flowtracer import select_layers  # noqa: E402
-from training.attention import capturing  # noqa: E402
-from training.models import load_model  # noqa: E402
+from training.credit.attention import capturing  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 
 def attention_peaks(model, layers, rows, T):
@@ -105,7 +105,7 @@ def main(argv=None):
         prog="attention_memory.py", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     ap.add_argument(
-        "--model", default="qwen3-4b-random", help="a models.py name (qwen3-4b-random: no download)"
+        "--model", default="qwen3-4b-random", help="a load.py name (qwen3-4b-random: no download)"
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument(

@@ -108,11 +108,11 @@ def same_batch(args, flags):
         return cached["gen"]
 
     grpo.generate = generate_once
-    if args.cpu_clock:  # phases in CPU seconds of this process (runlog.Clock's now)
-        from training import runlog
+    if args.cpu_clock:  # phases in CPU seconds of this process (log.Clock's now)
+        from training.run import log
 
-        wall = runlog.Clock
-        grpo.runlog.Clock = lambda device: wall(device, now=time.process_time)
+        wall = log.Clock
+        grpo.log.Clock = lambda device: wall(device, now=time.process_time)
     if args.every_row_trained:
         grpo.data.reward = eval(TOY)  # the DRIVER's reward, in this process
     rows = {s: [] for s in args.signals}

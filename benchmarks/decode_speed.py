@@ -1,6 +1,7 @@
-"""The GPU's decoders on the same rows: training/engine.py against HF generate, beside the bandwidth bound.
+"""The GPU's decoders on the same rows: training/decode/engine.py against HF generate, beside the bandwidth
+bound.
 
-In one run on the same rows: training/engine.py (rollout.generate's path on CUDA: static cache, CUDA
+In one run on the same rows: training/decode/engine.py (rollout.generate's path on CUDA: static cache, CUDA
 graphs, sampling without a sync; one engine.Engine kept for the run, eager on the CPU), HF generate with its
 dynamic cache and HF generate with cache_implementation="static" (compiled on CUDA by HF; every decoder is
 called once before timing, so compilation and graph capture are not timed: the engine's captures, warm-up
@@ -42,9 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from training.engine import Engine  # noqa: E402
-from training.models import load_model  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
+import grpo  # noqa: E402
+from training.decode.engine import Engine  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
 # Memory bandwidth (bytes/s) of the cards the bound is drawn for, from their datasheets; the first name a
@@ -103,15 +105,9 @@ def decoders(model, tok, prompts, s, greedy, eng, static=True):
     """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
     cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
     eager on the CPU)."""
-    kw = dict(
-        n=s["group_size"],
-        max_new_tokens=s["max_new_tokens"],
-        temperature=0.99,
-        top_p=1.0,
-        top_k=100,
-        greedy=greedy,
-        chunk_size=s["gen_chunk"],
-    )
+    new = s["max_new_tokens"]
+    sampling = Sampling(new, greedy=True) if greedy else Sampling.of(grpo.Config(max_new_tokens=new))  # C.3
+    kw = dict(n=s["group_size"], sampling=sampling, chunk_size=s["gen_chunk"])
     calls = {
         "engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
         "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
@@ -231,7 +227,7 @@ def main(argv=None):
     ap.add_argument(
         "--device", default="cuda", choices=["cpu", "cuda"], help="cpu: the format (the engine eager)"
     )
-    ap.add_argument("--model", default="qwen3-4b-random", help="a models.load_model name")
+    ap.add_argument("--model", default="qwen3-4b-random", help="a load.load_model name")
     ap.add_argument(
         "--shape", default="gpu", choices=SHAPES, help="gpu: docs/gpu.md's table; tiny: a smoke test"
     )

@@ -1,8 +1,8 @@
 """What the decode engine's released layout costs a step: its K, V buffers made again, its graphs captured
 again.
 
-budget.plan releases the engine (training/engine.py) for the update where the step does not fit with its
-cache resident: after each rollout its K, V buffers are freed, and before the next they are reserved and
+budget.plan releases the engine (training/decode/engine.py) for the update where the step does not fit with
+its cache resident: after each rollout its K, V buffers are freed, and before the next they are reserved and
 allocated again and its graphs captured again. This measures that on one engine: release, reserve and
 allocate (reserve_s); a short call (one chunk of rows, 16 new tokens) with the engine resident (call_s)
 against the same call right after a release (released_s: its buffers made and its graphs captured again),
@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
-from training import preflight  # noqa: E402
-from training.models import load_model  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
+from training.memory import preflight  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 
 
 def synced(device):
@@ -49,15 +49,8 @@ def release_cost(cfg, model, tok, prompts, eng, new, autocast, graphs):
     if eng is None:
         return None
     dev = model.device
-    kw = dict(
-        n=cfg.group_size,
-        max_new_tokens=min(16, new),
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        chunk_size=cfg.gen_chunk,
-        engine=eng,
-    )
+    sampling = Sampling.of(cfg)._replace(max_new_tokens=min(16, new))  # the run's, a short call
+    kw = dict(n=cfg.group_size, sampling=sampling, chunk_size=cfg.gen_chunk, engine=eng)
     one = prompts[: max(1, cfg.gen_chunk // cfg.group_size)]  # one chunk of rows
     with torch.no_grad(), autocast:
         generate(model, tok, one, **kw)  # warm: graphs captured
@@ -101,7 +94,7 @@ def main(argv=None):
         prog="engine_release.py", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     ap.add_argument(
-        "--model", default="qwen3-4b-random", help="a models.py name (qwen3-4b-random: no download)"
+        "--model", default="qwen3-4b-random", help="a load.py name (qwen3-4b-random: no download)"
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="the response budget R")

@@ -52,11 +52,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import grpo  # noqa: E402
 from benchmarks import decode_speed  # noqa: E402
 from data import build_batch  # noqa: E402
-from training.models import load_model  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
+from training.model.load import load_model  # noqa: E402
 from training.policy import checkpointing, token_logprobs  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
 
 SHAPES = {
     "embedded": dict(prompts=2, group_size=4, max_new_tokens=128, gen_chunk=8),
@@ -77,19 +78,11 @@ def shape_prompts(tok, shape, n):
 def run(model, tok, prompts, s, share, seed):
     """(wall seconds, CPU seconds of this process, the generations): on a shared machine the CPU time is the
     steadier of the two (other jobs stretch the wall clock, not this process's own work)."""
+    sampling = Sampling.of(grpo.Config(max_new_tokens=s["max_new_tokens"]))  # grpo.py's rollouts (App. C.3)
     torch.manual_seed(seed)
     t0, c0 = time.perf_counter(), time.process_time()
     g = generate(
-        model,
-        tok,
-        prompts,
-        n=s["group_size"],
-        max_new_tokens=s["max_new_tokens"],
-        temperature=0.99,
-        top_p=1.0,
-        top_k=100,
-        chunk_size=s["gen_chunk"],
-        share_prefix=share,
+        model, tok, prompts, s["group_size"], sampling, chunk_size=s["gen_chunk"], share_prefix=share
     )
     return time.perf_counter() - t0, time.process_time() - c0, g
 
@@ -174,7 +167,7 @@ def main(argv=None):
         help="with --engine: leave out HF's static cache (and its compilation); ratios to HF's dynamic cache",
     )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
-    ap.add_argument("--model", default="smollm2-135m", help="a models.load_model name")
+    ap.add_argument("--model", default="smollm2-135m", help="a load.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one shared call")
     ap.add_argument("--update", action="store_true", help="time the update's micro-batch instead (above)")

@@ -2,7 +2,7 @@
 and the goals of docs/gpu.md judged on them: met, short, or why there is no figure.
 
 Run:  python benchmarks/gpu_figures.py runs/gpu-report/report.jsonl   # a report's goals judged again
-Test: python -m pytest -q tests/test_gpu_report.py
+Test: python -m pytest -q tests/benchmarks/test_gpu_report.py
 """
 
 import argparse
@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-GB = 1e9  # training/budget.py's unit
+GB = 1e9  # training/memory/budget.py's unit
 
 
 # ----------------------------------------------------------------------------- what each part leaves

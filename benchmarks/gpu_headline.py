@@ -4,14 +4,14 @@ For each response budget R (--max-new-tokens, default 1,024 and 8,192) it runs g
 qwen3-4b-random (Qwen3-4B's architecture, random weights: no download) and prints:
 
   memory      each phase's peak, measured by memtrace.measure (one real step, the second one) as
-              torch.cuda.max_memory_allocated and max_memory_reserved, beside step_bytes.estimate (what
+              torch.cuda.max_memory_allocated and max_memory_reserved, beside phases.estimate (what
               `python eval.py memory` prints) and the ratio estimate / allocated
   overhead    the flow credit's cost as a fraction of the step: one rollout batch, then grpo.update on it
-              (grpo.py's own micro-batch loop: token_logprobs under capture, credit.assign, grpo_loss,
+              (grpo.py's own micro-batch loop: token_logprobs under capture, baselines.assign, grpo_loss,
               backward, the optimizer step), --credit none and flow alternating for --rounds rounds (medians);
                 fraction = (update_flow - update_none) / (generate + update_none)
   generation  tokens/s of rollout.generate (every row runs to R: min_new_tokens; on CUDA rollout.generate
-              takes it to training/engine.py, grpo.py's decode, prefix sharing on; on the CPU it turns
+              takes it to training/decode/engine.py, grpo.py's decode, prefix sharing on; on the CPU it turns
               sharing off: HF generate, each row pays its prompt's prefill) beside the
               memory-bandwidth bound: each decode step reads every weight once and the KV cache of its rows,
                 bytes = sum over chunks of g rows, over steps t = P .. P+R-1, of
@@ -76,11 +76,15 @@ from benchmarks import attention_memory, engine_release  # noqa: E402
 from benchmarks.decode_speed import bandwidth_bound, card_bandwidth  # noqa: E402
 from data import build_batch  # noqa: E402
 from evaluation import memtrace  # noqa: E402
-from flowtracer import select_layers  # noqa: E402
-from training import budget, credit, runlog, step_bytes  # noqa: E402
-from training.credit import head_mean_kernel  # noqa: E402
-from training.rollout import generate  # noqa: E402
-from training.run import load_for_update  # noqa: E402
+from flowtracer import (
+    head_mean_kernel,  # noqa: E402
+    select_layers,  # noqa: E402
+)
+from training.credit import baselines  # noqa: E402
+from training.decode.rollout import Sampling, generate  # noqa: E402
+from training.memory import budget, phases
+from training.run import log
+from training.run.setup import load_for_update  # noqa: E402
 
 ANSWER_TOKENS = 8  # departure 1
 
@@ -123,7 +127,7 @@ def synced(device):
 
 
 def load(cfg, device, P, short=0):
-    """The policy and optimizer as run.setup makes them (load.load_policy), the `run` grpo's step
+    """The policy and optimizer as run.setup makes them (trainable.load_policy), the `run` grpo's step
     functions read, and on CUDA the run's decode engine (run.engine), made and reserved as setup makes it
     (preflight.make_engine: memtrace.run_engine), for the prompts `prompts` (run.prompts) and every row
     running to its budget (min_new_tokens: max_new_tokens, or --quick's `short`)."""
@@ -152,11 +156,8 @@ def rollout(run, tok, P, short=0):
             run.policy.model,
             tok,
             run.prompts,
-            n=cfg.group_size,
-            max_new_tokens=n,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            cfg.group_size,
+            Sampling.of(cfg)._replace(max_new_tokens=n),  # the run's sampling, n new tokens
             chunk_size=cfg.gen_chunk,
             engine=run.engine,
             **extra,
@@ -178,18 +179,18 @@ def rollout(run, tok, P, short=0):
 
 def update(run, tok, batch, signal):
     """grpo.update (grpo.py's own micro-batch loop) on `batch` with --credit `signal` (departure 2); returns
-    its seconds (runlog.Clock: synchronized on CUDA)."""
+    its seconds (log.Clock: synchronized on CUDA)."""
     run.cfg = dataclasses.replace(run.cfg, credit=signal)
     run.layers = (
         select_layers(run.cfg.layers, run.policy.model.config.num_hidden_layers)
-        if credit.reads_maps(run.cfg)
+        if baselines.reads_maps(run.cfg)
         else []
-    )  # as run.py's setup
-    if credit.reads_maps(run.cfg) and run.head_mean is None:
+    )  # as setup.py's setup
+    if baselines.reads_maps(run.cfg) and run.head_mean is None:
         run.head_mean = head_mean_kernel(run.policy.device)
     B = batch.input_ids.shape[0]
     adv = torch.tensor([1.0, -1.0] * (B // 2) + [1.0] * (B % 2), device=run.policy.device)  # (B,) all trained
-    clock = runlog.Clock(run.policy.device)  # grpo.update marks it
+    clock = log.Clock(run.policy.device)  # grpo.update marks it
     grpo.update(run, batch, list(range(B)), adv, clock)
     return sum(clock.seconds.values())
 
@@ -208,7 +209,7 @@ def headline(args, R, device):
         engine=budget.LAYOUTS[release] if device.type == "cuda" else "-",
     )
     if not args.quick:
-        est = step_bytes.estimate(cfg, step_bytes.model_config(cfg.model), device.type, P, release=release)
+        est = phases.estimate(cfg, phases.model_config(cfg.model), device.type, P, release=release)
         reserved = {}
         measured = memtrace.measure(cfg, P, grpo.update, device, reserved=reserved, release=release)
         res["memory"] = {
@@ -218,7 +219,7 @@ def headline(args, R, device):
                 reserved=reserved.get(ph),
                 ratio=sum(est[ph].values()) / measured[ph],
             )
-            for ph in step_bytes.PHASES
+            for ph in phases.PHASES
         }
         free(device)
     run, tok = load(cfg, device, P, args.quick_tokens if args.quick else 0)
@@ -325,7 +326,7 @@ def main(argv=None):
         "overhead alone at 1K and 8K: under 10 minutes.",
     )
     ap.add_argument(
-        "--model", default="qwen3-4b-random", help="a models.py name (qwen3-4b-random: no download)"
+        "--model", default="qwen3-4b-random", help="a load.py name (qwen3-4b-random: no download)"
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the format only")
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[1024, 8192], help="one table each")

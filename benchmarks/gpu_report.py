@@ -5,7 +5,8 @@ its process group, SIGKILL 10 s later), each writing its log (<out>/<part>.log) 
 (<out>/report.jsonl) as it finishes, so that a part cut short leaves the others' figures:
 
   preflight  grpo.py's setup and one small step on qwen3-4b-random (1 prompt x 2 rows, 16 new tokens): the
-             preflight's lines (training/preflight.py: each GPU part tried once, or its fallback) and time
+             preflight's lines (training/memory/preflight.py: each GPU part tried once, or its fallback) and
+             time
   headline   benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1: the 1K step of 128 rows on
              qwen3-4b-random: generation's share of the bandwidth bound, the step's time, each phase's
              memory beside its estimate, flow credit's share of the update
@@ -37,7 +38,7 @@ Departures (numbered):
 Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, 69 min at most
       python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
       python benchmarks/gpu_report.py --out runs/r --parts headline lora24 # two parts
-Test: python -m pytest -q tests/test_gpu_report.py (the parts' order and limits with a fake part that hangs)
+Test: python -m pytest -q tests/benchmarks/test_gpu_report.py (the parts' order and limits, a part that hangs)
 """
 
 import argparse

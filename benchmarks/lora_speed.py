@@ -1,6 +1,6 @@
 """LoRA's update against full fine-tuning's on the same work (grpo.py departure 9), and their generation.
 
-One process builds both policies as run.setup does (training/run.py's load_for_update: full fine-tuning,
+One process builds both policies as run.setup does (training/run/setup.py's load_for_update: full fine-tuning,
 and --lora-rank R on the same base), generates one rollout batch with the full policy (at initialisation the
 adapted model is the same function) and gives it rewards that vary in every group (row j: j mod 4 / 3), so
 every row is trained in both arms. Then, in `--rounds` alternating rounds (a shared machine's noise spread
@@ -27,27 +27,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import grpo  # noqa: E402
 from data import build_batch  # noqa: E402
-from training import budget, load, runlog  # noqa: E402
-from training.rollout import generate, prompt_ids  # noqa: E402
-from training.run import load_for_update  # noqa: E402
+from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
+from training.memory import budget  # noqa: E402
+from training.model import trainable
+from training.run import log
+from training.run.setup import load_for_update  # noqa: E402
 
-UPDATE = ("update forward", "backward", "optimizer step")  # grpo.py's time/update (runlog.step_metrics)
+UPDATE = ("update forward", "backward", "optimizer step")  # grpo.py's time/update (log.step_metrics)
 
 
 def rollouts(run, cfg, prompts):
     """grpo.grpo_step's rollout call on run's policy; returns (its seconds, the generation)."""
-    clock = runlog.Clock(run.policy.device)
+    clock = log.Clock(run.policy.device)
     with clock.phase("generation"), torch.no_grad(), run.policy.autocast:
         run.policy.model.eval()
         gen = generate(
             run.policy.model,
             run.policy.tok,
             prompts,
-            n=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            cfg.group_size,
+            Sampling.of(cfg),
             chunk_size=cfg.gen_chunk,
             share_prefix=cfg.share_prefix,
         )
@@ -74,7 +73,7 @@ def main(argv=None):
     }
     cfgs = {k: budget.largest(c) for k, c in cfgs.items()}  # a size left at 0: the CPU's, as setup's
     full = cfgs["full"]
-    device = load.device_of(full.device)
+    device = trainable.device_of(full.device)
     torch.manual_seed(full.seed)
     runs = {k: load_for_update(c, device) for k, c in cfgs.items()}
     records = data.load_task(full.dataset, split="train", path=full.data_path or None, seed=full.seed)
@@ -94,7 +93,7 @@ def main(argv=None):
     times = {k: {"update": [], "credit": [], "generation": []} for k in runs}
     for r in range(args.rounds):
         for name, run in runs.items():
-            clock = runlog.Clock(device)
+            clock = log.Clock(device)
             up = grpo.update(run, batch, trained, adv, clock)
             assert up.stepped and up.stats["grad_norm"] > 0, f"{name}: nothing trained"
             gen_s, _ = rollouts(run, cfgs[name], prompts)

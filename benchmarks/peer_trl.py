@@ -25,8 +25,8 @@ too), so that every row has A != 0 and is credited: the worst case for the credi
 The machine's load (1-minute average) is read before every run and printed with each round's line; the
 summary gives its range over the session.
 --device cuda runs both on the GPU (grpo.py --device cuda: bf16 weights with its Kahan AdamW, rollouts
-through training/engine.py; TRL: its one-GPU default, HF generate without vLLM, bf16 autocast over fp32
-weights), --model any models.py name (qwen3-4b-random on a GPU machine without the embedded SmolLM2 or the
+through training/decode/engine.py; TRL: its one-GPU default, HF generate without vLLM, bf16 autocast over fp32
+weights), --model any load.py name (qwen3-4b-random on a GPU machine without the embedded SmolLM2 or the
 hub; with random weights the verifier pays nothing, so pass --every-row-trained). On CUDA each step's time is
 taken after the GPU's queue has drained. The wheels the GPU machine lacks (trl, datasets and theirs):
 docs/gpu.md, "peer_trl.py on the GPU".
@@ -210,7 +210,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per completion at most")
     ap.add_argument("--every-row-trained", action="store_true", help="toy reward: every row has A != 0")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run")
-    ap.add_argument("--model", default="smollm2-135m", help="a models.py name (GPU machine: qwen3-4b-random)")
+    ap.add_argument("--model", default="smollm2-135m", help="a load.py name (GPU machine: qwen3-4b-random)")
     ap.add_argument("--json", default="", help="also write the per-step rows and the summary here")
     args = ap.parse_args(argv)
     if min(args.rounds, args.threads, args.prompts, args.tokens) < 1 or not 0 <= args.warmup < args.steps:

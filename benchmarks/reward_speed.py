@@ -75,7 +75,7 @@ def reasoning():
 
 def rewrite(gold):
     """The same value in another notation where one is easy to write; else the ground truth itself."""
-    n = answers.number(gold)
+    n = answers.plain_number(gold)
     if n is not None:
         return f"{n[0]}.0" if n[1] else f"{n[0]}0"
     if gold.startswith("\\frac{") and gold.count("{") == 2:

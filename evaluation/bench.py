@@ -17,7 +17,7 @@ from tqdm import tqdm
 import data
 from evaluation import stats
 from evaluation.harness import auto_style, records_for, resolve_model
-from training.rollout import generate
+from training.decode.rollout import Sampling, generate
 
 BENCHMARKS = [
     "gsm8k",
@@ -32,8 +32,9 @@ BENCHMARKS = [
 ]
 
 
-def add_flags(p):
-    """bench's own flags: the benchmarks, samples per problem, the k of pass@k, the sampling (App. C.3)."""
+def add_flags(p, config):
+    """bench's own flags: the benchmarks, samples per problem, the k of pass@k, the sampling (App. C.3:
+    `config`'s, grpo.Config's defaults)."""
     p.add_argument(
         "--benchmarks",
         nargs="+",
@@ -50,39 +51,26 @@ def add_flags(p):
         default=None,
         help="k values for pass@k, each <= n (default: 1 2 4 8 16 up to n)",
     )
-    for flag, v, off in (("--temperature", 0.99, ""), ("--top-p", 1.0, ""), ("--top-k", 100, " (0: off)")):
-        p.add_argument(flag, type=type(v), default=v, help="sampling, App. C.3" + off)
+    for name, off in (("temperature", ""), ("top_p", ""), ("top_k", " (0: off)")):  # grpo.py's, App. C.3
+        v = getattr(config, name)
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=type(v), default=v, help="sampling, App. C.3" + off
+        )
 
 
 def evaluate(model, tok, args):
     """(result, table, rows) for harness.save: {model, benchmarks: {name: summary}}, the markdown table, one
     row per problem (its samples, greedy response and verdicts)."""
     ks, n = [k for k in args.ks if k <= args.n], args.n
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)  # top_k 0: off
+    argmax = Sampling(args.max_new_tokens, greedy=True)
     results, rows = {}, []
     for name in tqdm(args.benchmarks, desc="bench", unit="benchmark"):
         recs = records_for(args, name)
         style = auto_style(resolve_model(args.model), data.TASKS[name].task, args.style)
         prompts = [data.make_prompt(r, tok, style) for r in recs]
-        smp = generate(
-            model,
-            tok,
-            prompts,
-            n=n,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k or model.config.vocab_size,  # 0: off (k = every token)
-            chunk_size=args.batch_size,
-        )
-        grd = generate(
-            model,
-            tok,
-            prompts,
-            n=1,
-            max_new_tokens=args.max_new_tokens,
-            greedy=True,
-            chunk_size=args.batch_size,
-        )
+        smp = generate(model, tok, prompts, n, sampling, chunk_size=args.batch_size)
+        grd = generate(model, tok, prompts, 1, argmax, chunk_size=args.batch_size)
         mine = stats.problem_rows(name, recs, smp, grd, n)  # correct: reward 1 (departure 1)
         rows += mine
         results[name] = stats.summary(mine, n, ks, style, smp, grd)

@@ -3,7 +3,7 @@
     python eval.py credit RUN_DIR [--step N]   ->   RUN_DIR/credit/step_N/credit.html, .png, .json, .md
 
 A grpo.py run saves the rows of a step, every --rollouts-every steps, with their per-token credit
-(training/rollout_log.py's save_rollouts) in RUN_DIR/rollouts/step_N.jsonl (N: 5 digits), one JSON object a
+(training/run/log.py's save_rollouts) in RUN_DIR/rollouts/step_N.jsonl (N: 5 digits), one JSON object a
 line:
 
   prompt    str      the prompt as the model read it: decoded with its special tokens (the chat template's)
@@ -33,7 +33,8 @@ fetched); credit.png is the same page drawn by matplotlib; credit.json and credi
 The page is drawn by token_page.py (as are eval.py plot's heatmap and inout figures).
 Bad input (no run, no rollouts, a step that was not saved, a broken line) is a RunError with one line.
 
-Run: python eval.py credit runs/embedded --step 6       Test: python -m pytest -q tests/test_credit_page.py
+Run: python eval.py credit runs/embedded --step 6
+Test: python -m pytest -q tests/evaluation/test_credit_page.py
 """
 
 import argparse
@@ -43,8 +44,8 @@ import sys
 from pathlib import Path
 
 from evaluation.token_page import Row, Tok, scale, visible, write_page
-from training.checkpoint import RUN_CONFIG
-from training.rundir import RunError
+from training.run.checkpoint import RUN_CONFIG
+from training.run.directory import RunError
 
 FIELDS = ("prompt", "response", "reward", "adv", "tokens", "answer", "score", "weight")
 PROMPT_CHARS = 320  # the prompt's tail shown (the whole: folded under it in the HTML)
@@ -59,7 +60,7 @@ def steps_saved(run):
     )
 
 
-def read_step(run, step=None):
+def read_rollouts(run, step=None):
     """(step, path, rows) of RUN_DIR/rollouts/step_N.jsonl: `step`, or the last saved. A last line cut short
     by a kill is skipped (said on stderr); anything else wrong is a RunError naming the file and line."""
     run = Path(run)
@@ -182,7 +183,7 @@ COLUMNS = ["prompt", "row", "reward", "adv", "tokens", "answer_tokens", "boosted
 
 def draw(args):
     """eval.py credit: the page of one saved step into --out. Returns (result, table) for harness.save."""
-    step, path, rows = read_step(args.run_dir, args.step)
+    step, path, rows = read_rollouts(args.run_dir, args.step)
     cfg, spans = run_config(args.run_dir), groups(rows)
     shown = spans[: args.groups or None]
     args.out = args.out or str(Path(args.run_dir) / "credit" / f"step_{step:05d}")

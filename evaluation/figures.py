@@ -7,7 +7,7 @@
       inout     Fig. 7: the inflow phi(i -> k) into one token k, and its outflow phi(k -> j), phi = f W'
                 (two colour bars, the same marks)
       tokens    Fig. 3: the most frequent high- and low-flow tokens, as two bar charts
-  use_run(args), run_rows(args, tok)  plot --run RUN_DIR: a run's saved rollouts (--step), drawn with the
+  use_run(args, cfg), run_rows(args, tok)  plot --run RUN_DIR: a run's saved rollouts (--step), drawn with the
                                      run's checkpoint, answer pattern, top_frac and gamma (add_run_flags)
   curves(runs, keys, alpha, png)     training curves, raw and smoothed by the peak-tracking EMA (App. C.3)
   metrics_rows(path)                 the rows of a metrics.jsonl that a killed run may have cut short
@@ -37,9 +37,8 @@ import torch
 
 from evaluation import credit_page, highflow, probes, token_page
 from flowtracer import dag_weights, flow_credit, reweight, trace_flow
-from training.attention import attention_graph
-from training.credit import CreditConfig
-from training.rundir import file_problem
+from training.credit.attention import attention_graph
+from training.run.directory import file_problem
 
 
 def token_figure(path, tokens, colors, title, width=100):
@@ -191,28 +190,28 @@ def add_run_flags(p):
     model.default, model.help = None, model.help + " (default: --run's checkpoint, else smollm2-135m)"
 
 
-def use_run(args):
+def use_run(args, cfg):
     """plot --run RUN_DIR: the run's checkpoint as --model unless one is given, and its --answer-pattern,
     --top-frac and --gamma (the boosted marks) from its run_config.json; without --run: smollm2-135m and
-    CreditConfig's top_frac and gamma."""
-    cfg = credit_page.run_config(args.run) if args.run else {}
+    cfg's top_frac and gamma (grpo.Config's: the paper's)."""
+    saved = credit_page.run_config(args.run) if args.run else {}
     if args.run and args.responses:
         raise ValueError("plot: --run draws the run's rollouts; leave out --responses")
-    if args.run and not args.model and not cfg:
+    if args.run and not args.model and not saved:
         raise ValueError(
             f"--run {args.run}: no checkpoint (ckpt/run_config.json) to draw the flow with; give --model"
         )
     args.model = args.model or args.run or "smollm2-135m"
     if args.answer_pattern is None:
-        args.answer_pattern = cfg.get("answer_pattern") or None
-    args.top_frac = cfg.get("top_frac", CreditConfig.top_frac)
-    args.gamma = cfg.get("gamma", CreditConfig.gamma)
+        args.answer_pattern = saved.get("answer_pattern") or None
+    args.top_frac = saved.get("top_frac", cfg.top_frac)
+    args.gamma = saved.get("gamma", cfg.gamma)
 
 
 def run_rows(args, tok):
     """The rollouts of --run's saved step as flow_figures takes them: the prompt and the response tokenised
     again from their saved text (the response's tokens joined: its EOS included), with the reward and A."""
-    step, path, saved = credit_page.read_step(args.run, args.step)
+    step, path, saved = credit_page.read_rollouts(args.run, args.step)
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
     rows = [
         {
@@ -246,7 +245,7 @@ def flow_figures(model, tok, rows, args, figs, out):
     b = has[min(args.index, len(has) - 1)]
     lo, end = P - min(args.context, int(batch.attention_mask[b, :P].sum())), P + len(rows[b]["response"])
     toks = [token_page.visible(tok.decode([t])) for t in batch.input_ids[b, lo:end].tolist()]
-    gamma, top = getattr(args, "gamma", CreditConfig.gamma), getattr(args, "top_frac", CreditConfig.top_frac)
+    gamma, top = args.gamma, args.top_frac  # use_run's: the run's, else the paper's
     c = flow_credit(fl.throughput[b], batch.response_mask[b].to(dev), top, gamma, prompt_width=P)  # eq. 6
     n, tau = P - lo, fl.throughput[b, lo:end].tolist()  # n: the prompt tokens drawn
     side = [f"reward {rows[b]['reward']:.3g}"] if isinstance(rows[b].get("reward"), (int, float)) else []

@@ -4,7 +4,7 @@
                                checked before anything loads (a missing path, a cut safetensors file: exit 2)
   auto_style(model, task, style)   grpo.py's prompt style for the model and task (a checkpoint: the style of
                                the model it began as)
-  setup(args, task)            the model and tokenizer, seeded, with --layers and --max-new-tokens checked
+  model_for(args, task)        the model and tokenizer, seeded, with --layers and --max-new-tokens checked
                                against the loaded model's depth and positions
   records_for(args, task)      the first --n-problems test records, or a seeded random sample of them
                                (eval.py's departure 4)
@@ -25,9 +25,9 @@ import torch
 import data
 from evaluation import probes
 from flowtracer import select_layers
-from training import checkpoint as ckpt_io
-from training import rundir
-from training.models import adapter_dir, load_model
+from training.model.load import adapter_dir, load_model
+from training.run import checkpoint as ckpt_io
+from training.run import directory
 
 
 class EvalError(Exception):
@@ -49,7 +49,7 @@ def resolve_model(name):
     path = Path(name).expanduser()
     if looks_local and not path.exists():
         fail(
-            f"--model {rundir.link_problem(path) or name + ': not found'} (give a run directory, its "
+            f"--model {directory.link_problem(path) or name + ': not found'} (give a run directory, its "
             "ckpt/, a save_pretrained directory or a .gguf file)"
         )
     run = (path / "ckpt" / "config.json").is_file() or adapter_dir(path / "ckpt")  # a run: full or LoRA
@@ -88,7 +88,7 @@ def save(args, result, table, rows=None):
     print(table + f"\nwrote {out}/{args.cmd}.json, {args.cmd}.md")
 
 
-def setup(args, task):
+def model_for(args, task):
     model_name = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)

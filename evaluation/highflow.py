@@ -47,8 +47,7 @@ import data
 from data import build_batch
 from evaluation import probes
 from tasks.answers import answer_token_range, find_answer_span
-from training import signals
-from training.credit import CreditConfig
+from training.credit import scoring
 
 FORMS = {
     "answer-only": "{a}",
@@ -121,10 +120,9 @@ def top(tau, K):
     return set(sorted(range(len(tau)), key=lambda j: (-tau[j], j))[: math.ceil(K / 100 * len(tau) - 1e-9)])
 
 
-def answer_forms(model, tok, records, args, style):
+def answer_forms(model, tok, records, args, style, cfg):
     """Returns (per-response rows, summary). records: task records (responses are sampled at args.temperature)
-    or rows from probes.load_responses."""
-    cfg = CreditConfig(layers=args.layers, seed=args.seed)
+    or rows from probes.load_responses; cfg: the credit's grpo.Config (--layers, --seed)."""
     rows = (
         records
         if "response" in records[0]
@@ -141,7 +139,7 @@ def answer_forms(model, tok, records, args, style):
         tau = {}
         for f in forms if keep else []:  # one flow pass per form
             batch = build_batch(tok, [chunk[b]["prompt"] for b in keep], [new[f][b][0] for b in keep])
-            tau[f] = signals.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width :].double().cpu()  # B,R
+            tau[f] = scoring.SIGNALS["flow"](model, batch, cfg)[:, batch.prompt_width :].double().cpu()  # B,R
         for b, r in enumerate(chunk):
             if b not in keep:
                 out.append(

@@ -3,7 +3,7 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
 
   grid       arm-seed (a, s) = one grpo.py process, `python grpo.py <recipe> --credit a --seed s --eval-every
              N --eval-size M --eval-dataset T --out-dir <out>/runs/<a>-s<s>`, which evaluates the policy it
-             trains at steps N, 2N, ... and the last (training/heldout.py: no reload, no restart) into its
+             trains at steps N, 2N, ... and the last (training/run/heldout.py: no reload, no restart) into its
              metrics.jsonl, where learn reads them. A killed run continues with grpo.py --resume: exact.
   held out   heldout.records: the first --eval-size questions of the dataset's test split, the same for every
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
@@ -54,10 +54,15 @@ from tqdm import tqdm
 import data
 from evaluation.figures import metric_series
 from evaluation.learn_report import QUESTION_KEYS, SCORES, summarize
-from training import budget, flags, heldout, helptext, load, rundir, signals
-from training import checkpoint as ckpt_io
-from training.models import load_model
-from training.pretrained import ModelError
+from training.config import flags, helptext
+from training.credit import scoring
+from training.decode.rollout import Sampling
+from training.memory import budget
+from training.model import trainable
+from training.model.load import load_model
+from training.model.pretrained import ModelError
+from training.run import checkpoint as ckpt_io
+from training.run import directory, heldout
 
 
 @dataclass
@@ -137,7 +142,7 @@ class Grid:
                 )
             for d in ("runs", "eval", "logs"):
                 shutil.rmtree(self.out / d, ignore_errors=True)
-        rundir.write_atomic(f, json.dumps(self.setting, indent=1))
+        directory.write_atomic(f, json.dumps(self.setting, indent=1))
 
     def eval_file(self, run, step):
         """The done-marker and result of one evaluation; step 0 is shared by every arm-seed."""
@@ -166,7 +171,7 @@ def run_grid(g):
     bar = tqdm(total=len(runs) * steps, initial=done, desc="learn", unit="step")
     if not g.done("", 0):  # step 0: the recipe's model, shared
         res = result(g, evaluate_model(g, g.rc.model))
-        rundir.write_atomic(g.eval_file("", 0), json.dumps(res))
+        directory.write_atomic(g.eval_file("", 0), json.dumps(res))
         tqdm.write(f"learn: step 0: acc {res['acc']:.3f} (lenient {res['acc_lenient']:.3f})")
     for run in runs:
         if g.done(run, g.eval_steps[-1]):
@@ -289,19 +294,19 @@ def record_evaluation(g, run, step):
             raise LearnError(f"{ckpt}: not the checkpoint of step {step}; delete {path.parent} to rerun it")
         right |= evaluate_model(g, str(ckpt), greedy=False)
     res = result(g, right)
-    rundir.write_atomic(g.eval_file(run, step), json.dumps(res))
+    directory.write_atomic(g.eval_file(run, step), json.dumps(res))
     return res
 
 
 def evaluate_model(g, name, greedy=True):
     """The model `name` (the recipe's, a checkpoint) loaded as grpo.py loads it: its greedy results (if
     greedy) and its samples' (if --eval-k) on the held-out questions, one dict."""
-    rc, cfg, device = g.rc, g.cfg, load.device_of(g.rc.device)
-    model, tok = load_model(name, device=device, dtype=load.weight_dtype(rc, device))
-    args = (model, tok, g.recs, g.style, rc.max_new_tokens, g.setting["eval_chunk"])
-    res = heldout.greedy(*args) if greedy else {}
+    rc, cfg, device = g.rc, g.cfg, trainable.device_of(g.rc.device)
+    model, tok = load_model(name, device=device, dtype=trainable.weight_dtype(rc, device))
+    args, chunk = (model, tok, g.recs, g.style), g.setting["eval_chunk"]
+    res = heldout.greedy(*args, rc.max_new_tokens, chunk) if greedy else {}
     if cfg.eval_k:
-        res |= heldout.sampled(*args, cfg.eval_k, rc.temperature, rc.top_p, rc.top_k, cfg.eval_seed)
+        res |= heldout.sampled(*args, Sampling.of(rc), chunk, cfg.eval_k, cfg.eval_seed)  # as the run samples
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next grpo.py run gets the GPU's memory back
@@ -354,7 +359,7 @@ def parse(argv, prog):
     ns, rest = p.parse_known_args(argv[:cut])
     cfg, recipe = LearnConfig(**vars(ns)), rest + argv[cut + 1 :]
     arms = [a.strip() for a in cfg.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in signals.SIGNALS]
+    unknown = [a for a in arms if a not in scoring.SIGNALS]
     try:
         seeds = (
             [int(s) for s in cfg.seeds.split(",") if s.strip()]
@@ -366,7 +371,7 @@ def parse(argv, prog):
     taken = [f for f in recipe if f.split("=")[0] in SET_BY_LEARN]
     for bad, why in (
         (not arms, "--arms is empty: give credit signals, e.g. none,flow"),
-        (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(signals.SIGNALS)}"),
+        (unknown, f"--arms {','.join(unknown)}: unknown; signals: {', '.join(scoring.SIGNALS)}"),
         (len(set(arms)) < len(arms), f"--arms {cfg.arms}: an arm twice"),
         (not seeds, f"--seeds {cfg.seeds}: zero seeds; give N >= 1 or a comma list"),
         (len(seeds) > MAX_SEEDS, f"--seeds {cfg.seeds}: at most {MAX_SEEDS} (a run each)"),
@@ -379,7 +384,7 @@ def parse(argv, prog):
             f"--eval-dataset {cfg.eval_dataset}: unknown; tasks: {', '.join(data.TASKS)}",
         ),
         (cfg.eval_k < 0, "--eval-k must be >= 0 (0: greedy only)"),
-        (rundir.dir_problem(cfg.out_dir), f"--out-dir {rundir.dir_problem(cfg.out_dir)}"),
+        (directory.dir_problem(cfg.out_dir), f"--out-dir {directory.dir_problem(cfg.out_dir)}"),
         *((getattr(cfg, k) < 1, f"--{k.replace('_', '-')} must be >= 1") for k in ("eval_size", "bootstrap")),
     ):
         if bad:

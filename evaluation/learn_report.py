@@ -27,7 +27,7 @@ from evaluation.stats import (
     two_level,
     variance_parts,
 )
-from training import rundir
+from training.run import directory
 
 QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")  # per question, right of 1 / k
 SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
@@ -76,8 +76,8 @@ def summarize(g, runs, finals):
                 "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05),
             }
     result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
-    rundir.write_atomic(g.out / "learn.json", json.dumps(result))
-    rundir.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
+    directory.write_atomic(g.out / "learn.json", json.dumps(result))
+    directory.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
     plot(g.out / "learn.png", runs)
     return table
 

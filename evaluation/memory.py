@@ -1,13 +1,14 @@
 """The table of `python eval.py memory`: what one GRPO step holds, phase by phase, and how it fits a card.
 
-The estimate is training/step_bytes.py's (the five phases of grpo.py's step, from the model's config), and
-the plan training/budget.py's (the sizes grpo.py's setup chooses for a card, before the weights load); this
-module prints them: `report` is the table of the plan grpo.py would run on CUDA (budget.planned: its sizes
-and the decode engine's layout, resident through the update or released for it: layout_line), the schemes
-side by side (kahan, adamw, lora), the margin and the card, the disk a checkpoint needs
+The estimate is training/memory/phases.py's (the five phases of grpo.py's step, from the model's config), and
+the plan training/memory/budget.py's (the sizes grpo.py's setup chooses for a card, before the weights load);
+this module prints them: `report` is the table of the plan grpo.py would run on CUDA (budget.planned: its
+sizes and the decode engine's layout, resident through the update or released for it: layout_line), the
+schemes side by side (kahan, adamw, lora), the margin and the card, the disk a checkpoint needs
 (checkpoint.checkpoint_bytes; from the second save two coexist, and grpo.py checks the free space at setup),
 and last the peak. With --measure, evaluation/memtrace.py runs one real step and its measured peaks are
-printed beside the estimate (tests/test_memory.py holds them within 10%). `command` is `eval.py memory`:
+printed beside the estimate (tests/memory/test_phases.py holds them within 10%).
+`command` is `eval.py memory`:
 grpo.py's flags (add_flags: memory's own, the rest grpo.py's), planned for the card, printed by report.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
@@ -25,11 +26,11 @@ from types import SimpleNamespace
 import torch
 
 from evaluation import memtrace
-from training.budget import GB, LAYOUTS, RESERVE, GiB, margin, planned, what_fits
-from training.checkpoint import checkpoint_bytes
-from training.load import precision, precision_problem, scheme
-from training.step_bytes import COMPONENTS, estimate, model_config, peak
-from training.step_shapes import lora_linears, param_counts
+from training.memory.budget import GB, LAYOUTS, RESERVE, GiB, margin, planned, what_fits
+from training.memory.phases import COMPONENTS, estimate, model_config, peak
+from training.memory.shapes import lora_linears, param_counts
+from training.model.trainable import precision, precision_problem, scheme
+from training.run.checkpoint import checkpoint_bytes
 
 
 def table(est, title, unit=GB) -> str:

@@ -1,14 +1,14 @@
 """What one real GRPO step holds in memory, measured phase by phase (memory.py estimates it from the config).
 
-measure() runs grpo.py's own step on a real policy (load.load_policy, as run.setup builds it; the update is
-grpo.update, passed in) twice and counts the second one, in step_bytes.PHASES. It rolls out as grpo.py does:
+measure() runs grpo.py's own step on a real policy (trainable.load_policy, as run.setup builds it; the update
+is grpo.update, passed in) twice and counts the second one, in phases.PHASES. It rolls out as grpo.py does:
 on CUDA through the run's decode engine, made and reserved once before the first step (preflight.make_engine,
 as setup makes it), so its cache is in every phase of the update it measures, or freed before the update
 where the plan releases it (release):
   on the CPU   track_peak: a TorchDispatchMode that counts the live tensor storages (a view costs nothing,
                each storage once, from the op that made it until it is freed);
   on a GPU     cuda_peak: torch.cuda.max_memory_allocated (and max_memory_reserved), reset at each phase.
-tests/test_memory.py holds step_bytes.estimate within 10% of what this counts; `eval.py memory --measure`
+tests/memory/test_phases.py holds phases.estimate within 10% of what this counts; `eval.py memory --measure`
 prints both side by side. On a GPU, `--snapshot PATH` also records what the backward's peak holds, block by
 block with its stack (cuda_peak), and held_at_peak sums it by site: what memory.py's backward misses there
 (PATH: the pickle for memory_viz; PATH.json: the sums, which report_held prints; no pickle is read back).
@@ -32,8 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from data import build_batch
-from training import budget, load, preflight, rollout
-from training.run import load_for_update
+from training.decode import rollout
+from training.memory import budget, preflight
+from training.model import trainable
+from training.run.setup import load_for_update
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
@@ -228,14 +230,14 @@ def measure(
     cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None, release=False
 ) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
-    load.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
+    trainable.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
     before the first step as setup reserves it; release: freed before each update, budget.plan's layout
     "released"), then `update` (grpo.update: grpo.py's own micro-batch loop, the credit inside, a credit's
     own pass too), which marks the phases on the clock it is given. Every response runs to max_new_tokens
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
     (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
     where one is given; `snapshot`: cuda_peak's."""
-    device, cfg = load.device_of(device or "auto"), budget.largest(cfg)  # a size at 0: the CPU's
+    device, cfg = trainable.device_of(device or "auto"), budget.largest(cfg)  # a size at 0: the CPU's
     torch.manual_seed(seed)
     run = load_for_update(cfg, device)  # run.setup's policy and credit
     pol = run.policy
@@ -252,11 +254,8 @@ def measure(
                 model,
                 tok,
                 prompts,
-                n=cfg.group_size,
-                max_new_tokens=R,
-                top_k=cfg.top_k,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
+                cfg.group_size,
+                rollout.Sampling.of(cfg),  # R = cfg.max_new_tokens new tokens
                 chunk_size=cfg.gen_chunk,
                 share_prefix=cfg.share_prefix,
                 engine=run.engine,

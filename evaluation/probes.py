@@ -2,8 +2,8 @@
 Fig. 5a) is evaluation/recall.py, on the same decoder and helpers.
 
 Both experiments take a finished response, change something at or before a position, regenerate the rest,
-and ask whether the final answer moved. Both use the same decoder, regenerate.decode: its masked tokens keep
-their positions, and so do the tokens after them.
+and ask whether the final answer moved. Both use the same decoder, regenerate.continue_prefixes: its masked
+tokens keep their positions, and so do the tokens after them.
 
 intervene  (FlowTracer §3.2, Table 1, App. E.1). On a seeded random sample of problems (App. E.1: "randomly
     sampled 500 instances"; eval.py --n-problems), for each response:
@@ -49,9 +49,8 @@ from tqdm import tqdm
 
 import data
 from data import build_batch
-from evaluation.regenerate import decode
-from training import signals
-from training.credit import CreditConfig
+from evaluation.regenerate import continue_prefixes
+from training.credit import scoring
 
 CONDITIONS = ("none", "high", "low", "random")  # "none": regenerate with no mask, the noise floor
 
@@ -80,7 +79,7 @@ def sample_responses(model, tok, records, args, style, temperature, seed, desc):
         recs = records[i : i + args.batch_size]
         prompts = [tok(data.make_prompt(r, tok, style)).input_ids for r in recs]
         seeds = [seed * 1_000_003 + i + j for j in range(len(recs))]
-        outs = decode(
+        outs = continue_prefixes(
             model, tok, prompts, [args.max_new_tokens] * len(recs), temperature=temperature, seeds=seeds
         )
         for r, p, y in zip(recs, prompts, outs):
@@ -169,9 +168,10 @@ def select(tau, t0, frac, rng):
     }
 
 
-def intervene(model, tok, records, args, style):
-    """Returns (per-response rows, summary). records: task records, or rows from load_responses."""
-    rng, cfg = random.Random(args.seed), CreditConfig(layers=args.layers, seed=args.seed)
+def intervene(model, tok, records, args, style, cfg):
+    """Returns (per-response rows, summary). records: task records, or rows from load_responses; cfg: the
+    credit's grpo.Config (--layers, --seed)."""
+    rng = random.Random(args.seed)
     rows = (
         records
         if "response" in records[0]
@@ -185,7 +185,7 @@ def intervene(model, tok, records, args, style):
         batch = regions(tok, chunk)
         found = batch.answer_mask.any(-1).tolist()  # (B,) an answer was extracted
         batch = last_token_answers(batch)  # departure 6
-        tau = signals.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
+        tau = scoring.SIGNALS["flow"](model, batch, cfg)  # (B, T) throughput on the response
         jobs = []
         for b, r in enumerate(chunk):
             seed = 10**9 + args.seed * 1_000_003 + i + b  # one noise stream per problem
@@ -206,7 +206,11 @@ def intervene(model, tok, records, args, style):
                 budgets.append(args.max_new_tokens - t0)
                 seeds.append(seed)
                 groups.append(seed)  # the four rows share their prefix
-        new = decode(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups) if jobs else []
+        new = (
+            continue_prefixes(model, tok, prefixes, budgets, blocked, args.temperature, seeds, groups)
+            if jobs
+            else []
+        )
         for j, (r, t0, sel, _, no_answer) in enumerate(jobs):
             row = dict(
                 id=r["record"]["id"],

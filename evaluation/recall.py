@@ -18,6 +18,7 @@ Run: python eval.py recall --model smollm2-135m --task arithmetic --n-responses 
      python eval.py recall --task arithmetic --signals oar-p --oar-outcomes as-mean lt-logits as-joint  # 5b
 """
 
+import dataclasses
 import math
 import random
 
@@ -26,9 +27,8 @@ from tqdm import tqdm
 
 import data
 from evaluation.probes import markdown, pyplot, regions, sample_responses
-from evaluation.regenerate import decode
-from training import signals
-from training.credit import CreditConfig
+from evaluation.regenerate import continue_prefixes
+from training.credit import scoring
 
 KS = list(range(10, 101, 10))  # recall@K% (OAR Fig. 5a)
 OAR = ("oar-p", "oar-g")  # the signals scored against an outcome (oar.OUTCOMES)
@@ -47,18 +47,19 @@ def alternatives(model, r):
     return torch.where(top2[:, 0] == y, top2[:, 1], top2[:, 0]).tolist()
 
 
-def recall(model, tok, records, args, style):
-    """Returns (per-response rows, summary). Raises ValueError when no response is correct."""
+def recall(model, tok, records, args, style, cfg):
+    """Returns (per-response rows, summary); cfg: the credit's grpo.Config (--layers, --seed), each OAR
+    outcome asked for set on a copy. Raises ValueError when no response is correct."""
     rng, outcomes = random.Random(args.seed), args.oar_outcomes
-    cfgs = {o: CreditConfig(layers=args.layers, seed=args.seed, oar_outcome=o) for o in outcomes}
+    cfgs = {o: dataclasses.replace(cfg, oar_outcome=o) for o in outcomes}
     runs = {
         (f"{s}:{o}" if s in OAR and len(outcomes) > 1 else s): (s, o)  # Fig. 5b: one row per outcome
         for s in args.signals
         for o in (outcomes if s in OAR else outcomes[:1])
     }
-    unknown = [s for s in args.signals if s not in signals.SIGNALS]
+    unknown = [s for s in args.signals if s not in scoring.SIGNALS]
     if unknown:
-        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(signals.SIGNALS)}")
+        raise ValueError(f"unknown signal(s) {unknown}; known: {sorted(scoring.SIGNALS)}")
     pool = records if "response" in records[0] else []
     for i in range(0, len(records) if not pool else 0, args.batch_size):  # greedy, until enough are correct
         batches = math.ceil(len(records) / args.batch_size)
@@ -88,7 +89,7 @@ def recall(model, tok, records, args, style):
         P = batch.prompt_width
         # (B, R)
         scores = {
-            k: signals.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu() for k, (s, o) in runs.items()
+            k: scoring.SIGNALS[s](model, batch, cfgs[o])[:, P:].float().cpu() for k, (s, o) in runs.items()
         }
         for b, r in enumerate(chunk):
             # answer end: the candidate tokens
@@ -108,7 +109,7 @@ def recall(model, tok, records, args, style):
         causal = []
         for c in range(0, len(pos), args.batch_size * 4):
             ts = pos[c : c + args.batch_size * 4]
-            new = decode(
+            new = continue_prefixes(
                 model,
                 tok,
                 [r["prompt"] + r["response"][:t] + [alt[t]] for t in ts],

@@ -1,7 +1,7 @@
 """The decoder of the causal probes (probes.py): continue responses with chosen tokens masked out of every
 later token's view, their positions kept.
 
-    decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None)
+    continue_prefixes(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None)
         -> the new token ids of each row
 
 A plain loop with a KV cache, explicit position ids and a 4D additive attention mask, so that masking a token
@@ -10,7 +10,7 @@ from its cumsum). The prefixes are encoded in three levels that share the cache 
 row). Sampling is Gumbel-max at a temperature, the noise drawn per seed, so rows with one seed read the same
 noise at every step (probes.py departure 1).
 
-Run the tests: python -m pytest -q tests/test_eval.py -k decode
+Run the tests: python -m pytest -q tests/evaluation/test_probes.py -k decode
 """
 
 import os
@@ -18,7 +18,7 @@ import os
 import torch
 from transformers import DynamicCache
 
-from training.rollout import eos_ids
+from training.decode.rollout import eos_ids
 
 
 def additive(allowed, dtype):
@@ -69,7 +69,7 @@ def extend(model, cache, keys, pos, segs, blocked=None):
 
 
 @torch.no_grad()
-def decode(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
+def continue_prefixes(model, tok, prefixes, budgets, blocked=None, temperature=0.0, seeds=None, groups=None):
     """Continue each prefix (list of token ids) for up to budgets[b] tokens; stop after an EOS (kept).
 
     blocked[b]: prefix positions that no later token may attend to. temperature 0: greedy; else Gumbel-max

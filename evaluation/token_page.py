@@ -12,7 +12,7 @@ token's hover text gives its score and gamma. The PNG lays the tokens on a monos
 glyph advances unhinted so that they meet the grid). Used by `eval.py credit` (credit_page.py: a run's saved
 step) and by `eval.py plot`'s heatmap and inout figures (figures.py).
 
-Run the tests: python -m pytest -q tests/test_credit_page.py
+Run the tests: python -m pytest -q tests/evaluation/test_credit_page.py
 """
 
 import html

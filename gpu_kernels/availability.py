@@ -12,8 +12,8 @@ update after minutes of generation:
             lists, else in one of $LD_LIBRARY_PATH's (driver.py's libcuda_dirs, called itself where the
             installed Triton has it; a container without ldconfig's cache fails there)
 Runtime images often lack one of them: a kernel is chosen only where `unavailable` finds nothing missing,
-and training/preflight.py still runs each chosen kernel once at setup (what this cannot see: a driver too
-old for the kernel, a compiler that fails).
+and training/memory/preflight.py still runs each chosen kernel once at setup (what this cannot see: a driver
+too old for the kernel, a compiler that fails).
 
 Run: CC=/nonexistent python -c "from gpu_kernels.availability import unavailable; print(unavailable('cuda'))"
 """

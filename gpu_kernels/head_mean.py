@@ -6,7 +6,7 @@ middle layers. For one layer, with G = H / Hkv query heads per KV head (GQA), th
 
     buf[b, t, j] += 1/H sum_h softmax_j( q[b, h, t] . k[b, h // G, j] * scaling + mask[b, t, j] )
 
-which is reference.add_head_mean's contract, with its arguments (that PyTorch path stays the CPU's, and the
+which is flowtracer.add_head_mean's contract, with its arguments (that PyTorch path stays the CPU's, and the
 reference). The T queries are the last T of the S keys: query t sits at key position t + S - T (S > T when a
 cached prompt precedes). The caller divides by the number of layers later.
 
@@ -49,7 +49,7 @@ Departures from add_head_mean (numbered):
 The kernels run compiled on CUDA tensors, and on CPU tensors only under Triton's interpreter, which takes
 over where TRITON_INTERPRET=1 was in the environment before triton was first imported (triton.language's
 own zeros, sum, max are @triton.jit functions too, decorated at that import).
-Run its tests: python -m pytest -q tests/test_head_mean_kernel.py   (the CPU cases run in a child pytest
+Run its tests: python -m pytest -q tests/gpu_kernels/test_head_mean.py   (the CPU cases run in a child pytest
 with TRITON_INTERPRET=1; TRITON_INTERPRET=1 python -m pytest ... runs them in one process)
 """
 
@@ -231,7 +231,7 @@ def interpreted():
 
 
 def head_mean_triton(buf, query, key, attention_mask, scaling, chunk=None, *, block_m=64, block_n=64):
-    """reference.add_head_mean's contract in two kernels: buf (B, T, S) fp32 += the head mean of
+    """flowtracer.add_head_mean's contract in two kernels: buf (B, T, S) fp32 += the head mean of
     softmax(Q K^T * scaling + mask). query (B, H, T, hd), key (B, Hkv, S, hd) in bf16, fp16 or fp32 (any
     strides); attention_mask None (causal), bool (B or 1, 1, T, S) True = attend, or additive float; buf may
     be a strided view (the capture's rows S - T .. S). `chunk` is ignored (departure 5)."""
@@ -250,7 +250,7 @@ def head_mean_triton(buf, query, key, attention_mask, scaling, chunk=None, *, bl
     if query.device.type != "cuda" and not interpreted():
         raise RuntimeError(
             "head_mean_triton: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before triton is imported (or use reference.add_head_mean)"
+            "before triton is imported (or use flowtracer.add_head_mean)"
         )
     if attention_mask is None:
         kind, mask = NO_MASK, buf  # never read

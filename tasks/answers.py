@@ -12,7 +12,7 @@ timeout and a size guard, never raising and never hanging.
   pattern_problem(pattern)         why an --answer-pattern cannot be used (one sentence), or None
   answer_token_range(tok, ids, pattern)  the tokens [k0, k1) of that answer in a response (bisection)
   option_letter(pred) -> str|None  the one option a choice answer names ("(B)" -> "B"; "B or C" -> None)
-Numbers (the rule, both directions tested in tests/test_reliability_answers.py):
+Numbers (the rule, both directions tested in tests/tasks/test_answers_exact.py):
   - two plain numbers ("2,125", "25.0", "\\$5", "4.5e33", "12\\%"): equal as exact decimals;
   - two parsed numbers (\\frac{1}{3}, 10^{6}, 1.5 \\times 10^{-5}, \\sqrt{2}): rational ones (integers,
     fractions, decimals as written) compare exactly, so 0.333333 != \\frac{1}{3}; when either is irrational,
@@ -39,7 +39,7 @@ A user's --answer-pattern is matched by the `regex` module (re's syntax) under P
 of one response (README, "Your own task"): a pattern whose backtracking grows exponentially with the text,
 ('(a|aa)+$'), is a PatternError naming it, never a hang; the built-in patterns here are linear.
 
-Run the tests: python -m pytest -q tests/test_data_*.py tests/test_reliability_*.py
+Run the tests: python -m pytest -q tests/tasks/test_answer*.py
 """
 
 import bisect
@@ -58,7 +58,7 @@ MAX_DIGITS = 10_000  # the size guard: reject expressions whose value could have
 REL_TOL = 1e-9  # two numbers, either irrational: equal when |g - p| <= REL_TOL * max(|g|, |p|)
 FLOAT_DIGITS = 12  # math-verify's float_rounding in tuples, sets, intervals, equations (default: 6)
 # Every pattern below is linear in its input (no two quantifiers can trade the same characters): they run
-# on answers of any length (tests/test_hardening_input.py times 20,000 digits and 60,000 spaces).
+# on answers of any length (tests/tasks/test_answers.py times 20,000 digits and 60,000 spaces).
 NOT_FINITE = re.compile(r"[-+]?\s*(nan|inf|infinity)", re.I)  # words, not answers (\infty is one)
 THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(e[-+]?\d+)?")
@@ -76,7 +76,7 @@ def not_finite(s):
     return NOT_FINITE.fullmatch(s.strip()) is not None
 
 
-def number(s):
+def plain_number(s):
     """(Decimal, is an integer) for a plain number ("025", "2,125", "1\\,000", "25.0", "\\$5", "4.5e33",
     "12\\%"), or None. A space inside the digits makes it no plain number: "1 2" is not 12."""
     s = SEPARATOR.sub(",", s)
@@ -95,33 +95,33 @@ def number(s):
 def last_number_equal(text, gold):
     """The lenient score of learn.py: the last number written in the text equals the gold answer, both plain
     numbers compared as exact decimals ("...so 12 apples." == "12"); False when either is not a number."""
-    found, g = LAST_NUMBER.findall(text), number(str(gold))
-    p = number(found[-1]) if found else None
+    found, g = LAST_NUMBER.findall(text), plain_number(str(gold))
+    p = plain_number(found[-1]) if found else None
     return g is not None and p is not None and p[0] == g[0]
 
 
-def size(e):
+def magnitude(e):
     """An upper bound on log10|e| for a parsed sympy expression; math.inf for towers like 9^{9^{9}}."""
     import sympy
 
     if isinstance(e, sympy.MatrixBase):
-        return max((size(x) for x in e), default=0.0)
+        return max((magnitude(x) for x in e), default=0.0)
     if isinstance(e, sympy.Rational):
         return math.log10(abs(e.p) + 1)
     if isinstance(e, sympy.Float):
         return math.log10(abs(float(e)) + 1)
     if isinstance(e, sympy.Pow):
-        x = size(e.exp)
-        return math.inf if x > 6 else max(size(e.base), 1.0) * 10**x
+        x = magnitude(e.exp)
+        return math.inf if x > 6 else max(magnitude(e.base), 1.0) * 10**x
     if isinstance(e, (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.subfactorial, sympy.gamma)):
-        x = max(size(a) for a in e.args)
+        x = max(magnitude(a) for a in e.args)
         return math.inf if x > 6 else 10**x * (x + 1)
     if isinstance(e, (sympy.Sum, sympy.Product)):  # \prod_{n=1}^{10^9} n would be multiplied out
-        x = max((size(b) for lim in e.limits for b in lim[1:]), default=0.0)
-        return math.inf if x > 3 else size(e.function) * 10**x
+        x = max((magnitude(b) for lim in e.limits for b in lim[1:]), default=0.0)
+        return math.inf if x > 3 else magnitude(e.function) * 10**x
     if not getattr(e, "args", ()):
         return 1.0  # symbols, constants, booleans
-    sizes = [size(a) for a in e.args]
+    sizes = [magnitude(a) for a in e.args]
     return sum(sizes) if isinstance(e, sympy.Mul) else max(sizes) + 1
 
 
@@ -202,7 +202,7 @@ def math_verify_equal(gold, pred, timeout):
 
     g, p = parse_boxed(gold, timeout), parse_boxed(pred, timeout)
     exprs = [x for x in g + p if isinstance(x, (sympy.Basic, sympy.MatrixBase))]
-    if any(size(x) > MAX_DIGITS for x in exprs):
+    if any(magnitude(x) > MAX_DIGITS for x in exprs):
         return same_string(gold, pred)  # too big to evaluate: only the same string is equal
     undefined = [x for x in exprs if x.has(sympy.nan, sympy.zoo)]  # 0/0, 1/0; or a misparse (\gamma^{2})
     try:  # sympy's evaluations under the timeout
@@ -260,7 +260,7 @@ def compare(gold, pred):
     the parse has looked for 5 = 6 and 0/0."""
     if not_finite(gold) or not_finite(pred):  # not a number: equals nothing, not itself
         return False
-    g, p = number(gold), number(pred)
+    g, p = plain_number(gold), plain_number(pred)
     if g is not None and p is not None:  # two plain numbers: equal as exact decimals ("025" == 25 == 25.0)
         return g[0] == p[0]
     gold, pred = (s if n is None else written(n[0]) for s, n in ((gold, g), (pred, p)))

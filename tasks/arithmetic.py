@@ -1,7 +1,7 @@
 """The arithmetic task: generated 1-3 step word problems, offline, the default task of the embedded
 SmolLM2-135M-Instruct (data.TASKS["arithmetic"]; not a task of the paper).
 
-  generate(split, seed, limit) -> rows {"question", "answer", "steps"}: SIZES[split] of them unless `limit`
+  rows(split, seed, limit) -> rows {"question", "answer", "steps"}: SIZES[split] of them unless `limit`
   problem(rng)                 -> (question, answer, steps): a start count, then 1-3 steps that add to it
                                   or take away from it
 
@@ -55,7 +55,7 @@ def problem(rng):
     return " ".join(text), str(v), steps
 
 
-def generate(split, seed, limit):
+def rows(split, seed, limit):
     """Deterministic for a seed; train and test are disjoint (a question's split is a hash of its text)."""
     n, rng, seen, out = limit or SIZES[split], random.Random(f"arithmetic-{seed}"), set(), []
     while len(out) < n:

@@ -3,7 +3,7 @@
 A problem is a list of 3-4 numbers in 1..99 and a target in 10..100; the model must write an arithmetic
 expression that uses every number exactly once with + - * / and equals the target. We follow the data
 construction protocol of TinyZero (Pan et al., 2025) that the paper cites:
-  - `generate(n, split, seed)`: a seeded generator. It draws the numbers, combines them in a random order with
+  - `problems(n, split, seed)`: a seeded generator. It draws the numbers, combines them in a random order with
     random operations (a random expression tree), and keeps the problem when the value is an integer in
     10..100.
     The small exhaustive `solve` then verifies every kept problem. Splits are disjoint by construction: a
@@ -73,7 +73,7 @@ def frame(text):
 LITERALS = re.compile(r"[0-9+\-*/()\s]*")  # decimal integers, + - * /, parentheses: no 0x3, 1_0, # ..., 1e3
 
 
-def evaluate(expr):
+def exact_value(expr):
     """The exact value of an arithmetic expression, and the integer literals it uses; None if not allowed.
 
     Allowed nodes: integer literals, the binary operators + - * /, and parentheses (which `ast` drops).
@@ -120,7 +120,7 @@ def reward(completion, answer):
         expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-")
         if len(expr) > MAX_EXPR_CHARS or "**" in expr or not LITERALS.fullmatch(expr):
             return FORMAT_SCORE
-        value, used = evaluate(expr)
+        value, used = exact_value(expr)
         if sorted(used) != sorted(nums) or value is None:  # each given number exactly once
             return FORMAT_SCORE
         return CORRECT_SCORE if value == target else FORMAT_SCORE
@@ -193,7 +193,7 @@ def random_value(nums, rng):
     return pool[0]
 
 
-def generate(n, split="train", seed=0):
+def problems(n, split="train", seed=0):
     """n Countdown problems of one split, deterministic for a seed; each verified by `solve`.
 
     Half of the problems have 3 numbers and half 4 (the count is drawn first, then candidates are drawn
@@ -225,16 +225,17 @@ def generate(n, split="train", seed=0):
 
 
 def rows(split, seed, limit):
-    """data.py's generated rows (data.Task.generate): `limit` problems of `split` (all of SIZES' without one),
-    each with its question and its answer as a record holds them (as rows.countdown_row reads a file's)."""
-    problems = generate(limit or SIZES[split], split, seed)
+    """data.py's generated rows (data.Dataset.generator): `limit` problems of `split` (all of SIZES' without
+    one), each with its question and its answer as a record holds them (as rows.countdown_row reads a
+    file's)."""
+    made = problems(limit or SIZES[split], split, seed)
     return [
         {
             **p,
             "question": question(p["nums"], p["target"]),
             "answer": {"nums": p["nums"], "target": p["target"]},
         }
-        for p in problems
+        for p in made
     ]
 
 
@@ -253,7 +254,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.n < 1:
         ap.error("--n must be >= 1")
-    for p in generate(args.n, args.split, seed=args.seed):
+    for p in problems(args.n, args.split, seed=args.seed):
         print(
             p["nums"], "->", p["target"], ":", p["solution"], reward(f"<answer>{p['solution']}</answer>", p)
         )

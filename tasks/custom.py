@@ -10,8 +10,9 @@ A custom record holds every column of its row as it is, plus:
               absent when the row has none: the --reward function decides what it needs
   "id"        the row's own "id" column, else "custom/<split>/<n>" (error messages name the row by it)
   "task"      "custom" (a column named "task" is replaced: prompts.py and heldout.py read it)
-There is no built-in reward for it: grpo.py --dataset custom needs --reward (training/reward_code.py), and its
-prompt is the question as written, through the model's chat template (prompts.py, style "question").
+There is no built-in reward for it: grpo.py --dataset custom needs --reward
+(training/usercode/reward_code.py), and its prompt is the question as written, through the model's chat
+template (prompts.py, style "question").
 A column that is missing is a ColumnError naming the row and listing the columns it has (data.py raises it as
 its DataError).
 

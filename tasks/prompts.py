@@ -34,7 +34,7 @@ Departures (numbered; data.py goes on from 4):
      spurious step to one-step problems: 3% vs 29%.) The paper's Llama prompt ("fewshot") has only its two.
 
 Run: python data.py --task arithmetic --split test --limit 3 --style fewshot3
-Test: python -m pytest -q tests/test_data_*.py -k "prompt or style or exemplar"
+Test: python -m pytest -q tests/tasks/test_prompts.py tests/test_data.py -k "prompt or style or exemplar"
 """
 
 from tasks import countdown
@@ -105,7 +105,8 @@ def style_fits(style, task):
 def turns(record, style="chat"):
     """The chat turns make_prompt renders for `record` in `style` (through the chat template, or as "User:"
     text without one), or None for the styles written as plain text (plain, countdown): what a --reward
-    function in TRL's form gets as its prompt when a chat template renders it (training/reward_code.py)."""
+    function in TRL's form gets as its prompt when a chat template renders it
+    (training/usercode/reward_code.py)."""
     q, is_countdown = record["question"], record["task"] == "countdown"
     if style in ("countdown", "plain"):
         return None

@@ -8,13 +8,20 @@ the error scale its tolerances come from, and the environment of a test's subpro
   subprocess_env     os.environ with the project root put in front of PYTHONPATH (never replacing it)
   in_process         run(main, *argv): a script's main(argv) in this process, read as subprocess.run's result
   tok                the tiny-qwen3 tokenizer, loaded once a module
+  last_line, no_model, eval_main, one_error    an error as one line, before any model loads
+  enospc, Killed, timed                        a full disk, a kill at one file operation, a clock
+  task_files, fails, your_task, lora_run ...   your own task's files and runs (docs/your-task.md)
+  cfg, real_batch, greedy_loop, qwen3_4b       a Config, a batch, a greedy reference, Qwen3-4B's estimate
 """
 
+import errno
 import importlib.util
 import itertools
+import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +36,8 @@ SHARED_DATA = Path(os.environ.get("FLOWTRACER_DATA") or ROOT.parent / "shared" /
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without CUDA, Triton kernels can only run under its interpreter, which must be chosen before triton is
-# first imported (flowtracer imports gpu_kernels): tests/test_head_mean_kernel.py's CPU cases then run here.
+# first imported (flowtracer imports gpu_kernels): tests/gpu_kernels/test_head_mean.py's CPU cases then run
+# here.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -49,7 +57,7 @@ def task_data_missing(task, split="test"):
 
     t = data.TASKS[task]
     local = [SHARED_DATA / t.local / f"{split}{ext}" for ext in (".jsonl", ".parquet")]
-    if t.generate or any(p.is_file() for p in local):
+    if t.generator or any(p.is_file() for p in local):
         return None
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
         return f"{task}: no offline copy under {SHARED_DATA} (set FLOWTRACER_DATA) and HF_HUB_OFFLINE is set"
@@ -66,7 +74,8 @@ TINY_RUN = (
     "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 8 --warmup-steps 1 --lr 1e-3"
 )
 TINY_RUN = TINY_RUN.split()
-# The small step the memory estimate is held to a real one at (tests/test_memory.py, tests/test_budget.py).
+# The small step the memory estimate is held to a real one at (tests/memory/test_phases.py; its backward's
+# snapshot: tests/evaluation/test_memtrace.py).
 SMALL_STEP = (
     "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 48 --gen-chunk 8 "
     "--micro-batch 4 --logprob-chunk 16"
@@ -127,8 +136,8 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     so every row is trained. The order of `runs` is the order they run in; `watch` sees each run after its
     setup."""
     import grpo
-    from training import load as loading
-    from training import models
+    from training.model import load
+    from training.model import trainable as loading
 
     real_generate, real_load, rollouts = grpo.generate, loading.load_model, []
 
@@ -144,11 +153,11 @@ def grpo_steps(monkeypatch, device, runs, watch=lambda run: None):
     out = {}
     for name, argv, wide in runs:
 
-        def load(*a, wide=wide, **k):
+        def load_wide(*a, wide=wide, **k):
             model, tok = real_load(*a, **k)
-            return (models.to_dtype(model, model.device, torch.float64) if wide else model), tok
+            return (load.to_dtype(model, model.device, torch.float64) if wide else model), tok
 
-        monkeypatch.setattr(loading, "load_model", load)
+        monkeypatch.setattr(loading, "load_model", load_wide)
         rows = itertools.count()
         monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
         cfg = grpo.parse_args([*argv, "--device", torch.device(device).type, "--optimizer", "adamw"])
@@ -191,7 +200,7 @@ def in_process(capsys, monkeypatch):
     caught and fails the test, where the script would have printed a traceback. Saves a subprocess's start and
     imports (seconds each). What a run leaves in the process is put back after the test: the SIGINT and
     SIGTERM handlers (grpo.py's run log and `eval.py learn` install their own), torch's thread count (eval.py
-    --threads), the environment (load.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
+    --threads), the environment (trainable.device_of sets PYTORCH_CUDA_ALLOC_CONF on CUDA) and the working
     directory (the script's own, as the subprocess tests ran it: the root)."""
     import signal
     import subprocess
@@ -222,7 +231,199 @@ def in_process(capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tok():
-    """The tiny-qwen3 tokenizer (tests/test_your_task.py and tests/test_your_task_trl_rewards.py)."""
-    from training.models import load_model
+    """The tiny-qwen3 tokenizer (tests/test_data.py, tests/tasks/test_prompts.py and
+    tests/usercode/test_reward_code_trl.py)."""
+    from training.model.load import load_model
 
     return load_model("tiny-qwen3")[1]
+
+
+# ----------------------------------------------------------------------------- one line, exit 2
+def last_line(capsys):
+    """The last line a test's code wrote to stderr (the one error line)."""
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def no_model(monkeypatch):
+    """Any model load fails the test: the error must come first."""
+    from evaluation import harness
+    from training.model import trainable
+
+    for module in (trainable, harness):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+
+
+@pytest.fixture
+def eval_main(in_process):
+    """eval.py's main(argv) in this process, read as run_eval's result (conftest.in_process)."""
+    import eval as ev
+
+    return lambda *argv: in_process(ev.main, *argv)
+
+
+def one_error(p, *words):
+    """Exit 2, exactly one `eval.py: error:` line holding `words`, and no traceback."""
+    lines = [x for x in p.stderr.splitlines() if x.startswith("eval.py: error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+# ----------------------------------------------------------------------------- a full disk, a kill, the clock
+def enospc(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL at one file-system operation of the save."""
+
+
+def timed(fn, *a):
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+# ----------------------------------------------------------------------------- your own task
+ROWS = [
+    {"q": "What is 3 + 4?", "a": 7, "level": 1},
+    {"q": "What is 10 - 2?", "a": 8, "level": 2},
+    {"q": "What is 6 * 2?", "a": 12, "level": 1},
+]
+VARIED = (
+    "import zlib\n\n\ndef score(completion, record):\n"  # varies in every group: rows train
+    "    return zlib.crc32((completion + record['id']).encode()) % 4 / 3\n"
+)
+
+
+def task_files(tmp_path, reward=VARIED, rows=ROWS):
+    """The flags of a custom task: ROWS in train.jsonl, `reward` in reward.py (its function score)."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text(reward)
+    return [
+        "--dataset",
+        "custom",
+        "--data-path",
+        str(tmp_path / "train.jsonl"),
+        "--question-field",
+        "q",
+        "--answer-field",
+        "a",
+        "--reward",
+        f"{tmp_path / 'reward.py'}:score",
+    ]
+
+
+def fails(capsys, argv):
+    """The last stderr line of grpo.main(argv), which must exit 2."""
+    import grpo
+
+    with pytest.raises(SystemExit) as e:
+        grpo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err and err[-1].startswith("grpo.py: error: "), err
+    return err[-1]
+
+
+TASK_ROWS = [
+    {"q": "What is 3 + 4?", "a": 7},
+    {"q": "What is 10 - 2?", "a": 8},
+    {"q": "What is 6 * 2?", "a": 12},
+]
+TINY_CPU_RUN = [*TINY_RUN, "--device", "cpu"]  # the CPU: a resume equals bit for bit
+# A reward that varies in every group (rows train); {act} runs on the call numbered AT: 1 is setup's check,
+# 2-9 step 1's rows, 10-17 step 2's.
+REWARD = """import os, sys, time, zlib
+CALLS = []
+AT = int(os.environ.get("REWARD_AT", "0"))
+
+
+def score(completion, record):
+    CALLS.append(1)
+    if len(CALLS) == AT:
+        {act}
+    return zlib.crc32((completion + record['id']).encode()) % 4 / 3
+"""
+
+
+def your_task(tmp_path, act="pass", at=0, monkeypatch=None):
+    """A tiny CPU run of a custom task (its flags) whose reward (REWARD) runs `act` on its call `at`."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TASK_ROWS))
+    (tmp_path / "reward.py").write_text(REWARD.replace("{act}", act))
+    if monkeypatch is not None:
+        monkeypatch.setenv("REWARD_AT", str(at))
+    return [
+        *TINY_CPU_RUN,
+        "--dataset",
+        "custom",
+        "--data-path",
+        str(tmp_path / "train.jsonl"),
+        "--question-field",
+        "q",
+        "--answer-field",
+        "a",
+        "--reward",
+        f"{tmp_path / 'reward.py'}:score",
+    ]
+
+
+def metrics(out):
+    """The lines of <out>/metrics.jsonl, read."""
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_step(a, b):
+    """Two metrics lines of the same step, but for the clock and the memory."""
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))}  # noqa: E731
+    return drop(a) == drop(b)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A one-step rank-4 LoRA run on tiny-qwen3 (its adapters in ckpt/)."""
+    import grpo
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    grpo.main([*TINY_RUN, "--lora-rank", "4", "--steps", "1", "--out-dir", str(out)])
+    return out
+
+
+# ----------------------------------------------------------------------------- models, batches, estimates
+def cfg(**kw):
+    """grpo.Config(**kw)."""
+    import grpo
+
+    return grpo.Config(**kw)
+
+
+def real_batch(tok):
+    """Three rows: EOS-terminated, cut without EOS, and an empty response (nothing to credit)."""
+    from data import build_batch
+
+    prompts = ["Q: 2+2=?", "Q: what is 10-3?", "Q: 1+1?"]
+    responses = ["so it is 4, answer \\boxed{4} ok", "ten minus three is seven: \\boxed{7}", ""]
+    p = [tok(x).input_ids for x in prompts]
+    r = [tok(responses[0]).input_ids + [tok.eos_token_id], tok(responses[1]).input_ids, []]
+    return build_batch(tok, p, r)
+
+
+def greedy_loop(model, tokenizer, prompt, max_new_tokens, eos):
+    """Reference: argmax of the model's last logits, whole sequence re-run each step, no cache, no padding."""
+    ids = tokenizer(prompt).input_ids
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+            if out[-1] in eos:
+                break
+    return out
+
+
+def qwen3_4b(*flags):
+    """(estimate, cfg) of Qwen3-4B at 1K on CUDA with grpo.py's flags."""
+    import grpo
+    from training.memory import phases
+    from training.model.load import qwen3_4b_config
+
+    cfg = grpo.parse_args(["--model", "qwen3-4b-random", *flags])
+    return phases.estimate(cfg, qwen3_4b_config(), "cuda"), cfg

@@ -11,9 +11,10 @@ import torch
 from conftest import ONE_QUESTION_BENCH, task_data_missing
 
 import eval as ev
+import grpo
 from evaluation import harness, highflow, probes
 from evaluation.figures import peak_ema
-from training.models import load_model
+from training.model.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESPONSES = [  # hand-written responses for the tiny model (it never writes a \boxed{} answer by itself)
@@ -90,7 +91,7 @@ def test_no_answers_anywhere_is_an_empty_result(tmp_path, capsys):
 def smoke(tmp_path_factory):
     """Every subcommand's run on the tiny model, `python eval.py <name> ...` as eval.py's main in this
     process (a subprocess each cost more to start than to run; eval.py from the shell: test_help.py,
-    test_odd_inputs_eval.py), run when its test first asks. Returns run(name) -> the run's output directory; a
+    test_eval_cli.py), run when its test first asks. Returns run(name) -> the run's output directory; a
     run that exits non-zero or raises fails its test."""
     d = tmp_path_factory.mktemp("smoke")
     resp, metrics = d / "responses.jsonl", d / "run" / "metrics.jsonl"
@@ -282,7 +283,7 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     each the oar-p signal of that outcome on the same responses. On each device, in fp32 on both sides
     (eval.py defaults to bf16 on CUDA, where the same signal from a fp32 model differs in 46 of 47 values):
     the same model, code and kernels, so the values agree to 1e-6, a few roundings of scores below 1."""
-    from training import signals
+    from training.credit import scoring
 
     assert ev.parse(["recall"]).oar_outcomes == ["as-mean"]
     path = tmp_path / "r.jsonl"
@@ -325,8 +326,8 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
     ]
     batch = probes.regions(tok, rows)
     for o in ("as-mean", "lt-logits"):
-        cfg = probes.CreditConfig(layers="middle", seed=0, oar_outcome=o)
-        sc = signals.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width :]  # (B, R)
+        cfg = grpo.Config(layers="middle", seed=0, oar_outcome=o)
+        sc = scoring.SIGNALS["oar-p"](model, batch, cfg)[:, batch.prompt_width :]  # (B, R)
         for b, row in enumerate(out):
             assert row["scores"][f"oar-p:{o}"] == pytest.approx(sc[b, : row["end"]].tolist(), abs=1e-6)
     assert out[0]["scores"]["oar-p:as-mean"] != out[0]["scores"]["oar-p:lt-logits"]

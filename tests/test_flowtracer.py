@@ -1,4 +1,7 @@
-"""flowtracer.py: hand-computed toy DAGs, a loop reference taken straight from eq. 2-4, and properties."""
+"""flowtracer.py: hand-computed toy DAGs, a loop reference taken straight from eq. 2-4, and properties;
+flowtracer.Capture refuses what it cannot do right (a second forward, a mask of another shape, no layer) while
+gradient checkpointing's replay still works; head_mean_kernel takes the fused kernel only where it can run.
+The answer region: tests/tasks/test_answer_region.py; build_batch: tests/test_data.py."""
 
 import math
 from fractions import Fraction as Fr
@@ -8,9 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data import build_batch
-from flowtracer import dag_weights, flow_credit, reweight, trace_flow
-from tasks.answers import find_answer_span
+import flowtracer
+from flowtracer import Capture, dag_weights, flow_credit, reweight, select_layers, trace_flow
+from gpu_kernels import availability
+from training import policy
+from training.credit.attention import use_capture_attention
+from training.model.load import load_model
 
 
 # ----------------------------------------------------------------------------- reference (loops)
@@ -60,6 +66,8 @@ CHAIN = dict(
     f=[1, 1, 1],
     tau=[2, 2, 1],
 )
+
+
 # 0 -> {1, 2} -> 3: h(0) = 0.6*0.5 + 0.2*0.25 = 0.35, so W'_01 = 0.3/0.35 = 6/7 and W'_02 = 1/7.
 DIAMOND = dict(
     T=4,
@@ -71,6 +79,8 @@ DIAMOND = dict(
     f=[1, "6/7", "1/7", 1],
     tau=[2, "12/7", "2/7", 1],
 )
+
+
 # 0 -> 1 -> 3 (answer); 0 -> 2 -> 4 where 4 comes after the answer: 2 is a dead end. The answer's own
 # edge 3 -> 4 is cut (absorbing), so 4 gets nothing either.
 DEAD_END = dict(
@@ -279,52 +289,103 @@ def test_credit_ties_go_to_the_earlier_token():
     assert w.tolist() == [0.0, 1.0, 1.5, 1.5, 1.0, 1.0]
 
 
-# ----------------------------------------------------------------------------- regions
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        (r"so \boxed{42}.", "42"),
-        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-        (r"\boxed{a{b}c} and \boxed{unclosed", "a{b}c"),
-        ("<answer>3 + 4</answer> x <answer>(1+2)*3</answer>", "(1+2)*3"),
-        (r"\boxed{}", None),
-        ("no answer here", None),
-    ],
-)
-def test_find_answer_span(text, expected):
-    span = find_answer_span(text)
-    assert (text[span[0] : span[1]] if span else None) == expected
-
-
-class CharTokenizer:
-    """Minimal tokenizer: one token per character, id = ord(c); 0 = pad, 1 = BOS (special)."""
-
-    pad_token_id, eos_token_id, all_special_ids = 0, 2, [0, 1, 2]
-
-    def encode(self, s):
-        return [ord(c) for c in s]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join("" if (skip_special_tokens and i < 3) else ("<s>" if i == 1 else chr(i)) for i in ids)
-
-
-def test_build_batch_layout_and_answer_tokens():
-    tok = CharTokenizer()
-    prompts = [[1] + tok.encode("Q: 2+3?"), [1] + tok.encode("Q?")]
-    responses = [tok.encode(r"so \boxed{5}"), tok.encode("none")]
-    r = build_batch(tok, prompts, responses)
-    P = r.prompt_width
-    assert P == 8 and r.input_ids.shape == (2, 8 + 12)
-    assert r.question_mask[0].sum() == 7 and not r.question_mask[0, 0]  # BOS excluded
-    assert r.question_mask[1, :P].tolist() == [False] * 5 + [False, True, True]
-    assert r.response_mask[1].sum() == 4 and r.attention_mask[1].sum() == 3 + 4
-    ans = r.input_ids[0][r.answer_mask[0]].tolist()
-    assert tok.decode(ans) == "5" and not r.answer_mask[1].any()
-
-
+# ----------------------------------------------------------------------------- inputs left alone
 def test_inputs_are_not_modified():
     attn, q, a, v = random_batch(3, 2, 16)
     before = attn.clone()
     trace_flow(attn, q, a, attention_mask=v)
     dag_weights(attn, a, v)
     assert torch.equal(attn, before)
+
+
+# ----------------------------------------------------------------------------- Capture refuses
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    use_capture_attention(model)
+    return model, tok
+
+
+def forward(model, ids, cap):
+    mask = torch.ones_like(ids)
+    return model(input_ids=ids, attention_mask=mask, flow_capture=cap, use_cache=False)
+
+
+def test_a_capture_takes_one_forward(tiny):
+    model, _ = tiny
+    layers = select_layers("middle", model.config.num_hidden_layers)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    cap = Capture(layers)
+    forward(model, ids, cap)
+    with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
+        forward(model, ids, cap)  # the same shape: refused, not ignored
+    cap = Capture(layers)
+    forward(model, ids, cap)
+    with pytest.raises(RuntimeError, match="make a new Capture for each forward"):
+        forward(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cap)  # another width
+    with pytest.raises(ValueError, match="at least one layer"):
+        Capture([])
+
+
+def test_a_capture_refuses_a_mask_of_another_shape(tiny):
+    model, _ = tiny
+    cap = Capture(select_layers("middle", model.config.num_hidden_layers))
+    forward(model, torch.tensor([[5, 6, 7], [8, 9, 10]]), cap)
+    with pytest.raises(
+        ValueError, match=r"attention_mask \(1, 3\) does not fit the captured forward \(2, 3\)"
+    ):
+        cap.maps(torch.ones(1, 3, dtype=torch.long))  # today it would broadcast over row 1
+
+
+def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
+    """Backward replays each checkpointed layer with the same Capture: it adds nothing, raises nothing, and
+    the
+    maps equal a plain forward's."""
+    model, tok = tiny
+    ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
+    ckpt.load_state_dict(model.state_dict())
+    use_capture_attention(ckpt)
+    policy.checkpointing(ckpt)
+    ckpt.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 11]])
+    mask = torch.ones_like(ids)
+    layers = select_layers("middle", model.config.num_hidden_layers)
+    maps = []
+    for m in (model, ckpt):
+        cap = Capture(layers)
+        lp, _ = policy.token_logprobs(m, ids, mask, 3, share_prefix=True, capture=cap)
+        maps.append(cap.maps(mask))  # read before backward, as grpo.update
+        lp.sum().backward()  # the replay reaches cap.take again
+    torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the head-mean kernel's choice
+@pytest.mark.parametrize(
+    "device, triton, compilers, chosen, line",
+    [
+        ("cuda", True, {"gcc": "/usr/bin/gcc"}, "head_mean_triton", "by the fused Triton kernel"),
+        ("cuda", False, {"gcc": "/usr/bin/gcc"}, "add_head_mean", "Triton is not installed"),
+        ("cuda", True, {}, "add_head_mean", "no C compiler for Triton's launcher"),
+        ("cpu", True, {"gcc": "/usr/bin/gcc"}, "add_head_mean", None),
+    ],
+)
+def test_the_head_mean_kernel_is_chosen_where_it_can_run(
+    monkeypatch, capsys, device, triton, compilers, chosen, line
+):
+    """flowtracer.head_mean_kernel: the fused kernel only on CUDA with Triton and a C compiler for its
+    launcher (Triton's first call fails without one); else add_head_mean, and on CUDA one line saying why."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(availability.shutil, "which", compilers.get)
+    monkeypatch.setattr(availability, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])  # as on a GPU
+    monkeypatch.setattr(
+        availability.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" and not triton else real(name, *a),
+    )
+    fn = flowtracer.head_mean_kernel(device)
+    out = capsys.readouterr().out.splitlines()
+    assert fn.__name__ == chosen
+    assert (out == []) if line is None else (len(out) == 1 and line in out[0])

@@ -1,85 +1,13 @@
-"""grpo.py: log-probs vs HF, the loss vs a hand-written GRPO reference, gamma scaling, and the command line.
-Subprocess runs: tests/test_grpo_runs.py; the phase clock: tests/test_grpo_phase_timing.py.
+"""grpo.py: the advantages by hand, the loss vs a hand-written GRPO reference (eq. 5), gamma scaling and the
+token-mean aggregation. The command line: tests/test_grpo_cli.py; runs end to end: tests/test_grpo_runs.py;
+the update's fused and one-pass paths: tests/test_grpo_update.py; the log-probs: tests/test_policy.py; the
+phase clock: tests/run/test_log_clock.py."""
 
-The log-prob tests run on each device present (conftest.DEVICES), in fp32 against HF's full logits with the
-error scale of an fp64 run (conftest.assert_to_rounding), and in bf16, the CUDA run's dtype, against fp32."""
-
-import copy
 from types import SimpleNamespace
 
-import pytest
 import torch
-import torch.nn.functional as F
-from conftest import assert_to_rounding
 
-from grpo import Experience, compute_advantages, grpo_loss, parse_args, token_logprobs
-from training import presets
-from training.models import load_model
-
-
-# ----------------------------------------------------------------------------- log-probs
-def hf_logprobs(model, ids, mask, P):
-    """(log-probs, entropies) of the response columns P.. from HF's full logits, in the logits' dtype (fp32 at
-    least), with grad: the reference token_logprobs' chunked selective log-softmax must equal."""
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : -1]
-    logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-    return logp.gather(-1, ids[:, P:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1).detach()
-
-
-def left_padded(tok, device):
-    enc = tok(["hello there, model", "hi"], return_tensors="pt", padding=True)  # left padding
-    return enc.input_ids.to(device), enc.attention_mask.to(device)
-
-
-@pytest.mark.parametrize("chunk", [3, 128])
-def test_token_logprobs_equal_hf_log_softmax(chunk, device):
-    model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    ids, mask = left_padded(tok, model.device)
-    P = 3
-    with torch.no_grad():
-        ref, ref_ent = hf_logprobs(model, ids, mask, P)
-        exact, exact_ent = hf_logprobs(copy.deepcopy(model).double(), ids, mask, P)
-        lp, ent = token_logprobs(model, ids, mask, P, chunk=chunk)
-    assert_to_rounding(lp, ref, exact, what="log-probs")
-    assert_to_rounding(ent, ref_ent, exact_ent, what="entropies")
-
-
-def test_token_logprobs_gradient_matches_full_logits(device):
-    model, tok = load_model("tiny-llama", device=device, dtype=torch.float32)
-    ids = tok(["gradient check"], return_tensors="pt").input_ids.to(model.device)
-    mask = torch.ones_like(ids)
-    lp, _ = token_logprobs(model, ids, mask, 2, chunk=4)  # chunked, recomputed in backward
-    g1 = torch.autograd.grad(lp.sum(), model.lm_head.weight)[0]
-    g2 = torch.autograd.grad(hf_logprobs(model, ids, mask, 2)[0].sum(), model.lm_head.weight)[0]
-    wide = copy.deepcopy(model).double()
-    g64 = torch.autograd.grad(hf_logprobs(wide, ids, mask, 2)[0].sum(), wide.lm_head.weight)[0]
-    assert_to_rounding(g1, g2, g64, what="the LM head's gradient")
-
-
-def test_token_logprobs_in_bf16_are_as_close_to_fp32_as_hf(device):
-    """bf16 is the CUDA run's dtype (load.weight_dtype under --optimizer kahan): the chunked log-softmax of
-    a
-    bf16 model (bf16 logits, then fp32, as token_logprobs takes them) is no further from the fp32 model's
-    log-probs and LM-head gradient than twice HF's own bf16 forward with its full logits, plus 2 bf16 eps of
-    the value: ||ours - fp32|| <= 2 ||HF - fp32|| + 2 eps_bf16 ||fp32||. The bound is the bf16 error scale of
-    this very forward, measured against fp32 on the same machine and kernels (the two bf16 paths round the
-    same layers; 2x lets ours round the head differently), not a number set by trial; fp32 is the reference
-    here as fp64 is for fp32 (its own error is ~2^-16 of bf16's)."""
-    fp32, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    ids, mask = left_padded(tok, fp32.device)
-    P = 3
-    keep = mask[:, P:].bool()  # the real (unpadded) tokens
-    out = {}
-    for name, m in (("ours", bf16), ("hf", bf16), ("fp32", fp32)):
-        lp = (token_logprobs(m, ids, mask, P, chunk=3) if name == "ours" else hf_logprobs(m, ids, mask, P))[0]
-        out[name] = (lp * keep, torch.autograd.grad((lp * keep).sum(), m.lm_head.weight)[0])
-    for i, what in enumerate(("log-probs", "the LM head's gradient")):
-        ours, hf, ref = (out[k][i].double() for k in ("ours", "hf", "fp32"))
-        bound = 2 * (hf - ref).norm() + 2 * torch.finfo(torch.bfloat16).eps * ref.norm()
-        assert (hf - ref).norm() > 0, what  # bf16 rounds: not vacuous
-        assert (ours - ref).norm() <= bound, (what, (ours - ref).norm().item(), bound.item())
+from grpo import Experience, compute_advantages, grpo_loss
 
 
 # ----------------------------------------------------------------------------- advantages and loss
@@ -166,22 +94,3 @@ def test_token_mean_aggregation():
     )
     per = torch.where(adv[:, None] < 0, torch.max(-per, 3.0 * adv[:, None]).neg(), per)
     torch.testing.assert_close(loss, (per * mask).sum() / mask.sum())
-
-
-# ----------------------------------------------------------------------------- command line
-def test_unknown_flag_is_an_error():
-    with pytest.raises(SystemExit):
-        parse_args(["--no-such-flag", "1"])
-
-
-def test_embedded_defaults_apply_only_to_the_embedded_model():
-    assert parse_args([]).steps == presets.EMBEDDED["steps"]
-    assert parse_args(["--steps", "3"]).steps == 3
-    paper = parse_args(["--model", "Qwen/Qwen3-4B-Base"])
-    assert (paper.lr, paper.group_size, paper.top_frac, paper.gamma, paper.temperature) == (
-        1e-6,
-        8,
-        0.4,
-        1.5,
-        0.99,
-    )

@@ -17,7 +17,7 @@ from conftest import assert_to_rounding, flat, grpo_steps, subprocess_env
 
 import grpo
 from grpo import parse_args
-from training.models import load_model
+from training.model.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,8 +77,8 @@ def test_smoke_train_resume_exactly(tmp_path, monkeypatch):
     """On the CPU (--device cpu, on a GPU machine too): a resumed run's next step equals the uninterrupted
     run's bit for bit (checkpoint.py's claim). CUDA's attention backward and atomic adds do not promise the
     same bits twice, so there the claim is the RNG states, optimizer and step restored
-    (test_one_gpu_checkpoints.py). The two first runs are DRIVER's, in this process; the resume is a fresh
-    process, as after a real stop."""
+    (tests/run/test_checkpoint_devices.py). The two first runs are DRIVER's, in this process; the resume is
+    a fresh process, as after a real stop."""
     a, b = tmp_path / "a", tmp_path / "b"
     cpu = [*SMOKE, "--device", "cpu"]
     monkeypatch.setattr(
@@ -171,18 +171,18 @@ def test_kill_during_save_then_resume_never_duplicates_metrics(tmp_path, monkeyp
     """A crash after step 3's metrics line but before its checkpoint: --resume redoes step 3 from the step-2
     checkpoint, and metrics.jsonl holds each step exactly once."""
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: zlib.crc32(txt.encode()) % 4 / 3)
-    real = grpo.runlog.save_checkpoint
+    real = grpo.log.save_checkpoint
 
     def dies_at_3(path, model, tok, opt, sched, step, *a, **k):
         if step == 3:
             raise KeyboardInterrupt("killed while saving")
         real(path, model, tok, opt, sched, step, *a, **k)
 
-    monkeypatch.setattr(grpo.runlog, "save_checkpoint", dies_at_3)
+    monkeypatch.setattr(grpo.log, "save_checkpoint", dies_at_3)
     with pytest.raises(KeyboardInterrupt):
         grpo.train(parse_args([*SMOKE, "--steps", "3", "--save-every", "2", "--out-dir", str(tmp_path)]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    monkeypatch.setattr(grpo.runlog, "save_checkpoint", real)
+    monkeypatch.setattr(grpo.log, "save_checkpoint", real)
     grpo.train(parse_args(["--resume", str(tmp_path), "--steps", "4"]))
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 

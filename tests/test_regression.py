@@ -1,6 +1,6 @@
 """What a refactor must not change, recorded from main at 570f290 and compared here.
 
-1. Every --credit x --shaping choice that credit.check accepts (111 of them) gives the same gamma on one
+1. Every --credit x --shaping choice that baselines.check accepts (111 of them) gives the same gamma on one
    fixed batch: tiny-qwen3 in fp32 on the CPU, as grpo.py's setup loads it (seeded), 8 rows in 2 groups
    of 4, one grpo.update. The tolerance is 1e-6 absolute on gamma (values near 1): the same fp32 ops on
    one thread give the same bits; the slack only absorbs a reduction regrouped by a library upgrade. A
@@ -41,15 +41,15 @@ ADV = [1.0, -1.0, -0.5, 0.5, 1.0, -1.0, 0.5, 0.0]  # one row with A = 0: not tra
 
 
 def choices():
-    """(credit, shaping) of every pair credit.check accepts, in the order of SIGNALS and SHAPINGS."""
+    """(credit, shaping) of every pair baselines.check accepts, in the order of SIGNALS and SHAPINGS."""
     import grpo
-    from training import credit, shaping, signals
+    from training.credit import baselines, scoring, shaping
 
     return [
         (c, s)
-        for c in signals.SIGNALS
+        for c in scoring.SIGNALS
         for s in shaping.SHAPINGS
-        if credit.check(grpo.Config(credit=c, shaping=s)) is None
+        if baselines.check(grpo.Config(credit=c, shaping=s)) is None
     ]
 
 
@@ -58,8 +58,8 @@ def gamma_of(credit_name, shaping_name):
     shaping_name."""
     import grpo
     from data import build_batch
-    from training import runlog
-    from training.run import load_for_update
+    from training.run import log
+    from training.run.setup import load_for_update
 
     cfg = grpo.parse_args(
         [
@@ -86,7 +86,7 @@ def gamma_of(credit_name, shaping_name):
     )
     adv = torch.tensor(ADV)
     trained = (adv != 0).nonzero().flatten().tolist()
-    return grpo.update(run, batch, trained, adv, runlog.Clock("cpu")).weight  # (B, R)
+    return grpo.update(run, batch, trained, adv, log.Clock("cpu")).weight  # (B, R)
 
 
 @pytest.mark.slow

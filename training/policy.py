@@ -6,18 +6,20 @@
     lr = policy.next_lr(stepped)             # the warmup schedule: once a GRPO step, not per PPO epoch
     ref = policy.ref_logprobs(batch, rows, ...)   # the k3 term's reference (LoRA: the adapters off)
 
-training/load.py builds it (load_policy: the precision, the optimizer, LoRA). grpo.py's micro-batch calls
-token_logprobs once; everything below its signature is how it is made fast and small, and a student may stop
-there. The arithmetic is the plain one: the decoder's last hidden states h_{t-1}, the LM head and a
+training/model/trainable.py builds it (load_policy: the precision, the optimizer, LoRA). grpo.py's micro-batch
+calls token_logprobs once; everything below its signature is how it is made fast and small, and a student may
+stop there. The arithmetic is the plain one: the decoder's last hidden states h_{t-1}, the LM head and a
 log-softmax, gathered at y_t.
 
-Departures (numbered; grpo.py's departure 2 is the chunked log-softmax; the precision's: training/load.py):
+Departures (numbered; grpo.py's departure 2 is the chunked log-softmax; the precision's:
+training/model/trainable.py):
  1. Each prompt read once (share_prefix, grpo.py --share-prefix, on by default). The G rows of a group carry
     the same prompt columns, so the decoder reads each distinct prompt of a micro-batch once (with grad),
     keeps its keys and values (PromptKV) and reads only the responses on top, each row's layer taking its
     prompt's keys (a differentiable index). The same arithmetic on the same tokens: the log-probs equal the
-    full forward's to float noise, and so does the gradient (tests/test_shared_update.py). The time saved
-    is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]` (results/README.md).
+    full forward's to float noise, and so does the gradient (tests/test_policy_shared_prefix.py). The time
+    saved is measured by `python benchmarks/generate_speed.py --update [--grad-checkpointing]`
+    (results/README.md).
     A Capture given to the forward gets the same (B, T, T) maps: the prompt pass fills its (k, P, P) maps,
     Capture.expand_prompts makes them the top left of each row's, and the response pass fills the rest.
  2. Fallback to one pass over every row's [prompt | response] when nothing is shared (no two rows of the
@@ -25,7 +27,7 @@ Departures (numbered; grpo.py's departure 2 is the chunked log-softmax; the prec
     are checkpointed in a way that drops the prompt's keys (reentrant, or switched on other than by
     `checkpointing`): `sharing_problem` names that case, and grpo.py says it in one line at setup.
 
-Run: python -m pytest -q tests/test_shared_update.py tests/test_precision.py
+Run: python -m pytest -q tests/test_policy*.py tests/model/test_precision.py
 """
 
 import contextlib
@@ -208,17 +210,17 @@ class Stepped(NamedTuple):
 
 @dataclass
 class Policy:
-    """The policy and what changes its weights (training/load.py's load_policy builds it): grpo.update calls
-    backward and step, grpo_step next_lr, the preflight use_kernel; a checkpoint saves and restores the
-    optimizer's state (its GradScaler's with it) and the schedule's."""
+    """The policy and what changes its weights (training/model/trainable.py's load_policy builds it):
+    grpo.update calls backward and step, grpo_step next_lr, the preflight use_kernel; a checkpoint saves and
+    restores the optimizer's state (its GradScaler's with it) and the schedule's."""
 
     model: torch.nn.Module
     tok: object  # the tokenizer (left padding)
     ref: torch.nn.Module | None  # the k3 term's reference (--beta > 0): a frozen copy, or under LoRA the
     # model itself, read with its adapters off (ref_logprobs); None: beta = 0
-    opt: torch.optim.Optimizer  # AdamW of the scheme (load.make_optimizer); fp16: ScaledAdamW
+    opt: torch.optim.Optimizer  # AdamW of the scheme (trainable.make_optimizer); fp16: ScaledAdamW
     sched: torch.optim.lr_scheduler.LambdaLR  # linear warmup over --warmup-steps, then constant
-    autocast: torch.autocast  # the precision's: bf16 or fp16, off under fp32 (load.autocast)
+    autocast: torch.autocast  # the precision's: bf16 or fp16, off under fp32 (trainable.autocast)
     device: torch.device
     kernel: str = ""  # torch-optimi's step in force (triton | foreach | for-loop); "": torch AdamW
     moved: bool = False  # an optimizer step began since RunLog logged a step (backoff.py, RunLog.save_last)
@@ -231,7 +233,8 @@ class Policy:
         """Clip the trainable parameters' gradients to max_grad_norm (LoRA: the adapters alone), then one
         optimizer step; a non-finite loss or gradient: no step. A parameter without a gradient gets zeros
         (AdamW still steps on a zero gradient, as GRPO would). Under fp16 (ScaledAdamW) the gradients are
-        unscaled first and the GradScaler steps, or skips a step whose scaled gradients overflowed (load.py
+        unscaled first and the GradScaler steps, or skips a step whose scaled gradients overflowed
+        (trainable.py
         departure 5). The gradients are freed either way: none is kept through the next rollout."""
         opt, params = self.opt, [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
@@ -286,8 +289,9 @@ class Policy:
 
 
 class ScaledAdamW(torch.optim.AdamW):
-    """torch's AdamW with the torch.amp.GradScaler of an fp16 run (load.py departure 5), whose state travels
-    in state_dict: a checkpoint holds it and --resume continues it. Policy.backward and Policy.step use it."""
+    """torch's AdamW with the torch.amp.GradScaler of an fp16 run (trainable.py departure 4), whose state
+    travels in state_dict: a checkpoint holds it and --resume continues it. Policy.backward and Policy.step
+    use it."""
 
     def __init__(self, params, device, **kw):
         super().__init__(params, **kw)
@@ -311,7 +315,7 @@ class ScaledAdamW(torch.optim.AdamW):
 
 
 def optimi_kernel(device) -> str:
-    """Which torch-optimi step runs (load.py departure 2): 'triton' on CUDA with Triton and a C compiler,
+    """Which torch-optimi step runs (trainable.py departure 2): 'triton' on CUDA with Triton and a C compiler,
     'foreach' on CUDA without either, 'for-loop' on the CPU."""
     if torch.device(device).type != "cuda":
         return "for-loop"
