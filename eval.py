@@ -19,6 +19,9 @@
              Its own flags: `python eval.py learn --help` (evaluation/learn.py).
   answer-forms  overlap of the high-flow sets when the answer is rewritten in other forms (Table 11a)
              The forms: the full answer line, with an explanation, multiple-choice (evaluation/highflow.py).
+  deadend    where the credit lands: twin prompts whose answer is computed on one line or the other
+             Teacher-forced twins; per signal the AUC of used-line digits over dead-end digits with 95% t
+             intervals over pairs, a planted line as the limit, a pre-registered verdict (deadend.py).
 
 Formulas (pass@k: evaluation/stats.py):
   EMA_t   = alpha * max(x_t, EMA_{t-1}) + (1 - alpha) * EMA_{t-1},  EMA_0 = x_0   (App. C.3, "Plot Settings")
@@ -44,10 +47,12 @@ Run: python eval.py bench --benchmarks gsm8k math500 --n-problems 50 --n 4   (de
      python eval.py credit runs/embedded [--step 6]       (evaluation/credit_page.py)
      python eval.py memory --model qwen3-4b-random [--max-new-tokens 8192 --micro-batch 4 --gen-chunk 16]
      python eval.py answer-forms --task arithmetic --n-problems 24 --max-new-tokens 128 --threads 1
+     python eval.py deadend --n 200 --threads 1 [--json summary.json]   (evaluation/deadend.py)
 Table 6 (credit overhead) is measured by benchmarks/credit_overhead.py, in whole GRPO steps.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -56,6 +61,7 @@ from pathlib import Path
 import data
 import grpo
 from evaluation import bench, credit_page, figures, highflow, memory, probes
+from evaluation import deadend as twins
 from evaluation import recall as recall_probe
 from evaluation.harness import EvalError, fail, inputs, model_for, save
 from flowtracer import select_layers
@@ -110,6 +116,28 @@ def answer_forms(args):
     save(args, {"model": args.model, "summary": s}, highflow.forms_table(s, args), out)
     if s["n"] == 0:
         fail(f"empty result set: none of the {s['n_responses']} responses has an answer", 1)
+
+
+def deadend(args):
+    """Twin prompts, teacher-forced: where each signal's credit lands (evaluation/deadend.py); the first
+    pair drawn as <out>/pair.html, .png; --json: the summary alone."""
+    model, tok, style = model_for(args, "math")
+    if not data.style_fits(style, "math"):
+        fail(
+            f"--style {style}: the twins are arithmetic questions; use question, chat, plain or a "
+            "few-shot style"
+        )
+    cfg = credit_config(args)
+    recs, pairs, s = twins.probe(model, tok, args.n, args.seed, style, cfg, args.batch_size, args.model)
+    save(args, s, twins.report(s), pairs)
+    keys = ("model", "n", "seed", "signals", "paired", "variant", "verdict")
+    try:
+        page = twins.draw_pair(Path(args.out) / "pair", [r for r in recs if r["pair"] == 0])
+        if args.json:
+            Path(args.json).write_text(json.dumps({k: s[k] for k in keys}, indent=1))
+    except OSError as e:
+        fail(f"{e.filename}: cannot be written ({e.strerror})")
+    print(f"wrote {page[0]}, {page[1]}" + (f", {args.json}" if args.json else ""))
 
 
 # ----------------------------------------------------------------------------- plot (figures.py)
@@ -179,7 +207,8 @@ def parse(argv=None):
         p.error = ap.error  # every error reads "eval.py: error: ..."
         return p.set_defaults(func=fn) or p
 
-    def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True):
+    def cmd(name, fn, task="gsm8k", max_new=256, batch=8, problems=None, model=True, sampled=True):
+        """sampled=False: responses written, not generated (deadend): no --n-problems, --max-new-tokens."""
         p = command(name, fn)
         p.add_argument("--out", default=f"results/{name}", help="output directory")
         p.add_argument("--seed", type=int, default=0, help="seed for sampling, truncation points, selections")
@@ -203,14 +232,15 @@ def parse(argv=None):
             )
             if task:
                 p.add_argument("--task", default=task, choices=list(data.TASKS), help="the test split's task")
-            p.add_argument(
-                "--n-problems",
-                type=int,
-                default=problems,
-                help="N problems of the test split "
-                "(None: all); intervene, answer-forms: a seeded random sample, others: the first",
-            )
-            p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
+            if sampled:
+                p.add_argument(
+                    "--n-problems",
+                    type=int,
+                    default=problems,
+                    help="N problems of the test split "
+                    "(None: all); intervene, answer-forms: a seeded random sample, others: the first",
+                )
+                p.add_argument("--max-new-tokens", type=int, default=max_new, help="response budget")
             p.add_argument("--batch-size", type=int, default=batch, help="sequences per forward / generate")
         if model and task:
             p.add_argument(
@@ -294,6 +324,17 @@ def parse(argv=None):
         help="answer forms to compare with answer-only",
     )
     p.add_argument("--percents", type=int, nargs="+", default=highflow.PERCENTS, help="top K%% sets")
+    p = cmd("deadend", deadend, task=None, batch=12, sampled=False)
+    p.set_defaults(style="question", out="runs/deadend")  # deadend.py departure 5; results/deadend: kept
+    p.add_argument("--n", type=int, default=200, help="twin pairs (each: two twins and one planted-line row)")
+    p.add_argument(
+        "--layers",
+        default="middle",
+        help="the flow graph's attention layers: middle, early, late, all or A:B",
+    )
+    p.add_argument(
+        "--json", default=None, help="also write the summary alone (signals, paired, variant, verdict) here"
+    )
     memory.add_flags(command("memory", memory_table, epilog="and any grpo.py flag (python grpo.py --help)"))
     sub.add_parser("learn", help=CMDS["learn"][0], add_help=False)  # listed; main hands it to learn.py
     args, rest = ap.parse_known_args(argv)
@@ -343,6 +384,7 @@ def check_ranges(ap, args):
     for flag, problem in (
         ("--device", getattr(args, "device", None) and device_problem(args.device)),
         ("--out", getattr(args, "out", None) and directory.dir_problem(args.out)),
+        ("--json", getattr(args, "json", None) and json_problem(args.json)),
     ):
         if problem:  # a GPU that is not there, an --out that cannot be written: now
             ap.error(f"{flag} {problem}")
@@ -350,6 +392,13 @@ def check_ranges(ap, args):
         select_layers(getattr(args, "layers", None), 1000)
     except ValueError as e:
         ap.error(f"--layers: {e}")
+
+
+def json_problem(path):
+    """Why a --json file cannot be written there, as one sentence, or None (checked before a model loads)."""
+    if Path(path).is_dir():
+        return f"{path} is a directory"
+    return directory.dir_problem(Path(path).parent)
 
 
 def main(argv=None):

@@ -103,7 +103,9 @@ def model_for(args, task):
     except ValueError as e:  # e.g. 40:48 of a 30-layer model
         fail(f"--layers: {e}")
     context = getattr(model.config, "max_position_embeddings", None) or float("inf")
-    if args.max_new_tokens > context:  # positions the model has no embedding for
+    if (
+        getattr(args, "max_new_tokens", 0) > context
+    ):  # positions the model has no embedding for (deadend: none)
         fail(f"--max-new-tokens {args.max_new_tokens}: more than the model's {context} positions")
     kind = data.TASKS[task].task if task in data.TASKS else task
     return model, tok, auto_style(model_name, kind, args.style)

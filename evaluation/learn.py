@@ -9,11 +9,15 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
              seed, none a training question. Greedy accuracy (the recipe's --max-new-tokens, --gen-chunk),
              strict (data.reward: 1) and lenient (or answers.last_number_equal: math); step 0 (the
              recipe's model) evaluated by learn, once, shared; mean@k at the recipe's sampling (departure 4).
+  arms       grpo.py --credit values, default none, flow, random. random under the default --shaping topk
+             is flow's gamma at random places: gamma on ceil(top_frac n) tokens of each row, as flow's, drawn
+             uniformly, and all-1 on a row without an answer, as flow's fallback (shaping.py's prepare)
   statistics learn_report.py (stats.py) over seeds, the replicated unit: per arm, the mean gain (last step
-             - step 0) +- a 95% t interval; flow - none paired by seed: the mean difference, its t interval
-             and p, a two-level bootstrap (seeds, then questions), the exact sign-flip test (smallest p
-             2 / 2^S), for the last step and the area under the held-out curve; the seeds that a half-width
-             of 0.05 would need. A question-level table follows, labelled: conditional on the trained models.
+             - step 0) +- a 95% t interval; each arm - none paired by seed: the mean difference, its t
+             interval and p, a two-level bootstrap (seeds, then questions), the exact sign-flip test
+             (smallest p 2 / 2^S), for the last step and the area under the held-out curve; the secondary
+             endpoint, declared before the data: the training reward's area over steps 2..N; the seeds each
+             effect size needs. A question-level table follows, labelled: conditional on the trained models.
   outputs    <out>/learn.json (per arm the runs: seed, before, after, lenient, mean@k, the held-out curve with
              every evaluation's per-question results, the training reward per step; then the summary),
              learn.md (the tables), learn.png (held-out accuracy and training reward against step: each arm's
@@ -30,7 +34,7 @@ Departures (numbered):
  3. The training reward is grpo.py's reward/mean per step (figures.metric_series); skipped steps have none.
  4. mean@k at step 0 and the last step only, from the base model and the final checkpoint (grpo.py: greedy).
 
-Run: python eval.py learn --arms none,flow --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
+Run: python eval.py learn --arms none,flow,random --seeds 2 --eval-size 300 -- --dataset arithmetic --steps 40
      (learn's flags, then after -- grpo.py's, or -- --config recipe.yaml: the shared recipe; runs/learn/)
 """
 

@@ -2,14 +2,23 @@
 learn.json, learn.md (the tables) and learn.png (held-out accuracy and training reward against step).
 
     summarize(g, runs, finals)   -> the markdown, the three files written atomically into g.out
+    python -m evaluation.learn_report results/learn/learn.json [...]   -> saved grids' secondary endpoint and
+                                 the seeds each effect size needs, from learn.json alone (nothing is run)
 
 Statistics over seeds, the replicated unit (stats.py): per arm, the mean gain (last step - step 0) +- a 95% t
-interval; flow - none paired by seed: the mean difference, its t interval and p, a two-level bootstrap (seeds,
-then questions), the exact sign-flip test, for the last step and the area under the held-out curve; the seeds
-that a half-width of 0.05 would need. A question-level table follows, labelled: conditional on the trained
-models. learn.py's docstring gives the setting and its departures.
+interval; each arm - none paired by seed: the mean difference, its t interval and p, a two-level bootstrap
+(seeds, then questions), the exact sign-flip test, for the last step and the area under the held-out curve;
+the seeds that a half-width of 0.05 would need. A question-level table follows, labelled: conditional on the
+trained models. learn.py's docstring gives the setting and its departures.
 
-Run: python eval.py learn --arms none,flow --seeds 2 -- --dataset arithmetic --steps 40
+The secondary endpoint, declared before the data of every grid summarized from now on (SECONDARY): the
+training reward's area, reward_area, the mean of grpo.py's reward/mean over steps 2..N. Each step's prompts
+are new to the model (it has not trained on them) and the same in every arm of a seed, and step 1's rollouts
+are the same in every arm (the same weights), so steps 2..N are where the arms can differ; it reads every
+step, where the held-out curve reads two or four. learn.json records the declaration; a grid whose
+learn.json lacks it was summarized before, and its secondary endpoint is printed "chosen after the data".
+
+Run: python eval.py learn --arms none,flow,random --seeds 2 -- --dataset arithmetic --steps 40
 """
 
 import json
@@ -29,6 +38,8 @@ from evaluation.stats import (
 )
 from training.run import directory
 
+SECONDARY = "reward_area: the mean training reward over steps 2..N, each arm - none paired by seed"
+EFFECTS = (0.10, 0.05, 0.03, 0.02)  # differences the seeds table sizes for (80% power, paired t)
 QUESTION_KEYS = ("greedy", "greedy_lenient", "samples", "samples_lenient")  # per question, right of 1 / k
 SCORES = {"acc": "", "acc_lenient": "_lenient", "mean@k": "_mean@k", "mean@k_lenient": "_mean@k_lenient"}
 
@@ -68,14 +79,17 @@ def summarize(g, runs, finals):
                     "p_sign": p_sign,
                 }
         vs["auc"] = seed_test([by[s, arm]["auc"] for s in seeds], [by[s, "none"]["auc"] for s in seeds])
+        vs["reward_area"] = seed_test(*([reward_area(by[s, x]) for s in seeds] for x in (arm, "none")))
         if len(seeds) > 1:
+            vs["effect_seeds"] = effect_seeds(by, arm, seeds)
             sd = float(np.std([by[s, arm]["after"] - by[s, "none"]["after"] for s in seeds], ddof=1))
             vs["power"] = {
                 "sd_diff": sd,
                 "seeds_for_half_width_0.05": seeds_needed(sd, 0.05),
                 "seeds_for_80pct_power_at_0.05": seeds_needed(sd, delta=0.05),
             }
-    result = {**g.setting, "arms": runs, "summary": {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}}
+    result = {**g.setting, "secondary": SECONDARY, "arms": runs}
+    result["summary"] = {"per_arm": per_arm, "vs_none": vs_none, "bootstrap": B}
     directory.write_atomic(g.out / "learn.json", json.dumps(result))
     directory.write_atomic(g.out / "learn.md", table := report(g.setting, result["summary"], g.out))
     plot(g.out / "learn.png", runs)
@@ -117,6 +131,7 @@ def report(setting, summary, out):
     )
     rows, cond, power = [], [], []
     names = {"strict": "greedy strict", "lenient": "greedy lenient", "auc": "area (mean of steps > 0)"}
+    names["reward_area"] = "training reward, steps 2..N (secondary, declared before the data)"
     for a, v in ((a, v) for a, v in summary["vs_none"].items() if v["seeds"]):
         for sc, name in names.items():
             x = v[sc]
@@ -175,9 +190,95 @@ def report(setting, summary, out):
         + "\nPaired by seed, last step (and the area under the held-out curve):\n\n"
         + paired
         + ("\n" + "\n".join(power) + "\n" if power else "")
+        + seeds_markdown({a: v["effect_seeds"] for a, v in summary["vs_none"].items() if "effect_seeds" in v})
         + "\nSecondary, by (seed, question) pair: conditional on these trained models; not a test of the "
         "method:\n\n" + second
     )
+
+
+def reward_area(run):
+    """The secondary endpoint of one arm-seed: the mean of its training reward/mean over steps 2..N (a step
+    skipped by the dynamic filter has none and is left out)."""
+    xs = [v for step, v in run["reward"] if step >= 2]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+ENDPOINTS = {  # an arm-seed's number on each endpoint, for the seeds table
+    "held-out greedy, last step": lambda r: r["after"],
+    "held-out area (steps > 0)": lambda r: r["auc"],
+    "training reward, steps 2..N": reward_area,
+}
+
+
+def effect_seeds(by, arm, seeds):
+    """{endpoint: {"sd", "seeds"}}: the sd of the per-seed difference arm - none over `seeds` (by: (seed, arm)
+    -> run), and per effect size delta of EFFECTS the seeds per arm for 80% power to detect it, two-sided at
+    0.05, with a paired t test (stats.seeds_needed: the noncentral t, scipy)."""
+    out = {}
+    for name, f in ENDPOINTS.items():
+        try:
+            sd = float(np.std([f(by[s, arm]) - f(by[s, "none"]) for s in seeds], ddof=1))
+        except KeyError:  # a grid saved before this endpoint was recorded
+            continue
+        out[name] = {"sd": sd, "seeds": {f"{e:g}": seeds_needed(sd, delta=e) for e in EFFECTS}}
+    return out
+
+
+def seeds_markdown(tables):
+    """{arm: effect_seeds(...)} as a table: per endpoint the measured sd and the seeds each effect needs."""
+    if not tables:
+        return ""
+    rows = [
+        [f"{a} - none", name, f"{x['sd']:.3f}", *(x["seeds"][f"{e:g}"] or "> 10000" for e in EFFECTS)]
+        for a, t in tables.items()
+        for name, x in t.items()
+    ]
+    head = ["arms", "endpoint", "sd of the per-seed difference", *(f"δ = {e:g}" for e in EFFECTS)]
+    return (
+        "\nSeeds per arm for 80% power to detect a difference δ (paired t, two-sided 0.05), from the "
+        "measured sd:\n\n" + markdown(head, rows)
+    )
+
+
+def saved_grid(grids):
+    """The secondary endpoint and the seeds table of saved grids, [(learn.json's dict, its path)], their
+    arm-seeds pooled by (seed, arm) (grids of one recipe, other seeds), as markdown: "chosen after the data"
+    unless every grid's summary declared SECONDARY."""
+    by = {(r["seed"], a): r for grid, _ in grids for a, rs in grid["arms"].items() for r in rs}
+    arms = list(dict.fromkeys(a for _, a in by))
+    declared = all(grid.get("secondary") == SECONDARY for grid, _ in grids)
+    rows, tables = [], {}
+    for arm in (a for a in arms if a != "none" and "none" in arms):
+        seeds = sorted(s for s, a in by if a == arm and (s, "none") in by)
+        t = seed_test(*([reward_area(by[s, x]) for s in seeds] for x in (arm, "none")))
+        ci = "n/a" if not t["ci95"] else f"[{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
+        rows.append(
+            [f"{arm} - none", len(seeds), f"{t['diff']:+.3f}", ci, fmt_p(t["p_t"]), fmt_p(t["p_signflip"])]
+        )
+        if len(seeds) > 1:
+            tables[arm] = effect_seeds(by, arm, seeds)
+    head = ["arms", "seeds", "Δ", "95% t interval", "p (paired t)", "p (exact sign flip)"]
+    return (
+        f"{' + '.join(w for _, w in grids)}: the training reward's area over steps 2..N (the mean of "
+        f"reward/mean), paired by seed; "
+        f"{'declared before the data' if declared else 'chosen after the data'}:\n\n"
+        + markdown(head, rows)
+        + seeds_markdown(tables)
+    )
+
+
+def main(argv=None):
+    """python -m evaluation.learn_report LEARN_JSON [...]: saved_grid's markdown, printed."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m evaluation.learn_report", description=saved_grid.__doc__)
+    ap.add_argument("learn_json", nargs="+", help="grids' learn.json files (eval.py learn's), pooled by seed")
+    args = ap.parse_args(argv)
+    try:
+        print(saved_grid([(json.loads(Path(f).read_text()), f) for f in args.learn_json]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"{' '.join(args.learn_json)}: not learn.json files of eval.py learn ({e})")
 
 
 def plot(path, runs):
@@ -204,3 +305,7 @@ def plot(path, runs):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

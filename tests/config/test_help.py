@@ -207,6 +207,7 @@ def test_eval_lists_every_command_with_its_usage(capsys):
         "credit",
         "learn",
         "answer-forms",
+        "deadend",
     }
     with pytest.raises(SystemExit):
         ev.main(["learn", "--help"])
