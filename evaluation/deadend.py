@@ -60,7 +60,7 @@ Departures (numbered; eval.py's are 1-4):
 
 Run: python eval.py deadend --n 200 --threads 1 --json runs/deadend/summary.json   (writes runs/deadend/;
      the measured run, its command and its time: results/deadend/README.md)
-Test: python -m pytest -q tests/test_deadend.py
+Test: python -m pytest -q tests/evaluation/test_deadend.py
 """
 
 import random
