@@ -8,7 +8,8 @@ LLMs" (Dong, Li et al., Shanghai Jiao Tong University and Alibaba), §3.1-3.3 an
     trace_flow        eq. 1-4: DAG weights W, answer reachability h, reweighted W', flow f, throughput tau
     flow_credit       eq. 5-6: gamma on the top 40% response tokens by throughput, 1 elsewhere: a Credit
     register_attention   names the attention "sdpa_capture" (it fills a Capture) and its mask (no empty
-                      rows) to transformers: training/model/load.py's load_model calls it for every model
+                      rows) to transformers, and "eager_capture" (the model's own eager attention fills it:
+                      Gemma-2, GPT-OSS); training/model/load.py's load_model calls it for every model
     The same maps from a forward of their own (attention_graph: the probes, the baselines) or from a forward
     you do not call yourself (capturing: TRL's): training/credit/attention.py.
 One default micro-batch of grpo.py reads, in order: Capture -> token_logprobs -> cap.maps -> trace_flow ->
@@ -50,7 +51,8 @@ Departures from the paper (numbered):
     in two fused Triton kernels that never hold an (H, T, T) tensor (gpu_kernels/head_mean.py), chosen once
     per run where they can run (head_mean_kernel, below: CUDA, Triton, a C compiler; else add_head_mean,
     the PyTorch reference in flowtracer.py, and one line saying why). Padding query rows and
-    padding keys are zero (eager gives padding queries uniform rows).
+    padding keys are zero (eager gives padding queries uniform rows). A model SDPA cannot compute
+    (Gemma-2, GPT-OSS) keeps App. C.2's eager path: its own probabilities (eager_capture_attention).
 
 Run the tests: python -m pytest -q tests/test_flowtracer.py
 Time it:       python benchmarks/flow_speed.py
@@ -59,12 +61,13 @@ Time it:       python benchmarks/flow_speed.py
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 goes down to ~1e-308
 
@@ -73,9 +76,13 @@ H_FLOOR = 1e-250  # departure 1: below this, h counts as 0 (unreachable); fp64 g
 # How, without the L*H*T*T tensor of eager attention's output_attentions=True: an attention function
 # "sdpa_capture" (transformers' AttentionInterface) returns sdpa's output and, when the forward was given a
 # Capture, recomputes the chosen layers' softmax(Q K^T * scaling + mask) in fp32 and sums its heads into one
-# (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE. register_attention (below)
-# names it to transformers; nothing is registered on import.
+# (B, T, T) buffer on the Capture. Q and K arrive after q/k-norm (Qwen3) and RoPE. A model that SDPA cannot
+# compute (Gemma-2's logit soft-capping, GPT-OSS's attention sinks) runs "eager_capture" instead: its own
+# eager attention, whose probabilities the chosen layers hand to the Capture as they are. register_attention
+# (below) names both to transformers; nothing is registered on import. Which one a model runs:
+# training/credit/attention.py's capture_impl, the one place.
 IMPL = "sdpa_capture"
+EAGER_IMPL = "eager_capture"
 LAYER_SPECS = (
     "None or 'middle' (L//3 .. 2L//3-1), 'early' (0 .. L//3-1), 'late' (2L//3 .. L-1), 'all', "
     "'fig6-early' | 'fig6-middle' | 'fig6-late' (Fig. 6: 0-14, 15-24, 25-35 of 36, scaled), "
@@ -136,8 +143,10 @@ class Capture:
         self.W = None  # (B, T, T) fp32: sum over the layers taken of their head means
         self.seen = set()  # layers taken (a replay in backward takes nothing new)
 
-    def take(self, layer, query, key, attention_mask, scaling):
-        """Called by capture_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE."""
+    def take(self, layer, query, key, attention_mask, scaling, probs=None):
+        """Called by capture_attention with the layer's Q (B, H, T, d) and K (B, Hkv, S, d), after RoPE; by
+        eager_capture_attention also with `probs` (B, H, T, S), the probabilities the model's own eager
+        attention computed: their head mean is summed as they are, not recomputed."""
         if layer not in self.layers:
             return
         if layer in self.seen:
@@ -155,14 +164,17 @@ class Capture:
                 "make a new Capture for each forward"
             )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        self.head_mean(
-            self.W[:, S - T : S, :S],
-            query.detach(),
-            key.detach(),
-            attention_mask,
-            scale,
-            self.chunk or auto_chunk(B, H, S),
-        )
+        if probs is not None:  # the model's own probabilities (eager_capture_attention)
+            self.W[:, S - T : S, :S] += probs.detach().sum(1, dtype=torch.float32).div_(H)  # (B, T, S)
+        else:
+            self.head_mean(
+                self.W[:, S - T : S, :S],
+                query.detach(),
+                key.detach(),
+                attention_mask,
+                scale,
+                self.chunk or auto_chunk(B, H, S),
+            )
         self.seen.add(layer)
         if self.stop and layer == self.last:
             raise _Stop
@@ -263,6 +275,23 @@ def capture_attention(module, query, key, value, attention_mask, scaling=None, f
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+def eager_capture_attention(
+    module, query, key, value, attention_mask, scaling=None, flow_capture=None, **kwargs
+):
+    """AttentionInterface function for a model whose attention SDPA cannot compute: the model's own eager
+    attention (`eager_attention_forward` of its modeling file: soft-capping, sinks, the sliding window's
+    mask, as the model computes them) on every layer, and into `flow_capture`, when the forward was given
+    one, the head mean of the probabilities it returns (Capture.take's probs; the chosen layers only). The
+    map is then the attention the model computes, in its dtype (bf16 probabilities under bf16), after its
+    attention dropout where a config trains with one (Gemma-2's and GPT-OSS's: 0), sinks' mass left out
+    (GPT-OSS: rows sum to < 1, which trace_flow takes)."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    out, probs = eager(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if flow_capture is not None:
+        flow_capture.take(getattr(module, "layer_idx", None), query, key, attention_mask, scaling, probs)
+    return out, probs
+
+
 def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **kwargs):
     """transformers' sdpa mask, (B, 1, q, kv) bool or None (causal, no padding), except that a query may
     always read its own key. A left-padding query (data.build_batch, HF generate's prompts) reads no key
@@ -280,12 +309,15 @@ def sdpa_mask_no_empty_rows(batch_size, q_length, kv_length, q_offset=0, kv_offs
 
 def register_attention():
     """Register "sdpa_capture" with transformers, once per process: the attention function (sdpa's output,
-    plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows). Called by
+    plus the maps when a forward is given a Capture) and its mask function (sdpa's, no empty rows); and
+    "eager_capture" (the model's eager attention, plus the maps) with transformers' eager mask. Called by
     training/model/load.py's load_model before it loads a model, and by use_capture_attention; importing
-    this module registers nothing. Only the name "sdpa_capture" is registered: a model under transformers'
-    "sdpa" keeps transformers' own mask (tests/credit/test_attention.py)."""
+    this module registers nothing. Only these two names are registered: a model under transformers'
+    "sdpa" or "eager" keeps transformers' own (tests/credit/test_attention.py)."""
     AttentionInterface.register(IMPL, capture_attention)
     AttentionMaskInterface.register(IMPL, sdpa_mask_no_empty_rows)
+    AttentionInterface.register(EAGER_IMPL, eager_capture_attention)
+    AttentionMaskInterface.register(EAGER_IMPL, eager_mask)
 
 
 # ----------------------------------------------------------------------------- eq. 1-4: the flow

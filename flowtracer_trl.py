@@ -20,7 +20,10 @@ Departures from grpo.py (numbered):
  1. The engine is TRL's: advantages (r - mean) / (std + 1e-4) per group (no +-2 clip), no dual-clip, TRL's
     sampling and loss aggregation (loss_type "grpo" by default here: eq. 5's 1/G sum_i 1/N_i sum_t).
  2. --credit-pass fused (the default, for grpo.py's fused signals: flow, attention, entropy, none, random):
-    TRL's own training forward captures the attention (attention.capturing) and gives the entropy; gamma is
+    TRL's own training forward captures the attention (attention.capturing: SDPA's, or a model's own eager
+    attention where transformers runs it without SDPA, Gemma-2, GPT-OSS; a model whose attention runs outside
+    transformers' AttentionInterface is refused at construction by the credits that read maps, in one line)
+    and gives the entropy; gamma is
     computed from them right after that forward and multiplies the batch's advantages before TRL's loss reads
     them (TRL 1.16's _compute_loss reads inputs["advantages"] after _get_per_token_logps_and_entropies: trl is
     pinned, and trl_problem() checks it). --credit-pass separate (and the other signals): a no-grad credit
@@ -50,6 +53,7 @@ Our flags (--model, --dataset, --credit, --top-frac, ...) as in grpo.py; any oth
 (training/config/trl_setup.py: the flags, grpo.py's defaults, the policy, prompts and rewards handed to the
 trainer).
 Test: python -m pytest -q tests/test_flowtracer_trl.py tests/test_flowtracer_trl_two_process.py
+      tests/model/test_eager_capture.py
 Time: python benchmarks/peer_trl.py
 """
 
@@ -77,10 +81,10 @@ except ImportError as e:  # no TRL: one line from the command line
 
 import grpo
 from data import Batch, build_batch, take
-from flowtracer import select_layers
+from flowtracer import EAGER_IMPL, select_layers
 from tasks.answers import PatternError, answer_token_range, pattern_problem
 from training.config import trl_setup
-from training.credit import baselines, scoring
+from training.credit import attention, baselines, scoring
 from training.credit.attention import capturing
 from training.decode.rollout import prompt_ids
 from training.run import log
@@ -153,6 +157,12 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         if problem := trl_problem(self):
             raise ValueError(problem)
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
+        policy = self.accelerator.unwrap_model(self.model)
+        maps, impl = self.credit_cfg.credit in attention.MAP_CREDITS, attention.capture_impl(policy)
+        if maps and impl is None:  # its attention gives no maps: one line, before any generation
+            raise ValueError(attention.capture_problem(policy, self.credit_cfg.credit))
+        if maps and impl == EAGER_IMPL:
+            print(attention.eager_line(policy))
         self.separate_why = self.separate_reason()  # departure 2
         self.fused, self._loss_inputs = not self.separate_why, None
         if self._dist.is_zero3 and not self.args.ds3_gather_for_generation:

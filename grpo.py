@@ -16,7 +16,8 @@ eq. 10-11, App. C):
 Read one step in four files: this one top to bottom (train, grpo_step, update, the GRPO math), flowtracer.py
 (Capture, trace_flow, flow_credit), data.py (reward), and the signature of training/decode/rollout.py's
 `generate`. A forward fills a Capture because training/model/load.py's load_model runs every model under the
-attention "sdpa_capture" (one call, flowtracer.register_attention; an import registers nothing). Behind one
+attention "sdpa_capture" (a model transformers runs without SDPA, Gemma-2 or GPT-OSS: "eager_capture", its own
+eager attention; one call, flowtracer.register_attention; an import registers nothing). Behind one
 call each (README, "The layout"): every other credit, the shared-prompt update, the optimizer, the run's
 files, setup; the rollout, update and evaluation run through training/memory/backoff.py: out of memory, they
 go on smaller.

@@ -25,6 +25,7 @@ import torch
 import data
 from evaluation import probes
 from flowtracer import select_layers
+from training.decode.rollout import prefix_problem
 from training.model.load import adapter_dir, load_model
 from training.run import checkpoint as ckpt_io
 from training.run import directory
@@ -89,6 +90,8 @@ def save(args, result, table, rows=None):
 
 
 def model_for(args, task):
+    """(model, tokenizer, prompt style) of eval.py's --model for `task`, seeded, with --layers and
+    --max-new-tokens checked against it; a rollout fallback the model needs said in one line."""
     model_name = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,6 +110,8 @@ def model_for(args, task):
         getattr(args, "max_new_tokens", 0) > context
     ):  # positions the model has no embedding for (deadend: none)
         fail(f"--max-new-tokens {args.max_new_tokens}: more than the model's {context} positions")
+    if problem := prefix_problem(model):  # rollout.generate falls back to HF generate: said once, here
+        print(f"rollout: HF generate reads each row's prompt (no shared prefix): {problem}")
     kind = data.TASKS[task].task if task in data.TASKS else task
     return model, tok, auto_style(model_name, kind, args.style)
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from gpu_kernels.availability import unavailable
@@ -162,11 +163,14 @@ class PromptKV(DynamicCache):
     backward (update() never grows the cache). Prompt pass (no `which`): each layer's (k, Hkv, P, hd) keys
     and values are kept (a replay keeps its own again). Response pass (`prompts`, `which`: row -> prompt):
     layer l reads [keys of row b's prompt | its own] and keeps nothing; the row selection runs inside the
-    layer, so only the k prompts' keys and values wait for backward, not B copies."""
+    layer, so only the k prompts' keys and values wait for backward, not B copies. Every layer is a plain
+    DynamicLayer, a sliding-window layer's too (Gemma-2, GPT-OSS): it keeps the prompt whole and the mask
+    applies the window, as in one pass over the rows (transformers' sliding layer would size the mask to a
+    cache it fills itself, not to the keys given here)."""
 
     def __init__(self, config, prompts=None, which=None):
         super().__init__(config=config)
-        self.which = which
+        self.layers, self.which = [DynamicLayer() for _ in self.layers], which
         for layer, old in zip(self.layers, prompts.layers if prompts is not None else []):
             layer.lazy_initialization(old.keys, old.values)
             layer.keys, layer.values = old.keys, old.values

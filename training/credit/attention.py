@@ -7,18 +7,32 @@ middle layers is the DAG W of eq. 1. grpo.py takes it inside its training forwar
                                                                               after the last chosen layer
     with capturing(model, mask, layers) as cap: model(...)     -> cap.attn    TRL's training forward
     use_capture_attention(model)                                           the attention function that
-                                                                              takes the maps ("sdpa_capture")
+                                                                              takes the maps (capture_impl)
+    capture_impl(model)      "sdpa_capture", "eager_capture" or None: which the model runs, chosen here alone
+    capture_problem(model)   the one line that refuses a credit reading maps on a model without either
 
 App. C.2 runs the eager attention path to materialise all maps; these recompute only the chosen layers' maps
 in query chunks (flowtracer.add_head_mean, equal to eager to 1e-5 in tests/credit/test_attention.py), far less
 memory. Padding query rows and padding keys are zero (eager gives padding queries uniform rows).
+A model that SDPA cannot compute (transformers' _supports_sdpa False: Gemma-2's logit soft-capping,
+GPT-OSS's attention sinks; forcing SDPA would drop them) keeps its own eager attention ("eager_capture",
+flowtracer.eager_capture_attention), whose probabilities the chosen layers hand over as they are: the flow
+is that of the attention the model computes, and each layer then holds its (B, H, T, T) probabilities
+(training/memory/terms.py's eager_saved). A model whose attention does not run through transformers'
+AttentionInterface can be neither: the credits that read maps (flow, attention, fai) refuse it at
+construction, in one line naming the credits that read none (capture_problem).
 
 Run the tests: python -m pytest -q tests/credit/test_attention.py
 """
 
-import torch
+import sys
 
-from flowtracer import IMPL, Capture, _Stop, register_attention, select_layers
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from flowtracer import EAGER_IMPL, IMPL, Capture, _Stop, register_attention, select_layers
+
+MAP_CREDITS = ("flow", "attention", "fai")  # the --credit signals that read attention maps
 
 
 def _check_inputs(input_ids, attention_mask, chunk):
@@ -34,7 +48,8 @@ def _check_inputs(input_ids, attention_mask, chunk):
 
 class capturing:
     """Context manager for a forward that you do not call yourself (TRL's training forward): `model`'s next
-    decoder forward is given a Capture (a pre-hook adds flow_capture=...), under the "sdpa_capture" attention.
+    decoder forward is given a Capture (a pre-hook adds flow_capture=...), under the capture's attention
+    (capture_impl).
     After the block, `.attn` is the (B, T, T) layer mean, zero on padding, as attention_graph returns it.
 
         with capturing(model, mask, "middle") as cap:
@@ -55,20 +70,63 @@ class capturing:
 
     def __exit__(self, *exc):
         self.hook.remove()
-        if self.old != IMPL:
+        if self.old != self.model.config._attn_implementation:
             self.model.set_attn_implementation(self.old)
         if exc[0] is None:
             self.attn = self.state.maps(self.mask)
         return False
 
 
+def capture_impl(model):
+    """The attention function under which `model` (a model, a peft model's base, a class, or a config: its
+    causal LM's) gives a Capture its maps, chosen here alone: "sdpa_capture" where transformers runs the
+    class under SDPA, "eager_capture" (its own eager attention, wrapped) where it does not, None where the
+    class does not run its attention through transformers' AttentionInterface (neither can be put in)."""
+    if isinstance(model, PretrainedConfig):
+        cls = AutoModelForCausalLM._model_mapping[type(model)]
+    else:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        cls = base if isinstance(base, type) else type(base)
+    if not cls._can_set_attn_implementation():  # its attention ignores AttentionInterface (transformers')
+        return None
+    if cls._supports_sdpa:
+        return IMPL
+    own = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    return EAGER_IMPL if callable(own) else None
+
+
+def capture_problem(model, credit=None):
+    """The one line that refuses a credit reading attention maps (`credit`; None: the caller's) on a model
+    whose attention can be neither captured nor wrapped (capture_impl None: the caller has asked)."""
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    return (
+        f"{f'--credit {credit}' if credit else 'this credit'} reads attention maps, and {name} runs its "
+        f"attention outside transformers' AttentionInterface (neither SDPA nor its eager attention can be "
+        f"captured): train it with a credit that reads none (--credit entropy, none)"
+    )
+
+
+def eager_line(model):
+    """The one line that says a model gives its maps from its own eager attention (capture_impl
+    "eager_capture": the caller has asked)."""
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    return (
+        f"attention: {name} runs without SDPA in transformers (as Gemma-2's soft-capping and GPT-OSS's "
+        f"sinks need): its own eager attention gives the maps, each layer holding its (B, H, T, T) "
+        f"probabilities"
+    )
+
+
 def use_capture_attention(model):
-    """Switch `model` to the "sdpa_capture" attention function (sdpa + the capture); returns the old name."""
-    old = model.config._attn_implementation
-    if old != IMPL:
+    """Switch `model` to its capture attention (capture_impl: sdpa + the capture, or its own eager attention +
+    the capture); returns the old name. A model with none: ValueError (capture_problem's line)."""
+    old, impl = model.config._attn_implementation, capture_impl(model)
+    if impl is None:
+        raise ValueError(capture_problem(model))
+    if old != impl:
         register_attention()
-        model.set_attn_implementation(IMPL)
-    if model.config._attn_implementation != IMPL:
+        model.set_attn_implementation(impl)
+    if model.config._attn_implementation != impl:
         raise ValueError(f"{type(model).__name__} cannot switch to a custom AttentionInterface function")
     return old
 
@@ -99,7 +157,7 @@ def attention_graph(model, input_ids, attention_mask, layers=None, chunk=None):
     except _Stop:
         pass
     finally:
-        if old_impl != IMPL:
+        if old_impl != model.config._attn_implementation:
             model.set_attn_implementation(old_impl)
         model.train(was_training)
     return cap.maps(mask)  # layer mean, zero on padding

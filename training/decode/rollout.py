@@ -120,7 +120,8 @@ def generate(
     prompts share (the few-shot exemplars) is prefilled once per call; each chunk of rows prefills its
     prompts' own suffixes once on top of it and copies each prompt's KV cache to its rows; `decode` then
     samples every row of the chunk from there. share_prefix=False: HF generate on the n-times-repeated,
-    left-padded rows (the reference the shared path is tested against, and a fallback).
+    left-padded rows (the reference the shared path is tested against, and a fallback: also a model with
+    sliding-window layers, prefix_problem).
     `extra` goes to HF generate and turns sharing off (e.g. cache_implementation="static").
     On CUDA the shared path decodes with engine.Engine instead of `decode` (static cache, CUDA graphs,
     `decode` again for the chunk and the calls after it once the engine has stopped: Engine.stop;
@@ -190,7 +191,7 @@ def generate(
             pad,
             sampling.warp,
         )
-    share = share_prefix and (not extra or eng is not None)
+    share = share_prefix and (not extra or eng is not None) and prefix_problem(model) is None
     out = done if done is not None else Generations([], [], [], [])  # the rows so far: appended to
     modes = [m.training for m in model.modules()]
     model.eval()  # no dropout, no checkpointing (it would drop the cache)
@@ -236,6 +237,18 @@ def generate(
         for m, mode in zip(model.modules(), modes):  # each module's mode, as it came
             m.training = mode
     return out
+
+
+def prefix_problem(model):
+    """Why the rollouts of `model` (or of a model of this config) cannot read each prompt once (departure 1),
+    or None: its sliding-window layers (Gemma-2, GPT-OSS; those transformers' cache gives a sliding layer). A
+    row of prefill_rows is laid out [shared prefix | pads | suffix], and transformers' window counts
+    columns, pads included: it would reach fewer prefix tokens than the update's rows ([pads | prompt |
+    response]) read, so the rollouts would sample another distribution than the one trained. generate
+    decodes such a model with HF generate; run.setup says so in one line."""
+    if not any(DynamicCache(config=getattr(model, "config", model)).is_sliding):  # an empty cache: no tensor
+        return None
+    return "its sliding-window layers would count the pads between the shared prefix and a prompt's rest"
 
 
 def left_pad(rows, pad, device):

@@ -61,6 +61,12 @@ Departures (numbered):
     forward and two gradients of that size in the backward (terms.math_scores), where a fused kernel
     keeps a logsumexp and an fp32 dQ. fp16 and fp32 there run the memory-efficient kernel: counted as the
     fused one. Not measured on such a card.
+ 7. A model that transformers runs without SDPA (Gemma-2, GPT-OSS: the attention "eager_capture") keeps each
+    layer's probabilities for backward (terms.eager_saved, held to the count of their attention), and makes
+    its scores and their gradients as SDPA's math kernel does (math_scores); the rest of such a layer
+    (Gemma-2's four norms and GELU, GPT-OSS's experts) is counted as Qwen3's, not held to a measure. Its
+    sliding-window layers send the rollouts to HF generate (rollout.prefix_problem): no shared prefix, no
+    engine.
 
 Run: python eval.py memory --model qwen3-4b-random      (the table of this estimate, in a second)
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
@@ -138,12 +144,13 @@ def estimate(
 
 
 def engine_bytes(cfg, s, widest, n_eval) -> int:
-    """The run's decode engine's K, V buffers on CUDA (none on the CPU, or without --share-prefix): 2 L Hkv hd
+    """The run's decode engine's K, V buffers on CUDA (none on the CPU, without --share-prefix or on a model
+    with sliding-window layers, whose rollouts HF generate decodes: Shapes.shared_rollout): 2 L Hkv hd
     S e in the matmul width, S the widest prompt + R in multiples of 64 (engine.ALIGN), e the rows
     preflight.make_engine reserves (engine_rows)."""
     positions = 64 * -(-(widest - 1 + s.R) // 64)
     rows = engine_rows(cfg, n_eval)
-    return s.cuda * cfg.share_prefix * 2 * s.L * s.Hkv * s.hd * positions * rows * s.matmul_bytes
+    return s.cuda * s.shared_rollout * 2 * s.L * s.Hkv * s.hd * positions * rows * s.matmul_bytes
 
 
 def resident(cfg, mc, s, engine) -> dict:
@@ -174,9 +181,9 @@ def generation_phase(cfg, mc, s, held, engine, n_eval) -> dict:
             continue
         widths = (s.matmul_bytes, s.residual_bytes)
         chunk = (
-            engine_generation(mc, rows, n, s.P, *widths, s.math)
+            engine_generation(mc, rows, n, s.P, *widths, s.math or s.eager)
             if engine
-            else generation(mc, rows, n, s.P, s.R, *widths, cfg.share_prefix, s.math)
+            else generation(mc, rows, n, s.P, s.R, *widths, s.shared_rollout, s.math or s.eager)
         )
         phase = {**held, "grads": 0, **chunk}
         phase["KV cache"] += engine  # the engine's buffers beside the chunk
@@ -198,9 +205,11 @@ class Forward(NamedTuple):
         old = s.B * s.R * 4 * ((cfg.num_iterations > 1) + (cfg.beta > 0))  # old, reference log-probs, fp32
         layer = s.b * s.Tq * (3 * s.I * s.matmul_bytes + 2 * s.D * 4 + s.T * s.matmul_bytes)  # + float mask
         layer += s.b * s.Tq * 2 * max([o for _, o in s.adapters[0]], default=0) * s.matmul_bytes  # LoRA's B
-        layer += math_scores(s.b, s.Hq, s.Tq, s.T) * s.math  # the math kernel's scores, probs
+        layer += math_scores(s.b, s.Hq, s.Tq, s.T) * (s.math or s.eager)  # the scores, probs (eager's too)
         return cls(
-            layer_saved(mc, s.T, s.matmul_bytes, s.residual_bytes, lora=s.adapters, math=s.math),
+            layer_saved(
+                mc, s.T, s.matmul_bytes, s.residual_bytes, lora=s.adapters, math=s.math, eager=s.eager
+            ),
             kept_after(cfg, mc, s, s.L),
             s.B * s.T * (2 * 8 + 3) + s.b * s.Tq * s.T * (s.Hq > s.Hkv) + old,  # ids, masks; sdpa's
             layer,
@@ -222,6 +231,7 @@ def kept_after(cfg, mc, s, n):
         cfg.grad_checkpointing,
         s.adapters,
         s.math,
+        s.eager,
     )
 
 
@@ -298,8 +308,8 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
     b, Tq, T, D, V, matmul = s.b, s.Tq, s.T, s.D, s.V, s.matmul_bytes
     head_grad = V * D * s.weight_bytes * (not s.lora)
     tied = bool(getattr(mc, "tie_word_embeddings", False))
-    dq = s.cuda * b * s.Hq * Tq * s.hd * 4 * (not s.math)  # the math kernel: its dP, dS
-    dq += math_scores(b, s.Hq, Tq, T) * s.math
+    dq = s.cuda * b * s.Hq * Tq * s.hd * 4 * (not (s.math or s.eager))  # math or eager: dP, dS
+    dq += math_scores(b, s.Hq, Tq, T) * (s.math or s.eager)
     final = b * Tq * (4 * D + (1 + (not s.lora)) * D * s.residual_bytes)  # LoRA: no normalised value kept
     log_softmax = b * s.c * V * (4 + matmul * (matmul != 4))  # a chunk's fp32 logits (+ their cast)
     chunk = max(3 * b * s.c * V * 4, log_softmax + head_grad) + (s.R > s.c) * head_grad

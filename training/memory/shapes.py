@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from flowtracer import EAGER_IMPL
+from training.credit.attention import capture_impl
+from training.decode.rollout import prefix_problem
 from training.memory.terms import prefilled_rows
 from training.model.trainable import precision
 
@@ -139,6 +142,8 @@ class Shapes(NamedTuple):
     kahan: bool  # bf16 weights and AdamW states + Kahan compensation (policy.py departure 1)
     lora: bool  # frozen base, fp32 adapters (departure 5)
     math: bool  # SDPA's math kernel: no fused kernel takes the dtype on this card
+    eager: bool  # the model's own eager attention (capture_impl): each layer keeps its probabilities
+    shared_rollout: bool  # rollouts read each prompt once: --share-prefix, no sliding window (prefix_problem)
     autocast: bool  # a bf16 / fp16 autocast over the forward
     adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
     adapter_params: int  # every adapter's parameters (fp32)
@@ -179,6 +184,8 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
         kahan=kahan,
         lora=lora,
         math=prec.math_sdpa,
+        eager=capture_impl(mc) == EAGER_IMPL,  # Gemma-2, GPT-OSS: no SDPA in transformers (terms.eager_saved)
+        shared_rollout=cfg.share_prefix and prefix_problem(mc) is None,  # else HF generate, no engine
         autocast=prec.autocast is not None,
         adapters=(adapted, rank, prec.autocast is not None),
         adapter_params=L * rank * sum(i + o for i, o in adapted),

@@ -92,21 +92,34 @@ def kept(mc, n, layer_bytes, residual_bytes, checkpointed, lora=()):
 
 
 def update_kept(
-    mc, n, b, k, P, T, matmul_bytes, residual_bytes, checkpointed, lora=((), 0, False), math=False
+    mc,
+    n,
+    b,
+    k,
+    P,
+    T,
+    matmul_bytes,
+    residual_bytes,
+    checkpointed,
+    lora=((), 0, False),
+    math=False,
+    eager=False,
 ):
     """Bytes the update's forward over b rows of T tokens keeps after n decoder layers: one pass (kept), or,
     with k < b distinct prompts (policy.response_states), the prompt pass over k x P tokens, the response
     pass over b x (T - P) queries, and per layer the keys and values the responses read: unchecked, sdpa's of
     the b x P prompt columns (GQA: repeated to the query heads); checkpointed, PromptKV's of the k prompts,
     which wait for the layers' replay in backward (the b rows' copies are made inside the replayed layer).
-    math: the attention runs on SDPA's math kernel (layer_saved)."""
+    math: the attention runs on SDPA's math kernel; eager: the model's own eager attention (layer_saved)."""
     if k == b:
-        per_token = layer_saved(mc, T, matmul_bytes, residual_bytes, lora=lora, math=math)
+        per_token = layer_saved(mc, T, matmul_bytes, residual_bytes, lora=lora, math=math, eager=eager)
         return b * T * kept(mc, n, per_token, residual_bytes, checkpointed, lora[0])
     hd = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     heads = mc.num_key_value_heads if checkpointed else max(mc.num_attention_heads, mc.num_key_value_heads)
     kv = 2 * matmul_bytes * hd * (k if checkpointed else b) * heads  # PromptKV's of the k prompts; sdpa's
-    prompt, rows = (layer_saved(mc, t, matmul_bytes, residual_bytes, lora=lora, math=math) for t in (P, T))
+    prompt, rows = (
+        layer_saved(mc, t, matmul_bytes, residual_bytes, lora=lora, math=math, eager=eager) for t in (P, T)
+    )
     return (
         k * P * kept(mc, n, prompt, residual_bytes, checkpointed, lora[0])
         + n * P * kv
@@ -125,7 +138,9 @@ def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
     return 4 * (b * (Tq or T) * Hq * hd + b * T * Hkv * hd + 2 * b * Hq * T * c + 2 * b * T * c)
 
 
-def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, False), math=False):
+def layer_saved(
+    mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, False), math=False, eager=False
+):
     """Bytes per token that one decoder layer (HF Qwen3 / Llama, sdpa) saves for its backward, i.e. what the
     recomputation in backward re-creates under checkpointing. Counted op by op (autograd saves an operand
     only where the other one needs a gradient): each RMSNorm its fp32 input (or fp32 copy), the normalised
@@ -136,7 +151,10 @@ def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, F
     lora = (the adapted linears' [(in, out)], rank, cuda): frozen norm weights keep no normalised value, and
     each adapter keeps its A's output (r); on CUDA peft casts each adapter's input to fp32 and autocast back
     to bf16, a copy of the input per adapter, where the frozen base's matmul keeps none (departure 5).
-    math: sdpa runs its math kernel, which saves other tensors (sdpa_saved)."""
+    math: sdpa runs its math kernel, which saves other tensors (sdpa_saved). eager: the model runs its own
+    eager attention (flowtracer's "eager_capture": Gemma-2, GPT-OSS), which keeps its probabilities
+    (eager_saved); the rest of the layer is counted as Qwen3's / Llama's (Gemma-2's four norms and GELU,
+    GPT-OSS's experts are not held to a count)."""
     D, I, Hq, Hkv = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads
     hd = getattr(mc, "head_dim", None) or D // Hq
     q, k, qwen, gqa = Hq * hd, Hkv * hd, mc.model_type == "qwen3", padded and Hq > Hkv
@@ -145,7 +163,11 @@ def layer_saved(mc, T, matmul_bytes, residual_bytes, padded=True, lora=((), 0, F
         4 * D + residual_bytes * D + matmul_bytes * D
     )  # input, post-attn
     qk_norms = qwen * (4 + matmul_bytes) * (q + k)
-    sdpa = sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math)
+    sdpa = (
+        eager_saved(mc, q, T, matmul_bytes)
+        if eager
+        else sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math)
+    )
     rsqrt = 4 * (2 + qwen * (Hq + Hkv))
     lin, r, cuda = lora
     if lin:  # LoRA's terms (departure 5)
@@ -167,6 +189,21 @@ def sdpa_saved(q, k, Hq, T, matmul_bytes, gqa, padded, math=False):
     if math:
         return 3 * 4 * q + matmul_bytes * q + 4 * Hq * T
     return matmul_bytes * (q + (2 * q if gqa else 2 * k) + q + padded * T) + 4 * Hq
+
+
+def eager_saved(mc, q, T, matmul_bytes):
+    """Bytes per query the model's own eager attention saves for its backward (eager_attention_forward of
+    its modeling file, under "eager_capture"), counted op by op: q, K and V repeated to the Hq heads, and
+    the output, q wide each; then the probabilities, (b, Hq, Tq, T): softmax's fp32 output and its cast to
+    the matmul dtype (Llama's eager, Gemma-2's), after Gemma-2's soft-cap the tanh's output too; GPT-OSS's
+    softmax runs in the matmul dtype over the T keys and its sink, and keeps the max's int64 indices.
+    Equal to track_peak's count of Gemma-2's and GPT-OSS's attention in both dtypes (tests/
+    test_eager_capture.py)."""
+    Hq, mb = mc.num_attention_heads, matmul_bytes
+    if mc.model_type == "gpt_oss":  # sinks: one more logit a row, softmax in the matmul dtype
+        return 4 * q * mb + Hq * (T + 1) * mb + 8 * Hq
+    softcap = getattr(mc, "attn_logit_softcapping", None) is not None  # Gemma-2: tanh keeps its output
+    return 4 * q * mb + Hq * T * (4 + mb * (mb != 4) + softcap * mb)
 
 
 def math_scores(b, Hq, Tq, T):

@@ -50,7 +50,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from flowtracer import IMPL, register_attention
+from flowtracer import register_attention
+from training.credit.attention import capture_impl
 from training.model import gguf
 from training.model.pretrained import ModelError, from_hub_or_dir, hub_problem, looks_local, offline_reason
 
@@ -318,11 +319,15 @@ def to_dtype(model, device, dtype):
     return model
 
 
-def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=IMPL):
+def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=None):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
-    attn_implementation: "sdpa_capture" (default: sdpa, its mask with no empty rows, the maps when a forward
-    is given a flowtracer.Capture; registered here, flowtracer.register_attention), "sdpa", "eager".
+    attn_implementation: None (default): the attention that takes the maps when a forward is given a
+    flowtracer.Capture, as attention.capture_impl chooses for the model's class: "sdpa_capture" (sdpa, its
+    mask with no empty rows) or, for a class transformers runs without SDPA (Gemma-2, GPT-OSS),
+    "eager_capture" (its own eager attention); a class with neither keeps its own attention (a credit that
+    reads maps refuses it: attention.capture_problem). Or a name: "sdpa_capture", "sdpa", "eager", ...
+    (registered here, flowtracer.register_attention).
     """
     register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -350,6 +355,9 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
         model, tok = from_hub_or_dir(str(name), dtype, attn_implementation, RANDOM_MODELS)
     if name not in RANDOM_MODELS:  # a loaded model: to `device` and `dtype`, its tokenizer fixed
         model, tok = to_dtype(model, device, dtype), fix_tokenizer(tok)
+    impl = capture_impl(model) if attn_implementation is None else None
+    if impl is not None and impl != model.config._attn_implementation:
+        model.set_attn_implementation(impl)  # the capture's attention, chosen for its class
     model.eval()
     if not tok(PROBE_TEXT, add_special_tokens=False).input_ids:  # an empty vocabulary: generate would fail
         raise ModelError(

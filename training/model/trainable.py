@@ -40,7 +40,6 @@ from typing import NamedTuple
 
 import torch
 
-import flowtracer
 from flowtracer import select_layers
 from gpu_kernels.availability import unavailable
 from training import policy
@@ -224,8 +223,9 @@ def autocast(cfg, device):
 def load_policy(cfg, device, path=None) -> Policy:
     """The policy.Policy of a run: the model from `path` (a checkpoint) or cfg.model in the scheme's dtype,
     under the attention "sdpa_capture" (sdpa, plus the head-mean maps when a forward is given a
-    flowtracer.Capture); a --layers it lacks an error here; gradient checkpointing as --grad-checkpointing
-    says (policy.checkpointing); its tokenizer; the reference of beta > 0 (a frozen copy, or under LoRA the
+    flowtracer.Capture; a model without SDPA: "eager_capture", its own eager attention: load_model); a
+    --layers it lacks an error here; gradient checkpointing as --grad-checkpointing says
+    (policy.checkpointing); its tokenizer; the reference of beta > 0 (a frozen copy, or under LoRA the
     model itself with its adapters off); the optimizer (make_optimizer) and the warmup schedule (linear over
     --warmup-steps, then constant); the autocast. Under LoRA (training/model/lora.py) the base comes from
     cfg.model and the adapters from `path`, or new ones (with_lora)."""
@@ -233,11 +233,8 @@ def load_policy(cfg, device, path=None) -> Policy:
     print(prec.line)  # departure 4: what runs, and why
     dtype = prec.weights
     model, tok = load_model(
-        cfg.model if lora else path or cfg.model,
-        device=device,
-        dtype=dtype,
-        attn_implementation=flowtracer.IMPL,
-    )  # sdpa, + the maps when asked
+        cfg.model if lora else path or cfg.model, device=device, dtype=dtype
+    )  # sdpa (or the model's eager attention), + the maps when asked
     select_layers(cfg.layers, model.config.num_hidden_layers)  # a --layers this model lacks fails here
     if cfg.grad_checkpointing:
         policy.checkpointing(model)  # policy.py: the one switch

@@ -24,8 +24,8 @@ import torch
 
 import data
 import flowtracer
-from training.credit import baselines
-from training.decode.rollout import prompt_ids
+from training.credit import attention, baselines
+from training.decode.rollout import prefix_problem, prompt_ids
 from training.memory import budget, preflight
 from training.model import load, trainable
 from training.policy import Policy, sharing_problem
@@ -180,12 +180,23 @@ def load_for_update(cfg, device, path=None) -> Run:
     the model from `path`, a checkpoint, or cfg.model; its tokenizer, reference, optimizer, schedule and
     autocast) and the credit's layers and head-mean kernel. memtrace.measure and benchmarks/gpu_headline.py
     run grpo.update on this, so what they measure is what grpo.py runs. A model whose update cannot read
-    each prompt once says so here, once (policy.sharing_problem)."""
+    each prompt once says so here, once (policy.sharing_problem), and so do rollouts that cannot
+    (rollout.prefix_problem); a credit that reads attention maps on a model whose attention cannot give
+    them is refused here (attention.capture_problem), and a model that gives them from its own eager
+    attention says so (attention.eager_line)."""
     cfg = budget.largest(cfg)  # a size left at 0: the CPU's, as setup's (a copy)
     pol = trainable.load_policy(cfg, device, path)
+    impl = attention.capture_impl(pol.model)  # load_model's choice for its class
+    if impl is None and cfg.credit in attention.MAP_CREDITS:
+        raise ValueError(attention.capture_problem(pol.model, cfg.credit))
+    if impl == flowtracer.EAGER_IMPL:
+        print(attention.eager_line(pol.model))
     problem = sharing_problem(pol.model) if cfg.share_prefix else None
     if problem:
         print(f"update: each row reads its prompt again (no --share-prefix): {problem}")
+    problem = prefix_problem(pol.model) if cfg.share_prefix else None
+    if problem:
+        print(f"rollout: HF generate reads each row's prompt (no --share-prefix): {problem}")
     maps = baselines.reads_maps(cfg)
     return Run(
         cfg,
