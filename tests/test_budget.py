@@ -156,8 +156,9 @@ def test_sizes_left_free_are_picked_to_fit_and_said_in_one_line(tmp_path, monkey
 def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_reserves():
     """One prompt of 8 rows, --eval-every with 64 questions, gen_chunk 64: the preflight reserves the engine
     for 64 rows (a chunk of the evaluation), 8x a chunk of the rollout; the estimate counts the bytes the
-    engine allocates, in every phase with it resident and in generation alone with it released."""
-    from training.decode import rollout
+    engine allocates (its K, V buffers and its copy of the weights), in every phase with it resident and in
+    generation alone with it released."""
+    from training.decode import decode_weights, rollout
     from training.memory import preflight
     from training.model.load import load_model
 
@@ -196,8 +197,9 @@ def test_with_held_out_evaluation_the_estimate_counts_the_engine_the_preflight_r
     freed = phases.estimate(cfg, mc, "cuda", widest, n_eval=n_eval, release=True)
     assert all(freed[ph]["KV cache"] == 0 for ph in phases.PHASES[1:])
     assert freed["generation"] == est["generation"]
+    copy = decode_weights.copy_bytes(eng.w, model)  # the fused step's merged Q, K, V and gate, up
     for ph in phases.PHASES[1:]:
-        assert sum(est[ph].values()) - sum(freed[ph].values()) == held
+        assert sum(est[ph].values()) - sum(freed[ph].values()) == held + copy > held
 
 
 def test_the_plan_keeps_the_engine_resident_where_it_fits_and_releases_it_for_larger_sizes():
@@ -217,12 +219,14 @@ def test_the_plan_keeps_the_engine_resident_where_it_fits_and_releases_it_for_la
 
 def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     """`eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24`: the table is the plan's
-    (gen_chunk 32, micro_batch 8), the engine resident, and the line says what releasing it would free."""
+    (gen_chunk 32, micro_batch 8), the engine resident, and the line says what releasing it would free (its
+    cache and its copies of the weights)."""
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
     out = memory.report(cfg, 256).splitlines()
     planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
     mc = phases.model_config(cfg.model)
-    cache = phases.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
+    kept, freed = (phases.estimate(planned, mc, "cuda", 256, release=r)["backward"] for r in (False, True))
+    cache, copy = kept["KV cache"], kept["weights"] - freed["weights"]  # its K, V; its copied weights
     assert out[0].startswith("precision: bf16")  # the card's precision, then the table
     assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[1]
     assert out[3].split()[0] == "generation" and float(out[3].split()[5]) == round(
@@ -230,5 +234,5 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     )
     line = next(x for x in out if x.startswith("engine:"))
     assert line.startswith("engine: resident through the update")
-    assert f"{cache / budget.GB:.2f} GB less" in line
+    assert f"{(cache + copy) / budget.GB:.2f} GB less" in line and copy > 0
     assert any("grpo.py picks gen_chunk 32, micro_batch 8, the engine resident" in x for x in out)

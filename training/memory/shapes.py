@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from training.memory.terms import prefilled_rows
+from training.memory.terms import decode_copy, prefilled_rows
 from training.model.trainable import precision
 
 # A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
@@ -84,6 +84,13 @@ def counts(config_json):
     )
 
 
+def adapted_names(cfg, mc):
+    """The names of one decoder layer's linears that --lora-targets adapts (all-linear: every one)."""
+    _, _, _, layer, _ = counts(mc.to_json_string())
+    names = {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    return {n for n, _, _ in layer if cfg.lora_targets == "all-linear" or n in names}
+
+
 def lora_linears(cfg, mc):
     """[(in, out)] of one decoder layer's linears that get adapters under --lora-targets (all-linear: every
     one, the LM head is not in a layer; a target outside the layers, lm_head, is not counted); ValueError
@@ -142,6 +149,7 @@ class Shapes(NamedTuple):
     autocast: bool  # a bf16 / fp16 autocast over the forward
     adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
     adapter_params: int  # every adapter's parameters (fp32)
+    decode_copy: int  # bytes of the decode engine's merged copy of the weights (terms.decode_copy)
 
 
 def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
@@ -182,4 +190,11 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
         autocast=prec.autocast is not None,
         adapters=(adapted, rank, prec.autocast is not None),
         adapter_params=L * rank * sum(i + o for i, o in adapted),
+        decode_copy=decode_copy(
+            mc,
+            counts(mc.to_json_string())[3],
+            adapted_names(cfg, mc) if lora else (),
+            rank if lora else 0,
+            prec.weights.itemsize,
+        ),
     )
