@@ -1,14 +1,17 @@
 """The GPU's decoders on the same rows: training/decode/engine.py against HF generate, beside the bandwidth
 bound.
 
-In one run on the same rows: training/decode/engine.py (rollout.generate's path on CUDA: static cache, CUDA
-graphs, sampling without a sync; one engine.Engine kept for the run, eager on the CPU), HF generate with its
-dynamic cache and HF generate with cache_implementation="static" (compiled on CUDA by HF; every decoder is
-called once before timing, so compilation and graph capture are not timed: the engine's captures, warm-up
-and timed, are printed; --no-static leaves the static cache and its compilation out, the ratios then to HF's
-dynamic cache). For each: tok/s, ms per decode step (wall seconds / the sum over chunks of the chunk's
-longest response: prefill included) and its share of the memory-bandwidth bound; then how many greedy rows
-each equals HF generate's (dynamic), in fp32 and in bf16. The timing runs in bf16, greedy (--sampled:
+In one run on the same rows: training/decode/engine.py (rollout.generate's path on CUDA: static cache, its
+fused step compiled, CUDA graphs, sampling without a sync; one engine.Engine kept for the run, eager on the
+CPU), with --model-step the same engine on the model's own forward (its step before the fused one), HF
+generate with its dynamic cache and HF generate with cache_implementation="static" (compiled on CUDA by HF;
+every decoder is called once before timing, so compilation and graph capture are not timed: the engine's
+captures, warm-up and timed, are printed; --no-static leaves the static cache and its compilation out, the
+ratios then to HF's dynamic cache). --lora-rank R runs every decoder on the model under peft's adapters of
+rank R on every linear (B drawn small, LORA_B: they act), as grpo.py --lora-rank decodes. For each: tok/s,
+ms per decode step (wall seconds / the sum over chunks of the chunk's longest response: prefill included)
+and its share of the memory-bandwidth bound; then how many greedy rows each equals HF generate's (dynamic),
+in fp32 and in bf16. The timing runs in bf16, greedy (--sampled:
 App. C.3 sampling), at the shape
   gpu        8 prompts x 8 rows, 256-token prompts (a shared 224-token preamble, then 32 of the question),
              256 new tokens (--max-new-tokens), gen_chunk 64: docs/gpu.md's decode table
@@ -22,10 +25,12 @@ reads every weight once and the KV cache of its rows,
 
 Departures (numbered):
  1. The bandwidth bound leaves out the prefill (compute-bound) and sampling; it is an upper bound on a
-    perfectly bandwidth-bound decoder, not a prediction. Each row reads its keys up to its own length; the
-    engine reads keys up to its key-length bucket (at most an eighth of P + R more), masked.
+    perfectly bandwidth-bound decoder, not a prediction. Each row reads its keys up to its own length, as
+    the engine's fused step does under FlexAttention (CUDA, compiled); its SDPA fallback reads all S keys,
+    masked, and a finished row of the engine reads one key block until its chunk ends.
 
 Run:  python benchmarks/decode_speed.py --model qwen3-4b-random --rounds 2            # the GPU table
+      python benchmarks/decode_speed.py --model qwen3-4b-random --no-static --model-step --lora-rank 16
       python benchmarks/decode_speed.py --model qwen3-4b-random --rounds 2 --no-static --json runs/d.json
       python benchmarks/decode_speed.py --device cpu --model tiny-qwen3 --shape tiny --rounds 1
 """
@@ -47,6 +52,7 @@ import grpo  # noqa: E402
 from training.decode.engine import Engine  # noqa: E402
 from training.decode.rollout import Sampling, generate, prompt_ids  # noqa: E402
 from training.model.load import load_model  # noqa: E402
+from training.model.lora import with_lora  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM5 HBM3
 # Memory bandwidth (bytes/s) of the cards the bound is drawn for, from their datasheets; the first name a
@@ -76,7 +82,8 @@ SHAPES = {
     "tiny": dict(prompts=2, group_size=4, max_new_tokens=16, gen_chunk=8),
 }
 WIDTH = {"gpu": 256, "tiny": 32}  # prompt tokens: a shared preamble, then the question
-DECODERS = ("engine", "HF dynamic", "HF static")
+DECODERS = ("engine", "model step", "HF dynamic", "HF static")
+LORA_B = 1e-3  # --lora-rank: the adapters' B drawn N(0, LORA_B^2) (peft starts at 0), so they act
 
 
 def wide_prompts(tok, width, n):
@@ -101,21 +108,35 @@ def bandwidth_bound(model, cfg, P, bandwidth):
     return B * R * bandwidth / total
 
 
-def decoders(model, tok, prompts, s, greedy, eng, static=True):
-    """{name: call} of the GPU table's three decoders on the same rows (static=False: without HF's static
-    cache), each giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA;
-    eager on the CPU)."""
+def adapted(model, rank):
+    """`model` under peft's LoRA adapters of `rank` on every linear (grpo.py --lora-rank's), B random
+    (LORA_B, seeded) so that the adapters change the rows."""
+    pm, g = with_lora(model, grpo.Config(lora_rank=rank)), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * LORA_B)
+    return pm
+
+
+def decoders(model, tok, prompts, s, greedy, eng, static=True, before=None):
+    """{name: call} of the GPU table's decoders on the same rows (static=False: without HF's static cache;
+    before: an engine on the model step, Engine(fused=False), the engine's step before its fused one), each
+    giving Generations; the engine decodes through `eng`, kept for the run (graphs on CUDA; eager on the
+    CPU)."""
     new = s["max_new_tokens"]
     sampling = Sampling(new, greedy=True) if greedy else Sampling.of(grpo.Config(max_new_tokens=new))  # C.3
     kw = dict(n=s["group_size"], sampling=sampling, chunk_size=s["gen_chunk"])
     calls = {
         "engine": lambda: generate(model, tok, prompts, engine=eng, **kw),
+        "model step": lambda: generate(model, tok, prompts, engine=before, **kw),
         "HF dynamic": lambda: generate(model, tok, prompts, share_prefix=False, **kw),
         "HF static": lambda: generate(
             model, tok, prompts, share_prefix=False, cache_implementation="static", **kw
         ),
     }
-    return calls if static else {k: c for k, c in calls.items() if k != "HF static"}
+    left = {"HF static"} if not static else set()
+    return {k: c for k, c in calls.items() if k not in left | ({"model step"} if before is None else set())}
 
 
 def timed(call, device):
@@ -131,25 +152,27 @@ def timed(call, device):
 
 def compare(args, s):
     """--device cuda / --engine: the three decoders timed (bf16), the bound, the greedy rows equal to HF's."""
-    names = [k for k in DECODERS if k != "HF static" or not args.no_static]
+    rank, step = getattr(args, "lora_rank", 0), getattr(args, "model_step", False)
+    names = [k for k in DECODERS if (k != "HF static" or not args.no_static) and (k != "model step" or step)]
     device, equal, speed, bound, calls = torch.device(args.device), {}, {k: [] for k in names}, None, None
     captures = None
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (README)
     for dtype in (torch.bfloat16, torch.float32):
         model, tok = load_model(args.model, device=device, dtype=dtype)
+        model = adapted(model, rank) if rank else model
         prompts = wide_prompts(tok, WIDTH[args.shape], s["prompts"])
         lens = [len(p) for p in prompt_ids(tok, prompts)]
         torch.manual_seed(0)
         eng = Engine(model, graphs=device.type == "cuda")  # kept: captures are not timed
-        greedy = {
-            k: call() for k, call in decoders(model, tok, prompts, s, True, eng, not args.no_static).items()
-        }  # + warm-up
+        before = Engine(model, graphs=device.type == "cuda", fused=False) if step else None
+        both = (not args.no_static, before)
+        greedy = {k: call() for k, call in decoders(model, tok, prompts, s, True, eng, *both).items()}  # warm
         ref = greedy["HF dynamic"].response_ids
         equal[str(dtype)[6:]] = {
             k: sum(a == b for a, b in zip(g.response_ids, ref)) for k, g in greedy.items()
         }
         if dtype == torch.bfloat16:
-            calls = decoders(model, tok, prompts, s, not args.sampled, eng, not args.no_static)
+            calls = decoders(model, tok, prompts, s, not args.sampled, eng, *both)
             for call in calls.values() if args.sampled else []:  # warm-up: sampling's graphs
                 call()
             warm = eng.captures
@@ -173,7 +196,7 @@ def compare(args, s):
             bandwidth, card = card_bandwidth(device)
             bound = bandwidth_bound(model, cfg, max(lens), bandwidth)
             captures = (warm, eng.captures - warm, eng.graphs)
-        model = greedy = calls = eng = None  # the next dtype's model: alone
+        model = greedy = calls = eng = before = None  # the next dtype's model: alone
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -182,6 +205,7 @@ def compare(args, s):
         f"\n{args.model} on {device.type}: {s['prompts']} prompts x {s['group_size']}, prompt tokens "
         f"{min(lens)}-{max(lens)}, {s['max_new_tokens']} new tokens, gen_chunk {s['gen_chunk']}, bf16, "
         f"{'sampled (App. C.3)' if args.sampled else 'greedy'}, medians of {args.rounds} round(s)"
+        + (f", LoRA rank {rank} on every linear" if rank else "")
     )
     print(f"bandwidth bound {bound:.1f} tok/s ({card} {bandwidth / 1e12:.2f} TB/s: weights + KV per step)")
     print(
@@ -217,6 +241,7 @@ def compare(args, s):
         "device": args.device,
         "max_new_tokens": s["max_new_tokens"],
         "sampled": args.sampled,
+        "lora_rank": rank,
     }
 
 
@@ -240,12 +265,14 @@ def main(argv=None):
         action="store_true",
         help="leave out HF's static cache (and its compilation); ratios to HF's dynamic cache",
     )
+    ap.add_argument("--model-step", action="store_true", help="+ the engine on the model's own forward")
+    ap.add_argument("--lora-rank", type=int, default=0, help="every decoder on peft's adapters of this rank")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the decoders")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", default="", help="also write what is printed here")
     args = ap.parse_args(argv)
-    if min(args.rounds, args.threads) < 1 or args.max_new_tokens < 0:
-        ap.error("--rounds and --threads must be >= 1, --max-new-tokens >= 0")
+    if min(args.rounds, args.threads) < 1 or min(args.max_new_tokens, args.lora_rank) < 0:
+        ap.error("--rounds and --threads must be >= 1, --max-new-tokens and --lora-rank >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --shape tiny shows the format)")
     torch.set_num_threads(args.threads)

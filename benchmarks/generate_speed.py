@@ -166,6 +166,10 @@ def main(argv=None):
         action="store_true",
         help="with --engine: leave out HF's static cache (and its compilation); ratios to HF's dynamic cache",
     )
+    ap.add_argument("--model-step", action="store_true", help="with --engine: + the engine's model step")
+    ap.add_argument(
+        "--lora-rank", type=int, default=0, help="with --engine: the decoders on LoRA of this rank"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (plain / shared, or decoders)")
     ap.add_argument("--model", default="smollm2-135m", help="a load.load_model name")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -186,16 +190,22 @@ def main(argv=None):
     if args.engine and (args.update or args.profile or args.shape not in ("gpu", "tiny")):
         ap.error("--device cuda / --engine: --shape gpu or tiny, without --update or --profile")
     if not args.engine and (
-        args.sampled or args.max_new_tokens or args.no_static or args.json or args.shape in ("gpu", "tiny")
+        args.sampled
+        or args.max_new_tokens
+        or args.no_static
+        or args.json
+        or args.model_step
+        or args.lora_rank
+        or args.shape in ("gpu", "tiny")
     ):
         ap.error(
-            "--sampled, --max-new-tokens, --no-static, --json and --shape gpu / tiny need --engine (or "
-            "--device cuda)"
+            "--sampled, --max-new-tokens, --no-static, --model-step, --lora-rank, --json and --shape gpu / "
+            "tiny need --engine (or --device cuda)"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU is visible (--device cpu --engine --shape tiny shows the format)")
-    if min(args.rounds, args.threads) < 1 or args.prompt_tokens < 0 or args.max_new_tokens < 0:
-        ap.error("--rounds and --threads must be >= 1, --prompt-tokens and --max-new-tokens >= 0")
+    if min(args.rounds, args.threads) < 1 or min(args.prompt_tokens, args.max_new_tokens, args.lora_rank) < 0:
+        ap.error("--rounds and --threads must be >= 1, --prompt-tokens, --max-new-tokens, --lora-rank >= 0")
     if args.response_tokens < 3 * SHAPES[args.shape]["group_size"]:
         ap.error(f"--response-tokens must be >= {3 * SHAPES[args.shape]['group_size']} (row j has R - 3j)")
     if not args.update and (args.grad_checkpointing or args.prompt_tokens or args.response_tokens != 100):

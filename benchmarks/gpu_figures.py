@@ -58,13 +58,16 @@ def step_figures(name):
     return figures
 
 
-def decoder_figures(name):
+def decoder_figures(name, beside=None):
+    """decode_speed.py's --json as the report's figures; beside: another part whose engine's tok/s on the
+    same rows is read too (`beside_tok_s`: full fine-tuning's, beside LoRA's)."""
+
     def figures(out, log):
         res = read_json(out / f"{name}.json")
         if not res:
             return None
         tok_s = {k: d["tok_s"] for k, d in res["speed"].items()}
-        return {
+        f = {
             "tok_s": tok_s,
             "rows": res["rows"],
             "greedy_equal_fp32": res["equal"]["float32"],
@@ -72,8 +75,20 @@ def decoder_figures(name):
             "of_bound": tok_s["engine"] / res["bound_tok_s"],
             "captures": res["captures"],
         }
+        other = read_json(out / f"{beside}.json") if beside else None
+        if beside:
+            f["beside_tok_s"] = other["speed"]["engine"]["tok_s"] if other else None
+        return f
 
     return figures
+
+
+def lora_check(f):
+    """LoRA's engine tok/s against full fine-tuning's on the same rows (the decoders part's)."""
+    if f["beside_tok_s"] is None:
+        return "no full fine-tuning figure (decoders did not run)", False
+    r = f["tok_s"]["engine"] / f["beside_tok_s"]
+    return f"{100 * r:.0f}% ({f['tok_s']['engine']:.0f} / {f['beside_tok_s']:.0f} tok/s)", r >= 0.7
 
 
 def suite_figures(out, log):
@@ -140,6 +155,7 @@ GOALS = [  # docs/gpu.md's targets
             f["greedy_equal_fp32"]["engine"] == f["rows"],
         ),
     ),
+    Goal("LoRA's generation >= 70% of full fine-tuning's tok/s (same rows)", "lora", lora_check),
     Goal(
         "the engine >= 2x HF's static cache",
         "static",

@@ -12,9 +12,12 @@ its process group, SIGKILL 10 s later), each writing its log (<out>/<part>.log) 
              memory beside its estimate, flow credit's share of the update
   lora24     the same with --lora-rank 16 --gpu-gb 24: sized as grpo.py sizes a 24 GB card, the allocator
              held to 24 GB (torch.cuda.set_per_process_memory_fraction): each phase's peak beside its estimate
-  decoders   benchmarks/generate_speed.py --device cuda --no-static: the engine and HF generate with its
-             dynamic cache on the same rows (64 rows, 256 + 256 tokens, greedy, bf16): tok/s, and the greedy
-             rows equal to HF's in fp32
+  decoders   benchmarks/generate_speed.py --device cuda --no-static --model-step: the engine (its fused
+             step), the engine on the model's own forward (its step before) and HF generate with its dynamic
+             cache on the same rows (64 rows, 256 + 256 tokens, greedy, bf16): tok/s beside the bandwidth
+             bound, and the greedy rows equal to HF's in fp32
+  lora       the same with --lora-rank 16 (every decoder on peft's adapters): LoRA's engine against full
+             fine-tuning's (decoders) on the same rows
   suite      the test suite as docs/gpu.md runs it on a GPU machine (pytest -o addopts="" -n auto), with the
              time left: its counts, and those of its cuda cases
   static     generate_speed.py's whole table: HF's static cache, compiled, beside the other two; last, so it
@@ -29,13 +32,13 @@ does); --parts NAME ... runs those parts only, in the table's order. Without CUD
 when a part that ran failed or was killed, else 0.
 
 Departures (numbered):
- 1. The limits (LIMITS) are the parts' times on one H200 with margin for an H100; decoders' and static's
-    are estimates (not yet run on a GPU). A slower card needs --limit or a larger --budget.
+ 1. The limits (LIMITS) are the parts' times on one H200 with margin for an H100; decoders', lora's and
+    static's are estimates (not yet run on a GPU). A slower card needs --limit or a larger --budget.
  2. The preflight's part runs its small step in a scratch directory (the checkpoint grpo.py writes at the
     end, 8 GB for a 4B model without its optimizer's state, is deleted with it); the report keeps only logs
     and JSON.
 
-Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, 69 min at most
+Run:  python benchmarks/gpu_report.py --out runs/gpu-report                 # every part, 77 min at most
       python benchmarks/gpu_report.py --out $OUT --budget 540              # what fits in 9 minutes
       python benchmarks/gpu_report.py --out runs/r --parts headline lora24 # two parts
 Test: python -m pytest -q tests/benchmarks/test_gpu_report.py (the parts' order and limits, a part that hangs)
@@ -81,8 +84,17 @@ class Part(NamedTuple):
 
 
 # Each part's limit (s): its time on one H200 (2026-11-28, docs/gpu.md: preflight 35, headline 191, lora24
-# 330) with room for an H100's slower memory; decoders and static not yet run on a GPU (estimates).
-LIMITS = {"preflight": 120, "headline": 480, "lora24": 720, "decoders": 420, "suite": None, "static": 600}
+# 330) with room for an H100's slower memory and the fused step's compile; decoders, lora and static not
+# yet run on a GPU (estimates).
+LIMITS = {
+    "preflight": 120,
+    "headline": 480,
+    "lora24": 720,
+    "decoders": 480,
+    "lora": 420,
+    "suite": None,
+    "static": 600,
+}
 PREFLIGHT = "grpo.py --model qwen3-4b-random --device cuda --steps 1 --prompts-per-step 1 --group-size 2 "
 PREFLIGHT += "--max-new-tokens 16 --no-save-optimizer --out-dir"  # a scratch directory (departure 2)
 HEADLINE = "benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1"
@@ -115,8 +127,24 @@ PARTS = [
     Part(
         "decoders",
         LIMITS["decoders"],
-        lambda out, tmp: [PY, *DECODE.split(), "--no-static", "--json", str(out / "decoders.json")],
+        lambda out, tmp: [
+            PY,
+            *DECODE.split(),
+            *"--no-static --model-step --json".split(),
+            str(out / "decoders.json"),
+        ],
         decoder_figures("decoders"),
+    ),
+    Part(
+        "lora",
+        LIMITS["lora"],
+        lambda out, tmp: [
+            PY,
+            *DECODE.split(),
+            *"--no-static --lora-rank 16 --json".split(),
+            str(out / "lora.json"),
+        ],
+        decoder_figures("lora", beside="decoders"),
     ),
     Part(
         "suite", LIMITS["suite"], lambda out, tmp: [PY, *SUITE.split(), str(out / "suite.xml")], suite_figures

@@ -47,16 +47,19 @@ def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap
     """One line: the engine's layout in force and what the other would give at the same sizes."""
     kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r, cap=cap) for r in (False, True))
     cache = kept["backward"]["KV cache"]  # the engine's K, V buffers
+    copy = kept["backward"]["weights"] - freed["backward"]["weights"]  # its fused step's copy of the weights
+    what = f"its cache and {copy / unit:.2f} {name} of copied weights" if copy else "its cache"
     (kph, ktop), (fph, ftop) = peak(kept), peak(freed)
     if release:
         return (
-            f"engine: released for the update ({cache / unit:.2f} {name} freed after each rollout, "
+            f"engine: released for the update ({(cache + copy) / unit:.2f} {name}, {what}, freed after each "
+            f"rollout, "
             f"reserved and its graphs captured again before the next); resident it would peak at "
             f"{ktop / unit:.2f} {name} in {kph}"
         )
     return (
         f"engine: resident through the update (its graphs captured once); released for it, the update's "
-        f"phases would hold {cache / unit:.2f} {name} less (its cache) and the step peak at "
+        f"phases would hold {(cache + copy) / unit:.2f} {name} less ({what}) and the step peak at "
         f"{ftop / unit:.2f} {name} in {fph}, its graphs captured again every step"
     )
 

@@ -55,9 +55,9 @@ def stop_spreading_eos(model, tok, prompts, n, N):
 )
 def test_greedy_rows_equal_hf_generate(tiny, prompts):
     """Prompts of different lengths (left padding), one token, one prompt; chunks of 5 rows (a last chunk of
-    3 runs in a bucket of 4, with an idle slot); a mid-response token as EOS, so rows stop at different
-    steps and leave their bucket (check_every 2): prompt ids, responses, texts and truncation flags equal
-    HF generate's, and rollout.decode's."""
+    3 rows); a mid-response token as EOS, so rows stop at different steps and finished rows attend one key
+    (check_every 2): prompt ids, responses, texts and truncation flags equal HF generate's, and
+    rollout.decode's."""
     model, tok = tiny
     eos = stop_spreading_eos(model, tok, prompts, 2, 40)
     old, model.generation_config.eos_token_id = model.generation_config.eos_token_id, eos
@@ -107,16 +107,18 @@ def test_pad_after_eos_and_min_new_tokens(tiny):
         model.generation_config.eos_token_id = old
 
 
-def test_static_cache_holds_the_full_forwards_keys(tiny):
-    """After N greedy steps the buffers hold, at every position the mask shows (real prompt tokens, then
-    each generated token fed back), the keys and values of one full forward over the same rows, also past
-    the first key-length bucket (128); the buffers never move (same storage), positions past the last
-    written one stay zero, the mask is the prompt's padding then ones. fp32: the full forward sums the
-    same products in another order, so the tolerance is the rounding of a D-term dot product through each
-    of the L layers, on the largest key."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "model-step"])
+def test_static_cache_holds_the_full_forwards_keys(tiny, fused):
+    """After N greedy steps the buffers hold, left-compacted (row r's slots 0 .. n_r - 1: its real prompt
+    tokens, then each generated token fed back, n_r of them; min_new_tokens N keeps every row writing), the
+    keys and values of one full forward over the same rows, past 128 keys, for the fused step and the
+    model's own forward; the buffers never
+    move (same storage), slots past n_r stay zero. fp32: the full forward sums the same products in another
+    order, so the tolerance is the rounding of a D-term dot product through each of the L layers, on the
+    largest key."""
     model, tok = tiny
     ids, pad, N = tok(PROMPTS[:3]).input_ids, tok.pad_token_id, 100
-    eng = engine.Engine(model, check_every=N).reserve(  # one check, at the end: no row moves (compaction)
+    eng = engine.Engine(model, N, check_every=N, fused=fused).reserve(  # no EOS before N: every row live
         4, max(map(len, ids)) - 1 + N, N, [tok.eos_token_id], pad, None
     )
     inp, mask, cache = prefill(model, ids, pad)
@@ -124,7 +126,6 @@ def test_static_cache_holds_the_full_forwards_keys(tiny):
     eng.allocate(cache)
     ptr = eng.keys.data_ptr()
     seq = eng.decode(inp, mask, cache, which)  # (4, N)
-    W = inp.shape[1]
     full_ids = torch.cat([inp[which], seq[:, :-1]], 1)  # (4, W + N - 1) what was fed
     full_mask = torch.cat([mask[which], torch.ones_like(seq[:, :-1])], 1)
     with torch.no_grad():
@@ -134,31 +135,36 @@ def test_static_cache_holds_the_full_forwards_keys(tiny):
             position_ids=(full_mask.cumsum(-1) - 1).clamp_min(0),
             use_cache=True,
         ).past_key_values
-    seen = eng.mask[:4, 0, 0, : W + N - 1]  # (4, W + N - 1)
-    assert torch.equal(seen, full_mask.bool()) and not eng.mask[:4, ..., W + N - 1 :].any()
+    n = eng.n[:4]
+    assert torch.equal(n, full_mask.sum(-1)) and len(set(n.tolist())) == 3 and min(n) > 128  # 3 lengths
     tol = model.config.hidden_size * model.config.num_hidden_layers * EPS32
     for i, layer in enumerate(ref.layers):
         for got, want in ((eng.keys[i, :4], layer.keys), (eng.values[i, :4], layer.values)):
-            cols = got[:, :, : W + N - 1].transpose(1, 2)[seen]  # (real positions, Hkv, d)
-            torch.testing.assert_close(
-                cols, want.transpose(1, 2)[seen], rtol=0, atol=tol * want.abs().max().item()
-            )
-            assert not got[:, :, W + N - 1 :].any()  # nothing written past the end
-    assert eng.keys.data_ptr() == ptr and int(eng.at) == W - 1 + N and int(eng.t) == N and eng.S > 128
+            for r in range(4):  # (n_r, Hkv, d): the real positions of row r, in order
+                real = want[r].transpose(0, 1)[full_mask[r].bool()]
+                torch.testing.assert_close(
+                    got[r, :, : n[r]].transpose(0, 1), real, rtol=0, atol=tol * want.abs().max().item()
+                )
+                assert not got[r, :, n[r] :].any()  # nothing written past the end
+    assert eng.keys.data_ptr() == ptr and int(eng.t) == N and eng.S > 128
 
 
-def test_slot_layer_writes_one_column_in_place():
-    """SlotLayer.update: the new (b, Hkv, 1, d) key goes to column `at` of the buffer and nowhere else, and
+def test_slot_layer_writes_each_rows_slot_in_place():
+    """SlotLayer.update: row r's new (Hkv, d) key goes to its slot n_r of the buffer and nowhere else, and
     the layer hands back the buffer itself (the same storage: no copy, no concatenation)."""
     keys, values = torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4)
     before = keys.clone()
-    layer = static_step.SlotLayer(keys, values, torch.tensor([5]))
+    n = torch.tensor([5, 0, 7])
+    layer = static_step.SlotLayer(keys, values, n)
     k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
     K, Vv = layer.update(k, v)
     assert K.data_ptr() == keys.data_ptr() and Vv.data_ptr() == values.data_ptr()
-    assert torch.equal(keys[:, :, 5:6], k) and torch.equal(values[:, :, 5:6], v)
-    assert torch.equal(keys[:, :, :5], before[:, :, :5]) and torch.equal(keys[:, :, 6:], before[:, :, 6:])
-    assert layer.get_mask_sizes(1) == (8, 0) and int(layer.get_seq_length()) == 5
+    written = torch.zeros(3, 8, dtype=torch.bool)
+    written[torch.arange(3), n] = True
+    for r in range(3):
+        assert torch.equal(keys[r, :, n[r]], k[r, :, 0]) and torch.equal(values[r, :, n[r]], v[r, :, 0])
+    assert torch.equal(keys.transpose(1, 2)[~written], before.transpose(1, 2)[~written])
+    assert layer.get_mask_sizes(1) == (8, 0)
 
 
 def warped(logits, T, k, p):

@@ -67,9 +67,9 @@ class FakeCuda:
         self.stack = [FakeStream(self, "default")]
         real = engine.Engine.step
 
-        def step(eng, b, s):
+        def step(eng, b):
             if self.capturing is not None:
-                self.capturing.call = lambda: real(eng, b, s)
+                self.capturing.call = lambda: real(eng, b)
                 if self.mode == "capture":
                     raise RuntimeError(SYNCED)
             elif self.mode == "warm-up" and self.stack[-1].name == "side":
@@ -78,7 +78,7 @@ class FakeCuda:
             elif self.mode == "warm-up out of memory" and self.stack[-1].name == "side":
                 self.failed += 1
                 raise torch.OutOfMemoryError(OOM)
-            return real(eng, b, s)
+            return real(eng, b)
 
         @contextlib.contextmanager
         def stream(s):

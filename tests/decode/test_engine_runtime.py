@@ -12,7 +12,7 @@ from transformers import Qwen3Config
 import grpo
 from evaluation.memtrace import track_peak
 from training.decode import engine, rollout, static_step
-from training.memory import phases, terms
+from training.memory import phases, shapes, terms
 from training.model.load import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -26,14 +26,14 @@ def prefill(model, ids, pad):
     return rollout.prefill_rows(model, rollout.shared_prefix(model, ids, 0), ids, pad)
 
 
-BUFFERS = ("mask", "x", "pos", "done", "out", "at", "t", "keys", "values", "ends", "ban")
+BUFFERS = ("x", "n", "done", "out", "t", "keys", "values", "ends", "ban")
 
 
-def run_step_without_data(model, tok):
+def run_step_without_data(model, tok, fused=True):
     """Engine.step with every engine buffer a fake tensor (shapes, no values): any read of a value on the
     host (.item(), bool(), int(), .tolist(), nonzero) raises instead of syncing."""
     ids, pad = tok(PROMPTS[:2]).input_ids, tok.pad_token_id
-    eng = engine.Engine(model, 3).reserve(
+    eng = engine.Engine(model, 3, fused=fused).reserve(
         4, max(map(len, ids)) + 8, 8, [tok.eos_token_id], pad, (0.9, 10, 0.9)
     )
     inp, mask, cache = prefill(model, ids, pad)
@@ -42,7 +42,7 @@ def run_step_without_data(model, tok):
         for name in BUFFERS:
             setattr(eng, name, mode.from_tensor(getattr(eng, name)))
         with torch.no_grad():
-            eng.step(4, eng.S)
+            eng.step(4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -54,6 +54,7 @@ def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
     error) and replays."""
     model, tok = load_model("tiny-qwen3", device=device, dtype=torch.float32)
     run_step_without_data(model, tok)
+    run_step_without_data(model, tok, fused=False)  # the model step
     real = engine.sample
     for bad in (
         lambda lg, *w: real(lg, *w) + int(lg.argmax(-1)[0]) * 0,
@@ -75,7 +76,7 @@ def test_the_decode_step_reads_nothing_on_the_host(device, monkeypatch):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 with eng.scope():
-                    eng.step(4, eng.S)
+                    eng.step(4)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         kw = dict(n=3, sampling=rollout.Sampling(12, temperature=0.9, top_p=0.9, top_k=50), chunk_size=6)
@@ -93,7 +94,7 @@ def test_graphs_only_on_cuda_and_equal_to_eager(device):
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
             engine.Engine(model, graphs=True)
         return
-    kw = dict(n=3, sampling=rollout.Sampling(100, greedy=True), chunk_size=5, check_every=4)  # buckets
+    kw = dict(n=3, sampling=rollout.Sampling(100, greedy=True), chunk_size=5, check_every=4)  # idle rows
     assert rollout.generate(model, tok, PROMPTS, graphs=True, **kw) == rollout.generate(
         model, tok, PROMPTS, graphs=False, **kw
     )
@@ -141,19 +142,24 @@ def test_supports_full_attention_only():
 
 
 def test_peak_memory_within_the_generation_estimate():
-    """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what
-    terms.generation counts for a shared-prefix chunk (the static cache at T = P + R, the prompts' cache
-    and the prefill), within the 10% that tests/memory/test_phases.py allows."""
+    """The engine's peak live tensor bytes (memtrace.track_peak) of a chunk beyond the weights is what the
+    estimate counts for a chunk beside the run's engine: its K, V buffers (2 L Hkv hd S g, S the widest
+    prompt + R in multiples of 64) and its fused step's copy of the weights (terms.decode_copy), reserved
+    before the chunk, then the prompts' cache and the prefill (terms.engine_generation), within the 10%
+    that tests/memory/test_phases.py allows."""
     model, tok = load_model("tiny-qwen3", device="cpu")
-    P, R, G, g = 80, 48, 4, 16
+    mc, P, R, G, g = model.config, 80, 48, 4, 16
     prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(P - (i * 7) % 16)) for i in range(4)]
-    est = sum(terms.generation(model.config, g, G, P, R, 4, 4).values())
+    S = 64 * -(-(max(map(len, rollout.prompt_ids(tok, prompts))) - 1 + R) // 64)
+    kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * S * g * 4
+    copy = terms.decode_copy(mc, shapes.counts(mc.to_json_string())[3], (), 0, 4)
+    est = sum(terms.engine_generation(mc, g, G, P, 4, 4).values()) + kv + copy
     with torch.no_grad(), track_peak(model) as tr:
         w = tr.now
         tr.phase("generation")
         run = rollout.Sampling.of(grpo.Config(max_new_tokens=R))  # the rollouts' sampling
         rollout.generate(model, tok, prompts, G, run, chunk_size=g, min_new_tokens=R, graphs=False)
-    assert 0.9 < est / (tr.peak["generation"] - w) < 1.1
+    assert copy > 0 and 0.9 < est / (tr.peak["generation"] - w) < 1.1
 
 
 def test_generate_speed_gpu_table_runs_on_the_cpu():
@@ -205,42 +211,36 @@ def test_attention_kernels_refuse_the_math_kernel_unless_nothing_else_runs(monke
     assert isinstance(seen[0], torch.backends.cuda.SDPAParams)
 
 
-def test_an_engine_kept_for_a_run_captures_each_shape_once():
-    """An engine passed to every call keeps its buffers and graphs: a second call of the same shapes captures
-    nothing new (eagerly, `captures` counts what the step would capture) and gives the rows of a fresh
-    engine; a call with more rows grows it (new buffers, graphs dropped, counted again); other sampling
-    parameters get their own graphs over the same buffers (greedy evaluation beside sampled rollouts)."""
+def test_an_engine_kept_for_a_run_captures_each_warp_once():
+    """An engine passed to every call keeps its buffers and graphs: one graph per warp (no row or key-length
+    buckets), captured by the warp's first call; a second call captures nothing (eagerly, `captures` counts
+    what the step would capture) and gives the rows of a fresh engine; a call with more rows grows it (new
+    buffers, graphs dropped, captured again); another warp gets its own graph over the same buffers
+    (greedy evaluation beside sampled rollouts)."""
     model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     eng = engine.Engine(model, graphs=False, check_every=2)
-    first = engine_rows(model, tok, eng)
-    n, keys = eng.captures, eng.keys
-    assert n >= 2 and set(eng.graph) and eng.rows == 5
+    first = engine_rows(model, tok, eng)  # 12 rows in chunks of 5: one graph
+    keys = eng.keys
+    assert eng.captures == 1 and set(eng.graph) == {None} and eng.rows == 5
     assert (
         engine_rows(model, tok, eng)
         == first
         == engine_rows(model, tok, engine.Engine(model, graphs=False, check_every=2))
     )
-    assert eng.captures == n and eng.keys is keys  # the same buffers, no capture
+    assert eng.captures == 1 and eng.keys is keys  # the same buffers, no capture
     wide = dict(n=3, sampling=rollout.Sampling(20, greedy=True), chunk_size=8, engine=eng)
     rollout.generate(model, tok, PROMPTS, **wide)
-    assert eng.rows == 8 and eng.keys is not keys and eng.captures > n  # grown: graphs captured again
-    grown, keys = eng.captures, eng.keys
+    assert eng.rows == 8 and eng.keys is not keys and eng.captures == 2  # grown: captured again
+    keys = eng.keys
     rollout.generate(model, tok, PROMPTS, **wide)
-    assert eng.captures == grown and eng.keys is keys
+    assert eng.captures == 2 and eng.keys is keys
     assert engine_rows(model, tok, eng) == first and eng.keys is keys  # 5 rows fit in the 8
-    before = set(eng.graph)
     hotter = rollout.Sampling(20, temperature=0.5, top_k=100)
     rollout.generate(model, tok, PROMPTS, 3, hotter, chunk_size=5, engine=eng)
     assert eng.keys is keys and eng.warp == (0.5, 100, 1.0)  # another warp: the same buffers,
-    assert before < set(eng.graph) and {k[2] for k in eng.graph} == {None, (0.5, 100, 1.0)}  # its graphs
+    assert set(eng.graph) == {None, (0.5, 100, 1.0)} and eng.captures == 3  # its graph
     with pytest.raises(ValueError, match="engine= decodes the shared-prefix path"):
         rollout.generate(model, tok, PROMPTS, 1, hotter, engine=eng, share_prefix=False)
-
-
-def test_row_buckets_go_by_eight_below_the_chunk():
-    assert static_step.row_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert static_step.row_buckets(5) == [1, 2, 4, 5] and static_step.row_buckets(1) == [1]
-    assert static_step.row_buckets(12) == [1, 2, 4, 8, 12]
 
 
 def trace_one_step(model, tok):
@@ -254,7 +254,7 @@ def trace_one_step(model, tok):
     try:
         with torch.no_grad():
             eng.allocate(prefill(model, ids, pad)[2])
-            torch.compile(lambda: eng.step(4, eng.S), backend="eager", fullgraph=True)()
+            torch.compile(lambda: eng.step(4), backend="eager", fullgraph=True)()
     finally:
         torch._dynamo.reset()
     return eng

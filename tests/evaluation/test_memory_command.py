@@ -56,12 +56,14 @@ def test_eval_memory_estimates_no_lora_run_grpo_py_refuses(capsys, argv, words):
 
 def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     """`eval.py memory --model qwen3-4b-random --lora-rank 16 --gpu-gb 24`: the table is the plan's
-    (gen_chunk 32, micro_batch 8), the engine resident, and the line says what releasing it would free."""
+    (gen_chunk 32, micro_batch 8), the engine resident, and the line says what releasing it would free (its
+    cache and its copies of the weights)."""
     cfg = grpo.parse_args(["--model", "qwen3-4b-random", "--lora-rank", "16", "--gpu-gb", "24"])
     out = memory.report(cfg, 256).splitlines()
     planned = type(cfg)(**{**vars(cfg), "gen_chunk": 32, "micro_batch": 8})
     mc = phases.model_config(cfg.model)
-    cache = phases.estimate(planned, mc, "cuda", 256)["backward"]["KV cache"]
+    kept, freed = (phases.estimate(planned, mc, "cuda", 256, release=r)["backward"] for r in (False, True))
+    cache, copy = kept["KV cache"], kept["weights"] - freed["weights"]  # its K, V; its copied weights
     assert out[0].startswith("precision: bf16")  # the card's precision, then the table
     assert "gen_chunk 32, micro_batch 8, logprob_chunk 128, the plan for 24 GB (GB)" in out[1]
     assert out[3].split()[0] == "generation" and float(out[3].split()[5]) == round(
@@ -69,7 +71,7 @@ def test_eval_memory_prints_the_table_of_the_plan_and_its_layout():
     )
     line = next(x for x in out if x.startswith("engine:"))
     assert line.startswith("engine: resident through the update")
-    assert f"{cache / budget.GB:.2f} GB less" in line
+    assert f"{(cache + copy) / budget.GB:.2f} GB less" in line and copy > 0
     assert any("grpo.py picks gen_chunk 32, micro_batch 8, the engine resident" in x for x in out)
 
 

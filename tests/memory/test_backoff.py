@@ -380,7 +380,7 @@ def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_ro
         return real_release(self)
 
     def update(run, *args):
-        during.append((run.engine.keys is None, run.engine.mask is None, rolled[-1][0]() is None))
+        during.append((run.engine.keys is None, run.engine.n is None, rolled[-1][0]() is None))
         return real(run, *args)
 
     monkeypatch.setattr(engine.Engine, "release", release)
@@ -389,5 +389,5 @@ def test_a_released_engine_is_freed_for_the_update_and_reserved_again_for_the_ro
     grpo.train(cfg, run)
     assert during == [(True, True, True)] * 2  # freed in both updates
     first, second = rolled[0][1] - setup, rolled[1][1] - rolled[0][1]
-    assert len(rolled) == 2 and second == first > 0  # the second rollout captured again
+    assert len(rolled) == 2 and (first, second) == (0, 1)  # the preflight's graph; once released, again
     assert run.engine.keys is None and same(metrics(a), metrics(b))  # released after the last rollout

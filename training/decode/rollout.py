@@ -128,7 +128,8 @@ def generate(
     sampling without a host sync; engine.py departure 1: HF's distribution, not HF's samples for a seed);
     `extra` may then hold the engine's options (engine.OPTIONS: min_new_tokens, which it honours as HF
     generate does, also from the model's generation_config; graphs, which takes the engine path on any
-    device, graphs=False on the CPU; check_every). engine: an engine.Engine(model, ...) that the caller
+    device, graphs=False on the CPU; check_every; fused=False: the model step, the engine's step before its
+    fused one, the tests' reference). engine: an engine.Engine(model, ...) that the caller
     keeps for its run and passes to every call: its buffers and graphs are reused while the calls fit.
     prompts: texts, tokenized by `prompt_ids` (one BOS), or their token-id lists (grpo.py tokenizes its
     prompts once, at setup). The model decodes in eval mode, then gets its mode back. With more rows than one

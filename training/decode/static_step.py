@@ -1,16 +1,19 @@
-"""The parts of the decode engine's step that a CUDA graph can hold (training/decode/engine.py).
+"""The parts of the decode engine's step that a CUDA graph can hold (training/decode/engine.py), beside the
+fused forward (training/decode/fused_step.py): the sampler and the static cache the model's own forward
+writes into where the fused step cannot run.
 
-A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the widest prompt + max_new_tokens, and a (rows, 1, 1,
-S) boolean mask, written in place at the step's position `at` (SlotLayer, a transformers cache layer): no
-concatenation, no mask grown by a column, and the same shapes at every step. Why: with a new key length every
-step, cuDNN's attention built a new plan each time (half the step's CPU time on the H100: docs/gpu.md). Fixed
-shapes are also what a graph needs. Attention reads the first s keys, s a multiple of S / 8 or of 128 (masked
-beyond each row's own), so a step reads the cache that exists, not all of S.
+A static KV cache. Buffers (L, rows, Hkv, S, d) for S = the widest prompt + max_new_tokens, written in place,
+each row at its own slot n_r (the prompt's keys are copied left-compacted: slot = position). No concatenation
+and the same shapes at every step. Why: with a new key length every step, cuDNN's attention built a new plan
+each time (half the step's CPU time on the H100: docs/gpu.md). Fixed shapes are also what a graph needs.
+SlotLayer is that cache as transformers' Cache layer, for the model's own forward (the fallback step): it
+reads all S keys under a (b, 1, 1, S) length mask.
 
-Sampling without a sync. Temperature, top-k and top-p on the GPU, and the draw by an exponential race (argmax
-p / E, E ~ Exp(1): the chosen token is j with probability p_j), not torch.multinomial; a finished row writes
-pad inside the step; the host reads EOS every `check_every` steps (16). Why: rollout.decode (and HF's loop)
-read EOS on the host every step, so the CPU waited for the GPU to finish each step before it could launch the
+Sampling without a sync. Top-k on the step's 16-bit logits (no fp32 copy of the (b, V) vocabulary), the
+temperature, top-p and the draw in fp32 on the k kept, the draw by an exponential race (argmax p / E,
+E ~ Exp(1): the chosen token is j with probability p_j), not torch.multinomial; a finished row writes pad
+inside the step; the host reads EOS every `check_every` steps (16). Why: rollout.decode (and HF's loop) read
+EOS on the host every step, so the CPU waited for the GPU to finish each step before it could launch the
 next, and the GPU then waited for the CPU's launches.
 
 Run: python -m pytest -q tests/decode/test_engine_runtime.py
@@ -20,24 +23,20 @@ import torch
 from torch.nn.attention import SDPBackend
 from transformers.cache_utils import CacheLayerMixin
 
-# S and the key-length buckets are multiples of ALIGN (mem-efficient SDPA copies a mask whose length is not
-# a multiple of 16)
+# S is a multiple of ALIGN (mem-efficient SDPA copies a mask whose length is not a multiple of 16)
 ALIGN = 64
-FAST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # decode attention's kernels
-LENGTHS = 8  # key-length buckets, at most (each one a graph to capture per row bucket)
-
-
-def row_buckets(rows):
-    """The row counts a step runs at: 1, 2, 4, then the multiples of 8 below `rows`, and `rows`."""
-    return sorted({b for b in (1, 2, 4) if b < rows} | set(range(8, rows, 8)) | {rows})
+FAST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # the model step's attention kernels
 
 
 def sample(logits, temperature, top_k, top_p):
-    """(B,) one token per row drawn from HF's warped distribution of logits (B, V): p = softmax of
-    logits / T over the top-k, less the tail that top-p cuts; drawn as argmax_j p_j / E_j, E_j ~ Exp(1)
-    (engine.py's departure 1). Tensor work only: no host sync, so a CUDA graph can hold it."""
+    """(B,) one token per row drawn from HF's warped distribution of logits (B, V), any float dtype: p =
+    softmax of logits / T over the top-k, less the tail that top-p cuts; drawn as argmax_j p_j / E_j,
+    E_j ~ Exp(1) (engine.py's departure 1). The top-k runs on the logits as they come (bf16 on a GPU: the
+    same k tokens as on their fp32 copy, dividing by T > 0 keeps the order), the rest in fp32 on the k kept.
+    Tensor work only: no host sync, so a CUDA graph can hold it."""
     k = min(top_k or logits.shape[-1], logits.shape[-1])
-    v, i = torch.topk(logits / temperature, k)  # (B, k), descending
+    v, i = torch.topk(logits, k)  # (B, k), descending
+    v = v.float() / temperature  # (B, k) as HF's TemperatureLogitsWarper on the fp32 copy
     if top_p < 1.0:
         p = torch.softmax(v, dim=-1)  # (B, k)
         tail = p.flip(-1).cumsum(-1).flip(-1)  # (B, k) mass of j and all below it
@@ -50,26 +49,28 @@ def sample(logits, temperature, top_k, top_p):
 
 
 class SlotLayer(CacheLayerMixin):
-    """One layer's static cache for transformers' models: keys and values (b, Hkv, s, d) are views of the
-    engine's buffers; each forward writes its one new position at `at` (a (1,) device tensor that the step
-    advances) in place and hands back the whole view: attention reads s keys, the mask hides the unused."""
+    """One layer's static cache for transformers' models: keys and values (b, Hkv, S, d) are views of the
+    engine's buffers; each forward writes row r's one new position at its slot n[r] (n, (b,), a view of the
+    engine's lengths that the step advances) in place and hands back the whole view: attention reads S keys,
+    the step's length mask hides the unfilled."""
 
     is_compileable, is_sliding = True, False
 
-    def __init__(self, keys, values, at):
+    def __init__(self, keys, values, n):
         super().__init__()
-        self.keys, self.values, self.at, self.is_initialized = keys, values, at, True
+        self.keys, self.values, self.n, self.is_initialized = keys, values, n, True
+        self.rows = torch.arange(keys.shape[0], device=keys.device)  # (b,)
 
     def lazy_initialization(self, key_states, value_states):
         raise RuntimeError("SlotLayer is built over the engine's buffers")
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.at, key_states.to(self.keys.dtype))  # (b, Hkv, 1, d) at `at`
-        self.values.index_copy_(2, self.at, value_states.to(self.values.dtype))
+        self.keys[self.rows, :, self.n] = key_states[:, :, 0].to(self.keys.dtype)  # (b, Hkv, d) at n_r
+        self.values[self.rows, :, self.n] = value_states[:, :, 0].to(self.values.dtype)
         return self.keys, self.values
 
     def get_seq_length(self):
-        return self.at  # a tensor, as transformers' StaticLayer returns
+        return self.n[:1]  # a tensor, as transformers' StaticLayer returns (unread: positions are given)
 
     def get_mask_sizes(self, query_length):
         return self.keys.shape[-2], 0
@@ -79,7 +80,7 @@ class SlotLayer(CacheLayerMixin):
 
 
 def attention_kernels(mc, keys, b, s):
-    """The SDPA kernels of the decode step, checked once per engine with torch's own tests on its shapes
+    """The SDPA kernels of the model step, checked once per engine with torch's own tests on its shapes
     (transformers' decode query, (b, Hkv, H / Hkv, d) over (b, Hkv, s, d) keys, a (b, 1, 1, s) mask):
     flash and memory-efficient; the math kernel only when neither can run, with one line (and torch's
     warnings saying why)."""

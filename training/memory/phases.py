@@ -17,13 +17,14 @@ The step of grpo.py (16 prompts x 8, 1,024 new tokens, micro-batch 8) in five ph
   optimizer step  weights + gradients + states (+ torch's foreach AdamW: one fp32 copy of v on CUDA)
 --num-iterations > 1 keeps the old log-probs, (B, R) fp32, through the update; --beta > 0 the reference's.
 On CUDA the decode engine (training/decode/engine.py) is kept for the run with its graphs, so its K, V
-buffers, 2 L Hkv hd S e bf16, stay resident in every phase: S is the run's widest prompt (`widest`: its
-training prompts after --max-prompt-tokens and its held-out ones) + R, in multiples of 64, and e the rows
-preflight.make_engine reserves at setup, min(gen_chunk, max(B, held-out questions)) (engine_rows); held-out
-evaluation decodes in the same buffers (no second cache), its chunk counted beside the rollout's in
-generation (terms.engine_generation: a chunk's prompts' cache beside the engine). Or, where the plan
-(training/memory/budget.py) picks the layout "released", the engine is freed after each rollout (grpo.py's
-update back-off seam) and the update's phases hold none of it.
+buffers, 2 L Hkv hd S e bf16, and its fused step's copy of the weights (Q, K, V merged and gate, up merged,
+L (Hq + 2 Hkv) hd D + 2 L I D in bf16: terms.decode_copy) stay resident in every phase: S is the run's
+widest prompt (`widest`: its training prompts after --max-prompt-tokens and its held-out ones) + R, in
+multiples of 64, and e the rows preflight.make_engine reserves at setup, min(gen_chunk, max(B, held-out
+questions)) (engine_rows); held-out evaluation decodes in the same buffers (no second cache), its chunk
+counted beside the rollout's in generation (terms.engine_generation: a chunk's prompts' cache beside the
+engine). Or, where the plan (training/memory/budget.py) picks the layout "released", the engine is freed
+after each rollout (grpo.py's update back-off seam) and the update's phases hold none of it.
 `estimate` reads the step's shapes and byte widths once (Shapes: training/memory/shapes.py), then adds what
 every phase holds (resident) to each phase's own terms, counted in training/memory/terms.py;
 evaluation/memtrace.py measures a real step (track_peak counts its live tensor storages on the CPU; on a
@@ -132,10 +133,11 @@ def estimate(
     s = read_shapes(cfg, mc, device, prompt_tokens, cap)  # the shapes and byte widths, once
     n_eval = (cfg.eval_size if getattr(cfg, "eval_every", 0) else 0) if n_eval is None else n_eval
     engine = engine_bytes(cfg, s, widest or s.P, n_eval)  # the decode engine's K, V buffers
-    held = resident(cfg, mc, s, 0 if release else engine)  # every phase's (released: no engine)
+    copy = s.decode_copy * (engine > 0)  # and its copy of the weights
+    held = resident(cfg, mc, s, 0 if release else engine, 0 if release else copy)  # released: no engine
     fwd = Forward.of(cfg, mc, s)  # the forward's terms, read again later
     return {
-        "generation": generation_phase(cfg, mc, s, held, engine, n_eval),
+        "generation": generation_phase(cfg, mc, s, held, engine, n_eval, copy * release),
         "update forward": forward_phase(cfg, mc, s, held, fwd),
         "credit": credit_phase(cfg, s, held, fwd),
         "backward": backward_phase(cfg, mc, s, held, fwd),
@@ -145,25 +147,26 @@ def estimate(
 
 def engine_bytes(cfg, s, widest, n_eval) -> int:
     """The run's decode engine's K, V buffers on CUDA (none on the CPU, without --share-prefix or on a model
-    with sliding-window layers, whose rollouts HF generate decodes: Shapes.shared_rollout): 2 L Hkv hd
-    S e in the matmul width, S the widest prompt + R in multiples of 64 (engine.ALIGN), e the rows
-    preflight.make_engine reserves (engine_rows)."""
+    with sliding-window layers, whose rollouts HF generate decodes: Shapes.shared_rollout): 2 L Hkv hd S e in
+    the width its step writes (the fused step's: the weights'; the model step's: the matmul's), S the widest
+    prompt + R in multiples of 64 (engine.ALIGN), e the rows preflight.make_engine reserves (engine_rows)."""
     positions = 64 * -(-(widest - 1 + s.R) // 64)
-    rows = engine_rows(cfg, n_eval)
-    return s.cuda * s.shared_rollout * 2 * s.L * s.Hkv * s.hd * positions * rows * s.matmul_bytes
+    rows, width = engine_rows(cfg, n_eval), s.weight_bytes if s.decode_copy else s.matmul_bytes
+    return s.cuda * s.shared_rollout * 2 * s.L * s.Hkv * s.hd * positions * rows * width
 
 
-def resident(cfg, mc, s, engine) -> dict:
+def resident(cfg, mc, s, engine, copy) -> dict:
     """{component: bytes} every phase holds: the weights (+ the reference model when beta > 0; under LoRA
-    the reference is the same weights with the adapters off), the gradients and the optimizer's states of
-    what trains, autocast's copies of the weights it casts, and the decode engine's buffers (`engine`)."""
+    the reference is the same weights with the adapters off; + the decode engine's copy, `copy`), the
+    gradients and the optimizer's states of what trains, autocast's copies of the weights it casts, and the
+    decode engine's buffers (`engine`)."""
     N, N_cast, _ = param_counts(mc)
     trained = s.adapter_params if s.lora else N  # what has gradients and AdamW states
     cast = 2 * (s.adapter_params if s.lora else N_cast) if s.autocast and not s.kahan else 0
     state = STATE_BYTES["lora" if s.lora else "kahan" if s.kahan else "adamw"]  # as a checkpoint holds
     return {
         **dict.fromkeys(COMPONENTS, 0),
-        "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora)) + s.adapter_params * 4,
+        "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora)) + s.adapter_params * 4 + copy,
         "grads": trained * (4 if s.lora else s.weight_bytes),
         "optimizer": trained * state,
         "cast cache": cast,
@@ -171,10 +174,11 @@ def resident(cfg, mc, s, engine) -> dict:
     }
 
 
-def generation_phase(cfg, mc, s, held, engine, n_eval) -> dict:
+def generation_phase(cfg, mc, s, held, engine, n_eval, copy) -> dict:
     """The larger of the rollout's decode (g rows, G a prompt) and held-out evaluation's (a chunk of n_eval
     questions, one row each): HF's cache grown by concatenation, or a chunk's prompts beside the run's
-    engine, whose buffers are here whatever the layout. No gradients exist while it runs."""
+    engine, whose buffers and copy of the weights are here whatever the layout (`copy`: the copy, where the
+    layout released it for the update and `held` has none). No gradients exist while it runs."""
     out = []
     for rows, n in [(s.g, cfg.group_size), (min(cfg.gen_chunk, n_eval), 1)]:  # the rollout, held-out
         if not rows:
@@ -186,6 +190,7 @@ def generation_phase(cfg, mc, s, held, engine, n_eval) -> dict:
             else generation(mc, rows, n, s.P, s.R, *widths, s.shared_rollout, s.math or s.eager)
         )
         phase = {**held, "grads": 0, **chunk}
+        phase["weights"] += copy
         phase["KV cache"] += engine  # the engine's buffers beside the chunk
         out.append(phase)
     return max(out, key=lambda x: sum(x.values()))

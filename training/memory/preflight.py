@@ -16,9 +16,11 @@ loaded; on CUDA it tries, in this order:
                      policy.optimi_kernel chose, when it chose Triton (Policy.use_kernel writes it)
   decode engine      rollout.generate of 2 new tokens on a 4-token prompt through the run's engine, greedy
                      (held-out evaluation's graph) and sampled at the run's temperature, top-k and top-p (the
-                     rollouts' graph): a capture and a replay of each at the smallest bucket. Sampling draws
-                     random numbers: the CPU's and every GPU's RNG states are saved before the trial and
-                     restored after it (keep_rng), so the run's RNG, restored by --resume, is not moved.
+                     rollouts' graph): a capture and a replay of each, the graphs the run's rollouts and
+                     evaluations replay (one a warp, at the reserved rows: none is captured later).
+                     Sampling draws random numbers: the CPU's and every GPU's RNG states are saved before
+                     the trial and restored after it (keep_rng), so the run's RNG, restored by --resume, is
+                     not moved.
 
 A part that fails is replaced by its fallback, with one line naming the part, the error and what runs
 instead (docs/gpu.md lists them and what each costs): add_head_mean; optimi's foreach step (the same
@@ -124,7 +126,7 @@ def keep_rng():
 
 def engine_trial(engine, model, tok, device, cfg, autocast):
     """One decode through the engine, greedy and then sampled at the run's settings: a capture and a replay
-    of each one's graph at the smallest bucket, the RNG kept (keep_rng)."""
+    of each one's graph (the run's own, at the reserved rows), the RNG kept (keep_rng)."""
     with keep_rng(), torch.no_grad(), autocast:
         for sampling in (Sampling(2, greedy=True), Sampling.of(cfg)._replace(max_new_tokens=2)):
             generate(model, tok, [[first_token(tok), 17, 18, 19]], 1, sampling, chunk_size=1, engine=engine)

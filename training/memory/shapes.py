@@ -26,7 +26,7 @@ import torch
 from flowtracer import EAGER_IMPL
 from training.credit.attention import capture_impl
 from training.decode.rollout import prefix_problem
-from training.memory.terms import prefilled_rows
+from training.memory.terms import decode_copy, prefilled_rows
 from training.model.trainable import precision
 
 # A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
@@ -85,6 +85,13 @@ def counts(config_json):
         linears,
         frozenset(n.rsplit(".", 1)[-1] for n, _ in m.named_modules()),
     )
+
+
+def adapted_names(cfg, mc):
+    """The names of one decoder layer's linears that --lora-targets adapts (all-linear: every one)."""
+    _, _, _, layer, _ = counts(mc.to_json_string())
+    names = {t.strip().rsplit(".", 1)[-1] for t in cfg.lora_targets.split(",") if t.strip()}
+    return {n for n, _, _ in layer if cfg.lora_targets == "all-linear" or n in names}
 
 
 def lora_linears(cfg, mc):
@@ -147,6 +154,7 @@ class Shapes(NamedTuple):
     autocast: bool  # a bf16 / fp16 autocast over the forward
     adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
     adapter_params: int  # every adapter's parameters (fp32)
+    decode_copy: int  # bytes of the decode engine's merged copy of the weights (terms.decode_copy)
 
 
 def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
@@ -189,4 +197,11 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
         autocast=prec.autocast is not None,
         adapters=(adapted, rank, prec.autocast is not None),
         adapter_params=L * rank * sum(i + o for i, o in adapted),
+        decode_copy=decode_copy(
+            mc,
+            counts(mc.to_json_string())[3],
+            adapted_names(cfg, mc) if lora else (),
+            rank if lora else 0,
+            prec.weights.itemsize,
+        ),
     )

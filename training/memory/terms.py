@@ -1,7 +1,7 @@
 """The bytes each part of one GRPO step holds, counted op by op: a decoder layer's saved tensors
 (layer_saved), what the update's forward keeps for backward (kept, update_kept), the attention capture's
 workspace (capture_workspace) and generation's KV cache and prefill (generation, prefilled_rows, and a chunk
-beside the run's decode engine: engine_generation).
+beside the run's decode engine: engine_generation; the engine's copy of the weights: decode_copy).
 training/memory/phases.py's estimate adds them into its phases; each function's docstring has its terms.
 Shapes: L layers, D hidden, I intermediate, V vocabulary, Hq / Hkv query / key-value heads of hd each;
 P prompt, R response, T = P + R tokens; matmul_bytes the bytes of a matmul's output, residual_bytes those of
@@ -11,6 +11,7 @@ Run: python eval.py memory --model qwen3-4b-random    (the estimate these terms 
 """
 
 from flowtracer import auto_chunk
+from training.decode.decode_weights import GROUPS, config_problem
 
 
 def generation(mc, g, G, P, R, matmul_bytes, residual_bytes, shared=True, math=False):
@@ -57,6 +58,25 @@ def engine_generation(mc, g, G, P, matmul_bytes, residual_bytes, math=False):
     ]
     cache, workspace = max(peaks, key=sum)
     return {"KV cache": cache, "workspace": workspace}
+
+
+def decode_copy(mc, linears, adapted, rank, weight_bytes):
+    """Bytes of the decode engine's copies of the weights (training/decode/decode_weights.py), 0 where its
+    fused step cannot read the model (config_problem). Full fine-tuning (no `adapted`): per layer Q, K and V
+    merged, (Hq + 2 Hkv) hd x D, and gate and up merged, 2 I x D. LoRA: per layer and group (GROUPS) its
+    adapters' low-rank pair, A (r a, in) and the block-diagonal B (out, r a), a the group's adapted linears.
+    A stacked group's biases (Q, K, V's where attention_bias) are a copy too. linears: one decoder layer's
+    ((name, in, out), ...) (shapes.counts); adapted: the names LoRA adapts; all in the weights' width."""
+    if config_problem(mc):
+        return 0
+    size = {n: (i, o) for n, i, o in linears}
+    per_layer = 0
+    for g in GROUPS:
+        inp, out = size[g[0]][0], sum(size[n][1] for n in g)
+        r = rank * sum(n in adapted for n in g)
+        per_layer += r * (inp + out) + (not adapted and len(g) > 1) * out * inp
+        per_layer += (len(g) > 1 and getattr(mc, "attention_bias", False) and "q_proj" in g) * out
+    return mc.num_hidden_layers * per_layer * weight_bytes
 
 
 def prefill_workspace(mc, k, P, matmul_bytes, residual_bytes, math=False):
