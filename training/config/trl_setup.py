@@ -212,7 +212,7 @@ def build(args, targs):
         model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
         targs.model_init_kwargs = {
             "dtype": dt,
-            **quantize.load_kwargs(bnb, targs.device),
+            **(quantize.load_kwargs(bnb, targs.device) if bnb is not None else {}),
             **(targs.model_init_kwargs or {}),
         }  # TRL's: fp32
     kwargs = reward_code.template_kwargs(args)
