@@ -43,7 +43,8 @@ Departures from grpo.py (numbered):
  5. HF's constant_with_warmup schedule: the first step has lr 0 (training/config/trl_setup.py, its departure
  1).
  6. --lora-rank R > 0 hands TRL a peft LoraConfig, the base in 16 bits on a GPU and 10x the lr: the setup's
-    departure 2; the credit reads the peft policy as it trains.
+    departure 2; the credit reads the peft policy as it trains. --load-in-4bit: the base's linears in 4 bits
+    (the setup's departure 3), the adapters kept fp32 where TRL would make them bf16.
 
 Run:  python flowtracer_trl.py --model smollm2-135m --data-path runs/one_step.jsonl --max-steps 3 \\
           --num-generations 4 --per-device-train-batch-size 8 --max-completion-length 64 --warmup-steps 0 \\
@@ -156,6 +157,10 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if problem := trl_problem(self):
             raise ValueError(problem)
+        if getattr(self.model, "is_loaded_in_4bit", False):  # departure 6: fp32 adapters, not TRL's bf16
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
         select_layers(self.credit_cfg.layers, self.model.config.num_hidden_layers)  # --layers it lacks: error
         policy = self.accelerator.unwrap_model(self.model)
         maps, impl = self.credit_cfg.credit in attention.MAP_CREDITS, attention.capture_impl(policy)

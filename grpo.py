@@ -45,12 +45,17 @@ Departures from the paper (numbered):
     so Qwen3-4B's step fits a 24 GB GPU; "LoRA Without Regret" (Schulman et al., Thinking Machines Lab, 2025)
     finds RL with LoRA on all layers matching full fine-tuning at small ranks with ~10x its lr (presets.py).
     The base stays frozen; rollouts, credit and update read the adapted model (training/model/lora.py).
+10. --load-in-4bit (with --lora-rank; QLoRA, Dettmers et al., 2023) stores the frozen base's linear layers in
+    4 bits (NF4, an fp32 absmax per 64 weights: 4.5 bits a weight), so Qwen3-4B's 1K step fits a 12 GB card;
+    the adapters and AdamW stay fp32, the compute the run's precision, and rollouts, credit and update read
+    the 4-bit base (training/model/quantize.py).
 
 Run:  python grpo.py                                                    # embedded default, CPU, ~2 min
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k # the paper's setting, one 80 GB GPU
       python grpo.py --resume runs/grpo                                 # continue exactly where it stopped
       python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
+      python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16 --load-in-4bit  # 12 GB
 """
 
 import sys

@@ -53,6 +53,8 @@ its share of the step needs a full rollout.
 Run:  python benchmarks/gpu_headline.py                                  # one 80 GB GPU: the headline
       python benchmarks/gpu_headline.py --quick                          # the flow overhead, < 10 minutes
       python benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 5 # the 1K step only
+      python benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1 --lora-rank 16 --load-in-4bit \
+          --gpu-gb 12                                                    # QLoRA held to a 12 GB card
       python benchmarks/gpu_headline.py --model tiny-qwen3 --device cpu --max-new-tokens 16 32 \\
           --prompt-tokens 16 --prompts-per-step 2 --group-size 2 --micro-batch 2 --gen-chunk 4 --rounds 1
                                                                          # the format, on a CPU, in seconds
@@ -106,7 +108,8 @@ def step_config(args, R):
         lora_rank=args.lora_rank,
         gpu_gb=args.gpu_gb,
     )
-    cfg = grpo.parse_args([x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))])
+    argv = [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cfg = grpo.parse_args(argv + ["--load-in-4bit"] * args.load_in_4bit)  # its one error line: no LoRA
     if args.device == "cuda":
         if args.gpu_gb:  # a smaller card on a large one: the allocator's limit
             total = torch.cuda.mem_get_info()[1]
@@ -356,6 +359,11 @@ def main(argv=None):
         help="bytes/s (default: the card's, decode_speed.CARD_BANDWIDTH)",
     )
     ap.add_argument("--lora-rank", type=int, default=0, help="grpo.py's --lora-rank (0: full fine-tuning)")
+    ap.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="grpo.py's --load-in-4bit (with --lora-rank): a 4-bit base",
+    )
     ap.add_argument(
         "--gpu-gb",
         type=float,

@@ -43,6 +43,13 @@ def table(est, title, unit=GB) -> str:
     return "\n".join([title, head, *rows])
 
 
+def base_words(cfg) -> str:
+    """The title's words for --load-in-4bit (", a 4-bit nf4 base"; nested: "(nested)"), else ""."""
+    if not getattr(cfg, "load_in_4bit", False):
+        return ""
+    return f", a 4-bit {cfg.bnb_4bit_quant_type}{' (nested)' if cfg.use_bnb_nested_quant else ''} base"
+
+
 def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap=None):
     """One line: the engine's layout in force and what the other would give at the same sizes."""
     kept, freed = (estimate(cfg, mc, device, prompt_tokens, release=r, cap=cap) for r in (False, True))
@@ -79,7 +86,8 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
         precision(cfg, device, cap).line,
         table(
             est,
-            f"{cfg.model} on {device}, scheme {scheme(cfg, device, cap)}: {cfg.prompts_per_step} x "
+            f"{cfg.model} on {device}, scheme {scheme(cfg, device, cap)}{base_words(cfg)}: "
+            f"{cfg.prompts_per_step} x "
             f"{cfg.group_size} rows of {prompt_tokens} + {cfg.max_new_tokens} = {T} tokens, "
             f"gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch}, "
             f"logprob_chunk {cfg.logprob_chunk}{which} ({name})",
@@ -95,18 +103,18 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
         ]
     if p is not None and cfg.share_prefix:
         out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name, cap))
-    for other in ("adamw", "kahan", "lora"):
+    for other, four in (("adamw", False), ("kahan", False), ("lora", False), ("lora", True)):
         c = (
             {"optimizer": other, "lora_rank": 0}
             if other != "lora"
             else {"lora_rank": cfg.lora_rank or 16, "optimizer": "auto"}
         )
-        c = SimpleNamespace(**{**vars(cfg), **c})
+        c = SimpleNamespace(**{**vars(cfg), **c, "load_in_4bit": four})
         c.precision = "auto" if precision_problem(c) else c.precision  # fp16 is LoRA's, bf16 kahan's
         q = peak(estimate(c, mc, device, prompt_tokens, release=release, cap=cap))
         out.append(
             f"scheme {other:6s}: peak {q[1] / unit:.2f} {name} in {q[0]}"
-            + (f" (--lora-rank {c.lora_rank})" if other == "lora" else "")
+            + (f" (--lora-rank {c.lora_rank}{', --load-in-4bit' if four else ''})" if other == "lora" else "")
         )
     ph, top = peak(est)
     if p is not None:

@@ -38,7 +38,7 @@ import data
 from training.config import flag_file, helptext, presets, resume
 from training.credit import baselines
 from training.decode.rollout import MIN_TEMPERATURE
-from training.model import load, trainable
+from training.model import load, quantize, trainable
 from training.run import checkpoint as ckpt_io
 from training.run import tracking
 from training.usercode import reward_code
@@ -272,6 +272,11 @@ def unused(cfg, given, prog, for_gpu=False):
         ),
         (("filter_low", "filter_high"), g("dynamic_filter"), "--dynamic-filter is off"),
         (
+            ("bnb_4bit_quant_type", "use_bnb_nested_quant"),
+            g("load_in_4bit"),
+            "--load-in-4bit is off (the base is not quantized)",
+        ),
+        (
             ("question_field", "answer_field"),
             columns,
             f"--dataset {g('dataset')}'s rows are generated "
@@ -328,6 +333,7 @@ CHOICES = {
     "loss_agg": ("seq-mean", "token-mean"),
     "optimizer": trainable.OPTIMIZERS,
     "precision": trainable.PRECISIONS,
+    "bnb_4bit_quant_type": quantize.QUANT_TYPES,
     "report_to": tracking.KINDS,
 }
 

@@ -5,7 +5,8 @@ run's flags (its run_config.json) and to the flags given with --resume, before a
                  launched in, so a resume from another working directory reads the run's own files
   resume_flags   the flags given, as checkpoint.check_resume_config should judge them: the same --reward
                  functions or the same data file (another spelling) is no change; a LoRA flag that would
-                 change the checkpoint's adapters is refused, even with --allow-config-change (ADAPTER)
+                 change the checkpoint's adapters is refused, even with --allow-config-change (ADAPTER);
+                 another quantization of the base (QUANT) unless --allow-config-change
   reward_record  each --reward file's path and SHA-256 recorded (--reward-files); a resume whose reward file
                  moved or changed is refused unless --reward is given again
 
@@ -26,6 +27,9 @@ PATHS = ("data_path", "eval_data_path")  # the run's files, as given (relative: 
 # The LoRA flags a checkpoint's adapters fix (peft's adapter_config.json: rank, alpha, targets, dropout):
 # a --resume that gives other values would run with the checkpoint's, whatever run_config.json then says.
 ADAPTER = {"lora_rank": 0, "lora_alpha": 32.0, "lora_targets": "all-linear", "lora_dropout": 0.0}
+# The base the adapters trained on (training/model/quantize.py): another quantization is another function
+# under the same adapters, refused unless --allow-config-change (a run saved before these flags: defaults).
+QUANT = {"load_in_4bit": False, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": False}
 
 
 def resumed(saved, given, here) -> dict:
@@ -67,7 +71,8 @@ def resume_flags(saved, given):
     """The flags given with --resume as check_resume_config should judge them: a --reward naming the same
     functions of the same files as the run's, or a --data-path / --eval-data-path naming its file (by path:
     another spelling, or the same relative path from another directory) is no change. ValueError, even with
-    --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER)."""
+    --allow-config-change, for a LoRA flag that would change the checkpoint's adapters (ADAPTER); without it,
+    for another quantization of the base they trained on (QUANT)."""
     same = "reward" in given and reward_files.recorded_paths(
         given["reward"], saved.get("reward_files")
     ) == reward_files.recorded_paths(saved.get("reward") or "", saved.get("reward_files"))
@@ -82,6 +87,19 @@ def resume_flags(saved, given):
             f"keep the run's rank, alpha, targets and dropout (adapter_config.json), even with "
             f"--allow-config-change; leave them out, or start a new run with --out-dir"
         )
+    quant = [
+        f"--{k.replace('_', '-')} {saved.get(k, d)!r} -> {given[k]!r}"
+        for k, d in QUANT.items()
+        if k in given and given[k] != saved.get(k, d)
+    ]
+    if quant and not given.get("allow_config_change"):
+        four = saved.get("load_in_4bit", False)
+        base = f"{saved.get('bnb_4bit_quant_type', 'nf4')} 4-bit" if four else "16/32-bit"
+        raise ValueError(
+            f"--resume {given['resume']}: {'; '.join(quant)}: the checkpoint's adapters trained on its "
+            f"{base} base, and on another base they compute another function; leave them out to continue "
+            f"the run, or pass --allow-config-change"
+        )
     same_path = {
         k
         for k in PATHS
@@ -89,7 +107,8 @@ def resume_flags(saved, given):
         and saved.get(k)
         and Path(given[k]).expanduser().resolve() == Path(saved[k]).expanduser().resolve()
     }
-    return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in same_path}
+    unchanged = same_path | {k for k, d in QUANT.items() if k in given and given[k] == saved.get(k, d)}
+    return {k: v for k, v in given.items() if not (k == "reward" and same) and k not in unchanged}
 
 
 def reward_record(cfg, given):

@@ -15,6 +15,10 @@ Departures from grpo.py (flowtracer_trl.py's departures 5 and 6):
  2. --lora-rank R > 0 (grpo.py's LoRA flags and defaults, its departure 9) hands TRL a peft LoraConfig
     (lora.lora_config), the frozen base in bf16 on a GPU (--fp16: fp16; TRL's own is fp32) and, without
     --learning-rate, 10x the lr (presets.LORA_LR_FACTOR); the credit reads the peft policy as it trains.
+ 3. --load-in-4bit (with --lora-rank; training/model/quantize.py) reads the base's linears in 4 bits onto
+    the trainer's device, computing in the base's dtype: a local name here, a hub name through TRL's
+    model_init_kwargs (quantization_config, device_map). TRL casts a 4-bit model's adapters to bf16 (QLoRA's
+    recipe); flowtracer_trl.py keeps them fp32, as grpo.py does (FlowTracerGRPOTrainer).
 
 Run:  python flowtracer_trl.py --help        Test: python -m pytest -q tests/test_flowtracer_trl.py
 """
@@ -33,7 +37,7 @@ import data
 from training.config import flags, helptext, presets
 from training.credit import baselines
 from training.decode.rollout import prompt_ids
-from training.model import lora
+from training.model import lora, quantize
 from training.model.load import RANDOM_MODELS, fix_tokenizer, load_model
 from training.usercode import reward_code
 
@@ -158,6 +162,8 @@ def parse_args(argv, description, config):
             if not args.lora_alpha > 0
             else "--lora-dropout must be in [0, 1)"
             if not 0 <= args.lora_dropout < 1
+            else quantize.four_bit_problem(args)  # --load-in-4bit without --lora-rank
+            if args.load_in_4bit
             else None
         )
     )
@@ -197,11 +203,18 @@ def build(args, targs):
     )
     adapters = args.lora_rank > 0  # departure 2
     dt = torch.float32 if not adapters or targs.use_cpu else torch.float16 if targs.fp16 else torch.bfloat16
+    bnb = quantize.four_bit(args, dt) if adapters and args.load_in_4bit else None  # departure 3: in dt
+    four = {"quantization": bnb} if bnb is not None else {}  # read onto its device: a 4-bit model stays
     if args.model in RANDOM_MODELS or args.model == "smollm2-135m" or args.model.endswith(".gguf"):
-        model, tok = load_model(args.model, device="cpu", dtype=dt)  # the Trainer places it
+        where = targs.device if bnb is not None else "cpu"  # else the Trainer places it
+        model, tok = load_model(args.model, device=where, dtype=dt, **four)
     else:  # a name: TRL loads it (fp32 master weights, LoRA's base in dt; ZeRO-3 shards it)
         model, tok = args.model, fix_tokenizer(AutoTokenizer.from_pretrained(args.model))
-        targs.model_init_kwargs = {"dtype": dt, **(targs.model_init_kwargs or {})}  # TRL's: fp32
+        targs.model_init_kwargs = {
+            "dtype": dt,
+            **(quantize.load_kwargs(bnb, targs.device) if bnb is not None else {}),
+            **(targs.model_init_kwargs or {}),
+        }  # TRL's: fp32
     kwargs = reward_code.template_kwargs(args)
     prompt = reward_code.trl_prompt(tok, style, kwargs)  # a TRL-form one's
     mine = reward_code.load(

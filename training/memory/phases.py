@@ -68,6 +68,14 @@ Departures (numbered):
     (Gemma-2's four norms and GELU, GPT-OSS's experts) is counted as Qwen3's, not held to a measure. Its
     sliding-window layers send the rollouts to HF generate (rollout.prefix_problem): no shared prefix, no
     engine.
+ 8. --load-in-4bit (training/model/quantize.py): the decoder layers' linear weights at
+    quantize.bits_per_weight (4 bits + an fp32 absmax per 64 weights; nested, the absmaxes in 8 bits), the
+    embedding, norms and head in the precision's bytes; each forward and backward holds one layer's largest
+    weight dequantized in the compute dtype for its matmul (bitsandbytes: dequantize, then a plain matmul;
+    its fused kernel for a few rows holds none), counted once in every phase that runs a forward. peft's
+    4-bit layers cast no adapter input under autocast (departure 5's per-adapter copy is not counted); the
+    4-bit weights keep nothing for backward (MatMul4Bit dequantizes again). Held within 10% of a CPU step
+    (tests/model/test_qlora.py); not measured on a GPU.
 
 Run: python eval.py memory --model qwen3-4b-random      (the table of this estimate, in a second)
      python eval.py memory --model tiny-qwen3 --measure --max-new-tokens 64   # estimate vs a real step
@@ -166,7 +174,11 @@ def resident(cfg, mc, s, engine, copy) -> dict:
     state = STATE_BYTES["lora" if s.lora else "kahan" if s.kahan else "adamw"]  # as a checkpoint holds
     return {
         **dict.fromkeys(COMPONENTS, 0),
-        "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora)) + s.adapter_params * 4 + copy,
+        "weights": N * s.weight_bytes * (1 + (cfg.beta > 0 and not s.lora))
+        - s.four_bit * (s.weight_bytes - s.four_bit_bytes)  # 4-bit linears (departure 8)
+        + s.four_bit_tables
+        + s.adapter_params * 4
+        + copy,
         "grads": trained * (4 if s.lora else s.weight_bytes),
         "optimizer": trained * state,
         "cast cache": cast,
@@ -192,6 +204,7 @@ def generation_phase(cfg, mc, s, held, engine, n_eval, copy) -> dict:
         phase = {**held, "grads": 0, **chunk}
         phase["weights"] += copy
         phase["KV cache"] += engine  # the engine's buffers beside the chunk
+        phase["workspace"] += s.dequant  # a 4-bit layer's weight, dequantized for its matmul
         out.append(phase)
     return max(out, key=lambda x: sum(x.values()))
 
@@ -263,7 +276,7 @@ def forward_phase(cfg, mc, s, held, fwd) -> dict:
         "activations": activations,
         "attention": s.b * s.T * s.T * 4 if maps else 0,
         "logits": logits,
-        "workspace": fwd.batch + workspace,
+        "workspace": fwd.batch + workspace + s.dequant,
     }
 
 
@@ -293,7 +306,7 @@ def credit_phase(cfg, s, held, fwd) -> dict:
         "attention": maps * n * T * T * 4,  # the maps, (n, T, T)
         "workspace": B * T * (19 + 4 * (n < B))
         + n * T * 19 * (n < B)  # + a micro-batch's
-        + max(own, maps * n * T * T * fp64),
+        + max(own + s.dequant, maps * n * T * T * fp64),
     }  # forward or trace_flow
 
 
@@ -335,7 +348,7 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
         "activations": activations,
         "attention": 0,
         "logits": logits,
-        "workspace": fwd.batch + workspace,
+        "workspace": fwd.batch + workspace + s.dequant,
     }
 
 

@@ -9,7 +9,8 @@ the run's decode engine is reserved for (engine_rows).
 
 The step counted is the worst one (phases.py departure 2): every response max_new_tokens long (R), the
 prompt padded to --prompt-tokens (P). LoRA (phases.py departure 5): the frozen base's weights, the fp32
-adapters of the linears --lora-targets names.
+adapters of the linears --lora-targets names; --load-in-4bit (departure 8): the decoder layers' linear weights
+in 4 bits with their scales, and one of them dequantized at a time.
 
 Run: python eval.py memory --model qwen3-4b-random      (the estimate these shapes make)
      python -m pytest -q tests/memory/test_phases*.py tests/memory/test_budget.py
@@ -27,6 +28,7 @@ from flowtracer import EAGER_IMPL
 from training.credit.attention import capture_impl
 from training.decode.rollout import prefix_problem
 from training.memory.terms import decode_copy, prefilled_rows
+from training.model import quantize
 from training.model.trainable import precision
 
 # A size left at 0 (grpo.Config's --gen-chunk, --micro-batch): what the CPU runs, and where a plan on CUDA
@@ -155,6 +157,10 @@ class Shapes(NamedTuple):
     adapters: tuple  # layer_saved's LoRA: (one layer's adapted (in, out), rank, autocast on)
     adapter_params: int  # every adapter's parameters (fp32)
     decode_copy: int  # bytes of the decode engine's merged copy of the weights (terms.decode_copy)
+    four_bit: int = 0  # --load-in-4bit: the decoder layers' linear weights stored in 4 bits (0: none)
+    four_bit_bytes: float = 0.0  # bytes one of them takes with its scales (quantize.bits_per_weight / 8)
+    four_bit_tables: int = 0  # nested quantization's code table, 256 fp32 per linear layer
+    dequant: int = 0  # bytes of one layer's largest weight dequantized for a matmul (a forward, a backward)
 
 
 def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
@@ -168,6 +174,10 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
     k = prefilled_rows(b, cfg.group_size, cfg.share_prefix)  # prompts it reads per micro-batch
     adapted = lora_linears(cfg, mc) if lora else []  # one layer's adapted linears
     rank = getattr(cfg, "lora_rank", 0)
+    layer = counts(mc.to_json_string())[3]  # one decoder layer's linears, (name, in, out)
+    four = lora and getattr(cfg, "load_in_4bit", False)  # phases.py departure 8
+    nested = getattr(cfg, "use_bnb_nested_quant", False)
+    autocast = prec.autocast is not None
     return Shapes(
         L,
         D,
@@ -194,14 +204,16 @@ def read_shapes(cfg, mc, device, prompt_tokens, cap=None) -> Shapes:
         math=prec.math_sdpa,
         eager=capture_impl(mc) == EAGER_IMPL,  # Gemma-2, GPT-OSS: no SDPA in transformers (terms.eager_saved)
         shared_rollout=cfg.share_prefix and prefix_problem(mc) is None,  # else HF generate, no engine
-        autocast=prec.autocast is not None,
-        adapters=(adapted, rank, prec.autocast is not None),
+        autocast=autocast,
+        adapters=(adapted, rank, autocast and not four),  # peft's 4-bit layers cast no input under autocast
         adapter_params=L * rank * sum(i + o for i, o in adapted),
-        decode_copy=decode_copy(
-            mc,
-            counts(mc.to_json_string())[3],
-            adapted_names(cfg, mc) if lora else (),
-            rank if lora else 0,
-            prec.weights.itemsize,
+        decode_copy=0  # a 4-bit linear is not one the fused step reads (decode_weights.supported)
+        if four
+        else decode_copy(
+            mc, layer, adapted_names(cfg, mc) if lora else (), rank if lora else 0, prec.weights.itemsize
         ),
+        four_bit=four * L * sum(i * o for _, i, o in layer),
+        four_bit_bytes=four * quantize.bits_per_weight(nested) / 8,
+        four_bit_tables=four * nested * L * len(layer) * 256 * 4,
+        dequant=four * max((i * o for _, i, o in layer), default=0) * (2 if autocast else 4),
     )

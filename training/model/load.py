@@ -52,7 +52,7 @@ from transformers import (
 
 from flowtracer import register_attention
 from training.credit.attention import capture_impl
-from training.model import gguf
+from training.model import gguf, quantize
 from training.model.pretrained import ModelError, from_hub_or_dir, hub_problem, looks_local, offline_reason
 
 RANDOM_MODELS = ("tiny-qwen3", "tiny-llama", "qwen3-4b-random")
@@ -261,6 +261,24 @@ def adapter_base(path):
     raise ModelError(f"{path}: a LoRA checkpoint that names no base model (run_config.json's model)")
 
 
+def adapter_quantization(path, device, dtype):
+    """The BitsAndBytesConfig of the base a LoRA checkpoint trained on (its run_config.json's --load-in-4bit,
+    --bnb-4bit-quant-type, --use-bnb-nested-quant; compute in `dtype`, else the device's default), or None
+    (a 16/32-bit base, or no run_config.json)."""
+    import json
+    from types import SimpleNamespace
+
+    try:
+        saved = json.loads((Path(path) / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not saved.get("load_in_4bit"):
+        return None
+    compute = dtype or (torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32)
+    flags = dict(lora_rank=saved.get("lora_rank", 0), bnb_4bit_quant_type="nf4", use_bnb_nested_quant=False)
+    return quantize.four_bit(SimpleNamespace(**{**flags, **saved}), compute)
+
+
 def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
     """(model, tokenizer) of a LoRA checkpoint for evaluation: its base (adapter_base) with the adapters as
     the run trained them. An fp32 base: the adapters merged into its weights (peft's merge_and_unload), a
@@ -268,13 +286,25 @@ def load_adapted(path, device=None, dtype=None, attn_implementation="sdpa"):
     eval mode), the function the run trained and evaluated: merged into bf16 weights, an RL update's small
     W + BA would mostly round away (|BA| ~ 1e-4 against a bf16 ulp of ~1e-3 on weights of ~0.1;
     tests/model/test_lora.py). A plain model without that loss: the base in fp32 (dtype=torch.float32),
-    merged."""
+    merged. A --load-in-4bit run's: its base read in 4 bits as trained (adapter_quantization), the adapters
+    unmerged, said in one line (merged into 4-bit weights the update rounds away: quantize.py departure 4)."""
     from peft import PeftModel
 
+    bnb = adapter_quantization(path, device, dtype)
     model, _ = load_model(
-        adapter_base(path), device=device, dtype=dtype, attn_implementation=attn_implementation
+        adapter_base(path),
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        quantization=bnb,
     )
-    merge = next(model.parameters()).dtype == torch.float32  # merged in fp32: exact to its rounding
+    merge = bnb is None and next(model.parameters()).dtype == torch.float32  # fp32: exact to its rounding
+    if bnb is not None:
+        print(
+            f"{path}: the adapters stay unmerged on the {bnb.bnb_4bit_quant_type} 4-bit base they trained "
+            f"on (merged into 4-bit weights the update rounds away; merge into a 16/32-bit copy of the base: "
+            f"docs/gpu.md)"
+        )
     try:
         model = PeftModel.from_pretrained(model, str(path))
         model = model.merge_and_unload() if merge else model
@@ -319,7 +349,7 @@ def to_dtype(model, device, dtype):
     return model
 
 
-def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=None):
+def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation=None, quantization=None):
     """(model, tokenizer) in eval mode. Defaults: cuda if available; bf16 on CUDA, fp32 on CPU (departure 3).
 
     attn_implementation: None (default): the attention that takes the maps when a forward is given a
@@ -328,6 +358,8 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
     "eager_capture" (its own eager attention); a class with neither keeps its own attention (a credit that
     reads maps refuses it: attention.capture_problem). Or a name: "sdpa_capture", "sdpa", "eager", ...
     (registered here, flowtracer.register_attention).
+    quantization: a BitsAndBytesConfig (quantize.four_bit): the linear layers read in 4 bits, the rest in
+    `dtype` (training/model/quantize.py); None: every weight in `dtype`.
     """
     register_attention()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -351,10 +383,15 @@ def load_model(name="smollm2-135m", device=None, dtype=None, attn_implementation
                 )
             )
         model, tok = load_gguf(path, attn_implementation)
-    else:
-        model, tok = from_hub_or_dir(str(name), dtype, attn_implementation, RANDOM_MODELS)
-    if name not in RANDOM_MODELS:  # a loaded model: to `device` and `dtype`, its tokenizer fixed
-        model, tok = to_dtype(model, device, dtype), fix_tokenizer(tok)
+    else:  # 4-bit: read so (quantize.py departure 1)
+        model, tok = from_hub_or_dir(
+            str(name), dtype, attn_implementation, RANDOM_MODELS, **quantize.load_kwargs(quantization, device)
+        )
+    if quantization is not None:  # built here in 16/32 bits: read back in 4 (quantize.py departure 1)
+        model = quantize.quantized(model, quantization, device, dtype, attn_implementation)
+    elif name not in RANDOM_MODELS:  # a loaded model: to `device` and `dtype`
+        model = to_dtype(model, device, dtype)
+    tok = tok if name in RANDOM_MODELS else fix_tokenizer(tok)
     impl = capture_impl(model) if attn_implementation is None else None
     if impl is not None and impl != model.config._attn_implementation:
         model.set_attn_implementation(impl)  # the capture's attention, chosen for its class

@@ -8,6 +8,8 @@ the CPU; fp16 under --precision fp16), peft's adapters and their plain torch Ada
 (scheme "lora": the Kahan sum is for bf16 weights, and the adapters are not bf16). The reference of
 --beta > 0 is the same weights with the adapters off (peft's disable_adapter; Policy.ref_logprobs): no
 second model. A checkpoint holds peft's adapter files; the base is loaded again from the run's --model.
+--load-in-4bit (QLoRA) stores the frozen base's linear layers in 4 bits under the same adapters:
+training/model/quantize.py.
 
 Run: python grpo.py --lora-rank 8                      # LoRA on the embedded model, CPU
      python -m pytest -q tests/model/test_lora.py
@@ -27,6 +29,9 @@ class AdapterConfig:
     lora_alpha: float = 32.0  # LoRA's scale is alpha / rank ("LoRA Without Regret": 32 at any rank)
     lora_targets: str = "all-linear"  # modules given adapters, comma-separated; all-linear: attention + MLP
     lora_dropout: float = 0.0  # dropout on the adapters' input ("LoRA Without Regret": none)
+    load_in_4bit: bool = False  # the frozen base's linears in 4 bits (QLoRA; TRL's name; quantize.py)
+    bnb_4bit_quant_type: str = "nf4"  # --load-in-4bit's code: nf4 (QLoRA's NormalFloat; TRL's) or fp4
+    use_bnb_nested_quant: bool = False  # --load-in-4bit: the scales in 8 bits too, 0.37 bits a weight less
 
 
 def lora_config(cfg, model=None):

@@ -81,10 +81,10 @@ def offline_reason(name):
     )
 
 
-def from_hub_or_dir(name, dtype, attn_implementation, aliases):
+def from_hub_or_dir(name, dtype, attn_implementation, aliases, **kwargs):
     """(model, tokenizer) of a directory written by save_pretrained, or of a hub name (the network, else the
     hub's cache: departure 1); ModelError naming what is wrong. aliases: the names load.py makes itself
-    (RANDOM_MODELS), which the messages offer."""
+    (RANDOM_MODELS), which the messages offer; kwargs: from_pretrained's (a 4-bit read: quantize.py's)."""
     local, path = looks_local(name), Path(name).expanduser()
     if local and not path.is_dir():
         what = (
@@ -110,6 +110,7 @@ def from_hub_or_dir(name, dtype, attn_implementation, aliases):
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=bool(offline),
+            **kwargs,
         )
         tok = AutoTokenizer.from_pretrained(path if local else name, local_files_only=bool(offline))
     except Exception as e:  # corrupted weights, a missing config, no network: one line naming it

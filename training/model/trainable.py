@@ -43,6 +43,7 @@ import torch
 from flowtracer import select_layers
 from gpu_kernels.availability import unavailable
 from training import policy
+from training.model import quantize
 from training.model.load import load_model
 from training.model.lora import with_lora
 from training.policy import Policy, ScaledAdamW
@@ -107,7 +108,8 @@ def precision_problem(cfg):
         )
     if opt == "kahan" and want in ("fp16", "fp32"):
         return f"--optimizer kahan keeps bf16 weights: it cannot run under --precision {want}"
-    return None
+    four = getattr(cfg, "load_in_4bit", False)
+    return quantize.four_bit_problem(cfg) if four else None  # --load-in-4bit without --lora-rank
 
 
 def precision(cfg, device, cap=None) -> Precision:
@@ -146,10 +148,11 @@ def precision(cfg, device, cap=None) -> Precision:
     weights = torch.bfloat16 if kind == "kahan" else DTYPES[name] if kind == "lora" else torch.float32
     autocast = DTYPES[name] if name != "fp32" and (cuda or kind != "kahan") else None  # CPU kahan: as is
     math = old and name == "bf16"
+    four = f"{cfg.bnb_4bit_quant_type} 4-bit linears + {name} " if getattr(cfg, "load_in_4bit", False) else ""
     what = {
         "kahan": "bf16 weights, gradients and AdamW states + Kahan compensation (torch-optimi)",
         "adamw": "fp32 weights and AdamW",
-        "lora": f"{name} frozen base, fp32 adapters and AdamW",
+        "lora": f"{four or name + ' '}frozen base, fp32 adapters and AdamW",
     }[kind]
     what += (f", {name} autocast" if autocast else "") + (", a GradScaler" if name == "fp16" else "")
     slow = f"; {card}: bf16 matmuls emulated, attention on SDPA's math kernel (slow)" if math else ""
@@ -228,13 +231,17 @@ def load_policy(cfg, device, path=None) -> Policy:
     (policy.checkpointing); its tokenizer; the reference of beta > 0 (a frozen copy, or under LoRA the
     model itself with its adapters off); the optimizer (make_optimizer) and the warmup schedule (linear over
     --warmup-steps, then constant); the autocast. Under LoRA (training/model/lora.py) the base comes from
-    cfg.model and the adapters from `path`, or new ones (with_lora)."""
+    cfg.model and the adapters from `path`, or new ones (with_lora); --load-in-4bit: the base's linears in 4
+    bits (training/model/quantize.py), computing in the precision's dtype."""
     prec, lora = precision(cfg, device), getattr(cfg, "lora_rank", 0) > 0
     print(prec.line)  # departure 4: what runs, and why
-    dtype = prec.weights
+    four = getattr(cfg, "load_in_4bit", False)  # a BitsAndBytesConfig, computing in the precision's dtype
+    dtype, bnb = prec.weights, quantize.four_bit(cfg, DTYPES[prec.name]) if four else None
     model, tok = load_model(
-        cfg.model if lora else path or cfg.model, device=device, dtype=dtype
+        cfg.model if lora else path or cfg.model, device=device, dtype=dtype, quantization=bnb
     )  # sdpa (or the model's eager attention), + the maps when asked
+    if bnb is not None:
+        print(quantize.base_line(model, bnb))  # the base is 4-bit: its bytes
     select_layers(cfg.layers, model.config.num_hidden_layers)  # a --layers this model lacks fails here
     if cfg.grad_checkpointing:
         policy.checkpointing(model)  # policy.py: the one switch
