@@ -250,7 +250,7 @@ def test_a_gpu_gb_past_the_card_is_said_and_the_card_is_taken(monkeypatch, capsy
     try:
         budget.size(cfg, torch.device("cuda"), 256)
     except ValueError as e:  # nothing fits 10 GB: the card's size is named
-        assert "the GPU has 10.0 GB (torch.cuda.mem_get_info)" in str(e)
+        assert "the GPU has 10.0 GB free of 10.0 GB (torch.cuda.mem_get_info)" in str(e)
     out = capsys.readouterr().out
     assert "--gpu-gb 1e+09 is more than the GPU's 10.0 GB" in out
 
