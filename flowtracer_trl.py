@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 try:
     import trl
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
     from trl.models.utils import unwrap_model_for_generation
 except ImportError as e:  # no TRL: one line from the command line
@@ -89,7 +90,7 @@ from training.credit import attention, baselines, scoring
 from training.credit.attention import capturing
 from training.decode.rollout import prompt_ids
 from training.run import log
-from training.usercode import reward_code
+from training.usercode import guard, reward_code
 
 TRL_VERSION = "1.16.0"  # the TRL whose GRPOTrainer internals this file relies on (requirements.txt)
 
@@ -332,6 +333,25 @@ class FlowTracerGRPOTrainer(GRPOTrainer):
             m["credit/top10_adv_mass"].append(mass / max(1, n_mass))
 
 
+class StopAtSignal(TrainerCallback):
+    """Ctrl-C or SIGTERM on TRL's loop as in grpo.py (guard.Stop): the step finishes (a --reward running gets
+    --stop-grace), TRL saves its checkpoint-N, training stops, and main exits 143 or 130. Every process stops
+    at the same step: the request is reduced over them (max) at each step's end, one small collective."""
+
+    def __init__(self, stop, accelerator):
+        self.stop, self.accelerator = stop, accelerator
+
+    def on_step_end(self, args, state, control, **kwargs):
+        asked = torch.tensor([float(self.stop.requested)], device=self.accelerator.device)
+        if self.accelerator.reduce(asked, "max").item() > 0:  # any process's signal
+            control.should_save = control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        control.should_save = False  # once: the epoch's end would save the same step again
+        return control
+
+
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv=None):
     """(ours, the credit's grpo.Config, GRPOConfig): grpo.py's flags and defaults on TRL's GRPOConfig
@@ -345,6 +365,7 @@ def main(argv=None):
         print(f"flowtracer_trl.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     args, ccfg, targs = parse_args(argv)
+    stop = guard.Stop(args.stop_grace).install()  # Ctrl-C, SIGTERM: StopAtSignal, exit 143 / 130
     try:
         parts = trl_setup.build(args, targs)  # the policy, prompts and rewards
         trainer = FlowTracerGRPOTrainer(
@@ -365,15 +386,29 @@ def main(argv=None):
         f"credit={ccfg.credit}/{ccfg.shaping}, {trainer.accelerator.num_processes} process(es), "
         f"{'fused credit pass' if trainer.fused else 'separate credit pass: ' + trainer.separate_why}"
     )
+    trainer.add_callback(StopAtSignal(stop, trainer.accelerator))
     try:
         trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     except (reward_code.RewardError, PatternError) as e:  # a --reward raised or gave NaN; a pattern hung
         print(f"flowtracer_trl.py: error: {e}; TRL's last checkpoint (--save-steps) stands", file=sys.stderr)
         sys.exit(2)
-    trainer.save_model(targs.output_dir)
+    except guard.Interrupted as e:  # a second signal, or the grace's end inside a --reward
+        print(f"flowtracer_trl.py: interrupted ({e}): TRL's last checkpoint (--save-steps) stands")
+        sys.exit(stop.status or 130)
+    if not stop.requested:  # a finished run: the model; an interrupted one: its checkpoint-N alone
+        trainer.save_model(targs.output_dir)
     if trainer.accelerator.is_main_process:
         with open(Path(targs.output_dir) / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in trainer.state.log_history)
+    stop.uninstall()
+    if stop.requested:
+        at = Path(targs.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        if trainer.accelerator.is_main_process:
+            print(f"interrupted ({stop.ended()}): checkpoint saved ({at}); continue with the same flags and")
+            print(f"  --resume-from-checkpoint {at}")
+        if torch.distributed.is_initialized():  # as at the end of a finished run (below)
+            torch.distributed.destroy_process_group()
+        sys.exit(stop.status)  # 128 + the signal: 143 SIGTERM, 130 Ctrl-C
     return trainer
 
 

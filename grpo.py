@@ -56,6 +56,11 @@ Run:  python grpo.py                                                    # embedd
       python grpo.py --lora-rank 8                                      # LoRA on the embedded model, CPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16   # a 24 GB GPU
       python grpo.py --model Qwen/Qwen3-4B-Base --dataset dapo-math-17k --lora-rank 16 --load-in-4bit  # 12 GB
+
+Exit status: 0 finished; 2 a user error (one line: grpo.py: error: ...); 1 a non-finite streak or out of
+memory at size 1; 143 after SIGTERM, 130 after Ctrl-C (the shell's 128 + the signal): the step finishes (a
+--reward still running gets --stop-grace seconds, then is stopped), is saved, and the --resume line is
+printed; a second signal stops at once, the last completed step saved, with the same status.
 """
 
 import sys
@@ -116,6 +121,7 @@ class Config(baselines.BaselineConfig, TaskConfig, AdapterConfig):
     lr: float = 1e-6  # AdamW learning rate (the paper's, §4.1, App. C.3)
     optimizer: str = "auto"  # auto: kahan (bf16 + Kahan AdamW) under bf16, adamw (fp32) under fp32
     precision: str = "auto"  # auto: bf16 from capability 8.0 (Ampere), below fp16 LoRA / fp32 AdamW
+    precision_resolved: str = ""  # set by the run: what --precision resolved to (bf16, fp16, fp32)
     warmup_steps: int = 20  # steps of linear learning-rate warmup (the paper's, App. C.3)
     weight_decay: float = 0.0  # AdamW weight decay (not given in the paper)
     num_iterations: int = 1  # PPO epochs per batch; > 1 runs an old-log-prob pass first
@@ -140,6 +146,7 @@ class Config(baselines.BaselineConfig, TaskConfig, AdapterConfig):
     out_dir: str = "runs/grpo"  # the run directory: metrics.jsonl, rollouts/, ckpt/, curves.png
     overwrite: bool = False  # start afresh in an out_dir that holds a run (else: an error)
     save_every: int = 50  # checkpoint every N steps (and at the end, on Ctrl-C / SIGTERM)
+    stop_grace: float = 30.0  # seconds a --reward gets after Ctrl-C / SIGTERM (Slurm's and Kubernetes' grace)
     keep_checkpoints: int = 1  # keep the last K checkpoints (ckpt/ and ckpt-<step>/ before it)
     save_optimizer: bool = True  # save AdamW's state (2x weights): exact --resume; off: AdamW restarts
     rollouts_every: int = 10  # save rollouts with per-token credit every N steps
@@ -157,7 +164,8 @@ PRESETS = presets.of(Config)  # the embedded run's, the paper's, LoRA's: trainin
 class Outcome(NamedTuple):
     history: list  # one metrics dict per step run
     stop: str | None  # why the run ended early: "interrupted", a non-finite streak, a full disk
-    status: int  # main's exit status: 0 (finished, interrupted), 1 (non-finite, OOM), 2 (disk)
+    status: int  # main's exit status: 0 (finished), 1 (non-finite, OOM), 2 (disk), 128 + the signal
+    # (interrupted: 143 SIGTERM, 130 Ctrl-C, the shell's convention; the step saved)
 
 
 def train(cfg: Config, run=None) -> Outcome:
@@ -170,8 +178,8 @@ def train(cfg: Config, run=None) -> Outcome:
         history.append(m)
         if bad >= cfg.max_bad_steps:
             stop, status = f"{bad} consecutive steps with a non-finite loss or gradient (lower --lr?)", 1
-        elif run.log.stop_requested:  # a first Ctrl-C / SIGTERM: this step is saved, the run stops
-            stop = "interrupted"
+        elif run.log.signals.signum:  # a first Ctrl-C / SIGTERM: this step is saved, the run stops
+            stop, status = "interrupted", run.log.signals.status  # 143, 130
         full = run.log.step(step, m, rollouts, bad, stopping=stop is not None)  # metrics, saves when due
         if full:  # a full disk: the message, and the last checkpoint stands
             stop, status = full, 2
@@ -190,16 +198,13 @@ class Step(NamedTuple):
 def grpo_step(run, step, bad) -> Step:
     """One GRPO step: rollout -> reward -> credit -> update (bad: the non-finite streak before it)."""
     cfg, pol, task, G, clock = run.cfg, run.policy, run.task, run.cfg.group_size, run.log.clock  # phases
-    n, prompts = cfg.prompts_per_step, task.prompt_ids  # prompts: {record: its token ids}
-    ids = [i for i in task.order[step * n : (step + 1) * n] if len(prompts[i]) <= cfg.max_prompt_tokens]
-    m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}
+    n, prompts, limit = cfg.prompts_per_step, task.prompt_ids, task.prompt_limit  # {record: token ids}
+    ids = [i for i in task.order[step * n : (step + 1) * n] if len(prompts[i]) <= limit]  # setup's limit:
+    m = {"step": step + 1, "prompts/skipped_long": n - len(ids)}  # --max-prompt-tokens, the model's length
     if len(ids) < n:
-        tqdm.write(
-            f"step {step + 1}: {n - len(ids)} prompt(s) longer than --max-prompt-tokens "
-            f"{cfg.max_prompt_tokens} skipped"
-        )
+        tqdm.write(f"step {step + 1}: {n - len(ids)} prompt(s) longer than {task.limit_words} skipped")
     if not ids:
-        return Step({**m, "skipped": "every prompt is longer than --max-prompt-tokens"}, None, bad)
+        return Step({**m, "skipped": f"every prompt is longer than {task.limit_words}"}, None, bad)
     # ---------------------------------------------------------- rollout
     todo, sampling = [prompts[i] for i in ids], Sampling.of(cfg)  # G responses each, App. C.3's sampling
     with clock.phase("generation"), torch.no_grad(), pol.autocast:  # out of memory: smaller chunks, again
@@ -401,13 +406,18 @@ def main(argv=None):
     except (ValueError, OSError, ImportError) as e:  # the user's files, model, checkpoint, out_dir
         print(f"grpo.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the run's handler (setup's last lines install it)
+        print("grpo.py: interrupted during setup: nothing was trained", file=sys.stderr)
+        sys.exit(130)
     try:
         out = train(cfg, run)
-    except (RewardError, PatternError, log.Interrupted) as e:  # your reward or pattern, mid-step
+    except (RewardError, PatternError, log.Interrupted) as e:  # your reward or pattern; a second signal
         out = Outcome([], *run.log.stopped(e))  # the last completed step saved, the run finished
     except backoff.OutOfMemory as e:  # out of memory at gen_chunk or micro_batch 1
         run.log.finish(str(e))
         out = Outcome([], str(e), 1)
+    if out.stop == "interrupted":  # the step saved, the --resume line said (RunLog.finish)
+        sys.exit(out.status)  # 128 + the signal: 143 SIGTERM, 130 Ctrl-C
     if out.status:  # a non-finite streak (1), a full disk (2)
         print(f"grpo.py: {'error' if out.status == 2 else 'stopping'}: {out.stop}", file=sys.stderr)
         sys.exit(out.status)

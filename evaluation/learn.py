@@ -25,8 +25,10 @@ plain GRPO (the FlowTracer paper's Table 2)? Credit arms x seeds of grpo.py runs
 
 Resumable: one run directory per arm-seed (<out>/runs/), one file per evaluation (<out>/eval/, atomic, the
 last step's last: the done-marker; per-question results for the paired tests). Killed anywhere, the same
-command skips what is done and continues a run from its checkpoint. Arms and seeds may be added later to the
-same --out-dir; another recipe or evaluation setting there is an error (or --overwrite).
+command skips what is done and continues a run from its checkpoint. Ctrl-C or SIGTERM: the grpo.py running
+finishes its step and saves it, and learn exits 130 or 143 (128 + the signal, as grpo.py). Arms and seeds may
+be added later to the same --out-dir; another recipe or evaluation setting there is an error (or
+--overwrite).
 
 Departures (numbered):
  1. Lenient scoring is defined for math tasks; Countdown and multiple choice score lenient = strict.
@@ -67,6 +69,7 @@ from training.model.load import load_model
 from training.model.pretrained import ModelError
 from training.run import checkpoint as ckpt_io
 from training.run import directory, heldout
+from training.usercode import guard
 
 
 @dataclass
@@ -99,6 +102,11 @@ MAX_SEEDS = 1000  # --seeds N: at most this many (each seed is one grpo.py run p
 
 class LearnError(ValueError):
     """A grid that cannot go on (a failed run, a changed recipe): one line naming what to do."""
+
+
+class LearnStopped(KeyboardInterrupt):
+    """learn, or an arm-seed's grpo.py, stopped by a signal (args[0]: its number): main exits with 128 + it,
+    as grpo.py does (143 SIGTERM, 130 Ctrl-C); the same command continues where it stopped."""
 
 
 def refuse(msg):
@@ -241,6 +249,8 @@ def train(g, run, bar):
         finally:
             stop(proc)
     bar.update(max(0, min(g.rc.steps, steps_logged(d)) - seen))
+    if proc.returncode in (guard.status(signal.SIGTERM), guard.status(signal.SIGINT)):  # its step saved
+        raise LearnStopped(proc.returncode - 128)
     if proc.returncode != 0:
         tail = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
         raise LearnError(f"{run}: grpo.py exited with status {proc.returncode} ({tail}); see {log}")
@@ -396,14 +406,30 @@ def parse(argv, prog):
     return cfg, recipe, arms, seeds
 
 
+def stopped_by(signum, _frame):
+    """learn's Ctrl-C and SIGTERM: LearnStopped, which stops the grpo.py running (`stop`: its step saved)."""
+    raise LearnStopped(signum)
+
+
 def main(argv, grpo, prog="eval.py"):
-    """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs)."""
+    """`eval.py learn`; grpo: the grpo.py module (its parser checks the recipe, its file is what runs). A
+    Ctrl-C or SIGTERM stops the grpo.py running (its step saved) and exits 130 or 143 (128 + the signal)."""
     try:
         if threading.current_thread() is threading.main_thread():  # SIGTERM: stop like Ctrl-C (stop)
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            for s in guard.SIGNALS:
+                signal.signal(s, stopped_by)
         run_grid(Grid(*parse(argv, prog), grpo))  # parse: config, recipe, arms, seeds
     except (LearnError, data.DataError, ModelError, ckpt_io.RunError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(f"{prog}: interrupted; the same command continues where it stopped")
+    except KeyboardInterrupt as e:  # LearnStopped, or a KeyboardInterrupt from elsewhere: Ctrl-C's
+        signum = e.args[0] if isinstance(e, LearnStopped) else signal.SIGINT
+        print(
+            f"{prog}: interrupted ({guard.name(signum)}); the same command continues where it stopped",
+            file=sys.stderr,
+        )
+        sys.exit(guard.status(signum))
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

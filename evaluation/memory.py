@@ -6,10 +6,11 @@ this module prints them: `report` is the table of the plan grpo.py would run on 
 sizes and the decode engine's layout, resident through the update or released for it: layout_line), the
 schemes side by side (kahan, adamw, lora), the margin and the card, the disk a checkpoint needs
 (checkpoint.checkpoint_bytes; from the second save two coexist, and grpo.py checks the free space at setup),
-and last the peak. With --measure, evaluation/memtrace.py runs one real step and its measured peaks are
-printed beside the estimate (tests/memory/test_phases.py holds them within 10%).
-`command` is `eval.py memory`:
-grpo.py's flags (add_flags: memory's own, the rest grpo.py's), planned for the card, printed by report.
+what grpo.py picks for the card (`picks`: the sizes budget.size chooses, or that nothing fits and what would;
+the CPU's sizes on the CPU), and last the peak. With --measure, evaluation/memtrace.py runs one real step and
+its measured peaks are printed beside the estimate (tests/memory/test_phases.py holds them within 10%).
+`command` is `eval.py memory`: grpo.py's flags (add_flags: memory's own, the rest grpo.py's), planned for the
+card, printed by report.
 
 The scheme that fits Qwen3-4B (bf16 weights, gradients and AdamW states + a bf16 Kahan compensation,
 10 B/param) and why the fp32 design does not (16 B/param + autocast's bf16 weight cache): docs/method.md.
@@ -72,10 +73,10 @@ def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap
 
 
 def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> str:
-    """The table of `python eval.py memory`, the schemes side by side, and the fit; last line the peak. On
+    """The table of `python eval.py memory`, the schemes side by side, the fit, `picks`; last the peak. On
     CUDA the table is of the plan grpo.py would run (planned: the sizes and the engine's layout). cap: the
     card's compute capability (eval.py memory --capability; None: the device's own)."""
-    mc = model_config(cfg.model)
+    mc, given = model_config(cfg.model), cfg
     cfg, p, card = planned(cfg, mc, device, prompt_tokens, cap=cap)
     release = bool(p and p.gen_chunk and p.release)
     est = estimate(cfg, mc, device, prompt_tokens, release=release, cap=cap)
@@ -120,17 +121,9 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
     if p is not None:
         m = margin(cfg, mc, prompt_tokens)
         out.append(
-            f"budget {card / GB:.0f} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
+            f"budget {card / GB:g} GB, margin assumed {sum(m.values()) / GB:.2f} GB ("
             + ", ".join(f"{k} {v / GB:.2f}" for k, v in m.items())
-            + "): "
-            + (
-                f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
-                f"{LAYOUTS[p.release]} (peak {p.peak / GB:.2f} GB with the margin, in {p.phase}"
-                if p.gen_chunk
-                else "nothing fits ("
-                + what_fits(cfg, mc, device, prompt_tokens, card * (1 - RESERVE), cap=cap)
-            )
-            + f"; {card * (1 - RESERVE) / GB:.1f} GB planned, a {RESERVE:.0%} reserve)"
+            + f"): {card * (1 - RESERVE) / GB:.1f} GB planned, a {RESERVE:.0%} reserve"
         )
     lora = scheme(cfg, device, cap) == "lora"
     n = (
@@ -143,8 +136,36 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
         f"disk: a checkpoint {disk / GB:.2f} GB (weights + optimizer state), {2 * disk / GB:.2f} GB "
         f"free from the second save on (ckpt/ beside ckpt.tmp/; grpo.py checks it at setup)"
     )
+    out.append(picks(given, cfg, p, card, mc, device, prompt_tokens, cap))
     out.append(f"peak {top / GB:.2f} GB ({top / GiB:.2f} GiB) in {ph}")
     return "\n".join(out)
+
+
+def picks(given, cfg, p, card, mc, device, prompt_tokens, cap=None) -> str:
+    """The report's line of what grpo.py's setup (budget.size) picks with these flags on a card of `card`
+    bytes, all of it free (--gpu-gb; without it one 80 GB GPU: on a GPU grpo.py plans what that card has
+    free), or that nothing fits and what would; on the CPU the CPU's sizes. given: the flags as given (a size
+    left at 0 is chosen), cfg: at the sizes planned."""
+    left = [k for k in ("gen_chunk", "micro_batch") if getattr(given, k) == 0]
+    chosen = f"chosen: {', '.join(left)}" if left else "as given"
+    if p is None:
+        return (
+            f"grpo.py picks gen_chunk {cfg.gen_chunk}, micro_batch {cfg.micro_batch} on the CPU ({chosen}; "
+            f"the CPU's sizes: a CPU is not sized)"
+        )
+    on = f"--gpu-gb {given.gpu_gb:g}" if given.gpu_gb else "one free 80 GB GPU (no --gpu-gb)"
+    planned_ = f"{card * (1 - RESERVE) / GB:,.1f} GB planned of {card / GB:g} GB"
+    if p.gen_chunk is None:
+        return (
+            f"grpo.py picks nothing for {on}: the step needs {p.peak / GB:.2f} GB at its peak with the "
+            f"margin ({p.phase}; gen_chunk {p.tried[0]}, micro_batch {p.tried[1]}), more than the "
+            f"{planned_}: " + what_fits(given, mc, device, prompt_tokens, card * (1 - RESERVE), cap=cap)
+        )
+    return (
+        f"grpo.py picks gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the engine "
+        f"{LAYOUTS[p.release]}, for {on} ({chosen}; {p.peak / GB:.2f} GB at its peak with the margin, "
+        f"in {p.phase}, of {planned_})"
+    )
 
 
 # ----------------------------------------------------------------------------- eval.py memory
@@ -172,7 +193,7 @@ def command(args, grpo):
     (args.grpo_flags, checked by its parser), with --measure one real step beside it, with --snapshot the
     backward's peak by site (memtrace.report_held). grpo: the grpo.py module (its parser and its update).
     Bad input is a ValueError."""
-    cfg = grpo.parse_args(args.grpo_flags, for_gpu=True)  # --gpu-gb: it plans for a GPU anywhere
+    cfg = asked = grpo.parse_args(args.grpo_flags, for_gpu=True)  # --gpu-gb: it plans for a GPU anywhere
     device = "cuda" if cfg.device != "cpu" and (torch.cuda.is_available() or not args.measure) else "cpu"
     if args.capability is not None and not 3 <= args.capability < 20:  # a float: any number parses
         raise ValueError(f"--capability must be a compute capability like 7.5 or 9.0, got {args.capability}")
@@ -194,7 +215,7 @@ def command(args, grpo):
         if args.measure
         else None
     )
-    table = report(cfg, args.prompt_tokens, measured, device, cap)
+    table = report(asked, args.prompt_tokens, measured, device, cap)  # the plan again, its sizes said
     return table + (
         "\n" + memtrace.report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else ""
     )

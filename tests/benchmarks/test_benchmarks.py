@@ -124,6 +124,20 @@ def test_generate_speed_benchmark(tmp_path):
     assert set(f["engine_x"]) == {"HF dynamic", "HF static"} and f["rows"] == 8 and read_by_goals("static", f)
 
 
+@smoke("decode_ops.py")
+def test_decode_ops_benchmark():
+    """One decode step of the tiny Qwen3 at 4 rows, both steps counted: the fused step dispatches fewer
+    operators than the model's own, and 3 matmuls a layer fewer (Q, K, V and gate, up merged), the layer
+    count read from the benchmark's own table."""
+    out = finished(bench("decode_ops.py", "--models", "tiny-qwen3", "--rows", 4))
+    rows = {
+        m.group(1): [int(m.group(i)) for i in (2, 3, 4)]
+        for m in re.finditer(r"^tiny-qwen3\s+(model|fused)\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)", out, re.M)
+    }
+    (layers, ops, mm), (_, fused_ops, fused_mm) = rows["model"], rows["fused"]
+    assert fused_ops < ops and fused_mm == mm - 3 * layers, out
+
+
 @smoke("decode_speed.py")
 def test_decode_speed_benchmark(tmp_path):
     """The decoders' table on the CPU at the tiny shape (the engine eagerly, HF dynamic, HF static): each

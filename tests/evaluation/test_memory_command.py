@@ -89,8 +89,8 @@ def test_eval_memory_prints_the_t4_plan_under_14_5_gb(capsys):
         out = capsys.readouterr().out
         assert out.splitlines()[0].startswith("precision: fp16")
         plan = re.search(
-            r"picks gen_chunk (\d+), micro_batch (\d+), the engine \w+ \(peak ([\d.]+) GB with the "
-            r"margin",
+            r"picks gen_chunk (\d+), micro_batch (\d+), the engine \w+, for --gpu-gb 16 \([^;]*; "
+            r"([\d.]+) GB at its peak with the margin",
             out,
         )
         assert plan and float(plan.group(3)) <= 14.5, out

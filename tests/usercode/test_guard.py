@@ -18,10 +18,10 @@ from training.usercode import guard, reward_code
 def test_a_reward_that_never_returns_stops_at_the_first_signal_and_saves_the_last_step(
     tmp_path, monkeypatch, capsys, sig, hang
 ):
-    """The reward hangs on step 2 (a busy loop, or a sleep). The first Ctrl-C / SIGTERM stops it at once:
-    step 1 is saved as it ended (its RNG states), the run says so and ends with status 0 as any
-    interrupted run; the resume equals the run that never hung. (A reward that is never interrupted would
-    give up after 60 s and fail the test instead of hanging it.)"""
+    """The reward hangs on step 2 (a busy loop, or a sleep). Under --stop-grace 0 the first Ctrl-C / SIGTERM
+    stops it at once: step 1 is saved as it ended (its RNG states), the run says so and exits with the
+    signal's status (130, 143); the resume equals the run that never hung. (A reward that is never
+    interrupted would give up after 60 s and fail the test instead of hanging it.)"""
     mark = tmp_path / "hanging"
     wait = (
         "t = time.time()\n        while time.time() - t < 60:\n            pass"
@@ -44,8 +44,9 @@ def test_a_reward_that_never_returns_stops_at_the_first_signal_and_saves_the_las
 
     threading.Thread(target=interrupt, daemon=True).start()
     out = tmp_path / "run"
-    done = grpo.main([*argv, "--steps", "3", "--out-dir", str(out)])
-    assert done.stop == "interrupted" and "interrupted: checkpoint saved (step 1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        grpo.main([*argv, "--steps", "3", "--stop-grace", "0", "--out-dir", str(out)])
+    assert done.value.code == 128 + sig and "stopped): checkpoint saved (step 1)" in capsys.readouterr().out
     assert (out / "ckpt" / "COMPLETE").read_text() == "1" and len(metrics(out)) == 1
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
     monkeypatch.setenv("REWARD_AT", "0")

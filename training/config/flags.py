@@ -209,6 +209,7 @@ def check(cfg):
         ("--lora-dropout", finite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "must be in [0, 1)"),
         ("--lora-targets", bool(cfg.lora_targets.strip(", ")), "must name modules (or all-linear)"),
         ("--gpu-gb", finite(cfg.gpu_gb) and cfg.gpu_gb >= 0, "must be a finite number >= 0"),
+        ("--stop-grace", finite(cfg.stop_grace) and cfg.stop_grace >= 0, "must be a finite number >= 0"),
         *[
             (flag(f.name), abs(getattr(cfg, f.name)) < 2**63, "must fit in int64")
             for f in dataclasses.fields(cfg)
@@ -294,6 +295,7 @@ def unused(cfg, given, prog, for_gpu=False):
         ),
         (("allow_config_change",), bool(g("resume")), "it lets a --resume change flags; there is none"),
         (("reward_files",), False, "the run records it itself (each --reward file's path and hash)"),
+        (("precision_resolved",), False, "the run records it itself (what --precision resolved to)"),
         (
             ("rollouts_every",),
             g("rollouts_every", 0) <= g("steps", 0),

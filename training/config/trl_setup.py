@@ -130,6 +130,7 @@ def parse_args(argv, description, config):
     skip = [f.name for f in dataclasses.fields(config) if f.name not in credit]
     flags.add_fields(p, config, baselines.CHOICES, skip=skip)  # help: the fields' comments
     flags.add_fields(p, lora.AdapterConfig)  # grpo.py's LoRA flags, their defaults and help (departure 2)
+    flags.add_fields(p, config, skip=[f.name for f in dataclasses.fields(config) if f.name != "stop_grace"])
     args, rest = p.parse_known_args(argv)
     base = defaults(config)  # grpo.py's, on GRPOConfig's fields
     hf = HfArgumentParser(GRPOConfig, prog="flowtracer_trl.py")

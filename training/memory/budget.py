@@ -5,8 +5,9 @@
 On CUDA a --gen-chunk or --micro-batch left at 0 (grpo.Config's default) is chosen by `plan`: the sizes
 tried (SIZES and the powers of two below them; a size given alone) with the decode engine resident through
 the update or released for it, each estimated phase by phase from the model's config
-(training/memory/phases.py) with the margin a GPU needs beyond its tensors (margin), against the card: the
-GPU's total (torch.cuda.mem_get_info) or --gpu-gb, less RESERVE. The sizes chosen are written into cfg, which
+(training/memory/phases.py) with the margin a GPU needs beyond its tensors (margin), against what the card
+has free (free_memory: torch.cuda.mem_get_info's free bytes, what other processes hold named; or --gpu-gb, at
+most that), less RESERVE of it. The sizes chosen are written into cfg, which
 every checkpoint saves to run_config.json, so the sizes a run records are the sizes it uses; a back-off lowers
 them (training/memory/backoff.py). Flags that cannot fit, or nothing that fits: a ValueError naming the peak,
 the card and what would fit (what_fits), grpo.py's one error line. On the CPU a size left at 0 is SIZES'
@@ -32,9 +33,9 @@ from training.memory.shapes import SIZES, engine_rows, largest
 GB, GiB = 1e9, 2**30
 GPU = 80 * GB  # one 80 GB GPU (A100 / H100), the paper's
 CONTEXT = 1 * GB  # CUDA context + cuBLAS / cuBLASLt workspaces, beside the tensors (assumed)
-RESERVE = 0.1  # the share of a card a plan leaves free (phases.py departure 4: the backward's
-# estimate 10.5% below the H100's measure, not pinned down); size and report()
-# plan (1 - RESERVE) of it: a 16 GB T4 (15.8e9 bytes exposed) gets <= 14.4 GB
+RESERVE = 0.1  # the share of the free memory a plan leaves free (phases.py departure 4: the backward's
+# estimate 10.5% below the H100's measure, not pinned down); size and report() plan (1 - RESERVE) of
+# it: a free 16 GB T4 (15.8e9 bytes exposed) gets <= 14.2 GB
 
 
 def margin(cfg, mc, prompt_tokens=256, n_eval=None) -> dict:
@@ -183,17 +184,52 @@ class Budget(NamedTuple):
     total: float  # the card's bytes: its total, or --gpu-gb
     source: str  # where `total` came from: "--gpu-gb" or "torch.cuda.mem_get_info"
     plan: Plan  # the sizes, the engine's layout, the peak with the margin
+    free: float = 0.0  # what the step may use: the card's free bytes (or --gpu-gb, at most them) and this
+    # process's context, which the margin counts
+    planned: float = 0.0  # what the plan fits: `free` less RESERVE of it
+
+
+class Card(NamedTuple):
+    """The card as `size` sees it before the weights load (free_memory)."""
+
+    total: float  # its bytes: the GPU's total, or --gpu-gb
+    source: str  # "torch.cuda.mem_get_info" or "--gpu-gb"
+    usable: float  # what the step may use: free now, and this process's context (the margin counts it)
+    words: str  # "10.0 GB free of 80.0 GB (torch.cuda.mem_get_info): 70.0 GB held by other processes",
+    # or "24.0 GB (--gpu-gb)"
+
+
+def free_memory(cfg, device) -> Card:
+    """What the step may use on the card: what torch.cuda.mem_get_info says is free, and this process's CUDA
+    context (up to CONTEXT of what is held: margin counts it, once); the rest held is other processes', named.
+    --gpu-gb N: N, but at most that (a card with less free says so); past the card: the card's, said."""
+    free, card = torch.cuda.mem_get_info(device)
+    held = card - free
+    ours = min(held, CONTEXT)  # this process's context (mem_get_info made it), counted in the margin
+    words = f"{free / GB:.1f} GB free of {card / GB:.1f} GB (torch.cuda.mem_get_info)" + (
+        f": {held / GB:.1f} GB held by other processes" if held > CONTEXT else ""
+    )
+    if cfg.gpu_gb and cfg.gpu_gb * GB > card:
+        print(
+            f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / GB:.1f} GB "
+            f"(torch.cuda.mem_get_info): the step is sized to the card"
+        )
+    if cfg.gpu_gb and cfg.gpu_gb * GB <= card:
+        asked = cfg.gpu_gb * GB
+        if asked <= free + ours:
+            return Card(asked, "--gpu-gb", asked, f"{asked / GB:.1f} GB (--gpu-gb)")
+        return Card(asked, "--gpu-gb", free + ours, f"{asked / GB:.1f} GB (--gpu-gb), but {words}")
+    return Card(card, "torch.cuda.mem_get_info", free + ours, words)
 
 
 def size(cfg, device, widest, n_eval=0) -> Budget | None:
     """The sizes left at 0 chosen, written into cfg and said in one line (a size given is kept). On the CPU:
     SIZES', None. On CUDA, before the weights load: the step's estimate (from the model's config alone,
-    prompts `widest` tokens wide, n_eval held-out questions: `plan`) against the card: the GPU's total
-    (torch.cuda.mem_get_info) or --gpu-gb (at most the GPU's: a larger one is said and the card's taken) less
-    RESERVE, less what the process holds already beyond the margin's context (the context is counted once);
-    the largest sizes that fit, with the engine's layout (resident through the update, or released for it).
-    Flags that cannot fit, or nothing that fits: ValueError (grpo.py's one error line) naming the peak, the
-    card's size and what would fit."""
+    prompts `widest` tokens wide, n_eval held-out questions: `plan`) against what is free on the card
+    (free_memory: the GPU's free memory or --gpu-gb, other processes' named) less RESERVE of it; the largest
+    sizes that fit, with the engine's layout (resident through the update, or released for it). Flags that
+    cannot fit, or nothing that fits: ValueError (grpo.py's one error line) naming the peak, the free memory
+    and what would fit."""
     chosen = ", ".join(k for k in SIZES if getattr(cfg, k) == 0) or "none, as given"
     if device.type != "cuda":
         zero = [k for k in SIZES if getattr(cfg, k) == 0]
@@ -205,17 +241,9 @@ def size(cfg, device, widest, n_eval=0) -> Budget | None:
                 f"{chosen}; a GPU's are sized to its card)"
             )
         return None
-    free_now, card = torch.cuda.mem_get_info(device)
-    if cfg.gpu_gb and cfg.gpu_gb * GB <= card:
-        total, held, source = cfg.gpu_gb * GB, 0, "--gpu-gb"
-    else:
-        if cfg.gpu_gb:  # more than the card has: the card's, said
-            print(
-                f"budget: --gpu-gb {cfg.gpu_gb:g} is more than the GPU's {card / GB:.1f} GB "
-                f"(torch.cuda.mem_get_info): the step is sized to the card"
-            )
-        total, held, source = card, card - free_now, "torch.cuda.mem_get_info"
-    budget = total * (1 - RESERVE) - max(0, held - CONTEXT)  # the reserve; the context once
+    card = free_memory(cfg, device)
+    budget = card.usable * (1 - RESERVE)  # the reserve, of what the step may use
+    plans = f"{budget / GB:.1f} GB planned (a {RESERVE:.0%} reserve of what is free)"
     mc = model_config(cfg.model)  # the config alone, no weights
     p = plan(cfg, mc, device, widest, budget, n_eval)
     if p.gen_chunk is not None:
@@ -226,15 +254,14 @@ def size(cfg, device, widest, n_eval=0) -> Budget | None:
             else "resident through the update"
         )
         print(
-            f"budget: {total / GB:.1f} GB GPU ({source}), {budget / GB:.1f} GB planned (a {RESERVE:.0%} "
-            f"reserve): gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the decode engine {layout} "
-            f"(chosen: {chosen}; peak {p.peak / GB:.1f} GB in {p.phase}, margin included)"
+            f"budget: {card.words}; {plans}: gen_chunk {p.gen_chunk}, micro_batch {p.micro_batch}, the "
+            f"decode engine {layout} (chosen: {chosen}; peak {p.peak / GB:.1f} GB in {p.phase}, margin "
+            f"included)"
         )
-        return Budget(total, source, p)
+        return Budget(card.total, card.source, p, card.usable, budget)
     raise ValueError(
         f"the step needs about {p.peak / GB:.1f} GB at its peak ({p.phase}; gen_chunk "
         f"{p.tried[0]}, micro_batch {p.tried[1]}, {widest}-token prompts + {cfg.max_new_tokens} "
-        f"new tokens, margin included) and the GPU has {total / GB:.1f} GB ({source}), "
-        f"{budget / GB:.1f} GB of it planned (a {RESERVE:.0%} reserve): "
+        f"new tokens, margin included) and the GPU has {card.words}; {plans}: "
         + what_fits(cfg, mc, device, widest, budget, n_eval)
     )

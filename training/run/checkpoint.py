@@ -327,6 +327,8 @@ BOOKKEEPING = {
     "eval_data_path",
     "config",
     "gpu_gb",
+    "stop_grace",
+    "precision_resolved",
 }
 
 

@@ -8,10 +8,12 @@
   step      the metrics line (metrics.jsonl; the tracker of --report-to), the rollouts with their per-token
             credit when due (rollouts/step_N.jsonl), the checkpoint when due (ckpt/, the last
             --keep-checkpoints of them) with curves.png redrawn. A first Ctrl-C / SIGTERM sets
-            log.stop_requested (the step finishes, is saved, the run stops); a second stops at once.
-  stopped   the user's code stopped a step before its update (a --reward that raised, returned a non-number
-            or never returned and was interrupted: guard.py; an --answer-pattern past its bound): the
-            last completed step is saved as it ended (its weights, optimizer, RNG), then the run finishes.
+            log.signals.signum (the step finishes within --stop-grace, is saved, the run stops with
+            log.signals.status: 143 or 130); a second stops at once (training/usercode/guard.py's Stop).
+  stopped   the step stopped before its update: by the user's code (a --reward that raised, returned a
+            non-number, or ran past the grace or a second signal: guard.py; an --answer-pattern past its
+            bound) or a second signal: the last completed step is saved as it ended (its weights, optimizer,
+            RNG) where no optimizer step has begun since, then the run finishes.
   Clock, step_metrics, credit_stats   seconds per phase (time/*); one step's metrics; OAR App. A.3's credit.
 Metric names (one name, one meaning): reward/*, acc (reward >= 1), frac_zero_std (groups whose rewards do not
 vary), len/* (response tokens), entropy (over the trained response tokens), loss, grad_norm, clip/* (fraction
@@ -46,7 +48,7 @@ from tasks.answers import find_answer_span
 from training.run import directory
 from training.run.checkpoint import MARK, complete, full_disk, rng_state, save_checkpoint
 from training.run.directory import RunError
-from training.usercode.guard import Interrupted
+from training.usercode.guard import Interrupted, Stop
 
 
 class Last(NamedTuple):
@@ -79,19 +81,12 @@ class RunLog:
     def __init__(self, out, cfg, policy, metrics, tracker=None):
         self.out, self.cfg, self.policy = Path(out), cfg, policy
         self.metrics, self.tracker, self.clock = metrics, tracker, Clock(policy.device)
-        self.stop_requested = False  # a first Ctrl-C / SIGTERM: the step finishes and is saved
+        self.signals = Stop(getattr(cfg, "stop_grace", 30.0)).install()  # Ctrl-C, SIGTERM (guard.py):
+        # signals.signum set at the first, the step finishes and is saved, and the run stops
         self.warned_answers = False  # the missing answer regions were said (once a run)
         self.last = None  # Last: the last step this process completed (None: none yet)
         self.lock = directory.held(self.out)  # the directory's open lock file (setup locked it), or None
         self.backoffs = 0  # out-of-memory back-offs this step (training/memory/backoff.py counts)
-        if threading.current_thread() is threading.main_thread():  # (a test's thread installs nothing)
-            for s in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(s, self.on_signal)
-
-    def on_signal(self, signum, _frame):
-        """The first Ctrl-C or SIGTERM sets stop_requested; a second stops at once (the default handler)."""
-        self.stop_requested = True
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
     def step(self, step, m, rollouts, bad, stopping=False):
         """The end of every step, skipped or not: its line, the tracker, the rollouts when due, the checkpoint
@@ -188,12 +183,12 @@ class RunLog:
         ) + note
 
     def stopped(self, e):
-        """grpo.main's end of a run stopped by the user's code mid-step (e: RewardError, PatternError, or
-        Interrupted in a --reward), before the step's update: the last completed step saved (save_last).
-        Returns (Outcome.stop, status): ("interrupted", 0), or (e and the checkpoint that stands, 2)."""
+        """grpo.main's end of a run stopped mid-step (e: RewardError, PatternError, or Interrupted: a second
+        signal, or the grace's end in a --reward): the last completed step saved (save_last). Returns
+        (Outcome.stop, status): ("interrupted", the signal's status), or (e and what stands, 2)."""
         stands, interrupted = self.save_last(), isinstance(e, Interrupted)
         self.finish("interrupted" if interrupted else str(e))
-        return ("interrupted", 0) if interrupted else (f"{e}; {stands}", 2)
+        return ("interrupted", self.signals.status or 130) if interrupted else (f"{e}; {stands}", 2)
 
     def finish(self, stop=None):
         """The end of a run, however it ended (stop: grpo.Outcome.stop): close the metrics and the tracker,
@@ -201,9 +196,9 @@ class RunLog:
         self.metrics.close()
         if self.tracker is not None:
             self.tracker.close()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if threading.current_thread() is threading.main_thread():  # Python's handlers again (the
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Stop's watchdog, if any, sees it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and ends)
         if self.lock is not None:
             self.lock.close()  # closing the lock file lets the directory go (directory.py)
         print(
@@ -212,12 +207,12 @@ class RunLog:
         )
         if (self.out / "ckpt").is_dir():
             print(f"checkpoint: {self.out / 'ckpt'}")
-        if stop == "interrupted":
+        if stop == "interrupted":  # which of a finished step, the grace's end, a second signal
             print(
-                f"interrupted: checkpoint saved (step {(self.out / 'ckpt' / MARK).read_text().strip()}); "
-                f"continue with --resume {self.out}"
+                f"interrupted ({self.signals.ended()}): checkpoint saved (step "
+                f"{(self.out / 'ckpt' / MARK).read_text().strip()}); continue with --resume {self.out}"
                 if complete(self.out / "ckpt")
-                else "interrupted before the first step completed: nothing saved"
+                else f"interrupted ({self.signals.ended()}) before the first step completed: nothing saved"
             )
 
 

@@ -4,7 +4,10 @@ setup's order is cheapest checks first: the run directory is checked and the dat
 loads, so a bad --data-path fails in a second, not after loading 4B weights; the run directory is created
 (and locked) once the model has loaded, so a model that fails leaves nothing behind. The prompts are rendered
 and tokenized once here, those the run will read, with the tokenizer alone before the weights load; which a
-step reads is a function of (seed, step), so --resume lines up. The step is then sized before the weights
+step reads is a function of (seed, step), so --resume lines up. A prompt and --max-new-tokens must fit the
+model's positions (prompt_limit: a longer prompt is skipped and counted, said once; --max-new-tokens alone
+past them is an error), and cfg.precision_resolved records what --precision resolves to on the device (every
+run_config.json holds it beside --precision). The step is then sized before the weights
 load (training/memory/budget.py's size: on CUDA its estimate from the model's config and the run's widest
 prompt, against the GPU's memory or --gpu-gb; on the CPU a size left at 0 takes the CPU's). Last, one call to
 training/memory/preflight.py: on CUDA each GPU part is tried once (or replaced by its fallback, one line each)
@@ -45,10 +48,12 @@ class Task(NamedTuple):
     prompt_ids: dict  # {record: its prompt as token ids}, for the records this run reads
     style: str  # the prompt style in force (data.make_prompt)
     eval_records: list  # the held-out questions of --eval-every (empty when off)
-    widest_prompt: int  # tokens of the widest prompt the run reads (training, <= max_prompt_tokens;
+    widest_prompt: int  # tokens of the widest prompt the run reads (training, <= prompt_limit;
     # held-out): what the decode engine and the budget's estimate are sized to
     reward: object = data.reward  # (completion, record) -> float: data.reward, or --reward's (reward_code.py)
     template_kwargs: dict | None = None  # --chat-template-kwargs, for apply_chat_template (prompts.py)
+    prompt_limit: int = 1024  # the longest prompt a step trains on (Limit.tokens; longer: skipped, counted)
+    limit_words: str = "--max-prompt-tokens 1024"  # it and what sets it (Limit.words): the step's line
 
 
 @dataclass
@@ -121,13 +126,20 @@ def setup(cfg) -> Run:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = trainable.device_of(cfg.device)  # CUDA: expandable segments, before it starts
+    before, cfg.precision_resolved = cfg.precision_resolved, trainable.precision(cfg, device).name  # saved
+    if before and before != cfg.precision_resolved:  # with the run (run_config.json); a resume elsewhere:
+        print(
+            f"precision: the run computed in {before}; here --precision {cfg.precision} is "
+            f"{cfg.precision_resolved}"
+        )
     n = cfg.prompts_per_step
     perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     order = [perm[i % len(perm)] for i in range(cfg.steps * n)]  # a function of (seed, step): --resume
     todo = sorted(set(order[done * n :]))  # the prompts left, tokenized once
     ids = dict(zip(todo, prompt_ids(tok, [data.make_prompt(records[i], tok, style, kwargs) for i in todo])))
     held_out = prompt_ids(tok, [data.make_prompt(r, tok, style, kwargs) for r in evals])
-    widths = [len(x) for x in ids.values() if len(x) <= cfg.max_prompt_tokens] + [len(x) for x in held_out]
+    limit = prompt_limit(cfg, [len(x) for x in ids.values()], [len(x) for x in held_out])  # positions
+    widths = [len(x) for x in ids.values() if len(x) <= limit.tokens] + [len(x) for x in held_out]
     widest = max(widths, default=1)  # the engine and the estimate are sized to it
     sized = budget.size(cfg, device, widest, len(evals))  # sizes left at 0 chosen; CUDA: to the card
     run = load_for_update(cfg, device, str(ckpt) if ckpt else None)  # the policy (departure 3), its credit
@@ -161,7 +173,7 @@ def setup(cfg) -> Run:
         if preflight.on_gpu(device)
         else preflight.GpuParts(run.head_mean, None, run.policy.use_kernel(), [])
     )  # the CPU: no GPU part
-    task = Task(records, order, ids, style, evals, widest, reward, kwargs)
+    task = Task(records, order, ids, style, evals, widest, reward, kwargs, limit.tokens, limit.words)
     return dataclasses.replace(
         run,
         cfg=cfg,
@@ -204,6 +216,49 @@ def load_for_update(cfg, device, path=None) -> Run:
         flowtracer.select_layers(cfg.layers, pol.model.config.num_hidden_layers) if maps else [],
         flowtracer.head_mean_kernel(device) if maps else None,
     )
+
+
+# ----------------------------------------------------------------------------- the model's length
+class Limit(NamedTuple):
+    tokens: int  # the longest prompt a step trains on
+    words: str  # it and what sets it: --max-prompt-tokens N, or the model's positions less --max-new-tokens
+
+
+def prompt_limit(cfg, widths, held_out, n_positions=None) -> Limit:
+    """The longest prompt a step trains on: --max-prompt-tokens, and within the model's positions (its
+    config's max_position_embeddings, read without the weights; n_positions: given instead) with
+    --max-new-tokens after it, so that no row runs past the length the model was trained on (RoPE past it;
+    an index error elsewhere). A config without positions: no bound. The run's prompts (widths, their token
+    counts) that fit --max-prompt-tokens but not the positions are said in one line: skipped and counted, as
+    --max-prompt-tokens skips (prompts/skipped_long). ValueError where --max-new-tokens alone fills the
+    positions, or a held-out question is past them (its evaluation would run past the model's length)."""
+    n = n_positions or getattr(load.load_config(cfg.model), "max_position_embeddings", None)
+    if not isinstance(n, int) or cfg.max_prompt_tokens + cfg.max_new_tokens <= n:
+        return Limit(cfg.max_prompt_tokens, f"--max-prompt-tokens {cfg.max_prompt_tokens}")
+    if cfg.max_new_tokens >= n:
+        raise ValueError(
+            f"--max-new-tokens {cfg.max_new_tokens}: {cfg.model} has {n} positions (its config's "
+            f"max_position_embeddings), and a prompt and its response must fit them: give --max-new-tokens "
+            f"below {n}"
+        )
+    limit = Limit(
+        n - cfg.max_new_tokens,
+        f"{n - cfg.max_new_tokens} tokens ({cfg.model}'s {n} positions "
+        f"less --max-new-tokens {cfg.max_new_tokens})",
+    )
+    over = sum(w > limit.tokens for w in held_out)
+    if over:
+        raise ValueError(
+            f"{over} of the {len(held_out)} held-out questions are longer than {limit.words}: give fewer "
+            f"--max-new-tokens, or another --eval-dataset"
+        )
+    past = sum(limit.tokens < w <= cfg.max_prompt_tokens for w in widths)
+    if past:
+        print(
+            f"prompts: {past} of the run's {len(widths)} prompts are longer than {limit.words}: skipped "
+            f"and counted (prompts/skipped_long), as --max-prompt-tokens skips"
+        )
+    return limit
 
 
 # ----------------------------------------------------------------------------- a new run's directory, checked
