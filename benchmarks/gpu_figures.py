@@ -91,6 +91,37 @@ def lora_check(f):
     return f"{100 * r:.0f}% ({f['tok_s']['engine']:.0f} / {f['beside_tok_s']:.0f} tok/s)", r >= 0.7
 
 
+def backward_figures(name):
+    """eval.py memory --measure --snapshot's log and its snapshot's sums (<name>.pickle.json): each phase's
+    estimate and allocated peak (GB) and their ratio, and the backward's peak by site, largest first."""
+
+    def figures(out, log):
+        rows = re.findall(
+            r"^  (\S.*?)\s+estimate\s+([\d.]+)\s+measured\s+([\d.]+)\s+ratio ([\d.]+)$", log, re.M
+        )
+        held = read_json(out / f"{name}.pickle.json")
+        if not rows or not held:
+            return None
+        memory = {
+            ph: {"estimate": float(e), "allocated": float(m), "ratio": float(r)} for ph, e, m, r in rows
+        }
+        sites = [{"gb": n / GB, "blocks": b, "site": site} for n, b, site in held["rows"][:12]]
+        return {
+            "memory": memory,
+            "peak_gb": held["peak"] / GB,
+            "before_gb": held["before"] / GB,
+            "sites": sites,
+        }
+
+    return figures
+
+
+def backward_check(f):
+    """The backward's estimate / allocated, within 3% of 1."""
+    r = f["memory"]["backward"]["ratio"]
+    return f"estimate/allocated {r:.3f}, peak {f['peak_gb']:.2f} GB", abs(r - 1) <= 0.03
+
+
 def suite_figures(out, log):
     """Counts of the JUnit XML pytest wrote: all tests, and the cases whose id names cuda."""
     if not (out / "suite.xml").is_file():
@@ -147,6 +178,10 @@ GOALS = [  # docs/gpu.md's targets
     Goal("every phase within 10% of its estimate (1K)", "headline", worst_phase),
     Goal("every phase within 10% of its estimate (LoRA, 24 GB)", "lora24", worst_phase),
     Goal("the LoRA step under 24 GB", "lora24", lambda f: (f"peak {f['peak_gb']:.2f} GB", f["peak_gb"] < 24)),
+    Goal("the backward within 3% of its estimate (1K, each prompt read once)", "backward", backward_check),
+    Goal(
+        "the backward within 3% of its estimate (1K, --no-share-prefix)", "backward-unshared", backward_check
+    ),
     Goal(
         "the engine's greedy rows equal HF's in fp32",
         "decoders",

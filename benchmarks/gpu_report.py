@@ -12,6 +12,10 @@ its process group, SIGKILL 10 s later), each writing its log (<out>/<part>.log) 
              memory beside its estimate, flow credit's share of the update
   lora24     the same with --lora-rank 16 --gpu-gb 24: sized as grpo.py sizes a 24 GB card, the allocator
              held to 24 GB (torch.cuda.set_per_process_memory_fraction): each phase's peak beside its estimate
+  backward   eval.py memory --model qwen3-4b-random --measure --snapshot: the 1K step's phases beside their
+             estimate, and what the 2nd micro-batch's backward holds at its peak, by site (the allocator's
+             history: <out>/backward.pickle, its sums beside it in backward.pickle.json)
+  backward-unshared  the same with --no-share-prefix: one pass over each row, no prompt pass to wait for
   decoders   benchmarks/generate_speed.py --device cuda --no-static --model-step: the engine (its fused
              step), the engine on the model's own forward (its step before) and HF generate with its dynamic
              cache on the same rows (64 rows, 256 + 256 tokens, greedy, bf16): tok/s beside the bandwidth
@@ -32,8 +36,9 @@ does); --parts NAME ... runs those parts only, in the table's order. Without CUD
 when a part that ran failed or was killed, else 0.
 
 Departures (numbered):
- 1. The limits (LIMITS) are the parts' times on one H200 with margin for an H100; decoders', lora's and
-    static's are estimates (not yet run on a GPU). A slower card needs --limit or a larger --budget.
+ 1. The limits (LIMITS) are the parts' times on one H200 with margin for an H100; decoders', lora's,
+    static's and the two backward parts' are estimates (not yet run on a GPU). A slower card needs --limit
+    or a larger --budget.
  2. The preflight's part runs its small step in a scratch directory (the checkpoint grpo.py writes at the
     end, 8 GB for a 4B model without its optimizer's state, is deleted with it); the report keeps only logs
     and JSON.
@@ -62,6 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_figures import (  # noqa: E402
+    backward_figures,
     decoder_figures,
     preflight_figures,
     step_figures,
@@ -84,12 +90,14 @@ class Part(NamedTuple):
 
 
 # Each part's limit (s): its time on one H200 (2026-11-28, docs/gpu.md: preflight 35, headline 191, lora24
-# 330) with room for an H100's slower memory and the fused step's compile; decoders, lora and static not
-# yet run on a GPU (estimates).
+# 330) with room for an H100's slower memory and the fused step's compile; decoders, lora, static and the
+# backward parts not yet run on a GPU (estimates).
 LIMITS = {
     "preflight": 120,
     "headline": 480,
     "lora24": 720,
+    "backward": 420,  # two 1K steps (the second measured), the backward's allocator history
+    "backward-unshared": 420,
     "decoders": 480,
     "lora": 420,
     "suite": None,
@@ -98,6 +106,7 @@ LIMITS = {
 PREFLIGHT = "grpo.py --model qwen3-4b-random --device cuda --steps 1 --prompts-per-step 1 --group-size 2 "
 PREFLIGHT += "--max-new-tokens 16 --no-save-optimizer --out-dir"  # a scratch directory (departure 2)
 HEADLINE = "benchmarks/gpu_headline.py --max-new-tokens 1024 --rounds 1"
+BACKWARD = "eval.py memory --model qwen3-4b-random --device cuda --measure --snapshot"  # + its pickle's path
 DECODE = "benchmarks/generate_speed.py --device cuda --model qwen3-4b-random --rounds 2"
 SUITE = "-m pytest -q -o addopts= -n auto -rfEs --tb=line -p no:cacheprovider tests --junitxml"
 PARTS = [
@@ -123,6 +132,18 @@ PARTS = [
             str(out / "lora24.json"),
         ],
         step_figures("lora24"),
+    ),
+    Part(
+        "backward",
+        LIMITS["backward"],
+        lambda out, tmp: [PY, *BACKWARD.split(), str(out / "backward.pickle")],
+        backward_figures("backward"),
+    ),
+    Part(
+        "backward-unshared",
+        LIMITS["backward-unshared"],
+        lambda out, tmp: [PY, *BACKWARD.split(), str(out / "backward-unshared.pickle"), "--no-share-prefix"],
+        backward_figures("backward-unshared"),
     ),
     Part(
         "decoders",

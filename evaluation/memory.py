@@ -72,10 +72,11 @@ def layout_line(cfg, mc, device, prompt_tokens, release, unit=GB, name="GB", cap
     )
 
 
-def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> str:
+def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None, grads=None) -> str:
     """The table of `python eval.py memory`, the schemes side by side, the fit, `picks`; last the peak. On
     CUDA the table is of the plan grpo.py would run (planned: the sizes and the engine's layout). cap: the
-    card's compute capability (eval.py memory --capability; None: the device's own)."""
+    card's compute capability (eval.py memory --capability; None: the device's own). grads: {phase:
+    memtrace.Grads} of a measured CPU step, printed beside the estimate's "grads"."""
     mc, given = model_config(cfg.model), cfg
     cfg, p, card = planned(cfg, mc, device, prompt_tokens, cap=cap)
     release = bool(p and p.gen_chunk and p.release)
@@ -101,6 +102,17 @@ def report(cfg, prompt_tokens=256, measured=None, device="cuda", cap=None) -> st
             f"  {ph:15s} estimate {sum(c.values()) / unit:10.2f}  measured {measured[ph] / unit:10.2f}  "
             f"ratio {sum(c.values()) / measured[ph]:.3f}"
             for ph, c in est.items()
+        ]
+    if grads:
+        out.append(
+            "gradients at each phase's peak (track_peak, told apart by the autograd node making them):"
+        )
+        out += [
+            f"  {ph:15s} .grad {g.grad / unit:7.2f} (estimate {c['grads'] / unit:.2f}), made and waiting for "
+            f"the rest of their sum {g.waiting / unit:7.2f} (estimate 0; {len(g.params)} parameters)"
+            for ph, c in est.items()
+            for g in [grads.get(ph)]
+            if g is not None
         ]
     if p is not None and cfg.share_prefix:
         out.append(layout_line(cfg, mc, device, prompt_tokens, release, unit, name, cap))
@@ -208,14 +220,15 @@ def command(args, grpo):
         )
     if args.snapshot and not (args.measure and device == "cuda"):
         raise ValueError("--snapshot records a GPU's allocator: it needs --measure and a CUDA device")
+    grads = {}  # the CPU's: the gradients at each phase's peak
     measured = (
         memtrace.measure(
-            cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release
+            cfg, args.prompt_tokens, grpo.update, device, snapshot=args.snapshot, release=release, grads=grads
         )
         if args.measure
         else None
     )
-    table = report(asked, args.prompt_tokens, measured, device, cap)  # the plan again, its sizes said
+    table = report(asked, args.prompt_tokens, measured, device, cap, grads)  # the plan again, its sizes said
     return table + (
         "\n" + memtrace.report_held(args.snapshot, sum(est["backward"].values())) if args.snapshot else ""
     )

@@ -26,6 +26,7 @@ import re
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +40,15 @@ from training.run.setup import load_for_update
 
 
 # ----------------------------------------------------------------------------- the live-tensor tracker
+class Grads(NamedTuple):
+    """The resident modules' parameter gradients live at a phase's peak (track_peak.grads)."""
+
+    grad: int  # bytes of .grad: what the estimate's "grads" counts
+    waiting: int  # bytes of gradients made and not yet in .grad: autograd sums the parts of a weight used
+    # twice (a prompt pass and a response pass) before it adds them in; the estimate counts none
+    params: tuple  # the names of the parameters whose gradients wait, in the order of the model
+
+
 class track_peak(TorchDispatchMode):
     """Peak live tensor bytes, phase by phase, counted by storage (a view costs nothing, each storage is
     counted once, from the op that made it until it is freed). Tensors made before the block are counted
@@ -46,13 +56,20 @@ class track_peak(TorchDispatchMode):
 
         with track_peak(model, opt) as tr:
             tr.phase("generation"); ...
-        tr.peak  # {phase: bytes}
-    """
+        tr.peak   # {phase: bytes}
+        tr.grads  # {phase: Grads}: the resident modules' parameter gradients live at that phase's peak
+
+    A gradient is told apart by the autograd node that makes it (torch._C._current_autograd_node, in the
+    backward): an output of that node's op, of a parameter's shape, where the node's edge leads to that
+    parameter's AccumulateGrad, is the parameter's gradient until it is freed; at the peak it is either
+    the parameter's .grad or a part waiting for the rest of its sum (Grads). Ops run with grad mode on
+    inside a node are a checkpointed layer's forward replayed, and are not read so; nor is a parameter's
+    own storage (a node unpacks the weight it saved as a new tensor on it)."""
 
     def __init__(self, *resident):
         super().__init__()
         self.live, self.now, self.peak, self.name = {}, 0, {}, None
-        self.resident = resident
+        self.resident, self.grads, self.params, self.grad_of, self.weights = resident, {}, {}, {}, set()
 
     def add(self, t):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -64,20 +81,34 @@ class track_peak(TorchDispatchMode):
         self.live[key] = st.nbytes()
         self.now += st.nbytes()
         weakref.finalize(st, self.free, key)
-        if self.name is not None:
-            self.peak[self.name] = max(self.peak.get(self.name, 0), self.now)
+        if self.name is not None and self.now > self.peak.get(self.name, -1):
+            self.at_peak()
 
     def free(self, key):
         self.now -= self.live.pop(key, 0)
+        self.grad_of.pop(key, None)
 
     def phase(self, name):
         self.name = name
-        if name is not None:
-            self.peak[name] = max(self.peak.get(name, 0), self.now)
+        if name is not None and self.now > self.peak.get(name, -1):
+            self.at_peak()
+
+    def at_peak(self):
+        """A new peak of the phase: its bytes, and the parameters' gradients live then (Grads)."""
+        self.peak[self.name] = self.now
+        grad = {p.grad.untyped_storage().data_ptr() for _, p in self.params.values() if p.grad is not None}
+        waiting = {k: i for k, i in self.grad_of.items() if k not in grad}  # storage -> parameter
+        self.grads[self.name] = Grads(
+            sum(self.live.get(k, 0) for k in grad),
+            sum(self.live[k] for k in waiting),
+            tuple(n for i, (n, _) in self.params.items() if i in waiting.values()),
+        )
 
     def __enter__(self):
         for r in self.resident:
             if isinstance(r, torch.nn.Module):
+                self.params.update({id(p): (n, p) for n, p in r.named_parameters()})
+                self.weights |= {p.untyped_storage().data_ptr() for p in r.parameters()}
                 for t in [*r.parameters(), *r.buffers()]:
                     self.add(t)
                     self.add(t.grad)
@@ -91,7 +122,20 @@ class track_peak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
+        made = tree_flatten(out)[0]
+        node = torch._C._current_autograd_node()  # the backward's node running this op, or None
+        if node is not None and not torch.is_grad_enabled():  # (with grad: a checkpoint's replay in it)
+            params = {
+                p.shape: id(p)
+                for fn, _ in node.next_functions
+                if id(p := getattr(fn, "variable", None)) in self.params
+            }
+            for t in made if params else ():
+                key = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
+                if key and t.shape in params and key not in self.weights:  # (a saved weight, unpacked)
+                    self.add(t)
+                    self.grad_of[key] = params[t.shape]
+        for t in tree_flatten((args, kwargs))[0] + made:
             self.add(t)
         return out
 
@@ -227,7 +271,7 @@ def site(frames):
 
 # ----------------------------------------------------------------------------- one real step, measured
 def measure(
-    cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None, release=False
+    cfg, prompt_tokens, update, device=None, seed=0, reserved=None, snapshot=None, release=False, grads=None
 ) -> dict:
     """{phase: peak bytes} of one real GRPO step, the second one (the optimizer states exist), on the policy
     trainable.load_policy builds for run.setup: rollout.generate (on CUDA through the run's engine, reserved
@@ -235,8 +279,9 @@ def measure(
     "released"), then `update` (grpo.update: grpo.py's own micro-batch loop, the credit inside, a credit's
     own pass too), which marks the phases on the clock it is given. Every response runs to max_new_tokens
     (the model's generation_config.min_new_tokens, which keeps prefix sharing on), every row is trained
-    (A = +-1). CPU: track_peak; CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict)
-    where one is given; `snapshot`: cuda_peak's."""
+    (A = +-1). CPU: track_peak, and its Grads at each phase's peak into `grads` (a dict) where one is given;
+    CUDA: max_memory_allocated, and max_memory_reserved into `reserved` (a dict) where one is given;
+    `snapshot`: cuda_peak's."""
     device, cfg = trainable.device_of(device or "auto"), budget.largest(cfg)  # a size at 0: the CPU's
     torch.manual_seed(seed)
     run = load_for_update(cfg, device)  # run.setup's policy and credit
@@ -270,6 +315,8 @@ def measure(
     cuda = device.type == "cuda"
     with cuda_peak(reserved=reserved, snapshot=snapshot) if cuda else track_peak(model, ref, opt) as tr:
         step(Phases(tr))
+    if grads is not None and not cuda:
+        grads.update(tr.grads)
     return tr.peak
 
 

@@ -26,6 +26,17 @@ training/model/trainable.py):
     micro-batch share a prompt, an empty prompt or response: the same work either way) and when the layers
     are checkpointed in a way that drops the prompt's keys (reentrant, or switched on other than by
     `checkpointing`): `sharing_problem` names that case, and grpo.py says it in one line at setup.
+ 3. The shared prompt's backward runs in two stages (PromptStage). Read once, the prompt is a second pass
+    through every decoder weight, and autograd sums a weight's gradient from both passes before it adds it
+    into .grad: in one backward the response pass's gradient of every weight would wait, made, while the
+    prompt pass is differentiated (a full fine-tune's decoder gradients once more: 7.2 GB for Qwen3-4B in
+    bf16, beside its backward's peak). So the response pass reads the prompt's keys and values, its last
+    hidden state and the responses' embeddings detached; its backward adds each weight's part into .grad as
+    it is made, and gives those tensors' gradients to the prompt pass, differentiated as a backward of its
+    own (the lookup's dense (V, D) gradient in it, last). The same sums in another order: the gradients
+    equal one backward's to float noise (tests/test_policy_staged_backward.py). It happens inside
+    `loss.backward()`, so every caller gets it; torch.autograd.grad (or backward(inputs=...)) through it
+    would miss the prompt pass, and raises instead: pass share_prefix=False there.
 
 Run: python -m pytest -q tests/test_policy*.py tests/model/test_precision.py
 """
@@ -37,6 +48,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -147,33 +159,92 @@ def response_states(model, input_ids, attention_mask, prompt_width, share_prefix
     ).last_hidden_state  # (k, P, D): the prompt pass
     if capture is not None:
         capture.expand_prompts(which, T)  # (k, P, P) maps -> (B, T, T)
+    read = [t for layer in kv.layers for t in (layer.keys, layer.values)]  # (k, Hkv, P, hd) each
+    *read, last, xr = PromptStage.split([*read, out[:, P - 1 :], x[k * P :]])  # departure 3
     rest = dec(
-        inputs_embeds=x[k * P :].view(B, T - P, -1),
+        inputs_embeds=xr.view(B, T - P, -1),
         attention_mask=attention_mask,
         position_ids=pos[:, P:],
-        past_key_values=PromptKV(model.config, kv, which),
+        past_key_values=PromptKV(model.config, list(zip(read[0::2], read[1::2])), which),
         use_cache=False,
         flow_capture=capture,
     ).last_hidden_state  # (B, R, D): the response pass
-    return torch.cat([out[which, P - 1 :], rest[:, :-1]], dim=1)  # (B, R, D)
+    PromptStage.guard(rest, read + [last, xr])
+    return torch.cat([last[which], rest[:, :-1]], dim=1)  # (B, R, D)
+
+
+class PromptStage(torch.autograd.Function):
+    """Departure 3: where the update's backward splits in two. Forward: the prompt pass's tensors that the
+    response pass reads (`held`: each layer's keys and values, the last prompt position's hidden state, the
+    responses' embeddings), detached, so the response pass's graph starts here. Backward, which autograd runs
+    once the response pass is differentiated (each weight's part of it already in .grad: nothing else waits
+    on those weights in this backward): their gradients, given to the prompt pass as a backward of its own.
+
+        *read, = PromptStage.split(held)   # the response pass reads these
+        PromptStage.guard(out, read)       # its output: torch.autograd.grad through it is an error
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, held):  # anchor: an empty leaf with grad, so that the outputs have grad
+        ctx.edges = [get_gradient_edge(t) for t in held]  # where each one's gradient goes, not the tensor
+        return tuple(t.detach() for t in held)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        edges, ctx.edges = ctx.edges, None  # the prompt pass's graph is freed as its backward runs
+        torch.autograd.backward(edges, grads)  # the prompt pass, its own backward: into .grad
+        return None, None
+
+    @staticmethod
+    def split(held):
+        """`held` with those that have grad detached behind one PromptStage (without grad: as they are)."""
+        grad = [i for i, t in enumerate(held) if t.requires_grad]
+        if not torch.is_grad_enabled() or not grad:
+            return held
+        anchor = torch.empty(0, device=held[grad[0]].device, requires_grad=True)
+        out = list(held)
+        for i, t in zip(grad, PromptStage.apply(anchor, [held[i] for i in grad])):
+            out[i] = t
+        return out
+
+    @staticmethod
+    def guard(out, read):
+        """A hook on the response pass's output `out`: a backward that reaches it but will not run the
+        PromptStage behind `read` (torch.autograd.grad, backward(inputs=...): they never reach the prompt
+        pass's weights) raises, rather than return the response pass's part of a gradient as the whole."""
+        stage = next((t.grad_fn for t in read if isinstance(t.grad_fn, PromptStage._backward_cls)), None)
+        if stage is None or not out.requires_grad:
+            return
+
+        def check(grad):
+            if not torch._C._will_engine_execute_node(stage):
+                raise RuntimeError(
+                    "token_logprobs(share_prefix=True): its gradient reaches the prompt pass only by "
+                    ".backward() over the whole graph (policy.py departure 3); for torch.autograd.grad or "
+                    "backward(inputs=...) pass share_prefix=False"
+                )
+            return grad
+
+        out.register_hook(check)
 
 
 class PromptKV(DynamicCache):
     """The shared prompts' keys and values, read the same by a layer that gradient checkpointing replays in
     backward (update() never grows the cache). Prompt pass (no `which`): each layer's (k, Hkv, P, hd) keys
-    and values are kept (a replay keeps its own again). Response pass (`prompts`, `which`: row -> prompt):
+    and values are kept (a replay keeps its own again). Response pass (`prompts`: each layer's (keys,
+    values), as PromptStage gives them; `which`: row -> prompt):
     layer l reads [keys of row b's prompt | its own] and keeps nothing; the row selection runs inside the
     layer, so only the k prompts' keys and values wait for backward, not B copies. Every layer is a plain
     DynamicLayer, a sliding-window layer's too (Gemma-2, GPT-OSS): it keeps the prompt whole and the mask
     applies the window, as in one pass over the rows (transformers' sliding layer would size the mask to a
     cache it fills itself, not to the keys given here)."""
 
-    def __init__(self, config, prompts=None, which=None):
+    def __init__(self, config, prompts=(), which=None):
         super().__init__(config=config)
         self.layers, self.which = [DynamicLayer() for _ in self.layers], which
-        for layer, old in zip(self.layers, prompts.layers if prompts is not None else []):
-            layer.lazy_initialization(old.keys, old.values)
-            layer.keys, layer.values = old.keys, old.values
+        for layer, (keys, values) in zip(self.layers, prompts):  # [(keys, values)] a layer
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]

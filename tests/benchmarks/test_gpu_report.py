@@ -168,12 +168,14 @@ def test_every_real_part_runs_a_command_line_its_program_accepts(tmp_path, monke
     import generate_speed
     import gpu_headline
 
+    import eval as evaluate
     import grpo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     mains = {
         "benchmarks/gpu_headline.py": gpu_headline.main,
         "benchmarks/generate_speed.py": generate_speed.main,
+        "eval.py": evaluate.main,  # eval.py memory: grpo.py's --device cuda, checked as it parses
     }
     seen = set()
     for part in gpu_report.PARTS:

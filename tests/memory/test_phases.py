@@ -101,10 +101,10 @@ def test_estimate_within_10_percent_at_the_issues_tiny_shape():
         assert 0.9 <= sum(est[phase].values()) / measured[phase] <= 1.1, phase
 
 
-def live_at_the_first_layers_backward(tied, device):
-    """Live tensor bytes (track_peak) when backward reaches decoder layer 0 of a checkpointed, shared-prompt
-    update (policy.token_logprobs, 4 log-prob chunks), less those after the forward; gradients exist (from
-    the second micro-batch on)."""
+def live_at_the_first_layers_backward(tied, device, share=False):
+    """Live tensor bytes (track_peak) when backward first reaches decoder layer 0 of a checkpointed update
+    (share: each prompt read once; policy.token_logprobs, 4 log-prob chunks), less those after the forward;
+    gradients exist (from the second micro-batch on)."""
     from transformers import Qwen3ForCausalLM
 
     from data import build_batch
@@ -122,7 +122,7 @@ def live_at_the_first_layers_backward(tied, device):
     seen = []
     with memtrace.track_peak(model) as tr:
         hook = model.model.layers[0].register_full_backward_pre_hook(lambda mod, g: seen.append(tr.now))
-        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, True)
+        lp, _ = policy.token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_width, 8, share)
         after = tr.now
         (lp * b.response_mask[:, b.prompt_width :]).sum().backward()
         hook.remove()
@@ -133,12 +133,17 @@ def test_the_tied_head_gradient_waits_for_the_embeddings_backward(device):
     """What phases.estimate's backward counts as `held`: with a tied embedding, the LM head's gradient,
     summed over the log-prob chunks in one (V, D) buffer, waits for the embedding's backward (the graph's
     last node), so it is live through the whole decoder backward: exactly V D 4 more bytes at layer 0's
-    backward than with an untied head (whose gradient is taken after the last chunk). The estimate
-    counts it for Qwen3-4B (tied) at 1K: V D 2 in bf16 beside the recomputed layer, backward's peak."""
+    backward than with an untied head (whose gradient is taken after the last chunk), in one pass over each
+    row. With each prompt read once the lookup's backward is the second stage's (policy.py departure 3):
+    the head's gradient waits for no lookup, tied or not. The estimate counts it for Qwen3-4B (tied) at 1K
+    under --no-share-prefix: V D 2 in bf16 beside the recomputed layer, backward's peak."""
     V, D = 32768, 64
     tied, untied = (live_at_the_first_layers_backward(t, device) for t in (True, False))
     assert tied - untied == V * D * 4
-    est, cfg = qwen3_4b()
+    # each prompt read once, the backward in two stages (policy.py departure 3): the lookup is in the second
+    tied, untied = (live_at_the_first_layers_backward(t, device, share=True) for t in (True, False))
+    assert tied == untied
+    est, cfg = qwen3_4b("--no-share-prefix")
     mc = qwen3_4b_config()
     assert mc.tie_word_embeddings and est["backward"]["logits"] == mc.vocab_size * mc.hidden_size * 2
 

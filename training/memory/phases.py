@@ -93,6 +93,7 @@ from training.memory.terms import (
     generation,
     layer_saved,
     math_scores,
+    prompt_stage,
     update_kept,
 )
 from training.model import load
@@ -340,7 +341,16 @@ def backward_phase(cfg, mc, s, held, fwd) -> dict:
     )
     cast = held["cast cache"]  # the reference casts its own
     reference = (cfg.beta > 0) * (2 * b * T * D * s.residual_bytes + fwd.layer + fwd.logits + cast)
-    paths = [(fwd.kept, chunk, 0), (fwd.kept - final, tied * head_grad, last_layer), (fwd.kept, 0, reference)]
+    shared = Tq < T  # two stages (policy.py departure 3): the head's gradient waits for no lookup
+    paths = [
+        (fwd.kept, chunk, 0),
+        (fwd.kept - final, (not shared) * tied * head_grad, last_layer),
+        (fwd.kept, 0, reference),
+    ]
+    if shared:  # the prompt's own backward, after the response pass's
+        args = (s.matmul_bytes, s.residual_bytes, s.weight_bytes, cfg.grad_checkpointing, s.adapters, s.math)
+        act, work = prompt_stage(mc, b, s.k, s.P, s.R, *args)
+        paths.append((act, 0, work))
     activations, logits, workspace = max(paths, key=sum)
     return {
         **held,

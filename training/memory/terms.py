@@ -1,5 +1,6 @@
 """The bytes each part of one GRPO step holds, counted op by op: a decoder layer's saved tensors
-(layer_saved), what the update's forward keeps for backward (kept, update_kept), the attention capture's
+(layer_saved), what the update's forward keeps for backward (kept, update_kept) and the shared prompt's own
+backward (prompt_stage), the attention capture's
 workspace (capture_workspace) and generation's KV cache and prefill (generation, prefilled_rows, and a chunk
 beside the run's decode engine: engine_generation; the engine's copy of the weights: decode_copy).
 training/memory/phases.py's estimate adds them into its phases; each function's docstring has its terms.
@@ -145,6 +146,33 @@ def update_kept(
         + n * P * kv
         + b * (T - P) * kept(mc, n, rows, residual_bytes, checkpointed, lora[0])
     )
+
+
+def prompt_stage(
+    mc, b, k, P, R, matmul_bytes, residual_bytes, weight_bytes, checkpointed, lora=((), 0, False), math=False
+):
+    """(activations, workspace): bytes the shared prompt's own backward holds at its first layer (policy.py
+    departure 3: the response pass is differentiated and freed before it). Activations: what the prompt pass
+    over k prompts of P tokens keeps (kept, its final norm's backward run), its keys and values' gradients
+    from the response pass, (k, Hkv, P, hd) each a layer, and under checkpointing PromptKV's keys and values
+    themselves, and the responses' embeddings' gradient, (b, R, D), for the one lookup's backward at the end.
+    Workspace: that layer recomputed (checkpointed) and its backward, one weight's gradient made; or the
+    lookup's backward, the embedding's dense (V, D) gradient beside its input's (k P + b R, D)."""
+    D, I, V, L = mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.num_hidden_layers
+    Hq, Hkv = mc.num_attention_heads, mc.num_key_value_heads
+    hd = getattr(mc, "head_dim", None) or D // Hq
+    per_token = layer_saved(mc, P, matmul_bytes, residual_bytes, lora=lora, math=math)
+    final = 4 * D + (1 + (not lora[0])) * D * residual_bytes  # the final norm's, as kept counts it
+    kv = L * P * 2 * matmul_bytes * hd * k * Hkv  # every layer's keys and values of the k prompts
+    activations = (
+        k * P * (kept(mc, L, per_token, residual_bytes, checkpointed, lora[0]) - final)
+        + kv * (1 + checkpointed)
+        + b * R * D * residual_bytes
+    )
+    layer = k * P * (checkpointed * per_token + 3 * I * matmul_bytes + 2 * D * 4)
+    layer += I * D * (weight_bytes + matmul_bytes) * (not lora[0]) + math * math_scores(k, Hq, P, P)
+    lookup = (V * D * weight_bytes * (not lora[0]) + (k * P + b * R) * D * residual_bytes) * (not lora[0])
+    return max((activations, layer), (0, lookup), key=sum)
 
 
 def capture_workspace(b, T, Hq, Hkv, hd, Tq=None, fused=False):
