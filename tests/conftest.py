@@ -69,9 +69,11 @@ def task_data_missing(task, split="test"):
 
 
 # ----------------------------------------------------------------------------- runs the tests share
-# A tiny run that trains in a few seconds (your task, user code, flags): 2 prompts x 4 rows of 8 new tokens.
+# A tiny run that trains in a few seconds on the CPU (your task, user code, flags): 2 prompts x 4 rows of 8
+# new tokens.
 TINY_RUN = (
-    "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 8 --warmup-steps 1 --lr 1e-3"
+    "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 8 --warmup-steps 1 --lr 1e-3 "
+    "--device cpu"
 )
 TINY_RUN = TINY_RUN.split()
 # The small step the memory estimate is held to a real one at (tests/memory/test_phases.py; its backward's
@@ -81,7 +83,7 @@ SMALL_STEP = (
     "--micro-batch 4 --logprob-chunk 16"
 ).split()
 # eval.py bench on one gsm8k question, one sample of 3 tokens (a checkpoint loads and is evaluated).
-ONE_QUESTION_BENCH = "--benchmarks gsm8k --n-problems 1 --n 1 --ks 1 --max-new-tokens 3".split()
+ONE_QUESTION_BENCH = "--device cpu --benchmarks gsm8k --n-problems 1 --n 1 --ks 1 --max-new-tokens 3".split()
 
 
 # ----------------------------------------------------------------------------- devices
@@ -235,7 +237,7 @@ def tok():
     tests/usercode/test_reward_code_trl.py)."""
     from training.model.load import load_model
 
-    return load_model("tiny-qwen3")[1]
+    return load_model("tiny-qwen3", device="cpu")[1]
 
 
 # ----------------------------------------------------------------------------- one line, exit 2

@@ -99,7 +99,7 @@ def test_the_trl_drop_in_runs_as_the_docs_show_it(tmp_path, monkeypatch):
     code = next(b for b in blocks("python") if "FlowTracerGRPOTrainer" in b)
     scale_out = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "scale-out.md").read_text(), re.S)
     assert code in scale_out
-    model, tok = load_model("tiny-qwen3")
+    model, tok = load_model("tiny-qwen3", device="cpu")
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
     changes = {

@@ -47,7 +47,7 @@ def tiny():
     "argv",
     [
         ["bench", "--model", "./no/such/checkpoint"],
-        ["bench", "--model", "tiny-qwen3", "--benchmarks", "gsm9k"],
+        ["bench", "--model", "tiny-qwen3", "--device", "cpu", "--benchmarks", "gsm9k"],
         ["intervene", "--no-such-flag"],
         ["nonsense"],
         ["plot", "--metrics", "/no/such/metrics.jsonl", "--out", "/tmp/never"],
@@ -78,7 +78,17 @@ def test_no_answers_anywhere_is_an_empty_result(tmp_path, capsys):
     path.write_text("".join(json.dumps({**r, "response": "no answer here"}) + "\n" for r in RESPONSES))
     with pytest.raises(SystemExit) as e:
         ev.main(
-            ["intervene", "--model", "tiny-qwen3", "--responses", str(path), "--out", str(tmp_path / "o")]
+            [
+                "intervene",
+                "--model",
+                "tiny-qwen3",
+                "--device",
+                "cpu",
+                "--responses",
+                str(path),
+                "--out",
+                str(tmp_path / "o"),
+            ]
         )
     assert e.value.code == 1 and "empty result set" in capsys.readouterr().err
     s = json.loads((tmp_path / "o" / "intervene.json").read_text())["summary"]
@@ -103,7 +113,7 @@ def smoke(tmp_path_factory):
             for i, a in enumerate([0.1, 0.4, 0.2])
         )
     )
-    tiny = ["--model", "tiny-qwen3", "--threads", "1"]
+    tiny = ["--model", "tiny-qwen3", "--device", "cpu", "--threads", "1"]
     argv = {
         "bench": [
             "bench",
@@ -293,6 +303,8 @@ def test_recall_scores_oar_against_the_chosen_outcomes(tmp_path, device):
             "recall",
             "--model",
             "tiny-qwen3",
+            "--device",
+            "cpu",
             "--threads",
             "1",
             "--responses",

@@ -301,7 +301,7 @@ def test_inputs_are_not_modified():
 # ----------------------------------------------------------------------------- Capture refuses
 @pytest.fixture(scope="module")
 def tiny():
-    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     use_capture_attention(model)
     return model, tok
 
@@ -342,7 +342,7 @@ def test_gradient_checkpointing_replays_into_a_used_capture(tiny):
     the
     maps equal a plain forward's."""
     model, tok = tiny
-    ckpt = load_model("tiny-qwen3", dtype=torch.float32)[0]
+    ckpt = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)[0]
     ckpt.load_state_dict(model.state_dict())
     use_capture_attention(ckpt)
     policy.checkpointing(ckpt)

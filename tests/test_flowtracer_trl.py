@@ -61,7 +61,7 @@ def one_step(cls, tmp_path, config=None, **kw):
     """One GRPO step (2 prompts x 4 completions x <= 12 + 9 tokens) from the same seed and initial weights;
     `config`: other GRPOConfig fields. Returns (trainer, the generation batch TRL's loss used, the initial
     parameters)."""
-    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     base = dict(
         output_dir=str(tmp_path),
@@ -129,7 +129,7 @@ def spy(setattr_):
 def reference_gamma(keys, A, cfg, fused=False):
     """A single process's credit of rows (keys) with advantages A, from the initial tiny-qwen3: grpo.py's
     fused pass (its training forward token_logprobs, with the capture) or its separate pass."""
-    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     rows = [json.loads(k) for k in keys]
     batch = build_batch(tok, [p for p, _ in rows], [c for _, c in rows])
     got = None
@@ -192,7 +192,9 @@ def test_credit_none_is_stock_trl_and_flow_scales_each_token_term(tmp_path):
     assert all(torch.equal(after_s[k], after_n[k]) for k in after_s)
     assert any(not torch.equal(after_s[k], init[k]) for k in init)  # the step did train
     # flow: TRL gets A * gamma with gamma = flow_credit on its own layout (columns aligned)
-    gamma = expected_gamma(out_f, flow.processing_class, load_model("tiny-qwen3", dtype=torch.float32)[0])
+    gamma = expected_gamma(
+        out_f, flow.processing_class, load_model("tiny-qwen3", device="cpu", dtype=torch.float32)[0]
+    )
     assert torch.equal(out_f["completion_ids"], out_s["completion_ids"])
     assert (gamma == 1.5).any() and torch.equal(out_f["advantages"], A[:, None] * gamma)
     # ... and TRL's loss is eq. 5 with it: on-policy ratio 1, so 1/G sum_i 1/N_i sum_t -gamma_it A_i
@@ -234,7 +236,7 @@ def test_fused_credit_equals_the_separate_pass(tmp_path):
 def test_rows_without_advantage_get_gamma_1_and_the_pass_still_runs(tmp_path, monkeypatch):
     """A rank whose rows all have A = 0 still runs one credit pass (on a placeholder row): its collectives
     match the other ranks'. The placeholder's gamma is dropped."""
-    model, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    model, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     args = trl.GRPOConfig(
         output_dir=str(tmp_path),
         num_generations=2,

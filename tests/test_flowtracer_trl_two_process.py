@@ -106,6 +106,8 @@ def two_processes(tmp_path_factory):
     ]
     flags = [
         "--use-cpu",
+        "--bf16",
+        "false",
         "--model",
         "tiny-qwen3",
         "--max-steps",
@@ -167,8 +169,8 @@ def test_two_processes_one_rank_without_advantage_match_a_single_process(two_pro
     check_two_process(two_processes, name, grpo.Config())
     metrics = [json.loads(line) for line in open(two_processes / name / "metrics.jsonl")]
     assert [m["credit/boosted_frac"] > 0 for m in metrics if "loss" in m] == [True]  # rank 0's tokens
-    trained = load_model(str(two_processes / name), dtype=torch.float32)[0].state_dict()
-    init = load_model("tiny-qwen3", dtype=torch.float32)[0].state_dict()
+    trained = load_model(str(two_processes / name), device="cpu", dtype=torch.float32)[0].state_dict()
+    init = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)[0].state_dict()
     assert any(not torch.equal(trained[k], init[k]) for k in init)  # the parameters changed
 
 

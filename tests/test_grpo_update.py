@@ -91,6 +91,8 @@ def test_update_own_flow_lines_equal_credit_assign(share):
     flags = [
         "--model",
         "tiny-qwen3",
+        "--device",
+        "cpu",
         "--micro-batch",
         "2",
         "--no-grad-checkpointing",
@@ -143,7 +145,7 @@ def test_capture_equals_attention_graph_and_leaves_output_unchanged(tiny):
     "bad, match", [(torch.tensor([[0, 2, 1]]), "only 0 and 1"), (torch.tensor([[0, 0, 0]]), "no valid token")]
 )
 def test_attention_graph_rejects_bad_masks(bad, match):
-    model, _ = load_model("tiny-qwen3")
+    model, _ = load_model("tiny-qwen3", device="cpu")
     with pytest.raises(ValueError, match=match):
         attention_graph(model, torch.tensor([[5, 6, 7]]), bad)
     with pytest.raises(ValueError, match="chunk"):
@@ -231,6 +233,8 @@ def test_credit_overhead_benchmark_runs_alternating(tmp_path, capsys):
             "2",
             "--model",
             "tiny-qwen3",
+            "--device",
+            "cpu",
             "--max-new-tokens",
             "8",
             "--prompts-per-step",

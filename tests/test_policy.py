@@ -134,7 +134,7 @@ def test_left_padding_rows_give_finite_log_probs_and_gradients(nan_kernel, share
 def test_left_padded_rollouts_are_unchanged(nan_kernel, monkeypatch, share):
     """HF generate (share_prefix=False) and the shared path, whose prompts here share no prefix (a
     [pads | suffix] layout): the same greedy tokens as with torch's own kernel."""
-    model, tok = load_model("tiny-qwen3")
+    model, tok = load_model("tiny-qwen3", device="cpu")
 
     def run():
         return rollout.generate(

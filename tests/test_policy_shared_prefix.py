@@ -368,7 +368,7 @@ def test_checkpointed_shared_update_peak_not_above_the_full_pass_with_tied_embed
 
     from evaluation.memtrace import track_peak
 
-    _, tok = load_model("tiny-qwen3", dtype=torch.float32)
+    _, tok = load_model("tiny-qwen3", device="cpu", dtype=torch.float32)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(
         Qwen3Config(

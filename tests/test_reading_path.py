@@ -38,6 +38,8 @@ def argv(tmp_path):
     return [
         "--model",
         "tiny-qwen3",
+        "--device",
+        "cpu",
         "--prompts-per-step",
         "2",
         "--group-size",

@@ -119,7 +119,7 @@ def test_a_runs_own_run_config_json_reads_back_equal(tmp_path):
         seed=12,
         out_dir=str(tmp_path / "run"),
     )
-    model, tok = load_model("tiny-llama")
+    model, tok = load_model("tiny-llama", device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ckpt_io.save_checkpoint(tmp_path / "run" / "ckpt", model, tok, opt, sched, 1, cfg, 0)

@@ -245,7 +245,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 if sys.argv[1] == "project":
     import grpo
     from training.model.load import load_model
-    assert load_model("tiny-qwen3")[0].config._attn_implementation == "sdpa_capture"
+    assert load_model("tiny-qwen3", device="cpu")[0].config._attn_implementation == "sdpa_capture"
 torch.manual_seed(0)
 cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)

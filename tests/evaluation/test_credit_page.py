@@ -45,6 +45,8 @@ def run(tmp_path_factory):
         [
             "--model",
             "tiny-qwen3",
+            "--device",
+            "cpu",
             "--dataset",
             "custom",
             "--data-path",
@@ -193,7 +195,19 @@ def test_headless_chromium_shows_the_tokens_the_answer_and_the_boosted(run, tmp_
 def test_plot_draws_a_saved_response_with_the_run_s_checkpoint(run, tmp_path):
     path, rows = run
     ev.main(
-        ["plot", "--run", str(path), "--figures", "heatmap", "--threads", "1", "--out", str(tmp_path / "p")]
+        [
+            "plot",
+            "--run",
+            str(path),
+            "--device",
+            "cpu",
+            "--figures",
+            "heatmap",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "p"),
+        ]
     )
     res = json.loads((tmp_path / "p" / "plot.json").read_text())
     assert res["args"]["model"] == str(path) and res["n_responses"] == 8 and res["n_no_answer"] == 0

@@ -119,7 +119,19 @@ def test_summary_intervals_are_over_pairs_from_scipy():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("deadend")
-    argv = ["deadend", "--model", "tiny-qwen3", "--n", "4", "--threads", "1", "--out", str(out)]
+    argv = [
+        "deadend",
+        "--model",
+        "tiny-qwen3",
+        "--device",
+        "cpu",
+        "--n",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     ev.main([*argv, "--json", str(out / "summary.json")])
     return out
 
@@ -149,7 +161,7 @@ def test_position_gives_its_known_answer_row_by_row(tiny_run):
     pairs = [json.loads(x) for x in (tiny_run / "deadend_rows.jsonl").read_text().splitlines()]
     assert [p["auc"]["position"] for p in pairs] == [0.5] * 4
     assert all(p["share_diff"]["position"] == 0.0 for p in pairs)
-    model, tok = load_model("tiny-qwen3")
+    model, tok = load_model("tiny-qwen3", device="cpu")
     twins = dd.make_twins(2, seed=0)
     recs = dd.score_twins(model, tok, twins, "question", grpo.Config(), 12)
     for t, r in zip(twins, recs):
@@ -169,6 +181,8 @@ def test_position_gives_its_known_answer_row_by_row(tiny_run):
 )
 def test_bad_input_is_one_line(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        ev.main(["deadend", "--model", "tiny-qwen3", "--n", "1", "--out", str(tmp_path), *argv])
+        ev.main(
+            ["deadend", "--model", "tiny-qwen3", "--device", "cpu", "--n", "1", "--out", str(tmp_path), *argv]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and words in err[-1] and err[-1].startswith("eval.py: error:")

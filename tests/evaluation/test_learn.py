@@ -21,6 +21,8 @@ from training.run import heldout
 RECIPE = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--dataset",
     "arithmetic",
     "--steps",
@@ -286,9 +288,9 @@ def test_one_process_evaluates_as_the_restarted_runs_did(tmp_path, monkeypatch):
             if step == 1
             else ["--resume", str(seg), "--steps", "2"]
         )
-        model, tok = load_model(str(seg / "ckpt"))
+        model, tok = load_model(str(seg / "ckpt"), device="cpu")
         want[step] = heldout.greedy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk)
-    model, tok = load_model("tiny-qwen3")
+    model, tok = load_model("tiny-qwen3", device="cpu")
     base = heldout.greedy(model, tok, recs, style, cfg.max_new_tokens, cfg.gen_chunk)
     assert sorted(got) == [1, 2]
     for step in (1, 2):

@@ -99,7 +99,7 @@ def test_summarize_declares_the_secondary_endpoint_and_tests_it(tmp_path):
 def test_the_random_arm_boosts_as_many_tokens_per_row_as_flow():
     """--credit random --shaping topk (learn's random arm) is flow's gamma at random places: in every row
     ceil(top_frac n) tokens get gamma, as flow_credit gives flow, and a row without an answer gets all 1."""
-    _, tok = load_model("tiny-qwen3")
+    _, tok = load_model("tiny-qwen3", device="cpu")
     responses = ["So 3 + 4 = 7.\nThe answer is \\boxed{7}.", "I think it is \\boxed{12}.", "No answer here."]
     b = data.build_batch(tok, [tok("What is it?").input_ids] * 3, [tok(r).input_ids for r in responses])
     cfg = grpo.Config(credit="random", seed=5)

@@ -23,6 +23,8 @@ OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacit
 TINY = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--prompts-per-step",
     "2",
     "--group-size",

@@ -156,6 +156,8 @@ def test_one_engine_for_a_run_with_held_out_evaluation(tmp_path, monkeypatch):
         [
             "--model",
             "tiny-qwen3",
+            "--device",
+            "cpu",
             "--prompts-per-step",
             "2",
             "--group-size",
@@ -191,6 +193,8 @@ def test_an_optimizer_fallback_survives_resume(tmp_path, monkeypatch, capsys):
     args = [
         "--model",
         "tiny-qwen3",
+        "--device",
+        "cpu",
         "--optimizer",
         "kahan",
         "--prompts-per-step",

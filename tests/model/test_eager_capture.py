@@ -124,9 +124,9 @@ def eager_maps(model, ids, mask, spec):
 def test_capture_impl_is_chosen_by_class_and_loaded(model_dir):
     """One place chooses: SDPA where the class has it, the model's own eager attention where it has not,
     none where its attention ignores AttentionInterface; load_model puts the choice in force."""
-    assert capture_impl(load_model("tiny-qwen3")[0]) == IMPL
+    assert capture_impl(load_model("tiny-qwen3", device="cpu")[0]) == IMPL
     for kind, impl in (("gemma2", EAGER_IMPL), ("gpt_oss", EAGER_IMPL), ("gptj", None)):
-        model = load_model(str(model_dir[kind]), dtype=torch.float32)[0]
+        model = load_model(str(model_dir[kind]), device="cpu", dtype=torch.float32)[0]
         assert capture_impl(model) == capture_impl(model.config) == impl
         assert model.config._attn_implementation == (impl or "eager")  # GPT-J: its own, untouched
     assert capture_impl(tiny_config("tiny-llama", 260)) == IMPL  # a config: the estimate's way in
@@ -139,7 +139,7 @@ def test_captured_map_is_the_head_mean_of_eager_output_attentions(model_dir, kin
     head mean in fp32, soft-capping, sinks and the sliding window included; the forward's logits are
     eager's to the bit. SDPA's recomputation (add_head_mean: softmax(Q K^T s + mask)) would drop the
     soft-cap and the sinks: it is far from them, so this test would fail on a capture that recomputed."""
-    model, tok = load_model(str(model_dir[kind]), dtype=torch.float32)
+    model, tok = load_model(str(model_dir[kind]), device="cpu", dtype=torch.float32)
     ids, mask = padded(tok, TEXTS)
     ref, ref_logits = eager_maps(model, ids, mask, spec)
     W = attention_graph(model, ids, mask, spec)
@@ -166,7 +166,7 @@ def test_captured_map_is_the_head_mean_of_eager_output_attentions(model_dir, kin
 def test_shared_prompt_update_reads_what_one_pass_reads(model_dir, kind):
     """token_logprobs with each prompt read once (PromptKV: its sliding-window layers keep the prompt whole,
     the mask applies the window) equals one pass over the rows: log-probs and captured maps, with grad."""
-    model, tok = load_model(str(model_dir[kind]), dtype=torch.float32)
+    model, tok = load_model(str(model_dir[kind]), device="cpu", dtype=torch.float32)
     prompts, pmask = padded(tok, ["a prompt that is long enough", "short prompt"])  # (2, P)
     resp = torch.tensor([[ord(c) for c in "response one!"], [ord(c) for c in "response two?"]])  # (2, R)
     ids = torch.cat([prompts.repeat_interleave(2, 0), resp.repeat(2, 1)], 1)  # (4, T) two rows a prompt
@@ -186,8 +186,8 @@ def test_rollouts_of_a_sliding_window_model_are_hf_generates(model_dir, kind):
     """rollout.generate's shared prefix lays a row out [prefix | pads | suffix], and transformers' window
     counts the pads: on these models it is off (prefix_problem), so the rollouts are HF generate's. Without
     the fallback the second prompt's greedy response differs (tiny Gemma-2 and GPT-OSS, fp32)."""
-    model, tok = load_model(str(model_dir[kind]), dtype=torch.float32)
-    assert prefix_problem(model) and prefix_problem(load_model("tiny-qwen3")[0]) is None
+    model, tok = load_model(str(model_dir[kind]), device="cpu", dtype=torch.float32)
+    assert prefix_problem(model) and prefix_problem(load_model("tiny-qwen3", device="cpu")[0]) is None
     prompts = ["Shared prefix text here: a", "Shared prefix text here: a much longer suffix"]
     shared, plain = (
         generate(model, tok, prompts, 1, Sampling(12, greedy=True), share_prefix=s) for s in (1, 0)
@@ -207,7 +207,7 @@ def test_grpo_trains_them_with_rows_boosted(model_dir, kind, tmp_path, in_proces
     (tmp_path / "spread.py").write_text(REWARD)
     r = in_process(
         grpo.main,
-        *("--model", model_dir[kind], "--answer-pattern", r"(\S+)\s*$", "--steps", 2),
+        *("--model", model_dir[kind], "--device", "cpu", "--answer-pattern", r"(\S+)\s*$", "--steps", 2),
         *("--prompts-per-step", 2, "--group-size", 4, "--max-new-tokens", 16),
         *("--reward", f"{tmp_path / 'spread.py'}:spread", "--out-dir", tmp_path / "run"),
     )
@@ -225,7 +225,18 @@ def test_a_model_without_attention_interface_is_refused_in_one_line(model_dir, t
     naming the class and the credits that read no map, before any rollout); --credit none trains."""
     (tmp_path / "spread.py").write_text(REWARD)
     run = (
-        *("--model", model_dir["gptj"], "--steps", 1, "--prompts-per-step", 2, "--group-size", 2),
+        *(
+            "--model",
+            model_dir["gptj"],
+            "--device",
+            "cpu",
+            "--steps",
+            1,
+            "--prompts-per-step",
+            2,
+            "--group-size",
+            2,
+        ),
         *("--max-new-tokens", 8, "--reward", f"{tmp_path / 'spread.py'}:spread"),
     )
     r = in_process(grpo.main, *run, "--out-dir", tmp_path / "flow")

@@ -276,7 +276,7 @@ def test_model_file_errors_name_the_file(tmp_path):
 
 # ----------------------------------------------------------------------------- model directories
 def test_a_model_directory_without_a_tokenizer_is_one_error_before_the_weights_load(tmp_path, monkeypatch):
-    model, tok = load_model("tiny-qwen3")
+    model, tok = load_model("tiny-qwen3", device="cpu")
     model.save_pretrained(tmp_path / "m")  # config.json and weights, no tokenizer
     from training.model import load
 
@@ -298,7 +298,7 @@ def test_a_tokenizer_that_encodes_text_to_no_ids_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    model, _ = load_model("tiny-qwen3")
+    model, _ = load_model("tiny-qwen3", device="cpu")
     empty = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE(vocab={}, merges=[])), eos_token="<|im_end|>"
     )  # a vocabulary of one special

@@ -23,6 +23,8 @@ from training.model import load, lora, trainable
 TINY = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--prompts-per-step",
     "2",
     "--group-size",
@@ -298,6 +300,8 @@ def test_grpo_py_lora_rank_8_on_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo.data, "reward", lambda txt, rec: next(rows) % 4 / 3)
     cfg = grpo.parse_args(
         [
+            "--device",
+            "cpu",
             "--lora-rank",
             "8",
             "--steps",

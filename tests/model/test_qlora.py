@@ -28,8 +28,8 @@ from training.decode import rollout  # noqa: E402
 from training.memory import budget, phases, shapes  # noqa: E402
 from training.model import load, quantize, trainable  # noqa: E402
 
-TINY = "--model tiny-qwen3 --prompts-per-step 2 --group-size 4 --max-new-tokens 12 --micro-batch 4".split()
-TINY += "--warmup-steps 1 --save-every 1 --seed 3 --lora-rank 8 --load-in-4bit".split()
+TINY = "--model tiny-qwen3 --device cpu --prompts-per-step 2 --group-size 4 --max-new-tokens 12".split()
+TINY += "--micro-batch 4 --warmup-steps 1 --save-every 1 --seed 3 --lora-rank 8 --load-in-4bit".split()
 
 
 def four_bit(quant_type="nf4", nested=False):
@@ -304,7 +304,7 @@ def test_flowtracer_trl_trains_fp32_adapters_on_a_4bit_base(tmp_path, monkeypatc
     monkeypatch.setattr(
         test_trl,
         "load_model",
-        lambda name, dtype: real(name, device="cpu", dtype=dtype, quantization=four_bit()),
+        lambda name, device, dtype: real(name, device=device, dtype=dtype, quantization=four_bit()),
     )
     args = ft.parse_args(["--model", "tiny-qwen3", "--lora-rank", "4", "--load-in-4bit"])[0]
     tr, _, init = test_trl.one_step(ft.FlowTracerGRPOTrainer, tmp_path, peft_config=lora.lora_config(args))

@@ -26,10 +26,10 @@ from training.run import checkpoint as ckpt_io
 
 @pytest.fixture(scope="module")
 def tiny_state():
-    model, tok = load_model("tiny-llama")
+    model, tok = load_model("tiny-llama", device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return model, tok, opt, sched, grpo.Config(model="tiny-llama")
+    return model, tok, opt, sched, grpo.Config(model="tiny-llama", device="cpu")
 
 
 # ----------------------------------------------------------------------------- 1. code from a checkpoint
@@ -50,6 +50,8 @@ ENTRIES = {  # how a user reaches trainer_state.pt: (argv, main, its prog)
             "plot",
             "--model",
             str(run),
+            "--device",
+            "cpu",
             "--task",
             "arithmetic",
             "--n-problems",
@@ -190,6 +192,8 @@ def test_a_full_disk_during_a_run_is_one_line(tmp_path, monkeypatch, capsys):
             [
                 "--model",
                 "tiny-qwen3",
+                "--device",
+                "cpu",
                 "--prompts-per-step",
                 "1",
                 "--group-size",

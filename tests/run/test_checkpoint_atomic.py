@@ -20,10 +20,10 @@ from training.run import checkpoint as ckpt_io
 # ----------------------------------------------------------------------------- a kill, a broken state
 @pytest.fixture(scope="module")
 def tiny_state():
-    model, tok = load_model("tiny-llama")
+    model, tok = load_model("tiny-llama", device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return model, tok, opt, sched, grpo.Config()
+    return model, tok, opt, sched, grpo.Config(device="cpu")
 
 
 def kill_at(monkeypatch, k, model, tok):
@@ -107,7 +107,7 @@ def test_a_kill_at_any_point_of_the_save_leaves_a_checkpoint(
         ckpt_io.save_checkpoint(run / "ckpt", model, tok, opt, sched, 4, cfg, 0)  # the next save
         assert [p.name for p in run.iterdir()] == ["ckpt"], ops[k]
         assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(run), opt, sched)[0] == 4
-    load_model(str(found))  # the weights load too
+    load_model(str(found), device="cpu")  # the weights load too
 
 
 def test_a_half_deleted_checkpoint_is_never_complete(tmp_path, monkeypatch, tiny_state):
@@ -148,6 +148,8 @@ def test_eval_names_a_corrupted_checkpoint_in_one_line(tmp_path, tiny_state, cap
                 "bench",
                 "--model",
                 str(tmp_path / "run"),
+                "--device",
+                "cpu",
                 "--benchmarks",
                 "gsm8k",
                 "--n-problems",
@@ -189,7 +191,7 @@ def test_the_embedded_demo_saves_once_without_the_optimizer_state():
 
 
 def test_a_checkpoint_without_the_optimizer_state_resumes_and_says_the_optimizer_restarts(tmp_path, capsys):
-    model, tok = load_model("tiny-llama")
+    model, tok = load_model("tiny-llama", device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()

@@ -112,6 +112,8 @@ def tiny_run(tmp_path, *flags):
     return [
         "--model",
         "tiny-qwen3",
+        "--device",
+        "cpu",
         "--prompts-per-step",
         "1",
         "--group-size",
@@ -183,7 +185,7 @@ def test_checkpoint_bytes_is_what_a_checkpoint_holds(tmp_path, optimizer):
 
 def test_a_disk_just_large_enough_runs(tmp_path, monkeypatch):
     """Enough for one checkpoint beside the one a resumed run already has."""
-    model = load_model("tiny-qwen3")[0]
+    model = load_model("tiny-qwen3", device="cpu")[0]
     one = ckpt_io.checkpoint_bytes(sum(p.numel() for p in model.parameters()), "adamw")
     grpo.main(tiny_run(tmp_path, "--steps", "1"))
     held = sum(f.stat().st_size for f in (tmp_path / "run" / "ckpt").iterdir())

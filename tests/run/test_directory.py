@@ -23,6 +23,8 @@ from training.run import setup as run_mod
 SMOKE = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--prompts-per-step",
     "2",
     "--group-size",

@@ -23,7 +23,7 @@ def even_length(text, record):  # a stand-in reward: right when the response has
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return load_model("tiny-qwen3")
+    return load_model("tiny-qwen3", device="cpu")
 
 
 @pytest.fixture

@@ -168,7 +168,8 @@ def test_the_trl_plug_in_saves_the_step_and_exits_143(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     (tmp_path / "reward.py").write_text(REWARD)
     env = {**subprocess_env(), "AT": "4", "SLEEP": "3", "EACH": "0", "MARK": str(tmp_path / "mark")}
-    flags = "--model tiny-qwen3 --max-steps 40 --num-generations 2 --per-device-train-batch-size 2 "
+    flags = "--model tiny-qwen3 --use-cpu --bf16 false --max-steps 40 --num-generations 2 "
+    flags += "--per-device-train-batch-size 2 "
     flags += "--max-completion-length 8 --warmup-steps 0 --save-strategy no --dataset custom "
     flags += "--question-field q --answer-field a"
     proc = subprocess.Popen(

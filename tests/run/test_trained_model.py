@@ -18,6 +18,8 @@ from training.model.load import load_model
 RUN = [
     "--model",
     "tiny-qwen3",
+    "--device",
+    "cpu",
     "--steps",
     "1",
     "--prompts-per-step",
@@ -55,7 +57,7 @@ def test_the_command_lines_checkpoint_loads_with_from_pretrained_and_benches(cli
     ckpt = cli_run / "ckpt"
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(ckpt)
-    ref, _ = load_model("tiny-qwen3")  # the architecture, its own weights
+    ref, _ = load_model("tiny-qwen3", device="cpu")  # the architecture, its own weights
     ref.load_state_dict(load_file(ckpt / "model.safetensors"))  # ... all replaced by the saved ones
     assert torch.equal(logits(model, tok), logits(ref, tok))
     cmd = [

@@ -68,7 +68,7 @@ def test_a_backtracking_pattern_stops_within_its_bound_naming_the_pattern():
     with pytest.raises(answers.PatternError, match="backtracking") as e:
         find_answer_span(text, CATASTROPHIC)
     assert time.process_time() - t < answers.PATTERN_TIMEOUT_S + 0.5 and repr(CATASTROPHIC) in str(e.value)
-    model_tok = load_model("tiny-qwen3")[1]
+    model_tok = load_model("tiny-qwen3", device="cpu")[1]
     ids = model_tok(text, add_special_tokens=False).input_ids
     for call in (
         lambda: build_batch(model_tok, [[1, 2]], [ids], answer_pattern=CATASTROPHIC),
@@ -131,6 +131,8 @@ def test_a_backtracking_pattern_is_one_line_in_eval_plot(tmp_path, capsys):
                 "plot",
                 "--model",
                 "tiny-qwen3",
+                "--device",
+                "cpu",
                 "--responses",
                 str(path),
                 "--style",
@@ -157,6 +159,9 @@ def test_a_backtracking_pattern_is_one_line_in_the_trl_plug_in(tmp_path, capsys)
             [
                 "--model",
                 "tiny-qwen3",
+                "--use-cpu",
+                "--bf16",
+                "false",
                 "--answer-pattern",
                 CATASTROPHIC,
                 "--max-steps",

@@ -121,7 +121,7 @@ def test_fewshot_prompt_with_the_smollm2_tokenizer():
 
 # ----------------------------------------------------------------------------- chat template kwargs
 def test_a_misspelt_template_keyword_is_named_with_the_one_it_resembles(tmp_path):
-    tok = load_model("tiny-qwen3")[1]
+    tok = load_model("tiny-qwen3", device="cpu")[1]
     template = tok.chat_template
     tok.chat_template = (
         "{% for m in messages %}{{ m.content }}{% endfor %}"

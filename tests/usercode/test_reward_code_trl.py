@@ -187,6 +187,9 @@ def test_a_trl_reward_file_trains_unchanged_through_the_trl_plug_in(tmp_path, ca
             [
                 "--model",
                 "tiny-qwen3",
+                "--use-cpu",
+                "--bf16",
+                "false",
                 *data_flags,
                 "--reward",
                 spec,
