@@ -82,14 +82,13 @@ def test_smoke_train_resume_exactly(tmp_path, monkeypatch):
     (tests/run/test_checkpoint_devices.py). The two first runs are DRIVER's, in this process; the resume is
     a fresh process, as after a real stop."""
     a, b = tmp_path / "a", tmp_path / "b"
-    cpu = SMOKE
     monkeypatch.setattr(
         grpo.data,
         "reward",  # DRIVER's toy reward
         lambda txt, rec: sum(c.isdigit() for c in txt) / max(1, len(txt)),
     )
-    grpo.train(parse_args([*cpu, "--steps", "3", "--out-dir", str(a)]))
-    grpo.train(parse_args([*cpu, "--steps", "2", "--out-dir", str(b)]))
+    grpo.train(parse_args([*SMOKE, "--steps", "3", "--out-dir", str(a)]))
+    grpo.train(parse_args([*SMOKE, "--steps", "2", "--out-dir", str(b)]))
     # parameters changed, a checkpoint and the rollouts were written, every metric is there
     from safetensors.torch import load_file
 

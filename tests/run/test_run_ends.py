@@ -41,8 +41,6 @@ def start(tmp_path, *flags, at=0, sleep=0.0, each=0.0):
     env["MARK"] = str(tmp_path / "mark")
     argv = [
         *TINY_RUN,
-        "--device",
-        "cpu",
         "--dataset",
         "custom",
         "--data-path",

@@ -107,8 +107,6 @@ def test_a_prompt_past_the_models_positions_is_skipped_and_counted(tmp_path, cap
     cfg = grpo.parse_args(
         [
             *TINY_RUN,
-            "--device",
-            "cpu",
             "--dataset",
             "custom",
             "--data-path",
@@ -150,7 +148,7 @@ def test_run_config_records_the_resolved_precision_and_an_old_one_resumes(tmp_pa
     """run_config.json: "precision": "auto" as asked, "precision_resolved": "fp32" as run (the CPU). A
     run_config.json written before the field (without it) resumes, and its next save records it."""
     run = tmp_path / "run"
-    grpo.train(grpo.parse_args([*TINY_RUN, "--device", "cpu", "--steps", "1", "--out-dir", str(run)]))
+    grpo.train(grpo.parse_args([*TINY_RUN, "--steps", "1", "--out-dir", str(run)]))
     saved = json.loads((run / "ckpt" / "run_config.json").read_text())
     assert saved["precision"] == "auto" and saved["precision_resolved"] == "fp32"
     del saved["precision_resolved"]  # as a run_config.json was written before

@@ -252,7 +252,10 @@ def unused(cfg, given, prog, for_gpu=False):
     grpo.Config, or flowtracer_trl.py's flags (those it lacks are not given). for_gpu: the run is judged as
     one on a GPU whatever this machine has (eval.py memory plans for one)."""
     g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
-    made = lambda name: getattr(data.TASKS.get(str(name).lower()), "generator", None) is not None  # noqa: E731
+
+    def made(name):  # the dataset's rows are generated (no file's columns)
+        return getattr(data.TASKS.get(str(name).lower()), "generator", None) is not None
+
     columns = (
         g("data_path")
         or g("eval_data_path")
